@@ -1,0 +1,27 @@
+# One entry point for the everyday jobs; .ci/run calls these same targets.
+UV ?= uv
+export UV_PYTHON_DOWNLOADS ?= never
+
+.PHONY: install lint typecheck test bench wheels-check example
+
+install:            ## the whole workspace, every extra, dev and lint tools, exactly as locked
+	$(UV) sync --frozen --all-packages --all-extras
+
+lint:               ## ruff: lint and format check
+	$(UV) run --frozen ruff check .
+	$(UV) run --frozen ruff format --check .
+
+typecheck:          ## mypy over every member's src/
+	$(UV) run --frozen mypy packages/*/src integration/src
+
+test:               ## the README's test command
+	$(UV) run --frozen pytest
+
+bench:              ## quick benchmarks of every member that has one
+	$(UV) run --frozen gyre-traj bench --quick
+
+wheels-check:       ## build every wheel and smoke-install gyre-traj alone, outside the workspace
+	bash .ci/wheels-check
+
+example:            ## what a newcomer runs first
+	$(UV) run --frozen gyre-traj inspect packages/gyre-traj/examples/branching.jsonl
