@@ -1,0 +1,300 @@
+"""Reading and writing TITO record streams: JSONL (one tagged object per line, readable) and a framed
+msgpack stream (magic header, then length-prefixed frames; token arrays as raw little-endian bytes, so
+decoding a 700k-token context is a memcpy, not 700k Python ints). Also imports the common foreign shape:
+one JSON object per turn with `prompt_ids` / `output_ids` / output logprobs.
+
+Readers validate every record and raise `RecordError` naming the file, line or frame, and the call.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import msgspec
+import numpy as np
+
+from gyre_traj.records import (
+    ID_DTYPE,
+    LOGPROB_DTYPE,
+    Call,
+    RecordError,
+    Role,
+    Score,
+    as_ids,
+)
+
+Record = Call | Score
+MAGIC = b"GYRETITO\x01"
+_EXT_IDS = 1
+_EXT_F32 = 2
+_FRAME = struct.Struct("<I")
+Format = Literal["jsonl", "msgpack", "foreign"]
+
+
+def _json_enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _mp_enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind in "iu":
+            return msgspec.msgpack.Ext(_EXT_IDS, np.ascontiguousarray(obj, ID_DTYPE).tobytes())
+        return msgspec.msgpack.Ext(_EXT_F32, np.ascontiguousarray(obj, LOGPROB_DTYPE).tobytes())
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _mp_ext_hook(code: int, data: memoryview) -> Any:
+    if code == _EXT_IDS:
+        return np.frombuffer(data, ID_DTYPE)
+    if code == _EXT_F32:
+        return np.frombuffer(data, LOGPROB_DTYPE)
+    raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+
+
+def _dec_hook(tp: type, obj: Any) -> Any:
+    if tp is np.ndarray:
+        return obj if isinstance(obj, np.ndarray) else np.asarray(obj)
+    raise NotImplementedError(f"no decoder for {tp}")  # msgspec turns this into a ValidationError
+
+
+class Codec:
+    """Encoders and decoders for records, built once and reused (one per thread that owns a stream)."""
+
+    def __init__(self) -> None:
+        self.json_enc = msgspec.json.Encoder(enc_hook=_json_enc_hook)
+        self.json_dec = msgspec.json.Decoder(Record, dec_hook=_dec_hook)
+        self.mp_enc = msgspec.msgpack.Encoder(enc_hook=_mp_enc_hook)
+        self.mp_dec = msgspec.msgpack.Decoder(Record, dec_hook=_dec_hook, ext_hook=_mp_ext_hook)
+
+    def encode_json(self, rec: Record) -> bytes:
+        return self.json_enc.encode(rec)
+
+    def encode_msgpack(self, rec: Record) -> bytes:
+        return self.mp_enc.encode(rec)
+
+    def decode_json(self, data: bytes | str) -> Record:
+        return self.json_dec.decode(data)
+
+    def decode_msgpack(self, data: bytes | memoryview) -> Record:
+        return self.mp_dec.decode(data)
+
+
+def _wrap(exc: Exception, where: str) -> RecordError:
+    return RecordError(f"{where}: {exc}")
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+class RecordWriter:
+    """Appends records to a file, JSONL or framed msgpack. `flush()` pushes to the OS; with `fsync=True`
+    each `write` also reaches the disk before it returns (the proxy's crash-safe log)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fmt: Literal["jsonl", "msgpack"] = "jsonl",
+        *,
+        fsync: bool = False,
+        append: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.fmt = fmt
+        self.fsync = fsync
+        self._codec = Codec()
+        exists = self.path.exists() and self.path.stat().st_size > 0
+        if fmt == "msgpack" and exists and append:
+            with self.path.open("rb") as fh:
+                if fh.read(len(MAGIC)) != MAGIC:
+                    raise RecordError(f"{self.path}: exists and is not a gyre msgpack record stream")
+        self._fh: IO[bytes] = self.path.open("ab" if append else "wb")
+        if fmt == "msgpack" and not (exists and append):
+            self._fh.write(MAGIC)
+
+    def write(self, rec: Record) -> None:
+        if self.fmt == "jsonl":
+            self._fh.write(self._codec.encode_json(rec) + b"\n")
+        else:
+            payload = self._codec.encode_msgpack(rec)
+            self._fh.write(_FRAME.pack(len(payload)) + payload)
+        if self.fsync:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+
+    def write_all(self, recs: Iterable[Record]) -> None:
+        for rec in recs:
+            self.write(rec)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.flush()
+            self._fh.close()
+
+    def __enter__(self) -> RecordWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_records(
+    path: str | os.PathLike[str], recs: Iterable[Record], fmt: Literal["jsonl", "msgpack"] | None = None
+) -> None:
+    """Write a whole stream (overwrites). Format from the suffix (.jsonl / .msgpack) unless given."""
+    fmt = fmt or ("msgpack" if str(path).endswith((".msgpack", ".mpk")) else "jsonl")
+    with RecordWriter(path, fmt, append=False) as w:
+        w.write_all(recs)
+
+
+def encode_msgpack_stream(recs: Iterable[Record]) -> bytes:
+    codec = Codec()
+    buf = io.BytesIO()
+    buf.write(MAGIC)
+    for rec in recs:
+        payload = codec.encode_msgpack(rec)
+        buf.write(_FRAME.pack(len(payload)))
+        buf.write(payload)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def iter_jsonl(lines: Iterable[bytes | str], name: str = "<stream>") -> Iterator[Record]:
+    codec = Codec()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield codec.decode_json(line)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
+            raise _wrap(exc, f"{name}:{lineno}") from None
+
+
+def iter_msgpack(data: bytes | memoryview, name: str = "<stream>") -> Iterator[Record]:
+    """Decode a framed msgpack stream held in memory. Arrays in the records are views into `data`."""
+    view = memoryview(data)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise RecordError(f"{name}: not a gyre msgpack record stream (bad magic)")
+    codec = Codec()
+    pos, n, frame = len(MAGIC), len(view), 0
+    while pos < n:
+        if pos + 4 > n:
+            raise RecordError(f"{name}: truncated frame header at byte {pos}")
+        (size,) = _FRAME.unpack_from(view, pos)
+        pos += 4
+        if pos + size > n:
+            raise RecordError(f"{name}: frame {frame} truncated ({n - pos} of {size} bytes)")
+        try:
+            yield codec.decode_msgpack(view[pos : pos + size])
+        except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
+            raise _wrap(exc, f"{name}: frame {frame}") from None
+        pos += size
+        frame += 1
+
+
+def sniff_format(path: str | os.PathLike[str]) -> Format:
+    with Path(path).open("rb") as fh:
+        head = fh.read(4096)
+    if head.startswith(MAGIC):
+        return "msgpack"
+    first = head.lstrip().split(b"\n", 1)[0]
+    if b'"kind"' in first:
+        return "jsonl"
+    if b'"prompt_ids"' in first or b'"output_ids"' in first:
+        return "foreign"
+    return "jsonl"
+
+
+def read_records(path: str | os.PathLike[str], fmt: Format | None = None) -> Iterator[Record]:
+    """All records of a file, in order. The format is sniffed unless given."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such record file: {path}")
+    fmt = fmt or sniff_format(path)
+    if fmt == "msgpack":
+        yield from iter_msgpack(path.read_bytes(), str(path))
+    elif fmt == "foreign":
+        with path.open("rb") as fh:
+            yield from iter_foreign(fh, str(path))
+    else:
+        with path.open("rb") as fh:
+            yield from iter_jsonl(fh, str(path))
+
+
+# ---------------------------------------------------------------------------------------------- foreign
+
+_EXEC_KEYS = ("execution_id", "session_id", "trajectory_id", "sample_id", "instance_id", "rollout_id")
+_LOGPROB_KEYS = ("output_logprobs", "output_token_logprobs", "rollout_log_probs", "logprobs")
+_VERSION_KEYS = ("weight_version", "policy_version", "model_version")
+
+
+class _ForeignTurn(msgspec.Struct):
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def _foreign_logprobs(raw: Any, n: int, where: str) -> np.ndarray:
+    if raw is None:
+        raise RecordError(f"{where}: no output logprobs (looked for {', '.join(_LOGPROB_KEYS)})")
+    # SGLang's shape is [[logprob, token_id, text], ...]; others give a flat list of floats.
+    vals = [item[0] if isinstance(item, list | tuple) else item for item in raw]
+    if len(vals) != n:
+        raise RecordError(f"{where}: {len(vals)} output logprobs for {n} output ids (must be equal)")
+    return np.asarray(vals, dtype=np.float64)
+
+
+def iter_foreign(
+    lines: Iterable[bytes | str], name: str = "<stream>", default_execution: str = "foreign"
+) -> Iterator[Call]:
+    """Turns in the common foreign shape (one JSON object per turn: `prompt_ids`, `output_ids`, and
+    output logprobs under one of several usual keys) become `Call`s with full inputs. Execution ids come
+    from the usual keys, else `default_execution`; call ids are `turn-<n>` within each execution."""
+    dec = msgspec.json.Decoder(dict[str, Any])
+    counters: dict[str, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{name}:{lineno}"
+        try:
+            obj = dec.decode(line)
+            turn = msgspec.convert(obj, _ForeignTurn)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise _wrap(exc, where) from None
+        execution = next((str(obj[k]) for k in _EXEC_KEYS if obj.get(k) is not None), default_execution)
+        index = counters.get(execution, 0)
+        counters[execution] = index + 1
+        call_id = str(obj.get("call_id", f"turn-{obj.get('turn', index)}"))
+        lp = next((obj[k] for k in _LOGPROB_KEYS if obj.get(k) is not None), None)
+        role_raw = obj.get("role", "main")
+        try:
+            role = Role(role_raw)
+        except ValueError:
+            raise RecordError(
+                f"{where}: unknown role {role_raw!r} (one of {[r.value for r in Role]})"
+            ) from None
+        version = next((int(obj[k]) for k in _VERSION_KEYS if obj.get(k) is not None), 0)
+        try:
+            yield Call(
+                execution_id=execution,
+                call_id=call_id,
+                agent_id=str(obj.get("agent_id", "main")),
+                role=role,
+                input_ids=as_ids(turn.prompt_ids),
+                output_ids=as_ids(turn.output_ids),
+                output_logprobs=_foreign_logprobs(lp, len(turn.output_ids), where),
+                weight_version=version,
+                finish_reason=str(obj.get("finish_reason", "stop")),
+            )
+        except (RecordError, ValueError) as exc:
+            raise _wrap(exc, where) from None
