@@ -68,6 +68,8 @@ class PackedBatch:
     advantages: np.ndarray
     weights: np.ndarray
     versions: np.ndarray
+    target_nodes: np.ndarray
+    """Arena index of each target in its execution's tree (with `segment[target_pos]`, names the token)."""
     executions: tuple[str, ...] = field(default=())
 
     @property
@@ -91,7 +93,7 @@ class PackedBatch:
             if getattr(self, name).shape != (t,):
                 raise PackError(f"{name} has shape {getattr(self, name).shape}, expected ({t},)")
         n_loss = self.num_loss_tokens
-        for name in ("target_pos", "old_logprobs", "advantages", "weights", "versions"):
+        for name in ("target_pos", "old_logprobs", "advantages", "weights", "versions", "target_nodes"):
             if getattr(self, name).shape != (n_loss,):
                 raise PackError(f"{name} has shape {getattr(self, name).shape}, expected ({n_loss},)")
         idx = np.arange(t)
@@ -240,7 +242,7 @@ def pack(items: Sequence[PackItem], cfg: PackConfig | None = None) -> list[Packe
 
 def _finish(b: _Builder, items: Sequence[PackItem], weights: dict[str, float]) -> PackedBatch:
     tok: dict[str, list[np.ndarray]] = {k: [] for k in ("ids", "pos", "par", "desc", "seg")}
-    loss: dict[str, list[np.ndarray]] = {k: [] for k in ("pos", "ids", "lp", "adv", "w", "ver")}
+    loss: dict[str, list[np.ndarray]] = {k: [] for k in ("pos", "ids", "lp", "adv", "w", "ver", "node")}
     executions: list[str] = []
     offset = 0
     for seg, (item, paths) in enumerate(b.per_exec.items()):
@@ -270,6 +272,7 @@ def _finish(b: _Builder, items: Sequence[PackItem], weights: dict[str, float]) -
                 loss["ids"].append(tree.ids[lnodes])
                 loss["lp"].append(tree.logprob[lnodes])
                 loss["ver"].append(tree.version[lnodes])
+                loss["node"].append(lnodes)
                 loss["adv"].append(np.full(m, items[item].advantage))
                 loss["w"].append(np.full(m, weights.get(tree.execution_id, 0.0)))
             offset += k
@@ -290,5 +293,6 @@ def _finish(b: _Builder, items: Sequence[PackItem], weights: dict[str, float]) -
         advantages=cat(loss["adv"], np.float32),
         weights=cat(loss["w"], np.float32),
         versions=cat(loss["ver"], np.int32),
+        target_nodes=cat(loss["node"], np.int64),
         executions=tuple(executions),
     )

@@ -43,7 +43,8 @@ class CallInfo:
 
 @dataclass(frozen=True, slots=True)
 class Drift:
-    """A call's context disagreed with tokens the policy had produced at that position."""
+    """A call's context disagreed with tokens the policy had produced at that position. Recorded once,
+    by the call that first diverged there; later calls that carry the same context follow its branch."""
 
     call_id: str
     position: int  # index in the call's input where it diverged
@@ -88,6 +89,7 @@ class ExecutionTree:
         self._run_starts: list[int] = []
         self._branches: dict[int, dict[int, int]] = {}
         self.calls: dict[str, CallInfo] = {}
+        self._ends: set[int] = set()
         self.order: list[str] = []
         self.stats = IngestStats()
         self.score: Score | None = None
@@ -243,15 +245,17 @@ class ExecutionTree:
                     f"{call.where}: input_delta.keep={d.keep} exceeds parent {d.parent!r} length {par.length}"
                 )
             start = self.node_at_depth(par.end, d.keep - 1)
+            cut_parent = par
             rest, base = d.append, d.keep
             st.delta_calls += 1
         else:
             assert call.input_ids is not None
             start, rest, base = ROOT, call.input_ids, 0
+            cut_parent = None
         n_in = base + rest.shape[0]
         node, i = self._descend(start, rest, 0)
         if i < rest.shape[0]:
-            self._note_drift(call, node, int(rest[i]), base + i)
+            self._note_drift(call, node, int(rest[i]), base + i, cut_parent)
             node = self._append(node, rest[i:], False, None, -1)
         in_end = node
         node, j = self._descend(in_end, out, 0)
@@ -272,12 +276,24 @@ class ExecutionTree:
             call.t_end,
         )
         self.calls[call.call_id] = info
+        self._ends.add(node)
         self.order.append(call.call_id)
         st.calls += 1
         st.call_tokens += info.length
         return info
 
-    def _note_drift(self, call: Call, node: int, got: int, position: int) -> None:
+    def _note_drift(self, call: Call, node: int, got: int, position: int, parent: CallInfo | None) -> None:
+        """Divergence at `node`: drift when the context contradicts a policy output it continues, that is
+        the cut falls inside the delta parent's output, or inside a policy span (the matched token and a
+        policy child, and no call ends at the matched token). A divergence at an output's first token with no delta parent is a branch (a
+        discarded retry looks the same), not drift."""
+        if parent is not None and parent.n_input <= position < parent.length:
+            theirs = self.node_at_depth(parent.end, position)
+            if self.policy[theirs]:
+                self.stats.drifts.append(Drift(call.call_id, position, (int(self.ids[theirs]),), got))
+                return
+        if node == ROOT or not self.policy[node] or node in self._ends:
+            return
         expected = tuple(int(self.ids[c]) for c in self.children(node) if self.policy[c])
         if expected:
             self.stats.drifts.append(Drift(call.call_id, position, expected, got))

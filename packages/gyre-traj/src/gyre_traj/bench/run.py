@@ -1,0 +1,126 @@
+"""The benchmark body (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gyre_traj import __version__
+from gyre_traj.io import encode_msgpack_stream, iter_msgpack
+from gyre_traj.pack import PackConfig, PackItem, pack
+from gyre_traj.select import SelectionConfig, select
+from gyre_traj.synth import SynthConfig, synth_execution
+from gyre_traj.tree import ExecutionTree
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def _ingest(stream: bytes) -> ExecutionTree:
+    tree = ExecutionTree("bench")
+    for rec in iter_msgpack(stream):
+        tree.add(rec)  # type: ignore[arg-type]
+    return tree
+
+
+def _copy_time(nbytes: int, repeats: int) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    t, _ = _median_time(lambda: np.copyto(dst, src), repeats)
+    return t
+
+
+def _progress(msg: str) -> None:
+    print(f"[gyre-traj bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(quick: bool = False, out: str | None = None) -> int:
+    cfg = SynthConfig(main_calls=150, max_context=100_000, seed=1) if quick else SynthConfig(seed=1)
+    repeats = 3
+    _progress(
+        f"generating a synthetic execution: {cfg.main_calls} main calls, context up to "
+        f"{cfg.max_context:,} tokens, {cfg.compactions} compactions, {cfg.subagents} sub-agents"
+    )
+    delta_calls = synth_execution(cfg, "bench")
+    full_calls = synth_execution(SynthConfig(**{**cfg.__dict__, "delta": False}), "bench")
+    delta_stream = encode_msgpack_stream(delta_calls)
+    full_stream = encode_msgpack_stream(full_calls)
+    del full_calls
+    _progress(
+        f"{len(delta_calls)} calls; full records {len(full_stream) / 2**20:,.1f} MiB, "
+        f"delta records {len(delta_stream) / 2**20:,.1f} MiB"
+    )
+
+    _progress("ingesting full records")
+    full_s, tree_full = _ingest_timed(full_stream, repeats)
+    full_copy_s = _copy_time(len(full_stream), repeats)
+    _progress("ingesting delta records")
+    delta_s, tree = _ingest_timed(delta_stream, repeats)
+    delta_copy_s = _copy_time(len(delta_stream), repeats)
+    if tree.n != tree_full.n or not np.array_equal(tree.ids[: tree.n], tree_full.ids[: tree_full.n]):
+        raise AssertionError("full and delta records built different trees")
+    del tree_full, full_stream
+
+    _progress("selecting and packing")
+    sel5 = select(tree, SelectionConfig(j_max=5))
+    sel_all = select(tree, SelectionConfig(j_max=None))
+    budget = 1 << 22
+    pack_s, tree_batches = _median_time(
+        lambda: pack([PackItem(tree, sel5, 1.0)], PackConfig(token_budget=budget, mode="tree")), repeats
+    )
+    path_batches = pack([PackItem(tree, sel5, 1.0)], PackConfig(token_budget=budget, mode="paths"))
+    tree_tokens = sum(b.num_tokens for b in tree_batches)
+    path_tokens = sum(b.num_tokens for b in path_batches)
+    call_tokens = tree.stats.call_tokens
+    result = {
+        "bench": "gyre-traj",
+        "version": __version__,
+        "quick": quick,
+        "python": platform.python_version(),
+        "calls": tree.stats.calls,
+        "max_context": cfg.max_context,
+        "unique_tokens": tree.n,
+        "call_expanded_tokens": call_tokens,
+        "dedup_ratio": round(call_tokens / tree.n, 2),
+        "full_ingest_s": round(full_s, 4),
+        "delta_ingest_s": round(delta_s, 4),
+        "copy_s": round(full_copy_s, 4),
+        "delta_copy_s": round(delta_copy_s, 4),
+        "full_over_copy": round(full_s / full_copy_s, 2),
+        "delta_over_copy": round(delta_s / delta_copy_s, 2),
+        "full_tokens_per_s": round(call_tokens / full_s),
+        "delta_tokens_per_s": round(call_tokens / delta_s),
+        "leaves": len(tree.leaves()),
+        "selected_j5_leaves": len(sel5.leaves),
+        "loss_tokens_j5": int(sel5.loss_nodes.shape[0]),
+        "loss_tokens_all": int(sel_all.loss_nodes.shape[0]),
+        "tree_packed_tokens_j5": tree_tokens,
+        "path_expanded_tokens_j5": path_tokens,
+        "tree_over_path_tokens_j5": round(tree_tokens / max(1, path_tokens), 4),
+        "pack_tree_s": round(pack_s, 4),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    line = json.dumps(result)
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(line)
+    return 0
+
+
+def _ingest_timed(stream: bytes, repeats: int) -> tuple[float, ExecutionTree]:
+    return _median_time(lambda: _ingest(stream), repeats)

@@ -1,0 +1,165 @@
+"""Policy-gradient loss over packed batches (needs the `torch` extra: `pip install 'gyre-traj[torch]'`).
+
+`target_logprobs` runs a transformers causal LM over a `PackedBatch` (tree position ids plus an
+ancestor-only mask: dense boolean for "sdpa"/"eager", a FlexAttention `BlockMask` for "flex_attention")
+and returns the log-probability of every loss target under the current policy, computing the vocabulary
+projection only at the positions that predict a target. `policy_loss` turns those into the token-level
+PPO-clipped (or truncated-importance-sampling) loss, weighted so the batch loss is a token mean per
+execution, then a mean over executions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from gyre_traj.pack import PackedBatch
+
+if TYPE_CHECKING:
+    import torch
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised in the no-torch wheel check
+    raise ImportError(
+        "gyre_traj.loss needs PyTorch: install the extra with `pip install 'gyre-traj[torch]'`"
+    ) from exc
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    mode: Literal["ppo", "tis"] = "ppo"
+    """"ppo": clipped importance ratio to the behaviour policy. "tis": policy gradient weighted by the
+    truncated importance ratio min(pi/mu, tis_cap), no clipping."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """PPO clip range [1 - clip_low, 1 + clip_high] (a larger clip_high is the "clip-higher" variant)."""
+    tis_cap: float = 2.0
+    temperature: float = 1.0
+    """Sampling temperature of the behaviour policy: logits are divided by it so the ratio compares
+    the distributions that were actually sampled from."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ppo", "tis"):
+            raise ValueError(f"mode must be 'ppo' or 'tis', got {self.mode!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
+class TorchBatch:
+    """A PackedBatch's arrays as tensors on one device."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    last_desc: torch.Tensor
+    target_pos: torch.Tensor
+    target_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    versions: torch.Tensor
+
+    @staticmethod
+    def from_packed(b: PackedBatch, device: torch.device | str = "cpu") -> TorchBatch:
+        b.validate()
+
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+        return TorchBatch(
+            input_ids=t(b.input_ids, torch.long),
+            position_ids=t(b.position_ids, torch.long),
+            last_desc=t(b.last_desc, torch.long),
+            target_pos=t(b.target_pos, torch.long),
+            target_ids=t(b.target_ids, torch.long),
+            old_logprobs=t(b.old_logprobs, torch.float32),
+            advantages=t(b.advantages, torch.float32),
+            weights=t(b.weights, torch.float32),
+            versions=t(b.versions, torch.long),
+        )
+
+
+def dense_mask(tb: TorchBatch) -> torch.Tensor:
+    """[1, 1, T, T] boolean, True where a query may attend a key (the key is an ancestor-or-self)."""
+    n = tb.input_ids.shape[0]
+    idx = torch.arange(n, device=tb.input_ids.device)
+    q, kv = idx[:, None], idx[None, :]
+    return ((kv <= q) & (q <= tb.last_desc[None, :]))[None, None]
+
+
+def flex_block_mask(tb: TorchBatch) -> Any:
+    """A FlexAttention BlockMask for the ancestor-only structure (use with attn "flex_attention")."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    last_desc = tb.last_desc
+    n = tb.input_ids.shape[0]
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx <= q_idx) & (q_idx <= last_desc[kv_idx])
+
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=str(tb.input_ids.device))
+
+
+def target_logprobs(
+    model: Any,
+    tb: TorchBatch,
+    *,
+    attention: Literal["dense", "flex"] = "dense",
+    temperature: float = 1.0,
+    chunk: int = 2048,
+) -> torch.Tensor:
+    """Log-probabilities [L] of the batch's loss targets under `model` (a transformers causal LM)."""
+    mask = dense_mask(tb) if attention == "dense" else flex_block_mask(tb)
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    out = backbone(
+        input_ids=tb.input_ids[None], attention_mask=mask, position_ids=tb.position_ids[None], use_cache=False
+    )
+    hidden = out.last_hidden_state[0]
+    head = model.get_output_embeddings()
+    h = hidden.index_select(0, tb.target_pos)
+    parts = []
+    for lo in range(0, h.shape[0], chunk):
+        logits = head(h[lo : lo + chunk]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lp = torch.log_softmax(logits, dim=-1)
+        parts.append(lp.gather(1, tb.target_ids[lo : lo + chunk, None])[:, 0])
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor, tb: TorchBatch, cfg: LossConfig | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted token-level policy loss and its metrics. Summing this over the micro-batches of a
+    mini-batch gives the mini-batch loss (weights already include the per-execution normalization)."""
+    cfg = cfg or LossConfig()
+    if new_logprobs.shape != tb.old_logprobs.shape:
+        raise ValueError(f"{tuple(new_logprobs.shape)} logprobs for {tuple(tb.old_logprobs.shape)} targets")
+    log_ratio = new_logprobs - tb.old_logprobs
+    ratio = torch.exp(log_ratio)
+    adv = tb.advantages
+    if cfg.mode == "ppo":
+        clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        clip_frac = ((ratio * adv) > (clipped * adv)).float()
+    else:
+        is_w = torch.clamp(ratio.detach(), max=cfg.tis_cap)
+        per_token = -is_w * adv * new_logprobs
+        clip_frac = (ratio.detach() > cfg.tis_cap).float()
+    loss = (per_token * tb.weights).sum()
+    with torch.no_grad():
+        w = tb.weights
+        wsum = float(w.sum()) or 1.0
+        metrics = {
+            "loss": float(loss),
+            "tokens": float(new_logprobs.shape[0]),
+            "ratio_mean": float((ratio * w).sum()) / wsum,
+            "clip_frac": float((clip_frac * w).sum()) / wsum,
+            "approx_kl": float((0.5 * log_ratio.pow(2) * w).sum()) / wsum,
+        }
+    return loss, metrics

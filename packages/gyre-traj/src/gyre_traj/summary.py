@@ -1,0 +1,84 @@
+"""Per-execution summaries of a trajectory tree: token counts, de-duplication, branches by role, drift
+and the selected trajectories. What `gyre-traj inspect` prints, as plain records."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from gyre_traj.select import Selection, SelectionConfig, select
+from gyre_traj.tree import ExecutionTree
+
+
+@dataclass(frozen=True)
+class TrajectoryLine:
+    call_id: str
+    role: str
+    tokens: int
+    policy_tokens: int
+
+
+@dataclass(frozen=True)
+class ExecutionSummary:
+    execution_id: str
+    calls: int
+    delta_calls: int
+    unique_tokens: int
+    call_tokens: int
+    """Sum of every call's input + output (the cost of storing or training calls separately)."""
+    path_tokens: int
+    """Sum of the lengths of every root-to-leaf path (the cost of path-by-path training)."""
+    policy_tokens: int
+    leaves_by_role: dict[str, int]
+    drifts: int
+    selected: tuple[TrajectoryLine, ...]
+    selected_unique_tokens: int
+    selected_path_tokens: int
+    loss_tokens: int
+    dropped_policy_tokens: int
+    score: float | None
+    score_status: str
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.call_tokens / max(1, self.unique_tokens)
+
+    def as_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["dedup_ratio"] = self.dedup_ratio
+        return d
+
+
+def summarize(
+    tree: ExecutionTree, cfg: SelectionConfig | None = None, selection: Selection | None = None
+) -> ExecutionSummary:
+    sel = selection or select(tree, cfg)
+    leaves = tree.leaves()
+    lines = tuple(
+        TrajectoryLine(
+            leaf.call_id,
+            leaf.role.value,
+            int(tree.depth[leaf.end]) + 1,
+            sum(int(tree.policy[lo:hi].sum()) for lo, hi in tree.path_slices(leaf.end)),
+        )
+        for leaf in sel.leaves
+    )
+    score = tree.score
+    return ExecutionSummary(
+        execution_id=tree.execution_id,
+        calls=tree.stats.calls,
+        delta_calls=tree.stats.delta_calls,
+        unique_tokens=tree.n,
+        call_tokens=tree.stats.call_tokens,
+        path_tokens=sum(int(tree.depth[leaf.end]) + 1 for leaf in leaves),
+        policy_tokens=tree.policy_tokens,
+        leaves_by_role=dict(Counter(leaf.role.value for leaf in leaves)),
+        drifts=len(tree.stats.drifts),
+        selected=lines,
+        selected_unique_tokens=int(sel.nodes.shape[0]),
+        selected_path_tokens=sum(t.tokens for t in lines),
+        loss_tokens=int(sel.loss_nodes.shape[0]),
+        dropped_policy_tokens=sel.dropped_policy_tokens,
+        score=None if score is None else score.value,
+        score_status="unscored" if score is None else score.status.value,
+    )
