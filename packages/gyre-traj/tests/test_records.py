@@ -129,7 +129,7 @@ def test_unknown_role_and_field_rejected(tmp_path: Path) -> None:
         '{"kind":"call","execution_id":"e","call_id":"x","agent_id":"a","role":"boss",'
         '"input_ids":[1],"output_ids":[],"output_logprobs":[],"weight_version":0}\n'
     )
-    with pytest.raises(RecordError, match="bad.jsonl:1"):
+    with pytest.raises(RecordError, match=r"bad\.jsonl:1"):
         list(read_records(path))
 
 

@@ -156,7 +156,7 @@ def policy_loss(
         w = tb.weights
         wsum = float(w.sum()) or 1.0
         metrics = {
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             "tokens": float(new_logprobs.shape[0]),
             "ratio_mean": float((ratio * w).sum()) / wsum,
             "clip_frac": float((clip_frac * w).sum()) / wsum,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -277,7 +277,7 @@ def _finish(b: _Builder, items: Sequence[PackItem], weights: dict[str, float]) -
                 loss["w"].append(np.full(m, weights.get(tree.execution_id, 0.0)))
             offset += k
 
-    def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    def cat(parts: list[np.ndarray], dtype: np.dtype[Any] | type) -> np.ndarray:
         return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
 
     return PackedBatch(

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gyre_traj.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "branching.jsonl"
+
+
+def test_inspect_example(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(EXAMPLE)]) == 0
+    out = capsys.readouterr()
+    assert "execution query-0-e0" in out.out and "dedup ratio" in out.out
+    assert "4 executions" in out.out and "4 drift events" in out.out
+    assert "drift: execution" in out.err
+
+
+def test_inspect_json_and_j_max(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(EXAMPLE), "--json", "--j-max", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 4
+    for r in rows:
+        assert len(r["selected"]) == 2 and r["dedup_ratio"] > 1
+        assert [t["role"] for t in r["selected"]] == ["main", "main"]
+        assert r["unique_tokens"] < r["call_tokens"]
+
+
+def test_pack_writes_microbatches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "packed"
+    assert main(["pack", str(EXAMPLE), "--out", str(out), "--budget", "3000"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["executions"] == 3 and manifest["eval_failed"] == 1  # one evaluation failure left out
+    total_w = 0.0
+    for mb in manifest["micro_batches"]:
+        data = np.load(out / mb["file"])
+        assert data["input_ids"].shape == data["position_ids"].shape == data["last_desc"].shape
+        assert data["input_ids"].shape[0] == mb["tokens"] <= 3000
+        total_w += float(data["weights"].sum())
+    assert total_w == pytest.approx(1.0, abs=1e-5)  # token mean per execution, then mean over executions
+    assert "left out: 1 evaluation failures" in capsys.readouterr().out
+
+
+def test_bad_file_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"kind":"call","execution_id":"e","call_id":"c1","agent_id":"a","role":"main",'
+        '"input_delta":{"parent":"c0","keep":1,"append":[]},"output_ids":[],'
+        '"output_logprobs":[],"weight_version":0}\n'
+    )
+    assert main(["inspect", str(bad)]) == 2
+    assert "unknown parent call 'c0'" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_pack_without_scores_explains(tmp_path: Path) -> None:
+    lines = [x for x in EXAMPLE.read_text().splitlines() if '"kind":"score"' not in x]
+    f = tmp_path / "unscored.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match="4 unscored"):
+        main(["pack", str(f), "--out", str(tmp_path / "o")])
+    assert main(["pack", str(f), "--out", str(tmp_path / "o"), "--unscored", "zero"]) == 0
+
+
+@pytest.mark.slow
+def test_bench_quick_prints_json_last() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_traj.cli", "bench", "--quick"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("dedup_ratio", "delta_ingest_s", "full_ingest_s", "copy_s", "peak_rss_mb"):
+        assert key in result
+    assert result["dedup_ratio"] > 1 and result["tree_packed_tokens_j5"] < result["path_expanded_tokens_j5"]
