@@ -35,8 +35,15 @@ def _decision_ms(n_cells: int, unfinished: int, rounds: int, predictive: bool) -
     counts = tuple([unfinished // 64] * 63 + [unfinished - 63 * (unfinished // 64)])
     out = []
     for r in range(rounds):
-        obs = Observation(now=float(r), unfinished=unfinished, trainable=r % 40, batch_groups=128,
-                          step_open=bool(r % 2), ages=ages, age_counts=counts)
+        obs = Observation(
+            now=float(r),
+            unfinished=unfinished,
+            trainable=r % 40,
+            batch_groups=128,
+            step_open=bool(r % 2),
+            ages=ages,
+            age_counts=counts,
+        )
         t0 = time.perf_counter()
         pol.decide(obs, table)
         out.append((time.perf_counter() - t0) * 1000.0)

@@ -19,7 +19,6 @@ from gyre_sched.protocol import (
     Hello,
     PeerKind,
     Reject,
-    Role,
     SwitchCommand,
     SwitchDone,
     Welcome,
@@ -55,7 +54,17 @@ def run_cell(cfg: CellConfig) -> int:
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.connect(cfg.connect)
     try:
-        sock.send(codec.encode(Hello(PeerKind.CELL, cell_id=cfg.cell_id, is_core=cfg.is_core, capacity=cfg.capacity, endpoint=cfg.endpoint)))
+        sock.send(
+            codec.encode(
+                Hello(
+                    PeerKind.CELL,
+                    cell_id=cfg.cell_id,
+                    is_core=cfg.is_core,
+                    capacity=cfg.capacity,
+                    endpoint=cfg.endpoint,
+                )
+            )
+        )
         if not sock.poll(int(cfg.hello_timeout_s * 1000)):
             raise SchedulerGone(f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s")
         reply = codec.decode(sock.recv())

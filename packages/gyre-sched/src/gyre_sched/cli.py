@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -19,7 +20,10 @@ def _serve(a: argparse.Namespace) -> int:
     from gyre_sched.sim import make_policy
     from gyre_sched.workload import AsyncConfig, Workload
 
-    w = Workload(async_=AsyncConfig(train_cells=a.async_train_cells), elastic=WaterLevelConfig(hold_s=a.hold_s, ready_fraction=a.ready_fraction))
+    w = Workload(
+        async_=AsyncConfig(train_cells=a.async_train_cells),
+        elastic=WaterLevelConfig(hold_s=a.hold_s, ready_fraction=a.ready_fraction),
+    )
     w = replace(w, run=replace(w.run, cells=max(2, a.async_train_cells + 1), timeout_h=a.timeout_h))
     policy = make_policy(a.policy, w)
     n_sw = a.max_concurrent_switches or (1000 if a.policy in ("colocate", "async") else 1)
@@ -34,17 +38,24 @@ def _serve(a: argparse.Namespace) -> int:
     sched = Scheduler(policy, cfg, allow_remote=a.allow_remote)
     signal.signal(signal.SIGTERM, lambda *_: sched.stop())
     print(f"gyre-sched listening on {sched.endpoint} (policy {policy.name})", flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         sched.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
 def _cell(a: argparse.Namespace) -> int:
     from gyre_sched.cellproc import CellConfig, SchedulerGone, run_cell
 
-    cfg = CellConfig(a.connect, a.id, a.core, a.capacity, a.endpoint, a.switch_s, run_s=a.run_s, peer_timeout_s=a.peer_timeout_s)
+    cfg = CellConfig(
+        a.connect,
+        a.id,
+        a.core,
+        a.capacity,
+        a.endpoint,
+        a.switch_s,
+        run_s=a.run_s,
+        peer_timeout_s=a.peer_timeout_s,
+    )
     try:
         return run_cell(cfg)
     except SchedulerGone as exc:
@@ -69,14 +80,20 @@ def _simulate(a: argparse.Namespace) -> int:
         w = replace(w, run=replace(w.run, seed=a.seed))
     if a.steps is not None:
         w = replace(w, run=replace(w.run, steps=a.steps))
-    streaming = [w.driver.streaming] if a.streaming == "config" else {"on": [True], "off": [False], "both": [True, False]}[a.streaming]
+    streaming = (
+        [w.driver.streaming]
+        if a.streaming == "config"
+        else {"on": [True], "off": [False], "both": [True, False]}[a.streaming]
+    )
     if a.policy == "compare":
         results, summary = compare(w, streaming=streaming, predictive=True)
     else:
         results = [run_one(w, a.policy, streaming=s) for s in streaming]
         summary = {}
     rows = [r.summary() for r in results]
-    print(f"workload {w.name}: {w.run.steps} steps, {w.run.cells} cells, {w.batch.queries}x{w.batch.group_size} executions/step")
+    print(
+        f"workload {w.name}: {w.run.steps} steps, {w.run.cells} cells, {w.batch.queries}x{w.batch.group_size} executions/step"
+    )
     print("policy      str.  hours    idle  rollout training stale  max  switch timeout extraTO")
     for r in rows:
         print(_fmt(r))
@@ -88,7 +105,12 @@ def _simulate(a: argparse.Namespace) -> int:
                 for d in res.decisions:
                     import msgspec
 
-                    f.write(json.dumps({"policy": res.policy, "streaming": res.streaming, **msgspec.to_builtins(d)}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {"policy": res.policy, "streaming": res.streaming, **msgspec.to_builtins(d)}
+                        )
+                        + "\n"
+                    )
     if a.plot:
         from gyre_sched.plot import PlotUnavailable, timeline_png
 
@@ -111,7 +133,9 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gyre-sched", description="Elastic rollout/training scheduler and its simulator.")
+    p = argparse.ArgumentParser(
+        prog="gyre-sched", description="Elastic rollout/training scheduler and its simulator."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run the scheduler service on a ZeroMQ socket")
@@ -121,12 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--async-train-cells", type=int, default=1)
     s.add_argument("--ready-fraction", type=float, default=0.25)
     s.add_argument("--hold-s", type=float, default=120.0)
-    s.add_argument("--timeout-h", type=float, default=6.0, help="executions' hard timeout (predictive policy)")
+    s.add_argument(
+        "--timeout-h", type=float, default=6.0, help="executions' hard timeout (predictive policy)"
+    )
     s.add_argument("--heartbeat-s", type=float, default=1.0)
     s.add_argument("--failure-timeout-s", type=float, default=5.0)
     s.add_argument("--switch-timeout-s", type=float, default=120.0)
     s.add_argument("--drain-timeout-s", type=float, default=30.0)
-    s.add_argument("--max-concurrent-switches", type=int, default=0, help="0: 1 for elastic, all for the baselines")
+    s.add_argument(
+        "--max-concurrent-switches", type=int, default=0, help="0: 1 for elastic, all for the baselines"
+    )
     s.set_defaults(fn=_serve)
 
     c = sub.add_parser("cell", help="run a lightweight protocol-only cell (no engine, no trainer)")
@@ -142,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("simulate", help="simulate a whole RL run")
     m.add_argument("config", help="workload .toml/.json, or a preset name (2p4t)")
-    m.add_argument("--policy", default="compare", choices=["elastic", "predictive", "colocate", "async", "compare"])
+    m.add_argument(
+        "--policy", default="compare", choices=["elastic", "predictive", "colocate", "async", "compare"]
+    )
     m.add_argument("--streaming", default="config", choices=["config", "on", "off", "both"])
     m.add_argument("--seed", type=int)
     m.add_argument("--steps", type=int)
@@ -157,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
     a = build_parser().parse_args(argv)
     try:
         rc: int = a.fn(a)

@@ -46,7 +46,11 @@ def timeline_png(results: list[SimResult], path: str | Path, cells: int) -> Path
     horizon = max(r.end_to_end_h for r in results)
     for ax, res in zip(axes[:, 0], results, strict=True):
         for seg in res.timeline:
-            alpha = 0.15 + 0.85 * max(0.0, min(1.0, seg.busy)) if seg.role in (Role.ROLLOUT, Role.TRAINING) else 0.9
+            alpha = (
+                0.15 + 0.85 * max(0.0, min(1.0, seg.busy))
+                if seg.role in (Role.ROLLOUT, Role.TRAINING)
+                else 0.9
+            )
             ax.broken_barh(
                 [(seg.start_s / 3600.0, (seg.end_s - seg.start_s) / 3600.0)],
                 (seg.cell_id - 0.4, 0.8),

@@ -121,7 +121,13 @@ class WaterLevelPolicy:
         if obs.trainable == 0 and sats:
             s = sats[0]
             return back(s.cell_id, "no ready groups left to claim", s.capacity)
-        if core_training and core is not None and not sats and not obs.step_open and obs.trainable < threshold:
+        if (
+            core_training
+            and core is not None
+            and not sats
+            and not obs.step_open
+            and obs.trainable < threshold
+        ):
             return back(core.cell_id, "step done, next batch not ready", core.capacity)
         # 3. Move one rollout cell to training: (a) and (b).
         if held < cfg.hold_s or obs.trainable < threshold:
@@ -131,10 +137,10 @@ class WaterLevelPolicy:
         if core.role is Role.ROLLOUT:
             cand = core
         elif core_training:
-            idle = [c for c in cells.cells.values() if c.role is Role.ROLLOUT and not c.is_core]
-            if not idle:
+            free = [c for c in cells.cells.values() if c.role is Role.ROLLOUT and not c.is_core]
+            if not free:
                 return []
-            cand = min(idle, key=lambda c: c.cell_id)
+            cand = min(free, key=lambda c: c.cell_id)
         else:
             return []  # the core is mid-switch; satellites wait for it
         after = cap - cand.capacity
@@ -190,7 +196,9 @@ class ColocatePolicy:
         elif training and not rollout and not obs.updating and obs.trainable == 0:
             why = _why(obs, cells, sum(c.capacity for c in cells.cells.values()), 0.0)
             for c in training:
-                out.append(Decision(obs.now, c.cell_id, Action.TO_ROLLOUT, "step applied: whole pool rolls out", why))
+                out.append(
+                    Decision(obs.now, c.cell_id, Action.TO_ROLLOUT, "step applied: whole pool rolls out", why)
+                )
         return out
 
 

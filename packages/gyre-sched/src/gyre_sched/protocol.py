@@ -69,7 +69,7 @@ class Decision(msgspec.Struct, frozen=True, omit_defaults=True):
 # ---- handshake -------------------------------------------------------------------------------------
 
 
-class Hello(msgspec.Struct, tag="hello", **_S):  # type: ignore[call-arg]
+class Hello(msgspec.Struct, tag="hello", **_S):
     """First message of every peer. Cells give their id, whether they are the core, and capacity."""
 
     kind: PeerKind
@@ -80,7 +80,7 @@ class Hello(msgspec.Struct, tag="hello", **_S):  # type: ignore[call-arg]
     endpoint: str = ""  # the cell's engine URL, handed to the proxy on EngineAdd
 
 
-class Welcome(msgspec.Struct, tag="welcome", **_S):  # type: ignore[call-arg]
+class Welcome(msgspec.Struct, tag="welcome", **_S):
     """Reply to Hello. A cell starts in `role` (ROLLOUT unless the policy has a fixed split)."""
 
     protocol: int = PROTOCOL_VERSION
@@ -88,7 +88,7 @@ class Welcome(msgspec.Struct, tag="welcome", **_S):  # type: ignore[call-arg]
     heartbeat_s: float = 1.0  # peers send a Heartbeat (or any message) at least this often
 
 
-class Reject(msgspec.Struct, tag="reject", **_S):  # type: ignore[call-arg]
+class Reject(msgspec.Struct, tag="reject", **_S):
     """The scheduler refuses a message (bad version, unknown cell, illegal state); nothing changed."""
 
     reason: str
@@ -97,13 +97,13 @@ class Reject(msgspec.Struct, tag="reject", **_S):  # type: ignore[call-arg]
 # ---- reports into the scheduler --------------------------------------------------------------------
 
 
-class Heartbeat(msgspec.Struct, tag="hb", **_S):  # type: ignore[call-arg]
+class Heartbeat(msgspec.Struct, tag="hb", **_S):
     cell_id: int = -1
     role: Role = Role.ROLLOUT
     utilization: float = 0.0
 
 
-class WaterLevel(msgspec.Struct, tag="water", **_S):  # type: ignore[call-arg]
+class WaterLevel(msgspec.Struct, tag="water", **_S):
     """From the rollout driver: unfinished executions, their ages, and durations that just ended."""
 
     unfinished: int
@@ -114,7 +114,7 @@ class WaterLevel(msgspec.Struct, tag="water", **_S):  # type: ignore[call-arg]
     paused: int = 0
 
 
-class ReadyGroups(msgspec.Struct, tag="ready", **_S):  # type: ignore[call-arg]
+class ReadyGroups(msgspec.Struct, tag="ready", **_S):
     """From the trajectory service: groups ready for the step in progress, and that step's state."""
 
     ready: int
@@ -124,7 +124,7 @@ class ReadyGroups(msgspec.Struct, tag="ready", **_S):  # type: ignore[call-arg]
     mean_staleness: float = 0.0
 
 
-class SwitchDone(msgspec.Struct, tag="switched", **_S):  # type: ignore[call-arg]
+class SwitchDone(msgspec.Struct, tag="switched", **_S):
     """From a cell: it finished the switch `decision` and now holds `role`."""
 
     cell_id: int
@@ -132,20 +132,20 @@ class SwitchDone(msgspec.Struct, tag="switched", **_S):  # type: ignore[call-arg
     decision: int
 
 
-class EngineDrained(msgspec.Struct, tag="drained", **_S):  # type: ignore[call-arg]
+class EngineDrained(msgspec.Struct, tag="drained", **_S):
     """From the proxy: the engine of `cell_id` has no in-flight request left (moved or finished)."""
 
     cell_id: int
 
 
-class GetState(msgspec.Struct, tag="get_state", **_S):  # type: ignore[call-arg]
+class GetState(msgspec.Struct, tag="get_state", **_S):
     pass
 
 
 # ---- commands out of the scheduler -----------------------------------------------------------------
 
 
-class SwitchCommand(msgspec.Struct, tag="switch", **_S):  # type: ignore[call-arg]
+class SwitchCommand(msgspec.Struct, tag="switch", **_S):
     """To a cell: move to `role` (TRAINING or ROLLOUT); reply SwitchDone with the same `decision`."""
 
     decision: int
@@ -153,28 +153,28 @@ class SwitchCommand(msgspec.Struct, tag="switch", **_S):  # type: ignore[call-ar
     is_core: bool = False
 
 
-class EngineAdd(msgspec.Struct, tag="engine_add", **_S):  # type: ignore[call-arg]
+class EngineAdd(msgspec.Struct, tag="engine_add", **_S):
     """To the proxy: route new requests to this cell's engine."""
 
     cell_id: int
     endpoint: str
 
 
-class EngineDrain(msgspec.Struct, tag="engine_drain", **_S):  # type: ignore[call-arg]
+class EngineDrain(msgspec.Struct, tag="engine_drain", **_S):
     """To the proxy: send no new request to this engine; move or retry its in-flight calls; then reply
     EngineDrained. The scheduler proceeds after `drain_timeout_s` even without the reply."""
 
     cell_id: int
 
 
-class EngineRemove(msgspec.Struct, tag="engine_remove", **_S):  # type: ignore[call-arg]
+class EngineRemove(msgspec.Struct, tag="engine_remove", **_S):
     """To the proxy: the engine is gone (switched or failed); retry anything still routed to it."""
 
     cell_id: int
     failed: bool = False
 
 
-class CellLost(msgspec.Struct, tag="cell_lost", **_S):  # type: ignore[call-arg]
+class CellLost(msgspec.Struct, tag="cell_lost", **_S):
     """To the core cell: a training satellite failed; put its claimed micro-batches back in the queue."""
 
     cell_id: int
@@ -188,7 +188,7 @@ class CellView(msgspec.Struct, frozen=True):
     since: float
 
 
-class State(msgspec.Struct, tag="state", **_S):  # type: ignore[call-arg]
+class State(msgspec.Struct, tag="state", **_S):
     """Reply to GetState: every cell, the last observation's water level, and the decision log."""
 
     cells: tuple[CellView, ...]

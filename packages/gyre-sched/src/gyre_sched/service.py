@@ -193,7 +193,11 @@ class Scheduler:
                 continue
             pend = self._pending.get(cid)
             if pend is not None and pend.draining and now >= pend.deadline:
-                log.info("cell %d: no EngineDrained within %.1fs; switching anyway", cid, self.config.drain_timeout_s)
+                log.info(
+                    "cell %d: no EngineDrained within %.1fs; switching anyway",
+                    cid,
+                    self.config.drain_timeout_s,
+                )
                 self._drained(cid)
             elif pend is not None and not pend.draining and now >= pend.deadline:
                 self._fail(cid, f"switch {pend.decision} not confirmed in {self.config.switch_timeout_s}s")
@@ -214,9 +218,18 @@ class Scheduler:
         self._next_decision += 1
         self.decisions.append(d)
         del self.decisions[: -self.config.keep_decisions]
-        log.info("decision %d: cell %d %s (%s) %s", did, d.cell_id, d.action.name, d.rule, msgspec.json.encode(d.why).decode())
+        log.info(
+            "decision %d: cell %d %s (%s) %s",
+            did,
+            d.cell_id,
+            d.action.name,
+            d.rule,
+            msgspec.json.encode(d.why).decode(),
+        )
         if d.action is Action.TO_TRAINING:
-            self._pending[d.cell_id] = _Pending(did, Role.TRAINING, now + self.config.drain_timeout_s, draining=True)
+            self._pending[d.cell_id] = _Pending(
+                did, Role.TRAINING, now + self.config.drain_timeout_s, draining=True
+            )
             if self._proxy is None:
                 self._drained(d.cell_id)
             else:
@@ -276,7 +289,9 @@ class Scheduler:
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, WaterLevel):
-            if len(msg.elapsed_s) != len(msg.elapsed_count) or len(msg.finished_s) != len(msg.finished_timeout):
+            if len(msg.elapsed_s) != len(msg.elapsed_count) or len(msg.finished_s) != len(
+                msg.finished_timeout
+            ):
                 self._send(ident, Reject("WaterLevel: paired fields differ in length"))
                 return
             self._water = msg
@@ -302,7 +317,10 @@ class Scheduler:
 
     def _hello(self, ident: bytes, msg: Hello) -> None:
         if msg.protocol != PROTOCOL_VERSION:
-            self._send(ident, Reject(f"protocol {msg.protocol} unsupported; this scheduler speaks {PROTOCOL_VERSION}"))
+            self._send(
+                ident,
+                Reject(f"protocol {msg.protocol} unsupported; this scheduler speaks {PROTOCOL_VERSION}"),
+            )
             return
         peer = _Peer(ident, msg.kind, msg.cell_id, msg.endpoint, self.now())
         if msg.kind is PeerKind.CELL:
@@ -339,7 +357,11 @@ class Scheduler:
     def _finish(self, cid: int, pend: _Pending) -> None:
         core = self.table.core
         cell = self.table.cells[cid]
-        if pend.target is Role.TRAINING and not cell.is_core and (core is None or core.role is not Role.TRAINING):
+        if (
+            pend.target is Role.TRAINING
+            and not cell.is_core
+            and (core is None or core.role is not Role.TRAINING)
+        ):
             pend.arrived = True
             return
         self.table.transition(cid, pend.target, self.now())

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gyre_sched.cells import CellTable, TableConfig
-from gyre_sched.policy import AsyncPolicy, ColocatePolicy, Observation, Policy, PredictivePolicy, WaterLevelPolicy
+from gyre_sched.policy import (
+    AsyncPolicy,
+    ColocatePolicy,
+    Observation,
+    Policy,
+    PredictivePolicy,
+    WaterLevelPolicy,
+)
 from gyre_sched.predict import DurationModel
 from gyre_sched.protocol import Action, Decision, Role
 from gyre_sched.workload import Workload, sample_durations
@@ -61,7 +68,9 @@ def make_policy(name: str, w: Workload) -> Policy:
     if name == "elastic":
         return WaterLevelPolicy(config=w.elastic)
     if name == "predictive":
-        return PredictivePolicy(config=w.elastic, model=DurationModel(w.timeout_s, w.predict), predict=w.predict)
+        return PredictivePolicy(
+            config=w.elastic, model=DurationModel(w.timeout_s, w.predict), predict=w.predict
+        )
     if name == "colocate":
         return ColocatePolicy()
     if name == "async":
@@ -72,7 +81,9 @@ def make_policy(name: str, w: Workload) -> Policy:
 class Simulator:
     """One run of one policy over one sample of durations (shape steps x queries x group_size)."""
 
-    def __init__(self, w: Workload, policy: Policy, durations: np.ndarray, *, streaming: bool | None = None) -> None:
+    def __init__(
+        self, w: Workload, policy: Policy, durations: np.ndarray, *, streaming: bool | None = None
+    ) -> None:
         self.w = w
         self.policy = policy
         self.streaming = w.driver.streaming if streaming is None else streaming
@@ -115,7 +126,9 @@ class Simulator:
         self.stale_n = 0
         self.stale_max = 0.0
         self.decisions: list[Decision] = []
-        self.cell_time = dict.fromkeys(("rollout", "rollout_idle", "training", "training_idle", "switching"), 0.0)
+        self.cell_time = dict.fromkeys(
+            ("rollout", "rollout_idle", "training", "training_idle", "switching"), 0.0
+        )
         self.segments: list[Segment] = []
         self._open: dict[int, tuple[float, Role, float, float]] = {}  # cell -> (start, role, busy-time, 0)
 
@@ -134,7 +147,9 @@ class Simulator:
         return self.table.counts[Role.TRAINING] / self.w.cell.train_group_s
 
     def _training_busy(self) -> bool:
-        return self.update_end is not None or (self.consumed < self._available() - EPS and self._train_rate() > 0)
+        return self.update_end is not None or (
+            self.consumed < self._available() - EPS and self._train_rate() > 0
+        )
 
     def _set_rate(self) -> None:
         cap = self.table.rollout_capacity
@@ -290,10 +305,10 @@ class Simulator:
                 self.switch_done.append((due, cid, role))
                 continue
             core = self.table.core
-            if role is Role.TRAINING and not self.table.cells[cid].is_core and core is not None:
-                if core.role is not Role.TRAINING:  # a satellite finished first: it waits for the core
-                    self.switch_done.append((max(due, self.t) + 1.0, cid, role))
-                    continue
+            sat = not self.table.cells[cid].is_core
+            if role is Role.TRAINING and sat and core is not None and core.role is not Role.TRAINING:
+                self.switch_done.append((max(due, self.t) + 1.0, cid, role))  # a satellite waits for the core
+                continue
             self.table.transition(cid, role, self.t)
 
     def _decide(self) -> None:
@@ -372,13 +387,15 @@ class Simulator:
             extra_timeouts=int((to & (nominal < self.w.timeout_s)).sum()),
             timeout_service=float(svc[to].mean()) if to.any() else 1.0,
             over_4h=float(over.mean()),
-            at_timeout=float((at_to & over).sum() / max(1, over.sum())),
+            at_timeout=float((at_to & over).sum()) / max(1, int(over.sum())),
             decisions=tuple(self.decisions),
             timeline=tuple(self.segments),
         )
 
 
-def run_one(w: Workload, policy: str, *, streaming: bool | None = None, durations: np.ndarray | None = None) -> SimResult:
+def run_one(
+    w: Workload, policy: str, *, streaming: bool | None = None, durations: np.ndarray | None = None
+) -> SimResult:
     """Simulate `policy` on the workload's seeded sample (or on `durations`)."""
     d = sample_durations(w) if durations is None else durations
     return Simulator(w, make_policy(policy, w), d, streaming=streaming).run()

@@ -120,10 +120,14 @@ class Workload:
         _check(0.0 < self.durations.model_fraction <= 1.0, "durations.model_fraction must be in (0, 1]")
         _check(self.cell.rollout_capacity >= 1, "cell.rollout_capacity must be >= 1")
         _check(self.cell.train_group_s > 0, "cell.train_group_s must be > 0")
-        _check(min(self.cell.update_s, self.cell.to_training_s, self.cell.to_rollout_s) >= 0, "cell times >= 0")
+        _check(
+            min(self.cell.update_s, self.cell.to_training_s, self.cell.to_rollout_s) >= 0, "cell times >= 0"
+        )
         _check(self.driver.max_ahead >= 0, "driver.max_ahead must be >= 0")
         _check(self.driver.decision_interval_s > 0, "driver.decision_interval_s must be > 0")
-        _check(1 <= self.async_.train_cells < max(2, self.run.cells), "async.train_cells must be in [1, cells)")
+        _check(
+            1 <= self.async_.train_cells < max(2, self.run.cells), "async.train_cells must be in [1, cells)"
+        )
 
     @property
     def timeout_s(self) -> float:
@@ -162,7 +166,7 @@ def workload_from_dict(raw: dict[str, Any]) -> Workload:
             kwargs["name"] = str(value)
         elif key in _SECTIONS:
             f = _SECTIONS[key]
-            kwargs[f.name] = _build(f.default_factory, key, value)  # type: ignore[misc]
+            kwargs[f.name] = _build(f.default_factory, key, value)
         else:
             raise ConfigError(f"unknown section [{key}]; known: {sorted(_SECTIONS)}")
     return Workload(**kwargs)
@@ -206,7 +210,9 @@ def sample_durations(w: Workload, rng: np.random.Generator | None = None) -> np.
     return out
 
 
-def query_profile(durations_s: np.ndarray, timeout_s: float, over_s: float = 4 * 3600.0) -> tuple[float, float]:
+def query_profile(
+    durations_s: np.ndarray, timeout_s: float, over_s: float = 4 * 3600.0
+) -> tuple[float, float]:
     """(share of queries whose longest execution runs over `over_s`, share of those that end at the
     timeout), the two numbers the report gives for its 2.4T workload."""
     longest = np.minimum(durations_s.max(axis=-1), timeout_s).ravel()
