@@ -1,0 +1,103 @@
+"""A lightweight cell: a process that follows the cell side of the protocol and nothing else.
+
+It registers, heartbeats, and answers each SwitchCommand with SwitchDone after `switch_s`; it runs no
+engine and no trainer (gyre-engine and gyre-train cells implement the same messages for real). It is what
+the service tests start as real processes, and a dry-run stand-in for a cluster's cells.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from gyre_sched.protocol import (
+    CellLost,
+    Codec,
+    Heartbeat,
+    Hello,
+    PeerKind,
+    Reject,
+    SwitchCommand,
+    SwitchDone,
+    Welcome,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CellConfig:
+    connect: str
+    """The scheduler's ROUTER address."""
+    cell_id: int
+    is_core: bool = False
+    capacity: int = 64
+    endpoint: str = ""
+    switch_s: float = 0.05
+    """How long a switch takes here (stands in for freeing engine memory / loading the replica)."""
+    hello_timeout_s: float = 10.0
+    run_s: float = 0.0
+    """Stop after this long (0: until the scheduler goes silent for `peer_timeout_s`)."""
+    peer_timeout_s: float = 30.0
+
+
+class SchedulerGone(RuntimeError):
+    pass
+
+
+def run_cell(cfg: CellConfig) -> int:
+    """Run the cell loop; returns 0 on a clean stop. Raises SchedulerGone if the scheduler goes silent."""
+    codec = Codec()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.connect(cfg.connect)
+    try:
+        sock.send(
+            codec.encode(
+                Hello(
+                    PeerKind.CELL,
+                    cell_id=cfg.cell_id,
+                    is_core=cfg.is_core,
+                    capacity=cfg.capacity,
+                    endpoint=cfg.endpoint,
+                )
+            )
+        )
+        if not sock.poll(int(cfg.hello_timeout_s * 1000)):
+            raise SchedulerGone(f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s")
+        reply = codec.decode(sock.recv())
+        if isinstance(reply, Reject):
+            raise SchedulerGone(f"scheduler rejected cell {cfg.cell_id}: {reply.reason}")
+        if not isinstance(reply, Welcome):
+            raise SchedulerGone(f"expected Welcome, got {type(reply).__name__}")
+        role = reply.role
+        hb = reply.heartbeat_s
+        start = last_heard = last_sent = time.monotonic()
+        pending: list[tuple[float, SwitchCommand]] = []
+        while True:
+            now = time.monotonic()
+            if cfg.run_s and now - start >= cfg.run_s:
+                return 0
+            if now - last_heard > cfg.peer_timeout_s:
+                raise SchedulerGone(f"scheduler silent for {cfg.peer_timeout_s}s")
+            for due, cmd in list(pending):
+                if due <= now:
+                    pending.remove((due, cmd))
+                    role = cmd.role
+                    sock.send(codec.encode(SwitchDone(cfg.cell_id, role, cmd.decision)))
+                    last_sent = now
+            if now - last_sent >= hb / 2:
+                sock.send(codec.encode(Heartbeat(cfg.cell_id, role)))
+                last_sent = now
+            if sock.poll(int(min(hb / 4, 0.05) * 1000)):
+                msg = codec.decode(sock.recv())
+                last_heard = time.monotonic()
+                if isinstance(msg, SwitchCommand):
+                    pending.append((last_heard + cfg.switch_s, msg))
+                elif isinstance(msg, CellLost | Reject):
+                    pass  # a trainer would re-queue the lost satellite's micro-batches here
+    finally:
+        sock.close(0)
+        ctx.term()

@@ -1,0 +1,231 @@
+"""Scheduling policies: the water-level policy, its prediction-based variant, Colocate and Async.
+
+A policy reads one `Observation` (aggregate counts only, so a decision costs the same with 100,000
+executions as with 10) and the `CellTable`, and returns the switches to start now, each a `Decision`
+with the rule that fired and the quantities behind it. Policies never change the table themselves: the
+simulator and the service apply decisions through `CellTable.transition`, which checks the invariants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gyre_sched.cells import SWITCHING, CellTable
+from gyre_sched.predict import DurationModel, PredictConfig
+from gyre_sched.protocol import Action, Decision, Role, Why
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the scheduler knows at `now`, as aggregates."""
+
+    now: float
+    unfinished: int
+    """Executions running and needing rollout capacity (the water level)."""
+    trainable: int
+    """Ready groups the trainer may consume now for the step in progress (without streaming: 0 until
+    the step's whole batch is ready)."""
+    batch_groups: int
+    """Groups in one optimizer step."""
+    batch_complete: bool = False
+    """Every execution of the batch the next step trains has finished."""
+    step_open: bool = False
+    """The trainer has begun accumulating a step and not yet applied it."""
+    updating: bool = False
+    """The optimizer step (and weight push) is running now."""
+    version: int = 0
+    mean_staleness: float = 0.0
+    ages: tuple[float, ...] = ()
+    """Unfinished executions bucketed by age: bucket ages (seconds) ..."""
+    age_counts: tuple[int, ...] = ()
+    """... and counts."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, obs: Observation, cells: CellTable) -> list[Decision]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WaterLevelConfig:
+    ready_fraction: float = 0.25
+    """(b): ready groups must stay at or above this fraction of the batch ... (report: "a set fraction";
+    value not given)."""
+    hold_s: float = 120.0
+    """... for this long (report: "a set time"; value not given)."""
+    headroom: float = 1.0
+    """(a): the rollout capacity left after the switch must be >= headroom x unfinished executions."""
+    return_above: float = 1.0
+    """Demand returns when unfinished executions exceed this x the rollout capacity."""
+
+
+def _why(obs: Observation, cells: CellTable, cap_after: int, held: float, pred: float = 0.0) -> Why:
+    return Why(
+        unfinished=obs.unfinished,
+        capacity_before=cells.rollout_capacity,
+        capacity_after=cap_after,
+        ready_groups=obs.trainable,
+        batch_groups=obs.batch_groups,
+        held_s=held,
+        staleness=obs.mean_staleness,
+        predicted_timeouts=pred,
+    )
+
+
+@dataclass(slots=True)
+class WaterLevelPolicy:
+    """The report's elastic policy: one cell at a time moves to training when (a) the rest of rollout can
+    serve the unfinished executions and (b) ready groups have stayed above a fraction of the batch for a
+    set time; cells come back when demand returns or the step's training is done."""
+
+    config: WaterLevelConfig = field(default_factory=WaterLevelConfig)
+    name: str = "elastic"
+    _above_since: float | None = None
+
+    def demand(self, obs: Observation) -> tuple[float, float]:
+        """(demand in rollout slots, predicted timeouts); the plain policy counts every execution."""
+        return float(obs.unfinished), 0.0
+
+    def decide(self, obs: Observation, cells: CellTable) -> list[Decision]:
+        cfg = self.config
+        threshold = max(1.0, cfg.ready_fraction * obs.batch_groups)
+        if obs.trainable >= threshold:
+            if self._above_since is None:
+                self._above_since = obs.now
+        else:
+            self._above_since = None
+        held = 0.0 if self._above_since is None else obs.now - self._above_since
+        if cells.switching >= cells.config.max_concurrent_switches:
+            return []
+        demand, pred = self.demand(obs)
+        core = cells.core
+        sats = [c for c in cells.cells.values() if not c.is_core and c.role is Role.TRAINING]
+        core_training = core is not None and core.role is Role.TRAINING
+        cap = cells.rollout_capacity
+
+        def back(cell_id: int, rule: str, c_cap: int) -> list[Decision]:
+            w = _why(obs, cells, cap + c_cap, held, pred)
+            return [Decision(obs.now, cell_id, Action.TO_ROLLOUT, rule, w)]
+
+        # 1. Demand returned: the rollout cells cannot serve the unfinished executions.
+        if demand > cfg.return_above * cap:
+            if sats:
+                s = min(sats, key=lambda c: (obs.trainable > 0, c.cell_id))
+                return back(s.cell_id, "demand returned", s.capacity)
+            idle = obs.trainable == 0 and not obs.updating
+            if core_training and core is not None and (not obs.step_open or idle):
+                return back(core.cell_id, "demand returned", core.capacity)
+        # 2. Training done: nothing left to claim.
+        if obs.trainable == 0 and sats:
+            s = sats[0]
+            return back(s.cell_id, "no ready groups left to claim", s.capacity)
+        if (
+            core_training
+            and core is not None
+            and not sats
+            and not obs.step_open
+            and obs.trainable < threshold
+        ):
+            return back(core.cell_id, "step done, next batch not ready", core.capacity)
+        # 3. Move one rollout cell to training: (a) and (b).
+        if held < cfg.hold_s or obs.trainable < threshold:
+            return []
+        if core is None or core.role is Role.FAILED:
+            return []
+        if core.role is Role.ROLLOUT:
+            cand = core
+        elif core_training:
+            free = [c for c in cells.cells.values() if c.role is Role.ROLLOUT and not c.is_core]
+            if not free:
+                return []
+            cand = min(free, key=lambda c: c.cell_id)
+        else:
+            return []  # the core is mid-switch; satellites wait for it
+        after = cap - cand.capacity
+        if after < cfg.headroom * demand:
+            return []
+        return [
+            Decision(
+                obs.now,
+                cand.cell_id,
+                Action.TO_TRAINING,
+                "water level low and ready groups held",
+                _why(obs, cells, after, held, pred),
+                protects=int(min(after, cfg.headroom * demand + 0.999999)),
+            )
+        ]
+
+
+@dataclass(slots=True)
+class PredictivePolicy(WaterLevelPolicy):
+    """The water-level policy counting executions predicted to end at the timeout as a fraction of a
+    slot: they end at the timeout whatever service they get, so a cell can leave earlier."""
+
+    model: DurationModel | None = None
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    name: str = "predictive"
+
+    def demand(self, obs: Observation) -> tuple[float, float]:
+        if self.model is None:
+            return float(obs.unfinished), 0.0
+        pred = self.model.predicted_timeouts(obs.ages, obs.age_counts)
+        return obs.unfinished - (1.0 - self.predict.timeout_weight) * pred, pred
+
+
+@dataclass(slots=True)
+class ColocatePolicy:
+    """The whole pool switches together: to training when the batch's executions have all finished
+    (pausing any later executions), back to rollout when the step is applied."""
+
+    name: str = "colocate"
+
+    def decide(self, obs: Observation, cells: CellTable) -> list[Decision]:
+        out: list[Decision] = []
+        if cells.n(*SWITCHING):
+            return out
+        rollout = sorted(cells.in_role(Role.ROLLOUT), key=lambda c: (not c.is_core, c.cell_id))
+        training = sorted(cells.in_role(Role.TRAINING), key=lambda c: (c.is_core, c.cell_id))
+        if not training and rollout and obs.batch_complete and obs.trainable > 0:
+            why = _why(obs, cells, 0, 0.0)
+            for c in rollout:
+                out.append(
+                    Decision(obs.now, c.cell_id, Action.TO_TRAINING, "batch finished: whole pool trains", why)
+                )
+        elif training and not rollout and not obs.updating and obs.trainable == 0:
+            why = _why(obs, cells, sum(c.capacity for c in cells.cells.values()), 0.0)
+            for c in training:
+                out.append(
+                    Decision(obs.now, c.cell_id, Action.TO_ROLLOUT, "step applied: whole pool rolls out", why)
+                )
+        return out
+
+
+@dataclass(slots=True)
+class AsyncPolicy:
+    """A fixed split: `train_cells` cells (the core first) train for the whole run, the rest roll out."""
+
+    train_cells: int = 1
+    name: str = "async"
+
+    def decide(self, obs: Observation, cells: CellTable) -> list[Decision]:
+        """Fill the training side up to `train_cells` (at start, and again after a failure)."""
+        if cells.switching >= cells.config.max_concurrent_switches:
+            return []
+        core = cells.core
+        if core is None or core.role is Role.FAILED:
+            return []
+        if cells.n(Role.TO_TRAINING, Role.TRAINING, Role.DRAINING) >= self.train_cells:
+            return []
+        if core.role is Role.ROLLOUT:
+            cand = core
+        elif core.role is Role.TRAINING:
+            idle = [c for c in cells.cells.values() if c.role is Role.ROLLOUT and not c.is_core]
+            if not idle:
+                return []
+            cand = min(idle, key=lambda c: c.cell_id)
+        else:
+            return []
+        why = _why(obs, cells, cells.rollout_capacity - cand.capacity, 0.0)
+        return [Decision(obs.now, cand.cell_id, Action.TO_TRAINING, "fixed split", why)]

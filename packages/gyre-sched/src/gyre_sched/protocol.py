@@ -1,0 +1,237 @@
+"""Every message the scheduler sends or receives, as tagged, frozen msgspec Structs.
+
+Peers (cells, the rollout driver, the trajectory service, the proxy, observers) connect a DEALER to the
+scheduler's ROUTER and open with a `Hello` carrying `PROTOCOL_VERSION`; after that each frame is one
+message of the `Message` union, decoded strictly by the one decoder built here. New fields are only ever
+appended with defaults, so older and newer peers keep talking.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Role(IntEnum):
+    """A cell's role. The only edges are those in `gyre_sched.cells.TRANSITIONS`."""
+
+    ROLLOUT = 0
+    DRAINING = 1  # stops taking new requests; the proxy moves its in-flight calls elsewhere
+    TO_TRAINING = 2  # engine memory released, training replica loading (weights from the core)
+    TRAINING = 3
+    TO_ROLLOUT = 4  # training replica offloaded, engine resumed with the newest weights
+    FAILED = 5
+
+
+class PeerKind(IntEnum):
+    CELL = 0
+    DRIVER = 1  # the rollout driver: reports the water level
+    TRAJ = 2  # the trajectory service: reports ready groups
+    PROXY = 3  # gyre-proxy: receives engine add/drain/remove
+    OBSERVER = 4  # CLIs and tests that only ask for state
+
+
+class Action(IntEnum):
+    TO_TRAINING = 0
+    TO_ROLLOUT = 1
+
+
+_S = {"frozen": True, "tag_field": "t", "omit_defaults": True, "array_like": True}
+
+
+class Why(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The quantities a decision was taken on, so every switch can be explained after the fact."""
+
+    unfinished: int = 0  # executions that need rollout capacity now (the water level)
+    capacity_before: int = 0  # rollout capacity (concurrent executions) before the switch
+    capacity_after: int = 0  # ... and after it
+    ready_groups: int = 0  # groups ready and not yet trained for the step in progress
+    batch_groups: int = 0  # groups in one optimizer step's batch
+    held_s: float = 0.0  # how long ready_groups has stayed above the threshold
+    staleness: float = 0.0  # mean policy-version lag of what was trained so far
+    predicted_timeouts: float = 0.0  # unfinished executions expected to end at the timeout
+
+
+class Decision(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One switch the policy chose, with the rule that fired and why."""
+
+    at: float
+    cell_id: int
+    action: Action
+    rule: str
+    why: Why
+    protects: int = 0  # rollout demand the switch promised to keep served
+
+
+# ---- handshake -------------------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", **_S):
+    """First message of every peer. Cells give their id, whether they are the core, and capacity."""
+
+    kind: PeerKind
+    protocol: int = PROTOCOL_VERSION
+    cell_id: int = -1
+    is_core: bool = False
+    capacity: int = 0  # concurrent executions the cell serves at full speed when in rollout
+    endpoint: str = ""  # the cell's engine URL, handed to the proxy on EngineAdd
+
+
+class Welcome(msgspec.Struct, tag="welcome", **_S):
+    """Reply to Hello. A cell starts in `role` (ROLLOUT unless the policy has a fixed split)."""
+
+    protocol: int = PROTOCOL_VERSION
+    role: Role = Role.ROLLOUT
+    heartbeat_s: float = 1.0  # peers send a Heartbeat (or any message) at least this often
+
+
+class Reject(msgspec.Struct, tag="reject", **_S):
+    """The scheduler refuses a message (bad version, unknown cell, illegal state); nothing changed."""
+
+    reason: str
+
+
+# ---- reports into the scheduler --------------------------------------------------------------------
+
+
+class Heartbeat(msgspec.Struct, tag="hb", **_S):
+    cell_id: int = -1
+    role: Role = Role.ROLLOUT
+    utilization: float = 0.0
+
+
+class WaterLevel(msgspec.Struct, tag="water", **_S):
+    """From the rollout driver: unfinished executions, their ages, and durations that just ended."""
+
+    unfinished: int
+    elapsed_s: tuple[float, ...] = ()  # ages of unfinished executions, bucketed: bucket start times
+    elapsed_count: tuple[int, ...] = ()  # ... and how many executions in each bucket
+    finished_s: tuple[float, ...] = ()  # wall durations of executions that ended since the last report
+    finished_timeout: tuple[bool, ...] = ()  # ... and whether each ended at the hard timeout
+    paused: int = 0
+
+
+class ReadyGroups(msgspec.Struct, tag="ready", **_S):
+    """From the trajectory service: groups ready for the step in progress, and that step's state."""
+
+    ready: int
+    batch_groups: int
+    version: int = 0
+    step_open: bool = False  # the trainer has begun accumulating this step and not yet applied it
+    mean_staleness: float = 0.0
+
+
+class SwitchDone(msgspec.Struct, tag="switched", **_S):
+    """From a cell: it finished the switch `decision` and now holds `role`."""
+
+    cell_id: int
+    role: Role
+    decision: int
+
+
+class EngineDrained(msgspec.Struct, tag="drained", **_S):
+    """From the proxy: the engine of `cell_id` has no in-flight request left (moved or finished)."""
+
+    cell_id: int
+
+
+class GetState(msgspec.Struct, tag="get_state", **_S):
+    pass
+
+
+# ---- commands out of the scheduler -----------------------------------------------------------------
+
+
+class SwitchCommand(msgspec.Struct, tag="switch", **_S):
+    """To a cell: move to `role` (TRAINING or ROLLOUT); reply SwitchDone with the same `decision`."""
+
+    decision: int
+    role: Role
+    is_core: bool = False
+
+
+class EngineAdd(msgspec.Struct, tag="engine_add", **_S):
+    """To the proxy: route new requests to this cell's engine."""
+
+    cell_id: int
+    endpoint: str
+
+
+class EngineDrain(msgspec.Struct, tag="engine_drain", **_S):
+    """To the proxy: send no new request to this engine; move or retry its in-flight calls; then reply
+    EngineDrained. The scheduler proceeds after `drain_timeout_s` even without the reply."""
+
+    cell_id: int
+
+
+class EngineRemove(msgspec.Struct, tag="engine_remove", **_S):
+    """To the proxy: the engine is gone (switched or failed); retry anything still routed to it."""
+
+    cell_id: int
+    failed: bool = False
+
+
+class CellLost(msgspec.Struct, tag="cell_lost", **_S):
+    """To the core cell: a training satellite failed; put its claimed micro-batches back in the queue."""
+
+    cell_id: int
+
+
+class CellView(msgspec.Struct, frozen=True):
+    cell_id: int
+    is_core: bool
+    role: Role
+    capacity: int
+    since: float
+
+
+class State(msgspec.Struct, tag="state", **_S):
+    """Reply to GetState: every cell, the last observation's water level, and the decision log."""
+
+    cells: tuple[CellView, ...]
+    unfinished: int
+    ready_groups: int
+    decisions: tuple[Decision, ...] = ()
+
+
+Message = (
+    Hello
+    | Welcome
+    | Reject
+    | Heartbeat
+    | WaterLevel
+    | ReadyGroups
+    | SwitchDone
+    | EngineDrained
+    | GetState
+    | SwitchCommand
+    | EngineAdd
+    | EngineDrain
+    | EngineRemove
+    | CellLost
+    | State
+)
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol."""
+
+
+class Codec:
+    """One encoder and one strict decoder over `Message`; build one per socket-owning thread."""
+
+    def __init__(self) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, msg: Message) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> Message:
+        try:
+            return self._dec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"bad gyre-sched message: {exc}") from exc

@@ -1,0 +1,161 @@
+"""The service over real ZeroMQ sockets with real cell processes: a switch end to end, then a cell that
+dies is marked failed after the timeout and the proxy is told to reroute its work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
+from gyre_sched.protocol import (
+    Codec,
+    EngineAdd,
+    EngineDrain,
+    EngineDrained,
+    EngineRemove,
+    GetState,
+    Hello,
+    Message,
+    PeerKind,
+    ReadyGroups,
+    Reject,
+    Role,
+    State,
+    WaterLevel,
+    Welcome,
+)
+from gyre_sched.service import Scheduler, ServiceConfig
+
+pytestmark = pytest.mark.slow
+
+
+class Peer:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], addr: str, kind: PeerKind) -> None:
+        self.codec = Codec()
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.inbox: list[Message] = []
+        self.send(Hello(kind))
+        assert isinstance(self.recv(5.0), Welcome)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send(self.codec.encode(msg))
+
+    def recv(self, timeout: float) -> Message:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("no message")
+        return self.codec.decode(self.sock.recv())
+
+    def drain(self) -> None:
+        while self.sock.poll(0):
+            self.inbox.append(self.codec.decode(self.sock.recv()))
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def sched() -> Iterator[Scheduler]:
+    cfg = ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_s=0.1, failure_timeout_s=1.0, drain_timeout_s=2.0)
+    s = Scheduler(WaterLevelPolicy(WaterLevelConfig(hold_s=0.2, ready_fraction=0.25)), cfg)
+    th = threading.Thread(target=s.serve_forever, daemon=True)
+    th.start()
+    yield s
+    s.stop()
+    th.join(5.0)
+    assert not th.is_alive()
+
+
+def spawn_cell(addr: str, cid: int, core: bool) -> subprocess.Popen[bytes]:
+    args = [
+        sys.executable,
+        "-m",
+        "gyre_sched.cli",
+        "cell",
+        "--connect",
+        addr,
+        "--id",
+        str(cid),
+        "--capacity",
+        "10",
+        "--endpoint",
+        f"http://127.0.0.1:{30000 + cid}",
+        "--switch-s",
+        "0.1",
+        "--peer-timeout-s",
+        "10",
+    ]
+    return subprocess.Popen(args + (["--core"] if core else []), stderr=subprocess.DEVNULL)
+
+
+def test_switch_and_failure(sched: Scheduler) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    procs = [spawn_cell(sched.endpoint, i, i == 0) for i in range(3)]
+    try:
+        proxy = Peer(ctx, sched.endpoint, PeerKind.PROXY)
+        driver = Peer(ctx, sched.endpoint, PeerKind.DRIVER)
+        traj = Peer(ctx, sched.endpoint, PeerKind.TRAJ)
+        obs = Peer(ctx, sched.endpoint, PeerKind.OBSERVER)
+
+        def state() -> State:
+            obs.send(GetState())
+            s = obs.recv(5.0)
+            assert isinstance(s, State)
+            return s
+
+        def roles() -> dict[int, Role]:
+            return {c.cell_id: c.role for c in state().cells}
+
+        wait_for(lambda: len(roles()) == 3, 20.0, "three cells registered")
+        # Plenty of demand: nobody may leave rollout even with a full batch ready.
+        driver.send(WaterLevel(25))
+        traj.send(ReadyGroups(16, 16))
+        time.sleep(0.6)
+        assert set(roles().values()) == {Role.ROLLOUT}
+        # The water level drops: the core drains, the proxy is asked to drain its engine.
+        driver.send(WaterLevel(8))
+        wait_for(lambda: roles()[0] is Role.DRAINING, 5.0, "core draining")
+        proxy.drain()
+        assert any(isinstance(m, EngineDrain) and m.cell_id == 0 for m in proxy.inbox)
+        proxy.send(EngineDrained(0))
+        wait_for(lambda: roles()[0] is Role.TRAINING, 5.0, "core training")
+        proxy.drain()
+        assert any(isinstance(m, EngineRemove) and m.cell_id == 0 and not m.failed for m in proxy.inbox)
+        d = state().decisions[0]
+        assert d.why.unfinished == 8 and d.why.capacity_after == 20 and d.why.ready_groups == 16
+        # Kill a rollout cell: after the failure timeout it is FAILED and the proxy reroutes its work.
+        procs[2].kill()
+        procs[2].wait(5.0)
+        wait_for(lambda: roles()[2] is Role.FAILED, 5.0, "cell 2 failed")
+        proxy.drain()
+        assert any(isinstance(m, EngineRemove) and m.cell_id == 2 and m.failed for m in proxy.inbox)
+        # Demand returns above the one cell left: the core comes back to rollout and is re-added.
+        traj.send(ReadyGroups(0, 16))
+        driver.send(WaterLevel(15))
+        wait_for(lambda: roles()[0] is Role.ROLLOUT, 5.0, "core back in rollout")
+        proxy.drain()
+        assert any(isinstance(m, EngineAdd) and m.cell_id == 0 for m in proxy.inbox)
+        # Bad input is refused and changes nothing.
+        driver.sock.send(b"\x00junk")
+        assert isinstance(driver.recv(5.0), Reject)
+        driver.send(WaterLevel(3, (1.0,), ()))
+        assert isinstance(driver.recv(5.0), Reject)
+        for s in (proxy, driver, traj, obs):
+            s.sock.close(0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5.0)
+        ctx.term()
