@@ -118,3 +118,21 @@ def test_empty_call_and_growth_past_capacity() -> None:
     t.add(call("c1", list(range(1000, 1100)), list(range(4000, 4100))))
     assert t.n == 200 and t.calls["c0"].end == -1
     assert t.call_sequence("c1")[1].tolist() == list(range(4000, 4100))
+
+
+def test_negative_ids_rejected_on_the_fast_msgpack_path() -> None:
+    from gyre_traj.io import encode_msgpack_stream
+    from gyre_traj.records import Call
+
+    good = call("c0", PROMPT, ids(OUT, 1))
+    with pytest.raises(RecordError, match="negative id -5"):
+        call("c1", [*PROMPT, -5], [])
+    # Build a record with a negative input id behind the constructor's back, as a corrupt file would.
+    import msgspec
+
+    bad = msgspec.structs.replace(good, call_id="c1")
+    msgspec.structs.force_setattr(bad, "input_ids", np.array([*PROMPT, 4001, -5], np.int32))
+    data = encode_msgpack_stream([good, bad])
+    with pytest.raises(RecordError, match=r"call='c1'.*negative id -5 at position 6"):
+        Forest().add_msgpack(data)
+    assert isinstance(bad, Call)

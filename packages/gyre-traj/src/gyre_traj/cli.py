@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre_traj import __version__
-from gyre_traj.io import read_records
+from gyre_traj.io import read_records, sniff_format
 from gyre_traj.pack import PackConfig, PackError, PackItem, pack
 from gyre_traj.records import RecordError, Role
 from gyre_traj.select import SelectionConfig, select
@@ -46,6 +46,8 @@ def _selection_cfg(args: argparse.Namespace) -> SelectionConfig:
 
 
 def _load(path: str, fmt: str | None) -> Forest:
+    if (fmt or sniff_format(path)) == "msgpack":
+        return Forest().add_msgpack(Path(path).read_bytes(), path)
     return Forest().add_all(read_records(path, fmt))  # type: ignore[arg-type]
 
 

@@ -9,8 +9,11 @@ construction and on decode; every error names the record.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -39,7 +42,23 @@ def _where(execution_id: str, call_id: str) -> str:
     return f"record execution={execution_id!r} call={call_id!r}"
 
 
-def as_ids(values: Any, what: str = "token ids") -> np.ndarray:
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def defer_input_sign_check() -> Iterator[None]:
+    """Inside this block, `Call` skips the negative-id scan of full `input_ids` (a whole pass over
+    what may be hundreds of MB). Only for records that go straight into an `ExecutionTree`, which checks
+    the sign of every token it stores; tokens it matches against the tree are already known good."""
+    prev = getattr(_deferred, "on", False)
+    _deferred.on = True
+    try:
+        yield
+    finally:
+        _deferred.on = prev
+
+
+def as_ids(values: Any, what: str = "token ids", check_sign: bool = True) -> np.ndarray:
     """Token ids as a contiguous int32 array; rejects negative, fractional or out-of-range values."""
     if isinstance(values, np.ndarray) and values.dtype == ID_DTYPE:
         arr = values
@@ -59,7 +78,7 @@ def as_ids(values: Any, what: str = "token ids") -> np.ndarray:
         arr = raw.astype(ID_DTYPE)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a flat list, got shape {arr.shape}")
-    if arr.size and int(arr.min()) < 0:
+    if check_sign and arr.size and int(arr.min()) < 0:
         pos = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"{what} contain a negative id {int(arr[pos])} at position {pos}")
     return arr
@@ -125,7 +144,9 @@ class Call(
             msgspec.structs.force_setattr(self, "output_ids", out)
             msgspec.structs.force_setattr(self, "output_logprobs", lps)
             if self.input_ids is not None:
-                msgspec.structs.force_setattr(self, "input_ids", as_ids(self.input_ids, "input ids"))
+                trusted = getattr(_deferred, "on", False)
+                ids = as_ids(self.input_ids, "input ids", check_sign=not trusted)
+                msgspec.structs.force_setattr(self, "input_ids", ids)
             if self.input_delta is not None:
                 d = self.input_delta
                 if d.keep < 0:

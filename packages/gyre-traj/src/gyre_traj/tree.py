@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gyre_traj.records import ID_DTYPE, LOGPROB_DTYPE, Call, RecordError, Role, Score
+from gyre_traj.records import ID_DTYPE, LOGPROB_DTYPE, Call, RecordError, Role, Score, defer_input_sign_check
 
 ROOT = -1
 
@@ -224,6 +224,7 @@ class ExecutionTree:
     # --------------------------------------------------------------------------------------- ingest
 
     def add(self, call: Call) -> CallInfo:
+        """Merge one call. Raises RecordError naming the call if it is inconsistent with the tree."""
         if call.execution_id != self.execution_id:
             raise RecordError(
                 f"{call.where}: belongs to execution {call.execution_id!r}, not {self.execution_id!r}"
@@ -255,6 +256,11 @@ class ExecutionTree:
         n_in = base + rest.shape[0]
         node, i = self._descend(start, rest, 0)
         if i < rest.shape[0]:
+            if int(rest[i:].min()) < 0:  # the part matched against the tree is known non-negative
+                pos = i + int(np.flatnonzero(rest[i:] < 0)[0])
+                raise RecordError(
+                    f"{call.where}: input ids contain a negative id {int(rest[pos])} at position {base + pos}"
+                )
             self._note_drift(call, node, int(rest[i]), base + i, cut_parent)
             node = self._append(node, rest[i:], False, None, -1)
         in_end = node
@@ -373,6 +379,17 @@ class Forest:
     def add_all(self, recs: Iterable[Call | Score]) -> Forest:
         for rec in recs:
             self.add(rec)
+        return self
+
+    def add_msgpack(self, data: bytes | memoryview, name: str = "<stream>") -> Forest:
+        """Ingest a framed msgpack record stream. Token arrays stay views into `data` while decoding and
+        the negative-id scan of full inputs is left to the tree (which checks what it stores), so a
+        stream of full 700k-token inputs costs about one comparison pass over its bytes."""
+        from gyre_traj.io import iter_msgpack
+
+        with defer_input_sign_check():
+            for rec in iter_msgpack(data, name):
+                self.add(rec)
         return self
 
     def __iter__(self) -> Iterator[ExecutionTree]:

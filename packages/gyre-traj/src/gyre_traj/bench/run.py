@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from gyre_traj import __version__
-from gyre_traj.io import encode_msgpack_stream, iter_msgpack
+from gyre_traj.io import encode_msgpack_stream
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.select import SelectionConfig, select
 from gyre_traj.synth import SynthConfig, synth_execution
-from gyre_traj.tree import ExecutionTree
+from gyre_traj.tree import ExecutionTree, Forest
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -32,10 +32,7 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 
 def _ingest(stream: bytes) -> ExecutionTree:
-    tree = ExecutionTree("bench")
-    for rec in iter_msgpack(stream):
-        tree.add(rec)  # type: ignore[arg-type]
-    return tree
+    return Forest().add_msgpack(stream).trees["bench"]
 
 
 def _copy_time(nbytes: int, repeats: int) -> float:
