@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gyre.cli import main
+
+
+def test_version_lists_components(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["version"]) == 0
+    out = capsys.readouterr().out
+    assert "gyre-traj" in out and "0.1.0" in out
+
+
+def test_help_runs_as_a_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "--help"], capture_output=True, text=True,
+                          check=True, timeout=60)
+    assert "gyre-traj" in proc.stdout
