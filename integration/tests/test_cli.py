@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from gyre.cli import main
 
 
@@ -15,6 +14,7 @@ def test_version_lists_components(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_help_runs_as_a_command() -> None:
-    proc = subprocess.run([sys.executable, "-m", "gyre.cli", "--help"], capture_output=True, text=True,
-                          check=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "--help"], capture_output=True, text=True, check=True, timeout=60
+    )
     assert "gyre-traj" in proc.stdout
