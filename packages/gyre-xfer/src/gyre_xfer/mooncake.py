@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import os
+import queue
 import socket
 import threading
 import time
@@ -106,12 +107,18 @@ class MooncakeTransport:
         self._regions: dict[int, Region] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._helpers = _Helpers()
         self.abandoned_calls = 0
         """Calls that outlived their deadline; their buffers stay referenced until they return."""
 
     @property
     def endpoint(self) -> str:
         return self._endpoint
+
+    @property
+    def engine(self) -> Any:
+        """The raw mooncake TransferEngine (for the benchmark's side-by-side figures)."""
+        return self._engine
 
     @property
     def rpc_port(self) -> int:
@@ -161,24 +168,13 @@ class MooncakeTransport:
 
     def _call(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, deadline: float) -> int | None:
         """Run fn(*args) on a helper thread; its return code, or None if the deadline passed first.
-        `keep` (the buffers involved) stays referenced by the thread until Mooncake returns."""
-        box: list[int] = []
-        done = threading.Event()
-
-        def run() -> None:
-            _ = keep
-            try:
-                box.append(int(fn(*args)))
-            except Exception:  # a pybind error is a failed transfer, reported as -1
-                box.append(-1)
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="gyre-xfer-mooncake", daemon=True).start()
-        if not done.wait(max(0.0, deadline - time.monotonic())):
+        `keep` (the buffers involved) stays referenced by the helper until Mooncake returns."""
+        call = _Call(fn, args, keep)
+        self._helpers.submit(call)
+        if not call.done.wait(max(0.0, deadline - time.monotonic())):
             self.abandoned_calls += 1
             return None
-        return box[0]
+        return call.rc
 
     def _batch(
         self, peer: str, ops: Sequence[Op], timeout_s: float | None, fn: Callable[..., int]
@@ -243,3 +239,46 @@ class MooncakeTransport:
                 self._engine.unregister_memory(r.addr)
         self._engine = None  # Mooncake stops its listeners when the engine is destroyed
 
+
+
+class _Call:
+    __slots__ = ("args", "done", "fn", "keep", "rc")
+
+    def __init__(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object) -> None:
+        self.fn, self.args, self.keep = fn, args, keep
+        self.rc = -1
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.rc = int(self.fn(*self.args))
+        except Exception:  # a pybind error is a failed transfer, reported as -1
+            self.rc = -1
+        finally:
+            self.keep = None
+            self.done.set()
+
+
+class _Helpers:
+    """Daemon threads that make Mooncake's blocking calls. A call stuck past its deadline keeps its
+    thread; the next call starts a new one, so a hung peer never blocks other transfers or exit."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, call: _Call) -> None:
+        with self._lock:
+            if self._idle == 0:
+                threading.Thread(target=self._loop, name="gyre-xfer-mooncake", daemon=True).start()
+            else:
+                self._idle -= 1
+        self._queue.put(call)
+
+    def _loop(self) -> None:
+        while True:
+            call = self._queue.get()
+            call.run()
+            with self._lock:
+                self._idle += 1
