@@ -169,7 +169,7 @@ class MooncakeTransport:
     def _call(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, deadline: float) -> int | None:
         """Run fn(*args) on a helper thread; its return code, or None if the deadline passed first.
         `keep` (the buffers involved) stays referenced by the helper until Mooncake returns."""
-        call = _Call(fn, args, keep)
+        call = _Call(fn, args, keep, 2.0 * self.config.progress_timeout_s + 5.0)
         self._helpers.submit(call)
         if not call.done.wait(max(0.0, deadline - time.monotonic())):
             self.abandoned_calls += 1
@@ -242,10 +242,10 @@ class MooncakeTransport:
 
 
 class _Call:
-    __slots__ = ("args", "done", "fn", "keep", "rc")
+    __slots__ = ("args", "done", "fn", "grace_s", "keep", "rc")
 
-    def __init__(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object) -> None:
-        self.fn, self.args, self.keep = fn, args, keep
+    def __init__(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, grace_s: float) -> None:
+        self.fn, self.args, self.keep, self.grace_s = fn, args, keep, grace_s
         self.rc = -1
         self.done = threading.Event()
 
@@ -255,8 +255,29 @@ class _Call:
         except Exception:  # a pybind error is a failed transfer, reported as -1
             self.rc = -1
         finally:
+            if self.rc != 0:
+                # Mooncake returns at the first failed slice while other slices of the batch may still
+                # be landing in these buffers: keep them alive a while longer.
+                _QUARANTINE.hold(self.keep, self.grace_s)
             self.keep = None
             self.done.set()
+
+
+class _Quarantine:
+    """Buffers of failed transfers, kept referenced (process-wide) until Mooncake is done with them."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[float, object]] = []
+        self._lock = threading.Lock()
+
+    def hold(self, obj: object, seconds: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._held = [(t, o) for t, o in self._held if t > now]
+            self._held.append((now + seconds, obj))
+
+
+_QUARANTINE = _Quarantine()
 
 
 class _Helpers:

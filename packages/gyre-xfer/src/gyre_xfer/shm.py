@@ -132,6 +132,10 @@ class ShmTransport:
                 statuses.append(EntryStatus.PEER_GONE)
                 details.append(f"peer segment {op.remote.shm_name} no longer exists")
                 continue
+            except XferError as e:
+                statuses.append(EntryStatus.FAILED)
+                details.append(str(e))
+                continue
             local = op.region.addr + op.local_offset
             remote = base + op.remote_offset
             if into_local:
