@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -28,7 +30,9 @@ class Peer:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"peer {role}/{kind} exited with {self.proc.wait(timeout=10)} before describing itself")
+            raise RuntimeError(
+                f"peer {role}/{kind} exited with {self.proc.wait(timeout=10)} before describing itself"
+            )
         self.info = line
 
     def send(self, cmd: str) -> None:
@@ -67,8 +71,6 @@ def spawn() -> Iterator[Callable[..., Peer]]:
 
     yield start
     for p in peers:
-        try:
-            os.kill(p.proc.pid, 18)  # SIGCONT, in case a test stopped it
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.proc.pid, signal.SIGCONT)  # in case a test stopped it
         p.stop()

@@ -9,7 +9,6 @@ import threading
 
 import msgspec
 import numpy as np
-
 from gyre_xfer.kv import KvPool
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config, open_transport

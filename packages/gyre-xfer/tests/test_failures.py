@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
-
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError
 from gyre_xfer.kv import KvPool, KvTransferResult
 from gyre_xfer.protocol import KvPoolDesc
@@ -78,7 +77,9 @@ def test_killed_peer_is_peer_gone_fast(spawn: Callable[..., Peer], transport: Tr
 
 
 @pytest.mark.slow
-def test_stopped_peer_is_timeout_after_progress_limit(spawn: Callable[..., Peer], transport: Transport) -> None:
+def test_stopped_peer_is_timeout_after_progress_limit(
+    spawn: Callable[..., Peer], transport: Transport
+) -> None:
     peer, src = _pool_peer(spawn)
     pool = KvPool.allocate(transport, LAYERS, BLOCKS, NBYTES)
     res, took = _pull_until_failure(pool, src, peer, signal.SIGSTOP)

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 import msgspec
 import numpy as np
 import pytest
-
 from gyre_xfer.errors import ShapeMismatchError
 from gyre_xfer.kv import KvPool
 from gyre_xfer.protocol import KvPoolDesc
@@ -48,7 +47,9 @@ def test_pull_is_byte_exact_per_block(spawn: Callable[..., Peer], transport: Tra
     pool.close()
 
 
-def test_out_of_range_blocks_are_reported_and_the_rest_arrive(spawn: Callable[..., Peer], transport: Transport) -> None:
+def test_out_of_range_blocks_are_reported_and_the_rest_arrive(
+    spawn: Callable[..., Peer], transport: Transport
+) -> None:
     src = start_pool(spawn, transport.kind.name.lower())
     pool = KvPool.allocate(transport, LAYERS, 8, NBYTES)
     res = pool.pull(src, [1, 64, 3, -1, 4], [0, 1, 2, 3, 8])

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
+from gyre_xfer.buffers import BufferView
 from gyre_xfer.errors import ManifestError, ShapeMismatchError
 from gyre_xfer.manifest import match_destinations, validate
-from gyre_xfer.buffers import BufferView
 from gyre_xfer.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -30,6 +27,8 @@ from gyre_xfer.protocol import (
     reply_decoder,
     request_decoder,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 dtypes = st.sampled_from(["float32", "bfloat16", "float16", "int64", "uint8"])
 ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "uint8": 1}
@@ -50,7 +49,9 @@ def manifests(draw: st.DrawFn) -> Manifest:
         entries.append(TensorEntry(f"layers.{i}.w", dt, shape, pos, nbytes, draw(st.integers(-1, 2**32 - 1))))
         pos += nbytes
     region = RegionDesc(draw(st.integers(1, 9)), pos + draw(st.integers(0, 8)), draw(st.integers(0, 2**48)))
-    return Manifest(draw(st.integers(1, 10**6)), "abc", TransportKind.MOONCAKE, "127.0.0.1:1234", region, tuple(entries))
+    return Manifest(
+        draw(st.integers(1, 10**6)), "abc", TransportKind.MOONCAKE, "127.0.0.1:1234", region, tuple(entries)
+    )
 
 
 @given(manifests())
@@ -72,7 +73,14 @@ def test_every_message_round_trips() -> None:
     ):
         assert reply_decoder().decode(enc.encode(rep)) == rep
     desc = KvPoolDesc(
-        TransportKind.MOONCAKE, "127.0.0.1:5", "i", (RegionDesc(1, 4096, 1 << 40),), (KvPlane(0, 0), KvPlane(0, 2048)), 1, 2, 1024
+        TransportKind.MOONCAKE,
+        "127.0.0.1:5",
+        "i",
+        (RegionDesc(1, 4096, 1 << 40),),
+        (KvPlane(0, 0), KvPlane(0, 2048)),
+        1,
+        2,
+        1024,
     )
     assert kv_pool_decoder().decode(enc.encode(desc)) == desc
 
@@ -85,8 +93,12 @@ def test_requests_and_replies_do_not_cross_decode() -> None:
         reply_decoder().decode(enc.encode(Acquire(1)))
 
 
-def _m(*tensors: TensorEntry, nbytes: int = 1024, version: int = 1, protocol: int = PROTOCOL_VERSION) -> Manifest:
-    return Manifest(version, "i", TransportKind.MOONCAKE, "127.0.0.1:1", RegionDesc(1, nbytes, 4096), tensors, protocol)
+def _m(
+    *tensors: TensorEntry, nbytes: int = 1024, version: int = 1, protocol: int = PROTOCOL_VERSION
+) -> Manifest:
+    return Manifest(
+        version, "i", TransportKind.MOONCAKE, "127.0.0.1:1", RegionDesc(1, nbytes, 4096), tensors, protocol
+    )
 
 
 GOOD = TensorEntry("w", "float32", (4, 4), 0, 64, 0)

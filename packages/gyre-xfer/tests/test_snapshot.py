@@ -13,7 +13,6 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-
 from gyre_xfer.errors import (
     ChecksumError,
     ManifestError,
@@ -101,7 +100,9 @@ def test_torch_views_keep_bfloat16(spawn: Callable[..., Peer], transport: Transp
 @pytest.mark.slow
 def test_pull_while_publisher_writes_is_one_version(spawn: Callable[..., Peer], transport: Transport) -> None:
     peer = spawn("publisher", transport.kind.name.lower(), tensor_bytes=4 << 20)
-    with Subscriber(transport, SubscriberConfig(json.loads(peer.info)["control"], bucket_bytes=1 << 20)) as sub:
+    with Subscriber(
+        transport, SubscriberConfig(json.loads(peer.info)["control"], bucket_bytes=1 << 20)
+    ) as sub:
         peer.send("churn")
         versions = []
         for _ in range(12):
@@ -112,9 +113,13 @@ def test_pull_while_publisher_writes_is_one_version(spawn: Callable[..., Peer], 
 
 
 @pytest.mark.slow
-def test_expired_lease_gives_an_error_never_a_torn_version(spawn: Callable[..., Peer], transport: Transport) -> None:
+def test_expired_lease_gives_an_error_never_a_torn_version(
+    spawn: Callable[..., Peer], transport: Transport
+) -> None:
     # leases that expire at once let the publisher rewrite the slot under the pull
-    peer = spawn("publisher", transport.kind.name.lower(), tensor_bytes=4 << 20, lease_s=0.0, publish_wait_s=1.0)
+    peer = spawn(
+        "publisher", transport.kind.name.lower(), tensor_bytes=4 << 20, lease_s=0.0, publish_wait_s=1.0
+    )
     cfg = SubscriberConfig(json.loads(peer.info)["control"], bucket_bytes=256 << 10)
     outcomes = {"whole": 0, "error": 0}
     with Subscriber(transport, cfg) as sub:
@@ -154,7 +159,10 @@ def test_rewrite_during_pull_is_detected(kind: str) -> None:
 
     def publish() -> None:
         v = pub.version + 1
-        pub.publish({f"t{i}": np.full(1 << 20, fill_value(v, i), np.uint8) for i in range(4)} | {"bf16": np.full((3, 5), v, np.uint16)})
+        pub.publish(
+            {f"t{i}": np.full(1 << 20, fill_value(v, i), np.uint8) for i in range(4)}
+            | {"bf16": np.full((3, 5), v, np.uint16)}
+        )
 
     publish()
     rewriting = _RewritingTransport(sub_tr, lambda: (publish(), publish()))
@@ -174,7 +182,10 @@ def test_wrong_shapes_are_rejected_and_lose_nothing(spawn: Callable[..., Peer], 
     with Subscriber(transport, SubscriberConfig(json.loads(peer.info)["control"])) as sub:
         dest = {f"t{i}": np.zeros(1 << 20, np.uint8) for i in range(4)}
         dest["bf16"] = np.zeros((5, 3), np.uint16)
-        with pytest.raises(ShapeMismatchError, match=r"'bf16': manifest has bfloat16\[3, 5\], destination is bfloat16\[5, 3\]"):
+        with pytest.raises(
+            ShapeMismatchError,
+            match=r"'bf16': manifest has bfloat16\[3, 5\], destination is bfloat16\[5, 3\]",
+        ):
             sub.pull(into=dest, dtypes={"bf16": "bfloat16"})
         with pytest.raises(ShapeMismatchError, match=r"missing \['bf16'\]"):
             sub.pull(into={f"t{i}": dest[f"t{i}"] for i in range(4)})
@@ -254,19 +265,27 @@ class FakePublisher:
         ((TensorEntry("w", "complex", (4,), 0, 16, 0),), "unknown dtype"),
     ],
 )
-def test_bad_manifest_from_a_live_socket_is_rejected(transport: Transport, tensors: tuple[TensorEntry, ...], words: str) -> None:
+def test_bad_manifest_from_a_live_socket_is_rejected(
+    transport: Transport, tensors: tuple[TensorEntry, ...], words: str
+) -> None:
     m = Manifest(1, "x", transport.kind, transport.endpoint, RegionDesc(1, 4096, 1 << 30), tensors)
     fake = FakePublisher(m)
     try:
-        with Subscriber(transport, SubscriberConfig(f"tcp://127.0.0.1:{fake.port}", control_timeout_s=5)) as sub:
-            with pytest.raises(ManifestError, match=words):
-                sub.pull()
+        with (
+            Subscriber(
+                transport, SubscriberConfig(f"tcp://127.0.0.1:{fake.port}", control_timeout_s=5)
+            ) as sub,
+            pytest.raises(ManifestError, match=words),
+        ):
+            sub.pull()
         assert fake.released == [7]  # the lease was handed back
     finally:
         fake.close()
 
 
-def test_no_version_yet_and_wrong_transport_are_errors(spawn: Callable[..., Peer], transport: Transport) -> None:
+def test_no_version_yet_and_wrong_transport_are_errors(
+    spawn: Callable[..., Peer], transport: Transport
+) -> None:
     other = "shm" if transport.kind is TransportKind.MOONCAKE else "mooncake"
     peer = spawn("publisher", other)
     with Subscriber(transport, SubscriberConfig(json.loads(peer.info)["control"])) as sub:

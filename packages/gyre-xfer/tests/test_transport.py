@@ -14,7 +14,6 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-
 from gyre_xfer import mooncake as mc_mod
 from gyre_xfer.errors import OutOfRangeError, TransportUnavailableError
 from gyre_xfer.protocol import RegionDesc
@@ -33,7 +32,17 @@ def metadata_server() -> Iterator[str]:
     """Mooncake's own HTTP metadata server (shipped in its wheel), in its own process on loopback."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake.http_metadata_server", "--port", str(port), "--host", "127.0.0.1", "--log-level", "ERROR"],
+        [
+            sys.executable,
+            "-m",
+            "mooncake.http_metadata_server",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--log-level",
+            "ERROR",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -92,7 +101,11 @@ def test_ranges_are_checked_before_any_byte_moves(kind: str) -> None:
         )
         assert "exceeds region" in res.detail and "exceeds peer region" in res.detail
         assert dst.array is not None
-        assert (dst.array[:1024] == 9).all() and (dst.array[1024:3072] == 0).all() and (dst.array[3072:] == 9).all()
+        assert (
+            (dst.array[:1024] == 9).all()
+            and (dst.array[1024:3072] == 0).all()
+            and (dst.array[3072:] == 9).all()
+        )
         with pytest.raises(OutOfRangeError, match="2 of 5 entries failed"):
             res.raise_for_status(b.endpoint, "reading")
     finally:
@@ -154,7 +167,9 @@ def test_missing_libibverbs_names_the_apt_package(monkeypatch: pytest.MonkeyPatc
 def test_missing_wheel_names_the_extras(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mooncake", None)  # as if no mooncake wheel were installed
     monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
-    with pytest.raises(TransportUnavailableError, match=r"gyre-xfer\[mooncake\]'.*gyre-xfer\[mooncake-cuda13\]"):
+    with pytest.raises(
+        TransportUnavailableError, match=r"gyre-xfer\[mooncake\]'.*gyre-xfer\[mooncake-cuda13\]"
+    ):
         mc_mod.load_engine_class()
 
 
@@ -165,7 +180,7 @@ def test_wheel_is_reported() -> None:
 def test_control_socket_stays_on_loopback() -> None:
     tr = open_transport(Config(kind="shm"))
     try:
-        with pytest.raises(ValueError, match="refusing to bind control socket tcp://0.0.0.0"):
+        with pytest.raises(ValueError, match=r"refusing to bind control socket tcp://0\.0\.0\.0"):
             Publisher(tr, PublisherConfig(control="tcp://0.0.0.0:0"))
         pub = Publisher(tr, PublisherConfig(control="tcp://0.0.0.0:0", allow_remote=True))
         pub.close()

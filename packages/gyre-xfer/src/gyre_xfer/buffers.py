@@ -72,7 +72,9 @@ def view_of(buf: Any, dtype: str | None = None) -> BufferView:
         if name not in DTYPES:
             raise ShapeMismatchError(f"unsupported numpy dtype {buf.dtype}")
         if DTYPES[name][0] != buf.dtype.itemsize:
-            raise ShapeMismatchError(f"dtype {name} needs {DTYPES[name][0]}-byte items, array has {buf.dtype}")
+            raise ShapeMismatchError(
+                f"dtype {name} needs {DTYPES[name][0]}-byte items, array has {buf.dtype}"
+            )
         return BufferView(buf.ctypes.data, buf.nbytes, name, tuple(buf.shape), "cpu", buf)
     mod = type(buf).__module__
     if mod.startswith("torch"):
@@ -82,9 +84,7 @@ def view_of(buf: Any, dtype: str | None = None) -> BufferView:
         if name not in DTYPES:
             raise ShapeMismatchError(f"unsupported torch dtype {buf.dtype}")
         dev = "cpu" if buf.device.type == "cpu" else f"{buf.device.type}:{buf.device.index or 0}"
-        return BufferView(
-            buf.data_ptr(), buf.numel() * buf.element_size(), name, tuple(buf.shape), dev, buf
-        )
+        return BufferView(buf.data_ptr(), buf.numel() * buf.element_size(), name, tuple(buf.shape), dev, buf)
     raise ShapeMismatchError(f"expected a numpy array or torch tensor, got {type(buf).__name__}")
 
 

@@ -68,10 +68,14 @@ class KvPool:
         incarnation: str = "",
     ) -> None:
         if len(planes) != 2 * num_layers:
-            raise ShapeMismatchError(f"{num_layers} layers need {2 * num_layers} K/V planes, got {len(planes)}")
+            raise ShapeMismatchError(
+                f"{num_layers} layers need {2 * num_layers} K/V planes, got {len(planes)}"
+            )
         for r, off in planes:
             if off + num_blocks * block_nbytes > regions[r].nbytes:
-                raise ShapeMismatchError(f"plane at offset {off} of region {r} is shorter than {num_blocks} blocks")
+                raise ShapeMismatchError(
+                    f"plane at offset {off} of region {r} is shorter than {num_blocks} blocks"
+                )
         self.transport = transport
         self.regions = list(regions)
         self.planes = list(planes)
@@ -100,7 +104,9 @@ class KvPool:
             if (vw.shape[:1], vw.nbytes) != ((num_blocks,), views[0].nbytes):
                 raise ShapeMismatchError(f"KV plane {i} has shape {vw.shape}; plane 0 has {views[0].shape}")
         regions = [transport.register(vw.owner) for vw in views]
-        return cls(transport, regions, [(i, 0) for i in range(len(regions))], len(k), num_blocks, block_nbytes)
+        return cls(
+            transport, regions, [(i, 0) for i in range(len(regions))], len(k), num_blocks, block_nbytes
+        )
 
     def describe(self) -> KvPoolDesc:
         return KvPoolDesc(
@@ -124,13 +130,21 @@ class KvPool:
         return arr[start : start + self.block_nbytes]
 
     def pull(
-        self, src: KvPoolDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float | None = None
+        self,
+        src: KvPoolDesc,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        timeout_s: float | None = None,
     ) -> KvTransferResult:
         """Read blocks `src_blocks` of the peer pool `src` into this pool's `dst_blocks`."""
         return self._move(src, list(dst_blocks), list(src_blocks), timeout_s, pull=True)
 
     def push(
-        self, dst: KvPoolDesc, src_blocks: Sequence[int], dst_blocks: Sequence[int], timeout_s: float | None = None
+        self,
+        dst: KvPoolDesc,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        timeout_s: float | None = None,
     ) -> KvTransferResult:
         """Write this pool's `src_blocks` into the peer pool `dst`'s `dst_blocks`."""
         return self._move(dst, list(src_blocks), list(dst_blocks), timeout_s, pull=False)

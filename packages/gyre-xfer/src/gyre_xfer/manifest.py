@@ -7,6 +7,7 @@ when a subscriber's buffers do not fit the manifest exactly.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -70,7 +71,7 @@ def validate(m: Manifest) -> None:
             raise ManifestError(f"{where}: checksum {t.crc32} is not a crc32")
         spans.append((t.offset, t.offset + t.nbytes, t.name))
     spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
         if start < end:
             raise ManifestError(f"manifest version {m.version}: tensors {a!r} and {b!r} overlap")
 

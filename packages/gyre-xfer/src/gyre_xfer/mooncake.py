@@ -7,6 +7,7 @@ configured time = TIMEOUT, otherwise entries are retried one by one so the resul
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import itertools
 import os
@@ -145,7 +146,7 @@ class MooncakeTransport:
         if view.device == "cpu" and view.nbytes == 0:
             arr = np.empty(0, np.uint8)
         elif view.device == "cpu":
-            arr = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * view.nbytes).from_address(view.addr))
+            arr = np.ctypeslib.as_array((ctypes.c_uint8 * view.nbytes).from_address(view.addr))
         region = Region(RegionDesc(next(self._ids), view.nbytes, view.addr), view.device, arr, buf)
         with self._lock:
             self._regions[region.desc.region_id] = region
@@ -166,7 +167,9 @@ class MooncakeTransport:
     def write(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
         return self._batch(peer, ops, timeout_s, self._engine.batch_transfer_sync_write)
 
-    def _call(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, deadline: float) -> int | None:
+    def _call(
+        self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, deadline: float
+    ) -> int | None:
         """Run fn(*args) on a helper thread; its return code, or None if the deadline passed first.
         `keep` (the buffers involved) stays referenced by the helper until Mooncake returns."""
         call = _Call(fn, args, keep, 2.0 * self.config.progress_timeout_s + 5.0)
@@ -238,7 +241,6 @@ class MooncakeTransport:
             if r.nbytes:
                 self._engine.unregister_memory(r.addr)
         self._engine = None  # Mooncake stops its listeners when the engine is destroyed
-
 
 
 class _Call:

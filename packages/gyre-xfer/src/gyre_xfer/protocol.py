@@ -135,7 +135,6 @@ class ErrorReply(msgspec.Struct, frozen=True, array_like=True, tag="error"):
 Reply = Welcome | Lease | Released | ErrorReply
 
 
-
 def request_decoder() -> msgspec.msgpack.Decoder[Request]:
     """A typed decoder over every request; build one per socket-owning thread and reuse it."""
     return msgspec.msgpack.Decoder(Request)

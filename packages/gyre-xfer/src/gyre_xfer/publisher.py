@@ -174,13 +174,18 @@ class Publisher:
                     f"publisher speaks protocol {PROTOCOL_VERSION}, client {req.protocol}",
                 )
             return Welcome(
-                PROTOCOL_VERSION, self.incarnation, self.transport.kind, self.transport.endpoint, self._version
+                PROTOCOL_VERSION,
+                self.incarnation,
+                self.transport.kind,
+                self.transport.endpoint,
+                self._version,
             )
         if isinstance(req, Acquire):
             with self._cond:
                 if self._latest is None or self._version < req.min_version:
                     return ErrorReply(
-                        ErrorCode.NO_VERSION, f"newest version is {self._version}, asked for >= {req.min_version}"
+                        ErrorCode.NO_VERSION,
+                        f"newest version is {self._version}, asked for >= {req.min_version}",
                     )
                 slot = self._slots[self._latest]
                 assert slot.manifest is not None

@@ -8,6 +8,7 @@ unlinked on `close`; a mapping lives as long as a numpy view of it does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -94,7 +95,9 @@ class ShmTransport:
     def _peer_base(self, desc: RegionDesc) -> int:
         """Address of the peer region mapped into this process (mapped once, cached by name)."""
         if not desc.shm_name:
-            raise XferError(f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)")
+            raise XferError(
+                f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)"
+            )
         if "/" in desc.shm_name:
             raise XferError(f"bad shared-memory segment name {desc.shm_name!r}")
         with self._lock:
@@ -103,7 +106,9 @@ class ShmTransport:
                 arr = np.memmap(os.path.join(SHM_DIR, desc.shm_name), dtype=np.uint8, mode="r+")
                 self._peers[desc.shm_name] = arr
         if arr.nbytes < desc.nbytes:
-            raise XferError(f"peer segment {desc.shm_name} is {arr.nbytes} bytes, descriptor says {desc.nbytes}")
+            raise XferError(
+                f"peer segment {desc.shm_name} is {arr.nbytes} bytes, descriptor says {desc.nbytes}"
+            )
         return int(arr.ctypes.data)
 
     def read(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
@@ -117,10 +122,13 @@ class ShmTransport:
             raise XferError("transport is closed")
         t0 = time.monotonic()
         if peer != self._endpoint:
-            statuses = tuple(EntryStatus.FAILED for _ in ops)
-            return BatchResult(statuses, 0.0, f"peer {peer} is not on this host ({self._endpoint})")
+            return BatchResult(
+                tuple(EntryStatus.FAILED for _ in ops),
+                0.0,
+                f"peer {peer} is not on this host ({self._endpoint})",
+            )
         problems = check_ranges(ops)
-        statuses = []
+        statuses: list[EntryStatus] = []
         details = [p for p in problems if p]
         for op, problem in zip(ops, problems, strict=True):
             if problem:
@@ -167,7 +175,5 @@ SHM_DIR = "/dev/shm"
 
 def _unlink(path: str) -> None:
     """Remove the segment's name; processes that mapped it keep their mapping until they drop it."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -7,6 +7,7 @@ finds the slot rewritten (lease expired) raises SnapshotOverwrittenError; checks
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import zlib
@@ -170,7 +171,9 @@ class Subscriber:
             m = reply.manifest
             validate(m)
             if m.transport != self.transport.kind:
-                raise ManifestError(f"manifest is for transport {m.transport.name}, not {self.transport.kind.name}")
+                raise ManifestError(
+                    f"manifest is for transport {m.transport.name}, not {self.transport.kind.name}"
+                )
             self._note_incarnation(m)
             targets = self._targets(m, into, dtypes)
             self._read_all(m, targets, t0)
@@ -190,10 +193,8 @@ class Subscriber:
                 _verify(m, targets)
         except BaseException:
             if not released:
-                try:
+                with contextlib.suppress(XferError):
                     self._request(Release(reply.lease_id))
-                except XferError:
-                    pass
             raise
         self.stats.pulls += 1
         nbytes = sum(t.nbytes for t in m.tensors)
@@ -253,7 +254,9 @@ class Subscriber:
         for bucket in _buckets(m.tensors, targets, m, self.config.bucket_bytes):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PeerTimeoutError(f"pulling version {m.version} took over {self.config.pull_timeout_s} s")
+                raise PeerTimeoutError(
+                    f"pulling version {m.version} took over {self.config.pull_timeout_s} s"
+                )
             result = self.transport.read(m.endpoint, bucket, timeout_s=left)
             result.raise_for_status(m.endpoint, f"pulling version {m.version}")
 

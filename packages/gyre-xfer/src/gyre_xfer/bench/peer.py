@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from ..publisher import Publisher
-from ..transport import Config, open_transport
+from gyre_xfer.publisher import Publisher
+from gyre_xfer.transport import Config, open_transport
 
 
 def main() -> None:

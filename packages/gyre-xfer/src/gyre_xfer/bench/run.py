@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from ..kv import KvPool
-from ..mooncake import MooncakeTransport
-from ..protocol import RegionDesc
-from ..subscriber import Subscriber, SubscriberConfig
-from ..transport import Config, Op, open_transport
+from gyre_xfer.kv import KvPool
+from gyre_xfer.mooncake import MooncakeTransport
+from gyre_xfer.protocol import RegionDesc
+from gyre_xfer.subscriber import Subscriber, SubscriberConfig
+from gyre_xfer.transport import Config, Op, open_transport
 
 MiB = 1 << 20
 
@@ -97,17 +97,21 @@ def run(quick: bool) -> dict[str, Any]:
         for size, n in reps.items():
             raw_t: list[float] = []
             wrap_t: list[float] = []
+            one = [Op(dst, 0, remote, 0, size)]
             for _ in range(n):
-                raw_t.append(_timed(lambda s=size: engine.transfer_sync_read(seg, dst.addr, remote.addr, s)))
-                r = [None]
-                wrap_t.append(
-                    _timed(lambda s=size, r=r: r.__setitem__(0, mc.read(seg, [Op(dst, 0, remote, 0, s)])))
-                )
-                assert r[0] is not None and r[0].ok, r[0]
+                t0 = time.perf_counter()
+                rc = engine.transfer_sync_read(seg, dst.addr, remote.addr, size)
+                raw_t.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                res = mc.read(seg, one)
+                wrap_t.append(time.perf_counter() - t0)
+                assert rc == 0 and res.ok, (rc, res)
             label = f"{size // MiB}mib"
             out[f"raw_{label}_gbps"] = round(_median_gbps(size, raw_t), 3)
             out[f"wrapper_{label}_gbps"] = round(_median_gbps(size, wrap_t), 3)
-            out[f"wrapper_over_raw_{label}"] = round(out[f"wrapper_{label}_gbps"] / out[f"raw_{label}_gbps"], 3)
+            out[f"wrapper_over_raw_{label}"] = round(
+                out[f"wrapper_{label}_gbps"] / out[f"raw_{label}_gbps"], 3
+            )
         # 1,000 scattered 64 KiB blocks
         blk = 64 << 10
         rng = np.random.default_rng(1)
@@ -115,7 +119,9 @@ def run(quick: bool) -> dict[str, Any]:
         dst_ids = rng.permutation(big // blk)[:1000]
         locs = [dst.addr + int(d) * blk for d in dst_ids]
         rems = [remote.addr + int(s) * blk for s in src_ids]
-        ops = [Op(dst, int(d) * blk, remote, int(s) * blk, blk) for s, d in zip(src_ids, dst_ids, strict=True)]
+        ops = [
+            Op(dst, int(d) * blk, remote, int(s) * blk, blk) for s, d in zip(src_ids, dst_ids, strict=True)
+        ]
         raw_b: list[float] = []
         wrap_b: list[float] = []
         for _ in range(block_reps):
@@ -130,9 +136,9 @@ def run(quick: bool) -> dict[str, Any]:
         pool = KvPool.allocate(mc, 1, half // (blk // 2), blk // 2)
         kv_t = []
         for _ in range(block_reps):
-            res = pool.pull(kv_peer_desc, [int(s) for s in src_ids], [int(d) for d in dst_ids])
-            assert res.ok, res.detail
-            kv_t.append(res.elapsed_s)
+            kres = pool.pull(kv_peer_desc, [int(s) for s in src_ids], [int(d) for d in dst_ids])
+            assert kres.ok, kres.detail
+            kv_t.append(kres.elapsed_s)
         out["kv_pull_1000_blocks_gbps"] = round(_median_gbps(1000 * blk, kv_t), 3)
         pool.close()
         # plain TCP and memcpy ceilings, shared memory
@@ -140,19 +146,22 @@ def run(quick: bool) -> dict[str, Any]:
         a = np.ones(big, np.uint8)
         b = np.empty(big, np.uint8)
         b.fill(0)
-        mem_t = [_timed(lambda: ctypes.memmove(b.ctypes.data, a.ctypes.data, big)) for _ in range(reps[big])]
         shm = open_transport(Config(kind="shm"))
         sdst = shm.register(b)
         sremote = RegionDesc(0, big, 0, info["shm_name"])
-        shm_t = []
-        for _ in range(reps[big]):
-            r = shm.read(info["shm_endpoint"], [Op(sdst, 0, sremote, 0, big)])
-            assert r.ok, r.detail
-            shm_t.append(r.elapsed_s)
+        mem_t: list[float] = []
+        shm_t: list[float] = []
+        for _ in range(reps[big]):  # alternate memcpy and shared memory into the same destination
+            mem_t.append(_timed(lambda: ctypes.memmove(b.ctypes.data, a.ctypes.data, big)))
+            sres = shm.read(info["shm_endpoint"], [Op(sdst, 0, sremote, 0, big)])
+            assert sres.ok, sres.detail
+            shm_t.append(sres.elapsed_s)
         out["memcpy_256mib_gbps"] = round(_median_gbps(big, mem_t), 3)
         out["shm_256mib_gbps"] = round(_median_gbps(big, shm_t), 3)
         out["shm_over_memcpy"] = round(out["shm_256mib_gbps"] / out["memcpy_256mib_gbps"], 3)
-        out["mooncake_256mib_over_tcp_socket"] = round(out["wrapper_256mib_gbps"] / out["tcp_socket_256mib_gbps"], 3)
+        out["mooncake_256mib_over_tcp_socket"] = round(
+            out["wrapper_256mib_gbps"] / out["tcp_socket_256mib_gbps"], 3
+        )
         shm.close()
         # publish -> subscriber holding the whole 1 GiB snapshot
         sub = Subscriber(mc, SubscriberConfig(info["control"]))
@@ -182,10 +191,17 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def _peer_pool_desc(kind: Any, seg: str, remote: RegionDesc, plane_bytes: int, block: int) -> Any:
-    from ..protocol import KvPlane, KvPoolDesc
+    from gyre_xfer.protocol import KvPlane, KvPoolDesc
 
     return KvPoolDesc(
-        kind, seg, "bench-peer", (remote,), (KvPlane(0, 0), KvPlane(0, plane_bytes)), 1, plane_bytes // block, block
+        kind,
+        seg,
+        "bench-peer",
+        (remote,),
+        (KvPlane(0, 0), KvPlane(0, plane_bytes)),
+        1,
+        plane_bytes // block,
+        block,
     )
 
 
