@@ -13,8 +13,10 @@ from gyre_xfer.protocol import (
     ErrorCode,
     ErrorReply,
     Hello,
+    KvOffer,
     KvPlane,
     KvPoolDesc,
+    KvReceipt,
     Lease,
     Manifest,
     RegionDesc,
@@ -83,6 +85,10 @@ def test_every_message_round_trips() -> None:
         1024,
     )
     assert kv_pool_decoder().decode(enc.encode(desc)) == desc
+    offer = KvOffer("req-1", desc, (4, 5, 9), 40)
+    receipt = KvReceipt("req-1", (4, 9), (5,))
+    assert msgspec.msgpack.decode(enc.encode(offer), type=KvOffer | KvReceipt) == offer
+    assert msgspec.msgpack.decode(enc.encode(receipt), type=KvOffer | KvReceipt) == receipt
 
 
 def test_requests_and_replies_do_not_cross_decode() -> None:

@@ -82,6 +82,24 @@ class KvPoolDesc(msgspec.Struct, frozen=True, array_like=True):
     protocol: int = PROTOCOL_VERSION
 
 
+class KvOffer(msgspec.Struct, frozen=True, array_like=True, tag="kv_offer"):
+    """Source engine -> target engine (inside the engines' own protocol): these blocks, locked at the
+    source until a receipt comes back, hold `num_tokens` tokens of `request_id`'s context, in order."""
+
+    request_id: str
+    pool: KvPoolDesc
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+class KvReceipt(msgspec.Struct, frozen=True, array_like=True, tag="kv_receipt"):
+    """Target -> source: which offered blocks arrived (the source may unlock all of them now)."""
+
+    request_id: str
+    arrived: tuple[int, ...]
+    failed: tuple[int, ...]
+
+
 # ---- snapshot control: requests ------------------------------------------------------------------
 
 
