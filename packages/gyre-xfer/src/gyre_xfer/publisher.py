@@ -13,6 +13,7 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,7 @@ class Publisher:
         self._lease_ids = itertools.count(1)
         self._lease_gen: dict[int, tuple[int, int]] = {}  # lease id -> (slot, generation)
         self._cond = threading.Condition()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
         self._sock.bind(self.config.control)
@@ -119,12 +121,15 @@ class Publisher:
                 slot.region = self.transport.alloc(max(total, 1))
             arr = slot.region.array
             assert arr is not None, "publisher slots live in CPU memory"
-            entries = []
-            for p in placements:
+            sums: list[Future[int] | None] = []
+            for p in placements:  # checksum tensor i on a helper thread while tensor i+1 is copied
                 dst = arr[p.offset : p.offset + p.nbytes]
                 _copy_into(dst, views[p.name])
-                crc = zlib.crc32(dst) if self.config.checksums else -1
-                entries.append(TensorEntry(p.name, p.dtype, p.shape, p.offset, p.nbytes, crc))
+                sums.append(self._hasher.submit(zlib.crc32, dst) if self.config.checksums else None)
+            entries = [
+                TensorEntry(p.name, p.dtype, p.shape, p.offset, p.nbytes, -1 if f is None else f.result())
+                for p, f in zip(placements, sums, strict=True)
+            ]
         except BaseException:
             with self._cond:
                 slot.manifest = None
@@ -235,6 +240,7 @@ class Publisher:
         self._thread.join(timeout=5)
         self._sock.close()
         self._ctx.term()
+        self._hasher.shutdown(wait=True)
         for s in self._slots:
             if s.region is not None:
                 self.transport.unregister(s.region)

@@ -12,6 +12,7 @@ import itertools
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,7 @@ class Subscriber:
         self._decoder = reply_decoder()
         self._rids = itertools.count(1)
         self._staging: Region | None = None
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
         self.stats = _Stats()
 
     # ---- control ----------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ class Subscriber:
                 )
             self._note_incarnation(m)
             targets = self._targets(m, into, dtypes)
-            self._read_all(m, targets, t0)
+            sums = self._read_all(m, targets, t0)
             released = True
             rel = self._request(Release(reply.lease_id))
             if isinstance(rel, ErrorReply) or not isinstance(rel, Released) or not rel.intact:
@@ -189,8 +191,7 @@ class Subscriber:
                 for t in m.tensors
                 if targets[t.name][0].nbytes == t.nbytes  # device destinations have no CPU view
             }
-            if self.config.verify_checksums:
-                _verify(m, targets)
+            _verify(m, sums)
         except BaseException:
             if not released:
                 with contextlib.suppress(XferError):
@@ -249,9 +250,15 @@ class Subscriber:
             self.stats.registered[key] = region
         return region
 
-    def _read_all(self, m: Manifest, targets: dict[str, tuple[np.ndarray, Region, int]], t0: float) -> None:
+    def _read_all(
+        self, m: Manifest, targets: dict[str, tuple[np.ndarray, Region, int]], t0: float
+    ) -> dict[str, Future[int]]:
+        """Read every bucket; each tensor's crc32 is computed on a helper thread as soon as its last
+        piece has landed, overlapping the next bucket's transfer. Returns name -> crc32 future."""
         deadline = t0 + self.config.pull_timeout_s
-        for bucket in _buckets(m.tensors, targets, m, self.config.bucket_bytes):
+        sums: dict[str, Future[int]] = {}
+        by_name = {t.name: t for t in m.tensors}
+        for bucket, finished in _buckets(m.tensors, targets, m, self.config.bucket_bytes):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerTimeoutError(
@@ -259,8 +266,15 @@ class Subscriber:
                 )
             result = self.transport.read(m.endpoint, bucket, timeout_s=left)
             result.raise_for_status(m.endpoint, f"pulling version {m.version}")
+            if self.config.verify_checksums:
+                for name in finished:
+                    raw = targets[name][0]
+                    if by_name[name].crc32 >= 0 and raw.nbytes == by_name[name].nbytes:
+                        sums[name] = self._hasher.submit(zlib.crc32, raw)
+        return sums
 
     def close(self) -> None:
+        self._hasher.shutdown(wait=True)
         self._sock.close()
         self._ctx.term()
         for region in self.stats.registered.values():
@@ -282,9 +296,11 @@ def _buckets(
     targets: dict[str, tuple[np.ndarray, Region, int]],
     m: Manifest,
     bucket_bytes: int,
-) -> Iterator[list[Op]]:
-    """Cut tensors into pieces of at most `bucket_bytes` and group them into batches of about that size."""
+) -> Iterator[tuple[list[Op], list[str]]]:
+    """Cut tensors into pieces of at most `bucket_bytes` and group them into batches of about that size;
+    each batch comes with the names of the tensors whose last piece it holds."""
     bucket: list[Op] = []
+    finished: list[str] = []
     size = 0
     for t in tensors:
         _, region, base = targets[t.name]
@@ -294,18 +310,21 @@ def _buckets(
             bucket.append(Op(region, base + pos, m.region, t.offset + pos, n))
             size += n
             pos += max(n, 1)
+            if pos >= t.nbytes:
+                finished.append(t.name)
             if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
+                yield bucket, finished
+                bucket, finished, size = [], [], 0
     if bucket:
-        yield bucket
+        yield bucket, finished
 
 
-def _verify(m: Manifest, targets: dict[str, tuple[np.ndarray, Region, int]]) -> None:
+def _verify(m: Manifest, sums: Mapping[str, Future[int]]) -> None:
+    """Compare the crc32s computed during the pull with the manifest's (device memory is not checked)."""
     for t in m.tensors:
-        raw = targets[t.name][0]
-        if t.crc32 < 0 or raw.nbytes != t.nbytes:
-            continue  # no checksum published, or the bytes are in device memory
-        got = zlib.crc32(raw)
+        fut = sums.get(t.name)
+        if fut is None:
+            continue
+        got = fut.result()
         if got != t.crc32:
             raise ChecksumError(f"{t.name!r} of version {m.version}: crc32 {got:#x} != {t.crc32:#x}")
