@@ -39,6 +39,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _alternate(n: int, a: Callable[[], Any], b: Callable[[], Any]) -> tuple[list[float], list[float]]:
+    """Time a and b n times each, alternating which goes first so neither gets the warmer cache."""
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(n):
+        order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
+        for fn, times in order:
+            times.append(_timed(fn))
+    return ta, tb
+
+
 def _tcp_gbps(nbytes: int, reps: int) -> float:
     """Plain loopback TCP: one sender thread, one receiver, recv_into a preallocated buffer."""
     payload = np.ones(nbytes, np.uint8)
@@ -95,17 +106,17 @@ def run(quick: bool) -> dict[str, Any]:
         # warm the connection
         engine.transfer_sync_read(seg, dst.addr, remote.addr, MiB)
         for size, n in reps.items():
-            raw_t: list[float] = []
-            wrap_t: list[float] = []
             one = [Op(dst, 0, remote, 0, size)]
-            for _ in range(n):
-                t0 = time.perf_counter()
+
+            def raw(size: int = size) -> None:
                 rc = engine.transfer_sync_read(seg, dst.addr, remote.addr, size)
-                raw_t.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                assert rc == 0, rc
+
+            def wrapped(one: list[Op] = one) -> None:
                 res = mc.read(seg, one)
-                wrap_t.append(time.perf_counter() - t0)
-                assert rc == 0 and res.ok, (rc, res)
+                assert res.ok, res
+
+            raw_t, wrap_t = _alternate(n, raw, wrapped)
             label = f"{size // MiB}mib"
             out[f"raw_{label}_gbps"] = round(_median_gbps(size, raw_t), 3)
             out[f"wrapper_{label}_gbps"] = round(_median_gbps(size, wrap_t), 3)
@@ -122,11 +133,11 @@ def run(quick: bool) -> dict[str, Any]:
         ops = [
             Op(dst, int(d) * blk, remote, int(s) * blk, blk) for s, d in zip(src_ids, dst_ids, strict=True)
         ]
-        raw_b: list[float] = []
-        wrap_b: list[float] = []
-        for _ in range(block_reps):
-            raw_b.append(_timed(lambda: engine.batch_transfer_sync_read(seg, locs, rems, [blk] * 1000)))
-            wrap_b.append(_timed(lambda: mc.read(seg, ops)))
+        raw_b, wrap_b = _alternate(
+            block_reps,
+            lambda: engine.batch_transfer_sync_read(seg, locs, rems, [blk] * 1000),
+            lambda: mc.read(seg, ops),
+        )
         out["raw_blocks_gbps"] = round(_median_gbps(1000 * blk, raw_b), 3)
         out["wrapper_blocks_gbps"] = round(_median_gbps(1000 * blk, wrap_b), 3)
         out["wrapper_over_raw_blocks"] = round(out["wrapper_blocks_gbps"] / out["raw_blocks_gbps"], 3)
