@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from gyre_xfer.shm import sweep_orphans
 
 PEER = Path(__file__).with_name("peer_proc.py")
 
@@ -74,3 +75,4 @@ def spawn() -> Iterator[Callable[..., Peer]]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.proc.pid, signal.SIGCONT)  # in case a test stopped it
         p.stop()
+    sweep_orphans()  # segments of peers a test killed

@@ -198,3 +198,19 @@ def test_region_desc_for_unallocated_memory_is_refused_by_shm_peers() -> None:
         assert res.statuses == (EntryStatus.FAILED,) and "not in shared memory" in res.detail
     finally:
         a.close()
+
+
+def test_sweep_removes_segments_of_dead_processes(tmp_path: object) -> None:
+    import os
+    from pathlib import Path
+
+    from gyre_xfer.shm import sweep_orphans
+
+    d = Path(str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / f"gyre-{dead.pid}-abcd-1").write_bytes(b"x")
+    (d / f"gyre-{os.getpid()}-abcd-1").write_bytes(b"x")
+    (d / "someone-else").write_bytes(b"x")
+    assert sweep_orphans(str(d)) == [str(d / f"gyre-{dead.pid}-abcd-1")]
+    assert sorted(p.name for p in d.iterdir()) == [f"gyre-{os.getpid()}-abcd-1", "someone-else"]

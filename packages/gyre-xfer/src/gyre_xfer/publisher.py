@@ -71,6 +71,7 @@ class _Slot:
     region: Region | None = None
     manifest: Manifest | None = None
     generation: int = 0
+    writing: bool = False
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> expiry (monotonic)
 
 
@@ -134,6 +135,7 @@ class Publisher:
             with self._cond:
                 slot.manifest = None
                 slot.generation += 1
+                slot.writing = False
                 self._cond.notify_all()
             raise
         with self._cond:
@@ -147,6 +149,7 @@ class Publisher:
                 tuple(entries),
             )
             slot.generation += 1
+            slot.writing = False
             self._latest = idx
             self._cond.notify_all()
             return self._version
@@ -159,7 +162,8 @@ class Publisher:
                 now = time.monotonic()
                 for i, s in enumerate(self._slots):
                     s.leases = {k: v for k, v in s.leases.items() if v > now}
-                    if i != self._latest and not s.leases:
+                    if i != self._latest and not s.leases and not s.writing:
+                        s.writing = True
                         s.manifest = None  # no longer served
                         s.generation += 1  # any lease still held on it now fails at release
                         return i

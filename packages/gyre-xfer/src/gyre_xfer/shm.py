@@ -8,6 +8,7 @@ unlinked on `close`; a mapping lives as long as a numpy view of it does.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import itertools
@@ -46,6 +47,7 @@ class ShmTransport:
         self._prefix = f"gyre-{os.getpid()}-{secrets.token_hex(4)}"
         self._ids = itertools.count(1)
         self._owned: dict[int, str] = {}
+        atexit.register(_unlink_all, self._owned)  # a normal exit never leaves segments behind
         self._regions: dict[int, Region] = {}
         self._peers: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
@@ -163,14 +165,41 @@ class ShmTransport:
             return
         self._closed = True
         with self._lock:
-            owned, self._owned = list(self._owned.values()), {}
+            owned = list(self._owned.values())
+            self._owned.clear()
             self._peers.clear()
             self._regions.clear()
         for path in owned:
             _unlink(path)
 
 
+def sweep_orphans(shm_dir: str | None = None) -> list[str]:
+    """Remove gyre segments whose creating process is gone (killed before it could unlink them).
+    Judged by pid in this pid namespace: do not run it where containers with other pid namespaces share
+    /dev/shm. Returns the paths removed."""
+    shm_dir = shm_dir or SHM_DIR
+    removed = []
+    for name in os.listdir(shm_dir):
+        parts = name.split("-")
+        if len(parts) < 4 or parts[0] != "gyre" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            _unlink(os.path.join(shm_dir, name))
+            removed.append(os.path.join(shm_dir, name))
+        except PermissionError:
+            continue  # alive, owned by someone else
+    return removed
+
+
 SHM_DIR = "/dev/shm"
+
+
+def _unlink_all(owned: dict[int, str]) -> None:
+    for path in list(owned.values()):
+        _unlink(path)
+    owned.clear()
 
 
 def _unlink(path: str) -> None:
