@@ -207,10 +207,8 @@ class Subscriber:
     def _note_incarnation(self, m: Manifest) -> None:
         if self.stats.incarnation and self.stats.incarnation != m.incarnation:
             self.stats.restarts_seen += 1  # new process, new regions: nothing cached about the old one
-            forget = getattr(self.transport, "forget_peer", None)
-            if forget is not None:
-                forget(m.region.shm_name)
         self.stats.incarnation = m.incarnation
+        self.transport.note_peer(m.endpoint, m.incarnation)
 
     def _targets(
         self, m: Manifest, into: Mapping[str, Any] | None, dtypes: Mapping[str, str] | None
