@@ -118,7 +118,12 @@ class Subscriber:
 
     def _request(self, req: Request) -> Reply:
         rid = str(next(self._rids)).encode()
-        self._sock.send_multipart([rid, self._encoder.encode(req)], flags=zmq.NOBLOCK)
+        try:
+            self._sock.send_multipart([rid, self._encoder.encode(req)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise PeerTimeoutError(
+                f"publisher {self.config.publisher} is not taking requests (send queue full)"
+            ) from None
         timeout_ms = int(self.config.control_timeout_s * 1000)
         while self._sock.poll(timeout_ms, zmq.POLLIN):
             frames = self._sock.recv_multipart()
