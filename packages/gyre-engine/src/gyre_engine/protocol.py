@@ -95,7 +95,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
     """Body of POST /generate (one request; SGLang's list form is accepted by the server too)."""
 
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int | list[int]] | None = None
     text: str | list[str] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
@@ -128,9 +128,9 @@ class MetaInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0
-    weight_version: str = "default"
-    e2e_latency: float = 0.0
+    cached_tokens: int
+    weight_version: str
+    e2e_latency: float
     output_token_logprobs: list[LogprobEntry] | None = None
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
 

@@ -133,7 +133,10 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             single = isinstance(req.text, str)
         else:
             assert req.input_ids is not None
-            single = not req.input_ids or isinstance(req.input_ids[0], int)
+            single = _single(req)
+            kinds = {isinstance(x, int) for x in req.input_ids}
+            if len(kinds) > 1:
+                raise ProtocolError("input_ids must be a list of token ids or a list of such lists, not a mix")
             ids_list = [req.input_ids] if single else req.input_ids  # type: ignore[assignment,list-item]
         n = len(ids_list)
         sp = req.sampling_params if req.sampling_params is not None else {}
