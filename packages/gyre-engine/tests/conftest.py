@@ -50,7 +50,16 @@ class ServerProc:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(model_dir), "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gyre_engine",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+        ]
         cmd += ["--device", "cpu", "--max-running-requests", "16"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from gyre_engine.client import EngineClient, EngineError
 from gyre_engine.protocol import SamplingParams
 
@@ -50,12 +49,16 @@ def test_logprobs_equal_a_separate_forward_pass(server: Any, hf_model: Any) -> N
     full = torch.tensor([ids + r.output_ids])
     with torch.no_grad():
         logits = hf_model(full).logits[0, len(ids) - 1 : -1]
-    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1)
+    expected = (
+        torch.log_softmax(logits / 0.7, dim=-1).gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1)
+    )
     assert torch.allclose(torch.tensor([e[0] for e in lps]), expected, atol=1e-4)
 
 
 def test_seeded_sampling_is_reproducible(server: Any) -> None:
-    sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, sampling_seed=123, ignore_eos=True)
+    sp = SamplingParams(
+        max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, sampling_seed=123, ignore_eos=True
+    )
     a, b = run(_gen(server.url, USER, sp)), run(_gen(server.url, USER, sp))
     assert a.output_ids == b.output_ids
 
@@ -115,7 +118,9 @@ def test_streaming_is_cumulative_and_ends_like_the_plain_call(server: Any) -> No
         assert ch.output_ids == plain.output_ids[: i + 1]
         assert (ch.meta_info.finish_reason is None) == (i < 23)
     assert chunks[-1].text == plain.text
-    with httpx.stream("POST", f"{server.url}/generate", json={"input_ids": USER, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/generate", json={"input_ids": USER, "stream": True}, timeout=30
+    ) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
 
@@ -123,7 +128,9 @@ def test_streaming_is_cumulative_and_ends_like_the_plain_call(server: Any) -> No
 def test_stop_token_and_stop_string(server: Any, tokenizer: Any) -> None:
     free = run(_gen(server.url, USER))
     stop_id = free.output_ids[5]
-    r = run(_gen(server.url, USER, SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[stop_id])))
+    r = run(
+        _gen(server.url, USER, SamplingParams(max_new_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))
+    )
     assert r.output_ids == free.output_ids[: free.output_ids.index(stop_id) + 1]
     assert r.meta_info.finish_reason is not None and r.meta_info.finish_reason.matched == stop_id
     piece = tokenizer.decode([free.output_ids[3]])
@@ -146,7 +153,9 @@ def test_stop_token_and_stop_string(server: Any, tokenizer: Any) -> None:
         ({"sampling_params": {}}, "input_ids"),
     ],
 )
-def test_bad_input_is_a_400_and_the_server_keeps_serving(server: Any, body: dict[str, Any], needle: str) -> None:
+def test_bad_input_is_a_400_and_the_server_keeps_serving(
+    server: Any, body: dict[str, Any], needle: str
+) -> None:
     r = httpx.post(f"{server.url}/generate", json=body, timeout=30)
     assert r.status_code == 400
     assert needle in r.json()["error"]["message"]

@@ -136,7 +136,9 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             single = _single(req)
             kinds = {isinstance(x, int) for x in req.input_ids}
             if len(kinds) > 1:
-                raise ProtocolError("input_ids must be a list of token ids or a list of such lists, not a mix")
+                raise ProtocolError(
+                    "input_ids must be a list of token ids or a list of such lists, not a mix"
+                )
             ids_list = [req.input_ids] if single else req.input_ids  # type: ignore[assignment,list-item]
         n = len(ids_list)
         sp = req.sampling_params if req.sampling_params is not None else {}
@@ -272,7 +274,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     async def update_from_disk(request: Request) -> Response:
         body = await body_as(request, UpdateFromDiskRequest)
         tensors = await asyncio.to_thread(read_model_dir, body.model_path)
-        running, waiting = engine.counts()
+        running, waiting = await run(engine.counts)
         n = await run(
             engine.update_weights,
             lambda: apply_named_tensors(engine.model, tensors),
@@ -302,10 +304,10 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         return _json_response(None)
 
     async def flush_cache(request: Request) -> Response:
-        running, waiting = engine.counts()
-        if running or waiting:
-            return Response(b"Cache not flushed: there are running or waiting requests", status_code=400)
-        await run(engine.flush_cache)
+        try:
+            await run(engine.flush_cache)
+        except EngineUnavailable as exc:
+            return Response(str(exc).encode(), status_code=400, media_type="text/plain")
         return Response(b"Cache flushed.\n", status_code=200, media_type="text/plain")
 
     async def model_info(request: Request) -> Response:

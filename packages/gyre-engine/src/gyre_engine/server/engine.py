@@ -349,6 +349,9 @@ class Engine:
         self.paused = False
 
     def flush_cache(self) -> None:
+        """Drop the prefix cache; refused while requests run (as SGLang does)."""
+        if self._running or self._waiting:
+            raise EngineUnavailable("Cache not flushed: there are running or waiting requests")
         self.prefix.clear()
 
     def begin_weight_update(self) -> None:
