@@ -36,11 +36,17 @@ def test_rows_get_their_solo_logits_while_joining_and_leaving(
 ) -> None:
     batch = DecodeBatch(torch.device("cpu"))
     seqs: list[list[int]] = []
+    together = []
     for i, n in enumerate(lengths):
         ids = [1000 + 17 * i + j for j in range(n)]
         kv, logits = prefill(hf_model, ids)
         nxt = int(logits.argmax())
-        batch.add(kv, nxt)
+        if i < 2:  # the first rows join together, the rest one by one
+            together.append((kv, nxt))
+            if i == min(1, len(lengths) - 1):
+                batch.add_many(together)
+        else:
+            batch.add(kv, nxt)
         seqs.append([*ids, nxt])
     for step in range(3):
         logits = batch.step(hf_model)

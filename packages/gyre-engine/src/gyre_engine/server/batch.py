@@ -77,35 +77,42 @@ class DecodeBatch:
 
     def add(self, kv: RowKV, next_token: int) -> None:
         """Append a row whose cache covers `kv.length` tokens and whose next input is `next_token`."""
-        n = kv.length
-        if self.cache is None or not self.lengths:
-            keys, values = [k.clone() for k in kv.keys], [v.clone() for v in kv.values]
-            self.mask = torch.ones((1, n), dtype=torch.long, device=self.device)
-        else:
+        self.add_many([(kv, next_token)])
+
+    def add_many(self, rows: list[tuple[RowKV, int]]) -> None:
+        """Append several rows at once (one re-pad and copy of the cache, however many join)."""
+        if not rows:
+            return
+        old_k: list[torch.Tensor] = []
+        old_v: list[torch.Tensor] = []
+        if self.cache is not None and self.lengths:
             old_k, old_v = cache_layers(self.cache)
-            width = max(self.width, n)
-            grow, pad_new = width - self.width, width - n
-            keys = [
-                torch.cat([_lpad(ok, grow), _lpad(k, pad_new)], dim=0)
-                for ok, k in zip(old_k, kv.keys, strict=True)
-            ]
-            values = [
-                torch.cat([_lpad(ov, grow), _lpad(v, pad_new)], dim=0)
-                for ov, v in zip(old_v, kv.values, strict=True)
-            ]
-            new_row = torch.cat(
-                [
-                    torch.zeros(pad_new, dtype=torch.long, device=self.device),
-                    torch.ones(n, dtype=torch.long, device=self.device),
-                ]
+        width = max([self.width if self.lengths else 0] + [kv.length for kv, _ in rows])
+        grow = width - (self.width if self.lengths else 0)
+        n_layers = len(rows[0][0].keys)
+        keys, values = [], []
+        for layer in range(n_layers):
+            ks = [_lpad(old_k[layer], grow)] if old_k else []
+            vs = [_lpad(old_v[layer], grow)] if old_v else []
+            ks += [_lpad(kv.keys[layer], width - kv.length) for kv, _ in rows]
+            vs += [_lpad(kv.values[layer], width - kv.length) for kv, _ in rows]
+            keys.append(torch.cat(ks, dim=0))
+            values.append(torch.cat(vs, dim=0))
+        masks = []
+        if self.lengths:
+            masks.append(
+                torch.cat(
+                    [torch.zeros((len(self), grow), dtype=torch.long, device=self.device), self.mask], dim=1
+                )
             )
-            old_mask = torch.cat(
-                [torch.zeros((len(self), grow), dtype=torch.long, device=self.device), self.mask], dim=1
-            )
-            self.mask = torch.cat([old_mask, new_row[None]], dim=0)
+        for kv, _ in rows:
+            row = torch.zeros((1, width), dtype=torch.long, device=self.device)
+            row[:, width - kv.length :] = 1
+            masks.append(row)
+        self.mask = torch.cat(masks, dim=0)
         self.cache = cache_from_layers(keys, values)
-        self.lengths.append(n)
-        self.next_tokens.append(next_token)
+        self.lengths += [kv.length for kv, _ in rows]
+        self.next_tokens += [tok for _, tok in rows]
 
     def remove(self, rows: list[int]) -> None:
         """Drop rows (by index) and the columns that are then padding in every remaining row."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,6 +41,7 @@ class EngineStats:
     prefill_tokens_cached: int
     decode_steps: int
     decode_tokens: int
+    decode_time_s: float
 
 
 class Engine:
@@ -78,11 +80,12 @@ class Engine:
         self._running: list[Running] = []
         self._batch = DecodeBatch(self.device)
         self.prefix = PrefixCache(self.config.max_cached_tokens)
-        self._stats = {
+        self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
             "prefill_tokens_cached": 0,
             "decode_steps": 0,
             "decode_tokens": 0,
+            "decode_time_s": 0.0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
@@ -111,7 +114,9 @@ class Engine:
         return fut
 
     def stats(self) -> EngineStats:
-        return EngineStats(**self._stats)
+        st = self._stats
+        ints = {k: int(v) for k, v in st.items() if k != "decode_time_s"}
+        return EngineStats(**ints, decode_time_s=st["decode_time_s"])
 
     def counts(self) -> tuple[int, int]:
         return len(self._running), len(self._waiting)
@@ -155,6 +160,8 @@ class Engine:
         )
 
     def _decode_ids(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ProtocolError("stop strings need a tokenizer; this engine has none")
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     # ----------------------------------------------------------------- the loop
@@ -186,14 +193,18 @@ class Engine:
 
     def _step(self) -> None:
         budget = self.config.prefill_chunk
+        joining: list[tuple[RowKV, int]] = []
         while self._waiting and len(self._running) < self.config.max_running_requests and budget > 0:
             r = self._waiting.popleft()
-            budget -= self._prefill(r)
+            budget -= self._prefill(r, joining)
+        self._batch.add_many(joining)
         if self._running:
             self._decode()
 
     @torch.inference_mode()
-    def _prefill(self, r: Running) -> int:
+    def _prefill(self, r: Running, joining: list[tuple[RowKV, int]]) -> int:
+        """Prefill one request (reusing its longest cached prefix) and sample its first token; a request
+        that goes on is appended to `_running` and its KV to `joining` (the batch takes them together)."""
         ctx = r.context()
         hit_len, kv = 0, None
         if self.config.enable_prefix_cache:
@@ -231,15 +242,17 @@ class Engine:
         else:
             self._emit(r, [token], first.logprobs, first.top, None)
             self._running.append(r)
-            self._batch.add(row, token)
+            joining.append((row, token))
         return computed
 
     @torch.inference_mode()
     def _decode(self) -> None:
+        t0 = time.perf_counter()
         logits = self._batch.step(self.model)
         s = sample(
             logits, [r.sampler for r in self._running], [r.req.top_logprobs_num for r in self._running]
         )
+        self._stats["decode_time_s"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
         self._stats["decode_tokens"] += len(self._running)
         done: list[int] = []
