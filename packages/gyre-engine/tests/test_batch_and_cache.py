@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from gyre_engine.server.batch import DecodeBatch, RowKV, cache_from_layers, cache_kwarg, cache_layers  # noqa: E402
+from gyre_engine.server.prefill import prefill_group, prefill_one  # noqa: E402
 from gyre_engine.server.prefix_cache import PrefixCache  # noqa: E402
 
 
@@ -62,6 +63,20 @@ def test_rows_get_their_solo_logits_while_joining_and_leaving(
     for r, seq in enumerate(seqs):
         kv = batch.row_kv(r)
         assert kv.length == len(seq) - 1
+
+
+def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_model: Any) -> None:
+    ctxs = [[1000 + i for i in range(n)] for n in (3, 11, 1, 7)]
+    rows, logits = prefill_group(hf_model, cache_kwarg(hf_model), ctxs, torch.device("cpu"))
+    for c, row, lg in zip(ctxs, rows, logits, strict=True):
+        solo_kv, solo = prefill(hf_model, c)
+        assert row.length == len(c)
+        assert torch.allclose(lg, solo, atol=1e-4)
+        for a, b in zip(row.keys + row.values, solo_kv.keys + solo_kv.values, strict=True):
+            assert torch.allclose(a, b, atol=1e-4)
+    cached, _ = prefill(hf_model, ctxs[1][:5])
+    row, lg = prefill_one(hf_model, cache_kwarg(hf_model), ctxs[1], cached, 2, torch.device("cpu"))
+    assert row.length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
 
 
 def _kv(n: int) -> RowKV:

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from transformers import DynamicCache
 
 from gyre_engine.protocol import FinishReason, ProtocolError
-from gyre_engine.server.batch import DecodeBatch, RowKV, cache_from_layers, cache_kwarg, cache_layers
-from gyre_engine.server.prefix_cache import PrefixCache
+from gyre_engine.server.batch import DecodeBatch, RowKV, cache_kwarg
+from gyre_engine.server.prefill import prefill_group, prefill_one
+from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import EngineRequest, Running, Sink, TokenEvent, abort_reason, as_stop_list
 from gyre_engine.server.sampling import SamplerState, sample, validate_params
 
@@ -194,56 +194,88 @@ class Engine:
     def _step(self) -> None:
         budget = self.config.prefill_chunk
         joining: list[tuple[RowKV, int]] = []
-        while self._waiting and len(self._running) < self.config.max_running_requests and budget > 0:
+        group: list[Running] = []
+        while (
+            self._waiting
+            and len(self._running) + len(group) < self.config.max_running_requests
+            and budget > 0
+        ):
             r = self._waiting.popleft()
-            budget -= self._prefill(r, joining)
+            ctx = r.context()
+            hit = (
+                self.prefix.lookup(ctx, limit=len(ctx) - 1)
+                if self.config.enable_prefix_cache
+                else PrefixHit(0, None)
+            )
+            if hit.kv is None and len(ctx) <= budget:
+                group.append(r)  # fresh short prompts share one padded forward pass
+                budget -= len(ctx)
+            else:
+                budget -= self._prefill_single(r, ctx, hit, joining)
+        if len(group) == 1:
+            self._prefill_single(group[0], group[0].context(), PrefixHit(0, None), joining)
+        elif group:
+            self._prefill_group(group, joining)
         self._batch.add_many(joining)
         if self._running:
             self._decode()
 
     @torch.inference_mode()
-    def _prefill(self, r: Running, joining: list[tuple[RowKV, int]]) -> int:
-        """Prefill one request (reusing its longest cached prefix) and sample its first token; a request
-        that goes on is appended to `_running` and its KV to `joining` (the batch takes them together)."""
-        ctx = r.context()
-        hit_len, kv = 0, None
-        if self.config.enable_prefix_cache:
-            hit = self.prefix.lookup(ctx, limit=len(ctx) - 1)
-            hit_len, kv = hit.length, hit.kv
-        cache = cache_from_layers(kv.keys, kv.values) if kv is not None else DynamicCache()
-        out = None
-        for s in range(hit_len, len(ctx), self.config.prefill_chunk):
-            e = min(s + self.config.prefill_chunk, len(ctx))
-            out = self.model(
-                input_ids=torch.tensor([ctx[s:e]], device=self.device),
-                position_ids=torch.arange(s, e, device=self.device)[None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-        assert out is not None
-        computed = len(ctx) - hit_len
+    def _prefill_single(
+        self, r: Running, ctx: list[int], hit: PrefixHit, joining: list[tuple[RowKV, int]]
+    ) -> int:
+        row, logits = prefill_one(
+            self.model, self._cache_kw, ctx, hit.kv, self.config.prefill_chunk, self.device
+        )
+        self._count_prefill(r, len(ctx) - hit.length, hit.length)
+        first = sample(logits, [r.sampler], [r.req.top_logprobs_num])
+        self._started(
+            r, ctx, row, first.tokens[0], first.logprobs[0], first.top[0] if first.top else None, joining
+        )
+        return len(ctx) - hit.length
+
+    @torch.inference_mode()
+    def _prefill_group(self, group: list[Running], joining: list[tuple[RowKV, int]]) -> None:
+        ctxs = [r.context() for r in group]
+        rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
+        first = sample(logits, [r.sampler for r in group], [r.req.top_logprobs_num for r in group])
+        for i, (r, ctx, row) in enumerate(zip(group, ctxs, rows, strict=True)):
+            self._count_prefill(r, len(ctx), 0)
+            top = first.top[i] if first.top else None
+            self._started(r, ctx, row, first.tokens[i], first.logprobs[i], top, joining)
+
+    def _count_prefill(self, r: Running, computed: int, cached: int) -> None:
         self._stats["prefill_tokens_computed"] += computed
-        self._stats["prefill_tokens_cached"] += hit_len
+        self._stats["prefill_tokens_cached"] += cached
         if r.cached_tokens < 0:
-            r.cached_tokens = hit_len
-        row = RowKV(*cache_layers(cache))
+            r.cached_tokens = cached
+
+    def _started(
+        self,
+        r: Running,
+        ctx: list[int],
+        row: RowKV,
+        token: int,
+        logprob: float,
+        top: list[tuple[float, int]] | None,
+        joining: list[tuple[RowKV, int]],
+    ) -> None:
+        """After prefill: finish at once, or join the decode batch (appended to `_running` and `joining`
+        in the same order, which is the batch's row order)."""
+        tops = [top] if top is not None else None
         if r.req.params.max_new_tokens == 0:
             self._store_prefix(ctx, row)
             self._finish(r, FinishReason(type="length", length=0), [], [], None)
-            return computed
-        first = sample(out.logits[:, -1], [r.sampler], [r.req.top_logprobs_num])
-        token = first.tokens[0]
+            return
         r.output.append(token)
         finish = r.finish_reason(token)
         if finish is not None:
             self._store_prefix(ctx, row)
-            self._finish(r, finish, [token], first.logprobs, first.top)
+            self._finish(r, finish, [token], [logprob], tops)
         else:
-            self._emit(r, [token], first.logprobs, first.top, None)
+            self._emit(r, [token], [logprob], tops, None)
             self._running.append(r)
             joining.append((row, token))
-        return computed
 
     @torch.inference_mode()
     def _decode(self) -> None:

@@ -10,8 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from gyre_engine.server.batch import RowKV
+
+
+def _owned(kv: RowKV) -> RowKV:
+    """`kv` itself when its tensors own exactly their storage (nothing else can change or pin it: caches
+    replace tensors, never write into them), else a compact copy (e.g. a row view of a batch)."""
+
+    def own(t: torch.Tensor) -> bool:
+        return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    if all(own(t) for t in (*kv.keys, *kv.values)):
+        return kv
+    return kv.clone()
 
 
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -83,7 +96,7 @@ class PrefixCache:
                 return  # already covered by a longer entry
         self._entries = [e for e in self._entries if common_prefix_len(e.tokens, arr) < len(e.tokens)]
         self._clock += 1
-        self._entries.append(_Entry(arr, kv.clone(), self._clock))
+        self._entries.append(_Entry(arr, _owned(kv), self._clock))
         while self.total_tokens > self.max_tokens:
             victim = min(self._entries, key=lambda e: e.last_used)
             self._entries.remove(victim)
