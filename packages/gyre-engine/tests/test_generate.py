@@ -4,6 +4,7 @@ concurrency, streaming and bad input."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +139,9 @@ def test_stop_token_and_stop_string(server: Any, tokenizer: Any) -> None:
         r = run(_gen(server.url, USER, SamplingParams(max_new_tokens=24, temperature=0.0, stop=[piece])))
         assert r.meta_info.finish_reason is not None and r.meta_info.finish_reason.matched == piece
         assert piece not in r.text
+        sp = SamplingParams(max_new_tokens=24, temperature=0.0, stop_regex=re.escape(piece))
+        r = run(_gen(server.url, USER, sp))
+        assert r.meta_info.finish_reason is not None and r.meta_info.finish_reason.matched == piece
 
 
 @pytest.mark.parametrize(
@@ -149,6 +153,7 @@ def test_stop_token_and_stop_string(server: Any, tokenizer: Any) -> None:
         ({"input_ids": [1] * 40961}, "context length"),
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "not supported"),
+        ({"input_ids": [1], "sampling_params": {"stop_regex": "("}}, "stop_regex"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}, "Expected `int`"),
         ({"sampling_params": {}}, "input_ids"),
     ],

@@ -24,7 +24,15 @@ from gyre_engine.protocol import FinishReason, ProtocolError
 from gyre_engine.server.batch import DecodeBatch, RowKV, cache_kwarg
 from gyre_engine.server.prefill import prefill_group, prefill_one
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
-from gyre_engine.server.request import EngineRequest, Running, Sink, TokenEvent, abort_reason, as_stop_list
+from gyre_engine.server.request import (
+    EngineRequest,
+    Running,
+    Sink,
+    TokenEvent,
+    abort_reason,
+    as_stop_list,
+    compile_stop_regex,
+)
 from gyre_engine.server.sampling import SamplerState, sample, validate_params
 
 log = logging.getLogger(__name__)
@@ -136,6 +144,9 @@ class Engine:
         if not 0 <= req.top_logprobs_num <= 64:
             raise ProtocolError("top_logprobs_num must be in [0, 64]")
         validate_params(req.params, self.vocab_size)
+        compile_stop_regex(req.params.stop_regex)
+        if (req.params.stop or req.params.stop_regex) and self.tokenizer is None:
+            raise ProtocolError("stop strings need a tokenizer; this engine has none")
 
     def submit(self, req: EngineRequest, sink: Sink) -> Future[None]:
         """Queue a request; the future fails with ProtocolError / EngineUnavailable if it is refused."""
@@ -155,9 +166,8 @@ class Engine:
         if req.params.sampling_seed is not None:
             gen = torch.Generator().manual_seed(req.params.sampling_seed)
         sampler = SamplerState(req.params, self.vocab_size, self.eos_ids, req.input_ids, gen)
-        self._waiting.append(
-            Running(req, sink, sampler, self.context_len, as_stop_list(req.params.stop), self._decode_ids)
-        )
+        stops, regex = as_stop_list(req.params.stop), compile_stop_regex(req.params.stop_regex)
+        self._waiting.append(Running(req, sink, sampler, self.context_len, stops, self._decode_ids, regex))
 
     def _decode_ids(self, ids: list[int]) -> str:
         if self.tokenizer is None:

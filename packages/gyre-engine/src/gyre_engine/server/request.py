@@ -7,12 +7,13 @@ Finish rules follow SGLang's order: length first, then EOS / stop token ids, the
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyre_engine.protocol import FinishReason, SamplingParams
+from gyre_engine.protocol import FinishReason, ProtocolError, SamplingParams
 from gyre_engine.server.sampling import SamplerState
 
 
@@ -55,6 +56,7 @@ class Running:
     context_len: int
     stop_strs: list[str]
     decode: Callable[[list[int]], str]
+    stop_regex: list[re.Pattern[str]] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     cached_tokens: int = -1
     started: float = field(default_factory=time.monotonic)
@@ -84,11 +86,29 @@ class Running:
                 for s in self.stop_strs:
                     if s in tail:
                         return FinishReason(type="stop", matched=s)
+            if self.stop_regex:
+                tail = self.decode(self.output[-REGEX_WINDOW:])
+                for pat in self.stop_regex:
+                    m = pat.search(tail)
+                    if m is not None and m.group(0):
+                        return FinishReason(type="stop", matched=m.group(0))
         return None
 
 
 def abort_reason(message: str, status_code: int = 200, err_type: str = "abort") -> FinishReason:
     return FinishReason(type="abort", message=message, status_code=status_code, err_type=err_type)
+
+
+REGEX_WINDOW = 64  # tokens of output searched by stop_regex
+
+
+def compile_stop_regex(stop_regex: Any) -> list[re.Pattern[str]]:
+    """Compile `stop_regex` (a pattern or a list of them); ProtocolError on a bad pattern."""
+    pats = [] if stop_regex is None else [stop_regex] if isinstance(stop_regex, str) else list(stop_regex)
+    try:
+        return [re.compile(p) for p in pats if p]
+    except re.error as exc:
+        raise ProtocolError(f"sampling_params.stop_regex is not a valid regular expression: {exc}") from exc
 
 
 def as_stop_list(stop: Any) -> list[str]:
