@@ -97,6 +97,19 @@ def test_concurrent_requests_do_not_interfere(server: Any, greedy: Greedy) -> No
         assert r.output_ids == greedy(p, 24)
 
 
+def test_short_and_long_contexts_run_together_in_separate_lanes(server: Any, greedy: Greedy) -> None:
+    long_ctx = (SYSTEM + USER + TOOL) * 8  # ~290 tokens: its own lane, next to the short ones
+    prompts = [USER, long_ctx, TOOL, long_ctx[:150]]
+
+    async def go() -> list[Any]:
+        async with EngineClient(server.url) as c:
+            await c.flush_cache()
+            return list(await asyncio.gather(*(c.generate(p, GREEDY) for p in prompts)))
+
+    for p, r in zip(prompts, run(go()), strict=True):
+        assert r.output_ids == greedy(p, 24)
+
+
 def test_batch_form_of_generate(server: Any, greedy: Greedy) -> None:
     async def go() -> list[Any]:
         async with EngineClient(server.url) as c:

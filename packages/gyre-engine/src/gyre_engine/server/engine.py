@@ -3,7 +3,8 @@
 Other threads talk to it only through `call(fn)`, which runs `fn` on the engine thread between two steps
 and returns a future; so a weight update, pause, abort or cache export never lands inside a step, and no
 token is computed with two weight versions. Each step admits waiting requests (chunked prefill that
-reuses the longest cached prefix), then runs one batched decode step over every running request.
+reuses the longest cached prefix), then one batched decode step per lane of running requests
+(`lanes.py`: rows of similar length share a left-padded batch).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any, TypeVar
 import torch
 
 from gyre_engine.protocol import FinishReason, ProtocolError
-from gyre_engine.server.batch import DecodeBatch, RowKV, cache_kwarg
+from gyre_engine.server.batch import RowKV, cache_kwarg
+from gyre_engine.server.lanes import Lane, Lanes
 from gyre_engine.server.prefill import prefill_group, prefill_one
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
@@ -85,8 +87,7 @@ class Engine:
         self._pending_bump = False
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
-        self._running: list[Running] = []
-        self._batch = DecodeBatch(self.device)
+        self.lanes = Lanes(self.device)
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
@@ -131,7 +132,7 @@ class Engine:
         return EngineStats(**ints, decode_time_s=st["decode_time_s"])
 
     def counts(self) -> tuple[int, int]:
-        return len(self._running), len(self._waiting)
+        return len(self.lanes), len(self._waiting)
 
     # ----------------------------------------------------------------- requests
     def check_request(self, req: EngineRequest) -> None:
@@ -164,7 +165,7 @@ class Engine:
             raise EngineUnavailable(
                 "generation is paused" if self.paused else "a weight update is in progress"
             )
-        if any(r.rid == req.rid for r in (*self._running, *self._waiting)):
+        if any(r.rid == req.rid for r in (*self.lanes.requests(), *self._waiting)):
             raise ProtocolError(f"a request with rid {req.rid!r} is already running")
         gen = None
         if req.params.sampling_seed is not None:
@@ -180,7 +181,7 @@ class Engine:
 
     # ----------------------------------------------------------------- the loop
     def _can_step(self) -> bool:
-        return not (self.paused or self.updating or self.released) and bool(self._running or self._waiting)
+        return not (self.paused or self.updating or self.released) and bool(len(self.lanes) or self._waiting)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -207,11 +208,11 @@ class Engine:
 
     def _step(self) -> None:
         budget = self.config.prefill_chunk
-        joining: list[tuple[RowKV, int]] = []
+        joining: list[tuple[Running, RowKV, int]] = []
         group: list[Running] = []
         while (
             self._waiting
-            and len(self._running) + len(group) < self.config.max_running_requests
+            and len(self.lanes) + len(joining) + len(group) < self.config.max_running_requests
             and budget > 0
         ):
             r = self._waiting.popleft()
@@ -230,13 +231,14 @@ class Engine:
             self._prefill_single(group[0], group[0].context(), PrefixHit(0, None), joining)
         elif group:
             self._prefill_group(group, joining)
-        self._batch.add_many(joining)
-        if self._running:
-            self._decode()
+        self.lanes.place(joining)
+        for lane in self.lanes.lanes:
+            self._decode(lane)
+        self.lanes.prune()
 
     @torch.inference_mode()
     def _prefill_single(
-        self, r: Running, ctx: list[int], hit: PrefixHit, joining: list[tuple[RowKV, int]]
+        self, r: Running, ctx: list[int], hit: PrefixHit, joining: list[tuple[Running, RowKV, int]]
     ) -> int:
         row, logits = prefill_one(
             self.model, self._cache_kw, ctx, hit.kv, self.config.prefill_chunk, self.device
@@ -249,7 +251,7 @@ class Engine:
         return len(ctx) - hit.length
 
     @torch.inference_mode()
-    def _prefill_group(self, group: list[Running], joining: list[tuple[RowKV, int]]) -> None:
+    def _prefill_group(self, group: list[Running], joining: list[tuple[Running, RowKV, int]]) -> None:
         ctxs = [r.context() for r in group]
         rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
         first = sample(logits, [r.sampler for r in group], [r.req.top_logprobs_num for r in group])
@@ -272,10 +274,9 @@ class Engine:
         token: int,
         logprob: float,
         top: list[tuple[float, int]] | None,
-        joining: list[tuple[RowKV, int]],
+        joining: list[tuple[Running, RowKV, int]],
     ) -> None:
-        """After prefill: finish at once, or join the decode batch (appended to `_running` and `joining`
-        in the same order, which is the batch's row order)."""
+        """After prefill: finish at once, or go to `joining` (placed into a decode lane after the prefills)."""
         tops = [top] if top is not None else None
         if r.req.params.max_new_tokens == 0:
             self._store_prefix(ctx, row)
@@ -288,39 +289,33 @@ class Engine:
             self._finish(r, finish, [token], [logprob], tops)
         else:
             self._emit(r, [token], [logprob], tops, None)
-            self._running.append(r)
-            joining.append((row, token))
+            joining.append((r, row, token))
 
     @torch.inference_mode()
-    def _decode(self) -> None:
+    def _decode(self, lane: Lane) -> None:
+        """One decode step for the rows of one lane; finished rows leave it."""
         t0 = time.perf_counter()
-        logits = self._batch.step(self.model)
-        s = sample(
-            logits, [r.sampler for r in self._running], [r.req.top_logprobs_num for r in self._running]
-        )
+        logits = lane.batch.step(self.model)
+        reqs = lane.reqs
+        s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
         self._stats["decode_time_s"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
-        self._stats["decode_tokens"] += len(self._running)
+        self._stats["decode_tokens"] += len(reqs)
         done: list[int] = []
-        for i, r in enumerate(self._running):
+        for i, r in enumerate(reqs):
             token = s.tokens[i]
             r.output.append(token)
             top = [s.top[i]] if s.top is not None else None
             finish = r.finish_reason(token)
             if finish is None:
-                self._batch.next_tokens[i] = token
+                lane.batch.next_tokens[i] = token
                 self._emit(r, [token], [s.logprobs[i]], top, None)
             else:
-                self._store_prefix(r.context()[:-1], self._batch.row_kv(i))
+                self._store_prefix(r.context()[:-1], lane.batch.row_kv(i))
                 self._finish(r, finish, [token], [s.logprobs[i]], top)
                 done.append(i)
         if done:
-            self._drop_rows(done)
-
-    def _drop_rows(self, rows: list[int]) -> None:
-        self._batch.remove(rows)
-        gone = set(rows)
-        self._running = [r for i, r in enumerate(self._running) if i not in gone]
+            lane.drop(done)
 
     def _store_prefix(self, tokens: list[int], kv: RowKV) -> None:
         if self.config.enable_prefix_cache:
@@ -367,20 +362,21 @@ class Engine:
                 self._waiting.remove(r)
                 self._finish(r, abort_reason(message), [], [], None)
                 return True
-        for i, r in enumerate(self._running):
-            if r.rid == rid:
-                self._drop_rows([i])
-                self._finish(r, abort_reason("Abort request"), [], [], None)
-                return True
+        found = self.lanes.find(rid)
+        if found is not None:
+            lane, i = found
+            r = lane.reqs[i]
+            lane.drop([i])
+            self.lanes.prune()
+            self._finish(r, abort_reason("Abort request"), [], [], None)
+            return True
         return False
 
     def _abort_all_now(
         self, message: str = "Abort all requests", status: int = 200, err_type: str = "abort"
     ) -> int:
-        victims = list(self._waiting) + list(self._running)
+        victims = list(self._waiting) + self.lanes.clear()
         self._waiting.clear()
-        self._running = []
-        self._batch.remove(list(range(len(self._batch))))
         for r in victims:
             self._finish(r, abort_reason(message, status, err_type), [], [], None)
         return len(victims)
@@ -397,19 +393,17 @@ class Engine:
         if mode == "abort":
             return self._abort_all_now("Abort because generation was paused")
         if mode == "retract":
-            retracted = list(self._running)
-            self._batch.remove(list(range(len(self._batch))))
-            self._running = []
+            retracted = self.lanes.clear()
             self._waiting.extendleft(reversed(retracted))
             return len(retracted)
-        return len(self._running) + len(self._waiting)
+        return len(self.lanes) + len(self._waiting)
 
     def resume_generation(self) -> None:
         self.paused = False
 
     def flush_cache(self) -> None:
         """Drop the prefix cache; refused while requests run (as SGLang does)."""
-        if self._running or self._waiting:
+        if len(self.lanes) or self._waiting:
             raise EngineUnavailable("Cache not flushed: there are running or waiting requests")
         self.prefix.clear()
 
@@ -450,7 +444,7 @@ class Engine:
 
     def release_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
-        if self._running or self._waiting:
+        if len(self.lanes) or self._waiting:
             raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
         if "kv_cache" in tags:
             self.prefix.clear()
