@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 from gyre_engine.server.batch import DecodeBatch, RowKV, cache_from_layers, cache_kwarg, cache_layers  # noqa: E402
 from gyre_engine.server.lanes import Lanes  # noqa: E402
-from gyre_engine.server.prefill import prefill_group, prefill_one  # noqa: E402
+from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache  # noqa: E402
 from gyre_engine.server.prefix_cache import PrefixCache  # noqa: E402
 
 
@@ -76,9 +76,14 @@ def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_mode
         assert torch.allclose(lg, solo, atol=1e-4)
         for a, b in zip(row.keys + row.values, solo_kv.keys + solo_kv.values, strict=True):
             assert torch.allclose(a, b, atol=1e-4)
-    cached, _ = prefill(hf_model, ctxs[1][:5])
-    row, lg = prefill_one(hf_model, cache_kwarg(hf_model), ctxs[1], cached, 2, torch.device("cpu"))
-    assert row.length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
+    cached, _ = prefill(hf_model, ctxs[1][:5])  # then the rest in chunks of 2 and 4 on top of it
+    cache = start_cache(cached)
+    kw, cpu = cache_kwarg(hf_model), torch.device("cpu")
+    with torch.no_grad():
+        prefill_chunk(hf_model, kw, ctxs[1], cache, 5, 7, cpu)
+        lg = prefill_chunk(hf_model, kw, ctxs[1], cache, 7, 11, cpu)
+    assert RowKV(*cache_layers(cache)).length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
+    assert cached.length == 5  # the cached prefix itself was not written to
 
 
 def test_lanes_bound_padding_and_keep_rows_in_order() -> None:

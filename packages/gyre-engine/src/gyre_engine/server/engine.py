@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import torch
 
 from gyre_engine.protocol import FinishReason, ProtocolError
-from gyre_engine.server.batch import RowKV, cache_kwarg
+from gyre_engine.server.batch import RowKV, cache_kwarg, cache_layers
 from gyre_engine.server.lanes import Lane, Lanes
-from gyre_engine.server.prefill import prefill_group, prefill_one
+from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
     EngineRequest,
@@ -52,6 +52,17 @@ class EngineStats:
     decode_steps: int
     decode_tokens: int
     decode_time_s: float
+
+
+@dataclass
+class _Partial:
+    """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache."""
+
+    r: Running
+    ctx: list[int]
+    cache: Any
+    pos: int
+    cached: int
 
 
 class Engine:
@@ -88,6 +99,7 @@ class Engine:
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
         self.lanes = Lanes(self.device)
+        self._partial: _Partial | None = None
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
@@ -132,7 +144,7 @@ class Engine:
         return EngineStats(**ints, decode_time_s=st["decode_time_s"])
 
     def counts(self) -> tuple[int, int]:
-        return len(self.lanes), len(self._waiting)
+        return len(self._in_flight()), len(self._waiting)
 
     # ----------------------------------------------------------------- requests
     def check_request(self, req: EngineRequest) -> None:
@@ -165,7 +177,7 @@ class Engine:
             raise EngineUnavailable(
                 "generation is paused" if self.paused else "a weight update is in progress"
             )
-        if any(r.rid == req.rid for r in (*self.lanes.requests(), *self._waiting)):
+        if any(r.rid == req.rid for r in (*self._in_flight(), *self._waiting)):
             raise ProtocolError(f"a request with rid {req.rid!r} is already running")
         gen = None
         if req.params.sampling_seed is not None:
@@ -181,7 +193,9 @@ class Engine:
 
     # ----------------------------------------------------------------- the loop
     def _can_step(self) -> bool:
-        return not (self.paused or self.updating or self.released) and bool(len(self.lanes) or self._waiting)
+        return not (self.paused or self.updating or self.released) and bool(
+            self._in_flight() or self._waiting
+        )
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -207,12 +221,17 @@ class Engine:
                     self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
 
     def _step(self) -> None:
+        """Prefill up to `prefill_chunk` tokens (continuing a long prefill chunk by chunk across steps,
+        so running requests keep decoding), then decode every lane once."""
         budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
+        if self._partial is not None:
+            budget -= self._advance_partial(budget, joining)
         group: list[Running] = []
         while (
             self._waiting
-            and len(self.lanes) + len(joining) + len(group) < self.config.max_running_requests
+            and self._partial is None
+            and len(self._in_flight()) + len(joining) + len(group) < self.config.max_running_requests
             and budget > 0
         ):
             r = self._waiting.popleft()
@@ -226,29 +245,36 @@ class Engine:
                 group.append(r)  # fresh short prompts share one padded forward pass
                 budget -= len(ctx)
             else:
-                budget -= self._prefill_single(r, ctx, hit, joining)
-        if len(group) == 1:
-            self._prefill_single(group[0], group[0].context(), PrefixHit(0, None), joining)
-        elif group:
+                self._partial = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                budget -= self._advance_partial(budget, joining)
+        if group:
             self._prefill_group(group, joining)
         self.lanes.place(joining)
         for lane in self.lanes.lanes:
             self._decode(lane)
         self.lanes.prune()
 
+    def _in_flight(self) -> list[Running]:
+        """Requests past admission: decoding in a lane, or half-way through a chunked prefill."""
+        return self.lanes.requests() + ([self._partial.r] if self._partial is not None else [])
+
     @torch.inference_mode()
-    def _prefill_single(
-        self, r: Running, ctx: list[int], hit: PrefixHit, joining: list[tuple[Running, RowKV, int]]
-    ) -> int:
-        row, logits = prefill_one(
-            self.model, self._cache_kw, ctx, hit.kv, self.config.prefill_chunk, self.device
-        )
-        self._count_prefill(r, len(ctx) - hit.length, hit.length)
-        first = sample(logits, [r.sampler], [r.req.top_logprobs_num])
-        self._started(
-            r, ctx, row, first.tokens[0], first.logprobs[0], first.top[0] if first.top else None, joining
-        )
-        return len(ctx) - hit.length
+    def _advance_partial(self, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
+        """Prefill the next `budget` tokens of the request in chunked prefill; when its context is
+        covered, sample its first token. Returns the tokens computed."""
+        p = self._partial
+        assert p is not None
+        end = min(len(p.ctx), p.pos + max(budget, 1))
+        logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
+        done, p.pos = end - p.pos, end
+        if p.pos == len(p.ctx):
+            self._partial = None
+            self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
+            first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num])
+            top = first.top[0] if first.top else None
+            row = RowKV(*cache_layers(p.cache))
+            self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
+        return done
 
     @torch.inference_mode()
     def _prefill_group(self, group: list[Running], joining: list[tuple[Running, RowKV, int]]) -> None:
@@ -362,6 +388,10 @@ class Engine:
                 self._waiting.remove(r)
                 self._finish(r, abort_reason(message), [], [], None)
                 return True
+        if self._partial is not None and self._partial.r.rid == rid:
+            r, self._partial = self._partial.r, None
+            self._finish(r, abort_reason("Abort request"), [], [], None)
+            return True
         found = self.lanes.find(rid)
         if found is not None:
             lane, i = found
@@ -372,10 +402,16 @@ class Engine:
             return True
         return False
 
+    def _clear_in_flight(self) -> list[Running]:
+        """Drop every admitted request's KV (lanes and the chunked prefill); returns them, oldest first."""
+        partial = [self._partial.r] if self._partial is not None else []
+        self._partial = None
+        return partial + self.lanes.clear()
+
     def _abort_all_now(
         self, message: str = "Abort all requests", status: int = 200, err_type: str = "abort"
     ) -> int:
-        victims = list(self._waiting) + self.lanes.clear()
+        victims = list(self._waiting) + self._clear_in_flight()
         self._waiting.clear()
         for r in victims:
             self._finish(r, abort_reason(message, status, err_type), [], [], None)
@@ -393,17 +429,17 @@ class Engine:
         if mode == "abort":
             return self._abort_all_now("Abort because generation was paused")
         if mode == "retract":
-            retracted = self.lanes.clear()
+            retracted = self._clear_in_flight()
             self._waiting.extendleft(reversed(retracted))
             return len(retracted)
-        return len(self.lanes) + len(self._waiting)
+        return len(self._in_flight()) + len(self._waiting)
 
     def resume_generation(self) -> None:
         self.paused = False
 
     def flush_cache(self) -> None:
         """Drop the prefix cache; refused while requests run (as SGLang does)."""
-        if len(self.lanes) or self._waiting:
+        if self._in_flight() or self._waiting:
             raise EngineUnavailable("Cache not flushed: there are running or waiting requests")
         self.prefix.clear()
 
@@ -444,7 +480,7 @@ class Engine:
 
     def release_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
-        if len(self.lanes) or self._waiting:
+        if self._in_flight() or self._waiting:
             raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
         if "kv_cache" in tags:
             self.prefix.clear()
