@@ -1,0 +1,67 @@
+"""Prefill forward passes: one chunk of a context on top of its cache (long or prefix-cached prompts are
+prefilled chunk by chunk, one chunk budget per engine step), or several fresh prompts at once in one
+left-padded pass (each with its own position ids, so each row's logits are its own, with its own KV).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from gyre_engine.server.batch import RowKV, cache_from_layers, cache_layers
+
+
+def start_cache(kv: RowKV | None) -> DynamicCache:
+    """A fresh cache, holding a copy of `kv` (a cached prefix) when given."""
+    return cache_from_layers(kv.keys, kv.values) if kv is not None else DynamicCache()
+
+
+def prefill_chunk(
+    model: Any, cache_kw: str, ctx: list[int], cache: DynamicCache, start: int, end: int, device: torch.device
+) -> torch.Tensor:
+    """Run `ctx[start:end]` on top of `cache` (which covers `ctx[:start]` and grows to `end`); returns the
+    logits of position `end - 1` [1, V]."""
+    if not 0 <= start < end <= len(ctx):
+        raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
+    out = model(
+        input_ids=torch.tensor([ctx[start:end]], device=device),
+        position_ids=torch.arange(start, end, device=device)[None],
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
+    return out.logits[:, -1]
+
+
+def prefill_group(
+    model: Any, cache_kw: str, ctxs: list[list[int]], device: torch.device
+) -> tuple[list[RowKV], torch.Tensor]:
+    """KV of each fresh context and the last logits of each [G, V], from one left-padded pass."""
+    width = max(len(c) for c in ctxs)
+    ids = torch.zeros((len(ctxs), width), dtype=torch.long)
+    mask = torch.zeros((len(ctxs), width), dtype=torch.long)
+    pos = torch.zeros((len(ctxs), width), dtype=torch.long)
+    for i, c in enumerate(ctxs):
+        ids[i, width - len(c) :] = torch.tensor(c)
+        mask[i, width - len(c) :] = 1
+        pos[i, width - len(c) :] = torch.arange(len(c))
+    cache = DynamicCache()
+    out = model(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=pos.to(device),
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
+    keys, values = cache_layers(cache)
+    rows = [
+        RowKV(
+            [k[i : i + 1, :, width - len(c) :] for k in keys],
+            [v[i : i + 1, :, width - len(c) :] for v in values],
+        )
+        for i, c in enumerate(ctxs)
+    ]
+    return rows, out.logits[:, -1]
