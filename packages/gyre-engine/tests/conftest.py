@@ -46,7 +46,7 @@ def tokenizer(model_dir: Path) -> Any:
 
 
 class ServerProc:
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -60,7 +60,7 @@ class ServerProc:
             "--port",
             str(self.port),
         ]
-        cmd += ["--device", "cpu", "--max-running-requests", "16"]
+        cmd += ["--device", "cpu", "--max-running-requests", "16", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
@@ -86,6 +86,23 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait(20)
         self.log.close()
+
+
+@pytest.fixture(scope="module")
+def spawn_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., ServerProc]]:
+    """Start more `gyre-engine serve` processes (stopped at the end of the module using it)."""
+    procs: list[ServerProc] = []
+
+    def start(*extra: str) -> ServerProc:
+        log = tmp_path_factory.mktemp("logs") / f"server{len(procs)}.log"
+        procs.append(ServerProc(model_dir, log, extra))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.stop()
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-cached-tokens", type=int, default=1 << 20)
     s.add_argument("--prefill-chunk", type=int, default=2048)
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
+    s.add_argument("--xfer-hostname", default="127.0.0.1", help="gyre-xfer: address Mooncake peers use")
+    s.add_argument("--xfer-metadata-server", default="P2PHANDSHAKE", help="gyre-xfer: Mooncake metadata")
+    s.add_argument(
+        "--xfer-progress-timeout", type=int, default=5, help="gyre-xfer: seconds without progress = hung peer"
+    )
 
     c = sub.add_parser("create-model", help="write the embedded default model (random init, local tokenizer)")
     c.add_argument("out_dir")
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "serve":
             from gyre_engine.server.engine import Engine
             from gyre_engine.server.serve import ServeConfig, serve
+            from gyre_engine.server.xfer import XferConfig
 
             serve(
                 ServeConfig(
@@ -82,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
                         max_cached_tokens=args.max_cached_tokens,
                         prefill_chunk=args.prefill_chunk,
                     ),
+                    xfer=XferConfig(
+                        hostname=args.xfer_hostname,
+                        metadata_server=args.xfer_metadata_server,
+                        progress_timeout_s=args.xfer_progress_timeout,
+                    ),
                 )
             )
         elif args.cmd == "create-model":
@@ -93,7 +104,15 @@ def main(argv: list[str] | None = None) -> None:
 
             run_bench(quick=args.quick, device=args.device, out=args.out)
     except ImportError as exc:
-        if exc.name in ("torch", "transformers", "uvicorn", "starlette", "tokenizers", "safetensors"):
+        if exc.name in (
+            "torch",
+            "transformers",
+            "uvicorn",
+            "starlette",
+            "tokenizers",
+            "safetensors",
+            "gyre_xfer",
+        ):
             raise _missing_server_extra(exc) from exc
         raise
 

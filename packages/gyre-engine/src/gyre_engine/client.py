@@ -8,6 +8,7 @@ an HTTP error becomes `EngineError` with the server's message, status and whethe
 from __future__ import annotations
 
 import base64
+import contextlib
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
@@ -21,10 +22,13 @@ from gyre_engine.protocol import (
     GenerateResponse,
     KvPrefix,
     ModelInfo,
+    PrefixImportReply,
+    PrefixOffer,
     SamplingParams,
     ServerInfo,
     StatusReply,
     SuccessReply,
+    XferWeightsReply,
 )
 
 T = TypeVar("T")
@@ -336,3 +340,96 @@ class EngineClient:
         if r.status_code >= 400:
             raise _error_from(r.status_code, r.content)
         return msgspec.json.decode(r.content, type=SuccessReply)
+
+    # ----------------------------------------------------------------- gyre-engine over gyre-xfer
+    async def update_weights_from_xfer(
+        self,
+        publisher: str,
+        *,
+        min_version: int = 0,
+        transport: str = "mooncake",
+        timeout_s: float = 120.0,
+        control_timeout_s: float = 10.0,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> XferWeightsReply:
+        """gyre-engine only: pull the newest gyre-xfer snapshot >= `min_version` from `publisher` (its
+        control address) and load it between two decode steps; any failure changes nothing."""
+        body: dict[str, Any] = {
+            "publisher": publisher,
+            "min_version": min_version,
+            "transport": transport,
+            "timeout_s": timeout_s,
+            "control_timeout_s": control_timeout_s,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        r = await self._post("/update_weights_from_xfer", body, timeout_s + 2 * control_timeout_s + 30)
+        return msgspec.json.decode(r.content, type=XferWeightsReply)
+
+    async def offer_prefix(
+        self,
+        input_ids: list[int],
+        *,
+        transport: str = "mooncake",
+        block_tokens: int = 16,
+        lease_s: float = 120.0,
+    ) -> PrefixOffer | None:
+        """gyre-engine only: expose the cached prefix of `input_ids` in a registered KV pool (None if
+        nothing is cached). Release it with `release_prefix_offer` (else it expires after `lease_s`)."""
+        body = {
+            "input_ids": input_ids,
+            "transport": transport,
+            "block_tokens": block_tokens,
+            "lease_s": lease_s,
+        }
+        r = await self._http.post("/offer_prefix", content=_enc.encode(body))
+        if r.status_code == 404:
+            return None
+        if r.status_code >= 400:
+            raise _error_from(r.status_code, r.content)
+        return msgspec.json.decode(r.content, type=PrefixOffer)
+
+    async def import_prefix_xfer(self, offer: PrefixOffer, *, timeout_s: float = 30.0) -> PrefixImportReply:
+        """gyre-engine only: pull an offer's KV blocks from the source engine and install them in this
+        engine's prefix cache; all or nothing (EngineError 502/504 naming the blocks that failed)."""
+        body = {"offer": offer, "timeout_s": timeout_s}
+        r = await self._post("/import_prefix_xfer", body, timeout_s + 30)
+        return msgspec.json.decode(r.content, type=PrefixImportReply)
+
+    async def release_prefix_offer(
+        self, offer_id: str, arrived: list[int] | None = None, failed: list[int] | None = None
+    ) -> SuccessReply:
+        """gyre-engine only: the receipt; the source frees the offer's pool."""
+        body = {"offer_id": offer_id, "arrived": arrived or [], "failed": failed or []}
+        return msgspec.json.decode(
+            (await self._post("/release_prefix_offer", body)).content, type=SuccessReply
+        )
+
+
+async def handoff_prefix(
+    source: EngineClient,
+    target: EngineClient,
+    input_ids: list[int],
+    *,
+    transport: str = "mooncake",
+    timeout_s: float = 30.0,
+    block_tokens: int = 16,
+) -> PrefixImportReply | None:
+    """Move the cached prefix of `input_ids` from `source` to `target` through gyre-xfer: offer, pull,
+    receipt. None if the source caches nothing of it; the offer is released whatever happens."""
+    offer = await source.offer_prefix(input_ids, transport=transport, block_tokens=block_tokens)
+    if offer is None:
+        return None
+    arrived: list[int] = []
+    try:
+        reply = await target.import_prefix_xfer(offer, timeout_s=timeout_s)
+        arrived = [b.src_block for b in reply.blocks if b.status == "OK"]
+        return reply
+    finally:
+        # a dead source frees nothing anyway; the offer also expires after its lease
+        with contextlib.suppress(EngineError, httpx.HTTPError):
+            await source.release_prefix_offer(offer.offer_id, arrived=arrived)

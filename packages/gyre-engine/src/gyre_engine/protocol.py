@@ -256,3 +256,97 @@ class KvPrefix(msgspec.Struct, frozen=True, tag="kv_prefix", array_like=True):
 
 KV_PREFIX_ENCODER = msgspec.msgpack.Encoder()
 KV_PREFIX_DECODER = msgspec.msgpack.Decoder(KvPrefix)
+
+
+# ---- gyre-engine over gyre-xfer: weight snapshots and KV prefix hand-off (gyre-engine only) ----------
+
+
+class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of POST /update_weights_from_xfer: pull a gyre-xfer snapshot and load it between two steps."""
+
+    publisher: str
+    """The gyre-xfer publisher's control address (`Publisher.address`), e.g. tcp://127.0.0.1:5555."""
+    min_version: int = 0
+    """Load the newest published version >= this one (the publisher answers NO_VERSION otherwise)."""
+    transport: Literal["mooncake", "shm"] = "mooncake"
+    """Mooncake Transfer Engine (TCP here, RDMA where present) or same-host shared memory."""
+    timeout_s: float = 120.0
+    """Deadline for the bytes of the whole version."""
+    control_timeout_s: float = 10.0
+    """Deadline for one control message to the publisher (lease, release)."""
+    weight_version: str | None = None
+    """The engine's new `weight_version`; default: the snapshot's version number."""
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class XferWeightsReply(msgspec.Struct, frozen=True):
+    success: bool
+    message: str
+    weight_version: str
+    snapshot_version: int
+    num_tensors: int
+    nbytes: int
+    pull_s: float
+    apply_s: float
+
+
+class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of POST /offer_prefix: copy the cached prefix of `input_ids` into a registered KV pool."""
+
+    input_ids: list[int]
+    transport: Literal["mooncake", "shm"] = "mooncake"
+    block_tokens: int = 16
+    """Tokens per KV block of the offered pool."""
+    lease_s: float = 120.0
+    """The pool is freed after this long if no receipt (/release_prefix_offer) comes back first."""
+
+
+class PrefixOffer(msgspec.Struct, frozen=True):
+    """A prefix ready to be pulled: `token_ids` are covered by `kv_offer`'s blocks (`block_tokens` each,
+    per layer K and V laid out `[block_tokens, kv_heads, head_dim]` of `dtype`). `kv_offer` is
+    gyre-xfer's `KvOffer` as JSON, passed through untouched by the client (which needs no gyre-xfer)."""
+
+    offer_id: str
+    model_fingerprint: str
+    weight_version: str
+    token_ids: list[int]
+    dtype: str
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    lease_s: float
+    kv_offer: msgspec.Raw
+
+
+class ImportPrefixXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of POST /import_prefix_xfer: pull an offer's blocks and install them in the prefix cache."""
+
+    offer: PrefixOffer
+    timeout_s: float = 30.0
+    """Deadline for the blocks' transfer; a dead or hung source is an error within it."""
+
+
+class BlockReport(msgspec.Struct, frozen=True, array_like=True):
+    """What happened to one block: `status` is OK, OUT_OF_RANGE, PEER_GONE, TIMEOUT, FAILED or NOT_ATTEMPTED."""
+
+    src_block: int
+    dst_block: int
+    status: str
+
+
+class PrefixImportReply(msgspec.Struct, frozen=True):
+    success: bool
+    message: str
+    tokens: int
+    blocks: list[BlockReport]
+    nbytes: int
+    elapsed_s: float
+
+
+class ReleaseOfferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of POST /release_prefix_offer (a receipt): the source frees the offer's pool."""
+
+    offer_id: str
+    arrived: list[int] = msgspec.field(default_factory=list)
+    failed: list[int] = msgspec.field(default_factory=list)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
+from gyre_xfer.errors import XferError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -30,28 +32,44 @@ from gyre_engine.protocol import (
     ErrorReply,
     GenerateRequest,
     GenerateResponse,
+    ImportPrefixXferRequest,
     MemoryRequest,
     ModelInfo,
+    OfferPrefixRequest,
     PauseRequest,
+    PrefixImportReply,
     ProtocolError,
+    ReleaseOfferRequest,
     SamplingParams,
     ServerInfo,
     StatusReply,
     SuccessReply,
     UpdateFromDiskRequest,
     UpdateFromTensorRequest,
+    UpdateFromXferRequest,
+    XferWeightsReply,
     check_sampling_keys,
 )
 from gyre_engine.server.engine import Engine, EngineUnavailable
-from gyre_engine.server.kv_transfer import KvTransferError, export_prefix, import_prefix
+from gyre_engine.server.kv_transfer import (
+    KvTransferError,
+    cached_prefix,
+    check_offer_fits,
+    export_prefix,
+    import_prefix,
+    install_prefix,
+)
 from gyre_engine.server.request import EngineRequest, TokenEvent
 from gyre_engine.server.response import ResponseBuilder
 from gyre_engine.server.weights import (
     WeightUpdateError,
     apply_named_tensors,
+    check_complete,
+    check_named_tensors,
     decode_safetensors_b64,
     read_model_dir,
 )
+from gyre_engine.server.xfer import KvPullError, XferConfig, XferHub, block_reports, xfer_status
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +86,8 @@ class AppConfig:
     request_timeout_s: float = 3600.0
     """Longest a /generate waits for its next token before it is aborted."""
     health_timeout_s: float = 20.0
+    xfer: XferConfig = field(default_factory=XferConfig)
+    """Transports for /update_weights_from_xfer and the prefix hand-off endpoints."""
 
 
 def _json_response(obj: Any, status: int = 200) -> Response:
@@ -81,6 +101,11 @@ def error_response(
 
 
 def _error_for(exc: Exception) -> Response:
+    if isinstance(exc, KvPullError):
+        return error_response(str(exc), exc.status, "KvTransferFailed", retryable=True)
+    if isinstance(exc, XferError):
+        status, err_type, retry = xfer_status(exc)
+        return error_response(f"{err_type}: {exc}", status, err_type, retryable=retry)
     if isinstance(exc, EngineUnavailable):
         return error_response(str(exc), 409, "EngineUnavailable", retryable=True)
     if isinstance(
@@ -370,6 +395,61 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         n = await run(import_prefix, engine, rec)
         return _json_response(SuccessReply(True, f"imported a prefix of {n} tokens"))
 
+    # ------------------------------------------------------------------ gyre-xfer
+    xfer = XferHub(config.xfer)
+    xfer_weights = asyncio.Lock()  # a snapshot's arrays live in the subscriber's staging until applied
+
+    async def update_from_xfer(request: Request) -> Response:
+        body = await body_as(request, UpdateFromXferRequest)
+        async with xfer_weights:
+            t0 = time.monotonic()
+            limit = body.timeout_s + 2 * body.control_timeout_s + 5
+            snap = await asyncio.wait_for(asyncio.to_thread(xfer.pull_snapshot, body), limit)
+            pull_s = time.monotonic() - t0
+            tensors = snap.torch()
+            check_named_tensors(engine.model, tensors)
+            check_complete(engine.model, set(tensors))
+            version = body.weight_version or str(snap.version)
+            t1 = time.monotonic()
+            n = await run(
+                engine.update_weights,
+                lambda: apply_named_tensors(engine.model, tensors),
+                version,
+                body.flush_cache,
+                body.abort_all_requests,
+            )
+            apply_s = time.monotonic() - t1
+        msg = f"loaded snapshot version {snap.version} ({n} tensors) from {body.publisher}"
+        return _json_response(
+            XferWeightsReply(True, msg, engine.weight_version, snap.version, n, snap.nbytes, pull_s, apply_s)
+        )
+
+    async def offer_prefix(request: Request) -> Response:
+        body = await body_as(request, OfferPrefixRequest)
+        got = await run(cached_prefix, engine, body.input_ids)
+        if got is None:
+            return error_response("no cached prefix of these input_ids", 404, "NotFound")
+        offer = await asyncio.to_thread(xfer.offer, body, *got)
+        return _json_response(offer)
+
+    async def import_prefix_xfer(request: Request) -> Response:
+        body = await body_as(request, ImportPrefixXferRequest)
+        o = body.offer
+        layers = check_offer_fits(engine, o.model_fingerprint, o.weight_version, o.token_ids)
+        kv, res = await asyncio.wait_for(
+            asyncio.to_thread(xfer.pull_prefix, o, layers, engine.device, body.timeout_s),
+            body.timeout_s + 10,
+        )
+        n = await run(install_prefix, engine, o.token_ids, kv, o.weight_version)
+        msg = f"imported a prefix of {n} tokens in {len(res.blocks)} blocks"
+        return _json_response(PrefixImportReply(True, msg, n, block_reports(res), res.nbytes, res.elapsed_s))
+
+    async def release_prefix_offer(request: Request) -> Response:
+        body = await body_as(request, ReleaseOfferRequest)
+        if not await asyncio.to_thread(xfer.release, body.offer_id):
+            return error_response(f"no open offer {body.offer_id!r} (released or expired)", 404, "NotFound")
+        return _json_response(SuccessReply(True, f"offer {body.offer_id} released"))
+
     routes = [
         Route("/generate", guarded(generate), methods=["POST"]),
         Route("/abort_request", guarded(abort_request), methods=["POST"]),
@@ -392,8 +472,14 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         Route("/ready", guarded(ready), methods=["GET"]),
         Route("/export_prefix", guarded(export_kv), methods=["POST"]),
         Route("/import_prefix", guarded(import_kv), methods=["POST"]),
+        Route("/update_weights_from_xfer", guarded(update_from_xfer), methods=["POST"]),
+        Route("/offer_prefix", guarded(offer_prefix), methods=["POST"]),
+        Route("/import_prefix_xfer", guarded(import_prefix_xfer), methods=["POST"]),
+        Route("/release_prefix_offer", guarded(release_prefix_offer), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    app.state.xfer = xfer
+    return app
 
 
 class _ExportBody(msgspec.Struct, frozen=True):

@@ -95,3 +95,36 @@ def import_prefix(engine: Engine, rec: KvPrefix) -> int:
     )
     engine.prefix.insert(list(rec.token_ids), kv)
     return len(rec.token_ids)
+
+
+def cached_prefix(engine: Engine, token_ids: list[int]) -> tuple[list[int], RowKV, str, str] | None:
+    """(covered token ids, their KV, model fingerprint, weight version) of the longest cached prefix of
+    `token_ids`, or None. The KV tensors are never written in place, so they may be read off-thread."""
+    hit = engine.prefix.lookup(token_ids, limit=len(token_ids))
+    if hit.kv is None:
+        return None
+    return list(token_ids[: hit.length]), hit.kv, model_fingerprint(engine), engine.weight_version
+
+
+def install_prefix(engine: Engine, token_ids: list[int], kv: RowKV, weight_version: str) -> int:
+    """Put KV pulled from another engine into the prefix cache, unless the weights changed meanwhile."""
+    if weight_version != engine.weight_version:
+        raise KvTransferError(
+            f"the prefix was computed with weight_version {weight_version}, this engine now has "
+            f"{engine.weight_version}; nothing was installed"
+        )
+    engine.prefix.insert(list(token_ids), kv)
+    return len(token_ids)
+
+
+def check_offer_fits(engine: Engine, fingerprint: str, weight_version: str, token_ids: list[int]) -> int:
+    """Raise KvTransferError unless a prefix of that model, version and ids fits; returns the layers."""
+    if fingerprint != model_fingerprint(engine):
+        raise KvTransferError("the offered prefix comes from a model of another shape or dtype")
+    if weight_version != engine.weight_version:
+        raise KvTransferError(
+            f"the offered prefix was computed with weight_version {weight_version}, this engine has {engine.weight_version}"
+        )
+    if not token_ids or any(not 0 <= t < engine.vocab_size for t in token_ids):
+        raise KvTransferError("the offered token ids are empty or fall outside the vocabulary")
+    return int(engine.model.config.get_text_config().num_hidden_layers)

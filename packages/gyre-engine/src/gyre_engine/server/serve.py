@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gyre_engine.server.app import AppConfig, build_app
 from gyre_engine.server.engine import Engine
+from gyre_engine.server.xfer import XferConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -35,6 +36,7 @@ class ServeConfig:
     allow_remote: bool = False
     served_model_name: str | None = None
     engine: Engine.Config = field(default_factory=Engine.Config)
+    xfer: XferConfig = field(default_factory=XferConfig)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,8 +65,11 @@ def serve(cfg: ServeConfig) -> None:
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(cfg)
-    app = build_app(engine, AppConfig(model_path=cfg.model, served_model_name=cfg.served_model_name))
+    app = build_app(
+        engine, AppConfig(model_path=cfg.model, served_model_name=cfg.served_model_name, xfer=cfg.xfer)
+    )
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
+        app.state.xfer.close()

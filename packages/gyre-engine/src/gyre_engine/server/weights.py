@@ -45,12 +45,27 @@ def read_model_dir(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def apply_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy `tensors` into the model's parameters and buffers; returns how many were copied."""
-    if not tensors:
-        raise WeightUpdateError("no tensors given")
+def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    return targets
+
+
+def check_complete(model: torch.nn.Module, names: set[str]) -> None:
+    """Raise unless `names` cover every parameter (a tied parameter is covered by any of its names)."""
+    covered = {t.data_ptr() for n, t in model.named_parameters(remove_duplicate=False) if n in names}
+    missing = [n for n, t in model.named_parameters() if t.data_ptr() not in covered]
+    if missing:
+        raise WeightUpdateError(
+            f"the update lacks {len(missing)} parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
+
+
+def check_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise WeightUpdateError unless every name is the model's and every shape matches; copies nothing."""
+    if not tensors:
+        raise WeightUpdateError("no tensors given")
+    targets = _targets(model)
     unknown = [n for n in tensors if n not in targets]
     if unknown:
         raise WeightUpdateError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
@@ -61,6 +76,12 @@ def apply_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
             )
         if t.dtype.is_floating_point != targets[name].dtype.is_floating_point:
             raise WeightUpdateError(f"dtype of {name} is {t.dtype}, the model's is {targets[name].dtype}")
+
+
+def apply_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy `tensors` into the model's parameters and buffers; returns how many were copied."""
+    check_named_tensors(model, tensors)
+    targets = _targets(model)
     with torch.no_grad():
         for name, t in tensors.items():
             targets[name].copy_(t.to(device=targets[name].device, dtype=targets[name].dtype))

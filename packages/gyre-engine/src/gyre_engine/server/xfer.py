@@ -1,0 +1,262 @@
+"""The engine's gyre-xfer side: transports opened on first use, weight snapshots pulled from a gyre-xfer
+publisher, and KV prefixes offered from a registered pool or pulled from another engine's.
+
+Bytes move off the engine thread (into gyre-xfer's staging buffer or freshly allocated KV blocks); only
+checked, complete results reach the model or the prefix cache, on the engine thread between two steps.
+So a torn snapshot, a dead peer or a timeout leaves the model, the version and the cache as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
+from gyre_xfer.kv import KvPool, KvTransferResult
+from gyre_xfer.protocol import KvOffer
+from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
+from gyre_xfer.transport import Config, EntryStatus, Transport, open_transport
+
+from gyre_engine.protocol import BlockReport, OfferPrefixRequest, PrefixOffer, UpdateFromXferRequest
+from gyre_engine.server.batch import RowKV
+from gyre_engine.server.kv_transfer import KvTransferError
+
+
+@dataclass
+class XferConfig:
+    """How the engine opens gyre-xfer transports (`gyre-engine serve --xfer-*`)."""
+
+    hostname: str = "127.0.0.1"
+    """Mooncake: the address peers use to reach this process (its ports listen on all interfaces: see
+    gyre-xfer's README on confining them)."""
+    metadata_server: str = "P2PHANDSHAKE"
+    """Mooncake: P2P handshake (default) or a metadata server URL."""
+    progress_timeout_s: int = 5
+    """Mooncake TCP: a connection making no progress for this long fails (a hung peer)."""
+
+
+class KvPullError(RuntimeError):
+    """Some blocks of a prefix did not arrive; nothing was installed. `status` is the HTTP status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Offer:
+    pool: KvPool
+    expires: float
+
+
+def _plane(pool: KvPool, plane: int, dtype: torch.dtype, rows: int, heads: int, dim: int) -> torch.Tensor:
+    """A torch view `[rows, heads, dim]` of one K or V plane of an allocated (CPU) pool."""
+    r, off = pool.planes[plane]
+    arr = pool.regions[r].array
+    assert arr is not None, "allocated pools live in CPU memory"
+    raw = arr[off : off + pool.num_blocks * pool.block_nbytes]
+    return torch.from_numpy(raw).view(dtype).view(rows, heads, dim)
+
+
+@dataclass
+class XferHub:
+    """One per server process: transports, snapshot subscribers and outstanding prefix offers."""
+
+    config: XferConfig = field(default_factory=XferConfig)
+    _transports: dict[str, Transport] = field(default_factory=dict)
+    _subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
+    _offers: dict[str, _Offer] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def transport(self, kind: str) -> Transport:
+        with self._lock:
+            tr = self._transports.get(kind)
+            if tr is None:
+                c = self.config
+                tr = open_transport(
+                    Config(
+                        kind=kind,
+                        hostname=c.hostname,
+                        metadata_server=c.metadata_server,
+                        progress_timeout_s=c.progress_timeout_s,
+                    )
+                )
+                self._transports[kind] = tr
+            return tr
+
+    # ---- weights ----------------------------------------------------------------------------------
+
+    def pull_snapshot(self, body: UpdateFromXferRequest) -> Snapshot:
+        """Pull one whole version into the subscriber's staging buffer (never into the model). Its
+        arrays stay valid until the next pull from the same publisher: callers serialize pull + apply."""
+        tr = self.transport(body.transport)
+        cfg = SubscriberConfig(
+            publisher=body.publisher,
+            control_timeout_s=body.control_timeout_s,
+            pull_timeout_s=body.timeout_s,
+        )
+        key = (body.publisher, body.transport)
+        with self._lock:
+            sub = self._subscribers.get(key)
+            if sub is None:
+                sub = self._subscribers[key] = Subscriber(tr, cfg)
+            sub.config = cfg
+        try:
+            return sub.pull(body.min_version)
+        except (PeerGoneError, PeerTimeoutError):
+            # a fresh socket next time: a dead publisher's replacement must not see stale requests
+            with self._lock:
+                self._subscribers.pop(key, None)
+            sub.close()
+            raise
+
+    # ---- KV prefix: the source side ---------------------------------------------------------------
+
+    def offer(
+        self, body: OfferPrefixRequest, token_ids: list[int], kv: RowKV, fingerprint: str, version: str
+    ) -> PrefixOffer:
+        """Copy `kv` (covering `token_ids`) into a newly allocated pool of `block_tokens`-token blocks."""
+        if body.block_tokens < 1:
+            raise KvTransferError("block_tokens must be at least 1")
+        self.sweep()
+        n, bt = len(token_ids), body.block_tokens
+        nb = -(-n // bt)
+        heads, dim = int(kv.keys[0].shape[1]), int(kv.keys[0].shape[3])
+        dtype = kv.keys[0].dtype
+        # allocated, not registered in place: shared memory can only share memory it allocated itself
+        pool = KvPool.allocate(
+            self.transport(body.transport), len(kv.keys), nb, bt * heads * dim * dtype.itemsize
+        )
+        for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
+            for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
+                dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
+                dst[:n] = t[0].transpose(0, 1).cpu()
+                dst[n:] = 0
+        offer_id = uuid.uuid4().hex
+        kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
+        with self._lock:
+            self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s)
+        return PrefixOffer(
+            offer_id=offer_id,
+            model_fingerprint=fingerprint,
+            weight_version=version,
+            token_ids=list(token_ids),
+            dtype=str(dtype).removeprefix("torch."),
+            kv_heads=heads,
+            head_dim=dim,
+            block_tokens=bt,
+            lease_s=body.lease_s,
+            kv_offer=msgspec.Raw(msgspec.json.encode(kv_offer)),
+        )
+
+    def release(self, offer_id: str) -> bool:
+        with self._lock:
+            off = self._offers.pop(offer_id, None)
+        if off is not None:
+            off.pool.close()
+        self.sweep()
+        return off is not None
+
+    def sweep(self) -> None:
+        """Free offers whose lease ran out without a receipt."""
+        now = time.monotonic()
+        with self._lock:
+            dead = [k for k, o in self._offers.items() if o.expires < now]
+            gone = [self._offers.pop(k) for k in dead]
+        for o in gone:
+            o.pool.close()
+
+    @property
+    def open_offers(self) -> int:
+        return len(self._offers)
+
+    # ---- KV prefix: the target side ---------------------------------------------------------------
+
+    def pull_prefix(
+        self, offer: PrefixOffer, layers: int, device: torch.device, timeout_s: float
+    ) -> tuple[RowKV, KvTransferResult]:
+        """Pull every block of `offer` into fresh local blocks; raise KvPullError unless all arrived."""
+        kv_offer = msgspec.json.decode(offer.kv_offer, type=KvOffer)
+        dtype = getattr(torch, offer.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise KvTransferError(f"unknown KV dtype {offer.dtype!r}")
+        n, bt = len(offer.token_ids), offer.block_tokens
+        nb = len(kv_offer.block_ids)
+        if kv_offer.num_tokens != n or not n or bt < 1 or nb != -(-n // bt):
+            raise KvTransferError(f"offer of {nb} blocks x {bt} tokens does not cover {n} token ids")
+        if kv_offer.pool.num_layers != layers:
+            raise KvTransferError(f"offer has {kv_offer.pool.num_layers} layers, the model {layers}")
+        block_nbytes = bt * offer.kv_heads * offer.head_dim * dtype.itemsize
+        if kv_offer.pool.block_nbytes != block_nbytes:
+            raise KvTransferError(
+                f"offer blocks are {kv_offer.pool.block_nbytes} bytes, expected {block_nbytes}"
+            )
+        kind = kv_offer.pool.transport.name.lower()
+        pool = KvPool.allocate(self.transport(kind), layers, nb, block_nbytes)
+        try:
+            res = pool.pull(kv_offer.pool, kv_offer.block_ids, list(range(nb)), timeout_s=timeout_s)
+            if not res.ok:
+                raise _pull_failed(res, kv_offer.pool.endpoint, nb)
+
+            def layer(plane: int) -> torch.Tensor:
+                t = _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n]
+                return t.transpose(0, 1).unsqueeze(0).contiguous().to(device)  # a copy: the pool is freed
+
+            kv = RowKV([layer(2 * i) for i in range(layers)], [layer(2 * i + 1) for i in range(layers)])
+        finally:
+            pool.close()
+        return kv, res
+
+    def close(self) -> None:
+        with self._lock:
+            offers, self._offers = list(self._offers.values()), {}
+            subs, self._subscribers = list(self._subscribers.values()), {}
+            transports, self._transports = list(self._transports.values()), {}
+        for o in offers:
+            o.pool.close()
+        for s in subs:
+            s.close()
+        for t in transports:
+            t.close()
+
+
+def _pull_failed(res: KvTransferResult, peer: str, nb: int) -> KvPullError:
+    bad = [b for b in res.blocks if b.status is not EntryStatus.OK]
+    seen = {b.status for b in bad}
+    status = 504 if EntryStatus.TIMEOUT in seen and EntryStatus.PEER_GONE not in seen else 502
+    return KvPullError(
+        f"prefix transfer from {peer} failed after {res.elapsed_s:.2f} s: {len(bad)} of {nb} blocks did "
+        f"not arrive ({', '.join(sorted(s.name for s in seen))}; "
+        f"{', '.join(f'{b.src_block}->{b.dst_block}:{b.status.name}' for b in bad[:16])})"
+        f"{': ' + res.detail if res.detail else ''}; nothing was installed",
+        status,
+    )
+
+
+def block_reports(res: KvTransferResult) -> list[BlockReport]:
+    return [BlockReport(b.src_block, b.dst_block, b.status.name) for b in res.blocks]
+
+
+def xfer_status(exc: XferError) -> tuple[int, str, bool]:
+    """HTTP status, error type and retryable flag for a gyre-xfer error."""
+    from gyre_xfer.errors import (
+        ChecksumError,
+        SnapshotOverwrittenError,
+        TransportUnavailableError,
+    )
+
+    table: list[tuple[type[XferError], int, bool]] = [
+        (PeerGoneError, 502, True),
+        (PeerTimeoutError, 504, True),
+        (SnapshotOverwrittenError, 409, True),
+        (ChecksumError, 502, True),
+        (TransportUnavailableError, 503, False),
+    ]
+    for cls, status, retry in table:
+        if isinstance(exc, cls):
+            return status, type(exc).__name__, retry
+    return 400, type(exc).__name__, False

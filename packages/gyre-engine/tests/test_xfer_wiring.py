@@ -1,0 +1,247 @@
+"""gyre-engine wired to gyre-xfer, across real processes: `gyre-engine serve` subprocesses, a gyre-xfer
+publisher subprocess, bytes over Mooncake TCP on loopback and over shared memory.
+
+(a) a weight update from a published snapshot changes greedy output to the new weights' and bumps the
+version; bad snapshots and a dead publisher change nothing. (b) engine A hands an agent's cached prefix
+to engine B; B continues it without re-prefill, exactly like a fresh prefill. (c) the source killed
+mid-transfer: a clear error on the target within its timeout, nothing installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gyre_engine.client import EngineClient, EngineError, handoff_prefix
+from gyre_engine.protocol import SamplingParams
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("mooncake")
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = [1000 + i for i in range(37)]
+USER = [1200 + i * 7 for i in range(9)]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+PUBLISHER = Path(__file__).with_name("xfer_publisher.py")
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+class PublisherProc:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PUBLISHER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.address: dict[str, str] = json.loads(self._line())
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"publisher exited with {self.proc.wait(10)}")
+        return line
+
+    def publish(self, cmd: str, kind: str, model_dir: Path) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{cmd} {kind} {model_dir}\n")
+        self.proc.stdin.flush()
+        return int(json.loads(self._line())["version"])
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait(20)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if not f.closed:
+                f.close()
+
+
+@pytest.fixture
+def publisher() -> Iterator[PublisherProc]:
+    p = PublisherProc()
+    yield p
+    p.stop()
+    from gyre_xfer.shm import sweep_orphans
+
+    sweep_orphans()
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gyre_engine.server.model_factory import create_model
+
+    return create_model(tmp_path_factory.mktemp("tiny1") / "model", shape="tiny", seed=1)
+
+
+@pytest.fixture(scope="module")
+def pair(spawn_server: Callable[..., Any]) -> tuple[Any, Any]:
+    """Engines A and B (B notices a hung Mooncake peer after 2 s); each test leaves them as it found them."""
+    return spawn_server(), spawn_server("--xfer-progress-timeout", "2")
+
+
+def reference(model_dir: Path, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy generate on the weights of `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def test_weight_update_from_a_published_snapshot(
+    pair: tuple[Any, Any], publisher: PublisherProc, model_dir: Path, other_weights: Path
+) -> None:
+    srv = pair[0]
+    ids = SYSTEM + USER
+    new_ref = reference(other_weights, ids, GREEDY.max_new_tokens)
+    old_ref = reference(model_dir, ids, GREEDY.max_new_tokens)
+    assert new_ref != old_ref  # otherwise the test could not tell the weights apart
+    mc, shm = publisher.address["mooncake"], publisher.address["shm"]
+
+    async def go() -> None:
+        async with EngineClient(srv.url, timeout_s=120) as c:
+            assert (await c.generate(ids, GREEDY)).output_ids == old_ref
+            v = publisher.publish("publish", "mooncake", other_weights)
+            reply = await c.update_weights_from_xfer(mc, min_version=v, timeout_s=30)
+            assert (reply.snapshot_version, reply.weight_version) == (v, str(v))
+            assert reply.num_tensors > 0 and reply.nbytes > 0
+            r = await c.generate(ids, GREEDY)
+            assert r.output_ids == new_ref and r.meta_info.weight_version == str(v)
+
+            # bad snapshots: refused with a clear error, the old version keeps serving
+            for cmd, needle in (("bad-shape", "shape of"), ("missing", "lacks 1 parameters")):
+                bad = publisher.publish(cmd, "mooncake", model_dir)
+                with pytest.raises(EngineError, match=needle) as ei:
+                    await c.update_weights_from_xfer(mc, min_version=bad, timeout_s=30)
+                assert ei.value.status == 400
+            with pytest.raises(EngineError, match="no version >= 99"):
+                await c.update_weights_from_xfer(mc, min_version=99, timeout_s=30)
+            r = await c.generate(ids, GREEDY)
+            assert r.output_ids == new_ref and r.meta_info.weight_version == str(v)
+
+            # the other transport, with an explicit version label: back to the original weights
+            s = publisher.publish("publish", "shm", model_dir)
+            reply = await c.update_weights_from_xfer(shm, min_version=s, transport="shm", weight_version="0")
+            r = await c.generate(ids, GREEDY)
+            assert r.output_ids == old_ref and r.meta_info.weight_version == "0"
+
+            # the publisher's process gone: a clear error within the control timeout, nothing changes
+            publisher.proc.kill()
+            publisher.proc.wait(20)
+            t0 = time.monotonic()
+            with pytest.raises(EngineError) as ei:
+                await c.update_weights_from_xfer(mc, min_version=1, timeout_s=10, control_timeout_s=3)
+            took = time.monotonic() - t0
+            print(f"dead publisher: HTTP {ei.value.status} after {took:.2f} s: {ei.value.message}")
+            assert ei.value.status in (502, 504) and ("Peer" in ei.value.message)
+            assert took < 3 + 10  # bounded by the configured timeouts (never a hang)
+            r = await c.generate(ids, GREEDY)
+            assert r.output_ids == old_ref and r.meta_info.weight_version == "0"
+
+    run(go())
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "shm"])
+def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Path, transport: str) -> None:
+    a, b = pair
+
+    async def go() -> None:
+        async with EngineClient(a.url, timeout_s=60) as ca, EngineClient(b.url, timeout_s=60) as cb:
+            await ca.flush_cache()
+            await cb.flush_cache()
+            first = await ca.generate(SYSTEM + USER, GREEDY)  # engine A serves the agent's call k
+            context = SYSTEM + USER + first.output_ids + USER[:5]  # ... and this is call k + 1
+            fresh = await cb.generate(context, GREEDY)  # a fresh prefill on B, for reference
+            assert fresh.meta_info.cached_tokens == 0
+            await cb.flush_cache()
+            before = (await cb.server_info()).prefill_tokens_computed
+            reply = await handoff_prefix(ca, cb, context, transport=transport, block_tokens=8)
+            assert reply is not None and reply.success
+            covered = len(SYSTEM + USER + first.output_ids) - 1  # the last output token has no KV yet
+            assert reply.tokens == covered
+            assert len(reply.blocks) == -(-covered // 8) and all(b.status == "OK" for b in reply.blocks)
+            again = await cb.generate(context, GREEDY)
+            assert again.meta_info.cached_tokens == covered
+            assert (await cb.server_info()).prefill_tokens_computed - before == len(context) - covered
+            assert again.output_ids == fresh.output_ids
+            # the receipt freed the source's pool
+            with pytest.raises(EngineError, match="no open offer") as ei:
+                await ca.release_prefix_offer("nope")
+            assert ei.value.status == 404
+            assert await ca.offer_prefix([7, 8, 9], transport=transport) is None
+
+            # a prefix of other weights is refused before any byte moves
+            offer = await ca.offer_prefix(context, transport=transport)
+            assert offer is not None
+            await cb.update_weights_from_disk(str(model_dir), weight_version="other")
+            with pytest.raises(EngineError, match="weight_version") as ei:
+                await cb.import_prefix_xfer(offer)
+            assert ei.value.status == 400
+            await ca.release_prefix_offer(offer.offer_id)
+            await cb.update_weights_from_disk(str(model_dir), weight_version="0")
+
+    run(go())
+
+
+def test_source_killed_mid_transfer(spawn_server: Callable[..., Any], pair: tuple[Any, Any]) -> None:
+    a, b = spawn_server(), pair[1]  # a source of its own: it gets killed
+
+    async def go() -> None:
+        async with EngineClient(a.url, timeout_s=60) as ca, EngineClient(b.url, timeout_s=60) as cb:
+            await cb.flush_cache()
+            first = await ca.generate(SYSTEM + USER, GREEDY)
+            context = SYSTEM + USER + first.output_ids
+            offer = await ca.offer_prefix(context)
+            assert offer is not None
+            os.kill(a.proc.pid, signal.SIGSTOP)  # the source hangs; the transfer will stall in flight
+            try:
+                t0 = time.monotonic()
+                task = asyncio.create_task(cb.import_prefix_xfer(offer, timeout_s=4))
+                await asyncio.sleep(1.0)
+                os.kill(a.proc.pid, signal.SIGKILL)  # ... and dies in the middle of it
+                with pytest.raises(EngineError) as ei:
+                    await task
+                took = time.monotonic() - t0
+            finally:
+                os.kill(a.proc.pid, signal.SIGCONT)
+            print(
+                f"source killed mid-transfer: HTTP {ei.value.status} after {took:.2f} s: {ei.value.message}"
+            )
+            assert ei.value.status in (502, 504) and "nothing was installed" in ei.value.message
+            assert took < 4 + 10  # bounded by the configured timeout (never a hang)
+            info = await cb.server_info()
+            assert info.cached_prefix_tokens == 0  # nothing installed
+            r = await cb.generate(context, GREEDY)
+            assert r.meta_info.cached_tokens == 0
+
+    run(go())
