@@ -46,9 +46,12 @@ def tokenizer(model_dir: Path) -> Any:
 
 
 class ServerProc:
-    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = (), wait: bool = True
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [
             sys.executable,
@@ -63,10 +66,14 @@ class ServerProc:
         cmd += ["--device", "cpu", "--max-running-requests", "16", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early: {log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"server exited early: {self.log_path.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
                     break
@@ -95,9 +102,9 @@ def spawn_server(
     """Start more `gyre-engine serve` processes (stopped at the end of the module using it)."""
     procs: list[ServerProc] = []
 
-    def start(*extra: str) -> ServerProc:
+    def start(*extra: str, wait: bool = True) -> ServerProc:
         log = tmp_path_factory.mktemp("logs") / f"server{len(procs)}.log"
-        procs.append(ServerProc(model_dir, log, extra))
+        procs.append(ServerProc(model_dir, log, extra, wait))
         return procs[-1]
 
     yield start

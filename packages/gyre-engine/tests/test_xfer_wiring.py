@@ -40,9 +40,9 @@ def run(coro: Any) -> Any:
 
 
 class PublisherProc:
-    def __init__(self) -> None:
+    def __init__(self, lease_s: float = 60.0) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(PUBLISHER)],
+            [sys.executable, str(PUBLISHER), str(lease_s)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -58,9 +58,10 @@ class PublisherProc:
             raise RuntimeError(f"publisher exited with {self.proc.wait(10)}")
         return line
 
-    def publish(self, cmd: str, kind: str, model_dir: Path) -> int:
+    def publish(self, cmd: str, kind: str, *model_dirs: Path) -> int:
+        """Returns the version published (for `churn`: the version before the first churned one)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{cmd} {kind} {model_dir}\n")
+        self.proc.stdin.write(f"{cmd} {kind} {' '.join(map(str, model_dirs))}\n")
         self.proc.stdin.flush()
         return int(json.loads(self._line())["version"])
 
@@ -88,6 +89,17 @@ def publisher() -> Iterator[PublisherProc]:
     sweep_orphans()
 
 
+@pytest.fixture
+def churning_publisher() -> Iterator[PublisherProc]:
+    """A publisher whose leases expire at once, so it rewrites slots under a pull in progress."""
+    p = PublisherProc(lease_s=0.0)
+    yield p
+    p.stop()
+    from gyre_xfer.shm import sweep_orphans
+
+    sweep_orphans()
+
+
 @pytest.fixture(scope="module")
 def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gyre_engine.server.model_factory import create_model
@@ -98,7 +110,10 @@ def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pair(spawn_server: Callable[..., Any]) -> tuple[Any, Any]:
     """Engines A and B (B notices a hung Mooncake peer after 2 s); each test leaves them as it found them."""
-    return spawn_server(), spawn_server("--xfer-progress-timeout", "2")
+    a, b = spawn_server(wait=False), spawn_server("--xfer-progress-timeout", "2", wait=False)
+    a.wait_ready()
+    b.wait_ready()
+    return a, b
 
 
 def reference(model_dir: Path, ids: list[int], n: int) -> list[int]:
@@ -171,6 +186,36 @@ def test_weight_update_from_a_published_snapshot(
     run(go())
 
 
+def test_a_snapshot_rewritten_during_the_pull_is_never_loaded(
+    pair: tuple[Any, Any], churning_publisher: PublisherProc, model_dir: Path, other_weights: Path
+) -> None:
+    """The publisher alternates two weight sets back to back and ignores leases: each load gets one
+    whole version (the output is exactly that set's greedy output) or a clear 409, never a mix."""
+    ids = SYSTEM + USER
+    refs = [reference(d, ids, GREEDY.max_new_tokens) for d in (model_dir, other_weights)]
+    v0 = churning_publisher.publish("churn", "mooncake", model_dir, other_weights)
+
+    async def go() -> dict[str, int]:
+        seen = {"loaded": 0, "refused": 0}
+        async with EngineClient(pair[0].url, timeout_s=60) as c:
+            current = refs[0]
+            for _ in range(8):
+                try:
+                    r = await c.update_weights_from_xfer(churning_publisher.address["mooncake"], timeout_s=30)
+                    current = refs[(r.snapshot_version - v0 - 1) % 2]
+                    seen["loaded"] += 1
+                except EngineError as e:
+                    assert (e.status, e.retryable) == (409, True), e.message
+                    assert "SnapshotOverwrittenError" in e.message
+                    seen["refused"] += 1
+                out = await c.generate(ids, GREEDY)
+                assert out.output_ids == current
+            await c.update_weights_from_disk(str(model_dir), weight_version="0")
+        return seen
+
+    print(f"pulls under a publisher rewriting its slots: {run(go())}")
+
+
 @pytest.mark.parametrize("transport", ["mooncake", "shm"])
 def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Path, transport: str) -> None:
     a, b = pair
@@ -195,6 +240,7 @@ def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Pa
             assert (await cb.server_info()).prefill_tokens_computed - before == len(context) - covered
             assert again.output_ids == fresh.output_ids
             # the receipt freed the source's pool
+            assert (await ca.server_info()).open_prefix_offers == 0
             with pytest.raises(EngineError, match="no open offer") as ei:
                 await ca.release_prefix_offer("nope")
             assert ei.value.status == 404
@@ -213,8 +259,10 @@ def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Pa
     run(go())
 
 
-def test_source_killed_mid_transfer(spawn_server: Callable[..., Any], pair: tuple[Any, Any]) -> None:
-    a, b = spawn_server(), pair[1]  # a source of its own: it gets killed
+def test_source_killed_mid_transfer(pair: tuple[Any, Any]) -> None:
+    """Kills engine A, so it stays the last test of this module (pytest runs a file in order); a spare
+    engine of its own would cost another start-up of torch on a loaded 2-core machine."""
+    a, b = pair
 
     async def go() -> None:
         async with EngineClient(a.url, timeout_s=60) as ca, EngineClient(b.url, timeout_s=60) as cb:

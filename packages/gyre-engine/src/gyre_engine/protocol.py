@@ -184,6 +184,8 @@ class ServerInfo(msgspec.Struct, frozen=True):
     decode_steps: int
     decode_tokens: int
     cached_prefix_tokens: int
+    open_prefix_offers: int = 0
+    """KV prefix offers (/offer_prefix) not yet released or expired."""
 
 
 class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -122,6 +122,8 @@ def _error_for(exc: Exception) -> Response:
 def build_app(engine: Engine, config: AppConfig) -> Starlette:
     """The Starlette app serving `engine`."""
     tok = engine.tokenizer
+    xfer = XferHub(config.xfer)
+    xfer_weights = asyncio.Lock()  # a snapshot's arrays live in the subscriber's staging until applied
 
     async def run(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         fut = engine.call(fn, *args)
@@ -364,6 +366,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
                 decode_steps=st.decode_steps,
                 decode_tokens=st.decode_tokens,
                 cached_prefix_tokens=engine.prefix.total_tokens,
+                open_prefix_offers=xfer.open_offers,
             )
         )
 
@@ -396,8 +399,6 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         return _json_response(SuccessReply(True, f"imported a prefix of {n} tokens"))
 
     # ------------------------------------------------------------------ gyre-xfer
-    xfer = XferHub(config.xfer)
-    xfer_weights = asyncio.Lock()  # a snapshot's arrays live in the subscriber's staging until applied
 
     async def update_from_xfer(request: Request) -> Response:
         body = await body_as(request, UpdateFromXferRequest)
