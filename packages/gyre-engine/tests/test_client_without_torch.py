@@ -1,5 +1,5 @@
-"""The client, protocol and launcher import without torch or transformers (the proxy and trainer use them
-from the base install)."""
+"""The client, protocol and launcher import without torch, transformers, gyre-xfer or Mooncake (the proxy
+and trainer use them from the base install)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ def test_client_side_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import gyre_engine.client, gyre_engine.launcher, gyre_engine.protocol, gyre_engine.cli\n"
-        "heavy = [m for m in ('torch', 'transformers', 'starlette', 'uvicorn') if m in sys.modules]\n"
+        "heavy = ('torch', 'transformers', 'starlette', 'uvicorn', 'gyre_xfer', 'mooncake', 'zmq')\n"
+        "heavy = [m for m in heavy if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -58,3 +58,18 @@ def test_kv_prefix_round_trips(ids: list[int], layers: int, blob: bytes) -> None
         PROTOCOL_VERSION, "fp", "3", ids, "bfloat16", (2, len(ids), 4), [blob] * layers, [blob[::-1]] * layers
     )
     assert KV_PREFIX_DECODER.decode(KV_PREFIX_ENCODER.encode(rec)) == rec
+
+
+def test_xfer_records_round_trip_and_pass_the_offer_through_untouched() -> None:
+    from gyre_engine.protocol import ImportPrefixXferRequest, PrefixOffer, UpdateFromXferRequest
+
+    raw = b'["kv_offer","r1",[1,"127.0.0.1:1","x",[[0,64,140000000000000,""]],[[0,0],[0,32]],1,1,32,1],[0],3,1]'
+    offer = PrefixOffer("o1", "fp", "0", [1, 2, 3], "float32", 2, 4, 16, 60.0, msgspec.Raw(raw))
+    body = msgspec.json.encode({"offer": offer, "timeout_s": 5.0})
+    back = msgspec.json.decode(body, type=ImportPrefixXferRequest)
+    assert bytes(back.offer.kv_offer) == raw and back.offer.token_ids == [1, 2, 3]
+    req = msgspec.json.decode(b'{"publisher": "tcp://127.0.0.1:5"}', type=UpdateFromXferRequest)
+    assert (req.transport, req.min_version, req.weight_version) == ("mooncake", 0, None)
+    for bad in (b'{"publisher": "p", "transport": "nccl"}', b'{"publisher": "p", "bogus": 1}'):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(bad, type=UpdateFromXferRequest)

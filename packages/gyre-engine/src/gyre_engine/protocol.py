@@ -4,6 +4,8 @@ Field names, defaults and shapes follow SGLang 0.5.23 (`GenerateReqInput`, `Samp
 request bodies); the set of `sampling_params` keys is closed, and `check_sampling_keys` names an unknown
 key the way SGLang does. `KvPrefix` is gyre's own record for handing a cached prefix (KV arrays plus the
 token ids they cover) from one engine to another; it carries a protocol version and encodes to msgpack.
+The gyre-xfer records at the end (weight snapshots, prefix offers) carry gyre-xfer's own messages as raw
+JSON, so this module and the client need neither gyre-xfer nor torch.
 """
 
 from __future__ import annotations
