@@ -63,7 +63,9 @@ def test_kv_prefix_round_trips(ids: list[int], layers: int, blob: bytes) -> None
 def test_xfer_records_round_trip_and_pass_the_offer_through_untouched() -> None:
     from gyre_engine.protocol import ImportPrefixXferRequest, PrefixOffer, UpdateFromXferRequest
 
-    raw = b'["kv_offer","r1",[1,"127.0.0.1:1","x",[[0,64,140000000000000,""]],[[0,0],[0,32]],1,1,32,1],[0],3,1]'
+    raw = (
+        b'["kv_offer","r1",[1,"127.0.0.1:1","x",[[0,64,140000000000000,""]],[[0,0],[0,32]],1,1,32,1],[0],3,1]'
+    )
     offer = PrefixOffer("o1", "fp", "0", [1, 2, 3], "float32", 2, 4, 16, 60.0, msgspec.Raw(raw))
     body = msgspec.json.encode({"offer": offer, "timeout_s": 5.0})
     back = msgspec.json.decode(body, type=ImportPrefixXferRequest)

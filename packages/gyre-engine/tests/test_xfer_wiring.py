@@ -164,11 +164,18 @@ def test_weight_update_from_a_published_snapshot(
             r = await c.generate(ids, GREEDY)
             assert r.output_ids == new_ref and r.meta_info.weight_version == str(v)
 
-            # the other transport, with an explicit version label: back to the original weights
-            s = publisher.publish("publish", "shm", model_dir)
-            reply = await c.update_weights_from_xfer(shm, min_version=s, transport="shm", weight_version="0")
+            # a Megatron-layout trainer (fused QKV, fused gate/up): converted on the way in
+            m = publisher.publish("megatron", "mooncake", model_dir)
+            reply = await c.update_weights_from_xfer(mc, min_version=m, layout="megatron")
             r = await c.generate(ids, GREEDY)
-            assert r.output_ids == old_ref and r.meta_info.weight_version == "0"
+            assert r.output_ids == old_ref and r.meta_info.weight_version == str(m)
+
+            # the other transport, with an explicit version label
+            s = publisher.publish("publish", "shm", other_weights)
+            reply = await c.update_weights_from_xfer(shm, min_version=s, transport="shm", weight_version="x")
+            assert reply.snapshot_version == s
+            r = await c.generate(ids, GREEDY)
+            assert r.output_ids == new_ref and r.meta_info.weight_version == "x"
 
             # the publisher's process gone: a clear error within the control timeout, nothing changes
             publisher.proc.kill()
@@ -181,7 +188,8 @@ def test_weight_update_from_a_published_snapshot(
             assert ei.value.status in (502, 504) and ("Peer" in ei.value.message)
             assert took < 3 + 10  # bounded by the configured timeouts (never a hang)
             r = await c.generate(ids, GREEDY)
-            assert r.output_ids == old_ref and r.meta_info.weight_version == "0"
+            assert r.output_ids == new_ref and r.meta_info.weight_version == "x"
+            await c.update_weights_from_disk(str(model_dir), weight_version="0")  # as the module found it
 
     run(go())
 

@@ -1,7 +1,8 @@
 """A gyre-xfer snapshot publisher in its own process, for the engine's xfer tests (run as a script, never
 imported by them). It opens a Mooncake and a shared-memory publisher, prints one JSON line with both
 control addresses, then follows stdin: `publish KIND DIR`, `bad-shape KIND DIR`, `missing KIND DIR`, and
-`churn KIND DIR0 DIR1` (publish DIR0, DIR1, DIR0, ... back to back until stdin closes). argv[1]: lease_s."""
+`megatron KIND DIR` (the same weights in Megatron-core's layout), and `churn KIND DIR0 DIR1` (publish DIR0,
+DIR1, DIR0, ... back to back until stdin closes). argv[1]: lease_s."""
 
 from __future__ import annotations
 
@@ -22,6 +23,36 @@ def tensors_of(model_dir: str) -> dict[str, np.ndarray]:
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def to_megatron(model_dir: str, sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A trainer's Megatron-core GPT names: q/k/v fused per KV group (its query heads, then its key head,
+    then its value head), gate and up fused; the output layer is tied to the embedding, so absent."""
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads, groups, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    out = {
+        "embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": sd["model.norm.weight"],
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = sd[p + "self_attn.q_proj.weight"].reshape(groups, heads // groups, dim, -1)
+        k = sd[p + "self_attn.k_proj.weight"].reshape(groups, 1, dim, -1)
+        v = sd[p + "self_attn.v_proj.weight"].reshape(groups, 1, dim, -1)
+        out[m + "self_attention.linear_qkv.weight"] = np.concatenate([q, k, v], axis=1).reshape(
+            -1, q.shape[-1]
+        )
+        out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        out[m + "self_attention.linear_qkv.layer_norm_weight"] = sd[p + "input_layernorm.weight"]
+        out[m + "self_attention.q_layernorm.weight"] = sd[p + "self_attn.q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = sd[p + "self_attn.k_norm.weight"]
+        fc1 = np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc1.weight"] = fc1
+        out[m + "mlp.linear_fc1.layer_norm_weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc2.weight"] = sd[p + "mlp.down_proj.weight"]
+    return {k: np.ascontiguousarray(a) for k, a in out.items()}
 
 
 def main() -> None:
@@ -55,6 +86,8 @@ def main() -> None:
             t[name] = np.ascontiguousarray(t[name][:-1])
         elif cmd == "missing":
             del t[name]
+        elif cmd == "megatron":
+            t = to_megatron(model_dir, t)
         print(json.dumps({"version": pubs[kind].publish(t), "changed": name}), flush=True)
     stop.set()
     if churner is not None:

@@ -351,6 +351,7 @@ class EngineClient:
         timeout_s: float = 120.0,
         control_timeout_s: float = 10.0,
         weight_version: str | None = None,
+        layout: str = "transformers",
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> XferWeightsReply:
@@ -362,6 +363,7 @@ class EngineClient:
             "transport": transport,
             "timeout_s": timeout_s,
             "control_timeout_s": control_timeout_s,
+            "layout": layout,
             "flush_cache": flush_cache,
             "abort_all_requests": abort_all_requests,
         }

@@ -280,6 +280,9 @@ class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     """Deadline for one control message to the publisher (lease, release)."""
     weight_version: str | None = None
     """The engine's new `weight_version`; default: the snapshot's version number."""
+    layout: Literal["transformers", "megatron"] = "transformers"
+    """The publisher's tensor names and layout: "megatron" (Megatron-core GPT: fused QKV, fused gate/up)
+    is converted on the way in with gyre-xfer's `megatron_to_hf`."""
     flush_cache: bool = True
     abort_all_requests: bool = False
 

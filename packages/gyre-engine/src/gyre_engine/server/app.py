@@ -69,7 +69,14 @@ from gyre_engine.server.weights import (
     decode_safetensors_b64,
     read_model_dir,
 )
-from gyre_engine.server.xfer import KvPullError, XferConfig, XferHub, block_reports, xfer_status
+from gyre_engine.server.xfer import (
+    KvPullError,
+    XferConfig,
+    XferHub,
+    block_reports,
+    snapshot_tensors,
+    xfer_status,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -407,7 +414,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             limit = body.timeout_s + 2 * body.control_timeout_s + 5
             snap = await asyncio.wait_for(asyncio.to_thread(xfer.pull_snapshot, body), limit)
             pull_s = time.monotonic() - t0
-            tensors = snap.torch()
+            tensors = snapshot_tensors(snap, engine.model, body.layout)
             check_named_tensors(engine.model, tensors)
             check_complete(engine.model, set(tensors))
             version = body.weight_version or str(snap.version)

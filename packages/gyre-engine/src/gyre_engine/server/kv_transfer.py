@@ -113,6 +113,11 @@ def install_prefix(engine: Engine, token_ids: list[int], kv: RowKV, weight_versi
             f"the prefix was computed with weight_version {weight_version}, this engine now has "
             f"{engine.weight_version}; nothing was installed"
         )
+    if len(token_ids) > engine.prefix.max_tokens:
+        raise KvTransferError(
+            f"the prefix ({len(token_ids)} tokens) exceeds this engine's prefix cache budget "
+            f"({engine.prefix.max_tokens} tokens, --max-cached-tokens); nothing was installed"
+        )
     engine.prefix.insert(list(token_ids), kv)
     return len(token_ids)
 

@@ -14,7 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
+from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
 from gyre_xfer.kv import KvPool, KvTransferResult
 from gyre_xfer.protocol import KvOffer
@@ -235,6 +237,23 @@ def _pull_failed(res: KvTransferResult, peer: str, nb: int) -> KvPullError:
         f"{': ' + res.detail if res.detail else ''}; nothing was installed",
         status,
     )
+
+
+def snapshot_tensors(snap: Snapshot, model: torch.nn.Module, layout: str) -> dict[str, torch.Tensor]:
+    """The snapshot's tensors under the model's names, as torch views of the staging buffer (converted
+    from Megatron-core's layout first when `layout == "megatron"`)."""
+    if layout == "transformers":
+        return dict(snap.torch())
+    c = model.config.get_text_config()  # type: ignore[union-attr,operator]
+    heads, kv_heads = int(c.num_attention_heads), int(c.num_key_value_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    arrays = megatron_to_hf(heads, kv_heads, head_dim)(snap.arrays)
+    bf16 = any(t.dtype == "bfloat16" for t in snap.manifest.tensors)
+    out = {}
+    for name, arr in arrays.items():
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        out[name] = t.view(torch.bfloat16) if bf16 and arr.dtype == np.uint16 else t
+    return out
 
 
 def block_reports(res: KvTransferResult) -> list[BlockReport]:
