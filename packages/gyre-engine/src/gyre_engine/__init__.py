@@ -1,0 +1,1 @@
+"""gyre-engine."""

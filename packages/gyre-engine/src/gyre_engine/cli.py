@@ -1,0 +1,99 @@
+"""`gyre-engine`: serve a model, create the embedded default model, print an SGLang launch command, bench.
+
+Every subcommand imports torch only when it needs it, so `gyre-engine sglang-command` works from the
+base install (client and launcher only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def _missing_server_extra(exc: ImportError) -> SystemExit:
+    return SystemExit(f"{exc}: this command needs the server extra: pip install 'gyre-engine[server]'")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="gyre-engine", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="serve a transformers model directory over SGLang's native protocol")
+    s.add_argument("--model", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--max-running-requests", type=int, default=64)
+    s.add_argument("--max-cached-tokens", type=int, default=1 << 20)
+    s.add_argument("--prefill-chunk", type=int, default=2048)
+    s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
+
+    c = sub.add_parser("create-model", help="write the embedded default model (random init, local tokenizer)")
+    c.add_argument("out_dir")
+    c.add_argument("--shape", default="tiny", help="tiny (default), small or qwen3-0.6b")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", default="float32")
+
+    g = sub.add_parser("sglang-command", help="print the command line that would launch a real SGLang server")
+    g.add_argument("--model", required=True)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--mem-fraction-static", type=float, default=None)
+
+    b = sub.add_parser("bench", help="benchmark; prints one JSON object as its last line")
+    b.add_argument("--quick", action="store_true", help="tiny model only, small sizes (under a minute)")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--out", default=None, help="also write the JSON here")
+
+    args = p.parse_args(argv)
+    if args.cmd == "sglang-command":
+        from gyre_engine.launcher import SGLangConfig
+
+        cfg = SGLangConfig(
+            model_path=args.model,
+            tp=args.tp,
+            port=args.port,
+            host=args.host,
+            mem_fraction_static=args.mem_fraction_static,
+        )
+        print(shlex.join(cfg.command()))
+        return
+    try:
+        if args.cmd == "serve":
+            from gyre_engine.server.engine import Engine
+            from gyre_engine.server.serve import ServeConfig, serve
+
+            serve(
+                ServeConfig(
+                    model=args.model,
+                    host=args.host,
+                    port=args.port,
+                    device=args.device,
+                    dtype=args.dtype,
+                    allow_remote=args.allow_remote,
+                    engine=Engine.Config(
+                        max_running_requests=args.max_running_requests,
+                        max_cached_tokens=args.max_cached_tokens,
+                        prefill_chunk=args.prefill_chunk,
+                    ),
+                )
+            )
+        elif args.cmd == "create-model":
+            from gyre_engine.server.model_factory import create_model
+
+            print(create_model(args.out_dir, shape=args.shape, seed=args.seed, dtype=args.dtype))
+        elif args.cmd == "bench":
+            from gyre_engine.bench.run import run_bench
+
+            run_bench(quick=args.quick, device=args.device, out=args.out)
+    except ImportError as exc:
+        if exc.name in ("torch", "transformers", "uvicorn", "starlette", "tokenizers", "safetensors"):
+            raise _missing_server_extra(exc) from exc
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,338 @@
+"""Typed async client for SGLang's native HTTP protocol; works against SGLang and gyre-engine alike.
+
+It sends only keys SGLang accepts (sampling parameters are a closed `SamplingParams` record, encoded
+without defaults) and parses responses into the records of `protocol.py`. Every call has a timeout;
+an HTTP error becomes `EngineError` with the server's message, status and whether a retry may help.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+
+from gyre_engine.protocol import (
+    KV_PREFIX_DECODER,
+    KV_PREFIX_ENCODER,
+    GenerateResponse,
+    KvPrefix,
+    ModelInfo,
+    SamplingParams,
+    ServerInfo,
+    StatusReply,
+    SuccessReply,
+)
+
+T = TypeVar("T")
+_enc = msgspec.json.Encoder()
+_gen_dec = msgspec.json.Decoder(GenerateResponse)
+_gen_list_dec = msgspec.json.Decoder(list[GenerateResponse])
+
+
+class EngineError(RuntimeError):
+    """An error reply from the server (or a stream that reported one in-band)."""
+
+    def __init__(self, status: int, message: str, retryable: bool = False) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.retryable = retryable
+
+
+def _error_from(status: int, body: bytes) -> EngineError:
+    try:
+        obj = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return EngineError(status, body.decode(errors="replace"), status >= 500 or status == 409)
+    err = obj.get("error", obj) if isinstance(obj, dict) else obj
+    if isinstance(err, dict):
+        return EngineError(
+            status, str(err.get("message", err)), bool(err.get("retryable", status >= 500 or status == 409))
+        )
+    return EngineError(status, str(err), status >= 500 or status == 409)
+
+
+def encode_safetensors_payload(tensors: Mapping[str, Any]) -> str:
+    """base64 of a safetensors file holding `tensors` (numpy arrays), for /update_weights_from_tensor with
+    load_format='safetensors' (gyre-engine). Torch tensors: use safetensors.torch.save and b64-encode."""
+    from safetensors.numpy import save
+
+    return base64.b64encode(save(dict(tensors))).decode()
+
+
+class EngineClient:
+    """One server's native API. Use as `async with EngineClient(url) as c: await c.generate(...)`."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        )
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # ----------------------------------------------------------------- plumbing
+    async def _post(self, path: str, body: Any = None, timeout: float | None = None) -> httpx.Response:
+        kw: dict[str, Any] = {
+            "content": _enc.encode(body if body is not None else {}),
+            "headers": {"content-type": "application/json"},
+        }
+        if timeout is not None:
+            kw["timeout"] = timeout
+        r = await self._http.post(path, **kw)
+        if r.status_code >= 400:
+            raise _error_from(r.status_code, r.content)
+        return r
+
+    async def _get(self, path: str, timeout: float | None = None) -> httpx.Response:
+        r = await self._http.get(path, timeout=timeout) if timeout is not None else await self._http.get(path)
+        if r.status_code >= 400:
+            raise _error_from(r.status_code, r.content)
+        return r
+
+    @staticmethod
+    def _generate_body(
+        input_ids: list[int],
+        sampling: SamplingParams | None,
+        rid: str | None,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        stream: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": msgspec.to_builtins(sampling or SamplingParams()),
+        }
+        if rid is not None:
+            body["rid"] = rid
+        if return_logprob:
+            body["return_logprob"] = True
+            if top_logprobs_num:
+                body["top_logprobs_num"] = top_logprobs_num
+        if stream:
+            body["stream"] = True
+        return body
+
+    # ----------------------------------------------------------------- generation
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        timeout: float | None = None,
+    ) -> GenerateResponse:
+        body = self._generate_body(input_ids, sampling, rid, return_logprob, top_logprobs_num, False)
+        return _gen_dec.decode((await self._post("/generate", body, timeout)).content)
+
+    async def generate_batch(
+        self, batch: list[list[int]], sampling: SamplingParams | None = None, *, return_logprob: bool = False
+    ) -> list[GenerateResponse]:
+        body: dict[str, Any] = {
+            "input_ids": batch,
+            "sampling_params": msgspec.to_builtins(sampling or SamplingParams()),
+        }
+        if return_logprob:
+            body["return_logprob"] = True
+        return _gen_list_dec.decode((await self._post("/generate", body)).content)
+
+    async def stream(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> AsyncIterator[GenerateResponse]:
+        """Cumulative chunks as the server sends them; ends at `[DONE]`."""
+        body = self._generate_body(input_ids, sampling, rid, return_logprob, top_logprobs_num, True)
+        headers = {"content-type": "application/json"}
+        async with self._http.stream("POST", "/generate", content=_enc.encode(body), headers=headers) as r:
+            if r.status_code >= 400:
+                raise _error_from(r.status_code, await r.aread())
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                obj = msgspec.json.decode(data)
+                if isinstance(obj, dict) and "error" in obj:
+                    raise _error_from(500, data.encode())
+                yield msgspec.convert(obj, GenerateResponse)
+
+    # ----------------------------------------------------------------- control
+    async def abort(self, rid: str) -> None:
+        await self._post("/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self._post("/abort_request", {"abort_all": True})
+
+    async def pause(self, mode: str = "abort") -> StatusReply:
+        return msgspec.json.decode(
+            (await self._post("/pause_generation", {"mode": mode})).content, type=StatusReply
+        )
+
+    async def continue_generation(self, torch_empty_cache: bool = False) -> StatusReply:
+        r = await self._post("/continue_generation", {"torch_empty_cache": torch_empty_cache})
+        return msgspec.json.decode(r.content, type=StatusReply)
+
+    async def begin_weight_update(self) -> SuccessReply:
+        return msgspec.json.decode((await self._post("/begin_weight_update")).content, type=SuccessReply)
+
+    async def end_weight_update(self) -> SuccessReply:
+        return msgspec.json.decode((await self._post("/end_weight_update")).content, type=SuccessReply)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> SuccessReply:
+        """SGLang wants its own (pickled) serialization, made by SGLang's helpers on the trainer side;
+        gyre-engine wants load_format='safetensors' and `encode_safetensors_payload` entries."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return msgspec.json.decode(
+            (await self._post("/update_weights_from_tensor", body)).content, type=SuccessReply
+        )
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> SuccessReply:
+        body: dict[str, Any] = {
+            "model_path": model_path,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return msgspec.json.decode(
+            (await self._post("/update_weights_from_disk", body)).content, type=SuccessReply
+        )
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> SuccessReply:
+        """SGLang only: joins the trainer's NCCL group for /update_weights_from_distributed."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return msgspec.json.decode(
+            (await self._post("/init_weights_update_group", body)).content, type=SuccessReply
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> SuccessReply:
+        """SGLang only: the trainer's rank 0 then broadcasts each tensor over the group."""
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return msgspec.json.decode(
+            (await self._post("/update_weights_from_distributed", body)).content, type=SuccessReply
+        )
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        await self._post("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self._post("/resume_memory_occupation", {"tags": tags})
+
+    async def flush_cache(self) -> None:
+        await self._post("/flush_cache")
+
+    async def model_info(self) -> ModelInfo:
+        return msgspec.json.decode((await self._get("/model_info")).content, type=ModelInfo)
+
+    async def server_info(self) -> ServerInfo:
+        """gyre-engine only (its counters)."""
+        return msgspec.json.decode((await self._get("/server_info")).content, type=ServerInfo)
+
+    async def health(self, timeout: float = 30.0) -> bool:
+        return await self._ok("/health", timeout)
+
+    async def health_generate(self, timeout: float = 30.0) -> bool:
+        return await self._ok("/health_generate", timeout)
+
+    async def ready(self, timeout: float = 10.0) -> bool:
+        return await self._ok("/ready", timeout)
+
+    async def _ok(self, path: str, timeout: float) -> bool:
+        try:
+            r = await self._http.get(path, timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    # ----------------------------------------------------------------- gyre-engine's KV prefix hand-off
+    async def export_prefix(self, input_ids: list[int]) -> KvPrefix | None:
+        """gyre-engine only: the KV of the longest cached prefix of `input_ids` (None if none)."""
+        r = await self._http.post("/export_prefix", content=_enc.encode({"input_ids": input_ids}))
+        if r.status_code == 404:
+            return None
+        if r.status_code >= 400:
+            raise _error_from(r.status_code, r.content)
+        return KV_PREFIX_DECODER.decode(r.content)
+
+    async def import_prefix(self, rec: KvPrefix) -> SuccessReply:
+        """gyre-engine only: put an exported prefix into this server's prefix cache."""
+        r = await self._http.post("/import_prefix", content=KV_PREFIX_ENCODER.encode(rec))
+        if r.status_code >= 400:
+            raise _error_from(r.status_code, r.content)
+        return msgspec.json.decode(r.content, type=SuccessReply)

@@ -1,0 +1,413 @@
+"""The HTTP face of the engine: SGLang's native endpoints as a Starlette app.
+
+Handlers decode bodies with msgspec, hand work to the engine thread through `Engine.call`, and wait with
+a timeout. Bad input is a 400 with an SGLang-shaped error (`{"error": {"message", ...}}`); a request the
+engine cannot take now (paused, released, updating) is a 409 marked retryable; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from gyre_engine.protocol import (
+    KV_PREFIX_DECODER,
+    KV_PREFIX_ENCODER,
+    AbortRequest,
+    BeginWeightUpdateRequest,
+    ContinueRequest,
+    ErrorBody,
+    ErrorReply,
+    GenerateRequest,
+    GenerateResponse,
+    MemoryRequest,
+    ModelInfo,
+    PauseRequest,
+    ProtocolError,
+    SamplingParams,
+    ServerInfo,
+    StatusReply,
+    SuccessReply,
+    UpdateFromDiskRequest,
+    UpdateFromTensorRequest,
+    check_sampling_keys,
+)
+from gyre_engine.server.engine import Engine, EngineUnavailable
+from gyre_engine.server.kv_transfer import KvTransferError, export_prefix, import_prefix
+from gyre_engine.server.request import EngineRequest, TokenEvent
+from gyre_engine.server.response import ResponseBuilder
+from gyre_engine.server.weights import (
+    WeightUpdateError,
+    apply_named_tensors,
+    decode_safetensors_b64,
+    read_model_dir,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class AppConfig:
+    model_path: str
+    """Shown by /model_info."""
+    served_model_name: str | None = None
+    control_timeout_s: float = 300.0
+    """Longest wait for a control call (weight update, pause, ...) to run on the engine thread."""
+    request_timeout_s: float = 3600.0
+    """Longest a /generate waits for its next token before it is aborted."""
+    health_timeout_s: float = 20.0
+
+
+def _json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status_code=status, media_type="application/json")
+
+
+def error_response(
+    message: str, status: int = 400, err_type: str = "BadRequestError", retryable: bool = False
+) -> Response:
+    return _json_response(ErrorReply(ErrorBody(message, err_type, status, retryable)), status)
+
+
+def _error_for(exc: Exception) -> Response:
+    if isinstance(exc, EngineUnavailable):
+        return error_response(str(exc), 409, "EngineUnavailable", retryable=True)
+    if isinstance(
+        exc,
+        ProtocolError | WeightUpdateError | KvTransferError | msgspec.ValidationError | msgspec.DecodeError,
+    ):
+        return error_response(str(exc))
+    if isinstance(exc, TimeoutError):
+        return error_response(f"timed out: {exc}", 504, "Timeout", retryable=True)
+    log.exception("internal error", exc_info=exc)
+    return error_response(f"internal error: {exc!r}", 500, "InternalServerError")
+
+
+def build_app(engine: Engine, config: AppConfig) -> Starlette:
+    """The Starlette app serving `engine`."""
+    tok = engine.tokenizer
+
+    async def run(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
+        fut = engine.call(fn, *args)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout or config.control_timeout_s)
+
+    async def body_as(request: Request, typ: type[T]) -> T:
+        raw = await request.body()
+        return msgspec.json.decode(raw or b"{}", type=typ)
+
+    def guarded(
+        handler: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return _error_for(exc)
+
+        return wrapped
+
+    # ------------------------------------------------------------------ generate
+    def parse_generate(req: GenerateRequest) -> list[EngineRequest]:
+        if req.input_ids is not None and req.text is not None:
+            raise ProtocolError("give either input_ids or text, not both")
+        if req.input_ids is None and req.text is None:
+            raise ProtocolError("input_ids (or text) is required")
+        if req.logprob_start_len >= 0:
+            raise ProtocolError(
+                "input token logprobs (logprob_start_len >= 0) are not supported by gyre-engine"
+            )
+        if req.text is not None:
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            ids_list: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+            single = isinstance(req.text, str)
+        else:
+            assert req.input_ids is not None
+            single = _single(req)
+            kinds = {isinstance(x, int) for x in req.input_ids}
+            if len(kinds) > 1:
+                raise ProtocolError(
+                    "input_ids must be a list of token ids or a list of such lists, not a mix"
+                )
+            ids_list = [req.input_ids] if single else req.input_ids  # type: ignore[assignment,list-item]
+        n = len(ids_list)
+        sp = req.sampling_params if req.sampling_params is not None else {}
+        sps = [sp] * n if isinstance(sp, dict) else sp
+        rids: list[str | None] = [req.rid] if isinstance(req.rid, str) else list(req.rid or [None] * n)  # type: ignore[list-item]
+        if len(sps) != n or len(rids) != n:
+            raise ProtocolError("sampling_params and rid lists must match the number of inputs")
+        out = []
+        for ids, params, rid in zip(ids_list, sps, rids, strict=True):
+            check_sampling_keys(params)
+            out.append(
+                EngineRequest(
+                    rid=rid or uuid.uuid4().hex,
+                    input_ids=list(ids),
+                    params=msgspec.convert(params, SamplingParams),
+                    return_logprob=req.return_logprob,
+                    top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                    return_text_in_logprobs=req.return_text_in_logprobs,
+                )
+            )
+        if not single and req.stream:
+            raise ProtocolError(
+                "streaming a batch of inputs is not supported by gyre-engine; send them one by one"
+            )
+        return out if not single else out[:1]
+
+    async def start(er: EngineRequest) -> asyncio.Queue[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def sink(ev: TokenEvent) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        fut = engine.submit(er, sink)
+        await asyncio.wait_for(asyncio.wrap_future(fut), config.control_timeout_s)
+        return q
+
+    async def events(er: EngineRequest, q: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        finished = False
+        try:
+            while not finished:
+                ev = await asyncio.wait_for(q.get(), config.request_timeout_s)
+                finished = ev.finish is not None
+                yield ev
+        finally:
+            if not finished:  # client went away or timed out: free the engine's row
+                engine.call(engine.abort, er.rid, "client disconnected")
+
+    async def complete(er: EngineRequest) -> GenerateResponse:
+        q = await start(er)
+        rb = ResponseBuilder(er, tok)
+        async for ev in events(er, q):
+            rb.add(ev)
+        return rb.response()
+
+    async def generate(request: Request) -> Response:
+        req = await body_as(request, GenerateRequest)
+        ers = parse_generate(req)
+        for er in ers:
+            engine.check_request(er)
+        if req.stream:
+            er = ers[0]
+            q = await start(er)
+            interval = er.params.stream_interval or 1
+
+            async def sse() -> AsyncIterator[bytes]:
+                rb = ResponseBuilder(er, tok)
+                try:
+                    async for ev in events(er, q):
+                        rb.add(ev)
+                        if ev.finish is not None or len(rb.output_ids) % interval == 0:
+                            yield b"data: " + _json.encode(rb.response()) + b"\n\n"
+                except Exception as exc:  # the stream already started: report in-band, SGLang-style
+                    body = ErrorBody(str(exc), type(exc).__name__, 500, retryable=True)
+                    yield b"data: " + _json.encode({"error": body}) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        results = await asyncio.gather(*(complete(er) for er in ers))
+        return _json_response(results[0] if _single(req) else results)
+
+    # ------------------------------------------------------------------ control
+    async def abort_request(request: Request) -> Response:
+        body = await body_as(request, AbortRequest)
+        if body.abort_all:
+            await run(engine.abort_all)
+        elif body.rid:
+            await run(engine.abort, body.rid)
+        return Response(b"", status_code=200)
+
+    async def pause_generation(request: Request) -> Response:
+        body = await body_as(request, PauseRequest)
+        n = await run(engine.pause, body.mode)
+        return _json_response(StatusReply(f"Generation paused ({body.mode}); {n} requests affected"))
+
+    async def continue_generation(request: Request) -> Response:
+        body = await body_as(request, ContinueRequest)
+        await run(engine.resume_generation)
+        if body.torch_empty_cache:
+            await run(_empty_device_cache, engine)
+        return _json_response(StatusReply("Generation continued"))
+
+    async def begin_weight_update(request: Request) -> Response:
+        await body_as(request, BeginWeightUpdateRequest)
+        await run(engine.begin_weight_update)
+        return _json_response(
+            SuccessReply(True, "weight update begun; generation holds until end_weight_update")
+        )
+
+    async def end_weight_update(request: Request) -> Response:
+        version = await run(engine.end_weight_update)
+        return _json_response(SuccessReply(True, f"weight update ended; weight_version={version}"))
+
+    async def update_from_tensor(request: Request) -> Response:
+        body = await body_as(request, UpdateFromTensorRequest)
+        if body.load_format != "safetensors":
+            return error_response(
+                f"load_format {body.load_format!r} is not accepted: gyre-engine never unpickles; send "
+                "load_format='safetensors' with base64 safetensors payloads"
+            )
+        tensors = decode_safetensors_b64(body.serialized_named_tensors)
+        n = await run(
+            engine.update_weights,
+            lambda: apply_named_tensors(engine.model, tensors),
+            body.weight_version,
+            body.flush_cache,
+            body.abort_all_requests,
+        )
+        return _json_response(
+            SuccessReply(True, f"updated {n} tensors; weight_version={engine.weight_version}")
+        )
+
+    async def update_from_disk(request: Request) -> Response:
+        body = await body_as(request, UpdateFromDiskRequest)
+        tensors = await asyncio.to_thread(read_model_dir, body.model_path)
+        running, waiting = await run(engine.counts)
+        n = await run(
+            engine.update_weights,
+            lambda: apply_named_tensors(engine.model, tensors),
+            body.weight_version,
+            body.flush_cache,
+            body.abort_all_requests,
+        )
+        msg = f"updated {n} tensors from {body.model_path}; weight_version={engine.weight_version}"
+        return _json_response(
+            SuccessReply(True, msg, num_paused_requests=0 if body.abort_all_requests else running + waiting)
+        )
+
+    async def not_supported(request: Request) -> Response:
+        return error_response(
+            f"{request.url.path} (NCCL weight-update groups) is not supported by gyre-engine; "
+            "use /update_weights_from_tensor or /update_weights_from_disk"
+        )
+
+    async def release_memory(request: Request) -> Response:
+        body = await body_as(request, MemoryRequest)
+        await run(engine.release_memory, body.tags)
+        return _json_response(None)
+
+    async def resume_memory(request: Request) -> Response:
+        body = await body_as(request, MemoryRequest)
+        await run(engine.resume_memory, body.tags)
+        return _json_response(None)
+
+    async def flush_cache(request: Request) -> Response:
+        try:
+            await run(engine.flush_cache)
+        except EngineUnavailable as exc:
+            return Response(str(exc).encode(), status_code=400, media_type="text/plain")
+        return Response(b"Cache flushed.\n", status_code=200, media_type="text/plain")
+
+    async def model_info(request: Request) -> Response:
+        p = next(engine.model.parameters())
+        return _json_response(
+            ModelInfo(
+                model_path=config.model_path,
+                weight_version=engine.weight_version,
+                served_model_name=config.served_model_name or config.model_path,
+                tokenizer_path=config.model_path,
+                max_context_length=engine.context_len,
+                device=str(engine.device),
+                dtype=str(p.dtype).removeprefix("torch."),
+            )
+        )
+
+    async def server_info(request: Request) -> Response:
+        st = engine.stats()
+        running, waiting = engine.counts()
+        return _json_response(
+            ServerInfo(
+                weight_version=engine.weight_version,
+                running_requests=running,
+                waiting_requests=waiting,
+                paused=engine.paused,
+                released=sorted(engine.released),
+                prefill_tokens_computed=st.prefill_tokens_computed,
+                prefill_tokens_cached=st.prefill_tokens_cached,
+                decode_steps=st.decode_steps,
+                decode_tokens=st.decode_tokens,
+                cached_prefix_tokens=engine.prefix.total_tokens,
+            )
+        )
+
+    async def health_generate(request: Request) -> Response:
+        if not engine.alive or engine.released or engine.paused or engine.updating:
+            return Response(b"", status_code=503)
+        er = EngineRequest(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0.0)
+        )
+        try:
+            resp = await asyncio.wait_for(complete(er), config.health_timeout_s)
+        except Exception:
+            return Response(b"", status_code=503)
+        ok = resp.meta_info.finish_reason is not None and resp.meta_info.finish_reason.type != "abort"
+        return Response(b"", status_code=200 if ok else 503)
+
+    async def ready(request: Request) -> Response:
+        return Response(b"", status_code=200 if engine.alive and not engine.released else 503)
+
+    async def export_kv(request: Request) -> Response:
+        body = await body_as(request, _ExportBody)
+        rec = await run(export_prefix, engine, body.input_ids)
+        if rec is None:
+            return error_response("no cached prefix of these input_ids", 404, "NotFound")
+        return Response(KV_PREFIX_ENCODER.encode(rec), media_type="application/msgpack")
+
+    async def import_kv(request: Request) -> Response:
+        rec = KV_PREFIX_DECODER.decode(await request.body())
+        n = await run(import_prefix, engine, rec)
+        return _json_response(SuccessReply(True, f"imported a prefix of {n} tokens"))
+
+    routes = [
+        Route("/generate", guarded(generate), methods=["POST"]),
+        Route("/abort_request", guarded(abort_request), methods=["POST"]),
+        Route("/pause_generation", guarded(pause_generation), methods=["POST"]),
+        Route("/continue_generation", guarded(continue_generation), methods=["POST"]),
+        Route("/begin_weight_update", guarded(begin_weight_update), methods=["POST"]),
+        Route("/end_weight_update", guarded(end_weight_update), methods=["POST"]),
+        Route("/update_weights_from_tensor", guarded(update_from_tensor), methods=["POST"]),
+        Route("/update_weights_from_disk", guarded(update_from_disk), methods=["POST"]),
+        Route("/init_weights_update_group", guarded(not_supported), methods=["POST"]),
+        Route("/update_weights_from_distributed", guarded(not_supported), methods=["POST"]),
+        Route("/release_memory_occupation", guarded(release_memory), methods=["POST"]),
+        Route("/resume_memory_occupation", guarded(resume_memory), methods=["POST"]),
+        Route("/flush_cache", guarded(flush_cache), methods=["GET", "POST"]),
+        Route("/model_info", guarded(model_info), methods=["GET"]),
+        Route("/get_model_info", guarded(model_info), methods=["GET"]),
+        Route("/server_info", guarded(server_info), methods=["GET"]),
+        Route("/health", guarded(health_generate), methods=["GET"]),
+        Route("/health_generate", guarded(health_generate), methods=["GET"]),
+        Route("/ready", guarded(ready), methods=["GET"]),
+        Route("/export_prefix", guarded(export_kv), methods=["POST"]),
+        Route("/import_prefix", guarded(import_kv), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+class _ExportBody(msgspec.Struct, frozen=True):
+    input_ids: list[int]
+
+
+def _single(req: GenerateRequest) -> bool:
+    if req.text is not None:
+        return isinstance(req.text, str)
+    return not req.input_ids or isinstance(req.input_ids[0], int)
+
+
+def _empty_device_cache(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()

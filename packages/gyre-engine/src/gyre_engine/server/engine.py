@@ -1,0 +1,471 @@
+"""The engine: one thread owns the model, the running batch and the prefix cache, and steps them.
+
+Other threads talk to it only through `call(fn)`, which runs `fn` on the engine thread between two steps
+and returns a future; so a weight update, pause, abort or cache export never lands inside a step, and no
+token is computed with two weight versions. Each step admits waiting requests (chunked prefill that
+reuses the longest cached prefix), then runs one batched decode step over every running request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from gyre_engine.protocol import FinishReason, ProtocolError
+from gyre_engine.server.batch import DecodeBatch, RowKV, cache_kwarg
+from gyre_engine.server.prefill import prefill_group, prefill_one
+from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
+from gyre_engine.server.request import (
+    EngineRequest,
+    Running,
+    Sink,
+    TokenEvent,
+    abort_reason,
+    as_stop_list,
+    compile_stop_regex,
+)
+from gyre_engine.server.sampling import SamplerState, sample, validate_params
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take this now (paused, weights or KV released, updating); retry later."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    prefill_tokens_computed: int
+    prefill_tokens_cached: int
+    decode_steps: int
+    decode_tokens: int
+    decode_time_s: float
+
+
+class Engine:
+    """Continuous-batching generation over a transformers causal LM; see the module docstring."""
+
+    @dataclass
+    class Config:
+        max_running_requests: int = 64
+        """Rows in the decode batch at most; further requests wait."""
+        max_cached_tokens: int = 1 << 20
+        """Budget of the prefix cache, in tokens (summed over entries)."""
+        prefill_chunk: int = 2048
+        """Tokens per prefill forward pass; also the prefill budget of one step."""
+        enable_prefix_cache: bool = True
+        """Reuse the KV of earlier sequences that share a prefix with a new prompt."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: Engine.Config | None = None) -> None:
+        self.model = model.eval()
+        self._cache_kw = cache_kwarg(model)
+        self.tokenizer = tokenizer
+        self.config = config or Engine.Config()
+        self.device = next(model.parameters()).device
+        mc = model.config.get_text_config()
+        self.vocab_size = int(mc.vocab_size)
+        self.context_len = int(getattr(mc, "max_position_embeddings", 1 << 30))
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = mc.eos_token_id if eos is None else eos
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.weight_version = "0"
+        self.paused = False
+        self.updating = False
+        self.released: set[str] = set()
+        self._pending_bump = False
+        self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
+        self._waiting: deque[Running] = deque()
+        self._running: list[Running] = []
+        self._batch = DecodeBatch(self.device)
+        self.prefix = PrefixCache(self.config.max_cached_tokens)
+        self._stats: dict[str, float] = {
+            "prefill_tokens_computed": 0,
+            "prefill_tokens_cached": 0,
+            "decode_steps": 0,
+            "decode_tokens": 0,
+            "decode_time_s": 0.0,
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+
+    # ----------------------------------------------------------------- lifecycle and calls
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.call(self._abort_all_now, "engine shutting down").result(timeout)
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` on the engine thread between two steps."""
+        fut: Future[T] = Future()
+        if not self._thread.is_alive():
+            fut.set_exception(EngineUnavailable("engine thread is not running"))
+            return fut
+        self._cmds.put((lambda: fn(*args), fut))
+        return fut
+
+    def stats(self) -> EngineStats:
+        st = self._stats
+        ints = {k: int(v) for k, v in st.items() if k != "decode_time_s"}
+        return EngineStats(**ints, decode_time_s=st["decode_time_s"])
+
+    def counts(self) -> tuple[int, int]:
+        return len(self._running), len(self._waiting)
+
+    # ----------------------------------------------------------------- requests
+    def check_request(self, req: EngineRequest) -> None:
+        """Raise ProtocolError for a request no state of the engine could serve."""
+        if not req.input_ids:
+            raise ProtocolError("input_ids is empty")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ProtocolError(f"input_ids has {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        if len(req.input_ids) >= self.context_len:
+            raise ProtocolError(
+                f"the input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len})"
+            )
+        if not 0 <= req.top_logprobs_num <= 64:
+            raise ProtocolError("top_logprobs_num must be in [0, 64]")
+        validate_params(req.params, self.vocab_size)
+        compile_stop_regex(req.params.stop_regex)
+        if (req.params.stop or req.params.stop_regex) and self.tokenizer is None:
+            raise ProtocolError("stop strings need a tokenizer; this engine has none")
+
+    def submit(self, req: EngineRequest, sink: Sink) -> Future[None]:
+        """Queue a request; the future fails with ProtocolError / EngineUnavailable if it is refused."""
+        self.check_request(req)
+        return self.call(self._admit, req, sink)
+
+    def _admit(self, req: EngineRequest, sink: Sink) -> None:
+        if self.released:
+            raise EngineUnavailable(f"memory released ({', '.join(sorted(self.released))}); resume it first")
+        if self.paused or self.updating:
+            raise EngineUnavailable(
+                "generation is paused" if self.paused else "a weight update is in progress"
+            )
+        if any(r.rid == req.rid for r in (*self._running, *self._waiting)):
+            raise ProtocolError(f"a request with rid {req.rid!r} is already running")
+        gen = None
+        if req.params.sampling_seed is not None:
+            gen = torch.Generator().manual_seed(req.params.sampling_seed)
+        sampler = SamplerState(req.params, self.vocab_size, self.eos_ids, req.input_ids, gen)
+        stops, regex = as_stop_list(req.params.stop), compile_stop_regex(req.params.stop_regex)
+        self._waiting.append(Running(req, sink, sampler, self.context_len, stops, self._decode_ids, regex))
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ProtocolError("stop strings need a tokenizer; this engine has none")
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    # ----------------------------------------------------------------- the loop
+    def _can_step(self) -> bool:
+        return not (self.paused or self.updating or self.released) and bool(self._running or self._waiting)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                cmd = self._cmds.get(timeout=0.0 if self._can_step() else 0.05)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                fn, fut = cmd
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # handed to the caller through the future
+                    fut.set_exception(exc)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._can_step():
+                try:
+                    self._step()
+                except Exception as exc:
+                    log.exception("engine step failed; failing the running requests")
+                    self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
+
+    def _step(self) -> None:
+        budget = self.config.prefill_chunk
+        joining: list[tuple[RowKV, int]] = []
+        group: list[Running] = []
+        while (
+            self._waiting
+            and len(self._running) + len(group) < self.config.max_running_requests
+            and budget > 0
+        ):
+            r = self._waiting.popleft()
+            ctx = r.context()
+            hit = (
+                self.prefix.lookup(ctx, limit=len(ctx) - 1)
+                if self.config.enable_prefix_cache
+                else PrefixHit(0, None)
+            )
+            if hit.kv is None and len(ctx) <= budget:
+                group.append(r)  # fresh short prompts share one padded forward pass
+                budget -= len(ctx)
+            else:
+                budget -= self._prefill_single(r, ctx, hit, joining)
+        if len(group) == 1:
+            self._prefill_single(group[0], group[0].context(), PrefixHit(0, None), joining)
+        elif group:
+            self._prefill_group(group, joining)
+        self._batch.add_many(joining)
+        if self._running:
+            self._decode()
+
+    @torch.inference_mode()
+    def _prefill_single(
+        self, r: Running, ctx: list[int], hit: PrefixHit, joining: list[tuple[RowKV, int]]
+    ) -> int:
+        row, logits = prefill_one(
+            self.model, self._cache_kw, ctx, hit.kv, self.config.prefill_chunk, self.device
+        )
+        self._count_prefill(r, len(ctx) - hit.length, hit.length)
+        first = sample(logits, [r.sampler], [r.req.top_logprobs_num])
+        self._started(
+            r, ctx, row, first.tokens[0], first.logprobs[0], first.top[0] if first.top else None, joining
+        )
+        return len(ctx) - hit.length
+
+    @torch.inference_mode()
+    def _prefill_group(self, group: list[Running], joining: list[tuple[RowKV, int]]) -> None:
+        ctxs = [r.context() for r in group]
+        rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
+        first = sample(logits, [r.sampler for r in group], [r.req.top_logprobs_num for r in group])
+        for i, (r, ctx, row) in enumerate(zip(group, ctxs, rows, strict=True)):
+            self._count_prefill(r, len(ctx), 0)
+            top = first.top[i] if first.top else None
+            self._started(r, ctx, row, first.tokens[i], first.logprobs[i], top, joining)
+
+    def _count_prefill(self, r: Running, computed: int, cached: int) -> None:
+        self._stats["prefill_tokens_computed"] += computed
+        self._stats["prefill_tokens_cached"] += cached
+        if r.cached_tokens < 0:
+            r.cached_tokens = cached
+
+    def _started(
+        self,
+        r: Running,
+        ctx: list[int],
+        row: RowKV,
+        token: int,
+        logprob: float,
+        top: list[tuple[float, int]] | None,
+        joining: list[tuple[RowKV, int]],
+    ) -> None:
+        """After prefill: finish at once, or join the decode batch (appended to `_running` and `joining`
+        in the same order, which is the batch's row order)."""
+        tops = [top] if top is not None else None
+        if r.req.params.max_new_tokens == 0:
+            self._store_prefix(ctx, row)
+            self._finish(r, FinishReason(type="length", length=0), [], [], None)
+            return
+        r.output.append(token)
+        finish = r.finish_reason(token)
+        if finish is not None:
+            self._store_prefix(ctx, row)
+            self._finish(r, finish, [token], [logprob], tops)
+        else:
+            self._emit(r, [token], [logprob], tops, None)
+            self._running.append(r)
+            joining.append((row, token))
+
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        t0 = time.perf_counter()
+        logits = self._batch.step(self.model)
+        s = sample(
+            logits, [r.sampler for r in self._running], [r.req.top_logprobs_num for r in self._running]
+        )
+        self._stats["decode_time_s"] += time.perf_counter() - t0
+        self._stats["decode_steps"] += 1
+        self._stats["decode_tokens"] += len(self._running)
+        done: list[int] = []
+        for i, r in enumerate(self._running):
+            token = s.tokens[i]
+            r.output.append(token)
+            top = [s.top[i]] if s.top is not None else None
+            finish = r.finish_reason(token)
+            if finish is None:
+                self._batch.next_tokens[i] = token
+                self._emit(r, [token], [s.logprobs[i]], top, None)
+            else:
+                self._store_prefix(r.context()[:-1], self._batch.row_kv(i))
+                self._finish(r, finish, [token], [s.logprobs[i]], top)
+                done.append(i)
+        if done:
+            self._drop_rows(done)
+
+    def _drop_rows(self, rows: list[int]) -> None:
+        self._batch.remove(rows)
+        gone = set(rows)
+        self._running = [r for i, r in enumerate(self._running) if i not in gone]
+
+    def _store_prefix(self, tokens: list[int], kv: RowKV) -> None:
+        if self.config.enable_prefix_cache:
+            self.prefix.insert(tokens, kv)
+
+    def _emit(
+        self,
+        r: Running,
+        tokens: list[int],
+        lps: list[float],
+        top: list[list[tuple[float, int]]] | None,
+        finish: FinishReason | None,
+    ) -> None:
+        ev = TokenEvent(
+            r.rid,
+            tokens,
+            lps,
+            top,
+            finish,
+            len(r.req.input_ids),
+            max(r.cached_tokens, 0),
+            self.weight_version,
+        )
+        try:
+            r.sink(ev)
+        except Exception:
+            log.exception("sink of request %s failed", r.rid)
+
+    def _finish(
+        self,
+        r: Running,
+        finish: FinishReason,
+        tokens: list[int],
+        lps: list[float],
+        top: list[list[tuple[float, int]]] | None,
+    ) -> None:
+        self._emit(r, tokens, lps, top, finish)
+
+    # ----------------------------------------------------------------- control (engine thread only)
+    def abort(self, rid: str, message: str = "Abort in waiting queue") -> bool:
+        """Abort one request by rid; False if no such request is in flight."""
+        for r in list(self._waiting):
+            if r.rid == rid:
+                self._waiting.remove(r)
+                self._finish(r, abort_reason(message), [], [], None)
+                return True
+        for i, r in enumerate(self._running):
+            if r.rid == rid:
+                self._drop_rows([i])
+                self._finish(r, abort_reason("Abort request"), [], [], None)
+                return True
+        return False
+
+    def _abort_all_now(
+        self, message: str = "Abort all requests", status: int = 200, err_type: str = "abort"
+    ) -> int:
+        victims = list(self._waiting) + list(self._running)
+        self._waiting.clear()
+        self._running = []
+        self._batch.remove(list(range(len(self._batch))))
+        for r in victims:
+            self._finish(r, abort_reason(message, status, err_type), [], [], None)
+        return len(victims)
+
+    def abort_all(self, message: str = "Abort all requests") -> int:
+        return self._abort_all_now(message)
+
+    def pause(self, mode: str) -> int:
+        """Stop stepping. abort: end every request; retract: drop their KV and requeue them (they are
+        re-prefilled on continue); in_place: keep everything as it is. Returns requests affected."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ProtocolError(f"unknown pause mode {mode!r}; expected abort, retract or in_place")
+        self.paused = True
+        if mode == "abort":
+            return self._abort_all_now("Abort because generation was paused")
+        if mode == "retract":
+            retracted = list(self._running)
+            self._batch.remove(list(range(len(self._batch))))
+            self._running = []
+            self._waiting.extendleft(reversed(retracted))
+            return len(retracted)
+        return len(self._running) + len(self._waiting)
+
+    def resume_generation(self) -> None:
+        self.paused = False
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache; refused while requests run (as SGLang does)."""
+        if self._running or self._waiting:
+            raise EngineUnavailable("Cache not flushed: there are running or waiting requests")
+        self.prefix.clear()
+
+    def begin_weight_update(self) -> None:
+        self.updating = True
+
+    def end_weight_update(self) -> str:
+        self.updating = False
+        if self._pending_bump:
+            self._bump_version(None)
+        return self.weight_version
+
+    def _bump_version(self, version: str | None) -> None:
+        self._pending_bump = False
+        if version is not None:
+            self.weight_version = version
+        elif self.weight_version.isdigit():
+            self.weight_version = str(int(self.weight_version) + 1)
+        else:
+            self.weight_version = f"{self.weight_version}+1"
+
+    def update_weights(
+        self, apply: Callable[[], int], version: str | None, flush: bool = True, abort_all: bool = False
+    ) -> int:
+        """Apply a weight update between two steps (`apply` checks and copies, returning the count)."""
+        if "weights" in self.released:
+            raise EngineUnavailable("weights are released; resume_memory_occupation first")
+        if abort_all:
+            self._abort_all_now("Abort for a weight update")
+        n = apply()
+        if flush:
+            self.prefix.clear()
+        if self.updating and version is None:
+            self._pending_bump = True
+        else:
+            self._bump_version(version)
+        return n
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        tags = _check_tags(tags)
+        if self._running or self._waiting:
+            raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
+        if "kv_cache" in tags:
+            self.prefix.clear()
+        if "weights" in tags and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        tags = _check_tags(tags)
+        if "weights" in tags and "weights" in self.released and self.device.type == "cuda":
+            self.model.to(self.device)
+        self.released -= set(tags)
+
+
+def _check_tags(tags: list[str] | None) -> list[str]:
+    if tags is None:
+        return ["weights", "kv_cache"]
+    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    if bad:
+        raise ProtocolError(f"unknown memory tags {bad}; expected 'weights' and/or 'kv_cache'")
+    return list(tags)

@@ -1,0 +1,165 @@
+"""Creates the embedded default model locally, with no download: a Qwen3-architecture causal LM with
+random weights and a byte-level BPE tokenizer trained here with `tokenizers` on text that ships with
+Python itself, saved as a normal transformers model directory (config, safetensors, tokenizer, chat
+template with tools as Qwen-style `<tool_call>` JSON and `<think>` blocks, generation config).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+# Qwen-style: system prompt with tools in <tools></tools>, tool calls as JSON inside <tool_call>, tool
+# results as user turns wrapped in <tool_response>, assistant reasoning in <think> blocks (kept only
+# after the last user turn), and `enable_thinking=false` opening an empty think block.
+CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}{{ "\n" }}{{ tool | tojson }}{% endfor %}{{ "\n" }}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|im_start|>user
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{% if m.reasoning_content and loop.index0 > ns.last_user %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}{% set f = tc.function if tc.function else tc %}
+<tool_call>
+{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else f.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{{ "\n" }}{% endif %}<tool_response>
+{{ m.content }}
+</tool_response>{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ "\n" }}{% else %}{{ "\n" }}{% endif %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+_CORPUS_MODULES = [
+    "json",
+    "argparse",
+    "textwrap",
+    "dataclasses",
+    "unittest",
+    "asyncio.tasks",
+    "csv",
+    "email.message",
+]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Qwen3 dimensions; `tiny` is the embedded default, `qwen3_0_6b` the benchmark's larger shape."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int | None = None  # None: the tokenizer's size
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+
+
+SHAPES = {
+    "tiny": ModelShape(64, 2, 4, 2, 16, 128, initializer_range=0.5),
+    "small": ModelShape(256, 4, 8, 4, 32, 768),
+    "qwen3-0.6b": ModelShape(1024, 28, 16, 8, 128, 3072, vocab_size=151936),
+}
+
+
+def corpus() -> list[str]:
+    """Training text for the tokenizer: sources of a few standard-library modules, plus chat markup."""
+    texts = []
+    for name in _CORPUS_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            texts.append(Path(spec.origin).read_text(encoding="utf-8"))
+    texts.append('<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>\n' * 4)
+    return texts
+
+
+def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained locally; special tokens first, so their ids are stable."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS + ADDED_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 40960
+    return fast
+
+
+def create_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a ready-to-serve model directory; returns its path."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    s = SHAPES[shape]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    eos = [int(tokenizer.convert_tokens_to_ids(t)) for t in ("<|im_end|>", "<|endoftext|>")]  # type: ignore[arg-type]
+    config = Qwen3Config(
+        vocab_size=s.vocab_size or len(tokenizer),
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim,
+        max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=True,
+        initializer_range=s.initializer_range,
+        bos_token_id=None,
+        eos_token_id=eos[0],
+        pad_token_id=eos[1],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1], do_sample=False)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

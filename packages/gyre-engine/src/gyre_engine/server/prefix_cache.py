@@ -1,0 +1,102 @@
+"""Prefix cache: KV of finished sequences, looked up by the longest common prefix of token ids.
+
+An agent resends its whole, growing context every call, so the entry left by call k is a prefix of call
+k+1; an entry that a newer one extends is dropped. Entries are evicted least-recently-used past a token
+budget. Lookups return a view cropped to the shared prefix; the caller never mutates it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gyre_engine.server.batch import RowKV
+
+
+def _owned(kv: RowKV) -> RowKV:
+    """`kv` itself when its tensors own exactly their storage (nothing else can change or pin it: caches
+    replace tensors, never write into them), else a compact copy (e.g. a row view of a batch)."""
+
+    def own(t: torch.Tensor) -> bool:
+        return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    if all(own(t) for t in (*kv.keys, *kv.values)):
+        return kv
+    return kv.clone()
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class _Entry:
+    tokens: np.ndarray
+    kv: RowKV
+    last_used: int
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """`length` tokens of the query are covered by `kv` (already cropped to them)."""
+
+    length: int
+    kv: RowKV | None
+
+
+class PrefixCache:
+    """Least-recently-used store of (token ids, KV) with a budget of `max_tokens` cached tokens."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._entries: list[_Entry] = []
+        self._clock = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(e.tokens) for e in self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def lookup(self, tokens: list[int], limit: int) -> PrefixHit:
+        """Longest cached prefix of `tokens`, at most `limit` long."""
+        query = np.asarray(tokens, dtype=np.int64)
+        best, best_len = None, 0
+        for e in self._entries:
+            n = min(common_prefix_len(e.tokens, query), limit)
+            if n > best_len:
+                best, best_len = e, n
+        if best is None:
+            return PrefixHit(0, None)
+        self._clock += 1
+        best.last_used = self._clock
+        return PrefixHit(best_len, best.kv.crop(best_len))
+
+    def insert(self, tokens: list[int], kv: RowKV) -> None:
+        """Store KV covering `tokens` (cloned); entries that are a prefix of `tokens` are replaced."""
+        if len(tokens) != kv.length:
+            raise ValueError(f"KV covers {kv.length} tokens but {len(tokens)} token ids were given")
+        if not tokens or len(tokens) > self.max_tokens:
+            return
+        arr = np.asarray(tokens, dtype=np.int64)
+        for e in self._entries:
+            if len(e.tokens) >= len(arr) and common_prefix_len(e.tokens, arr) == len(arr):
+                self._clock += 1
+                e.last_used = self._clock
+                return  # already covered by a longer entry
+        self._entries = [e for e in self._entries if common_prefix_len(e.tokens, arr) < len(e.tokens)]
+        self._clock += 1
+        self._entries.append(_Entry(arr, _owned(kv), self._clock))
+        while self.total_tokens > self.max_tokens:
+            victim = min(self._entries, key=lambda e: e.last_used)
+            self._entries.remove(victim)

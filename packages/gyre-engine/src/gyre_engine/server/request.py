@@ -1,0 +1,117 @@
+"""A request inside the engine: what was asked, what was generated, and when it is finished.
+
+`EngineRequest` is the frozen input; `Running` is the engine thread's mutable record of it, and
+`TokenEvent` is what the engine hands back after each step (new tokens, their logprobs, finish reason).
+Finish rules follow SGLang's order: length first, then EOS / stop token ids, then stop strings.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre_engine.protocol import FinishReason, ProtocolError, SamplingParams
+from gyre_engine.server.sampling import SamplerState
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request as the engine takes it (token ids in, sampling parameters checked)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step produced for one request; `finish` is set on the last event of a request."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[float, int]]] | None
+    finish: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+
+
+Sink = Callable[[TokenEvent], None]
+
+
+@dataclass
+class Running:
+    """The engine thread's record of a request (never touched by other threads)."""
+
+    req: EngineRequest
+    sink: Sink
+    sampler: SamplerState
+    context_len: int
+    stop_strs: list[str]
+    decode: Callable[[list[int]], str]
+    stop_regex: list[re.Pattern[str]] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    cached_tokens: int = -1
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    def context(self) -> list[int]:
+        return self.req.input_ids + self.output
+
+    def finish_reason(self, token: int) -> FinishReason | None:
+        """The reason to stop after `token` was appended to `output`, or None to go on."""
+        p = self.req.params
+        if len(self.output) >= p.max_new_tokens:
+            return FinishReason(type="length", length=p.max_new_tokens)
+        if len(self.req.input_ids) + len(self.output) >= self.context_len:
+            return FinishReason(type="length", length=len(self.output))
+        if len(self.output) >= p.min_new_tokens:
+            if not p.ignore_eos and token in self.sampler.eos_ids:
+                return FinishReason(type="stop", matched=token)
+            if token in (p.stop_token_ids or ()):
+                return FinishReason(type="stop", matched=token)
+            if self.stop_strs:
+                window = max(len(s) for s in self.stop_strs) + 8
+                tail = self.decode(self.output[-window:])
+                for s in self.stop_strs:
+                    if s in tail:
+                        return FinishReason(type="stop", matched=s)
+            if self.stop_regex:
+                tail = self.decode(self.output[-REGEX_WINDOW:])
+                for pat in self.stop_regex:
+                    m = pat.search(tail)
+                    if m is not None and m.group(0):
+                        return FinishReason(type="stop", matched=m.group(0))
+        return None
+
+
+def abort_reason(message: str, status_code: int = 200, err_type: str = "abort") -> FinishReason:
+    return FinishReason(type="abort", message=message, status_code=status_code, err_type=err_type)
+
+
+REGEX_WINDOW = 64  # tokens of output searched by stop_regex
+
+
+def compile_stop_regex(stop_regex: Any) -> list[re.Pattern[str]]:
+    """Compile `stop_regex` (a pattern or a list of them); ProtocolError on a bad pattern."""
+    pats = [] if stop_regex is None else [stop_regex] if isinstance(stop_regex, str) else list(stop_regex)
+    try:
+        return [re.compile(p) for p in pats if p]
+    except re.error as exc:
+        raise ProtocolError(f"sampling_params.stop_regex is not a valid regular expression: {exc}") from exc
+
+
+def as_stop_list(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if s]

@@ -1,0 +1,180 @@
+"""Batched next-token sampling over the rows of one decode step, one `SamplerState` per request.
+
+The logprob reported for a token is taken from the distribution it was drawn from: logits after penalties,
+logit bias, temperature and top-k/top-p/min-p truncation, renormalized. Greedy rows (temperature ~0)
+report the plain log-softmax of the processed logits at temperature 1 (a point mass would say 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gyre_engine.protocol import ProtocolError, SamplingParams
+
+GREEDY_EPS = 1e-6
+
+
+@dataclass
+class SamplerState:
+    """Per-request sampling state: parameters, seeded generator, tokens seen (for penalties)."""
+
+    params: SamplingParams
+    vocab_size: int
+    eos_ids: frozenset[int]
+    prompt_ids: list[int]
+    generator: torch.Generator | None = None
+    output_counts: dict[int, int] = field(default_factory=dict)
+    n_generated: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < GREEDY_EPS or self.params.top_k == 1
+
+    @property
+    def needs_row_processing(self) -> bool:
+        p = self.params
+        return bool(
+            p.frequency_penalty
+            or p.presence_penalty
+            or p.repetition_penalty != 1.0
+            or p.logit_bias
+            or (p.min_new_tokens > self.n_generated and not p.ignore_eos)
+        )
+
+    def observe(self, token: int) -> None:
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
+        self.n_generated += 1
+
+
+def validate_params(params: SamplingParams, vocab_size: int) -> None:
+    """Reject values gyre-engine cannot honour, with a message that names the key."""
+    unsupported = {
+        "json_schema": params.json_schema,
+        "regex": params.regex,
+        "ebnf": params.ebnf,
+        "structural_tag": params.structural_tag,
+        "choice": params.choice,
+        "custom_params": params.custom_params,
+        "watermark": params.watermark,
+    }
+    for key, value in unsupported.items():
+        if value is not None:
+            raise ProtocolError(
+                f"sampling_params.{key} (constrained or custom decoding) is not supported by gyre-engine"
+            )
+    if params.beam_width not in (None, 0, 1):
+        raise ProtocolError("sampling_params.beam_width > 1 is not supported by gyre-engine")
+    if params.n != 1:
+        raise ProtocolError("sampling_params.n must be 1 in gyre-engine (send n requests instead)")
+    if params.max_new_tokens < 0:
+        raise ProtocolError("sampling_params.max_new_tokens must be >= 0")
+    if params.temperature < 0:
+        raise ProtocolError("sampling_params.temperature must be >= 0")
+    if not 0 < params.top_p <= 1:
+        raise ProtocolError("sampling_params.top_p must be in (0, 1]")
+    if params.top_k == 0 or params.top_k < -1:
+        raise ProtocolError("sampling_params.top_k must be -1 (off) or >= 1")
+    if not 0 <= params.min_p <= 1:
+        raise ProtocolError("sampling_params.min_p must be in [0, 1]")
+    if params.repetition_penalty <= 0:
+        raise ProtocolError("sampling_params.repetition_penalty must be > 0")
+    for tid in params.stop_token_ids or []:
+        if not 0 <= tid < vocab_size:
+            raise ProtocolError(
+                f"sampling_params.stop_token_ids has {tid}, outside the vocabulary [0, {vocab_size})"
+            )
+    for key in params.logit_bias or {}:
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            raise ProtocolError(
+                f"sampling_params.logit_bias key {key!r} is not a token id in [0, {vocab_size})"
+            )
+
+
+def _process_row(logits: torch.Tensor, st: SamplerState) -> None:
+    """In-place penalties, logit bias and min_new_tokens on one row of logits."""
+    p = st.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(
+            sorted(set(st.prompt_ids) | set(st.output_counts)), dtype=torch.long, device=logits.device
+        )
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and st.output_counts:
+        ids = torch.tensor(list(st.output_counts), dtype=torch.long, device=logits.device)
+        counts = torch.tensor(list(st.output_counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    if p.logit_bias:
+        for key, bias in p.logit_bias.items():
+            logits[int(key)] += bias
+    if p.min_new_tokens > st.n_generated and not p.ignore_eos:
+        stops = st.eos_ids | frozenset(p.stop_token_ids or ())
+        logits[torch.tensor(sorted(stops), dtype=torch.long, device=logits.device)] = float("-inf")
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Result of one sampling call: per row, token, its logprob, and optional top-k (logprob, id) pairs."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[float, int]]] | None
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState], top_n: list[int]) -> Sampled:
+    """Sample one token per row of `logits` ([B, V]); `top_n[i]` > 0 asks row i for its top logprobs."""
+    logits = logits.float()
+    if logits.shape[-1] > states[0].vocab_size:
+        logits = logits[:, : states[0].vocab_size]
+    for i, st in enumerate(states):
+        if st.needs_row_processing:
+            _process_row(logits[i], st)
+    device = logits.device
+    greedy = torch.tensor([st.greedy for st in states], device=device)
+    temps = torch.tensor([1.0 if st.greedy else st.params.temperature for st in states], device=device)
+    scaled = logits / temps[:, None]
+    if any(not st.greedy and st.params.top_k > 0 for st in states):
+        ks = torch.tensor(
+            [st.params.top_k if st.params.top_k > 0 and not st.greedy else scaled.shape[-1] for st in states],
+            device=device,
+        )
+        kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, (ks - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if any(not st.greedy and st.params.top_p < 1.0 for st in states):
+        tops = torch.tensor([1.0 if st.greedy else st.params.top_p for st in states], device=device)
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = (probs.cumsum(-1) - probs) > tops[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    if any(not st.greedy and st.params.min_p > 0 for st in states):
+        minps = torch.tensor([0.0 if st.greedy else st.params.min_p for st in states], device=device)
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(
+            probs < minps[:, None] * probs.max(-1, keepdim=True).values, float("-inf")
+        )
+    logp = torch.log_softmax(scaled, dim=-1)
+    chosen = torch.argmax(logp, dim=-1)
+    if not bool(greedy.all()):
+        probs = logp.exp()
+        unseeded = [i for i, st in enumerate(states) if not st.greedy and st.generator is None]
+        if unseeded:
+            rows = torch.tensor(unseeded, device=device)
+            chosen[rows] = torch.multinomial(probs[rows], 1).squeeze(-1)
+        for i, st in enumerate(states):
+            if not st.greedy and st.generator is not None:
+                chosen[i] = torch.multinomial(probs[i].cpu(), 1, generator=st.generator).to(device)[0]
+    chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
+    top: list[list[tuple[float, int]]] | None = None
+    if any(n > 0 for n in top_n):
+        k = max(top_n)
+        vals, idx = torch.topk(logp, k, dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+        top = [
+            list(zip(vals_l[i][: top_n[i]], idx_l[i][: top_n[i]], strict=True)) for i in range(len(states))
+        ]
+    tokens = chosen.tolist()
+    for st, tok in zip(states, tokens, strict=True):
+        st.observe(tok)
+    return Sampled(tokens=tokens, logprobs=chosen_lp.tolist(), top=top)

@@ -1,0 +1,67 @@
+"""Weight updates: named tensors checked against the model, then copied in place all at once.
+
+Every name and shape is checked before any parameter changes, so a bad update leaves the model as it
+was. Tensors arrive as safetensors bytes (same-host updates; never pickles) or from a model directory's
+`*.safetensors` files. Tied parameters (lm_head tied to the embeddings) accept either name.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, load_file
+
+
+class WeightUpdateError(ValueError):
+    """An update whose names, shapes or encoding do not fit the model; nothing was changed."""
+
+
+def decode_safetensors_b64(payloads: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors of a list of base64-encoded safetensors files (one per TP rank; gyre-engine has one)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, payload in enumerate(payloads):
+        try:
+            out.update(load(base64.b64decode(payload, validate=True)))
+        except (binascii.Error, SafetensorError, ValueError) as exc:
+            raise WeightUpdateError(
+                f"serialized_named_tensors[{i}] is not base64 safetensors: {exc}"
+            ) from exc
+    return out
+
+
+def read_model_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the `*.safetensors` files of a model directory."""
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {path!r}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def apply_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Copy `tensors` into the model's parameters and buffers; returns how many were copied."""
+    if not tensors:
+        raise WeightUpdateError("no tensors given")
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    unknown = [n for n in tensors if n not in targets]
+    if unknown:
+        raise WeightUpdateError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(targets[name].shape):
+            raise WeightUpdateError(
+                f"shape of {name} is {list(t.shape)}, the model's is {list(targets[name].shape)}"
+            )
+        if t.dtype.is_floating_point != targets[name].dtype.is_floating_point:
+            raise WeightUpdateError(f"dtype of {name} is {t.dtype}, the model's is {targets[name].dtype}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            targets[name].copy_(t.to(device=targets[name].device, dtype=targets[name].dtype))
+    return len(tensors)

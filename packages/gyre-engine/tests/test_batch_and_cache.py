@@ -1,0 +1,100 @@
+"""The left-padded decode batch gives every row the logits it would have alone, as rows join and
+leave; the prefix cache finds longest prefixes, replaces dominated entries and respects its budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from gyre_engine.server.batch import DecodeBatch, RowKV, cache_from_layers, cache_kwarg, cache_layers  # noqa: E402
+from gyre_engine.server.prefill import prefill_group, prefill_one  # noqa: E402
+from gyre_engine.server.prefix_cache import PrefixCache  # noqa: E402
+
+
+def prefill(model: Any, ids: list[int]) -> tuple[RowKV, torch.Tensor]:
+    cache = cache_from_layers([], [])
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, **{cache_kwarg(model): cache})
+    return RowKV(*cache_layers(cache)), out.logits[0, -1]
+
+
+def solo_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    drop=st.lists(st.integers(0, 3), max_size=2),
+)
+def test_rows_get_their_solo_logits_while_joining_and_leaving(
+    hf_model: Any, lengths: list[int], drop: list[int]
+) -> None:
+    batch = DecodeBatch(torch.device("cpu"))
+    seqs: list[list[int]] = []
+    together = []
+    for i, n in enumerate(lengths):
+        ids = [1000 + 17 * i + j for j in range(n)]
+        kv, logits = prefill(hf_model, ids)
+        nxt = int(logits.argmax())
+        if i < 2:  # the first rows join together, the rest one by one
+            together.append((kv, nxt))
+            if i == min(1, len(lengths) - 1):
+                batch.add_many(together)
+        else:
+            batch.add(kv, nxt)
+        seqs.append([*ids, nxt])
+    for step in range(3):
+        logits = batch.step(hf_model)
+        for r, seq in enumerate(seqs):
+            assert torch.allclose(logits[r], solo_logits(hf_model, seq), atol=1e-4)
+            nxt = int(logits[r].argmax())
+            batch.next_tokens[r] = nxt
+            seq.append(nxt)
+        if step == 0:
+            gone = sorted({d for d in drop if d < len(seqs) - 1})
+            batch.remove(gone)
+            seqs = [s for i, s in enumerate(seqs) if i not in gone]
+    for r, seq in enumerate(seqs):
+        kv = batch.row_kv(r)
+        assert kv.length == len(seq) - 1
+
+
+def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_model: Any) -> None:
+    ctxs = [[1000 + i for i in range(n)] for n in (3, 11, 1, 7)]
+    rows, logits = prefill_group(hf_model, cache_kwarg(hf_model), ctxs, torch.device("cpu"))
+    for c, row, lg in zip(ctxs, rows, logits, strict=True):
+        solo_kv, solo = prefill(hf_model, c)
+        assert row.length == len(c)
+        assert torch.allclose(lg, solo, atol=1e-4)
+        for a, b in zip(row.keys + row.values, solo_kv.keys + solo_kv.values, strict=True):
+            assert torch.allclose(a, b, atol=1e-4)
+    cached, _ = prefill(hf_model, ctxs[1][:5])
+    row, lg = prefill_one(hf_model, cache_kwarg(hf_model), ctxs[1], cached, 2, torch.device("cpu"))
+    assert row.length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
+
+
+def _kv(n: int) -> RowKV:
+    t = torch.arange(n, dtype=torch.float32).reshape(1, 1, n, 1)
+    return RowKV([t, t + 1], [t + 2, t + 3])
+
+
+def test_prefix_cache_longest_match_dominance_and_budget() -> None:
+    c = PrefixCache(max_tokens=20)
+    c.insert([1, 2, 3], _kv(3))
+    c.insert([1, 2, 3, 4, 5], _kv(5))  # extends the first: replaces it
+    assert len(c) == 1
+    hit = c.lookup([1, 2, 3, 4, 9], limit=10)
+    assert hit.length == 4 and hit.kv is not None and hit.kv.length == 4
+    assert c.lookup([1, 2, 3, 4, 5], limit=4).length == 4
+    assert c.lookup([7], limit=1).length == 0
+    c.insert([7, 8, 9, 10, 11, 12, 13, 14, 15, 16], _kv(10))
+    c.insert([20 + i for i in range(10)], _kv(10))  # over budget: the least recently used goes
+    assert c.total_tokens <= 20 and c.lookup([1, 2], limit=2).length == 0
+    with pytest.raises(ValueError, match="covers"):
+        c.insert([1, 2], _kv(3))

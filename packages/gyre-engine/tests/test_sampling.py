@@ -1,0 +1,102 @@
+"""Sampling: logprobs come from the distribution actually sampled from; truncation and penalties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from gyre_engine.protocol import ProtocolError, SamplingParams
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from gyre_engine.server.sampling import SamplerState, sample, validate_params  # noqa: E402
+
+V = 32
+
+
+def state(seed: int | None = None, prompt: list[int] | None = None, **kw: object) -> SamplerState:
+    p = SamplingParams(**kw)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplerState(p, V, frozenset({0}), prompt or [], gen)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    temp=st.floats(0.2, 2.0),
+    top_k=st.sampled_from([-1, 1, 3, 10]),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+    seed=st.integers(0, 1000),
+)
+def test_logprob_is_of_the_truncated_renormalized_distribution(
+    temp: float, top_k: int, top_p: float, min_p: float, seed: int
+) -> None:
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed)) * 3
+    st_ = state(seed, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+    out = sample(logits.clone(), [st_], [V])
+    assert out.top is not None
+    support = [(lp, t) for lp, t in out.top[0] if lp > -math.inf]
+    assert math.isclose(sum(math.exp(lp) for lp, _ in support), 1.0, rel_tol=1e-4)  # renormalized
+    assert out.tokens[0] in {t for _, t in support}  # sampled inside the kept set
+    chosen = dict((t, lp) for lp, t in support)[out.tokens[0]]
+    assert math.isclose(out.logprobs[0], chosen, rel_tol=1e-5, abs_tol=1e-6)
+    if top_k == 1:  # greedy: the plain log-softmax of the logits
+        assert out.tokens[0] == int(logits.argmax())
+        assert math.isclose(
+            out.logprobs[0], float(torch.log_softmax(logits, -1)[0, out.tokens[0]]), rel_tol=1e-5
+        )
+    elif top_k > 1:
+        assert len(support) <= top_k
+
+
+def test_plain_temperature_logprobs_equal_log_softmax_over_temperature() -> None:
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    states = [state(i, temperature=0.5) for i in range(3)]
+    out = sample(logits.clone(), states, [0, 0, 0])
+    expected = torch.log_softmax(logits / 0.5, -1)
+    for i in range(3):
+        assert math.isclose(out.logprobs[i], float(expected[i, out.tokens[i]]), rel_tol=1e-5)
+
+
+def test_seeded_rows_repeat_whatever_their_batch_neighbours() -> None:
+    logits = torch.zeros(2, V)
+
+    def draws(seed: int, neighbour: int) -> list[int]:
+        mine, other = state(seed), state(neighbour)
+        return [sample(logits.clone(), [mine, other], [0, 0]).tokens[0] for _ in range(10)]
+
+    assert draws(5, 6) == draws(5, 9)
+    assert draws(5, 6) != draws(11, 6)
+
+
+def test_penalties_bias_and_min_new_tokens() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 5.0
+    st_ = state(temperature=0.0, logit_bias={"9": 10.0})
+    assert sample(logits.clone(), [st_], [0]).tokens == [9]
+    st_ = state(temperature=0.0, frequency_penalty=10.0)
+    st_.observe(7)
+    assert sample(logits.clone(), [st_], [0]).tokens != [7]
+    st_ = state(temperature=0.0, repetition_penalty=100.0, prompt=[7])
+    assert sample(logits.clone() + 1.0, [st_], [0]).tokens != [7]
+    logits[0, 0] = 50.0  # EOS is 0
+    st_ = state(temperature=0.0, min_new_tokens=2)
+    assert sample(logits.clone(), [st_], [0]).tokens == [7]
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"n": 2}, "n must be 1"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"json_schema": "{}"}, "not supported"),
+        ({"stop_token_ids": [V]}, "outside the vocabulary"),
+        ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
+        ({"beam_width": 4}, "beam_width"),
+    ],
+)
+def test_unsupported_or_invalid_values_are_named(kw: dict[str, object], needle: str) -> None:
+    with pytest.raises(ProtocolError, match=needle):
+        validate_params(SamplingParams(**kw), V)  # type: ignore[arg-type]
