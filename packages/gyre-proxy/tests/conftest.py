@@ -83,7 +83,7 @@ class ScriptedEngine:
     """TEST FIXTURE speaking SGLang's /generate; replays `script` (texts or functions of the input ids)."""
 
     tokenizer: Tokenizer
-    script: list[str | Callable[[list[int]], str]] = field(default_factory=list)
+    script: list[Any] = field(default_factory=list)
     token_delay_s: float = 0.0
     weight_version: str = "3"
     die_after: int | None = None  # close the connection after this many tokens of the next request
@@ -111,8 +111,11 @@ class ScriptedEngine:
             max_new = int(sp.get("max_new_tokens", 128))
             self.seen.append(Seen(rid, ids, max_new))
             item = self.script.pop(0) if self.script else "ok"
-            text = item(ids) if callable(item) else item
-            out = [*self.tokenizer.encode(text, add_special_tokens=False).ids, im_end]
+            made = item(ids) if callable(item) else item
+            if isinstance(made, list):  # raw output ids, used as they are
+                out = list(made)
+            else:
+                out = [*self.tokenizer.encode(made, add_special_tokens=False).ids, im_end]
             finish: dict[str, Any] = {"type": "stop", "matched": im_end}
             if len(out) > max_new:
                 out = out[:max_new]
@@ -188,6 +191,15 @@ def engine(tokenizer: Tokenizer) -> Iterator[ScriptedEngine]:
     eng = ScriptedEngine(tokenizer).start()
     yield eng
     eng.stop()
+
+
+@pytest.fixture
+def engines2(tokenizer: Tokenizer) -> Iterator[tuple[ScriptedEngine, ScriptedEngine]]:
+    a = ScriptedEngine(tokenizer).start()
+    b = ScriptedEngine(tokenizer).start()
+    yield a, b
+    a.stop()
+    b.stop()
 
 
 @dataclass
