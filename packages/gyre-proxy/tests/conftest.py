@@ -84,6 +84,7 @@ class ScriptedEngine:
 
     tokenizer: Tokenizer
     script: list[Any] = field(default_factory=list)
+    default: Any = None  # used once the script is empty
     token_delay_s: float = 0.0
     weight_version: str = "3"
     die_after: int | None = None  # close the connection after this many tokens of the next request
@@ -110,7 +111,7 @@ class ScriptedEngine:
             rid = body.get("rid", f"r{len(self.seen)}")
             max_new = int(sp.get("max_new_tokens", 128))
             self.seen.append(Seen(rid, ids, max_new))
-            item = self.script.pop(0) if self.script else "ok"
+            item = self.script.pop(0) if self.script else (self.default or "ok")
             made = item(ids) if callable(item) else item
             if isinstance(made, list):  # raw output ids, used as they are
                 out = list(made)
@@ -219,7 +220,8 @@ def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Pr
 
     def make(engines: list[str], sched: str = "", **kw: Any) -> ProxyServer:
         log_path = tmp_path / f"records{len(started)}.msgpack"
-        cfg = ProxyConfig(tokenizer=str(tokenizer_dir), engines=tuple(engines), record_log=str(log_path), **kw)
+        kw.setdefault("tokenizer", str(tokenizer_dir))
+        cfg = ProxyConfig(engines=tuple(engines), record_log=str(log_path), **kw)
         proxy = Proxy(cfg)
         ps = ProxyServer(proxy, UvicornThread(build_app(proxy, sched)), log_path)
         started.append(ps)

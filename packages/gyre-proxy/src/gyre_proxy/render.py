@@ -164,7 +164,7 @@ class Renderer:
             return f"{head}<tool_response>\n{body}\n</tool_response>{tail}"
         think = f"<think>\n{t.reasoning}\n</think>\n\n" if t.reasoning and after_last_user else ""
         calls = "".join(
-            f'\n<tool_call>\n{{"name": "{c.name}", "arguments": {c.arguments}}}\n</tool_call>'
+            f'<tool_call>\n{{"name": "{c.name}", "arguments": {c.arguments}}}\n</tool_call>'
             for c in t.tool_calls
         )
         return f"{IM_START}assistant\n{think}{t.text}{calls}{IM_END}\n"

@@ -72,6 +72,9 @@ def parse(text: str, final: bool = True, thinking_open: bool = False) -> list[Bl
     text = strip_end(text)
     blocks: list[Block] = []
     pos = 0
+    head = text.lstrip()
+    if not final and len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
+        return blocks  # may still become a think block
     if thinking_open or text.lstrip().startswith(THINK_OPEN):
         start = text.find(THINK_OPEN) + len(THINK_OPEN) if not thinking_open else 0
         end = text.find(THINK_CLOSE, start)
@@ -95,7 +98,7 @@ def parse(text: str, final: bool = True, thinking_open: bool = False) -> list[Bl
             if not final:
                 rest = rest[: len(rest) - _partial_tag_len(rest, (CALL_OPEN,))]
             if rest.strip():
-                blocks.append(Block(BlockKind.TEXT, rest if not final else rest.rstrip("\n")))
+                blocks.append(Block(BlockKind.TEXT, rest.rstrip("\n")))
             break
         lead = text[pos:at]
         if lead.strip():

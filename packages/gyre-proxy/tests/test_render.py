@@ -1,0 +1,131 @@
+"""The renderer against the model's own Jinja chat template (transformers' apply_chat_template), its
+incremental reuse, exact replacement of recorded turns, and the tool-call parser's invariants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from gyre_proxy.chat import Conversation, Kind, ToolCall, Turn
+from gyre_proxy.render import ExecutionCache, Renderer, tool_json
+from gyre_proxy.toolparse import BlockKind, parse
+
+TOOL = {"type": "function", "function": {"name": "bash", "description": "Run", "parameters": {"type": "object"}}}
+
+
+def _hf_messages(conv: Conversation) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": conv.system}] if conv.system else []
+    for t in conv.turns:
+        if t.kind is Kind.USER:
+            msgs.append({"role": "user", "content": t.text})
+        elif t.kind is Kind.TOOL:
+            msgs.append({"role": "tool", "content": t.text})
+        else:
+            m: dict[str, Any] = {"role": "assistant", "content": t.text}
+            if t.reasoning:
+                m["reasoning_content"] = t.reasoning
+            if t.tool_calls:
+                m["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                    for c in t.tool_calls
+                ]
+            msgs.append(m)
+    return msgs
+
+
+CONVS = [
+    Conversation("", (), (Turn(Kind.USER, "hello"),), thinking=True),
+    Conversation("Be brief.", (), (Turn(Kind.USER, "hi"), Turn(Kind.ASSISTANT, "hey"), Turn(Kind.USER, "bye"))),
+    Conversation(
+        "sys",
+        (tool_json(TOOL),),
+        (
+            Turn(Kind.USER, "list files"),
+            Turn(Kind.ASSISTANT, "ok", "think first", tool_calls=(ToolCall("t1", "bash", '{"command": "ls"}'),)),
+            Turn(Kind.TOOL, "a.txt", tool_call_id="t1"),
+            Turn(Kind.ASSISTANT, "", tool_calls=(ToolCall("t2", "bash", '{"command": "cat a.txt"}'), ToolCall("t3", "bash", "{}"))),
+            Turn(Kind.TOOL, "hi", tool_call_id="t2"),
+            Turn(Kind.TOOL, "", tool_call_id="t3"),
+        ),
+        thinking=True,
+    ),
+    Conversation("", (tool_json(TOOL),), (Turn(Kind.USER, "x"), Turn(Kind.ASSISTANT, "y", "old thought"), Turn(Kind.USER, "z"))),
+]
+
+
+def test_matches_the_models_jinja_template(tokenizer_dir: Path, tokenizer: Tokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    r = Renderer(tokenizer)
+    for conv in CONVS:
+        tools = [json.loads(t) for t in conv.tools_json] or None
+        want = hf.apply_chat_template(
+            _hf_messages(conv), tools=tools, add_generation_prompt=True, tokenize=False, enable_thinking=conv.thinking
+        )
+        assert r.full_text(conv) == want
+        rendered, _ = r.render(conv, ExecutionCache())
+        assert rendered.ids().tolist() == tokenizer.encode(want, add_special_tokens=False).ids
+
+
+def test_incremental_reuse_and_recorded_turns(tokenizer: Tokenizer) -> None:
+    r = Renderer(tokenizer)
+    ex = ExecutionCache()
+    turns: list[Turn] = [Turn(Kind.USER, "first question " * 50)]
+    conv = Conversation("system prompt", (tool_json(TOOL),), tuple(turns))
+    first, _ = r.render(conv, ex)
+    assert first.reused_tokens == 0 and first.tokenized_tokens == first.n_tokens
+    # the model "sampled" these ids, which do not re-tokenize to themselves
+    odd = np.asarray([*tokenizer.encode("Sure", add_special_tokens=False).ids, 207, 207, 2], np.int32)
+    rec = r.record_output(ex, "c1", first.gen_prompt, odd, [], "", "Sure")
+    turns += [Turn(Kind.ASSISTANT, "Sure"), Turn(Kind.USER, "next")]
+    second, _ = r.render(Conversation("system prompt", (tool_json(TOOL),), tuple(turns)), ex)
+    ids = second.ids().tolist()
+    prev = first.ids().tolist() + odd.tolist()
+    assert ids[: len(prev)] == prev  # the earlier input and the exact output, unchanged
+    assert second.recorded_tokens == rec.segment.ids.size
+    assert second.reused_tokens == first.n_tokens - first.gen_prompt.size
+    assert second.tokenized_tokens < 20  # only "next" and the generation prompt were tokenized
+
+
+def test_system_role_message_and_errors(tokenizer: Tokenizer) -> None:
+    r = Renderer(tokenizer)
+    conv = Conversation("", (), (Turn(Kind.USER, "a"), Turn(Kind.SYSTEM, "note"), Turn(Kind.TOOL, "boom", tool_call_id="x", is_error=True)))
+    text = r.full_text(conv)
+    assert "<|im_start|>system\nnote<|im_end|>" in text and "Error: boom" in text
+
+
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {}}', "hi", "\n", "{", "<tool", "_call>"]), max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_parser_never_fails_and_streaming_only_grows(pieces: list[str]) -> None:
+    text = "".join(pieces)
+    final = parse(text, final=True)
+    for b in final:
+        if b.kind is BlockKind.TOOL:
+            assert isinstance(json.loads(b.text), dict) and b.name
+    prev: list[Any] = []
+    for k in range(len(text) + 1):
+        cur = parse(text[:k], final=False)
+        # blocks never change kind once emitted, and only the last one grows
+        for i, b in enumerate(prev[:-1]):
+            assert cur[i] == b
+        if prev:
+            assert cur[len(prev) - 1].kind is prev[-1].kind
+        prev = cur
+
+
+def test_parser_examples() -> None:
+    blocks = parse('<think>\nhmm\n</think>\n\nok\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>')
+    assert [(b.kind, b.text, b.name) for b in blocks] == [
+        (BlockKind.THINKING, "hmm", ""),
+        (BlockKind.TEXT, "ok", ""),
+        (BlockKind.TOOL, '{"command": "ls"}', "bash"),
+    ]
+    assert parse("<tool_call>not json</tool_call>")[0].kind is BlockKind.TEXT
+    assert parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].text == '{"a": 1}'
