@@ -20,14 +20,13 @@ from typing import Any
 import msgspec
 import pytest
 import uvicorn
+from gyre_proxy.app import build_app
+from gyre_proxy.core import Proxy, ProxyConfig
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
-
-from gyre_proxy.app import build_app
-from gyre_proxy.core import Proxy, ProxyConfig
 
 
 def free_port() -> int:
@@ -90,6 +89,7 @@ class ScriptedEngine:
     die_after: int | None = None  # close the connection after this many tokens of the next request
     seen: list[Seen] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    by_rid: dict[str, list[int]] = field(default_factory=dict)  # rid -> output ids sent
     aborted: set[str] = field(default_factory=set)
     server: UvicornThread | None = None
 
@@ -140,6 +140,7 @@ class ScriptedEngine:
 
             if not body.get("stream"):
                 self.outputs.append(out)
+                self.by_rid[rid] = out
                 return JSONResponse(resp(len(out), finish))
 
             async def sse() -> Any:
@@ -150,11 +151,19 @@ class ScriptedEngine:
                         raise ConnectionResetError("scripted engine dies mid-call")
                     if rid in self.aborted:
                         self.outputs.append(out[: n - 1])
-                        yield b"data: " + msgspec.json.encode(resp(n - 1, {"type": "abort", "message": "aborted"})) + b"\n\n"
+                        self.by_rid[rid] = out[: n - 1]
+                        yield (
+                            b"data: "
+                            + msgspec.json.encode(resp(n - 1, {"type": "abort", "message": "aborted"}))
+                            + b"\n\n"
+                        )
                         yield b"data: [DONE]\n\n"
                         return
-                    yield b"data: " + msgspec.json.encode(resp(n, finish if n == len(out) else None)) + b"\n\n"
+                    yield (
+                        b"data: " + msgspec.json.encode(resp(n, finish if n == len(out) else None)) + b"\n\n"
+                    )
                 self.outputs.append(out)
+                self.by_rid[rid] = out
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")

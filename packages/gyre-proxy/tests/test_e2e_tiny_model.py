@@ -33,8 +33,21 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         sk.bind(("127.0.0.1", 0))
         port = int(sk.getsockname()[1])
     log = open(tmp_path_factory.mktemp("elog") / "engine.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(model), "--port", str(port), "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre_engine",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     try:

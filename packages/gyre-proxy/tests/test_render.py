@@ -8,15 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gyre_proxy.chat import Conversation, Kind, ToolCall, Turn
+from gyre_proxy.render import ExecutionCache, Renderer, tool_json
+from gyre_proxy.toolparse import BlockKind, parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gyre_proxy.chat import Conversation, Kind, ToolCall, Turn
-from gyre_proxy.render import ExecutionCache, Renderer, tool_json
-from gyre_proxy.toolparse import BlockKind, parse
-
-TOOL = {"type": "function", "function": {"name": "bash", "description": "Run", "parameters": {"type": "object"}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "bash", "description": "Run", "parameters": {"type": "object"}},
+}
 
 
 def _hf_messages(conv: Conversation) -> list[dict[str, Any]]:
@@ -32,7 +34,11 @@ def _hf_messages(conv: Conversation) -> list[dict[str, Any]]:
                 m["reasoning_content"] = t.reasoning
             if t.tool_calls:
                 m["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                    }
                     for c in t.tool_calls
                 ]
             msgs.append(m)
@@ -41,21 +47,33 @@ def _hf_messages(conv: Conversation) -> list[dict[str, Any]]:
 
 CONVS = [
     Conversation("", (), (Turn(Kind.USER, "hello"),), thinking=True),
-    Conversation("Be brief.", (), (Turn(Kind.USER, "hi"), Turn(Kind.ASSISTANT, "hey"), Turn(Kind.USER, "bye"))),
+    Conversation(
+        "Be brief.", (), (Turn(Kind.USER, "hi"), Turn(Kind.ASSISTANT, "hey"), Turn(Kind.USER, "bye"))
+    ),
     Conversation(
         "sys",
         (tool_json(TOOL),),
         (
             Turn(Kind.USER, "list files"),
-            Turn(Kind.ASSISTANT, "ok", "think first", tool_calls=(ToolCall("t1", "bash", '{"command": "ls"}'),)),
+            Turn(
+                Kind.ASSISTANT, "ok", "think first", tool_calls=(ToolCall("t1", "bash", '{"command": "ls"}'),)
+            ),
             Turn(Kind.TOOL, "a.txt", tool_call_id="t1"),
-            Turn(Kind.ASSISTANT, "", tool_calls=(ToolCall("t2", "bash", '{"command": "cat a.txt"}'), ToolCall("t3", "bash", "{}"))),
+            Turn(
+                Kind.ASSISTANT,
+                "",
+                tool_calls=(ToolCall("t2", "bash", '{"command": "cat a.txt"}'), ToolCall("t3", "bash", "{}")),
+            ),
             Turn(Kind.TOOL, "hi", tool_call_id="t2"),
             Turn(Kind.TOOL, "", tool_call_id="t3"),
         ),
         thinking=True,
     ),
-    Conversation("", (tool_json(TOOL),), (Turn(Kind.USER, "x"), Turn(Kind.ASSISTANT, "y", "old thought"), Turn(Kind.USER, "z"))),
+    Conversation(
+        "",
+        (tool_json(TOOL),),
+        (Turn(Kind.USER, "x"), Turn(Kind.ASSISTANT, "y", "old thought"), Turn(Kind.USER, "z")),
+    ),
 ]
 
 
@@ -67,7 +85,11 @@ def test_matches_the_models_jinja_template(tokenizer_dir: Path, tokenizer: Token
     for conv in CONVS:
         tools = [json.loads(t) for t in conv.tools_json] or None
         want = hf.apply_chat_template(
-            _hf_messages(conv), tools=tools, add_generation_prompt=True, tokenize=False, enable_thinking=conv.thinking
+            _hf_messages(conv),
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=conv.thinking,
         )
         assert r.full_text(conv) == want
         rendered, _ = r.render(conv, ExecutionCache())
@@ -96,12 +118,38 @@ def test_incremental_reuse_and_recorded_turns(tokenizer: Tokenizer) -> None:
 
 def test_system_role_message_and_errors(tokenizer: Tokenizer) -> None:
     r = Renderer(tokenizer)
-    conv = Conversation("", (), (Turn(Kind.USER, "a"), Turn(Kind.SYSTEM, "note"), Turn(Kind.TOOL, "boom", tool_call_id="x", is_error=True)))
+    conv = Conversation(
+        "",
+        (),
+        (
+            Turn(Kind.USER, "a"),
+            Turn(Kind.SYSTEM, "note"),
+            Turn(Kind.TOOL, "boom", tool_call_id="x", is_error=True),
+        ),
+    )
     text = r.full_text(conv)
     assert "<|im_start|>system\nnote<|im_end|>" in text and "Error: boom" in text
 
 
-@given(st.lists(st.sampled_from(["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {}}', "hi", "\n", "{", "<tool", "_call>"]), max_size=12))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "<think>",
+                "</think>",
+                "<tool_call>",
+                "</tool_call>",
+                '{"name": "f", "arguments": {}}',
+                "hi",
+                "\n",
+                "{",
+                "<tool",
+                "_call>",
+            ]
+        ),
+        max_size=12,
+    )
+)
 @settings(max_examples=300, deadline=None)
 def test_parser_never_fails_and_streaming_only_grows(pieces: list[str]) -> None:
     text = "".join(pieces)
@@ -121,7 +169,9 @@ def test_parser_never_fails_and_streaming_only_grows(pieces: list[str]) -> None:
 
 
 def test_parser_examples() -> None:
-    blocks = parse('<think>\nhmm\n</think>\n\nok\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>')
+    blocks = parse(
+        '<think>\nhmm\n</think>\n\nok\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>'
+    )
     assert [(b.kind, b.text, b.name) for b in blocks] == [
         (BlockKind.THINKING, "hmm", ""),
         (BlockKind.TEXT, "ok", ""),

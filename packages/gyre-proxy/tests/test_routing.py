@@ -11,7 +11,16 @@ from typing import Any
 import anthropic
 import numpy as np
 import zmq
-from gyre_sched.protocol import Codec, EngineAdd, EngineDrain, EngineDrained, EngineRemove, Hello, PeerKind, Welcome
+from gyre_sched.protocol import (
+    Codec,
+    EngineAdd,
+    EngineDrain,
+    EngineDrained,
+    EngineRemove,
+    Hello,
+    PeerKind,
+    Welcome,
+)
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 from tokenizers import Tokenizer
@@ -81,14 +90,20 @@ def _stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/gyre/stats").json()  # type: ignore[no-any-return]
 
 
-def test_affinity_and_least_outstanding(tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any) -> None:
+def test_affinity_and_least_outstanding(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any
+) -> None:
     a, b = engines2
     ps = make_proxy([a.url, b.url])
     client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
     request.addfinalizer(client.close)
     for ex in ("x1", "x1", "x1"):
-        client.messages.create(model="m", max_tokens=20, messages=[{"role": "user", "content": "hi"}],
-                               extra_headers={"x-gyre-execution": ex})
+        client.messages.create(
+            model="m",
+            max_tokens=20,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-gyre-execution": ex},
+        )
     assert (len(a.seen), len(b.seen)) in ((3, 0), (0, 3))  # one execution stays on one engine
     a.token_delay_s = b.token_delay_s = 0.02
     a.script = [LONG] * 4
@@ -97,8 +112,12 @@ def test_affinity_and_least_outstanding(tokenizer: Tokenizer, make_proxy: Any, r
 
     def call(ex: str) -> None:
         with anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0) as c:
-            c.messages.create(model="m", max_tokens=40, messages=[{"role": "user", "content": ex}],
-                              extra_headers={"x-gyre-execution": ex})
+            c.messages.create(
+                model="m",
+                max_tokens=40,
+                messages=[{"role": "user", "content": ex}],
+                extra_headers={"x-gyre-execution": ex},
+            )
         done.append(ex)
 
     before = (len(a.seen), len(b.seen))
@@ -112,7 +131,9 @@ def test_affinity_and_least_outstanding(tokenizer: Tokenizer, make_proxy: Any, r
     assert (len(a.seen) - before[0], len(b.seen) - before[1]) == (2, 2)  # spread by outstanding work
 
 
-def test_drain_moves_call_with_tokens_kept(tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any) -> None:
+def test_drain_moves_call_with_tokens_kept(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any
+) -> None:
     a, b = engines2
     sched = SchedStub()
     request.addfinalizer(sched.close)
@@ -133,7 +154,9 @@ def test_drain_moves_call_with_tokens_kept(tokenizer: Tokenizer, make_proxy: Any
     result: dict[str, Any] = {}
 
     def call() -> None:
-        with client.messages.stream(model="m", max_tokens=100, messages=[{"role": "user", "content": "count"}]) as st:
+        with client.messages.stream(
+            model="m", max_tokens=100, messages=[{"role": "user", "content": "count"}]
+        ) as st:
             result["text"] = "".join(st.text_stream)
 
     t = threading.Thread(target=call)
@@ -154,7 +177,9 @@ def test_drain_moves_call_with_tokens_kept(tokenizer: Tokenizer, make_proxy: Any
     assert 0 < k < len(full)
     assert b.seen[0].input_ids == a.seen[0].input_ids + full[:k]  # continuation = input + partial output
     assert b.seen[0].max_new_tokens == 100 - k
-    lps = [a.logprob(i, t) for i, t in enumerate(full[:k])] + [b.logprob(i, t) for i, t in enumerate(full[k:])]
+    lps = [a.logprob(i, t) for i, t in enumerate(full[:k])] + [
+        b.logprob(i, t) for i, t in enumerate(full[k:])
+    ]
     assert np.allclose(rec.output_logprobs, lps)
     st = _stats(ps.url)
     assert st["moved_calls"] == 1 and st["reprefilled_tokens"] == len(b.seen[0].input_ids)
@@ -165,7 +190,9 @@ def test_drain_moves_call_with_tokens_kept(tokenizer: Tokenizer, make_proxy: Any
     assert [e["id"] for e in _stats(ps.url)["engines"]] == [1]
 
 
-def test_dead_engine_call_continues(tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any) -> None:
+def test_dead_engine_call_continues(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any
+) -> None:
     a, b = engines2
     full, rest = _continuation(tokenizer, LONG)
     a.script = [LONG]
@@ -176,8 +203,12 @@ def test_dead_engine_call_continues(tokenizer: Tokenizer, make_proxy: Any, reque
     request.addfinalizer(client.close)
     # put the execution on engine A first
     ps.proxy.pool.affinity["dead-1"] = 0  # type: ignore[union-attr]
-    r = client.messages.create(model="m", max_tokens=100, messages=[{"role": "user", "content": "count"}],
-                               extra_headers={"x-gyre-execution": "dead-1"})
+    r = client.messages.create(
+        model="m",
+        max_tokens=100,
+        messages=[{"role": "user", "content": "count"}],
+        extra_headers={"x-gyre-execution": "dead-1"},
+    )
     assert r.content[0].type == "text" and r.content[0].text == LONG
     rec = _records(ps.log_path)[-1]
     assert rec.output_ids.tolist() == full

@@ -16,7 +16,11 @@ TOOLS: list[Any] = [
     {
         "name": "bash",
         "description": "Run a shell command",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        "input_schema": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
     }
 ]
 
@@ -45,7 +49,9 @@ def check_exact(records: list[Call], engine: Any) -> None:
     for i, rec in enumerate(records):
         assert rec.output_ids.tolist() == engine.outputs[i]
         assert inputs[rec.call_id].tolist() == engine.seen[i].input_ids
-        assert np.allclose(rec.output_logprobs, [engine.logprob(j, t) for j, t in enumerate(engine.outputs[i])])
+        assert np.allclose(
+            rec.output_logprobs, [engine.logprob(j, t) for j, t in enumerate(engine.outputs[i])]
+        )
         for earlier in records[:i]:
             if earlier.agent_id != rec.agent_id:
                 continue
@@ -81,9 +87,14 @@ def test_messages_tools_multi_turn_streaming_and_not(engine: Any, make_proxy: An
     assert r1.content[0].type == "thinking" and r1.content[0].thinking == "I should list files."
     msgs += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r1.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu.id, "content": "a.txt b.txt"}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tu.id, "content": "a.txt b.txt"}],
+        },
     ]
-    with client.messages.stream(messages=msgs, **common, extra_headers={"X-Claude-Code-Session-Id": "s-1"}) as st:
+    with client.messages.stream(
+        messages=msgs, **common, extra_headers={"X-Claude-Code-Session-Id": "s-1"}
+    ) as st:
         events = [e.type for e in st]
         r2 = st.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
@@ -94,13 +105,25 @@ def test_messages_tools_multi_turn_streaming_and_not(engine: Any, make_proxy: An
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r2.content]},
         {"role": "user", "content": "Show a.txt"},
     ]
-    with client.messages.stream(messages=msgs, **common, extra_headers={"X-Claude-Code-Session-Id": "s-1"}) as st:
+    with client.messages.stream(
+        messages=msgs, **common, extra_headers={"X-Claude-Code-Session-Id": "s-1"}
+    ) as st:
         r3 = st.get_final_message()
     tu3 = r3.content[-1]
     assert tu3.type == "tool_use" and tu3.input == {"command": "cat a.txt"}
     msgs += [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r3.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu3.id, "content": [{"type": "text", "text": "hello"}], "is_error": False}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": tu3.id,
+                    "content": [{"type": "text", "text": "hello"}],
+                    "is_error": False,
+                }
+            ],
+        },
     ]
     r4 = client.messages.create(messages=msgs, **common, extra_headers={"X-Claude-Code-Session-Id": "s-1"})
     assert r4.content[0].type == "text" and r4.content[0].text == "Done: a.txt says hello."
@@ -140,7 +163,9 @@ def test_count_tokens_models_and_errors(engine: Any, make_proxy: Any, request: A
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "robot", "content": "x"}])  # type: ignore[typeddict-item]
     assert "messages.0.role" in str(e.value)
     with pytest.raises(anthropic.APIStatusError) as e2:
-        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "word " * 50000}])
+        client.messages.create(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": "word " * 50000}]
+        )
     assert e2.value.status_code == 413
     # system-role message inside messages, context_management and other fields it cannot honour
     engine.script = ["fine"]
@@ -167,13 +192,20 @@ def test_overloaded_when_no_engine(make_proxy: Any, request: Any) -> None:
 
 
 def test_malformed_tool_call_is_text_and_path_prefix(engine: Any, make_proxy: Any, request: Any) -> None:
-    engine.script = ['<tool_call>\n{"name": "bash", "arguments": {"command": \n</tool_call>', "<tool_call>{broken"]
+    engine.script = [
+        '<tool_call>\n{"name": "bash", "arguments": {"command": \n</tool_call>',
+        "<tool_call>{broken",
+    ]
     ps = make_proxy([engine.url])
     client = anthropic.Anthropic(base_url=f"{ps.url}/e/run-7", api_key="k", max_retries=0)
     request.addfinalizer(client.close)
-    r = client.messages.create(model="m", max_tokens=100, tools=TOOLS, messages=[{"role": "user", "content": "go"}])
+    r = client.messages.create(
+        model="m", max_tokens=100, tools=TOOLS, messages=[{"role": "user", "content": "go"}]
+    )
     assert r.stop_reason == "end_turn" and r.content[0].type == "text" and "<tool_call>" in r.content[0].text
-    with client.messages.stream(model="m", max_tokens=100, tools=TOOLS, messages=[{"role": "user", "content": "again"}]) as st:
+    with client.messages.stream(
+        model="m", max_tokens=100, tools=TOOLS, messages=[{"role": "user", "content": "again"}]
+    ) as st:
         r2 = st.get_final_message()
     assert r2.content[0].type == "text" and r2.content[0].text == "<tool_call>{broken"
     recs = [c for c in read_records(ps.log_path) if isinstance(c, Call)]

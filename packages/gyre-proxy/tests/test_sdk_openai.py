@@ -18,7 +18,11 @@ TOOLS: list[Any] = [
         "function": {
             "name": "read_file",
             "description": "Read a file",
-            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
         },
     }
 ]
@@ -75,7 +79,11 @@ def test_chat_completions_tools_stream_and_not(engine: Any, make_proxy: Any, req
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": calls[i]["id"], "type": "function", "function": {"name": calls[i]["name"], "arguments": calls[i]["arguments"]}}
+                {
+                    "id": calls[i]["id"],
+                    "type": "function",
+                    "function": {"name": calls[i]["name"], "arguments": calls[i]["arguments"]},
+                }
                 for i in (0, 1)
             ],
         },

@@ -1,9 +1,10 @@
 """Per-harness classifiers: which agent loop made a call (main, main_summary, subagent, subagent_summary).
 
 Claude Code sends every loop of one session under one `X-Claude-Code-Session-Id`; they differ in the
-system prompt (the main loop is "Claude Code, Anthropic's official CLI"; sub-agents are "an agent for
-Claude Code" or carry their own prompt) and in the last user turn (compaction asks for "a detailed
-summary of the conversation"). The agent id names the loop: the main loop is "main", others a short hash
+system prompt (2.1.328, read from its real traffic: sub-agents carry `cc_is_subagent=true` in the first
+system block and "You are an agent for Claude Code"; the main loop says "You are Claude Code" when
+interactive and "You are a Claude agent, built on Anthropic's Claude Agent SDK" under `-p`) and in the last
+user turn (compaction asks for "a detailed summary of the conversation"). The agent id names the loop: the main loop is "main", others a short hash
 of their system prompt and first user turn, so parallel sub-agents stay apart.
 """
 
@@ -23,8 +24,11 @@ SUMMARY_MARKERS = (
     "Your task is to create a detailed summary",
     "summarize the conversation",
 )
-CC_MAIN_MARKERS = ("You are Claude Code, Anthropic's official CLI",)
-CC_SUB_MARKERS = ("You are an agent for Claude Code", "Claude Agent SDK")
+CC_MAIN_MARKERS = (
+    "You are Claude Code, Anthropic's official CLI",  # interactive entry point
+    "You are a Claude agent, built on Anthropic's Claude Agent SDK",  # `claude -p` (sdk-cli)
+)
+CC_SUB_MARKERS = ("cc_is_subagent=true", "You are an agent for Claude Code")
 
 
 class Classifier(Protocol):
