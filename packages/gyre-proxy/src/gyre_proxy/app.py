@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -139,10 +140,12 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
     @anthropic_errors
     async def messages(request: Request) -> Response:
         ex = execution_of(proxy, request)
-        req = A.decode(await request.body())
+        body = await request.body()
+        t0 = time.perf_counter()
+        req = A.decode(body)
         assert isinstance(req, A.ARequest)
         conv = A.to_conversation(req)
-        run = proxy.start_call(conv, A.to_sampling(req), ex, request.headers)
+        run = proxy.start_call(conv, A.to_sampling(req), ex, request.headers, t0)
         await ensure_engine(ex)
         if req.stream:
 
@@ -183,9 +186,11 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
     @openai_errors
     async def chat_completions(request: Request) -> Response:
         ex = execution_of(proxy, request)
-        req = O.decode(await request.body())
+        body = await request.body()
+        t0 = time.perf_counter()
+        req = O.decode(body)
         conv = O.to_conversation(req)
-        run = proxy.start_call(conv, O.to_sampling(req, 4096), ex, request.headers)
+        run = proxy.start_call(conv, O.to_sampling(req, 4096), ex, request.headers, t0)
         await ensure_engine(ex)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

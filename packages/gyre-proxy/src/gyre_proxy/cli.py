@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     if args.cmd == "bench":
         from gyre_proxy.bench.run import run_bench

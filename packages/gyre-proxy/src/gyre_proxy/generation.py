@@ -246,7 +246,7 @@ class Generation:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        break
+                        continue  # read to the end so the connection goes back to the pool
                     if data.startswith('{"error"'):
                         await q.put(EngineError(500, data, True))
                         return

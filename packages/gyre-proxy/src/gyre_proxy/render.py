@@ -210,7 +210,8 @@ class Renderer:
         for i, t in enumerate(turns):
             prev_tool = i > 0 and turns[i - 1].kind is Kind.TOOL
             next_tool = i + 1 < n and turns[i + 1].kind is Kind.TOOL
-            keys.append((t, prev_tool, next_tool, t.kind is Kind.ASSISTANT and i > last_user))
+            # the template shows an assistant turn's reasoning only after the last user turn
+            keys.append((t, prev_tool, next_tool, bool(t.reasoning) and i > last_user))
         keys.append(("g", conv.thinking))
         same = 0
         old = ac.keys
@@ -218,6 +219,7 @@ class Renderer:
         while same < limit and old[same] == keys[same]:
             same += 1
         segs = ac.segments[:same]
+        known: dict[Any, Segment] | None = None  # old segments by key, built only if a turn diverged
         reused = sum(int(s.ids.size) for s in segs)
         recorded = tokenized = chars = 0
         for j in range(same, len(keys)):
@@ -233,6 +235,15 @@ class Renderer:
                         segs.append(rec.segment)
                         recorded += int(rec.segment.ids.size)
                         continue
+                hit = None
+                if j < len(old):  # a change before this turn (an edit, a new user turn): look it up
+                    if known is None:
+                        known = {k: sg for k, sg in zip(old, ac.segments, strict=True) if not sg.call_id}
+                    hit = known.get(keys[j])
+                if hit is not None:  # unchanged turn behind a change (an edit or a new user turn)
+                    segs.append(hit)
+                    reused += int(hit.ids.size)
+                    continue
                 text = self.turn_text(t, prev_tool, next_tool, after)
             seg = Segment(self.encode(text)) if text else Segment(np.zeros(0, np.int32))
             tokenized += int(seg.ids.size)
@@ -241,6 +252,13 @@ class Renderer:
         ac.keys = keys
         ac.segments = segs
         return Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids), ac
+
+    def render_full(self, conv: Conversation) -> Rendered:
+        """Render and tokenize the whole prompt from scratch (what a proxy without a cache does)."""
+        text = self.full_text(conv)
+        ids = self.encode(text)
+        gen = self.encode(self.gen_prompt_text(conv.thinking))
+        return Rendered([Segment(ids)], 0, 0, int(ids.size), len(text), gen)
 
     def record_output(
         self,
