@@ -20,8 +20,10 @@ from typing import Any
 import msgspec
 import pytest
 import uvicorn
+import zmq
 from gyre_proxy.app import build_app
 from gyre_proxy.core import Proxy, ProxyConfig
+from gyre_sched.protocol import Codec as SchedCodec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -239,3 +241,46 @@ def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Pr
     yield make
     for ps in started:
         ps.server.stop()
+
+
+class SchedStub:
+    """A real ROUTER speaking gyre-sched's protocol, standing in for the scheduler's socket."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.codec = SchedCodec()
+        self.ident = b""
+
+    def recv(self, timeout_s: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                ident, data = self.sock.recv_multipart()
+                self.ident = ident
+                return self.codec.decode(data)
+        raise TimeoutError("no message from the proxy")
+
+    def expect(self, kind: type, timeout_s: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return msg
+
+    def send(self, msg: Any) -> None:
+        self.sock.send_multipart([self.ident, self.codec.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def sched_stub() -> Iterator[SchedStub]:
+    s = SchedStub()
+    yield s
+    s.close()

@@ -10,15 +10,14 @@ from typing import Any
 import anthropic
 import numpy as np
 import zmq
+from gyre_proxy.chat import Conversation, Kind, Turn
+from gyre_proxy.classify import classify_claude_code, classify_generic
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, Welcome
 from gyre_sched.service import Scheduler, ServiceConfig
 from gyre_traj.io import Codec, read_records
 from gyre_traj.records import Call, Role
-
-from gyre_proxy.chat import Conversation, Kind, Turn
-from gyre_proxy.classify import classify_claude_code, classify_generic
 
 
 def test_records_pushed_and_logged_before_the_response(engine: Any, make_proxy: Any, request: Any) -> None:
@@ -38,7 +37,9 @@ def test_records_pushed_and_logged_before_the_response(engine: Any, make_proxy: 
     request.addfinalizer(client.close)
     msgs: list[Any] = [{"role": "user", "content": "hello"}]
     for i in range(2):
-        r = client.messages.create(model="m", max_tokens=30, messages=msgs, extra_headers={"x-gyre-execution": "ex-p"})
+        r = client.messages.create(
+            model="m", max_tokens=30, messages=msgs, extra_headers={"x-gyre-execution": "ex-p"}
+        )
         on_disk = [c for c in read_records(ps.log_path) if isinstance(c, Call)]
         assert len(on_disk) == i + 1  # the record was on disk when the response arrived
         msgs += [{"role": "assistant", "content": r.content[0].text}, {"role": "user", "content": "more"}]  # type: ignore[union-attr]
@@ -57,17 +58,31 @@ def test_classifiers() -> None:
     sdk_main = "x-anthropic-billing-header: cc_version=2.1.328.1; cc_entrypoint=sdk-cli;\n\nYou are a Claude agent, built on Anthropic's Claude Agent SDK."
     sub = "x-anthropic-billing-header: cc_version=2.1.328.2; cc_entrypoint=sdk-cli; cc_is_subagent=true;\n\nYou are a Claude agent, built on Anthropic's Claude Agent SDK.\n\nYou are an agent for Claude Code, Anthropic's official CLI for Claude."
     user = (Turn(Kind.USER, "fix the bug"),)
-    summary = (*user, Turn(Kind.ASSISTANT, "done"), Turn(Kind.USER, "Your task is to create a detailed summary of the conversation so far."))
+    summary = (
+        *user,
+        Turn(Kind.ASSISTANT, "done"),
+        Turn(Kind.USER, "Your task is to create a detailed summary of the conversation so far."),
+    )
     assert classify_claude_code(Conversation(sdk_main, (), user), {}) == (Role.MAIN, "main")
-    assert classify_claude_code(Conversation("You are Claude Code, Anthropic's official CLI for Claude.", (), user), {})[0] is Role.MAIN
+    assert (
+        classify_claude_code(
+            Conversation("You are Claude Code, Anthropic's official CLI for Claude.", (), user), {}
+        )[0]
+        is Role.MAIN
+    )
     assert classify_claude_code(Conversation(sdk_main, (), summary), {})[0] is Role.MAIN_SUMMARY
     role, agent = classify_claude_code(Conversation(sub, (), user), {})
     assert role is Role.SUBAGENT and agent.startswith("sub-")
     other = classify_claude_code(Conversation(sub, (), (Turn(Kind.USER, "another task"),)), {})[1]
     assert other != agent  # parallel sub-agents stay apart
     assert classify_claude_code(Conversation(sub, (), summary), {})[0] is Role.SUBAGENT_SUMMARY
-    assert classify_generic(Conversation("", (), user), {"x-gyre-agent": "helper"}) == (Role.SUBAGENT, "helper")
-    assert classify_generic(Conversation("", (), user), {"x-gyre-role": "main_summary"})[0] is Role.MAIN_SUMMARY
+    assert classify_generic(Conversation("", (), user), {"x-gyre-agent": "helper"}) == (
+        Role.SUBAGENT,
+        "helper",
+    )
+    assert (
+        classify_generic(Conversation("", (), user), {"x-gyre-role": "main_summary"})[0] is Role.MAIN_SUMMARY
+    )
 
 
 def test_real_scheduler_adds_a_cells_engine(engine: Any, make_proxy: Any, request: Any) -> None:

@@ -10,9 +10,7 @@ from typing import Any
 
 import anthropic
 import numpy as np
-import zmq
 from gyre_sched.protocol import (
-    Codec,
     EngineAdd,
     EngineDrain,
     EngineDrained,
@@ -46,42 +44,6 @@ def _continuation(tokenizer: Tokenizer, text: str) -> tuple[list[int], Any]:
         return full
 
     return full, rest
-
-
-class SchedStub:
-    """A real ROUTER speaking gyre-sched's protocol, standing in for the scheduler's socket."""
-
-    def __init__(self) -> None:
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.codec = Codec()
-        self.ident = b""
-
-    def recv(self, timeout_s: float = 10.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.sock.poll(50):
-                ident, data = self.sock.recv_multipart()
-                self.ident = ident
-                return self.codec.decode(data)
-        raise TimeoutError("no message from the proxy")
-
-    def expect(self, kind: type, timeout_s: float = 10.0) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self.recv(max(0.1, deadline - time.monotonic()))
-            if isinstance(msg, kind):
-                return msg
-
-    def send(self, msg: Any) -> None:
-        self.sock.send_multipart([self.ident, self.codec.encode(msg)])
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -132,11 +94,10 @@ def test_affinity_and_least_outstanding(
 
 
 def test_drain_moves_call_with_tokens_kept(
-    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any, sched_stub: Any
 ) -> None:
     a, b = engines2
-    sched = SchedStub()
-    request.addfinalizer(sched.close)
+    sched = sched_stub
     ps = make_proxy([], sched=sched.endpoint)
     hello = sched.expect(Hello)
     assert hello.kind is PeerKind.PROXY
