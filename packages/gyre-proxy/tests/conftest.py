@@ -88,6 +88,7 @@ class ScriptedEngine:
     default: Any = None  # used once the script is empty
     token_delay_s: float = 0.0
     weight_version: str = "3"
+    reject_next: bool = False  # answer the next /generate with HTTP 400
     die_after: int | None = None  # close the connection after this many tokens of the next request
     seen: list[Seen] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
@@ -114,12 +115,25 @@ class ScriptedEngine:
             max_new = int(sp.get("max_new_tokens", 128))
             self.seen.append(Seen(rid, ids, max_new))
             item = self.script.pop(0) if self.script else (self.default or "ok")
+            if self.reject_next:
+                self.reject_next = False
+                err = {"error": {"message": "unknown field `bogus`", "type": "BadRequestError", "code": 400}}
+                return JSONResponse(err, status_code=400)
             made = item(ids) if callable(item) else item
+            stop_hit = ""
+            if isinstance(made, str):
+                for stop in sp.get("stop") or []:
+                    if stop in made:  # like SGLang with no_stop_trim: output ends with the stop string
+                        made = made[: made.index(stop) + len(stop)]
+                        stop_hit = stop
+                        break
             if isinstance(made, list):  # raw output ids, used as they are
                 out = list(made)
             else:
-                out = [*self.tokenizer.encode(made, add_special_tokens=False).ids, im_end]
-            finish: dict[str, Any] = {"type": "stop", "matched": im_end}
+                out = [*self.tokenizer.encode(made, add_special_tokens=False).ids] + (
+                    [] if stop_hit else [im_end]
+                )
+            finish: dict[str, Any] = {"type": "stop", "matched": stop_hit or im_end}
             if len(out) > max_new:
                 out = out[:max_new]
                 finish = {"type": "length", "length": max_new}

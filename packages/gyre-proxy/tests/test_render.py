@@ -179,3 +179,17 @@ def test_parser_examples() -> None:
     ]
     assert parse("<tool_call>not json</tool_call>")[0].kind is BlockKind.TEXT
     assert parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[0].text == '{"a": 1}'
+
+
+@given(
+    st.lists(st.sampled_from(["a", "é", "漢", "🙂", " ", "\n", "<think>", "x"]), max_size=40).map("".join),
+    st.integers(1, 5),
+)
+@settings(max_examples=100, deadline=None)
+def test_incremental_text_equals_full_decode(tokenizer: Tokenizer, text: str, step: int) -> None:
+    from gyre_proxy.core import IncrementalText
+
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    inc = IncrementalText(tokenizer)
+    for k in range(0, len(ids) + step, step):
+        assert inc.text(ids[:k]) == tokenizer.decode(ids[:k], skip_special_tokens=False)

@@ -210,3 +210,21 @@ def test_malformed_tool_call_is_text_and_path_prefix(engine: Any, make_proxy: An
     assert r2.content[0].type == "text" and r2.content[0].text == "<tool_call>{broken"
     recs = [c for c in read_records(ps.log_path) if isinstance(c, Call)]
     assert [c.execution_id for c in recs] == ["run-7", "run-7"]
+
+
+def test_stop_sequence_and_engine_rejection(engine: Any, make_proxy: Any, request: Any) -> None:
+    engine.script = ["alpha beta STOP gamma"]
+    ps = make_proxy([engine.url])
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    r = client.messages.create(
+        model="m", max_tokens=50, stop_sequences=["STOP"], messages=[{"role": "user", "content": "go"}]
+    )
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == "STOP"
+    assert r.content[0].type == "text" and r.content[0].text == "alpha beta "
+    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
+    assert rec.output_ids.tolist() == engine.outputs[0]  # the sampled ids, stop string included
+    engine.reject_next = True
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert "engine refused" in str(e.value)

@@ -238,7 +238,7 @@ def message_json(run: CallRun, model: str) -> bytes:
             "model": model,
             "content": [_block_json(run, b, i) for i, b in enumerate(run.final_blocks)],
             "stop_reason": run.stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": run.result.matched if run.stop_reason == "stop_sequence" else None,
             "usage": _usage(run),
         }
     )
@@ -345,7 +345,10 @@ async def stream_events(run: CallRun, model: str) -> AsyncIterator[bytes]:
         "message_delta",
         {
             "type": "message_delta",
-            "delta": {"stop_reason": run.stop_reason, "stop_sequence": None},
+            "delta": {
+                "stop_reason": run.stop_reason,
+                "stop_sequence": run.result.matched if run.stop_reason == "stop_sequence" else None,
+            },
             "usage": {"output_tokens": len(run.result.output_ids)},
         },
     )

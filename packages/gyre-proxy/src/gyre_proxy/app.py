@@ -27,7 +27,7 @@ from gyre_proxy.chat import RequestError
 from gyre_proxy.control import ControlLink
 from gyre_proxy.core import ContextTooLong, Proxy
 from gyre_proxy.engines import NoEngine
-from gyre_proxy.generation import GenerationFailed
+from gyre_proxy.generation import EngineRejected, GenerationFailed
 
 log = logging.getLogger("gyre_proxy.app")
 _enc = msgspec.json.Encoder()
@@ -81,6 +81,8 @@ def anthropic_errors(fn: Handler) -> Handler:
             return await fn(request)
         except RequestError as exc:
             return _a_error(400, "invalid_request_error", f"{exc.field}: {exc.message}")
+        except EngineRejected as exc:
+            return _a_error(400, "invalid_request_error", f"the engine refused the request: {exc}")
         except Unauthorized as exc:
             return _a_error(401, "authentication_error", str(exc))
         except ContextTooLong as exc:
@@ -97,6 +99,8 @@ def openai_errors(fn: Handler) -> Handler:
             return await fn(request)
         except RequestError as exc:
             return _o_error(400, "invalid_request_error", exc.message, exc.field)
+        except EngineRejected as exc:
+            return _o_error(400, "invalid_request_error", f"the engine refused the request: {exc}")
         except Unauthorized as exc:
             return _o_error(401, "invalid_request_error", str(exc))
         except ContextTooLong as exc:
@@ -112,7 +116,7 @@ async def _guarded(gen: AsyncIterator[bytes], on_error: Callable[[Exception], by
     try:
         async for chunk in gen:
             yield chunk
-    except (NoEngine, GenerationFailed, RuntimeError) as exc:
+    except (NoEngine, GenerationFailed, EngineRejected, RuntimeError) as exc:
         log.warning("stream failed: %s", exc)
         yield on_error(exc)
 

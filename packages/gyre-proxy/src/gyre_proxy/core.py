@@ -182,6 +182,24 @@ class Proxy:
         return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, role, agent, call_id, t0)
 
 
+class IncrementalText:
+    """Decoded text of a growing list of output ids, decoding only the ids not yet committed: a prefix is
+    committed once its text ends on a whole character (byte-level BPE splits characters across tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.n = 0
+        self.done = ""
+
+    def text(self, ids: list[int]) -> str:
+        tail = str(self.tok.decode(ids[self.n :], skip_special_tokens=False))
+        if tail and not tail.endswith("\ufffd"):
+            self.done += tail
+            self.n = len(ids)
+            return self.done
+        return self.done + tail
+
+
 class CallRun:
     """One call in progress; the API layer iterates `blocks()` then awaits `finish()`."""
 
@@ -248,9 +266,13 @@ class CallRun:
             stream_interval=p.cfg.stream_interval,
         )
         self.result = gen.result
+        detok = IncrementalText(p.tokenizer)
         async for _ in gen.stream():
-            yield parse(self.decode(gen.result.output_ids), final=False)
+            yield parse(detok.text(gen.result.output_ids), final=False)
         self.text = self.decode(gen.result.output_ids)
+        stop = gen.result.matched
+        if stop and stop in self.sampling.stop and stop in self.text:  # the API leaves the stop string out
+            self.text = self.text[: self.text.rfind(stop)]
         self.final_blocks = parse(self.text, final=True)
 
     async def run(self) -> list[Block]:
@@ -263,6 +285,8 @@ class CallRun:
         """ "tool_use", "max_tokens" or "end_turn"."""
         if any(b.kind is BlockKind.TOOL for b in self.final_blocks):
             return "tool_use"
+        if self.result.matched and self.result.matched in self.sampling.stop:
+            return "stop_sequence"
         return "max_tokens" if self.result.finish == "length" else "end_turn"
 
     async def finish(self) -> Call:

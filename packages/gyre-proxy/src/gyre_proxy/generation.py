@@ -52,6 +52,7 @@ class GenResult:
     moves: int = 0
     engine_s: float = 0.0
     cached_tokens: int = 0
+    matched: str = ""  # the stop string that ended the call, if one did
 
 
 class GenerationFailed(RuntimeError):
@@ -76,6 +77,10 @@ def sampling_params(s: Sampling, max_new: int) -> dict[str, Any]:
     return sp
 
 
+class EngineRejected(ValueError):
+    """The engine refused the request itself (HTTP 4xx, not retryable): retrying elsewhere cannot help."""
+
+
 class _Moved(Exception):
     pass
 
@@ -97,6 +102,7 @@ class Generation:
         pick_wait_s: float = 5.0,
         max_attempts: int = 8,
         stream_interval: int = 4,
+        abort_grace_s: float = 5.0,
     ) -> None:
         self.pool = pool
         self.http = http
@@ -109,6 +115,7 @@ class Generation:
         self.pick_wait_s = pick_wait_s
         self.max_attempts = max_attempts
         self.stream_interval = stream_interval
+        self.abort_grace_s = abort_grace_s
         self.result = GenResult()
         self._versions: list[int] = []
 
@@ -158,6 +165,8 @@ class Generation:
                 )
             except (httpx.TransportError, EngineError) as exc:
                 self.counters.engine_errors += 1
+                if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
+                    raise EngineRejected(exc.message) from None
                 self.result.moves += 1
                 if isinstance(exc, httpx.TransportError):
                     self.pool.mark_dead(eng)
@@ -179,25 +188,32 @@ class Generation:
         reader = asyncio.create_task(self._read(eng, attempt_rid, queue))
         base = len(self.result.output_ids)
         seen = 0
-        aborted = False
+        abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 get = asyncio.ensure_future(queue.get())
-                mv = asyncio.ensure_future(f.move.wait())
-                done, _ = await asyncio.wait({get, mv}, return_when=asyncio.FIRST_COMPLETED)
+                waits: set[asyncio.Future[Any]] = {get}
+                mv = None
+                if not abort_deadline:
+                    mv = asyncio.ensure_future(f.move.wait())
+                    waits.add(mv)
+                timeout = max(0.0, abort_deadline - loop.time()) if abort_deadline else None
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if mv is not None and mv not in done:
+                    mv.cancel()
                 if get not in done:
                     get.cancel()
-                mv.cancel()
-                if mv in done and not aborted:
-                    aborted = True
+                if mv is not None and mv in done:
+                    abort_deadline = loop.time() + self.abort_grace_s
                     if eng.state is EngineState.REMOVED:
-                        reader.cancel()
                         raise _Moved()
-                    with contextlib.suppress(httpx.HTTPError, EngineError):
-                        await asyncio.wait_for(eng.client.abort(attempt_rid), 5.0)
-                    continue
+                    with contextlib.suppress(httpx.HTTPError, EngineError, TimeoutError):
+                        await asyncio.wait_for(eng.client.abort(attempt_rid), self.abort_grace_s)
+                    if get not in done:
+                        continue
                 if get not in done:
-                    continue
+                    raise _Moved()  # the engine did not end the aborted stream in time: move anyway
                 item = get.result()
                 if item is None:
                     raise _Moved()  # the stream ended without a finish reason
@@ -223,6 +239,8 @@ class Generation:
                     if fin.type == "abort":
                         raise _Moved()
                     self.result.finish = "length" if fin.type == "length" else "stop"
+                    if isinstance(fin.matched, str):
+                        self.result.matched = fin.matched
                     return
         finally:
             if not reader.done():
