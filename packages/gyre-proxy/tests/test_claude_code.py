@@ -2,7 +2,8 @@
 temporary directory: the main loop calls the Agent tool, the sub-agent runs Bash, both finish. The
 scripted engine (a test fixture) decides each reply from the rendered input it receives. Asserted on the
 records: each output is what the engine returned, each input is what the engine received, every later
-input of a loop carries its earlier outputs unchanged (no drift), and the roles are main and subagent.
+input of a loop carries its earlier outputs unchanged (no drift), and the roles are main and subagent;
+then `/compact` on the continued session is a main_summary call that still carries the main loop's ids.
 
 Install: npm install --no-audit --no-fund --prefix packages/gyre-proxy/.claude-code @anthropic-ai/claude-code@2.1.328
 (or point GYRE_CLAUDE_BIN at a `claude` binary). Without it this test is skipped and says so.
@@ -125,3 +126,26 @@ def test_claude_code_with_a_subagent(
     assert mains[1].input_delta is not None and mains[1].input_delta.parent == mains[0].call_id
     stats = httpx.get(f"{ps.url}/gyre/stats").json()
     assert stats["recorded_tokens"] > 0  # assistant turns came from records, not re-tokenized
+
+    # compaction of the same session (`/compact` on the continued conversation): a main_summary call whose
+    # input still carries the main loop's first input and output unchanged
+    engine.default = lambda ids: "<summary>A sub-agent wrote hi to sub.txt.</summary>"
+    p = subprocess.run(
+        [exe, "-p", "/compact", "--continue", "--output-format", "json"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stderr[-2000:] + p.stdout[-2000:]
+    recs2 = [r for r in read_records(ps.log_path) if isinstance(r, Call)][len(recs) :]
+    assert [r.role for r in recs2] == [Role.MAIN_SUMMARY]
+    summ = recs2[0]
+    d = summ.input_delta
+    assert d is not None and d.parent in seq
+    summ_input = np.concatenate([seq[d.parent][: d.keep], d.append])
+    seen = {s.rid: s.input_ids for s in engine.seen}
+    assert summ_input.tolist() == seen[f"{summ.execution_id}/{summ.call_id}"]
+    assert summ.execution_id == session  # the continued conversation is the same execution
+    assert summ_input.tolist()[: len(first)] == first
