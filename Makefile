@@ -4,8 +4,8 @@ export UV_PYTHON_DOWNLOADS ?= never
 
 .PHONY: install lint typecheck test bench wheels-check example
 
-install:            ## the whole workspace, every extra, dev and lint tools, exactly as locked
-	$(UV) sync --frozen --all-packages --all-extras
+install:            ## the whole workspace, every extra (but the CUDA Mooncake wheel), dev and lint tools, as locked
+	$(UV) sync --frozen --all-packages --all-extras --no-extra mooncake-cuda13
 
 lint:               ## ruff: lint and format check
 	$(UV) run --frozen ruff check .
@@ -20,6 +20,7 @@ test:               ## the README's test command
 bench:              ## quick benchmarks of every member that has one
 	$(UV) run --frozen gyre-traj bench --quick
 	$(UV) run --frozen gyre-sched bench --quick
+	$(UV) run --frozen gyre-xfer bench --quick
 	$(UV) run --frozen gyre-engine bench --quick
 	$(UV) run --frozen gyre-proxy bench --quick
 

@@ -3,6 +3,7 @@ leave; the prefix cache finds longest prefixes, replaces dominated entries and r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from gyre_engine.server.batch import DecodeBatch, RowKV, cache_from_layers, cache_kwarg, cache_layers  # noqa: E402
-from gyre_engine.server.prefill import prefill_group, prefill_one  # noqa: E402
+from gyre_engine.server.lanes import Lanes  # noqa: E402
+from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache  # noqa: E402
 from gyre_engine.server.prefix_cache import PrefixCache  # noqa: E402
 
 
@@ -74,9 +76,30 @@ def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_mode
         assert torch.allclose(lg, solo, atol=1e-4)
         for a, b in zip(row.keys + row.values, solo_kv.keys + solo_kv.values, strict=True):
             assert torch.allclose(a, b, atol=1e-4)
-    cached, _ = prefill(hf_model, ctxs[1][:5])
-    row, lg = prefill_one(hf_model, cache_kwarg(hf_model), ctxs[1], cached, 2, torch.device("cpu"))
-    assert row.length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
+    cached, _ = prefill(hf_model, ctxs[1][:5])  # then the rest in chunks of 2 and 4 on top of it
+    cache = start_cache(cached)
+    kw, cpu = cache_kwarg(hf_model), torch.device("cpu")
+    with torch.no_grad():
+        prefill_chunk(hf_model, kw, ctxs[1], cache, 5, 7, cpu)
+        lg = prefill_chunk(hf_model, kw, ctxs[1], cache, 7, 11, cpu)
+    assert RowKV(*cache_layers(cache)).length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
+    assert cached.length == 5  # the cached prefix itself was not written to
+
+
+def test_lanes_bound_padding_and_keep_rows_in_order() -> None:
+    lanes = Lanes(torch.device("cpu"), slack=4)
+    reqs = [SimpleNamespace(rid=f"r{n}") for n in (10, 12, 500, 24, 30)]
+    lanes.place([(r, _kv(int(r.rid[1:])), 0) for r in reqs])  # type: ignore[misc]
+    widths = sorted(sorted(lane.batch.lengths) for lane in lanes.lanes)
+    assert widths == [[10, 12, 24], [30], [500]]  # 30 > 2 * 10 + 4 opens a lane; 500 is alone
+    for lane in lanes.lanes:
+        assert [int(r.rid[1:]) for r in lane.reqs] == lane.batch.lengths
+    found = lanes.find("r12")
+    assert found is not None
+    lane, i = found
+    lane.drop([i])
+    assert lanes.find("r12") is None and len(lanes) == 4
+    assert len(lanes.clear()) == 4 and len(lanes) == 0
 
 
 def _kv(n: int) -> RowKV:

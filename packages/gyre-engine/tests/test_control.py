@@ -15,6 +15,7 @@ from gyre_engine.client import EngineClient, EngineError
 from gyre_engine.protocol import SamplingParams
 
 torch = pytest.importorskip("torch")
+from gyre_engine.server.batch import cache_from_layers, cache_kwarg  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
 Greedy = Callable[[list[int], int], list[int]]
@@ -151,26 +152,50 @@ def test_weight_update_from_tensor_then_back_from_disk(
     run(go())
 
 
-def test_a_weight_update_lands_between_tokens_of_a_running_request(
-    server: Any, hf_model: Any, model_dir: Path
+def test_a_weight_update_lands_between_two_tokens_of_a_running_request(
+    server: Any, hf_model: Any, model_dir: Path, greedy: Greedy
 ) -> None:
-    payload = base64.b64encode(save({k: v.contiguous() for k, v in _perturbed(hf_model, 2).items()})).decode()
-    sp = SamplingParams(max_new_tokens=3000, temperature=0.0, ignore_eos=True)
+    """Each streamed token carries the version that computed it. Tokens before the switch are the old
+    weights' greedy output; after it, the new weights continue on the KV the old ones left (in-place
+    update): exactly what a reference that switches models between two tokens produces."""
+    new = _perturbed(hf_model, 2)
+    payload = base64.b64encode(save({k: v.contiguous() for k, v in new.items()})).decode()
+    sp = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
 
-    async def go() -> Any:
+    async def go() -> list[Any]:
         async with EngineClient(server.url, timeout_s=60) as c:
-            task = asyncio.create_task(c.generate(USER, sp, rid="long"))
-            while (await c.server_info()).decode_tokens < 5:
-                await asyncio.sleep(0.02)
-            await c.update_weights_from_tensor([payload], load_format="safetensors", weight_version="mid")
-            await c.abort("long")
-            r = await task
+            chunks = []
+            async for ch in c.stream(USER, sp, rid="long"):
+                chunks.append(ch)
+                if len(chunks) == 5:
+                    await c.update_weights_from_tensor(
+                        [payload], load_format="safetensors", weight_version="mid"
+                    )
+                if ch.meta_info.weight_version == "mid" and len(chunks[-1].output_ids) > 40:
+                    await c.abort("long")
             await c.update_weights_from_disk(str(model_dir))
-            return r
+            return chunks
 
-    r = run(go())
-    assert r.meta_info.weight_version == "mid"
-    assert r.meta_info.finish_reason.type == "abort"
+    chunks = run(go())
+    assert chunks[-1].meta_info.finish_reason.type == "abort"
+    out = chunks[-1].output_ids
+    j = next(len(ch.output_ids) - 1 for ch in chunks if ch.meta_info.weight_version == "mid")
+    assert 5 <= j < len(out) - 10
+    assert all(ch.meta_info.weight_version != "mid" for ch in chunks if len(ch.output_ids) <= j)
+    ref_new = type(hf_model).from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for n, t in new.items():
+            ref_new.get_parameter(n).copy_(t)
+        cache = cache_from_layers([], [])
+        kw = cache_kwarg(hf_model)
+        hf_model(input_ids=torch.tensor([USER + out[: j - 1]]), use_cache=True, **{kw: cache})
+        expected, token = [], out[j - 1]
+        for _ in range(10):
+            logits = ref_new(input_ids=torch.tensor([[token]]), use_cache=True, **{kw: cache}).logits[0, -1]
+            token = int(logits.argmax())
+            expected.append(token)
+    assert out[:j] == greedy(USER, j)
+    assert out[j : j + 10] == expected
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,19 @@ def test_concurrent_requests_do_not_interfere(server: Any, greedy: Greedy) -> No
         assert r.output_ids == greedy(p, 24)
 
 
+def test_short_and_long_contexts_run_together_in_separate_lanes(server: Any, greedy: Greedy) -> None:
+    long_ctx = (SYSTEM + USER + TOOL) * 8  # ~290 tokens: its own lane, next to the short ones
+    prompts = [USER, long_ctx, TOOL, long_ctx[:150]]
+
+    async def go() -> list[Any]:
+        async with EngineClient(server.url) as c:
+            await c.flush_cache()
+            return list(await asyncio.gather(*(c.generate(p, GREEDY) for p in prompts)))
+
+    for p, r in zip(prompts, run(go()), strict=True):
+        assert r.output_ids == greedy(p, 24)
+
+
 def test_batch_form_of_generate(server: Any, greedy: Greedy) -> None:
     async def go() -> list[Any]:
         async with EngineClient(server.url) as c:
@@ -172,3 +185,57 @@ def test_client_raises_engine_error_with_the_message(server: Any) -> None:
     with pytest.raises(EngineError, match="outside the vocabulary") as info:
         run(_gen(server.url, [5, 1 << 20]))
     assert info.value.status == 400 and not info.value.retryable
+
+
+def test_top_logprobs_text_and_zero_new_tokens(server: Any) -> None:
+    body = {
+        "input_ids": USER,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+        "return_logprob": True,
+        "top_logprobs_num": 4,
+        "return_text_in_logprobs": True,
+    }
+    meta = httpx.post(f"{server.url}/generate", json=body, timeout=30).json()["meta_info"]
+    assert len(meta["output_top_logprobs"]) == 3
+    for (lp, tid, text), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
+        assert isinstance(text, str) and len(top) == 4
+        assert top[0][1] == tid and top[0][0] == pytest.approx(lp)  # greedy picks the top entry
+    r = run(_gen(server.url, USER, SamplingParams(max_new_tokens=0)))
+    assert r.output_ids == [] and r.meta_info.finish_reason.type == "length"
+
+
+async def _wait_idle(c: EngineClient) -> None:
+    for _ in range(200):
+        if (await c.server_info()).running_requests == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("requests still running after 10 s")
+
+
+def test_duplicate_rid_is_refused_and_a_dropped_stream_frees_its_row(server: Any) -> None:
+    long = SamplingParams(max_new_tokens=20000, temperature=0.0, ignore_eos=True)
+
+    async def go() -> None:
+        async with EngineClient(server.url, timeout_s=60) as c:
+            task = asyncio.create_task(c.generate(USER, long, rid="dup"))
+            while (await c.server_info()).running_requests == 0:
+                await asyncio.sleep(0.02)
+            with pytest.raises(EngineError, match="already running"):
+                await c.generate(USER, GREEDY, rid="dup")
+            await c.abort("dup")
+            assert (await task).meta_info.finish_reason.type == "abort"
+            async with httpx.AsyncClient(timeout=30) as h:
+                body = {"input_ids": USER, "sampling_params": msgspec_builtins(long), "stream": True}
+                async with h.stream("POST", f"{server.url}/generate", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data:"):
+                            break  # the client goes away mid-stream
+            await _wait_idle(c)
+
+    run(go())
+
+
+def msgspec_builtins(sp: SamplingParams) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(sp)

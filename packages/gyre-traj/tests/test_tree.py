@@ -136,3 +136,13 @@ def test_negative_ids_rejected_on_the_fast_msgpack_path() -> None:
     with pytest.raises(RecordError, match=r"call='c1'.*negative id -5 at position 6"):
         Forest().add_msgpack(data)
     assert isinstance(bad, Call)
+
+
+def test_growth_keeps_views_held_by_callers_valid() -> None:
+    t = ExecutionTree("e", capacity=4)
+    t.add(call("c0", PROMPT, ids(OUT, 1)))
+    held = t.ids[:3]  # a caller's view into the arena
+    before = held.copy()
+    t.add(call("c1", list(range(1000, 1500)), []))  # forces growth
+    assert np.array_equal(held, before) and t.ids[:3].tolist() == before.tolist()
+    assert t.call_sequence("c1")[0].tolist() == list(range(1000, 1500))

@@ -10,6 +10,8 @@ import argparse
 import shlex
 import sys
 
+from gyre_engine import __version__
+
 
 def _missing_server_extra(exc: ImportError) -> SystemExit:
     return SystemExit(f"{exc}: this command needs the server extra: pip install 'gyre-engine[server]'")
@@ -17,6 +19,7 @@ def _missing_server_extra(exc: ImportError) -> SystemExit:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="gyre-engine", description=__doc__)
+    p.add_argument("--version", action="version", version=f"gyre-engine {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="serve a transformers model directory over SGLang's native protocol")

@@ -3,7 +3,8 @@
 Other threads talk to it only through `call(fn)`, which runs `fn` on the engine thread between two steps
 and returns a future; so a weight update, pause, abort or cache export never lands inside a step, and no
 token is computed with two weight versions. Each step admits waiting requests (chunked prefill that
-reuses the longest cached prefix), then runs one batched decode step over every running request.
+reuses the longest cached prefix), then one batched decode step per lane of running requests
+(`lanes.py`: rows of similar length share a left-padded batch).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any, TypeVar
 import torch
 
 from gyre_engine.protocol import FinishReason, ProtocolError
-from gyre_engine.server.batch import DecodeBatch, RowKV, cache_kwarg
-from gyre_engine.server.prefill import prefill_group, prefill_one
+from gyre_engine.server.batch import RowKV, cache_kwarg, cache_layers
+from gyre_engine.server.lanes import Lane, Lanes
+from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
     EngineRequest,
@@ -50,6 +52,17 @@ class EngineStats:
     decode_steps: int
     decode_tokens: int
     decode_time_s: float
+
+
+@dataclass
+class _Partial:
+    """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache."""
+
+    r: Running
+    ctx: list[int]
+    cache: Any
+    pos: int
+    cached: int
 
 
 class Engine:
@@ -85,8 +98,8 @@ class Engine:
         self._pending_bump = False
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
-        self._running: list[Running] = []
-        self._batch = DecodeBatch(self.device)
+        self.lanes = Lanes(self.device)
+        self._partial: _Partial | None = None
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
@@ -103,8 +116,12 @@ class Engine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight (their sinks get an abort), then stop the thread; bounded by `timeout`."""
         if self._thread.is_alive():
-            self.call(self._abort_all_now, "engine shutting down").result(timeout)
+            try:
+                self.call(self._abort_all_now, "engine shutting down").result(timeout)
+            except TimeoutError:
+                log.warning("engine did not finish its step within %.0f s; stopping anyway", timeout)
         self._stop.set()
         self._thread.join(timeout)
 
@@ -127,7 +144,7 @@ class Engine:
         return EngineStats(**ints, decode_time_s=st["decode_time_s"])
 
     def counts(self) -> tuple[int, int]:
-        return len(self._running), len(self._waiting)
+        return len(self._in_flight()), len(self._waiting)
 
     # ----------------------------------------------------------------- requests
     def check_request(self, req: EngineRequest) -> None:
@@ -160,7 +177,7 @@ class Engine:
             raise EngineUnavailable(
                 "generation is paused" if self.paused else "a weight update is in progress"
             )
-        if any(r.rid == req.rid for r in (*self._running, *self._waiting)):
+        if any(r.rid == req.rid for r in (*self._in_flight(), *self._waiting)):
             raise ProtocolError(f"a request with rid {req.rid!r} is already running")
         gen = None
         if req.params.sampling_seed is not None:
@@ -176,7 +193,9 @@ class Engine:
 
     # ----------------------------------------------------------------- the loop
     def _can_step(self) -> bool:
-        return not (self.paused or self.updating or self.released) and bool(self._running or self._waiting)
+        return not (self.paused or self.updating or self.released) and bool(
+            self._in_flight() or self._waiting
+        )
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -202,12 +221,17 @@ class Engine:
                     self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
 
     def _step(self) -> None:
+        """Prefill up to `prefill_chunk` tokens (continuing a long prefill chunk by chunk across steps,
+        so running requests keep decoding), then decode every lane once."""
         budget = self.config.prefill_chunk
-        joining: list[tuple[RowKV, int]] = []
+        joining: list[tuple[Running, RowKV, int]] = []
+        if self._partial is not None:
+            budget -= self._advance_partial(budget, joining)
         group: list[Running] = []
         while (
             self._waiting
-            and len(self._running) + len(group) < self.config.max_running_requests
+            and self._partial is None
+            and len(self._in_flight()) + len(joining) + len(group) < self.config.max_running_requests
             and budget > 0
         ):
             r = self._waiting.popleft()
@@ -221,31 +245,39 @@ class Engine:
                 group.append(r)  # fresh short prompts share one padded forward pass
                 budget -= len(ctx)
             else:
-                budget -= self._prefill_single(r, ctx, hit, joining)
-        if len(group) == 1:
-            self._prefill_single(group[0], group[0].context(), PrefixHit(0, None), joining)
-        elif group:
+                self._partial = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                budget -= self._advance_partial(budget, joining)
+        if group:
             self._prefill_group(group, joining)
-        self._batch.add_many(joining)
-        if self._running:
-            self._decode()
+        self.lanes.place(joining)
+        for lane in self.lanes.lanes:
+            self._decode(lane)
+        self.lanes.prune()
+
+    def _in_flight(self) -> list[Running]:
+        """Requests past admission: decoding in a lane, or half-way through a chunked prefill."""
+        return self.lanes.requests() + ([self._partial.r] if self._partial is not None else [])
 
     @torch.inference_mode()
-    def _prefill_single(
-        self, r: Running, ctx: list[int], hit: PrefixHit, joining: list[tuple[RowKV, int]]
-    ) -> int:
-        row, logits = prefill_one(
-            self.model, self._cache_kw, ctx, hit.kv, self.config.prefill_chunk, self.device
-        )
-        self._count_prefill(r, len(ctx) - hit.length, hit.length)
-        first = sample(logits, [r.sampler], [r.req.top_logprobs_num])
-        self._started(
-            r, ctx, row, first.tokens[0], first.logprobs[0], first.top[0] if first.top else None, joining
-        )
-        return len(ctx) - hit.length
+    def _advance_partial(self, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
+        """Prefill the next `budget` tokens of the request in chunked prefill; when its context is
+        covered, sample its first token. Returns the tokens computed."""
+        p = self._partial
+        assert p is not None
+        end = min(len(p.ctx), p.pos + max(budget, 1))
+        logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
+        done, p.pos = end - p.pos, end
+        if p.pos == len(p.ctx):
+            self._partial = None
+            self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
+            first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num])
+            top = first.top[0] if first.top else None
+            row = RowKV(*cache_layers(p.cache))
+            self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
+        return done
 
     @torch.inference_mode()
-    def _prefill_group(self, group: list[Running], joining: list[tuple[RowKV, int]]) -> None:
+    def _prefill_group(self, group: list[Running], joining: list[tuple[Running, RowKV, int]]) -> None:
         ctxs = [r.context() for r in group]
         rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
         first = sample(logits, [r.sampler for r in group], [r.req.top_logprobs_num for r in group])
@@ -268,10 +300,9 @@ class Engine:
         token: int,
         logprob: float,
         top: list[tuple[float, int]] | None,
-        joining: list[tuple[RowKV, int]],
+        joining: list[tuple[Running, RowKV, int]],
     ) -> None:
-        """After prefill: finish at once, or join the decode batch (appended to `_running` and `joining`
-        in the same order, which is the batch's row order)."""
+        """After prefill: finish at once, or go to `joining` (placed into a decode lane after the prefills)."""
         tops = [top] if top is not None else None
         if r.req.params.max_new_tokens == 0:
             self._store_prefix(ctx, row)
@@ -284,39 +315,33 @@ class Engine:
             self._finish(r, finish, [token], [logprob], tops)
         else:
             self._emit(r, [token], [logprob], tops, None)
-            self._running.append(r)
-            joining.append((row, token))
+            joining.append((r, row, token))
 
     @torch.inference_mode()
-    def _decode(self) -> None:
+    def _decode(self, lane: Lane) -> None:
+        """One decode step for the rows of one lane; finished rows leave it."""
         t0 = time.perf_counter()
-        logits = self._batch.step(self.model)
-        s = sample(
-            logits, [r.sampler for r in self._running], [r.req.top_logprobs_num for r in self._running]
-        )
+        logits = lane.batch.step(self.model)
+        reqs = lane.reqs
+        s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
         self._stats["decode_time_s"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
-        self._stats["decode_tokens"] += len(self._running)
+        self._stats["decode_tokens"] += len(reqs)
         done: list[int] = []
-        for i, r in enumerate(self._running):
+        for i, r in enumerate(reqs):
             token = s.tokens[i]
             r.output.append(token)
             top = [s.top[i]] if s.top is not None else None
             finish = r.finish_reason(token)
             if finish is None:
-                self._batch.next_tokens[i] = token
+                lane.batch.next_tokens[i] = token
                 self._emit(r, [token], [s.logprobs[i]], top, None)
             else:
-                self._store_prefix(r.context()[:-1], self._batch.row_kv(i))
+                self._store_prefix(r.context()[:-1], lane.batch.row_kv(i))
                 self._finish(r, finish, [token], [s.logprobs[i]], top)
                 done.append(i)
         if done:
-            self._drop_rows(done)
-
-    def _drop_rows(self, rows: list[int]) -> None:
-        self._batch.remove(rows)
-        gone = set(rows)
-        self._running = [r for i, r in enumerate(self._running) if i not in gone]
+            lane.drop(done)
 
     def _store_prefix(self, tokens: list[int], kv: RowKV) -> None:
         if self.config.enable_prefix_cache:
@@ -363,20 +388,31 @@ class Engine:
                 self._waiting.remove(r)
                 self._finish(r, abort_reason(message), [], [], None)
                 return True
-        for i, r in enumerate(self._running):
-            if r.rid == rid:
-                self._drop_rows([i])
-                self._finish(r, abort_reason("Abort request"), [], [], None)
-                return True
+        if self._partial is not None and self._partial.r.rid == rid:
+            r, self._partial = self._partial.r, None
+            self._finish(r, abort_reason("Abort request"), [], [], None)
+            return True
+        found = self.lanes.find(rid)
+        if found is not None:
+            lane, i = found
+            r = lane.reqs[i]
+            lane.drop([i])
+            self.lanes.prune()
+            self._finish(r, abort_reason("Abort request"), [], [], None)
+            return True
         return False
+
+    def _clear_in_flight(self) -> list[Running]:
+        """Drop every admitted request's KV (lanes and the chunked prefill); returns them, oldest first."""
+        partial = [self._partial.r] if self._partial is not None else []
+        self._partial = None
+        return partial + self.lanes.clear()
 
     def _abort_all_now(
         self, message: str = "Abort all requests", status: int = 200, err_type: str = "abort"
     ) -> int:
-        victims = list(self._waiting) + list(self._running)
+        victims = list(self._waiting) + self._clear_in_flight()
         self._waiting.clear()
-        self._running = []
-        self._batch.remove(list(range(len(self._batch))))
         for r in victims:
             self._finish(r, abort_reason(message, status, err_type), [], [], None)
         return len(victims)
@@ -393,19 +429,17 @@ class Engine:
         if mode == "abort":
             return self._abort_all_now("Abort because generation was paused")
         if mode == "retract":
-            retracted = list(self._running)
-            self._batch.remove(list(range(len(self._batch))))
-            self._running = []
+            retracted = self._clear_in_flight()
             self._waiting.extendleft(reversed(retracted))
             return len(retracted)
-        return len(self._running) + len(self._waiting)
+        return len(self._in_flight()) + len(self._waiting)
 
     def resume_generation(self) -> None:
         self.paused = False
 
     def flush_cache(self) -> None:
         """Drop the prefix cache; refused while requests run (as SGLang does)."""
-        if self._running or self._waiting:
+        if self._in_flight() or self._waiting:
             raise EngineUnavailable("Cache not flushed: there are running or waiting requests")
         self.prefix.clear()
 
@@ -446,7 +480,7 @@ class Engine:
 
     def release_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
-        if self._running or self._waiting:
+        if self._in_flight() or self._waiting:
             raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
         if "kv_cache" in tags:
             self.prefix.clear()

@@ -1,8 +1,6 @@
-"""Prefill forward passes: one context in chunks on top of a cached prefix, or several fresh prompts at
-once in one left-padded pass (each with its own position ids, so each row's logits are its own).
-
-Both return per-request KV (only the valid columns, views into the pass's cache) and the logits of the
-last position of each request.
+"""Prefill forward passes: one chunk of a context on top of its cache (long or prefix-cached prompts are
+prefilled chunk by chunk, one chunk budget per engine step), or several fresh prompts at once in one
+left-padded pass (each with its own position ids, so each row's logits are its own, with its own KV).
 """
 
 from __future__ import annotations
@@ -15,25 +13,26 @@ from transformers import DynamicCache
 from gyre_engine.server.batch import RowKV, cache_from_layers, cache_layers
 
 
-def prefill_one(
-    model: Any, cache_kw: str, ctx: list[int], kv: RowKV | None, chunk: int, device: torch.device
-) -> tuple[RowKV, torch.Tensor]:
-    """KV of `ctx` and its last logits [1, V]; `kv` covers a cached prefix of `ctx` (or is None)."""
-    start = kv.length if kv is not None else 0
-    cache = cache_from_layers(kv.keys, kv.values) if kv is not None else DynamicCache()
-    out = None
-    for s in range(start, len(ctx), chunk):
-        e = min(s + chunk, len(ctx))
-        out = model(
-            input_ids=torch.tensor([ctx[s:e]], device=device),
-            position_ids=torch.arange(s, e, device=device)[None],
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kw: cache},
-        )
-    if out is None:
-        raise ValueError("nothing to prefill: the whole context is cached")
-    return RowKV(*cache_layers(cache)), out.logits[:, -1]
+def start_cache(kv: RowKV | None) -> DynamicCache:
+    """A fresh cache, holding a copy of `kv` (a cached prefix) when given."""
+    return cache_from_layers(kv.keys, kv.values) if kv is not None else DynamicCache()
+
+
+def prefill_chunk(
+    model: Any, cache_kw: str, ctx: list[int], cache: DynamicCache, start: int, end: int, device: torch.device
+) -> torch.Tensor:
+    """Run `ctx[start:end]` on top of `cache` (which covers `ctx[:start]` and grows to `end`); returns the
+    logits of position `end - 1` [1, V]."""
+    if not 0 <= start < end <= len(ctx):
+        raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
+    out = model(
+        input_ids=torch.tensor([ctx[start:end]], device=device),
+        position_ids=torch.arange(start, end, device=device)[None],
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
+    return out.logits[:, -1]
 
 
 def prefill_group(

@@ -35,7 +35,7 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-@dataclass
+@dataclass(eq=False)  # identity: entries hold arrays, which do not compare to a bool
 class _Entry:
     tokens: np.ndarray
     kv: RowKV
@@ -99,4 +99,4 @@ class PrefixCache:
         self._entries.append(_Entry(arr, _owned(kv), self._clock))
         while self.total_tokens > self.max_tokens:
             victim = min(self._entries, key=lambda e: e.last_used)
-            self._entries.remove(victim)
+            self._entries = [e for e in self._entries if e is not victim]
