@@ -193,3 +193,54 @@ def test_incremental_text_equals_full_decode(tokenizer: Tokenizer, text: str, st
     inc = IncrementalText(tokenizer)
     for k in range(0, len(ids) + step, step):
         assert inc.text(ids[:k]) == tokenizer.decode(ids[:k], skip_special_tokens=False)
+
+
+_TEXTS = st.sampled_from(["hi", "list files", "é漢🙂", "a\nb", "  spaced  ", "<tool_call>x", "x" * 50, ""])
+
+
+@st.composite
+def _turn(draw: st.DrawFn) -> Turn:
+    kind = draw(st.sampled_from([Kind.USER, Kind.ASSISTANT, Kind.TOOL, Kind.SYSTEM]))
+    text = draw(_TEXTS)
+    if kind is Kind.ASSISTANT:
+        calls = tuple(ToolCall(f"t{i}", "bash", '{"c": 1}') for i in range(draw(st.integers(0, 2))))
+        return Turn(kind, text, draw(st.sampled_from(["", "thinking"])), tool_calls=calls)
+    if kind is Kind.TOOL:
+        return Turn(kind, text, tool_call_id="t0", is_error=draw(st.booleans()))
+    return Turn(kind, text)
+
+
+@given(
+    st.lists(_turn(), min_size=1, max_size=8),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["append", "edit", "truncate", "tools", "thinking"]), st.integers(0, 7), _turn()
+        ),
+        max_size=6,
+    ),
+)
+@settings(max_examples=150, deadline=None)
+def test_incremental_render_equals_a_fresh_full_render(
+    tokenizer: Tokenizer, turns: list[Turn], edits: list[Any]
+) -> None:
+    """Without recorded turns, every incremental render (after appends, edits, truncations, tool-list and
+    thinking changes) gives exactly the ids of tokenizing the whole prompt text from scratch."""
+    r = Renderer(tokenizer)
+    ex = ExecutionCache()
+    tools: tuple[str, ...] = ()
+    thinking = False
+    turns = list(turns)
+    for op, at, t in [("start", 0, turns[0]), *edits]:
+        if op == "append":
+            turns.append(t)
+        elif op == "edit":
+            turns[at % len(turns)] = t
+        elif op == "truncate" and len(turns) > 1:
+            turns = turns[: 1 + at % (len(turns) - 1)]
+        elif op == "tools":
+            tools = () if tools else (tool_json(TOOL),)
+        elif op == "thinking":
+            thinking = not thinking
+        conv = Conversation("sys", tools, tuple(turns), thinking)
+        rendered, _ = r.render(conv, ex)
+        assert rendered.ids().tolist() == tokenizer.encode(r.full_text(conv), add_special_tokens=False).ids

@@ -3,6 +3,7 @@ with tools and thinking; the records hold exactly what the engine returned and l
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
@@ -228,3 +229,49 @@ def test_stop_sequence_and_engine_rejection(engine: Any, make_proxy: Any, reques
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert "engine refused" in str(e.value)
+
+
+def test_sse_event_sequence(engine: Any, make_proxy: Any) -> None:
+    """The raw event stream: thinking (with its signature), text and tool_use blocks in order."""
+    engine.script = [
+        '<think>\nplan\n</think>\n\nRunning it.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    ]
+    ps = make_proxy([engine.url])
+    body = {
+        "model": "m",
+        "max_tokens": 100,
+        "stream": True,
+        "tools": TOOLS,
+        "thinking": {"type": "enabled", "budget_tokens": 50},
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    events: list[tuple[str, Any]] = []
+    with httpx.stream("POST", f"{ps.url}/v1/messages?beta=true", json=body, headers={"x-api-key": "k"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = ""
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    names = [n for n, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    deltas = [d["delta"]["type"] for n, d in events if n == "content_block_delta"]
+    assert deltas.index("signature_delta") < deltas.index("text_delta") < deltas.index("input_json_delta")
+    thinking = "".join(
+        d["delta"].get("thinking", "") for n, d in events if n == "content_block_delta" and d["index"] == 0
+    )
+    assert thinking == "plan"
+    tool = [
+        d["delta"]["partial_json"]
+        for n, d in events
+        if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"
+    ]
+    assert json.loads("".join(tool)) == {"command": "ls"}
+    assert [d["index"] for n, d in events if n == "content_block_stop"] == [0, 1, 2]
+    final = events[-2][1]
+    assert final["delta"]["stop_reason"] == "tool_use" and final["usage"]["output_tokens"] == len(
+        engine.outputs[0]
+    )
