@@ -76,3 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         pick_wait_s=args.pick_wait,
     )
     uvicorn.run(build_app(Proxy(cfg), args.sched), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

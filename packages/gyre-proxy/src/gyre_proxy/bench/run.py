@@ -385,10 +385,13 @@ def run_bench(quick: bool = False) -> dict[str, Any]:
 
 def _serve_engine(tok_dir: str) -> None:
     tok = Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
+    import os
+
+    parent = os.getppid()
     srv = Server(bench_engine(tok))
     print(srv.url, flush=True)
     try:
-        while srv.thread.is_alive():
+        while srv.thread.is_alive() and os.getppid() == parent:  # never outlive the benchmark
             time.sleep(0.5)
     finally:
         srv.stop()
