@@ -223,11 +223,14 @@ class Generation:
                 lps = item.meta_info.output_token_logprobs or []
                 if new:
                     self.result.output_ids.extend(new)
-                    self.result.logprobs.extend(float(e[0]) for e in lps[seen : seen + len(new)])
-                    if len(self.result.logprobs) < len(self.result.output_ids):  # engine sent no logprob
-                        self.result.logprobs.extend(
-                            [0.0] * (len(self.result.output_ids) - len(self.result.logprobs))
+                    got = lps[seen : seen + len(new)]
+                    if len(got) != len(new):  # a record without the sampled logprobs is no use to train on
+                        raise EngineError(
+                            502,
+                            f"engine {eng.engine_id} sent {len(got)} logprobs for {len(new)} tokens",
+                            True,
                         )
+                    self.result.logprobs.extend(float(e[0]) for e in got)
                     seen += len(new)
                     yield list(new)
                 fin = item.meta_info.finish_reason
@@ -237,7 +240,10 @@ class Generation:
                     if base == 0:
                         self.result.cached_tokens = item.meta_info.cached_tokens
                     if fin.type == "abort":
-                        raise _Moved()
+                        refused = fin.status_code is not None and 400 <= fin.status_code < 500
+                        if refused and not abort_deadline:  # not our abort: the engine refused the request
+                            raise EngineRejected(fin.message or "aborted by the engine")
+                        raise _Moved()  # drained, paused for a weight update, ...: continue elsewhere
                     self.result.finish = "length" if fin.type == "length" else "stop"
                     if isinstance(fin.matched, str):
                         self.result.matched = fin.matched
