@@ -244,3 +244,25 @@ def test_incremental_render_equals_a_fresh_full_render(
         conv = Conversation("sys", tools, tuple(turns), thinking)
         rendered, _ = r.render(conv, ex)
         assert rendered.ids().tolist() == tokenizer.encode(r.full_text(conv), add_special_tokens=False).ids
+
+
+def test_same_text_twice_maps_to_each_own_output(tokenizer: Tokenizer) -> None:
+    """Two assistant turns with the same text are two calls with different sampled ids: each keeps its own."""
+    r = Renderer(tokenizer)
+    ex = ExecutionCache()
+    ok = tokenizer.encode("OK", add_special_tokens=False).ids
+    turns: list[Turn] = [Turn(Kind.USER, "a")]
+    first, _ = r.render(Conversation("", (), tuple(turns)), ex)
+    r.record_output(ex, "c1", first.gen_prompt, np.asarray([*ok, 207, 2], np.int32), [], "", "OK")
+    turns += [Turn(Kind.ASSISTANT, "OK"), Turn(Kind.USER, "b")]
+    second, _ = r.render(Conversation("", (), tuple(turns)), ex)
+    r.record_output(ex, "c2", second.gen_prompt, np.asarray([*ok, 2], np.int32), [], "", "OK")
+    turns += [Turn(Kind.ASSISTANT, "OK"), Turn(Kind.USER, "c")]
+    # a fresh cache for this agent (say, after its tools changed): both turns are looked up again
+    third, _ = r.render(Conversation("other system", (), tuple(turns)), ex)
+    ids = third.ids().tolist()
+    seg1 = [*first.gen_prompt.tolist(), *ok, 207, 2, *r.newline.tolist()]
+    seg2 = [*second.gen_prompt.tolist(), *ok, 2, *r.newline.tolist()]
+    assert third.recorded_tokens == len(seg1) + len(seg2)
+    s = " ".join(map(str, ids))
+    assert s.index(" ".join(map(str, seg1))) < s.index(" ".join(map(str, seg2)))

@@ -102,7 +102,7 @@ class ExecutionCache:
     agents: OrderedDict[str, AgentCache] = field(default_factory=OrderedDict)
     by_tool_id: dict[str, RecordedOutput] = field(default_factory=dict)
     by_signature: dict[str, RecordedOutput] = field(default_factory=dict)
-    by_text: dict[str, RecordedOutput] = field(default_factory=dict)
+    by_text: dict[str, list[RecordedOutput]] = field(default_factory=dict)  # in call order
 
     def agent(self, key: str, max_agents: int) -> AgentCache:
         ac = self.agents.get(key)
@@ -182,7 +182,11 @@ class Renderer:
         return "".join(parts)
 
     # ------------------------------------------------------------------ incremental, exact render
-    def find_recorded(self, ex: ExecutionCache, t: Turn) -> RecordedOutput | None:
+    def find_recorded(
+        self, ex: ExecutionCache, t: Turn, before: tuple[Turn, ...] = ()
+    ) -> RecordedOutput | None:
+        """The recorded output of assistant turn `t`: by tool-call id, thinking signature, else by text; the
+        n-th turn with the same text (among the `before` turns) is the n-th output that had that text."""
         for c in t.tool_calls:
             rec = ex.by_tool_id.get(c.id)
             if rec is not None:
@@ -192,7 +196,19 @@ class Renderer:
             if rec is not None:
                 return rec
         if t.text.strip() and not t.tool_calls:
-            return ex.by_text.get(text_key(t.text))
+            key = text_key(t.text)
+            outs = ex.by_text.get(key)
+            if not outs:
+                return None
+            nth = sum(
+                1
+                for b in before
+                if b.kind is Kind.ASSISTANT
+                and not b.tool_calls
+                and b.text.strip()
+                and text_key(b.text) == key
+            )
+            return outs[min(nth, len(outs) - 1)]
         return None
 
     def agent_key(self, conv: Conversation) -> str:
@@ -230,7 +246,7 @@ class Renderer:
             else:
                 t, prev_tool, next_tool, after = keys[j]
                 if t.kind is Kind.ASSISTANT:
-                    rec = self.find_recorded(ex, t)
+                    rec = self.find_recorded(ex, t, turns[: j - 1])
                     if rec is not None:
                         segs.append(rec.segment)
                         recorded += int(rec.segment.ids.size)
@@ -284,5 +300,5 @@ class Renderer:
         if signature:
             ex.by_signature[signature] = rec
         if text.strip() and not tool_ids:
-            ex.by_text[text_key(text)] = rec
+            ex.by_text.setdefault(text_key(text), []).append(rec)
         return rec
