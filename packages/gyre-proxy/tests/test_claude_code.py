@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from gyre_traj.io import read_records
 from gyre_traj.records import Call, Role
+from gyre_traj.tree import Forest
 from tokenizers import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -149,3 +150,10 @@ def test_claude_code_with_a_subagent(
     assert summ_input.tolist() == seen[f"{summ.execution_id}/{summ.call_id}"]
     assert summ.execution_id == session  # the continued conversation is the same execution
     assert summ_input.tolist()[: len(first)] == first
+
+    # the trajectory side reads the log as it is: one execution tree, every record ingested, no drift
+    forest = Forest().add_msgpack(ps.log_path.read_bytes())
+    tree = forest.trees[session]
+    assert len(tree.calls) == len(recs) + 1 and tree.stats.drifts == []
+    roles = {r.role for r in [*recs, summ]}
+    assert roles == {Role.MAIN, Role.SUBAGENT, Role.MAIN_SUMMARY}
