@@ -92,6 +92,7 @@ def test_chat_completions_tools_stream_and_not(engine: Any, make_proxy: Any, req
     ]
     r4 = client.chat.completions.create(model="gyre-policy", messages=msgs, tools=TOOLS)
     assert r4.choices[0].message.content == "Both empty."
+    assert [m.id for m in client.models.list()] == ["gyre-policy"]
 
     recs = [r for r in read_records(ps.log_path) if isinstance(r, Call)]
     assert [r.execution_id for r in recs] == ["oa-1"] * 4
