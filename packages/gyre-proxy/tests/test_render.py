@@ -266,3 +266,27 @@ def test_same_text_twice_maps_to_each_own_output(tokenizer: Tokenizer) -> None:
     assert third.recorded_tokens == len(seg1) + len(seg2)
     s = " ".join(map(str, ids))
     assert s.index(" ".join(map(str, seg1))) < s.index(" ".join(map(str, seg2)))
+
+
+def test_evicted_render_cache_keeps_recorded_outputs(tokenizer_dir: Path, tokenizer: Tokenizer) -> None:
+    from gyre_proxy.core import Proxy, ProxyConfig
+
+    proxy = Proxy(ProxyConfig(tokenizer=str(tokenizer_dir), max_executions=2), tokenizer)
+    ex = proxy.execution("a")
+    conv = Conversation("", (), (Turn(Kind.USER, "q"),))
+    first, _ = proxy.renderer.render(conv, ex)
+    proxy.renderer.record_output(ex, "c1", first.gen_prompt, np.asarray([5, 6, 2], np.int32), ["t1"], "", "")
+    for other in ("b", "c", "d"):
+        proxy.execution(other)
+    assert not proxy.executions["a"].agents and "t1" in proxy.executions["a"].by_tool_id
+    turns = (
+        *conv.turns,
+        Turn(Kind.ASSISTANT, "", tool_calls=(ToolCall("t1", "bash", "{}"),)),
+        Turn(Kind.TOOL, "ok"),
+    )
+    again, _ = proxy.renderer.render(Conversation("", (), turns), proxy.execution("a"))
+    assert again.recorded_tokens > 0 and again.ids().tolist()[first.n_tokens : first.n_tokens + 3] == [
+        5,
+        6,
+        2,
+    ]

@@ -61,6 +61,10 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
     stream_interval: int = 4
     """Engine streaming chunk interval in tokens."""
+    max_executions: int = 1024
+    """Executions whose render caches are kept (least recently used first to go). A 500k-token execution
+    keeps about 10 MB (ids, their JSON text, the last request's turns); one whose cache went is
+    re-tokenized on its next call, except its recorded outputs, which are kept for 16x as many executions."""
     incremental: bool = True
     """Reuse earlier segments and recorded ids. False re-renders and re-tokenizes the whole prompt each
     call (the naive way, for comparison in the benchmark; earlier outputs are then NOT kept exact)."""
@@ -107,6 +111,7 @@ class Proxy:
         self.tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
         self.renderer = Renderer(self.tokenizer)
         self.executions: OrderedDict[str, ExecutionCache] = OrderedDict()
+        self._hot: OrderedDict[str, None] = OrderedDict()  # executions whose render caches are kept
         self.counters = Counters()
         self.stats = CallStats()
         self._seq = itertools.count()
@@ -137,13 +142,21 @@ class Proxy:
             await asyncio.to_thread(self.sink.close)
 
     def execution(self, ex_id: str) -> ExecutionCache:
+        """The execution's cache. The `max_executions` most recent keep their render caches; older ones
+        keep only their recorded outputs (small), up to 16x as many, so their ids stay exact."""
         ex = self.executions.get(ex_id)
         if ex is None:
             ex = self.executions[ex_id] = ExecutionCache()
-            while len(self.executions) > 4096:
+            while len(self.executions) > 16 * self.cfg.max_executions:
                 self.executions.popitem(last=False)
         else:
             self.executions.move_to_end(ex_id)
+        self._hot[ex_id] = None
+        self._hot.move_to_end(ex_id)
+        while len(self._hot) > self.cfg.max_executions:
+            cold, _ = self._hot.popitem(last=False)
+            if cold in self.executions:
+                self.executions[cold].agents.clear()
         return ex
 
     def count_tokens(self, conv: Conversation, ex_id: str) -> int:
