@@ -22,6 +22,7 @@ bench:              ## quick benchmarks of every member that has one
 	$(UV) run --frozen gyre-sched bench --quick
 	$(UV) run --frozen gyre-xfer bench --quick
 	$(UV) run --frozen gyre-engine bench --quick
+	$(UV) run --frozen gyre-proxy bench --quick
 	$(UV) run --frozen python packages/gyre-engine/bench/handoff.py --context 4096 --reps 1
 
 wheels-check:       ## build every wheel and smoke-install gyre-traj alone, outside the workspace

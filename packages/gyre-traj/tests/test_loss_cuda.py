@@ -4,6 +4,8 @@ CPU backward, and its CPU forward is not usable here, so this is the only place 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -29,9 +31,16 @@ def test_flex_equals_dense_and_paths_alone() -> None:
         num_key_value_heads=2,
         head_dim=32,
     )
-    dense = transformers.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").cuda().float().eval()
+    dense = (
+        transformers.Qwen3ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+        .cuda()
+        .float()
+        .eval()
+    )
     flex = (
-        transformers.Qwen3ForCausalLM._from_config(cfg, attn_implementation="flex_attention").cuda().float()
+        transformers.Qwen3ForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation="flex_attention")
+        .cuda()
+        .float()
     )
     flex.load_state_dict(dense.state_dict())
     sc = SynthConfig(

@@ -90,17 +90,25 @@ def dense_mask(tb: TorchBatch) -> torch.Tensor:
     return ((kv <= q) & (q <= tb.last_desc[None, :]))[None, None]
 
 
-def flex_block_mask(tb: TorchBatch) -> Any:
-    """A FlexAttention BlockMask for the ancestor-only structure (use with attn "flex_attention")."""
+def flex_block_mask(tb: TorchBatch, block: int = 128) -> Any:
+    """A FlexAttention BlockMask for the ancestor-only structure (use with attn "flex_attention").
+
+    The kernel evaluates the mask on whole blocks, so indices past the last token occur: the lookup
+    table is padded (with -1: never attended) to a whole number of blocks rather than read out of range.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    last_desc = tb.last_desc
     n = tb.input_ids.shape[0]
+    padded = -(-n // block) * block + block
+    last_desc = torch.full((padded,), -1, dtype=tb.last_desc.dtype, device=tb.last_desc.device)
+    last_desc[:n] = tb.last_desc
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (kv_idx <= q_idx) & (q_idx <= last_desc[kv_idx])
 
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=str(tb.input_ids.device))
+    return create_block_mask(
+        mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=str(tb.input_ids.device), BLOCK_SIZE=block
+    )
 
 
 def target_logprobs(

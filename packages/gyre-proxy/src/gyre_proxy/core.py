@@ -1,0 +1,344 @@
+"""The API-neutral heart of the proxy: render a conversation exactly, run it on an engine, record it.
+
+`Proxy.start_call` renders (incrementally, reusing recorded output ids), checks the context size and
+classifies the call; `CallRun.blocks` streams the parsed output (thinking, text, tool calls) as tokens
+arrive; `CallRun.finish` remembers the output for later renders and writes the call's TITO record
+(delta-encoded against the same agent's previous call) to the fsynced log before the API layer completes
+its response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+from gyre_traj.records import Call, Delta, Role
+from tokenizers import Tokenizer
+
+from gyre_proxy.chat import Conversation, Sampling
+from gyre_proxy.classify import pick_classifier
+from gyre_proxy.engines import EnginePool
+from gyre_proxy.generation import Counters, Generation, GenResult
+from gyre_proxy.render import AgentCache, ExecutionCache, Rendered, Renderer
+from gyre_proxy.sink import RecordSink
+from gyre_proxy.toolparse import Block, BlockKind, parse
+
+log = logging.getLogger("gyre_proxy")
+
+
+@dataclass
+class ProxyConfig:
+    """Everything the proxy needs; the CLI fills it from flags."""
+
+    tokenizer: str
+    """Path to a tokenizer.json, or a model directory holding one (the policy's tokenizer)."""
+    model_name: str = "gyre-policy"
+    """Model id reported by /v1/models and echoed in responses (any requested model name is accepted)."""
+    engines: tuple[str, ...] = ()
+    """Engine URLs routed to from the start (ids 0, 1, ...); more come from the scheduler at run time."""
+    record_log: str = ""
+    """Append-only msgpack TITO log (gyre-traj framed stream), fsynced before each response completes."""
+    record_push: str = ""
+    """ZeroMQ endpoint of the trajectory service's PULL socket (records are PUSHed there); empty: none."""
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    """Per-execution API keys (key -> execution id). When non-empty, any other key gets 401."""
+    max_context_tokens: int = 40960
+    """Input tokens beyond this are answered 413; max_new_tokens is clipped to what is left."""
+    max_new_tokens_cap: int = 32768
+    drain_grace_s: float = 0.0
+    """How long a drained engine may finish its in-flight calls before they move to another engine."""
+    pick_wait_s: float = 5.0
+    """How long a call waits for an engine to take it before the harness gets 529/503 (it retries)."""
+    request_timeout_s: float = 600.0
+    stream_interval: int = 4
+    """Engine streaming chunk interval in tokens."""
+    max_executions: int = 1024
+    """Executions whose render caches are kept (least recently used first to go). A 500k-token execution
+    keeps about 10 MB (ids, their JSON text, the last request's turns); one whose cache went is
+    re-tokenized on its next call, except its recorded outputs, which are kept for 16x as many executions."""
+    incremental: bool = True
+    """Reuse earlier segments and recorded ids. False re-renders and re-tokenizes the whole prompt each
+    call (the naive way, for comparison in the benchmark; earlier outputs are then NOT kept exact)."""
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    p = path
+    if os.path.isdir(p):
+        p = os.path.join(p, "tokenizer.json")
+    if not os.path.exists(p):
+        raise FileNotFoundError(f"no tokenizer.json at {path!r}")
+    return Tokenizer.from_file(p)
+
+
+def lcp(a: np.ndarray, b: np.ndarray | None) -> int:
+    if b is None:
+        return 0
+    n = min(a.size, b.size)
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class ContextTooLong(ValueError):
+    def __init__(self, n: int, limit: int) -> None:
+        super().__init__(f"prompt is {n} tokens; the model's context is {limit} tokens")
+        self.n = n
+        self.limit = limit
+
+
+@dataclass
+class CallStats:
+    added_ms: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
+    calls: int = 0
+    reused_tokens: int = 0
+    recorded_tokens: int = 0
+    tokenized_tokens: int = 0
+
+
+class Proxy:
+    def __init__(self, cfg: ProxyConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
+        self.renderer = Renderer(self.tokenizer)
+        self.executions: OrderedDict[str, ExecutionCache] = OrderedDict()
+        self._hot: OrderedDict[str, None] = OrderedDict()  # executions whose render caches are kept
+        self.counters = Counters()
+        self.stats = CallStats()
+        self._seq = itertools.count()
+        self._salt = secrets.token_hex(3)
+        self.pool: EnginePool | None = None
+        self.http: httpx.AsyncClient | None = None
+        self.https: list[httpx.AsyncClient] = []
+        self.sink: RecordSink | None = None
+
+    async def start(self) -> None:
+        self.pool = EnginePool(self.cfg.drain_grace_s, self.cfg.request_timeout_s)
+        # several small connection pools: httpx's pool scans its connections on every request, so one
+        # pool of hundreds of connections costs more CPU than the proxy itself under load
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
+        timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=5.0)
+        self.https = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(16)]
+        self.http = self.https[0]
+        self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push)
+        for i, url in enumerate(self.cfg.engines):
+            self.pool.add(i, url)
+
+    async def stop(self) -> None:
+        if self.pool is not None:
+            await self.pool.aclose()
+        for h in self.https:
+            await h.aclose()
+        if self.sink is not None:
+            await asyncio.to_thread(self.sink.close)
+
+    def execution(self, ex_id: str) -> ExecutionCache:
+        """The execution's cache. The `max_executions` most recent keep their render caches; older ones
+        keep only their recorded outputs (small), up to 16x as many, so their ids stay exact."""
+        ex = self.executions.get(ex_id)
+        if ex is None:
+            ex = self.executions[ex_id] = ExecutionCache()
+            while len(self.executions) > 16 * self.cfg.max_executions:
+                self.executions.popitem(last=False)
+        else:
+            self.executions.move_to_end(ex_id)
+        self._hot[ex_id] = None
+        self._hot.move_to_end(ex_id)
+        while len(self._hot) > self.cfg.max_executions:
+            cold, _ = self._hot.popitem(last=False)
+            if cold in self.executions:
+                self.executions[cold].agents.clear()
+        return ex
+
+    def count_tokens(self, conv: Conversation, ex_id: str) -> int:
+        rendered, _ = self.renderer.render(conv, self.execution(ex_id))
+        return rendered.n_tokens
+
+    def start_call(
+        self,
+        conv: Conversation,
+        sampling: Sampling,
+        ex_id: str,
+        headers: Mapping[str, str],
+        t0: float | None = None,
+    ) -> CallRun:
+        """`t0`: when the request body was in hand (perf_counter), for the added-latency figure."""
+        t0 = time.perf_counter() if t0 is None else t0
+        ex = self.execution(ex_id)
+        if self.cfg.incremental:
+            rendered, ac = self.renderer.render(conv, ex)
+        else:
+            rendered, ac = self.renderer.render_full(conv), ex.agent(self.renderer.agent_key(conv), 16)
+        n = rendered.n_tokens
+        if n >= self.cfg.max_context_tokens:
+            raise ContextTooLong(n, self.cfg.max_context_tokens)
+        max_new = max(
+            1, min(sampling.max_new_tokens, self.cfg.max_new_tokens_cap, self.cfg.max_context_tokens - n)
+        )
+        if max_new != sampling.max_new_tokens:
+            sampling = Sampling(max_new, sampling.temperature, sampling.top_p, sampling.top_k, sampling.stop)
+        role, agent = pick_classifier(headers, conv)(conv, headers)
+        call_id = f"c{next(self._seq):07d}{self._salt}"
+        self.stats.calls += 1
+        self.stats.reused_tokens += rendered.reused_tokens
+        self.stats.recorded_tokens += rendered.recorded_tokens
+        self.stats.tokenized_tokens += rendered.tokenized_tokens
+        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, role, agent, call_id, t0)
+
+
+class IncrementalText:
+    """Decoded text of a growing list of output ids, decoding only the ids not yet committed: a prefix is
+    committed once its text ends on a whole character (byte-level BPE splits characters across tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.n = 0
+        self.done = ""
+
+    def text(self, ids: list[int]) -> str:
+        tail = str(self.tok.decode(ids[self.n :], skip_special_tokens=False))
+        if tail and not tail.endswith("\ufffd"):
+            self.done += tail
+            self.n = len(ids)
+            return self.done
+        return self.done + tail
+
+
+class CallRun:
+    """One call in progress; the API layer iterates `blocks()` then awaits `finish()`."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        conv: Conversation,
+        sampling: Sampling,
+        ex_id: str,
+        ex: ExecutionCache,
+        ac: AgentCache,
+        rendered: Rendered,
+        role: Role,
+        agent: str,
+        call_id: str,
+        t0: float,
+    ) -> None:
+        self.proxy = proxy
+        self.conv = conv
+        self.sampling = sampling
+        self.ex_id = ex_id
+        self.ex = ex
+        self.ac = ac
+        self.rendered = rendered
+        self.role = role
+        self.agent = agent
+        self.call_id = call_id
+        self.t0 = t0
+        self.t_wall = time.time()
+        self.input_ids = rendered.ids()
+        self.input_json = rendered.ids_json()
+        self.result = GenResult()
+        self.final_blocks: list[Block] = []
+        self.text = ""
+
+    @property
+    def n_input(self) -> int:
+        return int(self.input_ids.size)
+
+    @property
+    def signature(self) -> str:
+        return f"gyre:{self.call_id}"
+
+    def tool_id(self, index: int) -> str:
+        return f"toolu_{self.call_id}_{index}"
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.proxy.tokenizer.decode(ids, skip_special_tokens=False))
+
+    async def blocks(self) -> AsyncIterator[list[Block]]:
+        """Parsed output so far after each engine chunk (held back where a tag may still be growing)."""
+        p = self.proxy
+        assert p.pool is not None and p.http is not None
+        gen = Generation(
+            p.pool,
+            p.https[hash(self.ex_id) % len(p.https)],
+            p.counters,
+            f"{self.ex_id}/{self.call_id}",
+            self.ex_id,
+            self.input_ids,
+            self.input_json,
+            self.sampling,
+            pick_wait_s=p.cfg.pick_wait_s,
+            stream_interval=p.cfg.stream_interval,
+        )
+        self.result = gen.result
+        detok = IncrementalText(p.tokenizer)
+        async for _ in gen.stream():
+            yield parse(detok.text(gen.result.output_ids), final=False)
+        self.text = self.decode(gen.result.output_ids)
+        stop = gen.result.matched
+        if stop and stop in self.sampling.stop and stop in self.text:  # the API leaves the stop string out
+            self.text = self.text[: self.text.rfind(stop)]
+        self.final_blocks = parse(self.text, final=True)
+
+    async def run(self) -> list[Block]:
+        async for _ in self.blocks():
+            pass
+        return self.final_blocks
+
+    @property
+    def stop_reason(self) -> str:
+        """ "tool_use", "max_tokens" or "end_turn"."""
+        if any(b.kind is BlockKind.TOOL for b in self.final_blocks):
+            return "tool_use"
+        if self.result.matched and self.result.matched in self.sampling.stop:
+            return "stop_sequence"
+        return "max_tokens" if self.result.finish == "length" else "end_turn"
+
+    async def finish(self) -> Call:
+        """Remember the output for later renders and write the record (returns once it is on disk)."""
+        p = self.proxy
+        out = np.asarray(self.result.output_ids, np.int32)
+        tools = [self.tool_id(i) for i, b in enumerate(self.final_blocks) if b.kind is BlockKind.TOOL]
+        text = "".join(b.text for b in self.final_blocks if b.kind is BlockKind.TEXT)
+        has_thinking = any(b.kind is BlockKind.THINKING for b in self.final_blocks)
+        p.renderer.record_output(
+            self.ex,
+            self.call_id,
+            self.rendered.gen_prompt,
+            out,
+            tools,
+            self.signature if has_thinking else "",
+            text,
+        )
+        keep = lcp(self.input_ids, self.ac.last_full) if self.ac.last_call_id else 0
+        common = dict(
+            execution_id=self.ex_id,
+            call_id=self.call_id,
+            agent_id=self.agent,
+            role=self.role,
+            output_ids=out,
+            output_logprobs=np.asarray(self.result.logprobs, np.float32),
+            weight_version=self.result.weight_version,
+            finish_reason=self.result.finish,
+            t_start=self.t_wall,
+            t_end=time.time(),
+        )
+        if keep > 0:
+            rec = Call(input_delta=Delta(self.ac.last_call_id, keep, self.input_ids[keep:]), **common)  # type: ignore[arg-type]
+        else:
+            rec = Call(input_ids=self.input_ids, **common)  # type: ignore[arg-type]
+        assert p.sink is not None
+        await p.sink.write(rec)
+        self.ac.last_call_id = self.call_id
+        self.ac.last_full = np.concatenate([self.input_ids, out])
+        added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
+        p.stats.added_ms.append(added)
+        return rec

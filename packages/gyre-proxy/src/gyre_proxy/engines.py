@@ -1,0 +1,193 @@
+"""The set of rollout engines the proxy routes to: session affinity, least outstanding work, drain, remove.
+
+An execution stays on the engine it first went to (its prefix cache lives there) while that engine takes
+requests; otherwise the active engine with the least outstanding work (tokens of in-flight calls) gets it.
+Draining an engine stops new calls; after `drain_grace_s` its in-flight calls are aborted and continued on
+another engine by their owners (`Generation`), and `on_drained` fires once none is left. Removing an engine
+(or finding it dead) makes its in-flight calls continue elsewhere at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from gyre_engine.client import EngineClient
+
+log = logging.getLogger("gyre_proxy.engines")
+
+
+class EngineState(enum.StrEnum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    REMOVED = "removed"
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One running /generate on an engine; `move` set means: abort it and continue elsewhere."""
+
+    rid: str
+    execution: str
+    work: int
+    move: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class Engine:
+    engine_id: int
+    url: str
+    client: EngineClient
+    state: EngineState = EngineState.ACTIVE
+    in_flight: set[InFlight] = field(default_factory=set)
+    outstanding: int = 0  # tokens of in-flight calls (input not yet cached + max new tokens)
+    served: int = 0
+    failures: int = 0
+    supports_prefix_export: bool | None = None  # learnt on first try
+
+
+class NoEngine(RuntimeError):
+    """No engine can take the request now (all draining, removed or none registered)."""
+
+
+class EnginePool:
+    """Engines by id; every method runs on the proxy's event loop."""
+
+    def __init__(
+        self,
+        drain_grace_s: float = 0.0,
+        request_timeout_s: float = 600.0,
+        on_drained: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
+        self.engines: dict[int, Engine] = {}
+        self.affinity: dict[str, int] = {}
+        self.drain_grace_s = drain_grace_s
+        self.request_timeout_s = request_timeout_s
+        self.on_drained = on_drained
+        self.changed = asyncio.Event()  # set whenever an engine is added (callers waiting for capacity)
+        self.moved_calls = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ membership
+    def add(self, engine_id: int, url: str) -> Engine:
+        old = self.engines.get(engine_id)
+        if old is not None and old.url == url and old.state is EngineState.ACTIVE:
+            return old
+        if old is not None:
+            self._retire(old)
+        eng = Engine(engine_id, url, EngineClient(url, timeout_s=self.request_timeout_s))
+        self.engines[engine_id] = eng
+        self.changed.set()
+        self.changed = asyncio.Event()
+        log.info("engine %d added at %s", engine_id, url)
+        return eng
+
+    def drain(self, engine_id: int) -> None:
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            self._spawn(self._notify_drained(engine_id))
+            return
+        if eng.state is EngineState.ACTIVE:
+            eng.state = EngineState.DRAINING
+            log.info("engine %d draining (%d in flight)", engine_id, len(eng.in_flight))
+            self._drop_affinity(engine_id)
+            self._spawn(self._drain(eng))
+
+    def remove(self, engine_id: int, failed: bool = False) -> None:
+        eng = self.engines.pop(engine_id, None)
+        if eng is not None:
+            log.info("engine %d removed (failed=%s, %d in flight)", engine_id, failed, len(eng.in_flight))
+            self._retire(eng)
+
+    def _retire(self, eng: Engine) -> None:
+        eng.state = EngineState.REMOVED
+        self._drop_affinity(eng.engine_id)
+        for f in list(eng.in_flight):
+            f.move.set()
+        self._spawn(eng.client.aclose())
+
+    def mark_dead(self, eng: Engine) -> None:
+        """A connection to the engine failed: stop routing to it (the scheduler may remove it later)."""
+        if self.engines.get(eng.engine_id) is eng:
+            eng.failures += 1
+            self.remove(eng.engine_id, failed=True)
+
+    def _drop_affinity(self, engine_id: int) -> None:
+        for ex in [k for k, v in self.affinity.items() if v == engine_id]:
+            del self.affinity[ex]
+
+    async def _drain(self, eng: Engine) -> None:
+        if self.drain_grace_s > 0 and eng.in_flight:
+            deadline = asyncio.get_running_loop().time() + self.drain_grace_s
+            while eng.in_flight and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+        for f in list(eng.in_flight):
+            f.move.set()
+        while eng.in_flight:
+            await asyncio.sleep(0.01)
+        await self._notify_drained(eng.engine_id)
+
+    async def _notify_drained(self, engine_id: int) -> None:
+        if self.on_drained is not None:
+            await self.on_drained(engine_id)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ routing
+    def active(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.state is EngineState.ACTIVE]
+
+    def pick(self, execution: str, exclude: frozenset[int] = frozenset()) -> Engine:
+        eid = self.affinity.get(execution)
+        if eid is not None and eid not in exclude:
+            eng = self.engines.get(eid)
+            if eng is not None and eng.state is EngineState.ACTIVE:
+                return eng
+        cands = [e for e in self.active() if e.engine_id not in exclude] or self.active()
+        if not cands:
+            raise NoEngine("no rollout engine is taking requests")
+        eng = min(cands, key=lambda e: (e.outstanding, len(e.in_flight), e.engine_id))
+        self.affinity[execution] = eng.engine_id
+        return eng
+
+    async def wait_pick(self, execution: str, wait_s: float, exclude: frozenset[int] = frozenset()) -> Engine:
+        """`pick`, waiting up to `wait_s` for an engine to be added when none takes requests."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                return self.pick(execution, exclude)
+            except NoEngine:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
+
+    def begin(self, eng: Engine, rid: str, execution: str, work: int) -> InFlight:
+        f = InFlight(rid, execution, work)
+        eng.in_flight.add(f)
+        eng.outstanding += work
+        return f
+
+    def end(self, eng: Engine, f: InFlight) -> None:
+        if f in eng.in_flight:
+            eng.in_flight.discard(f)
+            eng.outstanding -= f.work
+            eng.served += 1
+
+    async def aclose(self) -> None:
+        for eng in list(self.engines.values()):
+            await eng.client.aclose()
+        self.engines.clear()
+        for t in list(self._tasks):
+            t.cancel()

@@ -1,0 +1,300 @@
+"""One model call over the engine pool, continued across engines so the harness sees one response.
+
+A `Generation` streams SGLang's native `/generate` (input ids, logprobs, cumulative chunks) from the
+engine the pool picks. When the engine is drained (the call is told to move), removed, dies or aborts the
+request, the tokens generated so far are kept and the call continues on another engine with input =
+original input + partial output and the remaining token budget; both parts' logprobs are kept. Where
+both engines are gyre-engines the cached prefix is exported and imported, otherwise it is re-prefilled;
+both are counted. The request body is assembled from cached JSON fragments, never re-encoded from ints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+from gyre_engine.client import EngineError
+from gyre_engine.protocol import GenerateResponse
+
+from gyre_proxy.chat import Sampling
+from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
+
+log = logging.getLogger("gyre_proxy.generation")
+_enc = msgspec.json.Encoder()
+_chunk_dec = msgspec.json.Decoder(GenerateResponse)
+
+
+@dataclass
+class Counters:
+    """Proxy-wide counts of continuation work (exposed on /gyre/stats)."""
+
+    moved_calls: int = 0
+    prefix_moved_tokens: int = 0
+    reprefilled_tokens: int = 0
+    engine_errors: int = 0
+
+
+@dataclass
+class GenResult:
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = "stop"  # "stop" | "length"
+    weight_version: int = 0
+    engines: list[int] = field(default_factory=list)
+    moves: int = 0
+    engine_s: float = 0.0
+    cached_tokens: int = 0
+    matched: str = ""  # the stop string that ended the call, if one did
+
+
+class GenerationFailed(RuntimeError):
+    """The call could not be completed on any engine within its attempts (the harness gets a 5xx)."""
+
+
+def _version(v: str) -> int:
+    try:
+        return max(0, int(v))
+    except ValueError:
+        return 0
+
+
+def sampling_params(s: Sampling, max_new: int) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": max_new, "temperature": s.temperature, "top_p": s.top_p}
+    if s.top_k > 0:
+        sp["top_k"] = s.top_k
+    if s.stop:
+        sp["stop"] = list(s.stop)
+    sp["skip_special_tokens"] = False
+    sp["no_stop_trim"] = True
+    return sp
+
+
+class EngineRejected(ValueError):
+    """The engine refused the request itself (HTTP 4xx, not retryable): retrying elsewhere cannot help."""
+
+
+class _Moved(Exception):
+    pass
+
+
+class Generation:
+    """Run with `async for new_ids in gen.stream(): ...`; then read `gen.result`."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        http: httpx.AsyncClient,
+        counters: Counters,
+        rid: str,
+        execution: str,
+        input_ids: np.ndarray,
+        input_json: bytes,
+        sampling: Sampling,
+        *,
+        pick_wait_s: float = 5.0,
+        max_attempts: int = 8,
+        stream_interval: int = 4,
+        abort_grace_s: float = 5.0,
+    ) -> None:
+        self.pool = pool
+        self.http = http
+        self.counters = counters
+        self.rid = rid
+        self.execution = execution
+        self.input_ids = input_ids
+        self.input_json = input_json
+        self.sampling = sampling
+        self.pick_wait_s = pick_wait_s
+        self.max_attempts = max_attempts
+        self.stream_interval = stream_interval
+        self.abort_grace_s = abort_grace_s
+        self.result = GenResult()
+        self._versions: list[int] = []
+
+    def _body(self, attempt_rid: str) -> bytes:
+        out = self.result.output_ids
+        ids = self.input_json
+        if out:
+            tail = ",".join(map(str, out)).encode()
+            ids = ids + b"," + tail if ids else tail
+        left = self.sampling.max_new_tokens - len(out)
+        sp = sampling_params(self.sampling, left)
+        sp["stream_interval"] = self.stream_interval
+        return (
+            b'{"rid":'
+            + _enc.encode(attempt_rid)
+            + b',"input_ids":['
+            + ids
+            + b'],"sampling_params":'
+            + _enc.encode(sp)
+            + b',"return_logprob":true,"stream":true}'
+        )
+
+    async def stream(self) -> AsyncIterator[list[int]]:
+        exclude: frozenset[int] = frozenset()
+        prev: Engine | None = None
+        for attempt in range(self.max_attempts):
+            eng = await self.pool.wait_pick(self.execution, self.pick_wait_s, exclude)
+            if prev is not None:
+                await self._carry_prefix(prev, eng)
+            work = int(self.input_ids.size) + self.sampling.max_new_tokens
+            attempt_rid = self.rid if attempt == 0 else f"{self.rid}.{attempt}"
+            f = self.pool.begin(eng, attempt_rid, self.execution, work)
+            self.result.engines.append(eng.engine_id)
+            t0 = time.perf_counter()
+            try:
+                async for new in self._attempt(eng, f, attempt_rid):
+                    yield new
+                return
+            except _Moved:
+                self.result.moves += 1
+                self.counters.moved_calls += 1
+                log.info(
+                    "call %s moves off engine %d after %d tokens",
+                    self.rid,
+                    eng.engine_id,
+                    len(self.result.output_ids),
+                )
+            except (httpx.TransportError, EngineError) as exc:
+                self.counters.engine_errors += 1
+                if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
+                    raise EngineRejected(exc.message) from None
+                self.result.moves += 1
+                if isinstance(exc, httpx.TransportError):
+                    self.pool.mark_dead(eng)
+                log.warning(
+                    "call %s: engine %d failed (%s); continuing elsewhere", self.rid, eng.engine_id, exc
+                )
+                exclude = exclude | {eng.engine_id}
+            finally:
+                self.result.engine_s += time.perf_counter() - t0
+                self.pool.end(eng, f)
+            prev = eng
+            if len(self.result.output_ids) >= self.sampling.max_new_tokens:
+                self.result.finish = "length"
+                return
+        raise GenerationFailed(f"call {self.rid} did not complete after {self.max_attempts} engine attempts")
+
+    async def _attempt(self, eng: Engine, f: InFlight, attempt_rid: str) -> AsyncIterator[list[int]]:
+        queue: asyncio.Queue[GenerateResponse | BaseException | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._read(eng, attempt_rid, queue))
+        base = len(self.result.output_ids)
+        seen = 0
+        abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                get = asyncio.ensure_future(queue.get())
+                waits: set[asyncio.Future[Any]] = {get}
+                mv = None
+                if not abort_deadline:
+                    mv = asyncio.ensure_future(f.move.wait())
+                    waits.add(mv)
+                timeout = max(0.0, abort_deadline - loop.time()) if abort_deadline else None
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if mv is not None and mv not in done:
+                    mv.cancel()
+                if get not in done:
+                    get.cancel()
+                if mv is not None and mv in done:
+                    abort_deadline = loop.time() + self.abort_grace_s
+                    if eng.state is EngineState.REMOVED:
+                        raise _Moved()
+                    with contextlib.suppress(httpx.HTTPError, EngineError, TimeoutError):
+                        await asyncio.wait_for(eng.client.abort(attempt_rid), self.abort_grace_s)
+                    if get not in done:
+                        continue
+                if get not in done:
+                    raise _Moved()  # the engine did not end the aborted stream in time: move anyway
+                item = get.result()
+                if item is None:
+                    raise _Moved()  # the stream ended without a finish reason
+                if isinstance(item, BaseException):
+                    raise item
+                new = item.output_ids[seen:]
+                lps = item.meta_info.output_token_logprobs or []
+                if new:
+                    self.result.output_ids.extend(new)
+                    got = lps[seen : seen + len(new)]
+                    if len(got) != len(new):  # a record without the sampled logprobs is no use to train on
+                        raise EngineError(
+                            502,
+                            f"engine {eng.engine_id} sent {len(got)} logprobs for {len(new)} tokens",
+                            True,
+                        )
+                    self.result.logprobs.extend(float(e[0]) for e in got)
+                    seen += len(new)
+                    yield list(new)
+                fin = item.meta_info.finish_reason
+                if fin is not None:
+                    self._versions.append(_version(item.meta_info.weight_version))
+                    self.result.weight_version = min(self._versions)
+                    if base == 0:
+                        self.result.cached_tokens = item.meta_info.cached_tokens
+                    if fin.type == "abort":
+                        refused = fin.status_code is not None and 400 <= fin.status_code < 500
+                        if refused and not abort_deadline:  # not our abort: the engine refused the request
+                            raise EngineRejected(fin.message or "aborted by the engine")
+                        raise _Moved()  # drained, paused for a weight update, ...: continue elsewhere
+                    self.result.finish = "length" if fin.type == "length" else "stop"
+                    if isinstance(fin.matched, str):
+                        self.result.matched = fin.matched
+                    return
+        finally:
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+
+    async def _read(
+        self, eng: Engine, attempt_rid: str, q: asyncio.Queue[GenerateResponse | BaseException | None]
+    ) -> None:
+        body = self._body(attempt_rid)
+        headers = {"content-type": "application/json"}
+        try:
+            async with self.http.stream("POST", f"{eng.url}/generate", content=body, headers=headers) as r:
+                if r.status_code >= 400:
+                    err = (await r.aread()).decode(errors="replace")
+                    await q.put(EngineError(r.status_code, err, r.status_code >= 500))
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        continue  # read to the end so the connection goes back to the pool
+                    if data.startswith('{"error"'):
+                        await q.put(EngineError(500, data, True))
+                        return
+                    await q.put(_chunk_dec.decode(data))
+            await q.put(None)
+        except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if isinstance(exc, msgspec.MsgspecError):
+                await q.put(EngineError(502, f"bad chunk from engine {eng.engine_id}: {exc}", True))
+            else:
+                await q.put(exc)
+
+    async def _carry_prefix(self, old: Engine, new: Engine) -> None:
+        """Move the cached prefix from `old` to `new` where both are gyre-engines, else count a re-prefill."""
+        ids = [*self.input_ids.tolist(), *self.result.output_ids]
+        moved = 0
+        if old.state is not EngineState.REMOVED and old.supports_prefix_export is not False:
+            try:
+                rec = await asyncio.wait_for(old.client.export_prefix(ids), 30.0)
+                if rec is not None:
+                    await asyncio.wait_for(new.client.import_prefix(rec), 30.0)
+                    moved = len(rec.token_ids)
+                old.supports_prefix_export = True
+            except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
+                log.info("prefix export from engine %d not possible (%s); re-prefilling", old.engine_id, exc)
+                old.supports_prefix_export = False
+        self.counters.prefix_moved_tokens += moved
+        self.counters.reprefilled_tokens += len(ids) - moved

@@ -1,0 +1,304 @@
+"""Exact-token rendering of a `Conversation` in the Qwen ChatML format, incrementally.
+
+The rendered input is a list of segments (system+tools header, one per turn, the generation prompt), each
+tokenized on its own: ChatML puts a special token at every segment boundary, so the concatenation equals
+tokenizing the whole text (tested against the model's own Jinja chat template). Each (execution, agent)
+keeps the segments of its last render; a new request reuses the segments of its unchanged leading turns,
+replaces every assistant turn the proxy produced by the exact ids it recorded (found by tool-call id,
+thinking signature or text) and tokenizes only what is new, so a call's cost grows with the new content,
+not with the context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from gyre_proxy.chat import Conversation, Kind, Turn
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call>"
+)
+
+
+def tool_json(tool: dict[str, Any]) -> str:
+    """A tool as the template's `tojson` filter prints it (transformers: json.dumps, ensure_ascii off)."""
+    return json.dumps(tool, ensure_ascii=False)
+
+
+class Segment:
+    """Token ids of one piece of the rendered input, with their JSON text cached for the engine body."""
+
+    __slots__ = ("call_id", "ids", "json")
+
+    def __init__(self, ids: np.ndarray, call_id: str = "") -> None:
+        self.ids = ids
+        self.json = b",".join(str(int(i)).encode() for i in ids) if ids.size < 64 else _ids_json(ids)
+        self.call_id = call_id  # non-empty: recorded output of this call (exact sampled ids)
+
+
+def _ids_json(ids: np.ndarray) -> bytes:
+    return ",".join(map(str, ids.tolist())).encode()
+
+
+@dataclass
+class Rendered:
+    """A rendered input: its segments, and how much of it was reused, recorded or newly tokenized."""
+
+    segments: list[Segment]
+    reused_tokens: int
+    recorded_tokens: int
+    tokenized_tokens: int
+    tokenized_chars: int
+    gen_prompt: np.ndarray
+
+    def ids(self) -> np.ndarray:
+        return np.concatenate([s.ids for s in self.segments]) if self.segments else np.zeros(0, np.int32)
+
+    def ids_json(self) -> bytes:
+        return b",".join(s.json for s in self.segments if s.ids.size)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(int(s.ids.size) for s in self.segments)
+
+
+@dataclass
+class RecordedOutput:
+    """The assistant turn of one call as it will appear in later inputs: gen prompt + output + close."""
+
+    call_id: str
+    segment: Segment
+
+
+@dataclass
+class AgentCache:
+    """Per (execution, system+tools header): the last render's keys and segments, and its last call."""
+
+    keys: list[Any] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    last_call_id: str = ""
+    last_full: np.ndarray | None = None  # last call's input + output
+
+
+@dataclass
+class ExecutionCache:
+    """Everything the renderer keeps for one execution."""
+
+    agents: OrderedDict[str, AgentCache] = field(default_factory=OrderedDict)
+    by_tool_id: dict[str, RecordedOutput] = field(default_factory=dict)
+    by_signature: dict[str, RecordedOutput] = field(default_factory=dict)
+    by_text: dict[str, list[RecordedOutput]] = field(default_factory=dict)  # in call order
+
+    def agent(self, key: str, max_agents: int) -> AgentCache:
+        ac = self.agents.get(key)
+        if ac is None:
+            ac = self.agents[key] = AgentCache()
+            while len(self.agents) > max_agents:
+                self.agents.popitem(last=False)
+        else:
+            self.agents.move_to_end(key)
+        return ac
+
+
+def text_key(text: str) -> str:
+    return hashlib.blake2b(text.strip().encode(), digest_size=16).hexdigest()
+
+
+class Renderer:
+    """Renders conversations for one tokenizer; thread-compatible (callers serialize per execution)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_agents_per_execution: int = 16) -> None:
+        self.tok = tokenizer
+        self.max_agents = max_agents_per_execution
+        im_end = tokenizer.token_to_id(IM_END)
+        if im_end is None or tokenizer.token_to_id(IM_START) is None:
+            raise ValueError("the tokenizer has no <|im_start|>/<|im_end|> tokens: not a ChatML (Qwen) model")
+        self.im_end = int(im_end)
+        self.newline = self.encode("\n")
+        eos = tokenizer.token_to_id("<|endoftext|>")
+        self.stop_ids = {self.im_end} | ({int(eos)} if eos is not None else set())
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    # ------------------------------------------------------------------ text of each segment
+    @staticmethod
+    def header_text(conv: Conversation) -> str:
+        if conv.tools_json:
+            sys = f"{conv.system}\n\n" if conv.system else ""
+            tools = "".join("\n" + t for t in conv.tools_json)
+            return f"{IM_START}system\n{sys}{TOOLS_PREAMBLE}{tools}{TOOLS_POSTAMBLE}{IM_END}\n"
+        if conv.system:
+            return f"{IM_START}system\n{conv.system}{IM_END}\n"
+        return ""
+
+    @staticmethod
+    def gen_prompt_text(thinking: bool) -> str:
+        return f"{IM_START}assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+
+    @staticmethod
+    def turn_text(t: Turn, prev_tool: bool, next_tool: bool, after_last_user: bool) -> str:
+        if t.kind is Kind.USER:
+            return f"{IM_START}user\n{t.text}{IM_END}\n"
+        if t.kind is Kind.SYSTEM:
+            return f"{IM_START}system\n{t.text}{IM_END}\n"
+        if t.kind is Kind.TOOL:
+            head = "" if prev_tool else f"{IM_START}user\n"
+            tail = "\n" if next_tool else f"{IM_END}\n"
+            body = f"Error: {t.text}" if t.is_error else t.text
+            return f"{head}<tool_response>\n{body}\n</tool_response>{tail}"
+        think = f"<think>\n{t.reasoning}\n</think>\n\n" if t.reasoning and after_last_user else ""
+        calls = "".join(
+            f'<tool_call>\n{{"name": "{c.name}", "arguments": {c.arguments}}}\n</tool_call>'
+            for c in t.tool_calls
+        )
+        return f"{IM_START}assistant\n{think}{t.text}{calls}{IM_END}\n"
+
+    def full_text(self, conv: Conversation) -> str:
+        """The whole prompt as text (the re-render-everything path, for comparison and the benchmark)."""
+        parts = [self.header_text(conv)]
+        last_user = max((i for i, t in enumerate(conv.turns) if t.kind is Kind.USER), default=-1)
+        n = len(conv.turns)
+        for i, t in enumerate(conv.turns):
+            prev_tool = i > 0 and conv.turns[i - 1].kind is Kind.TOOL
+            next_tool = i + 1 < n and conv.turns[i + 1].kind is Kind.TOOL
+            parts.append(self.turn_text(t, prev_tool, next_tool, i > last_user))
+        parts.append(self.gen_prompt_text(conv.thinking))
+        return "".join(parts)
+
+    # ------------------------------------------------------------------ incremental, exact render
+    def find_recorded(
+        self, ex: ExecutionCache, t: Turn, before: tuple[Turn, ...] = ()
+    ) -> RecordedOutput | None:
+        """The recorded output of assistant turn `t`: by tool-call id, thinking signature, else by text; the
+        n-th turn with the same text (among the `before` turns) is the n-th output that had that text."""
+        for c in t.tool_calls:
+            rec = ex.by_tool_id.get(c.id)
+            if rec is not None:
+                return rec
+        if t.signature:
+            rec = ex.by_signature.get(t.signature)
+            if rec is not None:
+                return rec
+        if t.text.strip() and not t.tool_calls:
+            key = text_key(t.text)
+            outs = ex.by_text.get(key)
+            if not outs:
+                return None
+            nth = sum(
+                1
+                for b in before
+                if b.kind is Kind.ASSISTANT
+                and not b.tool_calls
+                and b.text.strip()
+                and text_key(b.text) == key
+            )
+            return outs[min(nth, len(outs) - 1)]
+        return None
+
+    def agent_key(self, conv: Conversation) -> str:
+        h = hashlib.blake2b(conv.system.encode(), digest_size=12)
+        for t in conv.tools_json:
+            h.update(t.encode())
+        return h.hexdigest()
+
+    def render(self, conv: Conversation, ex: ExecutionCache) -> tuple[Rendered, AgentCache]:
+        ac = ex.agent(self.agent_key(conv), self.max_agents)
+        turns = conv.turns
+        n = len(turns)
+        last_user = max((i for i, t in enumerate(turns) if t.kind is Kind.USER), default=-1)
+        keys: list[Any] = [("h", conv.system, conv.tools_json)]
+        for i, t in enumerate(turns):
+            prev_tool = i > 0 and turns[i - 1].kind is Kind.TOOL
+            next_tool = i + 1 < n and turns[i + 1].kind is Kind.TOOL
+            # the template shows an assistant turn's reasoning only after the last user turn
+            keys.append((t, prev_tool, next_tool, bool(t.reasoning) and i > last_user))
+        keys.append(("g", conv.thinking))
+        same = 0
+        old = ac.keys
+        limit = min(len(old), len(keys))
+        while same < limit and old[same] == keys[same]:
+            same += 1
+        segs = ac.segments[:same]
+        known: dict[Any, Segment] | None = None  # old segments by key, built only if a turn diverged
+        reused = sum(int(s.ids.size) for s in segs)
+        recorded = tokenized = chars = 0
+        for j in range(same, len(keys)):
+            if j == 0:
+                text = self.header_text(conv)
+            elif j == len(keys) - 1:
+                text = self.gen_prompt_text(conv.thinking)
+            else:
+                t, prev_tool, next_tool, after = keys[j]
+                if t.kind is Kind.ASSISTANT:
+                    rec = self.find_recorded(ex, t, turns[: j - 1])
+                    if rec is not None:
+                        segs.append(rec.segment)
+                        recorded += int(rec.segment.ids.size)
+                        continue
+                hit = None
+                if j < len(old):  # a change before this turn (an edit, a new user turn): look it up
+                    if known is None:
+                        known = {k: sg for k, sg in zip(old, ac.segments, strict=True) if not sg.call_id}
+                    hit = known.get(keys[j])
+                if hit is not None:  # unchanged turn behind a change (an edit or a new user turn)
+                    segs.append(hit)
+                    reused += int(hit.ids.size)
+                    continue
+                text = self.turn_text(t, prev_tool, next_tool, after)
+            seg = Segment(self.encode(text)) if text else Segment(np.zeros(0, np.int32))
+            tokenized += int(seg.ids.size)
+            chars += len(text)
+            segs.append(seg)
+        ac.keys = keys
+        ac.segments = segs
+        return Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids), ac
+
+    def render_full(self, conv: Conversation) -> Rendered:
+        """Render and tokenize the whole prompt from scratch (what a proxy without a cache does)."""
+        text = self.full_text(conv)
+        ids = self.encode(text)
+        gen = self.encode(self.gen_prompt_text(conv.thinking))
+        return Rendered([Segment(ids)], 0, 0, int(ids.size), len(text), gen)
+
+    def record_output(
+        self,
+        ex: ExecutionCache,
+        call_id: str,
+        gen_prompt: np.ndarray,
+        output_ids: np.ndarray,
+        tool_ids: list[str],
+        signature: str,
+        text: str,
+    ) -> RecordedOutput:
+        """Remember a call's output as the exact ids of its assistant turn in later inputs."""
+        close: list[np.ndarray] = []
+        if (
+            not (output_ids.size and int(output_ids[-1]) in self.stop_ids)
+            or int(output_ids[-1]) != self.im_end
+        ):
+            close.append(np.asarray([self.im_end], np.int32))
+        ids = np.concatenate([gen_prompt, output_ids.astype(np.int32), *close, self.newline])
+        rec = RecordedOutput(call_id, Segment(ids, call_id))
+        for tid in tool_ids:
+            ex.by_tool_id[tid] = rec
+        if signature:
+            ex.by_signature[signature] = rec
+        if text.strip() and not tool_ids:
+            ex.by_text.setdefault(text_key(text), []).append(rec)
+        return rec

@@ -1,0 +1,300 @@
+"""Fixtures: the embedded default tokenizer, a scripted SGLang-protocol test engine, and a proxy server.
+
+`ScriptedEngine` is a TEST FIXTURE, not an engine: a real HTTP server on loopback that speaks SGLang's
+native /generate (streaming and not, logprobs, abort) and replays scripted outputs, so tool use through the
+real clients is deterministic. Its outputs are tokenized with the policy's tokenizer; every input it
+receives is kept for the tests' assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import uvicorn
+import zmq
+from gyre_proxy.app import build_app
+from gyre_proxy.core import Proxy, ProxyConfig
+from gyre_sched.protocol import Codec as SchedCodec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from tokenizers import Tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gyre_engine.server.model_factory import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+class UvicornThread:
+    """Serves an ASGI app on 127.0.0.1 in a background thread; `stop()` shuts it down."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@dataclass
+class Seen:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class ScriptedEngine:
+    """TEST FIXTURE speaking SGLang's /generate; replays `script` (texts or functions of the input ids)."""
+
+    tokenizer: Tokenizer
+    script: list[Any] = field(default_factory=list)
+    default: Any = None  # used once the script is empty
+    token_delay_s: float = 0.0
+    weight_version: str = "3"
+    reject_next: bool = False  # answer the next /generate with HTTP 400
+    die_after: int | None = None  # close the connection after this many tokens of the next request
+    seen: list[Seen] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    by_rid: dict[str, list[int]] = field(default_factory=dict)  # rid -> output ids sent
+    aborted: set[str] = field(default_factory=set)
+    server: UvicornThread | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def logprob(self, i: int, tid: int) -> float:
+        return -0.01 - ((tid * 7 + i) % 13) / 10.0
+
+    def start(self) -> ScriptedEngine:
+        im_end = self.tokenizer.token_to_id("<|im_end|>")
+
+        async def generate(request: Request) -> Response:
+            body = msgspec.json.decode(await request.body())
+            ids = body["input_ids"]
+            sp = body.get("sampling_params", {})
+            rid = body.get("rid", f"r{len(self.seen)}")
+            max_new = int(sp.get("max_new_tokens", 128))
+            self.seen.append(Seen(rid, ids, max_new))
+            item = self.script.pop(0) if self.script else (self.default or "ok")
+            if self.reject_next:
+                self.reject_next = False
+                err = {"error": {"message": "unknown field `bogus`", "type": "BadRequestError", "code": 400}}
+                return JSONResponse(err, status_code=400)
+            made = item(ids) if callable(item) else item
+            stop_hit = ""
+            if isinstance(made, str):
+                for stop in sp.get("stop") or []:
+                    if stop in made:  # like SGLang with no_stop_trim: output ends with the stop string
+                        made = made[: made.index(stop) + len(stop)]
+                        stop_hit = stop
+                        break
+            if isinstance(made, list):  # raw output ids, used as they are
+                out = list(made)
+            else:
+                out = [*self.tokenizer.encode(made, add_special_tokens=False).ids] + (
+                    [] if stop_hit else [im_end]
+                )
+            finish: dict[str, Any] = {"type": "stop", "matched": stop_hit or im_end}
+            if len(out) > max_new:
+                out = out[:max_new]
+                finish = {"type": "length", "length": max_new}
+            die = self.die_after
+            self.die_after = None
+
+            def resp(n: int, fin: dict[str, Any] | None) -> dict[str, Any]:
+                lps = [[self.logprob(i, t), t, None] for i, t in enumerate(out[:n])]
+                meta = {
+                    "id": rid,
+                    "finish_reason": fin,
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": n,
+                    "cached_tokens": 0,
+                    "weight_version": self.weight_version,
+                    "e2e_latency": 0.0,
+                    "output_token_logprobs": lps,
+                }
+                return {"text": self.tokenizer.decode(out[:n]), "output_ids": out[:n], "meta_info": meta}
+
+            if not body.get("stream"):
+                self.outputs.append(out)
+                self.by_rid[rid] = out
+                return JSONResponse(resp(len(out), finish))
+
+            async def sse() -> Any:
+                for n in range(1, len(out) + 1):
+                    if self.token_delay_s:
+                        await asyncio.sleep(self.token_delay_s)
+                    if die is not None and n > die:
+                        raise ConnectionResetError("scripted engine dies mid-call")
+                    if rid in self.aborted:
+                        self.outputs.append(out[: n - 1])
+                        self.by_rid[rid] = out[: n - 1]
+                        yield (
+                            b"data: "
+                            + msgspec.json.encode(resp(n - 1, {"type": "abort", "message": "aborted"}))
+                            + b"\n\n"
+                        )
+                        yield b"data: [DONE]\n\n"
+                        return
+                    yield (
+                        b"data: " + msgspec.json.encode(resp(n, finish if n == len(out) else None)) + b"\n\n"
+                    )
+                self.outputs.append(out)
+                self.by_rid[rid] = out
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        async def abort(request: Request) -> Response:
+            body = msgspec.json.decode(await request.body())
+            self.aborted.add(body.get("rid", ""))
+            return Response(b"")
+
+        async def model_info(request: Request) -> Response:
+            return JSONResponse({"model_path": "scripted", "weight_version": self.weight_version})
+
+        async def ok(request: Request) -> Response:
+            return Response(b"ok")
+
+        app = Starlette(
+            routes=[
+                Route("/generate", generate, methods=["POST"]),
+                Route("/abort_request", abort, methods=["POST"]),
+                Route("/model_info", model_info),
+                Route("/health", ok),
+                Route("/ready", ok),
+            ]
+        )
+        self.server = UvicornThread(app)
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+@pytest.fixture
+def engine(tokenizer: Tokenizer) -> Iterator[ScriptedEngine]:
+    eng = ScriptedEngine(tokenizer).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def engines2(tokenizer: Tokenizer) -> Iterator[tuple[ScriptedEngine, ScriptedEngine]]:
+    a = ScriptedEngine(tokenizer).start()
+    b = ScriptedEngine(tokenizer).start()
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+@dataclass
+class ProxyServer:
+    proxy: Proxy
+    server: UvicornThread
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@pytest.fixture
+def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., ProxyServer]]:
+    started: list[ProxyServer] = []
+
+    def make(engines: list[str], sched: str = "", **kw: Any) -> ProxyServer:
+        log_path = tmp_path / f"records{len(started)}.msgpack"
+        kw.setdefault("tokenizer", str(tokenizer_dir))
+        cfg = ProxyConfig(engines=tuple(engines), record_log=str(log_path), **kw)
+        proxy = Proxy(cfg)
+        ps = ProxyServer(proxy, UvicornThread(build_app(proxy, sched)), log_path)
+        started.append(ps)
+        return ps
+
+    yield make
+    for ps in started:
+        ps.server.stop()
+
+
+class SchedStub:
+    """A real ROUTER speaking gyre-sched's protocol, standing in for the scheduler's socket."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.codec = SchedCodec()
+        self.ident = b""
+
+    def recv(self, timeout_s: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                ident, data = self.sock.recv_multipart()
+                self.ident = ident
+                return self.codec.decode(data)
+        raise TimeoutError("no message from the proxy")
+
+    def expect(self, kind: type, timeout_s: float = 10.0) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(msg, kind):
+                return msg
+
+    def send(self, msg: Any) -> None:
+        self.sock.send_multipart([self.ident, self.codec.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def sched_stub() -> Iterator[SchedStub]:
+    s = SchedStub()
+    yield s
+    s.close()

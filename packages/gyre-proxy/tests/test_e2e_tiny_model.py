@@ -1,0 +1,188 @@
+"""End to end with the embedded tiny model: a real gyre-engine server subprocess (real sampling on the
+CPU) behind the proxy, driven by the official SDKs. The content is nonsense; the protocol and the
+records are exact: outputs as sampled, later inputs extend earlier input + output unchanged."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from gyre_traj.io import read_records
+from gyre_traj.records import Call
+
+pytestmark = pytest.mark.slow
+
+
+def _start_engine(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str, Any]:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = int(sk.getsockname()[1])
+    log = open(log_path, "wb")  # noqa: SIM115 - closed by _stop
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre_engine",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("gyre-engine exited early")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("gyre-engine did not become ready in 120 s")
+        time.sleep(0.3)
+
+
+def _stop(proc: subprocess.Popen[bytes], log: Any) -> None:
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str], Path]]:
+    """Two gyre-engine servers with the same embedded tiny model."""
+    from gyre_engine.server.model_factory import create_model
+
+    model = create_model(tmp_path_factory.mktemp("tiny") / "model", "tiny")
+    logs = tmp_path_factory.mktemp("elog")
+    procs = [_start_engine(model, logs / f"engine{i}.log") for i in range(2)]
+    try:
+        for proc, url, _ in procs:
+            _wait_ready(proc, url)
+        yield [url for _, url, _ in procs], model
+    finally:
+        for proc, _, log in procs:
+            _stop(proc, log)
+
+
+def _full(recs: list[Call]) -> list[np.ndarray]:
+    seq: dict[str, np.ndarray] = {}
+    out = []
+    for r in recs:
+        if r.input_ids is not None:
+            inp = r.input_ids
+        else:
+            assert r.input_delta is not None
+            inp = np.concatenate([seq[r.input_delta.parent][: r.input_delta.keep], r.input_delta.append])
+        seq[r.call_id] = np.concatenate([inp, r.output_ids])
+        out.append(inp)
+    return out
+
+
+def test_tiny_model_behind_the_proxy(
+    tiny_engines: tuple[list[str], Path], make_proxy: Any, request: Any
+) -> None:
+    urls, model = tiny_engines
+    ps = make_proxy(urls[:1], tokenizer=str(model))
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    msgs: list[Any] = [{"role": "user", "content": "Write a function."}]
+    r1 = client.messages.create(model="tiny", max_tokens=12, messages=msgs)
+    assert r1.usage.output_tokens >= 1
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r1.content] or "x"}]
+    msgs += [{"role": "user", "content": "Again."}]
+    with client.messages.stream(model="tiny", max_tokens=12, messages=msgs) as st:
+        list(st)
+        r2 = st.get_final_message()
+    assert r2.usage.output_tokens >= 1
+    oa = openai.OpenAI(base_url=f"{ps.url}/v1", api_key="k", max_retries=0)
+    request.addfinalizer(oa.close)
+    r3 = oa.chat.completions.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert r3.usage is not None and r3.usage.completion_tokens >= 1
+
+    recs = [r for r in read_records(ps.log_path) if isinstance(r, Call)]
+    assert len(recs) == 3
+    inputs = _full(recs)
+    for r in recs:
+        assert 1 <= r.output_ids.size <= 12 and np.all(r.output_logprobs <= 0)
+    first = np.concatenate([inputs[0], recs[0].output_ids]).tolist()
+    if r1.content:  # the second call carries the first call's sampled ids unchanged
+        assert inputs[1].tolist()[: len(first)] == first
+    assert recs[0].output_ids.size == r1.usage.output_tokens
+
+
+def test_drain_moves_the_cached_prefix_between_gyre_engines(
+    tiny_engines: tuple[list[str], Path], make_proxy: Any, sched_stub: Any, request: Any
+) -> None:
+    """A call drained off engine 0 mid-generation continues on engine 1: its prompt's KV is exported from
+    engine 0 and imported into engine 1 (counted), the tokens already sampled are kept, and the harness
+    gets one response of the full length."""
+    from gyre_sched.protocol import EngineAdd, EngineDrain, EngineDrained, Hello, Welcome
+
+    urls, model = tiny_engines
+    ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint)
+    sched_stub.expect(Hello)
+    sched_stub.send(Welcome())
+    sched_stub.send(EngineAdd(0, urls[0]))
+    deadline = time.monotonic() + 10
+    while not ps.proxy.pool or not ps.proxy.pool.engines:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    # gyre-engine caches a prompt's KV when a request on it finishes (not when one is aborted): a first,
+    # one-token call leaves this prompt in engine 0's prefix cache, so the drained call can take it along
+    warm = client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "count"}])
+    assert warm.usage.output_tokens == 1
+    n_out = 1500
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=n_out,
+        messages=[{"role": "user", "content": "count"}],
+        extra_body={"temperature": 0.0},
+    ) as st:
+        for ev in st:
+            if ev.type == "content_block_delta":  # tokens are flowing from engine 0: drain it
+                sched_stub.send(EngineAdd(1, urls[1]))
+                sched_stub.send(EngineDrain(0))
+                break
+        for _ in st:
+            pass
+        final = st.get_final_message()
+    assert sched_stub.expect(EngineDrained).cell_id == 0
+    assert final.usage.output_tokens == n_out and final.stop_reason == "max_tokens"
+    rec = [r for r in read_records(ps.log_path) if isinstance(r, Call)][-1]
+    assert rec.output_ids.size == n_out and rec.output_logprobs.size == n_out
+    assert np.all(rec.output_logprobs <= 0)
+    stats = httpx.get(f"{ps.url}/gyre/stats").json()
+    assert stats["moved_calls"] == 1
+    d = rec.input_delta
+    n_in = d.keep + d.append.size if d is not None else rec.input_ids.size  # type: ignore[union-attr]
+    assert (
+        stats["prefix_moved_tokens"] >= n_in - 1
+    )  # the prompt's KV went along (its last token is recomputed)
+    assert stats["prefix_moved_tokens"] + stats["reprefilled_tokens"] > n_in  # + the partial output

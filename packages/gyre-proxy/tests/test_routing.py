@@ -1,0 +1,177 @@
+"""Routing over engines: session affinity, least outstanding work, drain and removal through the control
+socket (gyre-sched's protocol over a real ZeroMQ ROUTER), and continuation of drained or dead-engine
+calls with the tokens already generated kept, so the harness sees one uninterrupted response."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anthropic
+import numpy as np
+from gyre_sched.protocol import (
+    EngineAdd,
+    EngineDrain,
+    EngineDrained,
+    EngineRemove,
+    Hello,
+    PeerKind,
+    Welcome,
+)
+from gyre_traj.io import read_records
+from gyre_traj.records import Call
+from tokenizers import Tokenizer
+
+LONG = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+
+
+def _records(path: Any) -> list[Call]:
+    return [r for r in read_records(path) if isinstance(r, Call)]
+
+
+def _continuation(tokenizer: Tokenizer, text: str) -> tuple[list[int], Any]:
+    """The full output ids of `text`, and a script item that emits what a first engine did not."""
+    full = [*tokenizer.encode(text, add_special_tokens=False).ids, tokenizer.token_to_id("<|im_end|>")]
+    state: dict[str, int] = {}
+
+    def rest(ids: list[int]) -> list[int]:
+        # the continuation's input ends with the partial output: find how much of `full` it already has
+        for k in range(len(full), 0, -1):
+            if ids[-k:] == full[:k]:
+                state["k"] = k
+                return full[k:]
+        return full
+
+    return full, rest
+
+
+def _stats(url: str) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(f"{url}/gyre/stats").json()  # type: ignore[no-any-return]
+
+
+def test_affinity_and_least_outstanding(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any
+) -> None:
+    a, b = engines2
+    ps = make_proxy([a.url, b.url])
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    for ex in ("x1", "x1", "x1"):
+        client.messages.create(
+            model="m",
+            max_tokens=20,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-gyre-execution": ex},
+        )
+    assert (len(a.seen), len(b.seen)) in ((3, 0), (0, 3))  # one execution stays on one engine
+    a.token_delay_s = b.token_delay_s = 0.02
+    a.script = [LONG] * 4
+    b.script = [LONG] * 4
+    done: list[str] = []
+
+    def call(ex: str) -> None:
+        with anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0) as c:
+            c.messages.create(
+                model="m",
+                max_tokens=40,
+                messages=[{"role": "user", "content": ex}],
+                extra_headers={"x-gyre-execution": ex},
+            )
+        done.append(ex)
+
+    before = (len(a.seen), len(b.seen))
+    ts = [threading.Thread(target=call, args=(f"y{i}",)) for i in range(4)]
+    for t in ts:
+        t.start()
+        time.sleep(0.05)
+    for t in ts:
+        t.join(30)
+    assert len(done) == 4
+    assert (len(a.seen) - before[0], len(b.seen) - before[1]) == (2, 2)  # spread by outstanding work
+
+
+def test_drain_moves_call_with_tokens_kept(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any, sched_stub: Any
+) -> None:
+    a, b = engines2
+    sched = sched_stub
+    ps = make_proxy([], sched=sched.endpoint)
+    hello = sched.expect(Hello)
+    assert hello.kind is PeerKind.PROXY
+    sched.send(Welcome())
+    sched.send(EngineAdd(0, a.url))
+    deadline = time.monotonic() + 10
+    while not _stats(ps.url)["engines"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    full, rest = _continuation(tokenizer, LONG)
+    a.script = [LONG]
+    b.script = [rest]
+    a.token_delay_s = 0.05
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        with client.messages.stream(
+            model="m", max_tokens=100, messages=[{"role": "user", "content": "count"}]
+        ) as st:
+            result["text"] = "".join(st.text_stream)
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not a.seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # a few tokens out of engine A
+    sched.send(EngineAdd(1, b.url))
+    sched.send(EngineDrain(0))
+    drained = sched.expect(EngineDrained)
+    assert drained.cell_id == 0
+    t.join(30)
+    assert result["text"] == LONG  # one uninterrupted response
+    rec = _records(ps.log_path)[-1]
+    assert rec.output_ids.tolist() == full
+    k = len(a.outputs[0])
+    assert 0 < k < len(full)
+    assert b.seen[0].input_ids == a.seen[0].input_ids + full[:k]  # continuation = input + partial output
+    assert b.seen[0].max_new_tokens == 100 - k
+    lps = [a.logprob(i, t) for i, t in enumerate(full[:k])] + [
+        b.logprob(i, t) for i, t in enumerate(full[k:])
+    ]
+    assert np.allclose(rec.output_logprobs, lps)
+    st = _stats(ps.url)
+    assert st["moved_calls"] == 1 and st["reprefilled_tokens"] == len(b.seen[0].input_ids)
+    sched.send(EngineRemove(0))
+    deadline = time.monotonic() + 10
+    while len(_stats(ps.url)["engines"]) != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [e["id"] for e in _stats(ps.url)["engines"]] == [1]
+
+
+def test_dead_engine_call_continues(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engines2: Any
+) -> None:
+    a, b = engines2
+    full, rest = _continuation(tokenizer, LONG)
+    a.script = [LONG]
+    a.die_after = 4
+    b.script = [rest]
+    ps = make_proxy([a.url, b.url])
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    # put the execution on engine A first
+    ps.proxy.pool.affinity["dead-1"] = 0  # type: ignore[union-attr]
+    r = client.messages.create(
+        model="m",
+        max_tokens=100,
+        messages=[{"role": "user", "content": "count"}],
+        extra_headers={"x-gyre-execution": "dead-1"},
+    )
+    assert r.content[0].type == "text" and r.content[0].text == LONG
+    rec = _records(ps.log_path)[-1]
+    assert rec.output_ids.tolist() == full
+    assert b.seen[0].input_ids[: len(a.seen[0].input_ids)] == a.seen[0].input_ids
+    assert [e["id"] for e in _stats(ps.url)["engines"]] == [1]  # the dead engine is out of rotation
