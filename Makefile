@@ -20,6 +20,8 @@ test:               ## the README's test command
 bench:              ## quick benchmarks of every member that has one
 	$(UV) run --frozen gyre-traj bench --quick
 	$(UV) run --frozen gyre-sched bench --quick
+	$(UV) run --frozen gyre-xfer bench --quick
+	$(UV) run --frozen gyre-train bench --quick
 
 wheels-check:       ## build every wheel and smoke-install gyre-traj alone, outside the workspace
 	bash .ci/wheels-check

@@ -1,0 +1,307 @@
+"""Mooncake Transfer Engine behind the `Transport` API: TCP here, RDMA where the machine has it.
+
+Every call runs on a helper thread and is waited for with a deadline, so a hung peer is a TIMEOUT, not a
+hang; Mooncake's bare -1 is classified (peer port refusing connections = PEER_GONE, no progress for the
+configured time = TIMEOUT, otherwise entries are retried one by one so the result says which arrived).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .buffers import view_of
+from .errors import TransferFailedError, TransportUnavailableError, XferError
+from .protocol import RegionDesc, TransportKind
+from .transport import BatchResult, Config, EntryStatus, Op, Region, check_ranges
+
+# shared library -> Debian package that provides it
+_SYSTEM_LIBS = {"libibverbs.so.1": "libibverbs1", "librdmacm.so.1": "librdmacm1", "libnuma.so.1": "libnuma1"}
+_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine")
+
+
+def installed_wheel() -> str | None:
+    """Which Mooncake distribution is installed (they all provide the same `mooncake` module)."""
+    for name in _WHEELS:
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def load_engine_class(log_level: int = 2) -> Any:
+    """Import `mooncake.engine.TransferEngine`, or raise TransportUnavailableError saying what to install."""
+    os.environ.setdefault("GLOG_minloglevel", str(log_level))
+    try:
+        from mooncake.engine import TransferEngine
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name.startswith("mooncake"):
+            raise TransportUnavailableError(
+                "Mooncake Transfer Engine is not installed: pip install 'gyre-xfer[mooncake]' on CPU "
+                "machines, or 'gyre-xfer[mooncake-cuda13]' on CUDA 13 GPU machines (pick one: both "
+                "provide the same `mooncake` module)"
+            ) from e
+        raise TransportUnavailableError(f"mooncake failed to import: {e}") from e
+    except ImportError as e:
+        msg = str(e)
+        for lib, pkg in _SYSTEM_LIBS.items():
+            if lib in msg:
+                raise TransportUnavailableError(
+                    f"Mooncake Transfer Engine needs the system library {lib}, even over TCP. "
+                    f"Install it with: apt-get install -y {pkg}   (Debian/Ubuntu, as root). ({msg})"
+                ) from e
+        raise TransportUnavailableError(f"mooncake failed to import: {msg}") from e
+    return TransferEngine
+
+
+def _probe(peer: str, timeout_s: float) -> bool | None:
+    """True if the peer's handshake port accepts a TCP connection, False if refused, None if unknown."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
+
+class MooncakeTransport:
+    """One Mooncake TransferEngine for this process; see `Config` for its settings."""
+
+    kind = TransportKind.MOONCAKE
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        engine_cls = load_engine_class(config.log_level)
+        # Mooncake reads these when a connection is made; process-wide, so the last transport opened wins.
+        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(config.progress_timeout_s)
+        os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = str(config.progress_timeout_s)
+        self._engine: Any = engine_cls()
+        rc = self._engine.initialize(
+            config.hostname, config.metadata_server, config.protocol, config.device_name
+        )
+        if rc != 0:
+            raise TransportUnavailableError(
+                f"Mooncake initialize({config.hostname!r}, {config.metadata_server!r}, "
+                f"{config.protocol!r}) returned {rc}; see its log on stderr"
+            )
+        if config.metadata_server == "P2PHANDSHAKE":
+            self._endpoint = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        else:
+            self._endpoint = config.hostname
+        self._ids = itertools.count(1)
+        self._regions: dict[int, Region] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._helpers = _Helpers()
+        self.abandoned_calls = 0
+        """Calls that outlived their deadline; their buffers stay referenced until they return."""
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def engine(self) -> Any:
+        """The raw mooncake TransferEngine (for the benchmark's side-by-side figures)."""
+        return self._engine
+
+    @property
+    def rpc_port(self) -> int:
+        return int(self._engine.get_rpc_port())
+
+    # ---- memory -----------------------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> Region:
+        arr = np.empty(max(nbytes, 1), dtype=np.uint8)
+        arr.fill(0)  # fault the pages in now, not during the first transfer
+        return self.register(arr)
+
+    def register(self, buf: Any) -> Region:
+        view = view_of(buf)
+        if view.device.startswith("cuda") and installed_wheel() == "mooncake-transfer-engine-non-cuda":
+            raise TransportUnavailableError(
+                "registering CUDA memory needs the CUDA Mooncake wheel: pip install 'gyre-xfer[mooncake-cuda13]'"
+            )
+        location = "cpu" if view.device == "cpu" else view.device
+        rc = self._engine.register_memory(view.addr, view.nbytes, location) if view.nbytes else 0
+        if rc != 0:
+            raise TransferFailedError(f"Mooncake register_memory({view.nbytes} bytes) returned {rc}")
+        arr: np.ndarray | None = None
+        if view.device == "cpu" and view.nbytes == 0:
+            arr = np.empty(0, np.uint8)
+        elif view.device == "cpu":
+            arr = np.ctypeslib.as_array((ctypes.c_uint8 * view.nbytes).from_address(view.addr))
+        region = Region(RegionDesc(next(self._ids), view.nbytes, view.addr), view.device, arr, buf)
+        with self._lock:
+            self._regions[region.desc.region_id] = region
+        return region
+
+    def unregister(self, region: Region) -> None:
+        with self._lock:
+            if self._regions.pop(region.desc.region_id, None) is None:
+                return
+        if region.nbytes:
+            self._engine.unregister_memory(region.addr)
+
+    # ---- transfers --------------------------------------------------------------------------------
+
+    def read(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
+        return self._batch(peer, ops, timeout_s, self._engine.batch_transfer_sync_read)
+
+    def write(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
+        return self._batch(peer, ops, timeout_s, self._engine.batch_transfer_sync_write)
+
+    def _call(
+        self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, deadline: float
+    ) -> int | None:
+        """Run fn(*args) on a helper thread; its return code, or None if the deadline passed first.
+        `keep` (the buffers involved) stays referenced by the helper until Mooncake returns."""
+        call = _Call(fn, args, keep, 2.0 * self.config.progress_timeout_s + 5.0)
+        self._helpers.submit(call)
+        if not call.done.wait(max(0.0, deadline - time.monotonic())):
+            self.abandoned_calls += 1
+            return None
+        return call.rc
+
+    def _batch(
+        self, peer: str, ops: Sequence[Op], timeout_s: float | None, fn: Callable[..., int]
+    ) -> BatchResult:
+        if self._closed:
+            raise XferError("transport is closed")
+        t0 = time.monotonic()
+        deadline = t0 + (self.config.timeout_s if timeout_s is None else timeout_s)
+        problems = check_ranges(ops)
+        statuses = [EntryStatus.OUT_OF_RANGE if p else EntryStatus.NOT_ATTEMPTED for p in problems]
+        detail = "; ".join(p for p in problems if p)
+        live = [i for i, p in enumerate(problems) if p is None and ops[i].length > 0]
+        for i, op in enumerate(ops):
+            if problems[i] is None and op.length == 0:
+                statuses[i] = EntryStatus.OK
+        if live:
+            rc = self._submit(peer, [ops[i] for i in live], fn, deadline)
+            if rc == 0:
+                for i in live:
+                    statuses[i] = EntryStatus.OK
+            else:
+                why = self._classify(peer, rc, t0)
+                if why is EntryStatus.FAILED and len(live) > 1:
+                    # Mooncake fails a batch whole; retry entry by entry to learn which ones arrive.
+                    for i in live:
+                        if time.monotonic() >= deadline:
+                            statuses[i] = EntryStatus.TIMEOUT
+                            continue
+                        r = self._submit(peer, [ops[i]], fn, deadline)
+                        statuses[i] = EntryStatus.OK if r == 0 else self._classify(peer, r, t0)
+                else:
+                    for i in live:
+                        statuses[i] = why
+                detail = "; ".join(x for x in (detail, f"mooncake returned {rc} from {peer}") if x)
+        return BatchResult(tuple(statuses), time.monotonic() - t0, detail)
+
+    def _submit(self, peer: str, ops: Sequence[Op], fn: Callable[..., int], deadline: float) -> int | None:
+        local = [op.region.addr + op.local_offset for op in ops]
+        remote = [op.remote.addr + op.remote_offset for op in ops]
+        lengths = [op.length for op in ops]
+        return self._call(fn, (peer, local, remote, lengths), [op.region for op in ops], deadline)
+
+    def _classify(self, peer: str, rc: int | None, t0: float) -> EntryStatus:
+        if rc is None:
+            return EntryStatus.TIMEOUT
+        alive = _probe(peer, self.config.probe_timeout_s)
+        if alive is False:
+            return EntryStatus.PEER_GONE
+        if time.monotonic() - t0 >= 0.9 * self.config.progress_timeout_s:
+            return EntryStatus.TIMEOUT
+        return EntryStatus.FAILED
+
+    def close(self) -> None:
+        """Unregister every region. Mooncake's engine itself lives until the process exits."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            regions, self._regions = list(self._regions.values()), {}
+        for r in regions:
+            if r.nbytes:
+                self._engine.unregister_memory(r.addr)
+        self._engine = None  # Mooncake stops its listeners when the engine is destroyed
+
+
+class _Call:
+    __slots__ = ("args", "done", "fn", "grace_s", "keep", "rc")
+
+    def __init__(self, fn: Callable[..., int], args: tuple[Any, ...], keep: object, grace_s: float) -> None:
+        self.fn, self.args, self.keep, self.grace_s = fn, args, keep, grace_s
+        self.rc = -1
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.rc = int(self.fn(*self.args))
+        except Exception:  # a pybind error is a failed transfer, reported as -1
+            self.rc = -1
+        finally:
+            if self.rc != 0:
+                # Mooncake returns at the first failed slice while other slices of the batch may still
+                # be landing in these buffers: keep them alive a while longer.
+                _QUARANTINE.hold(self.keep, self.grace_s)
+            self.keep = None
+            self.done.set()
+
+
+class _Quarantine:
+    """Buffers of failed transfers, kept referenced (process-wide) until Mooncake is done with them."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[float, object]] = []
+        self._lock = threading.Lock()
+
+    def hold(self, obj: object, seconds: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._held = [(t, o) for t, o in self._held if t > now]
+            self._held.append((now + seconds, obj))
+
+
+_QUARANTINE = _Quarantine()
+
+
+class _Helpers:
+    """Daemon threads that make Mooncake's blocking calls. A call stuck past its deadline keeps its
+    thread; the next call starts a new one, so a hung peer never blocks other transfers or exit."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, call: _Call) -> None:
+        with self._lock:
+            if self._idle == 0:
+                threading.Thread(target=self._loop, name="gyre-xfer-mooncake", daemon=True).start()
+            else:
+                self._idle -= 1
+        self._queue.put(call)
+
+    def _loop(self) -> None:
+        while True:
+            call = self._queue.get()
+            call.run()
+            with self._lock:
+                self._idle += 1

@@ -1,0 +1,269 @@
+"""Publish versioned weight snapshots: `publish(tensors)` copies them into a registered slot nobody is
+reading, computes checksums, and makes that version the newest; a control thread answers subscribers.
+
+A slot is never rewritten while a lease on it is live (leases end on release or after `lease_s`), and
+every rewrite bumps the slot's generation, so a subscriber learns at release whether its bytes survived.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from .buffers import BufferView, view_of
+from .errors import XferError
+from .manifest import layout
+from .protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    Lease,
+    Manifest,
+    Release,
+    Released,
+    Reply,
+    Request,
+    TensorEntry,
+    Welcome,
+    request_decoder,
+)
+from .sockets import check_bind, make_socket
+from .transport import Region, Transport
+
+
+class PublishBusyError(XferError):
+    """Every slot stayed leased for `publish_wait_s`; the new version was not published."""
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    control: str = "tcp://127.0.0.1:0"
+    """ZeroMQ address the control socket binds (port 0 picks a free port; see `Publisher.address`)."""
+    allow_remote: bool = False
+    """Allow a non-loopback control address (put it on a private network or behind a firewall)."""
+    slots: int = 2
+    """Snapshot buffers; the newest version's slot is never rewritten, so 2 lets one write proceed."""
+    lease_s: float = 120.0
+    """How long a subscriber's lease protects its version; a pull must finish within it."""
+    publish_wait_s: float = 180.0
+    """How long `publish` waits for a leased slot to free up before raising PublishBusyError."""
+    checksums: bool = True
+    """Compute a crc32 of each tensor (about 2 GB/s on one core) so subscribers can verify."""
+    align: int = 256
+    """Byte alignment of each tensor inside a slot."""
+
+
+@dataclass
+class _Slot:
+    region: Region | None = None
+    manifest: Manifest | None = None
+    generation: int = 0
+    writing: bool = False
+    leases: dict[int, float] = field(default_factory=dict)  # lease id -> expiry (monotonic)
+
+
+class Publisher:
+    """Serves snapshots of named tensors from registered slots over `transport`."""
+
+    def __init__(self, transport: Transport, config: PublisherConfig | None = None) -> None:
+        self.transport = transport
+        self.config = config or PublisherConfig()
+        if self.config.slots < 2:
+            raise ValueError("a publisher needs at least 2 slots (one being read, one being written)")
+        check_bind(self.config.control, self.config.allow_remote)
+        self.incarnation = secrets.token_hex(8)
+        self._slots = [_Slot() for _ in range(self.config.slots)]
+        self._latest: int | None = None  # slot index of the newest version
+        self._version = 0
+        self._lease_ids = itertools.count(1)
+        self._lease_gen: dict[int, tuple[int, int]] = {}  # lease id -> (slot, generation)
+        self._cond = threading.Condition()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self._sock.bind(self.config.control)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="gyre-xfer-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ---- writing a version ------------------------------------------------------------------------
+
+    def publish(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str] | None = None) -> int:
+        """Copy `tensors` (numpy arrays or torch tensors, CPU or CUDA) into a free slot; returns the new
+        version. `dtypes` overrides dtype names (e.g. {"w": "bfloat16"} for a uint16 numpy array)."""
+        dtypes = dtypes or {}
+        views = {name: view_of(t, dtypes.get(name)) for name, t in tensors.items()}
+        placements, total = layout(views, self.config.align)
+        idx = self._claim_slot()
+        slot = self._slots[idx]
+        try:
+            if slot.region is None or slot.region.nbytes < total:
+                if slot.region is not None:
+                    self.transport.unregister(slot.region)
+                    slot.region = None
+                slot.region = self.transport.alloc(max(total, 1))
+            arr = slot.region.array
+            assert arr is not None, "publisher slots live in CPU memory"
+            sums: list[Future[int] | None] = []
+            for p in placements:  # checksum tensor i on a helper thread while tensor i+1 is copied
+                dst = arr[p.offset : p.offset + p.nbytes]
+                _copy_into(dst, views[p.name])
+                sums.append(self._hasher.submit(zlib.crc32, dst) if self.config.checksums else None)
+            entries = [
+                TensorEntry(p.name, p.dtype, p.shape, p.offset, p.nbytes, -1 if f is None else f.result())
+                for p, f in zip(placements, sums, strict=True)
+            ]
+        except BaseException:
+            with self._cond:
+                slot.manifest = None
+                slot.generation += 1
+                slot.writing = False
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._version += 1
+            slot.manifest = Manifest(
+                self._version,
+                self.incarnation,
+                self.transport.kind,
+                self.transport.endpoint,
+                slot.region.desc,
+                tuple(entries),
+            )
+            slot.generation += 1
+            slot.writing = False
+            self._latest = idx
+            self._cond.notify_all()
+            return self._version
+
+    def _claim_slot(self) -> int:
+        """Pick a slot with no live lease that is not the newest; mark it as being written."""
+        deadline = time.monotonic() + self.config.publish_wait_s
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for i, s in enumerate(self._slots):
+                    s.leases = {k: v for k, v in s.leases.items() if v > now}
+                    if i != self._latest and not s.leases and not s.writing:
+                        s.writing = True
+                        s.manifest = None  # no longer served
+                        s.generation += 1  # any lease still held on it now fails at release
+                        return i
+                if now >= deadline:
+                    raise PublishBusyError(
+                        f"all {len(self._slots)} slots stayed leased for {self.config.publish_wait_s} s"
+                    )
+                self._cond.wait(min(0.05, deadline - now))
+
+    # ---- serving ----------------------------------------------------------------------------------
+
+    def _answer(self, req: Request) -> Reply:
+        if isinstance(req, Hello):
+            if req.protocol != PROTOCOL_VERSION:
+                return ErrorReply(
+                    ErrorCode.PROTOCOL_MISMATCH,
+                    f"publisher speaks protocol {PROTOCOL_VERSION}, client {req.protocol}",
+                )
+            return Welcome(
+                PROTOCOL_VERSION,
+                self.incarnation,
+                self.transport.kind,
+                self.transport.endpoint,
+                self._version,
+            )
+        if isinstance(req, Acquire):
+            with self._cond:
+                if self._latest is None or self._version < req.min_version:
+                    return ErrorReply(
+                        ErrorCode.NO_VERSION,
+                        f"newest version is {self._version}, asked for >= {req.min_version}",
+                    )
+                slot = self._slots[self._latest]
+                assert slot.manifest is not None
+                lease_id = next(self._lease_ids)
+                slot.leases[lease_id] = time.monotonic() + self.config.lease_s
+                self._lease_gen[lease_id] = (self._latest, slot.generation)
+                if len(self._lease_gen) > 4096:  # forget the oldest unreleased leases
+                    for k in list(self._lease_gen)[:1024]:
+                        del self._lease_gen[k]
+                return Lease(lease_id, self.config.lease_s, slot.manifest)
+        if isinstance(req, Release):
+            with self._cond:
+                held = self._lease_gen.pop(req.lease_id, None)
+                if held is None:
+                    return ErrorReply(ErrorCode.UNKNOWN_LEASE, f"lease {req.lease_id} is unknown")
+                idx, gen = held
+                slot = self._slots[idx]
+                slot.leases.pop(req.lease_id, None)
+                self._cond.notify_all()
+                return Released(req.lease_id, slot.generation == gen)
+        return ErrorReply(ErrorCode.BAD_REQUEST, f"unexpected request {type(req).__name__}")
+
+    def _serve(self) -> None:
+        decoder = request_decoder()
+        encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3:
+                continue  # [identity, request id, payload]; anything else is not ours
+            ident, rid, payload = frames
+            reply: Reply
+            try:
+                reply = self._answer(decoder.decode(payload))
+            except msgspec.ValidationError as e:
+                reply = ErrorReply(ErrorCode.BAD_REQUEST, f"undecodable request: {e}")
+            except msgspec.DecodeError as e:
+                reply = ErrorReply(ErrorCode.BAD_REQUEST, f"undecodable request: {e}")
+            self._sock.send_multipart([ident, rid, encoder.encode(reply)])
+
+    def close(self) -> None:
+        """Stop serving, close the socket, and unregister every slot."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
+        self._hasher.shutdown(wait=True)
+        for s in self._slots:
+            if s.region is not None:
+                self.transport.unregister(s.region)
+                s.region = None
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _copy_into(dst: np.ndarray, src: BufferView) -> None:
+    """Copy a tensor's bytes into a uint8 slice of the slot (torch handles CUDA sources)."""
+    if isinstance(src.owner, np.ndarray):
+        np.copyto(dst, src.owner.reshape(-1).view(np.uint8))
+        return
+    import torch
+
+    t = src.owner
+    assert isinstance(t, torch.Tensor)
+    torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))

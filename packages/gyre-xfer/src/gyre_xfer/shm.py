@@ -1,0 +1,208 @@
+"""Same-host shared memory behind the `Transport` API: regions are POSIX shared-memory segments that
+peers on this host map by name, and a transfer is a memcpy between mappings (no sockets, no copies in between).
+
+Only memory from `alloc` can be read or written by peers; `register` wraps any local CPU buffer as a
+source or destination of this process's own reads and writes. Segments are files under /dev/shm (Linux),
+unlinked on `close`; a mapping lives as long as a numpy view of it does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import itertools
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .buffers import view_of
+from .errors import TransportUnavailableError, XferError
+from .protocol import RegionDesc, TransportKind
+from .transport import BatchResult, Config, EntryStatus, Op, Region, check_ranges
+
+
+def _host_tag() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"shm:{os.uname().nodename}:{boot}"
+
+
+class ShmTransport:
+    """Shared-memory transport for processes on one host (the endpoint names the host and boot)."""
+
+    kind = TransportKind.SHM
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._endpoint = _host_tag()
+        self._prefix = f"gyre-{os.getpid()}-{secrets.token_hex(4)}"
+        self._ids = itertools.count(1)
+        self._owned: dict[int, str] = {}
+        atexit.register(_unlink_all, self._owned)  # a normal exit never leaves segments behind
+        self._regions: dict[int, Region] = {}
+        self._peers: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def alloc(self, nbytes: int) -> Region:
+        rid = next(self._ids)
+        name = f"{self._prefix}-{rid}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        arr = np.memmap(path, dtype=np.uint8, mode="r+")
+        arr.fill(0)
+        region = Region(RegionDesc(rid, nbytes, arr.ctypes.data, name), "cpu", arr, arr)
+        with self._lock:
+            self._owned[rid] = path
+            self._regions[rid] = region
+        return region
+
+    def register(self, buf: Any) -> Region:
+        view = view_of(buf)
+        if view.device != "cpu":
+            raise TransportUnavailableError("the shared-memory transport moves CPU memory only")
+        if view.nbytes:
+            arr = np.ctypeslib.as_array((ctypes.c_uint8 * view.nbytes).from_address(view.addr))
+        else:
+            arr = np.empty(0, np.uint8)
+        region = Region(RegionDesc(next(self._ids), view.nbytes, view.addr, ""), "cpu", arr, buf)
+        with self._lock:
+            self._regions[region.desc.region_id] = region
+        return region
+
+    def unregister(self, region: Region) -> None:
+        with self._lock:
+            self._regions.pop(region.desc.region_id, None)
+            path = self._owned.pop(region.desc.region_id, None)
+        if path is not None:
+            _unlink(path)
+
+    def _peer_base(self, desc: RegionDesc) -> int:
+        """Address of the peer region mapped into this process (mapped once, cached by name)."""
+        if not desc.shm_name:
+            raise XferError(
+                f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)"
+            )
+        if "/" in desc.shm_name:
+            raise XferError(f"bad shared-memory segment name {desc.shm_name!r}")
+        with self._lock:
+            arr = self._peers.get(desc.shm_name)
+            if arr is None:
+                arr = np.memmap(os.path.join(SHM_DIR, desc.shm_name), dtype=np.uint8, mode="r+")
+                self._peers[desc.shm_name] = arr
+        if arr.nbytes < desc.nbytes:
+            raise XferError(
+                f"peer segment {desc.shm_name} is {arr.nbytes} bytes, descriptor says {desc.nbytes}"
+            )
+        return int(arr.ctypes.data)
+
+    def read(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
+        return self._batch(peer, ops, into_local=True)
+
+    def write(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
+        return self._batch(peer, ops, into_local=False)
+
+    def _batch(self, peer: str, ops: Sequence[Op], into_local: bool) -> BatchResult:
+        if self._closed:
+            raise XferError("transport is closed")
+        t0 = time.monotonic()
+        if peer != self._endpoint:
+            return BatchResult(
+                tuple(EntryStatus.FAILED for _ in ops),
+                0.0,
+                f"peer {peer} is not on this host ({self._endpoint})",
+            )
+        problems = check_ranges(ops)
+        statuses: list[EntryStatus] = []
+        details = [p for p in problems if p]
+        for op, problem in zip(ops, problems, strict=True):
+            if problem:
+                statuses.append(EntryStatus.OUT_OF_RANGE)
+                continue
+            try:
+                base = self._peer_base(op.remote)
+            except FileNotFoundError:
+                statuses.append(EntryStatus.PEER_GONE)
+                details.append(f"peer segment {op.remote.shm_name} no longer exists")
+                continue
+            except XferError as e:
+                statuses.append(EntryStatus.FAILED)
+                details.append(str(e))
+                continue
+            local = op.region.addr + op.local_offset
+            remote = base + op.remote_offset
+            if into_local:
+                ctypes.memmove(local, remote, op.length)
+            else:
+                ctypes.memmove(remote, local, op.length)
+            statuses.append(EntryStatus.OK)
+        return BatchResult(tuple(statuses), time.monotonic() - t0, "; ".join(details))
+
+    def forget_peer(self, shm_name: str) -> None:
+        """Drop a cached mapping (after the peer restarted, its segments have new names)."""
+        with self._lock:
+            self._peers.pop(shm_name, None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            owned = list(self._owned.values())
+            self._owned.clear()
+            self._peers.clear()
+            self._regions.clear()
+        for path in owned:
+            _unlink(path)
+
+
+def sweep_orphans(shm_dir: str | None = None) -> list[str]:
+    """Remove gyre segments whose creating process is gone (killed before it could unlink them).
+    Judged by pid in this pid namespace: do not run it where containers with other pid namespaces share
+    /dev/shm. Returns the paths removed."""
+    shm_dir = shm_dir or SHM_DIR
+    removed = []
+    for name in os.listdir(shm_dir):
+        parts = name.split("-")
+        if len(parts) < 4 or parts[0] != "gyre" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            _unlink(os.path.join(shm_dir, name))
+            removed.append(os.path.join(shm_dir, name))
+        except PermissionError:
+            continue  # alive, owned by someone else
+    return removed
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _unlink_all(owned: dict[int, str]) -> None:
+    for path in list(owned.values()):
+        _unlink(path)
+    owned.clear()
+
+
+def _unlink(path: str) -> None:
+    """Remove the segment's name; processes that mapped it keep their mapping until they drop it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,330 @@
+"""Pull weight snapshots: lease the newest version, check its manifest, read it in buckets of batched
+transfers into registered buffers, then release; the result is one whole version or an error.
+
+Tearing is impossible by construction: the publisher never rewrites a leased slot, and a release that
+finds the slot rewritten (lease expired) raises SnapshotOverwrittenError; checksums are verified last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from .buffers import BufferView, numpy_view, torch_view, view_of
+from .errors import (
+    ChecksumError,
+    ManifestError,
+    PeerGoneError,
+    PeerTimeoutError,
+    ProtocolError,
+    SnapshotOverwrittenError,
+    XferError,
+)
+from .manifest import match_destinations, validate
+from .protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    Lease,
+    Manifest,
+    Release,
+    Released,
+    Reply,
+    Request,
+    TensorEntry,
+    Welcome,
+    reply_decoder,
+)
+from .sockets import make_socket, tcp_port_refuses
+from .transport import Op, Region, Transport
+
+Converter = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+"""A layout hook: takes the pulled tensors by name, returns the tensors the consumer wants (e.g. split a
+Megatron fused QKV into transformers' q/k/v projections; see gyre_xfer.convert)."""
+
+
+@dataclass(frozen=True)
+class SubscriberConfig:
+    publisher: str
+    """The publisher's control address (`Publisher.address`), e.g. tcp://127.0.0.1:5555."""
+    control_timeout_s: float = 10.0
+    """Deadline for one control request (lease, release)."""
+    pull_timeout_s: float = 600.0
+    """Deadline for the bytes of one whole version."""
+    bucket_bytes: int = 256 << 20
+    """Bytes per batched read; large tensors are cut into pieces of at most this size."""
+    verify_checksums: bool = True
+    """Recompute each tensor's crc32 after the pull and compare with the manifest."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One whole version. `arrays` are numpy views (bfloat16 as uint16 words) into the subscriber's
+    staging buffer, valid until the next `pull` without `into`."""
+
+    version: int
+    manifest: Manifest
+    arrays: Mapping[str, np.ndarray]
+    elapsed_s: float = 0.0
+    nbytes: int = 0
+
+    def torch(self) -> dict[str, Any]:
+        """The same bytes as torch CPU tensors with their true dtypes (needs the torch extra)."""
+        by_name = {t.name: t for t in self.manifest.tensors}
+        out = {}
+        for name, arr in self.arrays.items():
+            t = by_name.get(name)
+            out[name] = torch_view(arr.reshape(-1).view(np.uint8), t.dtype, t.shape) if t else arr
+        return out
+
+
+@dataclass
+class _Stats:
+    pulls: int = 0
+    restarts_seen: int = 0
+    incarnation: str = ""
+    registered: dict[tuple[int, int], Region] = field(default_factory=dict)
+
+
+class Subscriber:
+    """Pulls versions from one publisher into this process's registered memory."""
+
+    def __init__(self, transport: Transport, config: SubscriberConfig) -> None:
+        self.transport = transport
+        self.config = config
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER)
+        self._sock.connect(config.publisher)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = reply_decoder()
+        self._rids = itertools.count(1)
+        self._staging: Region | None = None
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
+        self.stats = _Stats()
+
+    # ---- control ----------------------------------------------------------------------------------
+
+    def _request(self, req: Request) -> Reply:
+        rid = str(next(self._rids)).encode()
+        self._sock.send_multipart([rid, self._encoder.encode(req)], flags=zmq.NOBLOCK)
+        timeout_ms = int(self.config.control_timeout_s * 1000)
+        while self._sock.poll(timeout_ms, zmq.POLLIN):
+            frames = self._sock.recv_multipart()
+            if len(frames) == 2 and frames[0] == rid:
+                try:
+                    return self._decoder.decode(frames[1])
+                except msgspec.DecodeError as e:
+                    raise ProtocolError(f"undecodable reply from {self.config.publisher}: {e}") from e
+            # a late reply to an earlier request that timed out: drop it and keep waiting
+        if tcp_port_refuses(self.config.publisher):
+            raise PeerGoneError(f"publisher {self.config.publisher} is gone (connection refused)")
+        raise PeerTimeoutError(
+            f"publisher {self.config.publisher} did not answer {type(req).__name__} "
+            f"within {self.config.control_timeout_s} s"
+        )
+
+    def hello(self) -> Welcome:
+        """Check the publisher speaks our protocol and uses our transport."""
+        reply = self._request(Hello(PROTOCOL_VERSION, self.transport.endpoint))
+        if isinstance(reply, ErrorReply):
+            raise ProtocolError(f"publisher refused hello: {reply.message}")
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected welcome, got {type(reply).__name__}")
+        if reply.transport != self.transport.kind:
+            raise ProtocolError(
+                f"publisher uses transport {reply.transport.name}, this subscriber {self.transport.kind.name}"
+            )
+        return reply
+
+    # ---- pulling ----------------------------------------------------------------------------------
+
+    def pull(
+        self,
+        min_version: int = 0,
+        into: Mapping[str, Any] | None = None,
+        dtypes: Mapping[str, str] | None = None,
+        convert: Converter | None = None,
+    ) -> Snapshot:
+        """Pull the newest version >= `min_version`. With `into` (name -> numpy array or torch tensor,
+        registered on first use) the bytes land there directly, and on error those buffers hold a mix:
+        re-pull before using them. Without `into` they land in a staging buffer owned by the subscriber."""
+        t0 = time.monotonic()
+        reply = self._request(Acquire(min_version))
+        if isinstance(reply, ErrorReply):
+            if reply.code == ErrorCode.NO_VERSION:
+                raise XferError(f"no version >= {min_version} yet: {reply.message}")
+            raise ProtocolError(f"publisher refused the lease: {reply.message}")
+        if not isinstance(reply, Lease):
+            raise ProtocolError(f"expected a lease, got {type(reply).__name__}")
+        released = False
+        try:
+            m = reply.manifest
+            validate(m)
+            if m.transport != self.transport.kind:
+                raise ManifestError(
+                    f"manifest is for transport {m.transport.name}, not {self.transport.kind.name}"
+                )
+            self._note_incarnation(m)
+            targets = self._targets(m, into, dtypes)
+            sums = self._read_all(m, targets, t0)
+            released = True
+            rel = self._request(Release(reply.lease_id))
+            if isinstance(rel, ErrorReply) or not isinstance(rel, Released) or not rel.intact:
+                why = rel.message if isinstance(rel, ErrorReply) else "its slot was rewritten"
+                raise SnapshotOverwrittenError(
+                    f"version {m.version} changed under the pull ({why}); lease was {reply.lease_s} s"
+                )
+            arrays = {
+                t.name: numpy_view(targets[t.name][0], t.dtype, t.shape)
+                for t in m.tensors
+                if targets[t.name][0].nbytes == t.nbytes  # device destinations have no CPU view
+            }
+            _verify(m, sums)
+        except BaseException:
+            if not released:
+                with contextlib.suppress(XferError):
+                    self._request(Release(reply.lease_id))
+            raise
+        self.stats.pulls += 1
+        nbytes = sum(t.nbytes for t in m.tensors)
+        snap = Snapshot(m.version, m, arrays, time.monotonic() - t0, nbytes)
+        if convert is not None:
+            snap = Snapshot(snap.version, m, dict(convert(arrays)), snap.elapsed_s, nbytes)
+        return snap
+
+    def _note_incarnation(self, m: Manifest) -> None:
+        if self.stats.incarnation and self.stats.incarnation != m.incarnation:
+            self.stats.restarts_seen += 1  # new process, new regions: nothing cached about the old one
+            forget = getattr(self.transport, "forget_peer", None)
+            if forget is not None:
+                forget(m.region.shm_name)
+        self.stats.incarnation = m.incarnation
+
+    def _targets(
+        self, m: Manifest, into: Mapping[str, Any] | None, dtypes: Mapping[str, str] | None
+    ) -> dict[str, tuple[np.ndarray, Region, int]]:
+        """name -> (uint8 view of its destination, registered region holding it, offset in region)."""
+        out: dict[str, tuple[np.ndarray, Region, int]] = {}
+        if into is None:
+            need = m.region.nbytes
+            if self._staging is None or self._staging.nbytes < need:
+                if self._staging is not None:
+                    self.transport.unregister(self._staging)
+                    self._staging = None
+                self._staging = self.transport.alloc(need)
+            arr = self._staging.array
+            assert arr is not None
+            for t in m.tensors:
+                out[t.name] = (arr[t.offset : t.offset + t.nbytes], self._staging, t.offset)
+            return out
+        dtypes = dtypes or {}
+        views: dict[str, BufferView] = {n: view_of(b, dtypes.get(n)) for n, b in into.items()}
+        match_destinations(m.tensors, views)
+        for name, v in views.items():
+            region = self._register(v)
+            raw = (
+                region.array
+                if region.array is not None
+                else np.empty(0, np.uint8)  # device memory: no CPU view, checksums skipped
+            )
+            out[name] = (raw, region, 0)
+        return out
+
+    def _register(self, v: BufferView) -> Region:
+        key = (v.addr, v.nbytes)
+        region = self.stats.registered.get(key)
+        if region is None:
+            region = self.transport.register(v.owner)
+            self.stats.registered[key] = region
+        return region
+
+    def _read_all(
+        self, m: Manifest, targets: dict[str, tuple[np.ndarray, Region, int]], t0: float
+    ) -> dict[str, Future[int]]:
+        """Read every bucket; each tensor's crc32 is computed on a helper thread as soon as its last
+        piece has landed, overlapping the next bucket's transfer. Returns name -> crc32 future."""
+        deadline = t0 + self.config.pull_timeout_s
+        sums: dict[str, Future[int]] = {}
+        by_name = {t.name: t for t in m.tensors}
+        for bucket, finished in _buckets(m.tensors, targets, m, self.config.bucket_bytes):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerTimeoutError(
+                    f"pulling version {m.version} took over {self.config.pull_timeout_s} s"
+                )
+            result = self.transport.read(m.endpoint, bucket, timeout_s=left)
+            result.raise_for_status(m.endpoint, f"pulling version {m.version}")
+            if self.config.verify_checksums:
+                for name in finished:
+                    raw = targets[name][0]
+                    if by_name[name].crc32 >= 0 and raw.nbytes == by_name[name].nbytes:
+                        sums[name] = self._hasher.submit(zlib.crc32, raw)
+        return sums
+
+    def close(self) -> None:
+        self._hasher.shutdown(wait=True)
+        self._sock.close()
+        self._ctx.term()
+        for region in self.stats.registered.values():
+            self.transport.unregister(region)
+        self.stats.registered.clear()
+        if self._staging is not None:
+            self.transport.unregister(self._staging)
+            self._staging = None
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _buckets(
+    tensors: tuple[TensorEntry, ...],
+    targets: dict[str, tuple[np.ndarray, Region, int]],
+    m: Manifest,
+    bucket_bytes: int,
+) -> Iterator[tuple[list[Op], list[str]]]:
+    """Cut tensors into pieces of at most `bucket_bytes` and group them into batches of about that size;
+    each batch comes with the names of the tensors whose last piece it holds."""
+    bucket: list[Op] = []
+    finished: list[str] = []
+    size = 0
+    for t in tensors:
+        _, region, base = targets[t.name]
+        pos = 0
+        while pos < t.nbytes or (t.nbytes == 0 and pos == 0):
+            n = min(bucket_bytes, t.nbytes - pos)
+            bucket.append(Op(region, base + pos, m.region, t.offset + pos, n))
+            size += n
+            pos += max(n, 1)
+            if pos >= t.nbytes:
+                finished.append(t.name)
+            if size >= bucket_bytes:
+                yield bucket, finished
+                bucket, finished, size = [], [], 0
+    if bucket:
+        yield bucket, finished
+
+
+def _verify(m: Manifest, sums: Mapping[str, Future[int]]) -> None:
+    """Compare the crc32s computed during the pull with the manifest's (device memory is not checked)."""
+    for t in m.tensors:
+        fut = sums.get(t.name)
+        if fut is None:
+            continue
+        got = fut.result()
+        if got != t.crc32:
+            raise ChecksumError(f"{t.name!r} of version {m.version}: crc32 {got:#x} != {t.crc32:#x}")

@@ -1,0 +1,24 @@
+"""The `gyre-xfer` command: `doctor` moves real bytes over Mooncake on loopback and says which wheel it uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gyre_xfer.cli import main
+
+
+def test_doctor_reports_a_working_mooncake(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor"])
+    assert exit_info.value.code == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["mooncake"] == "ok"
+    assert report["mooncake_wheel"] == "mooncake-transfer-engine-non-cuda"
+    assert all(e.startswith("127.0.0.1:") for e in report["endpoints"])
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == "gyre-xfer 0.1.0"

@@ -1,0 +1,216 @@
+"""The transport layer on its own: Mooncake with its metadata server instead of the P2P handshake,
+range checks before any byte moves, shared memory peers that vanish, and errors that say what to install."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from importlib.abc import MetaPathFinder
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+
+import numpy as np
+import pytest
+from gyre_xfer import mooncake as mc_mod
+from gyre_xfer.errors import OutOfRangeError, TransportUnavailableError
+from gyre_xfer.protocol import RegionDesc
+from gyre_xfer.publisher import Publisher, PublisherConfig
+from gyre_xfer.transport import Config, EntryStatus, Op, open_transport
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def metadata_server() -> Iterator[str]:
+    """Mooncake's own HTTP metadata server (shipped in its wheel), in its own process on loopback."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mooncake.http_metadata_server",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--log-level",
+            "ERROR",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/metadata"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
+    a = open_transport(Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server))
+    b = open_transport(Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server))
+    try:
+        src = b.alloc(1 << 20)
+        assert src.array is not None
+        src.array[:] = np.arange(1 << 20) % 241
+        dst = a.alloc(1 << 20)
+        res = a.read(b.endpoint, [Op(dst, 0, src.desc, 0, 1 << 20)])
+        assert res.ok
+        assert dst.array is not None and np.array_equal(dst.array, src.array)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "shm"])
+def test_ranges_are_checked_before_any_byte_moves(kind: str) -> None:
+    a = open_transport(Config(kind=kind))
+    b = open_transport(Config(kind=kind))
+    try:
+        src = b.alloc(4096)
+        assert src.array is not None
+        src.array[:] = 9
+        dst = a.alloc(4096)
+        ops = [
+            Op(dst, 0, src.desc, 0, 1024),
+            Op(dst, 4000, src.desc, 0, 1024),  # local overflow
+            Op(dst, 1024, src.desc, 4000, 1024),  # remote overflow
+            Op(dst, 2048, src.desc, 0, 0),  # empty is fine
+            Op(dst, 3072, src.desc, 3072, 1024),
+        ]
+        res = a.read(b.endpoint, ops)
+        assert res.statuses == (
+            EntryStatus.OK,
+            EntryStatus.OUT_OF_RANGE,
+            EntryStatus.OUT_OF_RANGE,
+            EntryStatus.OK,
+            EntryStatus.OK,
+        )
+        assert "exceeds region" in res.detail and "exceeds peer region" in res.detail
+        assert dst.array is not None
+        assert (
+            (dst.array[:1024] == 9).all()
+            and (dst.array[1024:3072] == 0).all()
+            and (dst.array[3072:] == 9).all()
+        )
+        with pytest.raises(OutOfRangeError, match="2 of 5 entries failed"):
+            res.raise_for_status(b.endpoint, "reading")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shm_peer_that_went_away_is_peer_gone() -> None:
+    a = open_transport(Config(kind="shm"))
+    b = open_transport(Config(kind="shm"))
+    src = b.alloc(4096)
+    desc = src.desc
+    b.close()  # unlinks its segments, as a process exit with cleanup would
+    dst = a.alloc(4096)
+    res = a.read(b.endpoint, [Op(dst, 0, desc, 0, 4096)])
+    assert res.statuses == (EntryStatus.PEER_GONE,)
+    other_host = a.read("shm:elsewhere:boot", [Op(dst, 0, desc, 0, 1)])
+    assert other_host.statuses == (EntryStatus.FAILED,) and "not on this host" in other_host.detail
+    a.close()
+
+
+def test_torch_tensors_register_without_copies() -> None:
+    torch = pytest.importorskip("torch")
+    a = open_transport(Config())
+    b = open_transport(Config())
+    try:
+        src_t = torch.arange(1024, dtype=torch.float32).to(torch.bfloat16)
+        src = b.register(src_t)
+        dst_t = torch.zeros(1024, dtype=torch.bfloat16)
+        dst = a.register(dst_t)
+        assert a.read(b.endpoint, [Op(dst, 0, src.desc, 0, src.nbytes)]).ok
+        assert torch.equal(dst_t, src_t)
+    finally:
+        a.close()
+        b.close()
+
+
+class _LinkerFailure(MetaPathFinder):
+    """Stands in for the dynamic linker: libibverbs1 IS installed here, so its absence is simulated by
+    raising the exact ImportError text Python gives when the shared library cannot be loaded."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None) -> ModuleSpec | None:
+        if fullname == "mooncake.engine":
+            raise ImportError(self.message)
+        return None
+
+
+def test_missing_libibverbs_names_the_apt_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    finder = _LinkerFailure("libibverbs.so.1: cannot open shared object file: No such file or directory")
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    with pytest.raises(TransportUnavailableError, match=r"apt-get install -y libibverbs1"):
+        mc_mod.load_engine_class()
+
+
+def test_missing_wheel_names_the_extras(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if no mooncake wheel were installed
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    with pytest.raises(
+        TransportUnavailableError, match=r"gyre-xfer\[mooncake\]'.*gyre-xfer\[mooncake-cuda13\]"
+    ):
+        mc_mod.load_engine_class()
+
+
+def test_wheel_is_reported() -> None:
+    assert mc_mod.installed_wheel() == "mooncake-transfer-engine-non-cuda"
+
+
+def test_control_socket_stays_on_loopback() -> None:
+    tr = open_transport(Config(kind="shm"))
+    try:
+        with pytest.raises(ValueError, match=r"refusing to bind control socket tcp://0\.0\.0\.0"):
+            Publisher(tr, PublisherConfig(control="tcp://0.0.0.0:0"))
+        pub = Publisher(tr, PublisherConfig(control="tcp://0.0.0.0:0", allow_remote=True))
+        pub.close()
+        with pytest.raises(ValueError, match="unknown transport kind"):
+            open_transport(Config(kind="carrier-pigeon"))
+    finally:
+        tr.close()
+
+
+def test_region_desc_for_unallocated_memory_is_refused_by_shm_peers() -> None:
+    a = open_transport(Config(kind="shm"))
+    try:
+        dst = a.alloc(16)
+        res = a.read(a.endpoint, [Op(dst, 0, RegionDesc(5, 16, 0, ""), 0, 16)])
+        assert res.statuses == (EntryStatus.FAILED,) and "not in shared memory" in res.detail
+    finally:
+        a.close()
+
+
+def test_sweep_removes_segments_of_dead_processes(tmp_path: object) -> None:
+    import os
+    from pathlib import Path
+
+    from gyre_xfer.shm import sweep_orphans
+
+    d = Path(str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / f"gyre-{dead.pid}-abcd-1").write_bytes(b"x")
+    (d / f"gyre-{os.getpid()}-abcd-1").write_bytes(b"x")
+    (d / "someone-else").write_bytes(b"x")
+    assert sweep_orphans(str(d)) == [str(d / f"gyre-{dead.pid}-abcd-1")]
+    assert sorted(p.name for p in d.iterdir()) == [f"gyre-{os.getpid()}-abcd-1", "someone-else"]
