@@ -1,0 +1,167 @@
+"""A satellite replica: weights only, no optimizer. Started once (process, socket, model built), it says
+hello to the core and long-polls for micro-batches; when the core admits it, each assignment names the
+weight version to compute at, and the satellite pulls that gyre-xfer snapshot straight into its
+parameters before computing, then hands the flat gradient back as one raw frame.
+
+Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
+A heartbeat thread (its own socket) keeps the core from declaring a busy satellite dead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+from gyre_traj.loss import LossConfig
+from gyre_xfer.sockets import make_socket
+from gyre_xfer.subscriber import Subscriber, SubscriberConfig
+from gyre_xfer.transport import Config as XferConfig
+from gyre_xfer.transport import open_transport
+
+from gyre_train.model import Layout, ModelConfig, build_model, micro_gradient, params
+from gyre_train.protocol import (
+    PROTOCOL,
+    Ack,
+    Assign,
+    Claim,
+    ErrorReply,
+    Goodbye,
+    Gradient,
+    Heartbeat,
+    Hello,
+    Idle,
+    Reply,
+    Shutdown,
+    Welcome,
+    reply_decoder,
+)
+from gyre_train.wire import from_frames, microbatch_from_arrays
+
+
+class CoreGoneError(RuntimeError):
+    """The core did not answer within the deadline, or refused this satellite."""
+
+
+@dataclass(frozen=True)
+class SatelliteConfig:
+    core: str
+    """The core's ROUTER address (Core.address)."""
+    name: str
+    """Replica name, unique among the core's satellites."""
+    device: str = "cpu"
+    reply_timeout_s: float = 30.0
+    """Deadline for any reply from the core."""
+    idle_exit_s: float = 0.0
+    """Exit after this long without work (0 = wait for the core's Shutdown)."""
+    crash_after_claims: int = 0
+    """Fault injection for tests: SIGKILL this process right after receiving its N-th micro-batch
+    (0 = never), so the core sees a real death mid-batch."""
+
+
+class Satellite:
+    def __init__(self, cfg: SatelliteConfig) -> None:
+        self.cfg = cfg
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER)
+        self._sock.connect(cfg.core)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = reply_decoder()
+        w = self._request(Hello(PROTOCOL, cfg.name))
+        if not isinstance(w, Welcome):
+            raise CoreGoneError(f"core refused hello: {w}")
+        self.welcome = w
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="gyre-train-heartbeat", daemon=True)
+        self._beat.start()
+        self.loss = msgspec.json.decode(w.loss, type=LossConfig)
+        self.model_cfg = ModelConfig.from_json(w.model_config)
+        self.attention: Any = w.attention
+        self.model = build_model(self.model_cfg, self.attention, cfg.device)
+        self.layout = Layout.of(self.model)
+        self._transport = open_transport(XferConfig(kind=w.transport))
+        self._sub = Subscriber(self._transport, SubscriberConfig(publisher=w.publisher))
+        self.version = -1
+        self.snapshot = -1
+        self.claims = 0
+
+    def _request(self, req: Any, frames: list[Any] | None = None) -> tuple[Reply, list[Any]] | Reply:
+        self._sock.send_multipart([self._enc.encode(req), *(frames or [])], copy=False)
+        if not self._sock.poll(int(self.cfg.reply_timeout_s * 1000)):
+            raise CoreGoneError(f"core at {self.cfg.core} did not answer within {self.cfg.reply_timeout_s} s")
+        msg = self._sock.recv_multipart(copy=False)
+        rep = self._dec.decode(msg[0].buffer)
+        if isinstance(rep, ErrorReply):
+            raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
+        if isinstance(rep, Assign):
+            return rep, msg[1:]
+        return rep
+
+    def _heartbeat(self) -> None:
+        sock = make_socket(self._ctx, zmq.DEALER)
+        sock.connect(self.cfg.core)
+        enc = msgspec.msgpack.Encoder()
+        try:
+            while not self._stop.wait(self.welcome.heartbeat_s):
+                sock.send(enc.encode(Heartbeat(self.cfg.name)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close()
+
+    def pull(self, snapshot: int) -> float:
+        t0 = time.perf_counter()
+        snap = self._sub.pull(min_version=snapshot, into=params(self.model))
+        if snap.version != snapshot:
+            raise CoreGoneError(f"asked for snapshot {snapshot}, the publisher served {snap.version}")
+        self.snapshot = snapshot
+        return time.perf_counter() - t0
+
+    def run(self) -> int:
+        """Serve until the core says Shutdown (or `idle_exit_s` passes without work); returns the number
+        of micro-batches computed."""
+        done = 0
+        idle_since = time.monotonic()
+        while True:
+            got = self._request(Claim(self.cfg.name, self.version))
+            if isinstance(got, Shutdown):
+                break
+            if isinstance(got, Idle):
+                if self.cfg.idle_exit_s and time.monotonic() - idle_since > self.cfg.idle_exit_s:
+                    self._request(Goodbye(self.cfg.name))
+                    break
+                continue
+            if not isinstance(got, tuple):
+                raise CoreGoneError(f"unexpected reply {got}")
+            a, frames = got
+            assert isinstance(a, Assign)
+            self.claims += 1
+            if self.cfg.crash_after_claims and self.claims >= self.cfg.crash_after_claims:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pull_s = 0.0
+            if self.snapshot != a.snapshot:
+                pull_s = self.pull(a.snapshot)
+                self.version = a.version
+            batch = microbatch_from_arrays(from_frames(a.arrays, frames))
+            grad, metrics = micro_gradient(self.model, self.layout, batch, self.loss, self.attention)
+            metrics["pull_s"] = pull_s
+            g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics)
+            ack = self._request(g, [memoryview(grad).cast("B")])
+            if not isinstance(ack, Ack):
+                raise CoreGoneError(f"expected an ack, got {ack}")
+            done += 1
+            idle_since = time.monotonic()
+        return done
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join(timeout=5.0)
+        self._sub.close()
+        self._transport.close()
+        self._sock.close()
+        self._ctx.term()
