@@ -57,6 +57,8 @@ class SatelliteConfig:
     device: str = "cpu"
     reply_timeout_s: float = 30.0
     """Deadline for any reply from the core."""
+    hello_timeout_s: float = 120.0
+    """Deadline for the core to answer the first hello (it may still be starting)."""
     idle_exit_s: float = 0.0
     """Exit after this long without work (0 = wait for the core's Shutdown)."""
     crash_after_claims: int = 0
@@ -72,7 +74,7 @@ class Satellite:
         self._sock.connect(cfg.core)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = reply_decoder()
-        w = self._request(Hello(PROTOCOL, cfg.name))
+        w = self._request(Hello(PROTOCOL, cfg.name), timeout_s=cfg.hello_timeout_s)
         if not isinstance(w, Welcome):
             raise CoreGoneError(f"core refused hello: {w}")
         self.welcome = w
@@ -90,10 +92,13 @@ class Satellite:
         self.snapshot = -1
         self.claims = 0
 
-    def _request(self, req: Any, frames: list[Any] | None = None) -> tuple[Reply, list[Any]] | Reply:
+    def _request(
+        self, req: Any, frames: list[Any] | None = None, timeout_s: float | None = None
+    ) -> tuple[Reply, list[Any]] | Reply:
         self._sock.send_multipart([self._enc.encode(req), *(frames or [])], copy=False)
-        if not self._sock.poll(int(self.cfg.reply_timeout_s * 1000)):
-            raise CoreGoneError(f"core at {self.cfg.core} did not answer within {self.cfg.reply_timeout_s} s")
+        limit = self.cfg.reply_timeout_s if timeout_s is None else timeout_s
+        if not self._sock.poll(int(limit * 1000)):
+            raise CoreGoneError(f"core at {self.cfg.core} did not answer within {limit} s")
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):

@@ -49,6 +49,7 @@ class _Replica:
     last_seen: float
     admitted_at: float | None = None
     first_gradient_at: float | None = None
+    claims: int = 0
     gradients: int = 0
     last_pull_s: float = 0.0
 
@@ -93,6 +94,7 @@ class ReplicaServer:
             for r in self._reps.values():
                 d: dict[str, float | bool | int] = {
                     "admitted": r.name in self._admitted,
+                    "claims": r.claims,
                     "gradients": r.gradients,
                     "last_pull_s": r.last_pull_s,
                 }
@@ -215,6 +217,10 @@ class ReplicaServer:
         if got is None:
             return False
         st, i = got
+        with self._mu:
+            rep = self._reps.get(replica)
+            if rep is not None:
+                rep.claims += 1
         specs, bufs = self.core.assignment(i)
         a = Assign(st.batch, i, st.version, self.core.snapshot, specs, self.core.cfg.attention)
         self._send(ident, a, bufs)

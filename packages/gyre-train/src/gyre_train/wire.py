@@ -98,8 +98,8 @@ def check_microbatch(b: PackedBatch, *, token_budget: int, vocab_size: int, wher
     # A child lies inside its parent's subtree interval, and its own subtree nests inside the parent's.
     if np.any(idx[has] > b.last_desc[p]) or np.any(b.last_desc[has] > b.last_desc[p]):
         raise MicroBatchError(at + "malformed mask: a token's subtree (last_desc) is not nested in its parent's")
-    if np.any(b.position_ids < 0):
-        raise MicroBatchError(at + "malformed: negative position ids")
+    if np.any(b.position_ids[~has] != 0):
+        raise MicroBatchError(at + "malformed: a root token (parent -1) must have position 0")
     if b.num_loss_tokens:
         if np.any(~np.isfinite(b.old_logprobs)) or np.any(b.old_logprobs > 0):
             raise MicroBatchError(at + "old_logprobs must be finite and <= 0")
