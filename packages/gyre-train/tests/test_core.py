@@ -30,7 +30,7 @@ B = synthetic_minibatch(4, seed=2)
 
 
 def new_core(**kw: object) -> Core:
-    return Core(build_model(MC), MC, CoreConfig(token_budget=1024, **kw))  # type: ignore[arg-type]
+    return Core(build_model(MC), MC, CoreConfig(token_budget=512, **kw))  # type: ignore[arg-type]
 
 
 def weights(core: Core) -> dict[str, torch.Tensor]:
@@ -163,7 +163,7 @@ def test_malformed_minibatch_is_refused_whole_and_loses_nothing() -> None:
         bad = [*A[:2], dataclasses.replace(A[2], last_desc=np.zeros_like(A[2].last_desc))]
         with pytest.raises(MicroBatchError, match="micro-batch 2: malformed"):
             core.train_step(bad)
-        with pytest.raises(MicroBatchError, match="over the micro-batch budget of 1024"):
+        with pytest.raises(MicroBatchError, match="over the micro-batch budget of 512"):
             core.train_step([dataclasses.replace(A[0], **_doubled(A[0]))])
         assert (core.step, core.version, core.queue_position) == (0, 0, 0)
         assert_same(weights(core), before)

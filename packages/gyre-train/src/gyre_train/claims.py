@@ -21,7 +21,7 @@ class ClaimError(ValueError):
 @dataclass
 class StepState:
     batch: int
-    """Mini-batch sequence number (the queue position it was taken from)."""
+    """Mini-batch id, unique for the core process's life (assignments and gradients carry it)."""
     n: int
     numel: int
     version: int

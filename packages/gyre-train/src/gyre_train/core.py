@@ -113,6 +113,7 @@ class Core:
         self.step = 0
         self.version = 0
         self.queue_position = 0
+        self._batch_seq = 0
         self._transport = open_transport(XferConfig(kind=self.cfg.transport))
         self.publisher = Publisher(self._transport, PublisherConfig())
         self.snapshot = self.publisher.publish(params(model))
@@ -202,7 +203,8 @@ class Core:
         with self._lock:
             self._frames = frames
             self._metrics = {}
-            self._state = StepState(self.queue_position, len(microbatches), self.layout.numel, self.version)
+            self._batch_seq += 1  # unique for this process's life, so no late gradient can match a later step
+            self._state = StepState(self._batch_seq, len(microbatches), self.layout.numel, self.version)
             st = self._state
         scratch = np.empty(self.layout.numel, np.float32)
         deadline = time.monotonic() + self.cfg.step_timeout_s

@@ -17,23 +17,23 @@ from gyre_traj.tree import ExecutionTree
 from gyre_train.wire import MICROBATCH_FIELDS, MicroBatchError, microbatch_from_arrays
 
 SMALL = SynthConfig(
-    main_calls=8,
-    max_context=400,
+    main_calls=6,
+    max_context=200,
     compactions=1,
     subagents=1,
     subagent_calls=2,
     subagent_compactions=0,
     retries=1,
-    system_tokens=40,
-    output_tokens=(8, 30),
-    summary_tokens=30,
+    system_tokens=30,
+    output_tokens=(6, 20),
+    summary_tokens=20,
 )
 
 
 def synthetic_minibatch(
     executions: int = 4,
     seed: int = 0,
-    token_budget: int = 1024,
+    token_budget: int = 512,
     synth: SynthConfig = SMALL,
     j_max: int = 3,
     mode: str = "tree",

@@ -30,6 +30,7 @@ from gyre_train.protocol import (
     Ack,
     Assign,
     Claim,
+    ErrorCode,
     ErrorReply,
     Goodbye,
     Gradient,
@@ -91,6 +92,7 @@ class Satellite:
         self.version = -1
         self.snapshot = -1
         self.claims = 0
+        self.rejoins = 0
 
     def _request(
         self, req: Any, frames: list[Any] | None = None, timeout_s: float | None = None
@@ -102,6 +104,8 @@ class Satellite:
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim):
+                return rep  # the core presumed us dead while we were silent: say hello again
             raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
         if isinstance(rep, Assign):
             return rep, msg[1:]
@@ -136,6 +140,11 @@ class Satellite:
             got = self._request(Claim(self.cfg.name, self.version))
             if isinstance(got, Shutdown):
                 break
+            if isinstance(got, ErrorReply):  # presumed dead: register again (same process, same model)
+                if not isinstance(self._request(Hello(PROTOCOL, self.cfg.name)), Welcome):
+                    raise CoreGoneError("core refused a second hello")
+                self.rejoins += 1
+                continue
             if isinstance(got, Idle):
                 if self.cfg.idle_exit_s and time.monotonic() - idle_since > self.cfg.idle_exit_s:
                     self._request(Goodbye(self.cfg.name))

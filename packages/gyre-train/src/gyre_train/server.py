@@ -83,6 +83,7 @@ class ReplicaServer:
             if rep is not None:
                 rep.admitted_at = time.monotonic()
                 rep.first_gradient_at = None
+                rep.claims = 0  # counted since admission
 
     def dismiss(self, replica: str) -> None:
         with self._mu:
