@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gyre_train.claims import ClaimError, StepState
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gyre_train.claims import ClaimError, StepState
 
 
 def _grads(n: int, numel: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     # Values of very different magnitudes, so that a different summation order would change the bits.
-    return [(rng.standard_normal(numel) * 10.0 ** rng.integers(-6, 6, numel)).astype(np.float32) for _ in range(n)]
+    return [
+        (rng.standard_normal(numel) * 10.0 ** rng.integers(-6, 6, numel)).astype(np.float32) for _ in range(n)
+    ]
 
 
 def _reference(grads: list[np.ndarray]) -> np.ndarray:
@@ -28,7 +29,10 @@ def _reference(grads: list[np.ndarray]) -> np.ndarray:
 @given(
     n=st.integers(1, 12),
     seed=st.integers(0, 2**16),
-    script=st.lists(st.tuples(st.sampled_from(["core", "s1", "s2"]), st.sampled_from(["claim", "finish", "die"])), max_size=80),
+    script=st.lists(
+        st.tuples(st.sampled_from(["core", "s1", "s2"]), st.sampled_from(["claim", "finish", "die"])),
+        max_size=80,
+    ),
 )
 def test_sum_is_order_independent(n: int, seed: int, script: list[tuple[str, str]]) -> None:
     grads = _grads(n, 33, seed)

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import zmq
-
 from gyre_train.checkpoint import CheckpointError
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
@@ -89,11 +88,16 @@ def test_mu_2_burst_with_a_satellite_equals_one_replica(
     assert [r.version for r in reports] == [1, 2]
     assert reports[0].by_replica.get("sat-t", 0) > 0
     assert sum(r.by_replica.get("sat-t", 0) for r in reports) >= 1
-    assert sat.snapshot in (reports[0].snapshot - 1, reports[1].snapshot - 1)  # pulled the version it computed at
+    assert sat.snapshot in (
+        reports[0].snapshot - 1,
+        reports[1].snapshot - 1,
+    )  # pulled the version it computed at
     assert_same(weights(core), reference)  # the same floats: gradients are summed in micro-batch order
 
 
-def test_checkpoint_resume_gives_the_same_next_update(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_checkpoint_resume_gives_the_same_next_update(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
     first = new_core()
     first.train_step(A)
     first.save(tmp_path / "ck")
@@ -125,7 +129,9 @@ def test_each_version_is_a_snapshot_an_engine_loads() -> None:
     tr = open_transport(Config(kind="shm"))
     try:
         r = core.train_step(A)
-        loader = WeightLoader(tr, SubscriberConfig(publisher=core.publisher.address), dict(engine.named_parameters()))
+        loader = WeightLoader(
+            tr, SubscriberConfig(publisher=core.publisher.address), dict(engine.named_parameters())
+        )
         res = loader.load(min_version=r.snapshot)
         assert res.version == r.snapshot == core.snapshot
         assert_same({n: p.detach() for n, p in engine.named_parameters()}, weights(core))
@@ -143,7 +149,10 @@ def test_staleness_is_reported_and_future_versions_refused() -> None:
     try:
         core.train_step(A)
         core.train_step(B)
-        old = [dataclasses.replace(b, versions=np.where(np.arange(b.num_loss_tokens) % 2, 0, 2).astype(np.int32)) for b in A]
+        old = [
+            dataclasses.replace(b, versions=np.where(np.arange(b.num_loss_tokens) % 2, 0, 2).astype(np.int32))
+            for b in A
+        ]
         r = core.train_step(old)
         n0 = sum(int((b.versions == 0).sum()) for b in old)
         n2 = sum(int((b.versions == 2).sum()) for b in old)

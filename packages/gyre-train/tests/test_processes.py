@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
 from gyre_train.model import ModelConfig, build_model
@@ -39,12 +38,23 @@ def wait_for(cond: object, timeout_s: float, what: str) -> None:
 class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.core = Core(
-            build_model(MC), MC, CoreConfig(token_budget=512, heartbeat_s=0.25, dead_after_s=5.0, idle_hold_s=0.5)
+            build_model(MC),
+            MC,
+            CoreConfig(token_budget=512, heartbeat_s=0.25, dead_after_s=5.0, idle_hold_s=0.5),
         )
         self.init = self.core.save(tmp / "init")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for name in (*SATS, CRASHER):
-            cmd = [sys.executable, "-m", "gyre_train.cli", "satellite", "--core", self.core.address, "--name", name]
+            cmd = [
+                sys.executable,
+                "-m",
+                "gyre_train.cli",
+                "satellite",
+                "--core",
+                self.core.address,
+                "--name",
+                name,
+            ]
             if name == CRASHER:
                 cmd += ["--crash-after-claims", "1"]
             with open(tmp / f"{name}.log", "wb") as log:
@@ -109,7 +119,9 @@ def test_satellites_joining_at_random_points_change_nothing(
         for name, (s, at) in joins.items():
             if s == step[0] and at == k:
                 core.admit(name)
-                wait_for(lambda n=name: core.replicas().get(n, {}).get("claims", 0) > 0, 120.0, f"{name} to claim")
+                wait_for(
+                    lambda n=name: core.replicas().get(n, {}).get("claims", 0) > 0, 120.0, f"{name} to claim"
+                )
 
     for name, (s, at) in joins.items():
         if s == 0 and at == 0:
@@ -134,7 +146,11 @@ def test_satellite_killed_mid_batch_is_requeued(cluster: Cluster, reference: dic
 
     def progress(k: int) -> None:
         if k == 1:
-            wait_for(lambda: CRASHER in core._server.dead or core.replicas().get(CRASHER, {}).get("claims", 0) > 0, 120.0, "crasher")
+            wait_for(
+                lambda: CRASHER in core._server.dead or core.replicas().get(CRASHER, {}).get("claims", 0) > 0,
+                120.0,
+                "crasher",
+            )
 
     first = core.train_step(A, on_progress=progress)
     assert CRASHER not in first.by_replica  # it died holding its claim and never delivered

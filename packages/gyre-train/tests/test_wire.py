@@ -8,7 +8,6 @@ import dataclasses
 import msgspec
 import numpy as np
 import pytest
-
 from gyre_train.data import synthetic_minibatch
 from gyre_train.protocol import (
     PROTOCOL,

@@ -35,7 +35,10 @@ def save(core: Core, path: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     names = {id(p): n for n, p in core.model.named_parameters()}
-    save_file({n: p.detach().cpu().contiguous() for n, p in core.model.named_parameters()}, str(tmp / "model.safetensors"))
+    save_file(
+        {n: p.detach().cpu().contiguous() for n, p in core.model.named_parameters()},
+        str(tmp / "model.safetensors"),
+    )
     opt: dict[str, torch.Tensor] = {}
     for p, st in core.optimizer.state.items():
         n = names[id(p)]
@@ -73,7 +76,9 @@ def load(core: Core, path: Path) -> None:
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {state.get('format')}, expected {FORMAT}")
     if state["layout"] != core.layout.digest:
-        raise CheckpointError(f"{path}: parameter layout {state['layout']} differs from the model's {core.layout.digest}")
+        raise CheckpointError(
+            f"{path}: parameter layout {state['layout']} differs from the model's {core.layout.digest}"
+        )
     weights = load_file(str(path / "model.safetensors"))
     opt = load_file(str(path / "optimizer.safetensors"))
     ps = dict(core.model.named_parameters())

@@ -48,7 +48,9 @@ class StepState:
 
     def release(self, replica: str, indices: list[int] | None = None) -> int:
         """Return `replica`'s claims (all, or `indices`) to the front of the queue; returns how many."""
-        mine = sorted(i for i, r in self.claimed.items() if r == replica and (indices is None or i in indices))
+        mine = sorted(
+            i for i, r in self.claimed.items() if r == replica and (indices is None or i in indices)
+        )
         for i in reversed(mine):
             del self.claimed[i]
             self.pending.appendleft(i)
@@ -68,7 +70,9 @@ class StepState:
             if index in self.pending:  # re-queued after this replica was presumed dead: still valid
                 self.pending.remove(index)
             else:
-                raise ClaimError(f"micro-batch {index} is held by {self.claimed.get(index)!r}, not {replica!r}")
+                raise ClaimError(
+                    f"micro-batch {index} is held by {self.claimed.get(index)!r}, not {replica!r}"
+                )
         self.claimed.pop(index, None)
         self.done[index] = replica
         self._waiting[index] = grad

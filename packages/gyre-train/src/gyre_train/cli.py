@@ -1,8 +1,8 @@
 """`gyre-train`: run a core, a satellite, or the benchmark.
 
-    gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its address, then a JSON line per step
-    gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
-    gyre-train bench [--quick] [--device cuda]
+gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its address, then a JSON line per step
+gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
+gyre-train bench [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ def _core(args: argparse.Namespace) -> int:
         ckpt = Path(args.checkpoint) if args.checkpoint else None
         if ckpt is not None and (ckpt / "state.json").exists():
             core.load(ckpt)
-        print(json.dumps({"address": core.address, "publisher": core.publisher.address, "version": core.version}), flush=True)
+        print(
+            json.dumps(
+                {"address": core.address, "publisher": core.publisher.address, "version": core.version}
+            ),
+            flush=True,
+        )
         deadline = time.monotonic() + args.wait_satellites_s
         while len(core.replicas()) < args.wait_satellites and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -46,7 +51,11 @@ def _core(args: argparse.Namespace) -> int:
         total = len(args.data) if args.data else args.synthetic
         while core.queue_position < total:
             k = core.queue_position
-            mbs = read_packed_dir(sources[k]) if args.data else synthetic_minibatch(4, seed=k, token_budget=args.budget)
+            mbs = (
+                read_packed_dir(sources[k])
+                if args.data
+                else synthetic_minibatch(4, seed=k, token_budget=args.budget)
+            )
             rep = core.train_step(mbs)
             if ckpt is not None:
                 core.save(ckpt)
@@ -85,7 +94,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gyre-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="gyre-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("core", help="run the core replica over synthetic or packed mini-batches")
     c.add_argument("--bind", default="tcp://127.0.0.1:0")

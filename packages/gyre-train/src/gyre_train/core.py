@@ -25,8 +25,8 @@ from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import open_transport
 
 from gyre_train.claims import StepState
-from gyre_train.protocol import ArraySpec
 from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
+from gyre_train.protocol import ArraySpec
 from gyre_train.server import ReplicaServer
 from gyre_train.wire import MicroBatchError, check_microbatch, microbatch_arrays, to_frames
 
@@ -99,9 +99,7 @@ class StepReport:
 
 
 class Core:
-    def __init__(
-        self, model: torch.nn.Module, model_cfg: ModelConfig, cfg: CoreConfig | None = None
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, cfg: CoreConfig | None = None) -> None:
         self.cfg = cfg or CoreConfig()
         self.model = model
         self.model_cfg = model_cfg
@@ -183,7 +181,9 @@ class Core:
     def check(self, microbatches: Sequence[PackedBatch]) -> None:
         """Refuse the whole mini-batch (nothing enqueued) if any micro-batch is malformed."""
         for i, b in enumerate(microbatches):
-            check_microbatch(b, token_budget=self.cfg.token_budget, vocab_size=self.model_cfg.vocab_size, where=str(i))
+            check_microbatch(
+                b, token_budget=self.cfg.token_budget, vocab_size=self.model_cfg.vocab_size, where=str(i)
+            )
             if b.num_loss_tokens and int(b.versions.max()) > self.version:
                 raise MicroBatchError(
                     f"micro-batch {i}: tokens sampled at version {int(b.versions.max())}, "

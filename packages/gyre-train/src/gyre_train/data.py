@@ -49,7 +49,10 @@ def synthetic_minibatch(
         trees.append(t)
     scores = rng.uniform(0, 1, size=executions)
     adv = scores - scores.mean()
-    items = [PackItem(t, select(t, SelectionConfig(j_max=j_max)), float(a)) for t, a in zip(trees, adv, strict=True)]
+    items = [
+        PackItem(t, select(t, SelectionConfig(j_max=j_max)), float(a))
+        for t, a in zip(trees, adv, strict=True)
+    ]
     return pack(items, PackConfig(token_budget=token_budget, mode=mode))  # type: ignore[arg-type]
 
 

@@ -54,7 +54,7 @@ class ModelConfig:
             head_dim=self.head_dim,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
-            attn_implementation="flex_attention" if attention == "flex" else "sdpa",
+            attn_implementation="flex_attention" if attention == "flex" else "sdpa",  # type: ignore[call-arg]
         )
 
     def to_json(self) -> str:

@@ -24,7 +24,7 @@ from gyre_xfer.subscriber import Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import open_transport
 
-from gyre_train.model import Layout, ModelConfig, build_model, micro_gradient, params
+from gyre_train.model import Attention, Layout, ModelConfig, build_model, micro_gradient, params
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
@@ -84,7 +84,9 @@ class Satellite:
         self._beat.start()
         self.loss = msgspec.json.decode(w.loss, type=LossConfig)
         self.model_cfg = ModelConfig.from_json(w.model_config)
-        self.attention: Any = w.attention
+        if w.attention not in ("dense", "flex"):
+            raise CoreGoneError(f"core asks for unknown attention {w.attention!r}")
+        self.attention: Attention = "flex" if w.attention == "flex" else "dense"
         self.model = build_model(self.model_cfg, self.attention, cfg.device)
         self.layout = Layout.of(self.model)
         self._transport = open_transport(XferConfig(kind=w.transport))

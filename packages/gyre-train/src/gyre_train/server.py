@@ -148,7 +148,9 @@ class ReplicaServer:
         now = time.monotonic()
         if isinstance(req, Hello):
             if req.protocol != PROTOCOL:
-                self._send(ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}"))
+                self._send(
+                    ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
+                )
                 return
             with self._mu:
                 if self.core.cfg.admit_on_hello:
@@ -162,7 +164,15 @@ class ReplicaServer:
             c = self.core
             self._send(
                 ident,
-                Welcome(PROTOCOL, c.publisher.address, c.cfg.transport, c.cfg.heartbeat_s, c.model_cfg.to_json(), msgspec.json.encode(c.cfg.loss).decode(), c.cfg.attention),
+                Welcome(
+                    PROTOCOL,
+                    c.publisher.address,
+                    c.cfg.transport,
+                    c.cfg.heartbeat_s,
+                    c.model_cfg.to_json(),
+                    msgspec.json.encode(c.cfg.loss).decode(),
+                    c.cfg.attention,
+                ),
             )
             return
         with self._mu:
@@ -172,7 +182,10 @@ class ReplicaServer:
         if isinstance(req, Heartbeat):
             return
         if rep is None:
-            self._send(ident, ErrorReply(ErrorCode.UNKNOWN_REPLICA, f"{req.replica!r}: say hello first (or declared dead)"))
+            self._send(
+                ident,
+                ErrorReply(ErrorCode.UNKNOWN_REPLICA, f"{req.replica!r}: say hello first (or declared dead)"),
+            )
             return
         if isinstance(req, Claim):
             if self._closing.is_set():
@@ -190,11 +203,19 @@ class ReplicaServer:
 
     def _gradient(self, ident: bytes, rep: _Replica, req: Gradient, frames: list[Any]) -> None:
         if len(frames) != 1 or req.numel != self.core.layout.numel:
-            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, f"expected one frame of {self.core.layout.numel} float32"))
+            self._send(
+                ident,
+                ErrorReply(ErrorCode.BAD_GRADIENT, f"expected one frame of {self.core.layout.numel} float32"),
+            )
             return
         buf = frames[0].buffer
         if memoryview(buf).nbytes != 4 * req.numel:
-            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, f"frame has {memoryview(buf).nbytes} bytes, need {4 * req.numel}"))
+            self._send(
+                ident,
+                ErrorReply(
+                    ErrorCode.BAD_GRADIENT, f"frame has {memoryview(buf).nbytes} bytes, need {4 * req.numel}"
+                ),
+            )
             return
         grad = np.frombuffer(buf, dtype="<f4")
         try:

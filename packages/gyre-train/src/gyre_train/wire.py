@@ -69,7 +69,22 @@ def microbatch_from_arrays(arrays: Mapping[str, np.ndarray]) -> PackedBatch:
     missing = [k for k in MICROBATCH_FIELDS if k not in arrays]
     if missing:
         raise MicroBatchError(f"micro-batch is missing arrays {missing}")
-    return PackedBatch(mode="tree", **{k: arrays[k] for k in MICROBATCH_FIELDS})
+    a = arrays
+    return PackedBatch(
+        mode="tree",
+        input_ids=a["input_ids"],
+        position_ids=a["position_ids"],
+        parent=a["parent"],
+        last_desc=a["last_desc"],
+        segment=a["segment"],
+        target_pos=a["target_pos"],
+        target_ids=a["target_ids"],
+        old_logprobs=a["old_logprobs"],
+        advantages=a["advantages"],
+        weights=a["weights"],
+        versions=a["versions"],
+        target_nodes=a["target_nodes"],
+    )
 
 
 def check_microbatch(b: PackedBatch, *, token_budget: int, vocab_size: int, where: str = "") -> None:
@@ -97,7 +112,9 @@ def check_microbatch(b: PackedBatch, *, token_budget: int, vocab_size: int, wher
     p = par[has]
     # A child lies inside its parent's subtree interval, and its own subtree nests inside the parent's.
     if np.any(idx[has] > b.last_desc[p]) or np.any(b.last_desc[has] > b.last_desc[p]):
-        raise MicroBatchError(at + "malformed mask: a token's subtree (last_desc) is not nested in its parent's")
+        raise MicroBatchError(
+            at + "malformed mask: a token's subtree (last_desc) is not nested in its parent's"
+        )
     if np.any(b.position_ids[~has] != 0):
         raise MicroBatchError(at + "malformed: a root token (parent -1) must have position 0")
     if b.num_loss_tokens:
