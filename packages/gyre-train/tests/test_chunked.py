@@ -4,6 +4,8 @@ gathers exactly each chunk's ancestors."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ BIG = synthetic_minibatch(2, seed=5, token_budget=100_000)[0]
 def test_plan_covers_each_token_once_and_gathers_ancestors(budget: int) -> None:
     chunks = plan(BIG, budget)
     assert chunks[0].lo == 0 and chunks[-1].hi == BIG.num_tokens
-    for a, b in zip(chunks[:-1], chunks[1:], strict=True):
+    for a, b in itertools.pairwise(chunks):
         assert a.hi == b.lo
     par = BIG.parent
     for c in chunks:

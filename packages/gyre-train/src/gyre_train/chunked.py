@@ -15,6 +15,7 @@ micro-batch (tested on the CPU within float tolerance).
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ def plan(b: PackedBatch, budget: int) -> list[Chunk]:
         bounds.append(s if s > lo + budget // 2 else limit)
     tp = b.target_pos.astype(np.int64)
     out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         ext = np.flatnonzero(b.last_desc[:lo] >= lo)
         needed = bool(np.any(b.last_desc[lo:hi] >= hi))
         out.append(Chunk(lo, hi, ext, needed, np.flatnonzero((tp >= lo) & (tp < hi))))
