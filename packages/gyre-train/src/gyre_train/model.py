@@ -69,8 +69,9 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
-    return model.to(device).train()
+    with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
+        model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
+    return model.train()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 from gyre_traj.loss import LossConfig
 from gyre_xfer.sockets import make_socket
@@ -95,6 +96,7 @@ class Satellite:
         self.snapshot = -1
         self.claims = 0
         self.rejoins = 0
+        self._staging: dict[str, torch.Tensor] | None = None
 
     def _request(
         self, req: Any, frames: list[Any] | None = None, timeout_s: float | None = None
@@ -127,7 +129,17 @@ class Satellite:
 
     def pull(self, snapshot: int) -> float:
         t0 = time.perf_counter()
-        snap = self._sub.pull(min_version=snapshot, into=params(self.model))
+        ps = params(self.model)
+        if all(p.device.type == "cpu" for p in ps.values()):
+            snap = self._sub.pull(min_version=snapshot, into=ps)  # straight into the parameters
+        else:  # accelerator: into pinned host buffers (registered once), then one copy per tensor
+            if self._staging is None:
+                self._staging = {n: torch.empty(p.shape, dtype=p.dtype).pin_memory() for n, p in ps.items()}
+            snap = self._sub.pull(min_version=snapshot, into=self._staging)
+            with torch.no_grad():
+                for n, p in ps.items():
+                    p.copy_(self._staging[n], non_blocking=True)
+            torch.cuda.synchronize()
         if snap.version != snapshot:
             raise CoreGoneError(f"asked for snapshot {snapshot}, the publisher served {snap.version}")
         self.snapshot = snapshot

@@ -50,6 +50,7 @@ class _Replica:
     admitted_at: float | None = None
     first_gradient_at: float | None = None
     claims: int = 0
+    polls: int = 0
     gradients: int = 0
     last_pull_s: float = 0.0
 
@@ -95,6 +96,7 @@ class ReplicaServer:
             for r in self._reps.values():
                 d: dict[str, float | bool | int] = {
                     "admitted": r.name in self._admitted,
+                    "ready": r.polls > 0,
                     "claims": r.claims,
                     "gradients": r.gradients,
                     "last_pull_s": r.last_pull_s,
@@ -188,6 +190,8 @@ class ReplicaServer:
             )
             return
         if isinstance(req, Claim):
+            with self._mu:
+                rep.polls += 1
             if self._closing.is_set():
                 self._send(ident, Shutdown("core is closing"))
             elif not self._try_assign(ident, req.replica):
