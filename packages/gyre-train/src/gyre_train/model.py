@@ -40,6 +40,8 @@ class ModelConfig:
     seed: int = 0
     dtype: str = "float32"
     """Parameter dtype: "float32" or "bfloat16"."""
+    backend: str = "transformers"
+    """"transformers" (Qwen3ForCausalLM) or "megatron" (megatron-core GPTModel, extra `gyre-train[megatron]`)."""
 
     def hf_config(self, attention: Attention = "dense") -> Any:
         from transformers import Qwen3Config
@@ -68,6 +70,15 @@ class ModelConfig:
 def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = "cpu") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    if cfg.backend == "megatron":
+        from gyre_train import megatron
+
+        if device == "cpu":
+            megatron.init_cpu(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        return megatron.build_gpt(cfg).to(device).train()
+    if cfg.backend != "transformers":
+        raise ValueError(f"unknown backend {cfg.backend!r}: use 'transformers' or 'megatron'")
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
         model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
@@ -116,7 +127,12 @@ def micro_gradient(
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     tb = TorchBatch.from_packed(batch, device=device)
-    lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
+    if type(model).__module__.startswith("megatron."):  # a Megatron-core GPTModel
+        from gyre_train.megatron import tree_target_logprobs
+
+        lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
+    else:
+        lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
     loss, metrics = policy_loss(lp, tb, loss_cfg)
     loss.backward()
     flat = out if out is not None else np.empty(layout.numel, np.float32)
