@@ -22,6 +22,7 @@ from gyre_train.model import ModelConfig, build_model
 from gyre_train.protocol import PROTOCOL, ErrorCode, ErrorReply, Gradient, Hello, Welcome, reply_decoder
 from gyre_train.satellite import Satellite, SatelliteConfig
 from gyre_train.wire import MicroBatchError
+from gyre_traj.loss import LossConfig
 
 MC = ModelConfig()
 A = synthetic_minibatch(4, seed=1)
@@ -221,3 +222,30 @@ def test_bad_peers_get_clear_errors() -> None:
         s.close()
         ctx.term()
         core.close()
+
+
+def test_chunked_microbatches_in_the_core_and_a_satellite_match_unchunked() -> None:
+    big = synthetic_minibatch(4, seed=6, token_budget=1500)  # micro-batches several times the chunk budget
+    cfg = dict(token_budget=1500, loss=LossConfig(mode="tis"))
+    plain = Core(build_model(MC), MC, CoreConfig(**cfg))  # type: ignore[arg-type]
+    try:
+        plain.train_step(big)
+        want = weights(plain)
+    finally:
+        plain.close()
+    core = Core(build_model(MC), MC, CoreConfig(chunk_budget=200, **cfg))  # type: ignore[arg-type]
+    sat = Satellite(SatelliteConfig(core.address, "sat-c"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    try:
+        core.admit("sat-c")
+        wait_for(lambda: core.replicas().get("sat-c", {}).get("ready", False))
+        r = core.train_step(
+            big, on_progress=lambda k: wait_for(lambda: core.replicas()["sat-c"]["claims"] > 0)
+        )
+        assert r.by_replica.get("sat-c", 0) >= 1 and max(b.num_tokens for b in big) > 200
+        assert_same(weights(core), want, atol=1e-6)
+    finally:
+        core.close()
+        th.join(timeout=30)
+        sat.close()

@@ -59,6 +59,9 @@ class CoreConfig:
     """"dense" 4D boolean ancestor mask (CPU) or "flex" FlexAttention BlockMask (GPU)."""
     admit_on_hello: bool = False
     """Admit every satellite as soon as it says hello (standalone runs; a scheduler admits explicitly)."""
+    chunk_budget: int = 0
+    """Train a micro-batch with more tokens than this in chunks with the shared prefix computed once
+    (activation memory of one chunk; `token_budget` may then be far larger). 0 = off."""
     core_computes: bool = True
     """The core claims micro-batches too (False: it only aggregates)."""
     heartbeat_s: float = 0.5
@@ -214,7 +217,13 @@ class Core:
                 if got is not None:
                     _, i = got
                     g, m = micro_gradient(
-                        self.model, self.layout, microbatches[i], self.cfg.loss, self.cfg.attention, scratch
+                        self.model,
+                        self.layout,
+                        microbatches[i],
+                        self.cfg.loss,
+                        self.cfg.attention,
+                        scratch,
+                        self.cfg.chunk_budget,
                     )
                     self._deliver(CORE, st.batch, i, st.version, g.copy(), m)
                     if on_progress is not None:

@@ -121,20 +121,29 @@ def micro_gradient(
     loss_cfg: LossConfig,
     attention: Attention = "dense",
     out: np.ndarray | None = None,
+    chunk_budget: int = 0,
 ) -> tuple[np.ndarray, dict[str, float]]:
-    """Flat float32 gradient of one micro-batch's weighted policy loss, and its metrics."""
+    """Flat float32 gradient of one micro-batch's weighted policy loss, and its metrics. With
+    `chunk_budget`, a micro-batch larger than it is trained in chunks (`gyre_train.chunked`: shared
+    prefix forwarded once, activation memory of one chunk); transformers backend only."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
-    tb = TorchBatch.from_packed(batch, device=device)
-    if type(model).__module__.startswith("megatron."):  # a Megatron-core GPTModel
-        from gyre_train.megatron import tree_target_logprobs
+    megatron = type(model).__module__.startswith("megatron.")  # a Megatron-core GPTModel
+    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
+        from gyre_train.chunked import chunked_loss_backward
 
-        lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
+        metrics = chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
     else:
-        lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
-    loss, metrics = policy_loss(lp, tb, loss_cfg)
-    loss.backward()
+        tb = TorchBatch.from_packed(batch, device=device)
+        if megatron:
+            from gyre_train.megatron import tree_target_logprobs
+
+            lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
+        else:
+            lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
+        loss, metrics = policy_loss(lp, tb, loss_cfg)
+        loss.backward()
     flat = out if out is not None else np.empty(layout.numel, np.float32)
     ps = dict(model.named_parameters())
     for name, off, shape in zip(layout.names, layout.offsets, layout.shapes, strict=True):

@@ -88,6 +88,8 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
     loss: str
     """JSON of the core's gyre-traj `LossConfig`."""
     attention: str = "dense"
+    chunk_budget: int = 0
+    """Train micro-batches larger than this in chunks (0 = off), as the core does."""
 
 
 class Assign(msgspec.Struct, frozen=True, array_like=True, tag="assign"):

@@ -176,7 +176,14 @@ class Satellite:
                 pull_s = self.pull(a.snapshot)
                 self.version = a.version
             batch = microbatch_from_arrays(from_frames(a.arrays, frames))
-            grad, metrics = micro_gradient(self.model, self.layout, batch, self.loss, self.attention)
+            grad, metrics = micro_gradient(
+                self.model,
+                self.layout,
+                batch,
+                self.loss,
+                self.attention,
+                chunk_budget=self.welcome.chunk_budget,
+            )
             metrics["pull_s"] = pull_s
             g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics)
             ack = self._request(g, [memoryview(grad).cast("B")])

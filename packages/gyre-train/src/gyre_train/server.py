@@ -174,6 +174,7 @@ class ReplicaServer:
                     c.model_cfg.to_json(),
                     msgspec.json.encode(c.cfg.loss).decode(),
                     c.cfg.attention,
+                    c.cfg.chunk_budget,
                 ),
             )
             return
