@@ -174,7 +174,9 @@ def test_malformed_minibatch_is_refused_whole_and_loses_nothing() -> None:
         with pytest.raises(MicroBatchError, match="micro-batch 2: malformed"):
             core.train_step(bad)
         with pytest.raises(MicroBatchError, match="over the micro-batch budget of 512"):
-            core.train_step([dataclasses.replace(A[0], **_doubled(A[0]))])
+            big = max(A, key=lambda b: b.num_tokens)
+            assert 2 * big.num_tokens > 512
+            core.train_step([dataclasses.replace(big, **_doubled(big))])
         assert (core.step, core.version, core.queue_position) == (0, 0, 0)
         assert_same(weights(core), before)
         core.train_step(A)  # and the core still trains afterwards

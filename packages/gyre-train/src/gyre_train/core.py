@@ -138,6 +138,11 @@ class Core:
     def replicas(self) -> dict[str, dict[str, float | bool | int]]:
         return self._server.describe()
 
+    def pending(self) -> int:
+        """Micro-batches of the step in progress that nobody has claimed yet (0 between steps)."""
+        with self._lock:
+            return 0 if self._state is None else len(self._state.pending)
+
     # ---- the claim queue, shared with the server thread --------------------------------------------
 
     def _claim(self, replica: str) -> tuple[StepState, int] | None:

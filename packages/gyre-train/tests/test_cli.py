@@ -1,0 +1,33 @@
+"""`gyre-train core` trains `gyre-traj pack` output, checkpoints after each step and resumes at the
+queue position it reached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gyre_train.cli import main
+from gyre_traj.cli import main as traj_main
+
+EXAMPLE = Path(__file__).parents[2] / "gyre-traj" / "examples" / "branching.jsonl"
+
+
+def test_core_trains_packed_dirs_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = []
+    for k, budget in enumerate((4096, 2048)):
+        d = tmp_path / f"packed-{k}"
+        assert traj_main(["pack", str(EXAMPLE), "--out", str(d), "--budget", str(budget)]) == 0
+        dirs.append(str(d))
+    capsys.readouterr()
+    ck = tmp_path / "ck"
+    args = ["core", "--data", dirs[0], "--budget", "4096", "--checkpoint", str(ck)]
+    assert main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["version"] == 0 and lines[1]["step"] == 1 and lines[1]["queue_position"] == 1
+    # Resume with a longer queue: it starts where it stopped (position 1), not from the beginning.
+    assert main(["core", "--data", *dirs, "--budget", "4096", "--checkpoint", str(ck)]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["version"] == 1
+    assert [x["step"] for x in lines[1:]] == [2]
+    assert json.loads((ck / "state.json").read_text())["queue_position"] == 2
