@@ -251,3 +251,38 @@ def test_chunked_microbatches_in_the_core_and_a_satellite_match_unchunked() -> N
         core.close()
         th.join(timeout=30)
         sat.close()
+
+
+def test_a_controller_admits_and_dismisses_over_the_socket() -> None:
+    from gyre_train.control import ControlError, CoreClient
+
+    core = new_core()
+    sat = Satellite(SatelliteConfig(core.address, "sat-x"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    ctl = CoreClient(core.address)
+    try:
+        wait_for(lambda: ctl.status().replicas and ctl.status().replicas[0].ready)
+        st = ctl.status()
+        assert (st.version, st.pending, [r.name for r in st.replicas]) == (0, 0, ["sat-x"])
+        assert not st.replicas[0].admitted
+        ctl.admit("sat-x")
+        r = core.train_step(A, on_progress=lambda k: wait_for(lambda: core.replicas()["sat-x"]["claims"] > 0))
+        assert r.by_replica.get("sat-x", 0) >= 1
+        info = ctl.status().replicas[0]
+        assert info.admitted and info.gradients >= 1 and info.join_s > 0
+        ctl.dismiss("sat-x")
+        r = core.train_step(B)
+        assert set(r.by_replica) == {"core"}
+        assert ctl.status().version == 2
+    finally:
+        ctl.close()
+        core.close()
+        th.join(timeout=30)
+        sat.close()
+    dead = CoreClient(core.address, timeout_s=0.3)
+    try:
+        with pytest.raises(ControlError, match="did not answer"):
+            dead.status()
+    finally:
+        dead.close()

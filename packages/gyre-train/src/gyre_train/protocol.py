@@ -70,7 +70,25 @@ class Goodbye(msgspec.Struct, frozen=True, array_like=True, tag="bye"):
     returned: tuple[tuple[int, int], ...] = ()
 
 
-Request = Hello | Claim | Gradient | Heartbeat | Goodbye
+class Admit(msgspec.Struct, frozen=True, array_like=True, tag="admit"):
+    """From the scheduler (or any controller): let `replica` claim micro-batches."""
+
+    protocol: int
+    replica: str
+
+
+class Dismiss(msgspec.Struct, frozen=True, array_like=True, tag="dismiss"):
+    """From the scheduler: stop giving `replica` work (it finishes the micro-batch it holds)."""
+
+    protocol: int
+    replica: str
+
+
+class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
+    protocol: int
+
+
+Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status
 
 
 # ---- replies (core -> satellite) --------------------------------------------------------------------
@@ -125,7 +143,27 @@ class ErrorReply(msgspec.Struct, frozen=True, array_like=True, tag="error"):
     message: str
 
 
-Reply = Welcome | Assign | Idle | Ack | Shutdown | ErrorReply
+class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    admitted: bool
+    ready: bool
+    claims: int
+    gradients: int
+    join_s: float = -1.0
+    """Admission to first accepted gradient (-1 until it has one)."""
+
+
+class StatusReply(msgspec.Struct, frozen=True, array_like=True, tag="status_reply"):
+    step: int
+    version: int
+    snapshot: int
+    queue_position: int
+    pending: int
+    """Unclaimed micro-batches of the step in progress."""
+    replicas: tuple[ReplicaInfo, ...]
+
+
+Reply = Welcome | Assign | Idle | Ack | Shutdown | ErrorReply | StatusReply
 
 
 def request_decoder() -> msgspec.msgpack.Decoder[Request]:

@@ -24,8 +24,10 @@ from gyre_train.claims import ClaimError
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
+    Admit,
     Assign,
     Claim,
+    Dismiss,
     ErrorCode,
     ErrorReply,
     Goodbye,
@@ -33,8 +35,11 @@ from gyre_train.protocol import (
     Heartbeat,
     Hello,
     Idle,
+    ReplicaInfo,
     Reply,
     Shutdown,
+    Status,
+    StatusReply,
     Welcome,
     request_decoder,
 )
@@ -178,6 +183,9 @@ class ReplicaServer:
                 ),
             )
             return
+        if isinstance(req, Admit | Dismiss | Status):
+            self._control(ident, req)
+            return
         with self._mu:
             rep = self._reps.get(req.replica)
             if rep is not None:
@@ -205,6 +213,33 @@ class ReplicaServer:
                 self._reps.pop(req.replica, None)
                 self._admitted.discard(req.replica)
             self._send(ident, Ack(True))
+
+    def _control(self, ident: bytes, req: Admit | Dismiss | Status) -> None:
+        if req.protocol != PROTOCOL:
+            self._send(
+                ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
+            )
+            return
+        if isinstance(req, Admit):
+            self.admit(req.replica)
+            self._send(ident, Ack(True))
+        elif isinstance(req, Dismiss):
+            self.dismiss(req.replica)
+            self._send(ident, Ack(True))
+        else:
+            c = self.core
+            reps = tuple(
+                ReplicaInfo(
+                    name,
+                    bool(d["admitted"]),
+                    bool(d["ready"]),
+                    int(d["claims"]),
+                    int(d["gradients"]),
+                    float(d.get("join_s", -1.0)),
+                )
+                for name, d in sorted(self.describe().items())
+            )
+            self._send(ident, StatusReply(c.step, c.version, c.snapshot, c.queue_position, c.pending(), reps))
 
     def _gradient(self, ident: bytes, rep: _Replica, req: Gradient, frames: list[Any]) -> None:
         if len(frames) != 1 or req.numel != self.core.layout.numel:
