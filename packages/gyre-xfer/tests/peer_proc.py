@@ -66,7 +66,8 @@ def publisher(kind: str, args: dict[str, object]) -> None:
 
 
 def kvpool(kind: str, args: dict[str, object]) -> None:
-    tr = open_transport(Config(kind=kind, progress_timeout_s=2))
+    names = {k: str(args[k]) for k in ("hostname", "metadata_server") if k in args}
+    tr = open_transport(Config(kind=kind, progress_timeout_s=2, **names))
     layers, blocks, nbytes = (int(args[k]) for k in ("layers", "blocks", "block_nbytes"))  # type: ignore[call-overload]
     pool = KvPool.allocate(tr, layers, blocks, nbytes)
     for layer in range(layers):

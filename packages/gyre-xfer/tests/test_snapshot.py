@@ -293,3 +293,25 @@ def test_no_version_yet_and_wrong_transport_are_errors(
             sub.hello()
         with pytest.raises(XferError, match="no version >= 99"):
             sub.pull(min_version=99)
+
+
+def test_empty_and_non_contiguous_tensors(kind: str) -> None:
+    from gyre_xfer.publisher import Publisher
+
+    pub_tr, sub_tr = open_transport(Config(kind=kind)), open_transport(Config(kind=kind))
+    pub = Publisher(pub_tr)
+    try:
+        with pytest.raises(ShapeMismatchError, match="C-contiguous"):
+            pub.publish({"t": np.zeros((4, 4), np.float32).T})
+        with pytest.raises(ShapeMismatchError, match="expected a numpy array or torch tensor"):
+            pub.publish({"t": [1, 2, 3]})
+        v = pub.publish({"empty": np.zeros((0, 7), np.float16), "one": np.array(3.5), "x": np.arange(5)})
+        with Subscriber(sub_tr, SubscriberConfig(pub.address)) as sub:
+            snap = sub.pull(min_version=v)
+            assert snap.arrays["empty"].shape == (0, 7) and snap.arrays["empty"].dtype == np.float16
+            assert snap.arrays["one"].shape == () and float(snap.arrays["one"]) == 3.5
+            assert snap.arrays["x"].tolist() == [0, 1, 2, 3, 4]
+    finally:
+        pub.close()
+        pub_tr.close()
+        sub_tr.close()

@@ -7,18 +7,23 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
+import msgspec
 import numpy as np
 import pytest
 from gyre_xfer import mooncake as mc_mod
 from gyre_xfer.errors import OutOfRangeError, TransportUnavailableError
-from gyre_xfer.protocol import RegionDesc
+from gyre_xfer.kv import KvPool
+from gyre_xfer.protocol import KvPoolDesc, RegionDesc
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config, EntryStatus, Op, open_transport
+
+from .conftest import Peer
+from .peer_proc import block_pattern
 
 
 def _free_port() -> int:
@@ -73,6 +78,44 @@ def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.slow
+def test_peer_restarted_under_the_same_name_is_reached_again(
+    metadata_server: str, spawn: Callable[..., Peer]
+) -> None:
+    """With a metadata server a restarted peer keeps its name: its stale keys are replaced, and the
+    reader, told of the new incarnation, rebuilds its engine and reaches the new process."""
+    name = f"127.0.0.1:{_free_port()}"
+    pool_args = {
+        "layers": 1,
+        "blocks": 4,
+        "block_nbytes": 4096,
+        "hostname": name,
+        "metadata_server": metadata_server,
+    }
+    reader = open_transport(
+        Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server, progress_timeout_s=2)
+    )
+    try:
+        pool = KvPool.allocate(reader, 1, 4, 4096)
+        first = spawn("kvpool", "mooncake", **pool_args)
+        desc = msgspec.json.decode(first.info, type=KvPoolDesc)
+        assert pool.pull(desc, [1], [0]).ok
+        first.proc.kill()
+        first.proc.wait(timeout=10)
+        gone = pool.pull(desc, [1], [0])
+        assert [b.status for b in gone.blocks] == [EntryStatus.PEER_GONE]  # found out via the metadata server
+        second = spawn("kvpool", "mooncake", **pool_args)  # same name: its stale keys are cleared
+        desc2 = msgspec.json.decode(second.info, type=KvPoolDesc)
+        assert desc2.endpoint == desc.endpoint and desc2.incarnation != desc.incarnation
+        res = pool.pull(desc2, [2, 3], [0, 1])
+        assert res.ok, res.detail
+        assert np.array_equal(pool.block(0, 1, 1), block_pattern(0, 1, 3, 4096))
+        assert isinstance(reader, mc_mod.MooncakeTransport) and reader.reopens == 1
+        pool.close()
+    finally:
+        reader.close()
 
 
 @pytest.mark.parametrize("kind", ["mooncake", "shm"])

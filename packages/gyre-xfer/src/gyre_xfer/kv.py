@@ -82,7 +82,7 @@ class KvPool:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_nbytes = block_nbytes
-        self.incarnation = incarnation or f"{id(self):x}-{time.time_ns():x}"
+        self.incarnation = incarnation or transport.incarnation
 
     @classmethod
     def allocate(cls, transport: Transport, num_layers: int, num_blocks: int, block_nbytes: int) -> KvPool:
@@ -160,6 +160,7 @@ class KvPool:
                 f"peer pool has {peer.num_layers} layers x {peer.block_nbytes}-byte blocks, "
                 f"this pool {self.num_layers} x {self.block_nbytes}"
             )
+        self.transport.note_peer(peer.endpoint, peer.incarnation)
         if len(set(local if pull else remote)) != len(local):
             raise ShapeMismatchError("destination block ids repeat")
         status = [EntryStatus.OK] * len(local)

@@ -10,11 +10,16 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import itertools
+import json
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +85,40 @@ def _probe(peer: str, timeout_s: float) -> bool | None:
         return None
 
 
+def rpc_address(metadata_url: str, name: str, timeout_s: float = 1.0) -> str | None:
+    """The `host:port` where the process registered as `name` takes handshakes, read from Mooncake's HTTP
+    metadata server ("" when nothing is registered under that name, None when the server cannot say)."""
+    key = urllib.parse.quote(f"mooncake/rpc_meta/{name}", safe="")
+    try:
+        with urllib.request.urlopen(f"{metadata_url}?key={key}", timeout=timeout_s) as r:
+            meta = json.loads(r.read())
+        return f"{meta['ip_or_host_name']}:{int(meta['rpc_port'])}"
+    except urllib.error.HTTPError as e:
+        return "" if e.code == 404 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def clear_stale_registration(metadata_url: str, name: str, probe_timeout_s: float = 1.0) -> bool:
+    """Delete a dead process's keys (`mooncake/rpc_meta/<name>`, `mooncake/ram/<name>`) from Mooncake's
+    HTTP metadata server. Refuses (returns False) while the registered handshake port still accepts connections."""
+    addr = rpc_address(metadata_url, name, probe_timeout_s)
+    if addr is None or (addr and _probe(addr, probe_timeout_s) is not False):
+        return False
+    for key in (f"mooncake/rpc_meta/{name}", f"mooncake/ram/{name}"):
+        url = f"{metadata_url}?key={urllib.parse.quote(key, safe='')}"
+        req = urllib.request.Request(url, method="DELETE")
+        try:
+            with urllib.request.urlopen(req, timeout=probe_timeout_s * 5):
+                pass
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 class MooncakeTransport:
     """One Mooncake TransferEngine for this process; see `Config` for its settings."""
 
@@ -91,15 +130,7 @@ class MooncakeTransport:
         # Mooncake reads these when a connection is made; process-wide, so the last transport opened wins.
         os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(config.progress_timeout_s)
         os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = str(config.progress_timeout_s)
-        self._engine: Any = engine_cls()
-        rc = self._engine.initialize(
-            config.hostname, config.metadata_server, config.protocol, config.device_name
-        )
-        if rc != 0:
-            raise TransportUnavailableError(
-                f"Mooncake initialize({config.hostname!r}, {config.metadata_server!r}, "
-                f"{config.protocol!r}) returned {rc}; see its log on stderr"
-            )
+        self._engine: Any = self._start(engine_cls)
         if config.metadata_server == "P2PHANDSHAKE":
             self._endpoint = f"{config.hostname}:{self._engine.get_rpc_port()}"
         else:
@@ -109,8 +140,33 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._closed = False
         self._helpers = _Helpers()
+        self.incarnation = secrets.token_hex(8)
+        self._incarnations: dict[str, str] = {}
+        self.reopens = 0
         self.abandoned_calls = 0
         """Calls that outlived their deadline; their buffers stay referenced until they return."""
+
+    def _start(self, engine_cls: Any) -> Any:
+        config = self.config
+        engine = engine_cls()
+        rc = engine.initialize(config.hostname, config.metadata_server, config.protocol, config.device_name)
+        # A process killed under this name left its keys on the metadata server, and Mooncake refuses
+        # to register over them: if nothing answers at that name any more, drop them and try again.
+        if (
+            rc != 0
+            and config.metadata_server.startswith(("http://", "https://"))
+            and clear_stale_registration(config.metadata_server, config.hostname, config.probe_timeout_s)
+        ):
+            engine = engine_cls()
+            rc = engine.initialize(
+                config.hostname, config.metadata_server, config.protocol, config.device_name
+            )
+        if rc != 0:
+            raise TransportUnavailableError(
+                f"Mooncake initialize({config.hostname!r}, {config.metadata_server!r}, "
+                f"{config.protocol!r}) returned {rc}; see its log on stderr"
+            )
+        return engine
 
     @property
     def endpoint(self) -> str:
@@ -223,12 +279,52 @@ class MooncakeTransport:
     def _classify(self, peer: str, rc: int | None, t0: float) -> EntryStatus:
         if rc is None:
             return EntryStatus.TIMEOUT
-        alive = _probe(peer, self.config.probe_timeout_s)
+        alive = self._alive(peer)
         if alive is False:
             return EntryStatus.PEER_GONE
         if time.monotonic() - t0 >= 0.9 * self.config.progress_timeout_s:
             return EntryStatus.TIMEOUT
         return EntryStatus.FAILED
+
+    def _alive(self, peer: str) -> bool | None:
+        """Does the peer's handshake port accept connections? (None: cannot tell.)"""
+        t = self.config.probe_timeout_s
+        if self.config.metadata_server == "P2PHANDSHAKE":
+            return _probe(peer, t)
+        if self.config.metadata_server.startswith(("http://", "https://")):
+            addr = rpc_address(self.config.metadata_server, peer, t)
+            return None if addr is None else (False if addr == "" else _probe(addr, t))
+        return None  # etcd and others: not looked up
+
+    def note_peer(self, peer: str, incarnation: str) -> None:
+        """Tell the transport which incarnation of `peer` is current. With a metadata server a restarted
+        peer comes back under the same name, but Mooncake keeps the old process's address for it: a new
+        incarnation then rebuilds this process's engine (`reopen`)."""
+        last = self._incarnations.get(peer)
+        self._incarnations[peer] = incarnation
+        if last is not None and last != incarnation and self.config.metadata_server != "P2PHANDSHAKE":
+            self.reopen()
+
+    def reopen(self) -> None:
+        """Replace this process's Mooncake engine with a fresh one (forgetting every cached peer address)
+        and register the same regions again, at the same addresses. Transfers in flight on other threads fail."""
+        with self._lock:
+            regions = list(self._regions.values())
+        for r in regions:
+            if r.nbytes:
+                self._engine.unregister_memory(r.addr)
+        self._engine = None  # the destructor withdraws this process's keys from the metadata server
+        try:
+            self._engine = self._start(load_engine_class(self.config.log_level))
+        except TransportUnavailableError:
+            self._closed = True
+            raise
+        for r in regions:
+            if r.nbytes:
+                location = "cpu" if r.device == "cpu" else r.device
+                if self._engine.register_memory(r.addr, r.nbytes, location) != 0:
+                    raise TransferFailedError(f"re-registering region {r.desc.region_id} failed after reopen")
+        self.reopens += 1
 
     def close(self) -> None:
         """Unregister every region. Mooncake's engine itself lives until the process exits."""
@@ -238,7 +334,7 @@ class MooncakeTransport:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}
         for r in regions:
-            if r.nbytes:
+            if r.nbytes and self._engine is not None:
                 self._engine.unregister_memory(r.addr)
         self._engine = None  # Mooncake stops its listeners when the engine is destroyed
 
@@ -261,7 +357,7 @@ class _Call:
                 # Mooncake returns at the first failed slice while other slices of the batch may still
                 # be landing in these buffers: keep them alive a while longer.
                 _QUARANTINE.hold(self.keep, self.grace_s)
-            self.keep = None
+            self.keep = self.fn = self.args = None  # type: ignore[assignment]  # let the engine go
             self.done.set()
 
 
@@ -303,5 +399,6 @@ class _Helpers:
         while True:
             call = self._queue.get()
             call.run()
+            del call
             with self._lock:
                 self._idle += 1

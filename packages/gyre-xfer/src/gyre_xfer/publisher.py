@@ -8,7 +8,6 @@ every rewrite bumps the slot's generation, so a subscriber learns at release whe
 from __future__ import annotations
 
 import itertools
-import secrets
 import threading
 import time
 import zlib
@@ -84,7 +83,7 @@ class Publisher:
         if self.config.slots < 2:
             raise ValueError("a publisher needs at least 2 slots (one being read, one being written)")
         check_bind(self.config.control, self.config.allow_remote)
-        self.incarnation = secrets.token_hex(8)
+        self.incarnation = transport.incarnation
         self._slots = [_Slot() for _ in range(self.config.slots)]
         self._latest: int | None = None  # slot index of the newest version
         self._version = 0

@@ -44,7 +44,8 @@ class ShmTransport:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._endpoint = _host_tag()
-        self._prefix = f"gyre-{os.getpid()}-{secrets.token_hex(4)}"
+        self.incarnation = secrets.token_hex(8)
+        self._prefix = f"gyre-{os.getpid()}-{self.incarnation[:8]}"
         self._ids = itertools.count(1)
         self._owned: dict[int, str] = {}
         atexit.register(_unlink_all, self._owned)  # a normal exit never leaves segments behind
@@ -154,6 +155,9 @@ class ShmTransport:
                 ctypes.memmove(remote, local, op.length)
             statuses.append(EntryStatus.OK)
         return BatchResult(tuple(statuses), time.monotonic() - t0, "; ".join(details))
+
+    def note_peer(self, peer: str, incarnation: str) -> None:
+        """Nothing to do: a restarted peer's segments have new names."""
 
     def forget_peer(self, shm_name: str) -> None:
         """Drop a cached mapping (after the peer restarted, its segments have new names)."""

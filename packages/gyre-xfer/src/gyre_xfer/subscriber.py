@@ -118,7 +118,12 @@ class Subscriber:
 
     def _request(self, req: Request) -> Reply:
         rid = str(next(self._rids)).encode()
-        self._sock.send_multipart([rid, self._encoder.encode(req)], flags=zmq.NOBLOCK)
+        try:
+            self._sock.send_multipart([rid, self._encoder.encode(req)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise PeerTimeoutError(
+                f"publisher {self.config.publisher} is not taking requests (send queue full)"
+            ) from None
         timeout_ms = int(self.config.control_timeout_s * 1000)
         while self._sock.poll(timeout_ms, zmq.POLLIN):
             frames = self._sock.recv_multipart()
@@ -207,10 +212,8 @@ class Subscriber:
     def _note_incarnation(self, m: Manifest) -> None:
         if self.stats.incarnation and self.stats.incarnation != m.incarnation:
             self.stats.restarts_seen += 1  # new process, new regions: nothing cached about the old one
-            forget = getattr(self.transport, "forget_peer", None)
-            if forget is not None:
-                forget(m.region.shm_name)
         self.stats.incarnation = m.incarnation
+        self.transport.note_peer(m.endpoint, m.incarnation)
 
     def _targets(
         self, m: Manifest, into: Mapping[str, Any] | None, dtypes: Mapping[str, str] | None

@@ -97,6 +97,8 @@ class Transport(Protocol):
     """What both transports offer. Reads pull peer bytes into local regions; writes push local bytes out."""
 
     kind: TransportKind
+    incarnation: str
+    """Random per opened transport: tells a restarted process from its predecessor at the same endpoint."""
 
     @property
     def endpoint(self) -> str:
@@ -112,6 +114,10 @@ class Transport(Protocol):
         ...
 
     def unregister(self, region: Region) -> None: ...
+
+    def note_peer(self, peer: str, incarnation: str) -> None:
+        """Record which incarnation of a peer is current, so state cached about an older one is dropped."""
+        ...
 
     def read(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult: ...
 
