@@ -286,3 +286,32 @@ def test_a_controller_admits_and_dismisses_over_the_socket() -> None:
             dead.status()
     finally:
         dead.close()
+
+
+def test_the_trajectory_service_feeds_minibatches_in_order(reference: dict[str, torch.Tensor]) -> None:
+    from gyre_train.control import ControlError, CoreClient
+
+    core = new_core(inbox=2)
+    feeder = CoreClient(core.address)
+    try:
+        bad = [*A[:1], dataclasses.replace(A[1], input_ids=A[1].input_ids + 10_000)]
+        with pytest.raises(ControlError, match="micro-batch 1: input_ids outside the vocabulary"):
+            feeder.submit(0, bad)
+        with pytest.raises(ControlError, match="out of order: the core expects 0"):
+            feeder.submit(1, B)
+        feeder.submit(0, A)
+        feeder.submit(1, B)
+        with pytest.raises(ControlError, match="out of order: the core expects 2"):
+            feeder.submit(1, B)  # a repeat is refused, not trained twice
+        with pytest.raises(ControlError, match="inbox full"):
+            feeder.submit(2, A)
+        for _ in range(2):
+            mb = core.next_minibatch(timeout_s=5)
+            assert mb is not None
+            core.train_step(mb)
+        assert core.next_minibatch(timeout_s=0.05) is None
+        assert core.queue_position == 2
+        assert_same(weights(core), reference)  # the fed arrays trained exactly like the originals
+    finally:
+        feeder.close()
+        core.close()

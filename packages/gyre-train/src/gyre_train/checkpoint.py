@@ -99,4 +99,5 @@ def load(core: Core, path: Path) -> None:
     core.step = int(state["step"])
     core.version = int(state["version"])
     core.queue_position = int(state["queue_position"])
+    core._next_seq = core.queue_position
     core.republish()

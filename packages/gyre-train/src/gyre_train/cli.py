@@ -46,6 +46,18 @@ def _core(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.wait_satellites_s
         while len(core.replicas()) < args.wait_satellites and time.monotonic() < deadline:
             time.sleep(0.05)
+        if args.feed:  # mini-batches submitted by the trajectory service (CoreClient.submit)
+            trained = 0
+            while args.steps == 0 or trained < args.steps:
+                mbs = core.next_minibatch(args.feed_idle_s)
+                if mbs is None:
+                    break
+                rep = core.train_step(mbs)
+                trained += 1
+                if ckpt is not None:
+                    core.save(ckpt)
+                print(json.dumps(asdict(rep)), flush=True)
+            return 0
         if args.data:
             sources = [Path(d) for d in args.data]
         total = len(args.data) if args.data else args.synthetic
@@ -103,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
     c.add_argument("--synthetic", type=int, default=2, help="train this many synthetic mini-batches")
     c.add_argument("--data", nargs="*", help="`gyre-traj pack --out` directories, one mini-batch each")
+    c.add_argument("--feed", action="store_true", help="train what the trajectory service submits")
+    c.add_argument("--steps", type=int, default=0, help="--feed: stop after this many steps (0 = no limit)")
+    c.add_argument(
+        "--feed-idle-s", type=float, default=600.0, help="--feed: stop after this long without one"
+    )
     c.add_argument("--budget", type=int, default=1024)
     c.add_argument("--attention", default="dense", choices=["dense", "flex"])
     c.add_argument("--device", default="cpu")

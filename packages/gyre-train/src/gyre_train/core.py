@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,8 @@ class CoreConfig:
     idle_hold_s: float = 1.0
     """How long a claim with no work is held before answering Idle (long poll)."""
     step_timeout_s: float = 3600.0
+    inbox: int = 4
+    """Mini-batches the trajectory service may queue ahead (`Submit`); more are refused until one is taken."""
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -115,6 +118,8 @@ class Core:
         self.version = 0
         self.queue_position = 0
         self._batch_seq = 0
+        self._inbox: deque[list[PackedBatch]] = deque()
+        self._next_seq = 0
         self._transport = open_transport(XferConfig(kind=self.cfg.transport))
         self.publisher = Publisher(self._transport, PublisherConfig())
         self.snapshot = self.publisher.publish(params(model))
@@ -137,6 +142,37 @@ class Core:
 
     def replicas(self) -> dict[str, dict[str, float | bool | int]]:
         return self._server.describe()
+
+    def offer(self, seq: int, microbatches: list[PackedBatch]) -> tuple[bool, str]:
+        """Queue mini-batch `seq` from the trajectory service. It must be the next queue position (so a
+        resumed core tells the feeder where to restart, and a repeat or a gap is refused), fit the inbox,
+        and pass the micro-batch checks; a refusal says why and queues nothing."""
+        with self._lock:
+            # Positions already accepted (waiting, being trained or trained) are not offered again.
+            want = max(self._next_seq, self.queue_position + (self._state is not None))
+            if seq != want:
+                return False, f"mini-batch {seq} out of order: the core expects {want}"
+            if len(self._inbox) >= self.cfg.inbox:
+                return False, f"inbox full ({self.cfg.inbox} mini-batches): submit again later"
+        self.check(microbatches)
+        with self._lock:
+            if max(self._next_seq, self.queue_position) != want:
+                return False, f"mini-batch {seq} was offered twice at once"
+            self._inbox.append(microbatches)
+            self._next_seq = want + 1
+            self._lock.notify_all()
+        return True, ""
+
+    def next_minibatch(self, timeout_s: float) -> list[PackedBatch] | None:
+        """The oldest submitted mini-batch, or None if none arrives within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not self._inbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(timeout=min(left, 0.1))
+            return self._inbox.popleft()
 
     def pending(self) -> int:
         """Micro-batches of the step in progress that nobody has claimed yet (0 between steps)."""

@@ -84,11 +84,20 @@ class Dismiss(msgspec.Struct, frozen=True, array_like=True, tag="dismiss"):
     replica: str
 
 
+class Submit(msgspec.Struct, frozen=True, array_like=True, tag="submit"):
+    """From the trajectory service: mini-batch number `seq` (the core's queue position it must take),
+    followed by the raw frames of every micro-batch's arrays, in order."""
+
+    protocol: int
+    seq: int
+    microbatches: tuple[tuple[ArraySpec, ...], ...]
+
+
 class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
     protocol: int
 
 
-Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status
+Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status | Submit
 
 
 # ---- replies (core -> satellite) --------------------------------------------------------------------

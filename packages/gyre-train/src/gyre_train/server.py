@@ -40,9 +40,11 @@ from gyre_train.protocol import (
     Shutdown,
     Status,
     StatusReply,
+    Submit,
     Welcome,
     request_decoder,
 )
+from gyre_train.wire import MicroBatchError, from_frames, microbatch_from_arrays
 
 if TYPE_CHECKING:
     from gyre_train.core import Core
@@ -186,6 +188,9 @@ class ReplicaServer:
         if isinstance(req, Admit | Dismiss | Status):
             self._control(ident, req)
             return
+        if isinstance(req, Submit):
+            self._submit(ident, req, msg[2:])
+            return
         with self._mu:
             rep = self._reps.get(req.replica)
             if rep is not None:
@@ -240,6 +245,27 @@ class ReplicaServer:
                 for name, d in sorted(self.describe().items())
             )
             self._send(ident, StatusReply(c.step, c.version, c.snapshot, c.queue_position, c.pending(), reps))
+
+    def _submit(self, ident: bytes, req: Submit, frames: list[Any]) -> None:
+        if req.protocol != PROTOCOL:
+            self._send(
+                ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
+            )
+            return
+        try:
+            mbs = []
+            at = 0
+            for specs in req.microbatches:
+                arrays = from_frames(specs, [f.buffer for f in frames[at : at + len(specs)]])
+                # Copy out of the ZeroMQ frames: the mini-batch may wait in the inbox for a while.
+                mbs.append(microbatch_from_arrays({k: v.copy() for k, v in arrays.items()}))
+                at += len(specs)
+            if at != len(frames):
+                raise MicroBatchError(f"{len(frames)} frames for {at} arrays")
+            ok, why = self.core.offer(req.seq, mbs)
+        except (MicroBatchError, ValueError) as exc:
+            ok, why = False, str(exc)
+        self._send(ident, Ack(ok, why))
 
     def _gradient(self, ident: bytes, rep: _Replica, req: Gradient, frames: list[Any]) -> None:
         if len(frames) != 1 or req.numel != self.core.layout.numel:
