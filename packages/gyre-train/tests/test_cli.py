@@ -31,3 +31,40 @@ def test_core_trains_packed_dirs_and_resumes(tmp_path: Path, capsys: pytest.Capt
     assert lines[0]["version"] == 1
     assert [x["step"] for x in lines[1:]] == [2]
     assert json.loads((ck / "state.json").read_text())["queue_position"] == 2
+
+
+def test_core_trains_what_the_feed_submits(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    from gyre_train.control import CoreClient
+    from gyre_train.data import synthetic_minibatch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"tcp://127.0.0.1:{port}"
+    rc: list[int] = []
+    args = [
+        "core",
+        "--feed",
+        "--steps",
+        "1",
+        "--bind",
+        addr,
+        "--budget",
+        "512",
+        "--checkpoint",
+        str(tmp_path / "ck"),
+    ]
+    th = threading.Thread(target=lambda: rc.append(main(args)), daemon=True)
+    th.start()
+    feeder = CoreClient(addr, timeout_s=60)
+    try:
+        assert feeder.status().queue_position == 0
+        feeder.submit(0, synthetic_minibatch(2, seed=1))
+    finally:
+        feeder.close()
+    th.join(timeout=120)
+    assert rc == [0]
+    assert json.loads((tmp_path / "ck" / "state.json").read_text())["queue_position"] == 1
