@@ -315,3 +315,23 @@ def test_the_trajectory_service_feeds_minibatches_in_order(reference: dict[str, 
     finally:
         feeder.close()
         core.close()
+
+
+def test_a_satellite_presumed_dead_rejoins_and_the_step_is_unchanged(
+    reference: dict[str, torch.Tensor],
+) -> None:
+    # Heartbeats far apart and a short death limit: the satellite is declared dead again and again
+    # (while parked and while computing), its claims re-queued; it says hello again and carries on.
+    core = new_core(heartbeat_s=30.0, dead_after_s=0.005, idle_hold_s=0.02)
+    sat = Satellite(SatelliteConfig(core.address, "sat-slow"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    try:
+        core.admit("sat-slow")
+        core.train_burst([A, B])
+        assert sat.rejoins >= 1
+        assert_same(weights(core), reference)
+    finally:
+        core.close()
+        th.join(timeout=30)
+        sat.close()

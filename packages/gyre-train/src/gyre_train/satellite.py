@@ -108,7 +108,7 @@ class Satellite:
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
-            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient):
                 return rep  # the core presumed us dead while we were silent: say hello again
             raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
         if isinstance(rep, Assign):
@@ -145,6 +145,16 @@ class Satellite:
         self.snapshot = snapshot
         return time.perf_counter() - t0
 
+    def _rejoin(self) -> bool:
+        """Say hello again after the core presumed us dead; False if the core is shutting down."""
+        rep = self._request(Hello(PROTOCOL, self.cfg.name))
+        if isinstance(rep, Shutdown):
+            return False
+        if not isinstance(rep, Welcome):
+            raise CoreGoneError(f"core answered a second hello with {type(rep).__name__}")
+        self.rejoins += 1
+        return True
+
     def run(self) -> int:
         """Serve until the core says Shutdown (or `idle_exit_s` passes without work); returns the number
         of micro-batches computed."""
@@ -155,9 +165,8 @@ class Satellite:
             if isinstance(got, Shutdown):
                 break
             if isinstance(got, ErrorReply):  # presumed dead: register again (same process, same model)
-                if not isinstance(self._request(Hello(PROTOCOL, self.cfg.name)), Welcome):
-                    raise CoreGoneError("core refused a second hello")
-                self.rejoins += 1
+                if not self._rejoin():
+                    break
                 continue
             if isinstance(got, Idle):
                 if self.cfg.idle_exit_s and time.monotonic() - idle_since > self.cfg.idle_exit_s:
@@ -187,6 +196,10 @@ class Satellite:
             metrics["pull_s"] = pull_s
             g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics)
             ack = self._request(g, [memoryview(grad).cast("B")])
+            if isinstance(ack, ErrorReply):  # presumed dead while computing: the claim was re-queued
+                if not self._rejoin():
+                    break
+                continue
             if not isinstance(ack, Ack):
                 raise CoreGoneError(f"expected an ack, got {ack}")
             done += 1

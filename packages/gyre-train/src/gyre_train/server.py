@@ -115,7 +115,7 @@ class ReplicaServer:
 
     def close(self) -> None:
         self._closing.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=3.0)
         self._stop.set()
         self._thread.join(timeout=5.0)
         self._sock.close()
@@ -132,8 +132,10 @@ class ReplicaServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         closing_since: float | None = None
+        last_msg = time.monotonic()
         while not self._stop.is_set():
             if dict(poller.poll(20)):
+                last_msg = time.monotonic()
                 while True:
                     try:
                         msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -143,8 +145,11 @@ class ReplicaServer:
             self._reap()
             self._unpark()
             if self._closing.is_set():
-                closing_since = closing_since or time.monotonic()
-                if not self._parked or time.monotonic() - closing_since > 1.0:
+                # Keep answering (Shutdown) until the satellites are quiet, so none is left waiting.
+                now = time.monotonic()
+                closing_since = closing_since or now
+                quiet = not self._parked and now - max(last_msg, closing_since) > 0.2
+                if quiet or now - closing_since > 2.0:
                     return
 
     def _handle(self, dec: msgspec.msgpack.Decoder[Any], msg: list[Any]) -> None:
@@ -156,6 +161,9 @@ class ReplicaServer:
             return
         now = time.monotonic()
         if isinstance(req, Hello):
+            if self._closing.is_set():
+                self._send(ident, Shutdown("core is closing"))
+                return
             if req.protocol != PROTOCOL:
                 self._send(
                     ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
@@ -336,9 +344,12 @@ class ReplicaServer:
         with self._mu:
             gone = [r.name for r in self._reps.values() if now - r.last_seen > limit]
             for name in gone:
-                del self._reps[name]
-                self._admitted.discard(name)
+                del self._reps[name]  # admission stays: a satellite that was only slow says hello again
                 self.dead.append(name)
         for name in gone:
             self.core._release(name)
+            for ident, _, _ in (p for p in self._parked if p[1] == name):
+                self._send(
+                    ident, ErrorReply(ErrorCode.UNKNOWN_REPLICA, f"{name!r}: presumed dead, say hello again")
+                )
             self._parked = [p for p in self._parked if p[1] != name]
