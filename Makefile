@@ -24,6 +24,7 @@ bench:              ## quick benchmarks of every member that has one
 	$(UV) run --frozen gyre-engine bench --quick
 	$(UV) run --frozen gyre-proxy bench --quick
 	$(UV) run --frozen python packages/gyre-engine/bench/handoff.py --context 4096 --reps 1
+	$(UV) run --frozen gyre-train bench --quick
 
 wheels-check:       ## build every wheel and smoke-install gyre-traj alone, outside the workspace
 	bash .ci/wheels-check

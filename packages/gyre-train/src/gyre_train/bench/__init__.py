@@ -1,0 +1,1 @@
+"""`gyre-train bench`: tree-packed vs path-expanded training, chunked large trees, satellite join."""

@@ -1,0 +1,71 @@
+"""Mini-batches for tests, the benchmark and `gyre-train core --synthetic`: gyre-traj's synthetic agent
+executions (compactions, sub-agents, retries), selected with J_max, given group-relative advantages and
+tree-packed under a token budget. Also reads a directory written by `gyre-traj pack`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gyre_traj.pack import PackConfig, PackedBatch, PackItem, pack
+from gyre_traj.select import SelectionConfig, select
+from gyre_traj.synth import SynthConfig, synth_execution
+from gyre_traj.tree import ExecutionTree
+
+from gyre_train.wire import MICROBATCH_FIELDS, MicroBatchError, microbatch_from_arrays
+
+SMALL = SynthConfig(
+    main_calls=6,
+    max_context=200,
+    compactions=1,
+    subagents=1,
+    subagent_calls=2,
+    subagent_compactions=0,
+    retries=1,
+    system_tokens=30,
+    output_tokens=(6, 20),
+    summary_tokens=20,
+)
+
+
+def synthetic_minibatch(
+    executions: int = 4,
+    seed: int = 0,
+    token_budget: int = 512,
+    synth: SynthConfig = SMALL,
+    j_max: int = 3,
+    mode: str = "tree",
+) -> list[PackedBatch]:
+    """One mini-batch (a group of `executions`) of tree-packed micro-batches."""
+    rng = np.random.default_rng(seed)
+    trees = []
+    for k in range(executions):
+        eid = f"s{seed}-e{k}"
+        t = ExecutionTree(eid)
+        for c in synth_execution(SynthConfig(**{**synth.__dict__, "seed": seed * 1000 + k}), eid):
+            t.add(c)
+        trees.append(t)
+    scores = rng.uniform(0, 1, size=executions)
+    adv = scores - scores.mean()
+    items = [
+        PackItem(t, select(t, SelectionConfig(j_max=j_max)), float(a))
+        for t, a in zip(trees, adv, strict=True)
+    ]
+    return pack(items, PackConfig(token_budget=token_budget, mode=mode))  # type: ignore[arg-type]
+
+
+def read_packed_dir(path: Path) -> list[PackedBatch]:
+    """Micro-batches from a `gyre-traj pack --out DIR` directory (manifest.json + .npz files)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = [m["file"] for m in manifest["micro_batches"]]
+    out = []
+    for name in files:
+        with np.load(path / name, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files if k in MICROBATCH_FIELDS}
+        try:
+            out.append(microbatch_from_arrays(arrays))
+        except MicroBatchError as exc:
+            raise MicroBatchError(f"{path / name}: {exc}") from exc
+    return out

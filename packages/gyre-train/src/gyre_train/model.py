@@ -1,0 +1,176 @@
+"""The plain-torch backend: a transformers causal LM, its flat parameter layout, and one micro-batch's
+gradient as a flat float32 array.
+
+`micro_gradient` is the only place a replica computes: zero the grads, run gyre-traj's `target_logprobs`
+and `policy_loss` on one tree-packed micro-batch, backward, and copy the gradients into one contiguous
+float32 vector in `Layout` order. The core sums those vectors in micro-batch order, so who computed
+which micro-batch cannot change the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs
+from gyre_traj.pack import PackedBatch
+
+Attention = Literal["dense", "flex"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-architecture model from scratch (random init with `seed`)."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 1 << 20
+    tie_word_embeddings: bool = False
+    seed: int = 0
+    dtype: str = "float32"
+    """Parameter dtype: "float32" or "bfloat16"."""
+    backend: str = "transformers"
+    """"transformers" (Qwen3ForCausalLM) or "megatron" (megatron-core GPTModel, extra `gyre-train[megatron]`)."""
+
+    def hf_config(self, attention: Attention = "dense") -> Any:
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attn_implementation="flex_attention" if attention == "flex" else "sdpa",  # type: ignore[call-arg]
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> ModelConfig:
+        return ModelConfig(**json.loads(text))
+
+
+def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if cfg.backend == "megatron":
+        from gyre_train import megatron
+
+        if device == "cpu":
+            megatron.init_cpu(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        return megatron.build_gpt(cfg).to(device).train()
+    if cfg.backend != "transformers":
+        raise ValueError(f"unknown backend {cfg.backend!r}: use 'transformers' or 'megatron'")
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
+        model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
+    return model.train()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parameter order, shapes and offsets into the flat gradient vector."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+    digest: str
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> Layout:
+        names, shapes, offsets = [], [], []
+        n = 0
+        h = hashlib.sha256()
+        for name, p in model.named_parameters():
+            names.append(name)
+            shapes.append(tuple(p.shape))
+            offsets.append(n)
+            n += p.numel()
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        return Layout(tuple(names), tuple(shapes), tuple(offsets), n, h.hexdigest()[:16])
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter data tensors by name (what snapshots are published from and pulled into)."""
+    return {n: p.data for n, p in model.named_parameters()}
+
+
+def micro_gradient(
+    model: torch.nn.Module,
+    layout: Layout,
+    batch: PackedBatch,
+    loss_cfg: LossConfig,
+    attention: Attention = "dense",
+    out: np.ndarray | None = None,
+    chunk_budget: int = 0,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """Flat float32 gradient of one micro-batch's weighted policy loss, and its metrics. With
+    `chunk_budget`, a micro-batch larger than it is trained in chunks (`gyre_train.chunked`: shared
+    prefix forwarded once, activation memory of one chunk); transformers backend only."""
+    t0 = time.perf_counter()
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    megatron = type(model).__module__.startswith("megatron.")  # a Megatron-core GPTModel
+    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
+        from gyre_train.chunked import chunked_loss_backward
+
+        metrics = chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
+    else:
+        tb = TorchBatch.from_packed(batch, device=device)
+        if megatron:
+            from gyre_train.megatron import tree_target_logprobs
+
+            lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
+        else:
+            lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
+        loss, metrics = policy_loss(lp, tb, loss_cfg)
+        loss.backward()
+    flat = out if out is not None else np.empty(layout.numel, np.float32)
+    ps = dict(model.named_parameters())
+    for name, off, shape in zip(layout.names, layout.offsets, layout.shapes, strict=True):
+        g = ps[name].grad
+        k = int(np.prod(shape, dtype=np.int64))
+        if g is None:
+            flat[off : off + k] = 0.0
+        else:
+            flat[off : off + k] = g.detach().reshape(-1).float().cpu().numpy()
+    model.zero_grad(set_to_none=True)
+    metrics["compute_s"] = time.perf_counter() - t0
+    return flat, metrics
+
+
+def set_gradients(model: torch.nn.Module, layout: Layout, flat: np.ndarray) -> None:
+    ps = dict(model.named_parameters())
+    for name, off, shape in zip(layout.names, layout.offsets, layout.shapes, strict=True):
+        p = ps[name]
+        k = int(np.prod(shape, dtype=np.int64))
+        g = torch.from_numpy(np.ascontiguousarray(flat[off : off + k])).reshape(shape)
+        p.grad = g.to(device=p.device, dtype=p.dtype)
+
+
+def load_params(model: torch.nn.Module, tensors: Mapping[str, Any]) -> None:
+    ps = dict(model.named_parameters())
+    if set(ps) != set(tensors):
+        raise ValueError(f"parameter names differ: {sorted(set(ps) ^ set(tensors))[:5]}")
+    with torch.no_grad():
+        for name, p in ps.items():
+            p.copy_(torch.as_tensor(tensors[name]).reshape(p.shape))

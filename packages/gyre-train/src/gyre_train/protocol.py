@@ -1,0 +1,185 @@
+"""Messages between the trainer core and its satellites (ZeroMQ DEALER -> core ROUTER, msgspec).
+
+Every request is one tagged, frozen struct in the first frame, decoded by one typed decoder over the
+`Request` union; every reply likewise over `Reply`. Arrays (a micro-batch's token and loss arrays, a
+gradient) follow as raw buffer frames described by `ArraySpec`s in the header, never pickled. `Hello`
+carries `PROTOCOL`; a mismatch is refused with an `ErrorReply`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL = 1
+
+
+class ErrorCode(enum.IntEnum):
+    PROTOCOL = 1
+    """Wrong protocol version or an undecodable message."""
+    UNKNOWN_REPLICA = 2
+    """A request from a replica that never said hello (or was declared dead)."""
+    BAD_GRADIENT = 4
+    """A gradient whose frames do not match its header."""
+
+
+class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
+    """One raw frame: name, numpy dtype string (e.g. "<f4"), shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# ---- requests (satellite -> core) -------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
+    protocol: int
+    replica: str
+
+
+class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
+    """Ask for a micro-batch. The core may hold the reply until work exists (long poll)."""
+
+    replica: str
+    version: int
+    """Weight version the replica holds now (-1 before its first snapshot pull)."""
+
+
+class Gradient(msgspec.Struct, frozen=True, array_like=True, tag="grad"):
+    """Followed by one raw frame: the flat float32 gradient in the core's parameter order."""
+
+    replica: str
+    batch: int
+    index: int
+    version: int
+    numel: int
+    metrics: dict[str, float] = {}
+
+
+class Heartbeat(msgspec.Struct, frozen=True, array_like=True, tag="beat"):
+    replica: str
+
+
+class Goodbye(msgspec.Struct, frozen=True, array_like=True, tag="bye"):
+    """The replica leaves; `returned` lists claims it gives back unfinished (batch, index)."""
+
+    replica: str
+    returned: tuple[tuple[int, int], ...] = ()
+
+
+class Admit(msgspec.Struct, frozen=True, array_like=True, tag="admit"):
+    """From the scheduler (or any controller): let `replica` claim micro-batches."""
+
+    protocol: int
+    replica: str
+
+
+class Dismiss(msgspec.Struct, frozen=True, array_like=True, tag="dismiss"):
+    """From the scheduler: stop giving `replica` work (it finishes the micro-batch it holds)."""
+
+    protocol: int
+    replica: str
+
+
+class Submit(msgspec.Struct, frozen=True, array_like=True, tag="submit"):
+    """From the trajectory service: mini-batch number `seq` (the core's queue position it must take),
+    followed by the raw frames of every micro-batch's arrays, in order."""
+
+    protocol: int
+    seq: int
+    microbatches: tuple[tuple[ArraySpec, ...], ...]
+
+
+class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
+    protocol: int
+
+
+Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status | Submit
+
+
+# ---- replies (core -> satellite) --------------------------------------------------------------------
+
+
+class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
+    protocol: int
+    publisher: str
+    """gyre-xfer publisher control address to pull snapshots from."""
+    transport: str
+    """gyre-xfer transport kind the publisher serves ("shm" or "mooncake")."""
+    heartbeat_s: float
+    model_config: str
+    """JSON of the core's `ModelConfig`: the satellite builds the same architecture once, at start."""
+    loss: str
+    """JSON of the core's gyre-traj `LossConfig`."""
+    attention: str = "dense"
+    chunk_budget: int = 0
+    """Train micro-batches larger than this in chunks (0 = off), as the core does."""
+
+
+class Assign(msgspec.Struct, frozen=True, array_like=True, tag="assign"):
+    """One micro-batch; followed by one raw frame per `arrays` entry."""
+
+    batch: int
+    index: int
+    version: int
+    """Trainer weight version the gradient must be computed at."""
+    snapshot: int
+    """gyre-xfer snapshot version holding those weights."""
+    arrays: tuple[ArraySpec, ...]
+    attention: str = "dense"
+
+
+class Idle(msgspec.Struct, frozen=True, array_like=True, tag="idle"):
+    """No work for this replica now (not admitted, or nothing left to claim): claim again."""
+
+    reason: str = ""
+
+
+class Ack(msgspec.Struct, frozen=True, array_like=True, tag="ack"):
+    accepted: bool
+    reason: str = ""
+
+
+class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):
+    reason: str = ""
+
+
+class ErrorReply(msgspec.Struct, frozen=True, array_like=True, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    admitted: bool
+    ready: bool
+    claims: int
+    gradients: int
+    join_s: float = -1.0
+    """Admission to first accepted gradient (-1 until it has one)."""
+
+
+class StatusReply(msgspec.Struct, frozen=True, array_like=True, tag="status_reply"):
+    step: int
+    version: int
+    snapshot: int
+    queue_position: int
+    pending: int
+    """Unclaimed micro-batches of the step in progress."""
+    replicas: tuple[ReplicaInfo, ...]
+
+
+Reply = Welcome | Assign | Idle | Ack | Shutdown | ErrorReply | StatusReply
+
+
+def request_decoder() -> msgspec.msgpack.Decoder[Request]:
+    """Typed decoder over every request; build one per socket-owning thread and reuse it."""
+    return msgspec.msgpack.Decoder(Request)
+
+
+def reply_decoder() -> msgspec.msgpack.Decoder[Reply]:
+    """Typed decoder over every reply; build one per socket-owning thread and reuse it."""
+    return msgspec.msgpack.Decoder(Reply)

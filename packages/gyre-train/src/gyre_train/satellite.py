@@ -1,0 +1,215 @@
+"""A satellite replica: weights only, no optimizer. Started once (process, socket, model built), it says
+hello to the core and long-polls for micro-batches; when the core admits it, each assignment names the
+weight version to compute at, and the satellite pulls that gyre-xfer snapshot straight into its
+parameters before computing, then hands the flat gradient back as one raw frame.
+
+Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
+A heartbeat thread (its own socket) keeps the core from declaring a busy satellite dead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from gyre_traj.loss import LossConfig
+from gyre_xfer.sockets import make_socket
+from gyre_xfer.subscriber import Subscriber, SubscriberConfig
+from gyre_xfer.transport import Config as XferConfig
+from gyre_xfer.transport import open_transport
+
+from gyre_train.model import Attention, Layout, ModelConfig, build_model, micro_gradient, params
+from gyre_train.protocol import (
+    PROTOCOL,
+    Ack,
+    Assign,
+    Claim,
+    ErrorCode,
+    ErrorReply,
+    Goodbye,
+    Gradient,
+    Heartbeat,
+    Hello,
+    Idle,
+    Reply,
+    Shutdown,
+    Welcome,
+    reply_decoder,
+)
+from gyre_train.wire import from_frames, microbatch_from_arrays
+
+
+class CoreGoneError(RuntimeError):
+    """The core did not answer within the deadline, or refused this satellite."""
+
+
+@dataclass(frozen=True)
+class SatelliteConfig:
+    core: str
+    """The core's ROUTER address (Core.address)."""
+    name: str
+    """Replica name, unique among the core's satellites."""
+    device: str = "cpu"
+    reply_timeout_s: float = 30.0
+    """Deadline for any reply from the core."""
+    hello_timeout_s: float = 120.0
+    """Deadline for the core to answer the first hello (it may still be starting)."""
+    idle_exit_s: float = 0.0
+    """Exit after this long without work (0 = wait for the core's Shutdown)."""
+    crash_after_claims: int = 0
+    """Fault injection for tests: SIGKILL this process right after receiving its N-th micro-batch
+    (0 = never), so the core sees a real death mid-batch."""
+
+
+class Satellite:
+    def __init__(self, cfg: SatelliteConfig) -> None:
+        self.cfg = cfg
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER)
+        self._sock.connect(cfg.core)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = reply_decoder()
+        w = self._request(Hello(PROTOCOL, cfg.name), timeout_s=cfg.hello_timeout_s)
+        if not isinstance(w, Welcome):
+            raise CoreGoneError(f"core refused hello: {w}")
+        self.welcome = w
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="gyre-train-heartbeat", daemon=True)
+        self._beat.start()
+        self.loss = msgspec.json.decode(w.loss, type=LossConfig)
+        self.model_cfg = ModelConfig.from_json(w.model_config)
+        if w.attention not in ("dense", "flex"):
+            raise CoreGoneError(f"core asks for unknown attention {w.attention!r}")
+        self.attention: Attention = "flex" if w.attention == "flex" else "dense"
+        self.model = build_model(self.model_cfg, self.attention, cfg.device)
+        self.layout = Layout.of(self.model)
+        self._transport = open_transport(XferConfig(kind=w.transport))
+        self._sub = Subscriber(self._transport, SubscriberConfig(publisher=w.publisher))
+        self.version = -1
+        self.snapshot = -1
+        self.claims = 0
+        self.rejoins = 0
+        self._staging: dict[str, torch.Tensor] | None = None
+
+    def _request(
+        self, req: Any, frames: list[Any] | None = None, timeout_s: float | None = None
+    ) -> tuple[Reply, list[Any]] | Reply:
+        self._sock.send_multipart([self._enc.encode(req), *(frames or [])], copy=False)
+        limit = self.cfg.reply_timeout_s if timeout_s is None else timeout_s
+        if not self._sock.poll(int(limit * 1000)):
+            raise CoreGoneError(f"core at {self.cfg.core} did not answer within {limit} s")
+        msg = self._sock.recv_multipart(copy=False)
+        rep = self._dec.decode(msg[0].buffer)
+        if isinstance(rep, ErrorReply):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient):
+                return rep  # the core presumed us dead while we were silent: say hello again
+            raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
+        if isinstance(rep, Assign):
+            return rep, msg[1:]
+        return rep
+
+    def _heartbeat(self) -> None:
+        sock = make_socket(self._ctx, zmq.DEALER)
+        sock.connect(self.cfg.core)
+        enc = msgspec.msgpack.Encoder()
+        try:
+            while not self._stop.wait(self.welcome.heartbeat_s):
+                sock.send(enc.encode(Heartbeat(self.cfg.name)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close()
+
+    def pull(self, snapshot: int) -> float:
+        t0 = time.perf_counter()
+        ps = params(self.model)
+        if all(p.device.type == "cpu" for p in ps.values()):
+            snap = self._sub.pull(min_version=snapshot, into=ps)  # straight into the parameters
+        else:  # accelerator: into pinned host buffers (registered once), then one copy per tensor
+            if self._staging is None:
+                self._staging = {n: torch.empty(p.shape, dtype=p.dtype).pin_memory() for n, p in ps.items()}
+            snap = self._sub.pull(min_version=snapshot, into=self._staging)
+            with torch.no_grad():
+                for n, p in ps.items():
+                    p.copy_(self._staging[n], non_blocking=True)
+            torch.cuda.synchronize()
+        if snap.version != snapshot:
+            raise CoreGoneError(f"asked for snapshot {snapshot}, the publisher served {snap.version}")
+        self.snapshot = snapshot
+        return time.perf_counter() - t0
+
+    def _rejoin(self) -> bool:
+        """Say hello again after the core presumed us dead; False if the core is shutting down."""
+        rep = self._request(Hello(PROTOCOL, self.cfg.name))
+        if isinstance(rep, Shutdown):
+            return False
+        if not isinstance(rep, Welcome):
+            raise CoreGoneError(f"core answered a second hello with {type(rep).__name__}")
+        self.rejoins += 1
+        return True
+
+    def run(self) -> int:
+        """Serve until the core says Shutdown (or `idle_exit_s` passes without work); returns the number
+        of micro-batches computed."""
+        done = 0
+        idle_since = time.monotonic()
+        while True:
+            got = self._request(Claim(self.cfg.name, self.version))
+            if isinstance(got, Shutdown):
+                break
+            if isinstance(got, ErrorReply):  # presumed dead: register again (same process, same model)
+                if not self._rejoin():
+                    break
+                continue
+            if isinstance(got, Idle):
+                if self.cfg.idle_exit_s and time.monotonic() - idle_since > self.cfg.idle_exit_s:
+                    self._request(Goodbye(self.cfg.name))
+                    break
+                continue
+            if not isinstance(got, tuple):
+                raise CoreGoneError(f"unexpected reply {got}")
+            a, frames = got
+            assert isinstance(a, Assign)
+            self.claims += 1
+            if self.cfg.crash_after_claims and self.claims >= self.cfg.crash_after_claims:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pull_s = 0.0
+            if self.snapshot != a.snapshot:
+                pull_s = self.pull(a.snapshot)
+                self.version = a.version
+            batch = microbatch_from_arrays(from_frames(a.arrays, frames))
+            grad, metrics = micro_gradient(
+                self.model,
+                self.layout,
+                batch,
+                self.loss,
+                self.attention,
+                chunk_budget=self.welcome.chunk_budget,
+            )
+            metrics["pull_s"] = pull_s
+            g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics)
+            ack = self._request(g, [memoryview(grad).cast("B")])
+            if isinstance(ack, ErrorReply):  # presumed dead while computing: the claim was re-queued
+                if not self._rejoin():
+                    break
+                continue
+            if not isinstance(ack, Ack):
+                raise CoreGoneError(f"expected an ack, got {ack}")
+            done += 1
+            idle_since = time.monotonic()
+        return done
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join(timeout=5.0)
+        self._sub.close()
+        self._transport.close()
+        self._sock.close()
+        self._ctx.term()

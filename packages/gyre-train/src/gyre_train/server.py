@@ -1,0 +1,355 @@
+"""The core's satellite-facing socket: one ROUTER, served by one helper thread, set up once at start.
+
+Satellites say hello when their process starts and then long-poll with `Claim`; the server answers with
+a micro-batch only while the satellite is admitted and the claim queue has work, else holds the claim up
+to `idle_hold_s` and answers `Idle`. Gradients arrive as one raw float32 frame. A satellite that sends
+nothing (no claim, gradient or heartbeat) for `dead_after_s` is declared dead and its claims go back to
+the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
+groups are created or torn down.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import zmq
+from gyre_xfer.sockets import check_bind, make_socket
+
+from gyre_train.claims import ClaimError
+from gyre_train.protocol import (
+    PROTOCOL,
+    Ack,
+    Admit,
+    Assign,
+    Claim,
+    Dismiss,
+    ErrorCode,
+    ErrorReply,
+    Goodbye,
+    Gradient,
+    Heartbeat,
+    Hello,
+    Idle,
+    ReplicaInfo,
+    Reply,
+    Shutdown,
+    Status,
+    StatusReply,
+    Submit,
+    Welcome,
+    request_decoder,
+)
+from gyre_train.wire import MicroBatchError, from_frames, microbatch_from_arrays
+
+if TYPE_CHECKING:
+    from gyre_train.core import Core
+
+
+@dataclass
+class _Replica:
+    name: str
+    last_seen: float
+    admitted_at: float | None = None
+    first_gradient_at: float | None = None
+    claims: int = 0
+    polls: int = 0
+    gradients: int = 0
+    last_pull_s: float = 0.0
+
+
+class ReplicaServer:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        cfg = core.cfg
+        check_bind(cfg.bind, allow_remote=False)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self._sock.bind(cfg.bind)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._enc = msgspec.msgpack.Encoder()
+        self._mu = threading.Lock()
+        self._reps: dict[str, _Replica] = {}
+        self._admitted: set[str] = set()
+        self._parked: list[tuple[bytes, str, float]] = []
+        self.dead: list[str] = []
+        self._stop = threading.Event()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="gyre-train-core", daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads -------------------------------------------------------------------
+
+    def admit(self, replica: str) -> None:
+        with self._mu:
+            self._admitted.add(replica)
+            rep = self._reps.get(replica)
+            if rep is not None:
+                rep.admitted_at = time.monotonic()
+                rep.first_gradient_at = None
+                rep.claims = 0  # counted since admission
+
+    def dismiss(self, replica: str) -> None:
+        with self._mu:
+            self._admitted.discard(replica)
+
+    def describe(self) -> dict[str, dict[str, float | bool | int]]:
+        with self._mu:
+            out: dict[str, dict[str, float | bool | int]] = {}
+            for r in self._reps.values():
+                d: dict[str, float | bool | int] = {
+                    "admitted": r.name in self._admitted,
+                    "ready": r.polls > 0,
+                    "claims": r.claims,
+                    "gradients": r.gradients,
+                    "last_pull_s": r.last_pull_s,
+                }
+                if r.admitted_at is not None and r.first_gradient_at is not None:
+                    d["join_s"] = r.first_gradient_at - r.admitted_at
+                out[r.name] = d
+            return out
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(timeout=3.0)
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._sock.close()
+        self._ctx.term()
+
+    # ---- the server thread ----------------------------------------------------------------------------
+
+    def _send(self, ident: bytes, reply: Reply, frames: list[Any] | None = None) -> None:
+        head = self._enc.encode(reply)
+        self._sock.send_multipart([ident, head, *(frames or [])], copy=False)
+
+    def _serve(self) -> None:
+        dec = request_decoder()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        closing_since: float | None = None
+        last_msg = time.monotonic()
+        while not self._stop.is_set():
+            if dict(poller.poll(20)):
+                last_msg = time.monotonic()
+                while True:
+                    try:
+                        msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(dec, msg)
+            self._reap()
+            self._unpark()
+            if self._closing.is_set():
+                # Keep answering (Shutdown) until the satellites are quiet, so none is left waiting.
+                now = time.monotonic()
+                closing_since = closing_since or now
+                quiet = not self._parked and now - max(last_msg, closing_since) > 0.2
+                if quiet or now - closing_since > 2.0:
+                    return
+
+    def _handle(self, dec: msgspec.msgpack.Decoder[Any], msg: list[Any]) -> None:
+        ident = bytes(msg[0].buffer)
+        try:
+            req = dec.decode(msg[1].buffer)
+        except (msgspec.DecodeError, IndexError) as exc:
+            self._send(ident, ErrorReply(ErrorCode.PROTOCOL, f"undecodable request: {exc}"))
+            return
+        now = time.monotonic()
+        if isinstance(req, Hello):
+            if self._closing.is_set():
+                self._send(ident, Shutdown("core is closing"))
+                return
+            if req.protocol != PROTOCOL:
+                self._send(
+                    ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
+                )
+                return
+            with self._mu:
+                if self.core.cfg.admit_on_hello:
+                    self._admitted.add(req.replica)
+                old = self._reps.get(req.replica)
+                self._reps[req.replica] = _Replica(req.replica, now)
+                if req.replica in self._admitted:
+                    self._reps[req.replica].admitted_at = now
+            if old is not None:  # the same name again: a restarted process; its old claims are void
+                self.core._release(req.replica)
+            c = self.core
+            self._send(
+                ident,
+                Welcome(
+                    PROTOCOL,
+                    c.publisher.address,
+                    c.cfg.transport,
+                    c.cfg.heartbeat_s,
+                    c.model_cfg.to_json(),
+                    msgspec.json.encode(c.cfg.loss).decode(),
+                    c.cfg.attention,
+                    c.cfg.chunk_budget,
+                ),
+            )
+            return
+        if isinstance(req, Admit | Dismiss | Status):
+            self._control(ident, req)
+            return
+        if isinstance(req, Submit):
+            self._submit(ident, req, msg[2:])
+            return
+        with self._mu:
+            rep = self._reps.get(req.replica)
+            if rep is not None:
+                rep.last_seen = now
+        if isinstance(req, Heartbeat):
+            return
+        if rep is None:
+            self._send(
+                ident,
+                ErrorReply(ErrorCode.UNKNOWN_REPLICA, f"{req.replica!r}: say hello first (or declared dead)"),
+            )
+            return
+        if isinstance(req, Claim):
+            with self._mu:
+                rep.polls += 1
+            if self._closing.is_set():
+                self._send(ident, Shutdown("core is closing"))
+            elif not self._try_assign(ident, req.replica):
+                self._parked.append((ident, req.replica, now))
+        elif isinstance(req, Gradient):
+            self._gradient(ident, rep, req, msg[2:])
+        elif isinstance(req, Goodbye):
+            self.core._release(req.replica, [i for _, i in req.returned] if req.returned else None)
+            with self._mu:
+                self._reps.pop(req.replica, None)
+                self._admitted.discard(req.replica)
+            self._send(ident, Ack(True))
+
+    def _control(self, ident: bytes, req: Admit | Dismiss | Status) -> None:
+        if req.protocol != PROTOCOL:
+            self._send(
+                ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
+            )
+            return
+        if isinstance(req, Admit):
+            self.admit(req.replica)
+            self._send(ident, Ack(True))
+        elif isinstance(req, Dismiss):
+            self.dismiss(req.replica)
+            self._send(ident, Ack(True))
+        else:
+            c = self.core
+            reps = tuple(
+                ReplicaInfo(
+                    name,
+                    bool(d["admitted"]),
+                    bool(d["ready"]),
+                    int(d["claims"]),
+                    int(d["gradients"]),
+                    float(d.get("join_s", -1.0)),
+                )
+                for name, d in sorted(self.describe().items())
+            )
+            self._send(ident, StatusReply(c.step, c.version, c.snapshot, c.queue_position, c.pending(), reps))
+
+    def _submit(self, ident: bytes, req: Submit, frames: list[Any]) -> None:
+        if req.protocol != PROTOCOL:
+            self._send(
+                ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
+            )
+            return
+        try:
+            mbs = []
+            at = 0
+            for specs in req.microbatches:
+                arrays = from_frames(specs, [f.buffer for f in frames[at : at + len(specs)]])
+                # Copy out of the ZeroMQ frames: the mini-batch may wait in the inbox for a while.
+                mbs.append(microbatch_from_arrays({k: v.copy() for k, v in arrays.items()}))
+                at += len(specs)
+            if at != len(frames):
+                raise MicroBatchError(f"{len(frames)} frames for {at} arrays")
+            ok, why = self.core.offer(req.seq, mbs)
+        except (MicroBatchError, ValueError) as exc:
+            ok, why = False, str(exc)
+        self._send(ident, Ack(ok, why))
+
+    def _gradient(self, ident: bytes, rep: _Replica, req: Gradient, frames: list[Any]) -> None:
+        if len(frames) != 1 or req.numel != self.core.layout.numel:
+            self._send(
+                ident,
+                ErrorReply(ErrorCode.BAD_GRADIENT, f"expected one frame of {self.core.layout.numel} float32"),
+            )
+            return
+        buf = frames[0].buffer
+        if memoryview(buf).nbytes != 4 * req.numel:
+            self._send(
+                ident,
+                ErrorReply(
+                    ErrorCode.BAD_GRADIENT, f"frame has {memoryview(buf).nbytes} bytes, need {4 * req.numel}"
+                ),
+            )
+            return
+        grad = np.frombuffer(buf, dtype="<f4")
+        try:
+            ok, why = self.core._deliver(req.replica, req.batch, req.index, req.version, grad, req.metrics)
+        except ClaimError as exc:
+            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, str(exc)))
+            return
+        if ok:
+            with self._mu:
+                rep.gradients += 1
+                rep.last_pull_s = float(req.metrics.get("pull_s", 0.0)) or rep.last_pull_s
+                if rep.first_gradient_at is None:
+                    rep.first_gradient_at = time.monotonic()
+        self._send(ident, Ack(ok, why))
+
+    def _try_assign(self, ident: bytes, replica: str) -> bool:
+        with self._mu:
+            if replica not in self._admitted or replica not in self._reps:
+                return False
+        got = self.core._claim(replica)
+        if got is None:
+            return False
+        st, i = got
+        with self._mu:
+            rep = self._reps.get(replica)
+            if rep is not None:
+                rep.claims += 1
+        specs, bufs = self.core.assignment(i)
+        a = Assign(st.batch, i, st.version, self.core.snapshot, specs, self.core.cfg.attention)
+        self._send(ident, a, bufs)
+        return True
+
+    def _unpark(self) -> None:
+        if not self._parked:
+            return
+        now = time.monotonic()
+        keep = []
+        for ident, replica, since in self._parked:
+            if self._closing.is_set():
+                self._send(ident, Shutdown("core is closing"))
+            elif self._try_assign(ident, replica):
+                continue
+            elif now - since > self.core.cfg.idle_hold_s:
+                self._send(ident, Idle("not admitted" if replica not in self._admitted else "no work"))
+            else:
+                keep.append((ident, replica, since))
+        self._parked = keep
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        limit = self.core.cfg.dead_after_s
+        with self._mu:
+            gone = [r.name for r in self._reps.values() if now - r.last_seen > limit]
+            for name in gone:
+                del self._reps[name]  # admission stays: a satellite that was only slow says hello again
+                self.dead.append(name)
+        for name in gone:
+            self.core._release(name)
+            for ident, _, _ in (p for p in self._parked if p[1] == name):
+                self._send(
+                    ident, ErrorReply(ErrorCode.UNKNOWN_REPLICA, f"{name!r}: presumed dead, say hello again")
+                )
+            self._parked = [p for p in self._parked if p[1] != name]

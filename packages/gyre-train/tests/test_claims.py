@@ -1,0 +1,88 @@
+"""The claim queue sums gradients in micro-batch order whoever computes them, whatever order they
+arrive in, and with any replicas dying and returning their claims."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gyre_train.claims import ClaimError, StepState
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+def _grads(n: int, numel: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # Values of very different magnitudes, so that a different summation order would change the bits.
+    return [
+        (rng.standard_normal(numel) * 10.0 ** rng.integers(-6, 6, numel)).astype(np.float32) for _ in range(n)
+    ]
+
+
+def _reference(grads: list[np.ndarray]) -> np.ndarray:
+    acc = grads[0].copy()
+    for g in grads[1:]:
+        acc += g
+    return acc
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    script=st.lists(
+        st.tuples(st.sampled_from(["core", "s1", "s2"]), st.sampled_from(["claim", "finish", "die"])),
+        max_size=80,
+    ),
+)
+def test_sum_is_order_independent(n: int, seed: int, script: list[tuple[str, str]]) -> None:
+    grads = _grads(n, 33, seed)
+    s = StepState(batch=0, n=n, numel=33, version=0)
+    held: dict[str, list[int]] = {"core": [], "s1": [], "s2": []}
+    for who, what in script:
+        if what == "claim":
+            i = s.claim(who)
+            if i is not None:
+                held[who].append(i)
+        elif what == "finish" and held[who]:
+            i = held[who].pop(0)
+            assert s.deliver(who, i, grads[i])
+        elif what == "die":
+            assert s.release(who) == len(held[who])
+            held[who] = []
+    # Whatever happened, the core finishes the rest.
+    for who in held:
+        for i in held[who]:
+            s.deliver(who, i, grads[i])
+    while (i := s.claim("core")) is not None:
+        s.deliver("core", i, grads[i])
+    assert s.complete
+    np.testing.assert_array_equal(s.gradient(), _reference(grads))
+
+
+def test_duplicate_and_foreign_gradients() -> None:
+    g = _grads(3, 4, 0)
+    s = StepState(batch=7, n=3, numel=4, version=0)
+    i = s.claim("s1")
+    assert i == 0
+    with pytest.raises(ClaimError, match="held by 's1'"):
+        s.deliver("s2", 0, g[0])
+    with pytest.raises(ClaimError, match="shape"):
+        s.deliver("s1", 0, g[0][:2])
+    with pytest.raises(ClaimError, match="not in mini-batch 7"):
+        s.deliver("s1", 5, g[0])
+    assert s.release("s1") == 1 and s.requeued == 1
+    # s1 was presumed dead but was only slow: its gradient is still the gradient of micro-batch 0.
+    assert s.deliver("s1", 0, g[0])
+    assert not s.deliver("core", 0, g[0])  # a duplicate is ignored
+    for k in (1, 2):
+        assert s.claim("core") == k
+        s.deliver("core", k, g[k])
+    np.testing.assert_array_equal(s.gradient(), _reference(g))
+
+
+def test_incomplete_step_has_no_gradient() -> None:
+    s = StepState(batch=0, n=2, numel=1, version=0)
+    with pytest.raises(RuntimeError, match="0 of 2"):
+        s.gradient()
+    with pytest.raises(ValueError, match="at least one"):
+        StepState(batch=0, n=0, numel=1, version=0)

@@ -1,0 +1,70 @@
+"""`gyre-train core` trains `gyre-traj pack` output, checkpoints after each step and resumes at the
+queue position it reached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gyre_train.cli import main
+from gyre_traj.cli import main as traj_main
+
+EXAMPLE = Path(__file__).parents[2] / "gyre-traj" / "examples" / "branching.jsonl"
+
+
+def test_core_trains_packed_dirs_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dirs = []
+    for k, budget in enumerate((4096, 2048)):
+        d = tmp_path / f"packed-{k}"
+        assert traj_main(["pack", str(EXAMPLE), "--out", str(d), "--budget", str(budget)]) == 0
+        dirs.append(str(d))
+    capsys.readouterr()
+    ck = tmp_path / "ck"
+    args = ["core", "--data", dirs[0], "--budget", "4096", "--checkpoint", str(ck)]
+    assert main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["version"] == 0 and lines[1]["step"] == 1 and lines[1]["queue_position"] == 1
+    # Resume with a longer queue: it starts where it stopped (position 1), not from the beginning.
+    assert main(["core", "--data", *dirs, "--budget", "4096", "--checkpoint", str(ck)]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[0]["version"] == 1
+    assert [x["step"] for x in lines[1:]] == [2]
+    assert json.loads((ck / "state.json").read_text())["queue_position"] == 2
+
+
+def test_core_trains_what_the_feed_submits(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    from gyre_train.control import CoreClient
+    from gyre_train.data import synthetic_minibatch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"tcp://127.0.0.1:{port}"
+    rc: list[int] = []
+    args = [
+        "core",
+        "--feed",
+        "--steps",
+        "1",
+        "--bind",
+        addr,
+        "--budget",
+        "512",
+        "--checkpoint",
+        str(tmp_path / "ck"),
+    ]
+    th = threading.Thread(target=lambda: rc.append(main(args)), daemon=True)
+    th.start()
+    feeder = CoreClient(addr, timeout_s=60)
+    try:
+        assert feeder.status().queue_position == 0
+        feeder.submit(0, synthetic_minibatch(2, seed=1))
+    finally:
+        feeder.close()
+    th.join(timeout=120)
+    assert rc == [0]
+    assert json.loads((tmp_path / "ck" / "state.json").read_text())["queue_position"] == 1

@@ -1,0 +1,337 @@
+"""The core with satellites on real ZeroMQ sockets and real gyre-xfer snapshots (satellites as threads
+here; as processes in test_processes.py): mu > 1, checkpoint/resume, snapshots for engines, staleness,
+and refusal of malformed input."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+from gyre_train.checkpoint import CheckpointError
+from gyre_train.core import Core, CoreConfig
+from gyre_train.data import synthetic_minibatch
+from gyre_train.model import ModelConfig, build_model
+from gyre_train.protocol import PROTOCOL, ErrorCode, ErrorReply, Gradient, Hello, Welcome, reply_decoder
+from gyre_train.satellite import Satellite, SatelliteConfig
+from gyre_train.wire import MicroBatchError
+from gyre_traj.loss import LossConfig
+
+MC = ModelConfig()
+A = synthetic_minibatch(4, seed=1)
+B = synthetic_minibatch(4, seed=2)
+
+
+def new_core(**kw: object) -> Core:
+    return Core(build_model(MC), MC, CoreConfig(token_budget=512, **kw))  # type: ignore[arg-type]
+
+
+def weights(core: Core) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in core.model.named_parameters()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=atol, rtol=0.0, msg=n)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    core = new_core()
+    try:
+        core.train_burst([A, B])
+        return weights(core)
+    finally:
+        core.close()
+
+
+def wait_for(cond: object, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def core_and_satellite() -> Iterator[tuple[Core, Satellite]]:
+    core = new_core()
+    sat = Satellite(SatelliteConfig(core.address, "sat-t"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    try:
+        yield core, sat
+    finally:
+        core.close()
+        th.join(timeout=30)
+        sat.close()
+
+
+def test_mu_2_burst_with_a_satellite_equals_one_replica(
+    core_and_satellite: tuple[Core, Satellite], reference: dict[str, torch.Tensor]
+) -> None:
+    core, sat = core_and_satellite
+
+    def join_after_first(k: int) -> None:
+        if k == 1:
+            core.admit("sat-t")
+            wait_for(lambda: core.replicas()["sat-t"]["claims"] > 0)
+
+    reports = core.train_burst([A, B], on_progress=join_after_first)
+    assert [r.version for r in reports] == [1, 2]
+    assert reports[0].by_replica.get("sat-t", 0) > 0
+    assert sum(r.by_replica.get("sat-t", 0) for r in reports) >= 1
+    assert sat.snapshot in (
+        reports[0].snapshot - 1,
+        reports[1].snapshot - 1,
+    )  # pulled the version it computed at
+    assert_same(weights(core), reference)  # the same floats: gradients are summed in micro-batch order
+
+
+def test_checkpoint_resume_gives_the_same_next_update(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    first = new_core()
+    first.train_step(A)
+    first.save(tmp_path / "ck")
+    first.close()
+    resumed = new_core()
+    try:
+        resumed.load(tmp_path / "ck")
+        assert (resumed.step, resumed.version, resumed.queue_position) == (1, 1, 1)
+        r = resumed.train_step(B)
+        assert (r.step, r.version, r.queue_position) == (2, 2, 2)
+        assert_same(weights(resumed), reference)
+    finally:
+        resumed.close()
+    other = Core(build_model(dataclasses.replace(MC, hidden_size=32)), MC, CoreConfig())
+    try:
+        with pytest.raises(CheckpointError, match="layout"):
+            other.load(tmp_path / "ck")
+    finally:
+        other.close()
+
+
+def test_each_version_is_a_snapshot_an_engine_loads() -> None:
+    from gyre_xfer.loader import WeightLoader
+    from gyre_xfer.subscriber import SubscriberConfig
+    from gyre_xfer.transport import Config, open_transport
+
+    core = new_core()
+    engine = build_model(dataclasses.replace(MC, seed=99))  # an engine's differently initialised copy
+    tr = open_transport(Config(kind="shm"))
+    try:
+        r = core.train_step(A)
+        loader = WeightLoader(
+            tr, SubscriberConfig(publisher=core.publisher.address), dict(engine.named_parameters())
+        )
+        res = loader.load(min_version=r.snapshot)
+        assert res.version == r.snapshot == core.snapshot
+        assert_same({n: p.detach() for n, p in engine.named_parameters()}, weights(core))
+        ids = torch.as_tensor(A[0].input_ids[:64], dtype=torch.long)[None]
+        with torch.no_grad():
+            torch.testing.assert_close(engine(ids).logits, core.model(ids).logits, atol=0.0, rtol=0.0)
+        loader.close()
+    finally:
+        tr.close()
+        core.close()
+
+
+def test_staleness_is_reported_and_future_versions_refused() -> None:
+    core = new_core()
+    try:
+        core.train_step(A)
+        core.train_step(B)
+        old = [
+            dataclasses.replace(b, versions=np.where(np.arange(b.num_loss_tokens) % 2, 0, 2).astype(np.int32))
+            for b in A
+        ]
+        r = core.train_step(old)
+        n0 = sum(int((b.versions == 0).sum()) for b in old)
+        n2 = sum(int((b.versions == 2).sum()) for b in old)
+        assert r.staleness.tokens_by_lag == {0: n2, 2: n0}
+        assert r.staleness.max == 2
+        future = [dataclasses.replace(A[0], versions=np.full(A[0].num_loss_tokens, 9, np.int32))]
+        with pytest.raises(MicroBatchError, match="version 9, newer than the trainer's 3"):
+            core.train_step(future)
+    finally:
+        core.close()
+
+
+def test_malformed_minibatch_is_refused_whole_and_loses_nothing() -> None:
+    core = new_core()
+    try:
+        before = weights(core)
+        bad = [*A[:2], dataclasses.replace(A[2], last_desc=np.zeros_like(A[2].last_desc))]
+        with pytest.raises(MicroBatchError, match="micro-batch 2: malformed"):
+            core.train_step(bad)
+        with pytest.raises(MicroBatchError, match="over the micro-batch budget of 512"):
+            big = max(A, key=lambda b: b.num_tokens)
+            assert 2 * big.num_tokens > 512
+            core.train_step([dataclasses.replace(big, **_doubled(big))])
+        assert (core.step, core.version, core.queue_position) == (0, 0, 0)
+        assert_same(weights(core), before)
+        core.train_step(A)  # and the core still trains afterwards
+        assert core.version == 1
+    finally:
+        core.close()
+
+
+def _doubled(b: object) -> dict[str, np.ndarray]:
+    """The same micro-batch twice over (two roots), so it is twice the tokens."""
+    t = b.num_tokens  # type: ignore[attr-defined]
+    out = {}
+    for k in ("input_ids", "position_ids", "segment"):
+        a = getattr(b, k)
+        out[k] = np.concatenate([a, a])
+    out["parent"] = np.concatenate([b.parent, np.where(b.parent >= 0, b.parent + t, -1)]).astype(np.int32)  # type: ignore[attr-defined]
+    out["last_desc"] = np.concatenate([b.last_desc, b.last_desc + t]).astype(np.int32)  # type: ignore[attr-defined]
+    return out
+
+
+def test_bad_peers_get_clear_errors() -> None:
+    core = new_core()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(core.address)
+    enc, dec = msgspec.msgpack.Encoder(), reply_decoder()
+
+    def ask(frames: list[bytes]) -> object:
+        s.send_multipart(frames)
+        assert s.poll(10_000), "core did not answer"
+        return dec.decode(s.recv_multipart()[0])
+
+    try:
+        r = ask([enc.encode(Hello(PROTOCOL + 1, "x"))])
+        assert isinstance(r, ErrorReply) and r.code == ErrorCode.PROTOCOL
+        r = ask([b"\x93garbage"])
+        assert isinstance(r, ErrorReply) and r.code == ErrorCode.PROTOCOL
+        r = ask([enc.encode(Gradient("nobody", 0, 0, 0, 4)), b"\x00" * 16])
+        assert isinstance(r, ErrorReply) and r.code == ErrorCode.UNKNOWN_REPLICA
+        assert isinstance(ask([enc.encode(Hello(PROTOCOL, "x"))]), Welcome)
+        r = ask([enc.encode(Gradient("x", 0, 0, 0, core.layout.numel)), b"\x00" * 8])
+        assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_GRADIENT and "bytes" in r.message
+    finally:
+        s.close()
+        ctx.term()
+        core.close()
+
+
+def test_chunked_microbatches_in_the_core_and_a_satellite_match_unchunked() -> None:
+    big = synthetic_minibatch(4, seed=6, token_budget=1500)  # micro-batches several times the chunk budget
+    cfg = dict(token_budget=1500, loss=LossConfig(mode="tis"))
+    plain = Core(build_model(MC), MC, CoreConfig(**cfg))  # type: ignore[arg-type]
+    try:
+        plain.train_step(big)
+        want = weights(plain)
+    finally:
+        plain.close()
+    core = Core(build_model(MC), MC, CoreConfig(chunk_budget=200, **cfg))  # type: ignore[arg-type]
+    sat = Satellite(SatelliteConfig(core.address, "sat-c"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    try:
+        core.admit("sat-c")
+        wait_for(lambda: core.replicas().get("sat-c", {}).get("ready", False))
+        r = core.train_step(
+            big, on_progress=lambda k: wait_for(lambda: core.replicas()["sat-c"]["claims"] > 0)
+        )
+        assert r.by_replica.get("sat-c", 0) >= 1 and max(b.num_tokens for b in big) > 200
+        assert_same(weights(core), want, atol=1e-6)
+    finally:
+        core.close()
+        th.join(timeout=30)
+        sat.close()
+
+
+def test_a_controller_admits_and_dismisses_over_the_socket() -> None:
+    from gyre_train.control import ControlError, CoreClient
+
+    core = new_core()
+    sat = Satellite(SatelliteConfig(core.address, "sat-x"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    ctl = CoreClient(core.address)
+    try:
+        wait_for(lambda: ctl.status().replicas and ctl.status().replicas[0].ready)
+        st = ctl.status()
+        assert (st.version, st.pending, [r.name for r in st.replicas]) == (0, 0, ["sat-x"])
+        assert not st.replicas[0].admitted
+        ctl.admit("sat-x")
+        r = core.train_step(A, on_progress=lambda k: wait_for(lambda: core.replicas()["sat-x"]["claims"] > 0))
+        assert r.by_replica.get("sat-x", 0) >= 1
+        info = ctl.status().replicas[0]
+        assert info.admitted and info.gradients >= 1 and info.join_s > 0
+        ctl.dismiss("sat-x")
+        r = core.train_step(B)
+        assert set(r.by_replica) == {"core"}
+        assert ctl.status().version == 2
+    finally:
+        ctl.close()
+        core.close()
+        th.join(timeout=30)
+        sat.close()
+    dead = CoreClient(core.address, timeout_s=0.3)
+    try:
+        with pytest.raises(ControlError, match="did not answer"):
+            dead.status()
+    finally:
+        dead.close()
+
+
+def test_the_trajectory_service_feeds_minibatches_in_order(reference: dict[str, torch.Tensor]) -> None:
+    from gyre_train.control import ControlError, CoreClient
+
+    core = new_core(inbox=2)
+    feeder = CoreClient(core.address)
+    try:
+        bad = [*A[:1], dataclasses.replace(A[1], input_ids=A[1].input_ids + 10_000)]
+        with pytest.raises(ControlError, match="micro-batch 1: input_ids outside the vocabulary"):
+            feeder.submit(0, bad)
+        with pytest.raises(ControlError, match="out of order: the core expects 0"):
+            feeder.submit(1, B)
+        feeder.submit(0, A)
+        feeder.submit(1, B)
+        with pytest.raises(ControlError, match="out of order: the core expects 2"):
+            feeder.submit(1, B)  # a repeat is refused, not trained twice
+        with pytest.raises(ControlError, match="inbox full"):
+            feeder.submit(2, A)
+        for _ in range(2):
+            mb = core.next_minibatch(timeout_s=5)
+            assert mb is not None
+            core.train_step(mb)
+        assert core.next_minibatch(timeout_s=0.05) is None
+        assert core.queue_position == 2
+        assert_same(weights(core), reference)  # the fed arrays trained exactly like the originals
+    finally:
+        feeder.close()
+        core.close()
+
+
+def test_a_satellite_presumed_dead_rejoins_and_the_step_is_unchanged(
+    reference: dict[str, torch.Tensor],
+) -> None:
+    # Heartbeats far apart and a short death limit: the satellite is declared dead again and again
+    # (while parked and while computing), its claims re-queued; it says hello again and carries on.
+    core = new_core(heartbeat_s=30.0, dead_after_s=0.005, idle_hold_s=0.02)
+    sat = Satellite(SatelliteConfig(core.address, "sat-slow"))
+    th = threading.Thread(target=sat.run, daemon=True)
+    th.start()
+    try:
+        core.admit("sat-slow")
+        core.train_burst([A, B])
+        assert sat.rejoins >= 1
+        assert_same(weights(core), reference)
+    finally:
+        core.close()
+        th.join(timeout=30)
+        sat.close()

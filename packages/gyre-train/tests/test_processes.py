@@ -1,0 +1,167 @@
+"""Core and satellites as separate processes on real sockets: the weights after a mu=2 burst are the
+single-replica weights whether 0, 1 or 2 satellites join at random points, and a satellite killed in
+the middle of a mini-batch has its claim re-queued with the same result. The satellite processes are
+started once for the whole module and reused across every scenario: joining rebuilds nothing."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from gyre_train.core import Core, CoreConfig
+from gyre_train.data import synthetic_minibatch
+from gyre_train.model import ModelConfig, build_model
+
+pytestmark = pytest.mark.slow
+
+MC = ModelConfig()
+A = synthetic_minibatch(4, seed=11)
+B = synthetic_minibatch(4, seed=12)
+SATS = ("sat-0", "sat-1")
+CRASHER = "sat-crash"
+
+
+def wait_for(cond: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.core = Core(
+            build_model(MC),
+            MC,
+            CoreConfig(token_budget=512, heartbeat_s=0.25, dead_after_s=5.0, idle_hold_s=0.5),
+        )
+        self.init = self.core.save(tmp / "init")
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        for name in (*SATS, CRASHER):
+            cmd = [
+                sys.executable,
+                "-m",
+                "gyre_train.cli",
+                "satellite",
+                "--core",
+                self.core.address,
+                "--name",
+                name,
+            ]
+            if name == CRASHER:
+                cmd += ["--crash-after-claims", "1"]
+            with open(tmp / f"{name}.log", "wb") as log:
+                self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: len(self.core.replicas()) == 3, 180.0, "three satellites to say hello")
+
+    def reset(self) -> None:
+        for name in self.core.replicas():
+            self.core.dismiss(name)
+        self.core.load(self.init)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.core.model.named_parameters()}
+
+    def close(self) -> None:
+        self.core.close()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        from gyre_xfer.shm import sweep_orphans
+
+        sweep_orphans()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> dict[str, torch.Tensor]:
+    cluster.reset()
+    reports = cluster.core.train_burst([A, B])
+    assert all(set(r.by_replica) == {"core"} for r in reports)
+    return cluster.weights()
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=1e-7, rtol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("n_sats", [0, 1, 2])
+def test_satellites_joining_at_random_points_change_nothing(
+    cluster: Cluster, reference: dict[str, torch.Tensor], n_sats: int
+) -> None:
+    rng = random.Random(1000 + n_sats)
+    core = cluster.core
+    cluster.reset()
+    # Each satellite joins at a random step of the burst, after a random number of the core's own
+    # micro-batches (0 = before the step starts); the core waits at its next micro-batch boundary until
+    # the satellite has claimed work (or none is left), so the join really happens mid-step.
+    joins = {name: (rng.randrange(2), rng.randrange(len(A) - 2)) for name in SATS[:n_sats]}
+    step = [0]
+
+    def joined(name: str) -> bool:
+        return core.replicas().get(name, {}).get("claims", 0) > 0 or core.pending() == 0
+
+    def progress(k: int) -> None:
+        for name, (s, at) in joins.items():
+            if s != step[0]:
+                continue
+            if at == k:
+                core.admit(name)
+            if at <= k:
+                wait_for(lambda n=name: joined(n), 120.0, f"{name} to claim")
+
+    reports = []
+    for i, mb in enumerate((A, B)):
+        for name, (s, at) in joins.items():
+            if s == i and at == 0:
+                core.admit(name)
+        reports.append(core.train_step(mb, on_progress=progress))
+        step[0] += 1
+    computed = {name: sum(r.by_replica.get(name, 0) for r in reports) for name in SATS[:n_sats]}
+    if n_sats:
+        assert sum(computed.values()) > 0, computed
+    assert [r.version for r in reports] == [1, 2]
+    assert_close(cluster.weights(), reference)
+
+
+def test_satellite_killed_mid_batch_is_requeued(cluster: Cluster, reference: dict[str, torch.Tensor]) -> None:
+    core = cluster.core
+    cluster.reset()
+    core.admit(CRASHER)
+
+    def progress(k: int) -> None:
+        if k == 1:
+            wait_for(
+                lambda: CRASHER in core._server.dead or core.replicas().get(CRASHER, {}).get("claims", 0) > 0,
+                120.0,
+                "crasher",
+            )
+
+    first = core.train_step(A, on_progress=progress)
+    assert CRASHER not in first.by_replica  # it died holding its claim and never delivered
+    assert first.requeued >= 1
+    assert CRASHER in core._server.dead
+    cluster.procs[CRASHER].wait(timeout=30)
+    assert cluster.procs[CRASHER].returncode == -9  # really killed, not a clean exit
+    core.admit(SATS[0])
+    core.train_step(B)
+    assert_close(cluster.weights(), reference)
