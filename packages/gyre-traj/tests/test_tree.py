@@ -146,3 +146,15 @@ def test_growth_keeps_views_held_by_callers_valid() -> None:
     t.add(call("c1", list(range(1000, 1500)), []))  # forces growth
     assert np.array_equal(held, before) and t.ids[:3].tolist() == before.tolist()
     assert t.call_sequence("c1")[0].tolist() == list(range(1000, 1500))
+
+
+def test_delta_cut_before_the_parent_output_is_not_drift() -> None:
+    """Found by the state machine: a delta call whose kept prefix ends before its parent's output, then
+    follows another branch; the parent's output position is not on this call's path, so no drift."""
+    t = build(
+        call("c0", PROMPT[:3] + ids(USER, 8) + ids(OUT, 0) + ids(TOOL, 0), []),
+        call("c1", PROMPT[:3] + ids(USER, 9), ids(OUT, 0, 0), role=Role.MAIN_SUMMARY),
+        call("c2", None, [], delta=("c1", 3, ids(USER, 8) + ids(OUT, 0, 0) + ids(TOOL, 0))),
+    )
+    assert t.stats.drifts == []
+    assert t.call_sequence("c2")[0].tolist() == PROMPT[:3] + ids(USER, 8) + ids(OUT, 0, 0) + ids(TOOL, 0)

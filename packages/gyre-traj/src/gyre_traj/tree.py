@@ -293,7 +293,11 @@ class ExecutionTree:
         the cut falls inside the delta parent's output, or inside a policy span (the matched token and a
         policy child, and no call ends at the matched token). A divergence at an output's first token with no delta parent is a branch (a
         discarded retry looks the same), not drift."""
-        if parent is not None and parent.n_input <= position < parent.length:
+        if (
+            parent is not None
+            and parent.n_input <= position < parent.length
+            and self.node_at_depth(parent.end, position - 1) == node
+        ):  # still on the parent's path
             theirs = self.node_at_depth(parent.end, position)
             if self.policy[theirs]:
                 self.stats.drifts.append(Drift(call.call_id, position, (int(self.ids[theirs]),), got))
