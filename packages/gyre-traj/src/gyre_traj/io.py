@@ -61,7 +61,7 @@ def _mp_ext_hook(code: int, data: memoryview) -> Any:
 def _dec_hook(tp: type, obj: Any) -> Any:
     if tp is np.ndarray:
         return obj if isinstance(obj, np.ndarray) else np.asarray(obj)
-    raise NotImplementedError(f"no decoder for {tp}")  # msgspec turns this into a ValidationError
+    raise TypeError(f"no decoder for {tp}")  # msgspec reports it as a ValidationError
 
 
 class Codec:
