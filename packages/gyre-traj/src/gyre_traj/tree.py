@@ -101,7 +101,9 @@ class ExecutionTree:
         cap = self.ids.shape[0]
         if need <= cap:
             return
-        new_cap = max(need, cap * 2)
+        # Grow 4x: each growth copies what is stored, and fresh pages are only touched when written, so
+        # the unused tail costs address space, not memory.
+        new_cap = max(need, cap * 4)
         for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
             old = getattr(self, name)
             grown = np.empty(new_cap, old.dtype)
