@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import GenerationConfig, Qwen3ForCausalLM
 
 from gyre_engine.protocol import SamplingParams
 from gyre_engine.server.engine import Engine
-from gyre_engine.server.model_factory import SHAPES
+from gyre_engine.server.model_factory import SHAPES, shape_config
 from gyre_engine.server.request import EngineRequest, TokenEvent
 
 H200_BANDWIDTH = 4.8e12  # bytes/s
@@ -58,21 +58,7 @@ def cases(quick: bool, device: str) -> list[Case]:
 
 
 def make_model(shape: str, dtype: str, device: str) -> Any:
-    s = SHAPES[shape]
-    cfg = Qwen3Config(
-        vocab_size=s.vocab_size or 2048,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads,
-        head_dim=s.head_dim,
-        max_position_embeddings=s.max_position_embeddings,
-        tie_word_embeddings=True,
-        initializer_range=s.initializer_range,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
+    cfg = shape_config(shape, vocab_size=SHAPES[shape].vocab_size or 2048, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()

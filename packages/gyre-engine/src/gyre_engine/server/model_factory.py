@@ -98,6 +98,28 @@ SHAPES = {
 }
 
 
+def shape_config(
+    shape: str, vocab_size: int, *, eos_token_id: int, pad_token_id: int, bos_token_id: int | None = None
+) -> Qwen3Config:
+    """The Qwen3 config of a named shape (tied embeddings), with the given vocabulary and special ids."""
+    s = SHAPES[shape]
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim,
+        max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=True,
+        initializer_range=s.initializer_range,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
 def corpus() -> list[str]:
     """Training text for the tokenizer: sources of a few standard-library modules, plus chat markup."""
     texts = []
@@ -142,17 +164,9 @@ def create_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     eos = [int(tokenizer.convert_tokens_to_ids(t)) for t in ("<|im_end|>", "<|endoftext|>")]  # type: ignore[arg-type]
-    config = Qwen3Config(
+    config = shape_config(
+        shape,
         vocab_size=s.vocab_size or len(tokenizer),
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_hidden_layers,
-        num_attention_heads=s.num_attention_heads,
-        num_key_value_heads=s.num_key_value_heads,
-        head_dim=s.head_dim,
-        max_position_embeddings=s.max_position_embeddings,
-        tie_word_embeddings=True,
-        initializer_range=s.initializer_range,
         bos_token_id=None,
         eos_token_id=eos[0],
         pad_token_id=eos[1],
