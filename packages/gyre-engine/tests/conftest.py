@@ -33,6 +33,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_model(model_dir: Path) -> Any:
+    return load_hf(model_dir)
+
+
+def load_hf(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -131,6 +135,12 @@ def greedy_reference(model: Any, ids: list[int], n: int) -> list[int]:
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(ids) :]]
+
+
+@pytest.fixture(scope="session")
+def greedy_of() -> Callable[[Path, list[int], int], list[int]]:
+    """`greedy_of(model_dir, ids, n)`: transformers' greedy generate on the weights in `model_dir`."""
+    return lambda model_dir, ids, n: greedy_reference(load_hf(model_dir), ids, n)
 
 
 @pytest.fixture(scope="session")

@@ -116,30 +116,17 @@ def pair(spawn_server: Callable[..., Any]) -> tuple[Any, Any]:
     return a, b
 
 
-def reference(model_dir: Path, ids: list[int], n: int) -> list[int]:
-    """transformers' own greedy generate on the weights of `model_dir`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return [int(t) for t in out[0, len(ids) :]]
-
-
 def test_weight_update_from_a_published_snapshot(
-    pair: tuple[Any, Any], publisher: PublisherProc, model_dir: Path, other_weights: Path
+    pair: tuple[Any, Any],
+    publisher: PublisherProc,
+    model_dir: Path,
+    other_weights: Path,
+    greedy_of: Callable[[Path, list[int], int], list[int]],
 ) -> None:
     srv = pair[0]
     ids = SYSTEM + USER
-    new_ref = reference(other_weights, ids, GREEDY.max_new_tokens)
-    old_ref = reference(model_dir, ids, GREEDY.max_new_tokens)
+    new_ref = greedy_of(other_weights, ids, GREEDY.max_new_tokens)
+    old_ref = greedy_of(model_dir, ids, GREEDY.max_new_tokens)
     assert new_ref != old_ref  # otherwise the test could not tell the weights apart
     mc, shm = publisher.address["mooncake"], publisher.address["shm"]
 
@@ -195,12 +182,16 @@ def test_weight_update_from_a_published_snapshot(
 
 
 def test_a_snapshot_rewritten_during_the_pull_is_never_loaded(
-    pair: tuple[Any, Any], churning_publisher: PublisherProc, model_dir: Path, other_weights: Path
+    pair: tuple[Any, Any],
+    churning_publisher: PublisherProc,
+    model_dir: Path,
+    other_weights: Path,
+    greedy_of: Callable[[Path, list[int], int], list[int]],
 ) -> None:
     """The publisher alternates two weight sets back to back and ignores leases: each load gets one
     whole version (the output is exactly that set's greedy output) or a clear 409, never a mix."""
     ids = SYSTEM + USER
-    refs = [reference(d, ids, GREEDY.max_new_tokens) for d in (model_dir, other_weights)]
+    refs = [greedy_of(d, ids, GREEDY.max_new_tokens) for d in (model_dir, other_weights)]
     v0 = churning_publisher.publish("churn", "mooncake", model_dir, other_weights)
 
     async def go() -> dict[str, int]:
