@@ -6,16 +6,13 @@ template with tools as Qwen-style `<tool_call>` JSON and `<think>` blocks, gener
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+from gyre_engine.tokenizer import train_bpe
 
 # Qwen-style: system prompt with tools in <tools></tools>, tool calls as JSON inside <tool_call>, tool
 # results as user turns wrapped in <tool_response>, assistant reasoning in <think> blocks (kept only
@@ -64,17 +61,6 @@ For each function call, return a json object with function name and arguments wi
 
 {% endif %}{% endif %}"""
 
-_CORPUS_MODULES = [
-    "json",
-    "argparse",
-    "textwrap",
-    "dataclasses",
-    "unittest",
-    "asyncio.tasks",
-    "csv",
-    "email.message",
-]
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -120,30 +106,10 @@ def shape_config(
     )
 
 
-def corpus() -> list[str]:
-    """Training text for the tokenizer: sources of a few standard-library modules, plus chat markup."""
-    texts = []
-    for name in _CORPUS_MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin and spec.origin.endswith(".py"):
-            texts.append(Path(spec.origin).read_text(encoding="utf-8"))
-    texts.append('<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>\n' * 4)
-    return texts
-
-
 def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained locally; special tokens first, so their ids are stable."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + ADDED_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    """The embedded default's tokenizer (`gyre_engine.tokenizer`) wrapped for transformers, with the chat
+    template."""
+    tok = train_bpe(vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -27,26 +27,16 @@ import msgspec
 import numpy as np
 import uvicorn
 import zmq
+from gyre_engine.tokenizer import train_bpe
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from gyre_proxy.app import build_app
 from gyre_proxy.core import Proxy, ProxyConfig
 
-SPECIAL = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-]
 _CORPUS = [
     "json",
     "argparse",
@@ -84,18 +74,8 @@ def corpus() -> list[str]:
 
 
 def make_tokenizer(out_dir: Path) -> Tokenizer:
-    """The embedded default's tokenizer recipe (byte-level BPE, 2048 entries, ChatML specials)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=2048,
-        special_tokens=SPECIAL,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus()[:8], trainer=trainer)
+    """The embedded default's tokenizer (gyre-engine's torch-free recipe), saved to `out_dir`."""
+    tok: Tokenizer = train_bpe()
     tok.save(str(out_dir / "tokenizer.json"))
     return tok
 
