@@ -66,6 +66,31 @@ def test_pack_without_scores_explains(tmp_path: Path) -> None:
     assert main(["pack", str(f), "--out", str(tmp_path / "o"), "--unscored", "zero"]) == 0
 
 
+def test_compact_gives_the_same_inspection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "compact.msgpack"
+    assert main(["compact", str(EXAMPLE), "--out", str(out), "--batch", "5"]) == 0
+    said = capsys.readouterr().out
+    assert "call batches and 4 scores" in said and str(out) in said
+    assert main(["inspect", str(EXAMPLE), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == before
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_compact_refuses_bad_input_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(EXAMPLE.read_text().splitlines()[0] + "\n{not json\n")
+    out = tmp_path / "c.msgpack"
+    assert main(["compact", str(bad), "--out", str(out)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob("*.partial"))
+    with pytest.raises(SystemExit, match="must differ"):
+        main(["compact", str(bad), "--out", str(bad)])
+
+
 @pytest.mark.slow
 def test_bench_quick_prints_json_last() -> None:
     proc = subprocess.run(

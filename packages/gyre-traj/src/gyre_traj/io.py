@@ -22,16 +22,21 @@ from gyre_traj.records import (
     ID_DTYPE,
     LOGPROB_DTYPE,
     Call,
+    CallBatch,
     RecordError,
     Role,
     Score,
     as_ids,
 )
 
-Record = Call | Score
+Record = Call | Score | CallBatch
 MAGIC = b"GYRETITO\x01"
 _EXT_IDS = 1
 _EXT_F32 = 2
+_EXT_I64 = 3
+_EXT_F64 = 4
+_I64 = np.dtype("<i8")
+_F64 = np.dtype("<f8")
 _FRAME = struct.Struct("<I")
 Format = Literal["jsonl", "msgpack", "foreign"]
 
@@ -45,7 +50,11 @@ def _json_enc_hook(obj: Any) -> Any:
 def _mp_enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind in "iu":
+            if obj.dtype.itemsize > 4:  # batch columns (lengths, versions) keep their 64-bit range
+                return msgspec.msgpack.Ext(_EXT_I64, np.ascontiguousarray(obj, _I64).tobytes())
             return msgspec.msgpack.Ext(_EXT_IDS, np.ascontiguousarray(obj, ID_DTYPE).tobytes())
+        if obj.dtype == np.float64:  # timestamps
+            return msgspec.msgpack.Ext(_EXT_F64, np.ascontiguousarray(obj, _F64).tobytes())
         return msgspec.msgpack.Ext(_EXT_F32, np.ascontiguousarray(obj, LOGPROB_DTYPE).tobytes())
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
@@ -55,6 +64,10 @@ def _mp_ext_hook(code: int, data: memoryview) -> Any:
         return np.frombuffer(data, ID_DTYPE)
     if code == _EXT_F32:
         return np.frombuffer(data, LOGPROB_DTYPE)
+    if code == _EXT_I64:
+        return np.frombuffer(data, _I64)
+    if code == _EXT_F64:
+        return np.frombuffer(data, _F64)
     raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
 
 
@@ -148,15 +161,48 @@ class RecordWriter:
 
 
 def write_records(
-    path: str | os.PathLike[str], recs: Iterable[Record], fmt: Literal["jsonl", "msgpack"] | None = None
+    path: str | os.PathLike[str],
+    recs: Iterable[Record],
+    fmt: Literal["jsonl", "msgpack"] | None = None,
+    batch: int | None = None,
 ) -> None:
-    """Write a whole stream (overwrites). Format from the suffix (.jsonl / .msgpack) unless given."""
+    """Write a whole stream (overwrites). Format from the suffix (.jsonl / .msgpack) unless given; with
+    `batch`, calls are written as `CallBatch`es of up to that many calls per execution."""
     fmt = fmt or ("msgpack" if str(path).endswith((".msgpack", ".mpk")) else "jsonl")
+    if batch is not None:
+        recs = batch_calls(recs, batch)
     with RecordWriter(path, fmt, append=False) as w:
         w.write_all(recs)
 
 
-def encode_msgpack_stream(recs: Iterable[Record]) -> bytes:
+def batch_calls(recs: Iterable[Record], max_calls: int = 1024) -> Iterator[Record]:
+    """Group calls into `CallBatch`es of up to `max_calls` calls per execution, keeping each execution's
+    order (batches already built and scores pass through; an execution's pending calls are emitted
+    before a score or batch of the same execution, and all that is pending at the end)."""
+    if max_calls < 1:
+        raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+    pending: dict[str, list[Call]] = {}
+    for rec in recs:
+        if isinstance(rec, Call):
+            group = pending.setdefault(rec.execution_id, [])
+            group.append(rec)
+            if len(group) >= max_calls:
+                yield CallBatch.of(group)
+                del pending[rec.execution_id]
+            continue
+        group = pending.pop(rec.execution_id, [])
+        if group:
+            yield CallBatch.of(group)
+        yield rec
+    for group in pending.values():
+        yield CallBatch.of(group)
+
+
+def encode_msgpack_stream(recs: Iterable[Record], batch: int | None = None) -> bytes:
+    """A framed msgpack stream of `recs`; with `batch`, calls are grouped into `CallBatch`es of up to
+    that many calls per execution (see `batch_calls`)."""
+    if batch is not None:
+        recs = batch_calls(recs, batch)
     codec = Codec()
     buf = io.BytesIO()
     buf.write(MAGIC)

@@ -13,7 +13,7 @@ import contextlib
 import enum
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -172,6 +172,205 @@ class Call(
     def with_full_input(self, input_ids: np.ndarray) -> Call:
         """The same call with its input given in full (used to re-encode delta records)."""
         return msgspec.structs.replace(self, input_ids=as_ids(input_ids), input_delta=None)
+
+
+def _int_column(values: Any, what: str, n: int) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        arr = np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"{what} must hold one integer per call ({n}), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
+    if n and int(arr.min()) < 0:
+        pos = int(np.flatnonzero(arr < 0)[0])
+        raise ValueError(f"{what} must be >= 0, got {int(arr[pos])} for call #{pos}")
+    return arr.astype(np.int64, copy=False)
+
+
+class CallBatch(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    omit_defaults=True,
+    forbid_unknown_fields=True,
+    tag="calls",
+    tag_field="kind",
+):
+    """Many calls of one execution, stored by column: the same content as the `Call`s it was built from,
+    in far fewer and larger pieces. Call k's tokens are `tokens[tok_off[k]:tok_off[k+1]]`: first its input
+    (the appended ids when `parents[k]` is set, else the full input), then its output; its logprobs are
+    `logprobs[lp_off[k]:lp_off[k+1]]`. Decoding a batch is one message and a few array views whatever the
+    number of calls, and `ExecutionTree.add_batch` ingests it without a Python object per call.
+    `CallBatch.of(calls)` builds one; `batch.calls()` gives the `Call`s back."""
+
+    execution_id: str
+    call_ids: list[str]
+    agent_ids: list[str]
+    roles: list[Role]
+    finish_reasons: list[str]
+    parents: list[str]
+    """The delta parent of each call, or "" for a call whose input is given in full."""
+    keeps: np.ndarray
+    input_lens: np.ndarray
+    output_lens: np.ndarray
+    weight_versions: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    t_start: np.ndarray
+    t_end: np.ndarray
+    v: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        n = len(self.call_ids)
+        where = f"call batch execution={self.execution_id!r} ({n} calls)"
+        if not self.execution_id:
+            raise RecordError(f"{where}: execution_id must be non-empty")
+        if self.v > SCHEMA_VERSION:
+            raise RecordError(
+                f"{where}: schema version {self.v} is newer than this reader ({SCHEMA_VERSION})"
+            )
+        for name in ("agent_ids", "roles", "finish_reasons", "parents"):
+            if len(getattr(self, name)) != n:
+                raise RecordError(f"{where}: {name} has {len(getattr(self, name))} entries for {n} calls")
+        if len(set(self.call_ids)) != n or not all(self.call_ids):
+            empty = [i for i, c in enumerate(self.call_ids) if not c]
+            what = f"call #{empty[0]} has an empty call id" if empty else "call ids repeat inside the batch"
+            raise RecordError(f"{where}: {what}")
+        try:
+            keeps = _int_column(self.keeps, "keeps", n)
+            n_in = _int_column(self.input_lens, "input_lens", n)
+            n_out = _int_column(self.output_lens, "output_lens", n)
+            versions = _int_column(self.weight_versions, "weight_versions", n)
+            t0 = np.asarray(self.t_start, np.float64)
+            t1 = np.asarray(self.t_end, np.float64)
+            if t0.shape != (n,) or t1.shape != (n,):
+                raise ValueError(f"t_start / t_end must hold one value per call ({n})")
+            if bool(np.isnan(t0).any() or np.isnan(t1).any()):
+                raise ValueError("timestamps must not be NaN")
+            lps = as_logprobs(self.logprobs)
+            toks = as_ids(self.tokens, "token ids", check_sign=False)
+        except ValueError as exc:
+            raise RecordError(f"{where}: {exc}") from None
+        tok_off = np.zeros(n + 1, np.int64)
+        np.cumsum(n_in + n_out, out=tok_off[1:])
+        lp_off = np.zeros(n + 1, np.int64)
+        np.cumsum(n_out, out=lp_off[1:])
+        if int(tok_off[-1]) != toks.shape[0]:
+            raise RecordError(
+                f"{where}: input_lens + output_lens add up to {int(tok_off[-1])} tokens, the batch holds "
+                f"{toks.shape[0]}"
+            )
+        if int(lp_off[-1]) != lps.shape[0]:
+            raise RecordError(
+                f"{where}: output_lens add up to {int(lp_off[-1])} output tokens, the batch holds "
+                f"{lps.shape[0]} logprobs (must be equal)"
+            )
+        for k, (cid, par) in enumerate(zip(self.call_ids, self.parents, strict=True)):
+            if par == cid:
+                raise RecordError(
+                    f"{_where(self.execution_id, cid)}: input_delta.parent names the call itself"
+                )
+            if not par and keeps[k]:
+                raise RecordError(
+                    f"{_where(self.execution_id, cid)}: keep={int(keeps[k])} without a delta parent"
+                )
+        # Inside `defer_input_sign_check` the tree checks instead, piece by piece as it copies the tokens
+        # it stores (`ExecutionTree.add_batch`), so the bytes are read once.
+        if (
+            not getattr(_deferred, "on", False)
+            and toks.shape[0]
+            and int(toks.view(np.uint32).max()) >= 1 << 31
+        ):
+            self.raise_negative(toks, tok_off, n_in)
+        set_ = msgspec.structs.force_setattr
+        set_(self, "keeps", keeps)
+        set_(self, "input_lens", n_in)
+        set_(self, "output_lens", n_out)
+        set_(self, "weight_versions", versions)
+        set_(self, "t_start", t0)
+        set_(self, "t_end", t1)
+        set_(self, "tokens", toks)
+        set_(self, "logprobs", lps)
+
+    def raise_negative(self, toks: np.ndarray, tok_off: np.ndarray, n_in: np.ndarray) -> None:
+        """Raise the RecordError for the first negative id of `toks`, naming its call and position."""
+        pos = int(np.flatnonzero(toks < 0)[0])
+        k = int(np.searchsorted(tok_off, pos, side="right")) - 1
+        rel = pos - int(tok_off[k])
+        cid = self.call_ids[k]
+        if rel < int(n_in[k]):
+            what = "input_delta.append ids" if self.parents[k] else "input ids"
+            raise RecordError(
+                f"{_where(self.execution_id, cid)}: {what} contain a negative id {int(toks[pos])} at position {rel}"
+            )
+        raise RecordError(
+            f"{_where(self.execution_id, cid)}: output ids contain a negative id {int(toks[pos])} "
+            f"at position {rel - int(n_in[k])}"
+        )
+
+    def __len__(self) -> int:
+        return len(self.call_ids)
+
+    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token offsets, logprob offsets), each of length len(batch) + 1."""
+        tok_off = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(self.input_lens + self.output_lens, out=tok_off[1:])
+        lp_off = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(self.output_lens, out=lp_off[1:])
+        return tok_off, lp_off
+
+    @classmethod
+    def of(cls, calls: Sequence[Call]) -> CallBatch:
+        """One batch holding `calls` (all of one execution, in order)."""
+        if not calls:
+            raise ValueError("a call batch needs at least one call")
+        eid = calls[0].execution_id
+        for c in calls:
+            if c.execution_id != eid:
+                raise ValueError(f"{c.where}: a batch holds one execution's calls ({eid!r})")
+        toks: list[np.ndarray] = []
+        for c in calls:
+            toks.append(c.input_ids if c.input_delta is None else c.input_delta.append)  # type: ignore[arg-type]
+            toks.append(c.output_ids)
+        return cls(
+            execution_id=eid,
+            call_ids=[c.call_id for c in calls],
+            agent_ids=[c.agent_id for c in calls],
+            roles=[c.role for c in calls],
+            finish_reasons=[c.finish_reason for c in calls],
+            parents=["" if c.input_delta is None else c.input_delta.parent for c in calls],
+            keeps=np.array([0 if c.input_delta is None else c.input_delta.keep for c in calls], np.int64),
+            input_lens=np.array([t.shape[0] for t in toks[0::2]], np.int64),
+            output_lens=np.array([c.output_ids.shape[0] for c in calls], np.int64),
+            weight_versions=np.array([c.weight_version for c in calls], np.int64),
+            tokens=np.concatenate(toks).astype(ID_DTYPE, copy=False),
+            logprobs=np.concatenate([c.output_logprobs for c in calls]).astype(LOGPROB_DTYPE, copy=False),
+            t_start=np.array([c.t_start for c in calls], np.float64),
+            t_end=np.array([c.t_end for c in calls], np.float64),
+        )
+
+    def calls(self) -> Iterator[Call]:
+        """The batch's calls, one `Call` each (token arrays are views into the batch)."""
+        tok_off, lp_off = self.offsets()
+        for k, cid in enumerate(self.call_ids):
+            a, m, b = int(tok_off[k]), int(tok_off[k] + self.input_lens[k]), int(tok_off[k + 1])
+            inp = self.tokens[a:m]
+            par = self.parents[k]
+            yield Call(
+                execution_id=self.execution_id,
+                call_id=cid,
+                agent_id=self.agent_ids[k],
+                role=self.roles[k],
+                output_ids=self.tokens[m:b],
+                output_logprobs=self.logprobs[int(lp_off[k]) : int(lp_off[k + 1])],
+                weight_version=int(self.weight_versions[k]),
+                finish_reason=self.finish_reasons[k],
+                input_ids=None if par else inp,
+                input_delta=Delta(par, int(self.keeps[k]), inp) if par else None,
+                t_start=float(self.t_start[k]),
+                t_end=float(self.t_end[k]),
+            )
 
 
 class EvalStatus(enum.StrEnum):

@@ -1,28 +1,44 @@
 """The trajectory tree of one execution: every call's input+output merged on shared token prefixes.
 
-Tokens live once in an append-only arena (ids, parent, depth, policy flag, behaviour logprob, weight
-version). A run is a stretch of the arena appended together: inside it each token's parent is the one
-before it, so matching a new call against the tree is a few bulk array comparisons, not a loop over
-tokens. Branch points keep their extra children in a dict. A token the policy produced stays a policy
-token whatever later calls carry it as; a later call whose context contradicts a policy token is
-recorded as a `Drift` and becomes its own branch (its output is still trained in the context it saw).
+Tokens live once in an append-only arena of ids. A run is a stretch of the arena appended together:
+inside it each token's parent is the one before it, so matching a new call against the tree is a few
+bulk comparisons (libc memcmp where available), not a loop over tokens, and a token's parent and depth
+follow from its run's first node. Branch points keep their extra children in a dict. Policy tokens are
+kept as segments (an output appended in one piece, with a reference to its logprobs) plus promotions;
+the per-token arrays (`parent`, `depth`, `policy`, `logprob`, `version`) are derived on first use and
+cached. A token the policy produced stays a policy token whatever later calls carry it as; a later
+call whose context contradicts a policy token is recorded as a `Drift` and becomes its own branch (its
+output is still trained in the context it saw).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator
+import ctypes
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
+import msgspec
 import numpy as np
 
-from gyre_traj.records import ID_DTYPE, LOGPROB_DTYPE, Call, RecordError, Role, Score, defer_input_sign_check
+from gyre_traj.records import (
+    ID_DTYPE,
+    LOGPROB_DTYPE,
+    Call,
+    CallBatch,
+    RecordError,
+    Role,
+    Score,
+    _where,
+    defer_input_sign_check,
+)
 
 ROOT = -1
 
 
-@dataclass(frozen=True, slots=True)
-class CallInfo:
+class CallInfo(msgspec.Struct, frozen=True, gc=False):
     """Where a call sits in the tree: `end` is the arena index of its last token (ROOT if empty)."""
 
     call_id: str
@@ -62,32 +78,73 @@ class IngestStats:
     drifts: list[Drift] = field(default_factory=list)
 
 
+def _load_memcmp() -> Callable[[int, int, int], int] | None:
+    """libc's memcmp through ctypes (one call compares megabytes at memory speed), or None."""
+    try:
+        lib = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)
+        fn = lib.memcmp
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        a, b = np.arange(4, dtype=ID_DTYPE), np.array([0, 1, 2, 5], ID_DTYPE)
+        if fn(a.ctypes.data, b.ctypes.data, 12) != 0 or fn(a.ctypes.data, b.ctypes.data, 16) == 0:
+            return None
+        return cast(Callable[[int, int, int], int], fn)
+    except (OSError, AttributeError):
+        return None
+
+
+_MEMCMP = _load_memcmp()
+_MEMCMP_MIN = 512  # below this many tokens numpy's comparison is as fast as the ctypes call
+_CHUNK = 1 << 18  # tokens compared per step: a long match costs one pass, an early mismatch exits early
+_COPY_CHUNK = 1 << 16  # tokens checked then copied per step: the copy reads them back from cache
+NO_NODE = ROOT - 1
+
+
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
-    """Index of the first position where a and b differ, or their (equal) length."""
+    """Index of the first position where a and b (equal length, same dtype) differ, or their length."""
     n = a.shape[0]
-    # Compare in chunks so a long matching prefix is cheap and an early mismatch exits early.
-    step = 1 << 16
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
+    if _MEMCMP is not None and n >= _MEMCMP_MIN and a.flags.c_contiguous and b.flags.c_contiguous:
+        pa, pb, size = a.ctypes.data, b.ctypes.data, a.itemsize
+        for lo in range(0, n, _CHUNK):
+            k = min(_CHUNK, n - lo)
+            if _MEMCMP(pa + lo * size, pb + lo * size, k * size):
+                return lo + int(np.argmax(a[lo : lo + k] != b[lo : lo + k]))
+        return n
+    for lo in range(0, n, _CHUNK):
+        hi = min(n, lo + _CHUNK)
         if not np.array_equal(a[lo:hi], b[lo:hi]):
             return lo + int(np.argmax(a[lo:hi] != b[lo:hi]))
     return n
 
 
 class ExecutionTree:
-    """Prefix tree of one execution's calls. Add calls in an order where delta parents come first."""
+    """Prefix tree of one execution's calls. Add calls in an order where delta parents come first.
+
+    Stored per token: the id and the policy flag. Stored per run (a stretch appended together, inside
+    which each token's parent is the one before it): first node, parent, depth. Parent and depth per
+    token, and logprob and weight version per token (kept as references to the records' output arrays
+    until then), are derived on first use and cached until the tree changes."""
 
     def __init__(self, execution_id: str, capacity: int = 1 << 12) -> None:
         self.execution_id = execution_id
         self.n = 0
-        self.ids = np.zeros(capacity, ID_DTYPE)
-        self.parent = np.zeros(capacity, np.int32)
-        self.depth = np.zeros(capacity, np.int32)
-        self.policy = np.zeros(capacity, np.bool_)
-        self.logprob = np.zeros(capacity, LOGPROB_DTYPE)
-        self.version = np.full(capacity, -1, np.int32)
-        self._run_starts: list[int] = []
-        self._branches: dict[int, dict[int, int]] = {}
+        self._ids = np.empty(capacity, ID_DTYPE)
+        self._starts: list[int] = []  # first node of each run, ascending
+        self._start_set: set[int] = set()
+        self._rpar: list[int] = []  # parent of each run's first node
+        self._rdep: list[int] = []  # depth of each run's first node
+        self._branches: dict[int, dict[int, int]] = {}  # node -> {first token: first node} of runs below it
+        # Policy tokens: each appended output is a segment of nodes [lo, hi) with its logprobs
+        # (array[a:b]) and version, appended in arena order; context tokens the policy later produced
+        # are promotions (nodes, logprobs, version). Nothing else is policy.
+        self._seg_lo: list[int] = []
+        self._seg_hi: list[int] = []
+        self._lp_segs: list[tuple[int, np.ndarray, int, int, int]] = []
+        self._promos: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self._promoted: set[int] = set()
+        self._policy_count = 0
+        self._derived: dict[str, np.ndarray] = {}
+        self._derived_key: tuple[int, int, int] = (-1, -1, -1)
         self.calls: dict[str, CallInfo] = {}
         self._ends: set[int] = set()
         self.order: list[str] = []
@@ -98,17 +155,27 @@ class ExecutionTree:
 
     def _reserve(self, extra: int) -> None:
         need = self.n + extra
-        cap = self.ids.shape[0]
+        cap = self._ids.shape[0]
         if need <= cap:
             return
         # Grow 4x: each growth copies what is stored, and fresh pages are only touched when written, so
         # the unused tail costs address space, not memory.
         new_cap = max(need, cap * 4)
-        for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
-            old = getattr(self, name)
-            grown = np.empty(new_cap, old.dtype)
-            grown[: self.n] = old[: self.n]
-            setattr(self, name, grown)
+        ids = np.empty(new_cap, ID_DTYPE)
+        ids[: self.n] = self._ids[: self.n]
+        self._ids = ids
+
+    def _depth_of(self, node: int) -> int:
+        r = bisect.bisect_right(self._starts, node) - 1
+        return self._rdep[r] + node - self._starts[r]
+
+    def _new_run(self, after: int, lo: int, first_token: int) -> None:
+        self._starts.append(lo)
+        self._start_set.add(lo)
+        self._rpar.append(after)
+        self._rdep.append(0 if after == ROOT else self._depth_of(after) + 1)
+        if after != ROOT or lo > 0:
+            self._branches.setdefault(after, {})[first_token] = lo
 
     def _append(
         self, after: int, tokens: np.ndarray, policy: bool, logprobs: np.ndarray | None, version: int
@@ -119,81 +186,163 @@ class ExecutionTree:
             return after
         self._reserve(k)
         lo, hi = self.n, self.n + k
-        if after != self.n - 1 or after == ROOT:
+        if after != lo - 1 or after == ROOT:
             # A new run (a branch, or the first tokens of the tree). Extending the arena's last token
             # in place needs no bookkeeping: it just continues the last run.
-            self._run_starts.append(lo)
-            if after != ROOT or self.n > 0:
-                self._branches.setdefault(after, {})[int(tokens[0])] = lo
-        self.ids[lo:hi] = tokens
-        self.parent[lo] = after
-        self.parent[lo + 1 : hi] = np.arange(lo, hi - 1, dtype=np.int32)
-        d0 = 0 if after == ROOT else int(self.depth[after]) + 1
-        self.depth[lo:hi] = np.arange(d0, d0 + k, dtype=np.int32)
-        self.policy[lo:hi] = policy
+            self._new_run(after, lo, int(tokens[0]))
+        self._ids[lo:hi] = tokens
         if policy:
             assert logprobs is not None
-            self.logprob[lo:hi] = logprobs
-            self.version[lo:hi] = version
-        else:
-            self.logprob[lo:hi] = 0.0
-            self.version[lo:hi] = -1
+            self._add_segment(lo, hi, logprobs, 0, version)
         self.n = hi
         return hi - 1
 
-    def _run_end(self, node: int) -> int:
-        r = bisect.bisect_right(self._run_starts, node)
-        return self._run_starts[r] if r < len(self._run_starts) else self.n
+    def _add_segment(self, lo: int, hi: int, arr: np.ndarray, a: int, version: int) -> None:
+        self._seg_lo.append(lo)
+        self._seg_hi.append(hi)
+        self._lp_segs.append((lo, arr, a, a + hi - lo, version))
+        self._policy_count += hi - lo
 
-    def _run_start(self, node: int) -> int:
-        return self._run_starts[bisect.bisect_right(self._run_starts, node) - 1]
+    def _is_policy(self, node: int) -> bool:
+        r = bisect.bisect_right(self._seg_lo, node) - 1
+        return (r >= 0 and node < self._seg_hi[r]) or node in self._promoted
+
+    def _policy_range(self, lo: int, hi: int) -> np.ndarray:
+        """The policy flags of nodes [lo, hi)."""
+        out = np.zeros(hi - lo, np.bool_)
+        seg_lo, seg_hi = self._seg_lo, self._seg_hi
+        r = max(0, bisect.bisect_right(seg_lo, lo) - 1)
+        while r < len(seg_lo) and seg_lo[r] < hi:
+            a, b = max(lo, seg_lo[r]), min(hi, seg_hi[r])
+            if a < b:
+                out[a - lo : b - lo] = True
+            r += 1
+        if self._promoted:
+            for nodes, _, _ in self._promos:
+                inside = nodes[(nodes >= lo) & (nodes < hi)]
+                out[inside - lo] = True
+        return out
+
+    def _run_end(self, node: int) -> int:
+        r = bisect.bisect_right(self._starts, node)
+        return self._starts[r] if r < len(self._starts) else self.n
+
+    def _derive(self) -> dict[str, np.ndarray]:
+        key = (self.n, len(self._lp_segs), len(self._promos))
+        if key == self._derived_key:
+            return self._derived
+        n = self.n
+        starts = np.asarray(self._starts, np.int64)
+        lengths = np.diff(np.append(starts, n))
+        idx = np.arange(n, dtype=np.int32)
+        parent = idx - 1
+        parent[starts] = np.asarray(self._rpar, np.int32)
+        depth = idx + np.repeat((np.asarray(self._rdep, np.int64) - starts).astype(np.int32), lengths)
+        policy = np.zeros(n, np.bool_)
+        logprob = np.zeros(n, LOGPROB_DTYPE)
+        version = np.full(n, -1, np.int32)
+        for lo, arr, a, b, v in self._lp_segs:
+            policy[lo : lo + b - a] = True
+            logprob[lo : lo + b - a] = arr[a:b]
+            version[lo : lo + b - a] = v
+        for nodes, lps, v in self._promos:
+            policy[nodes] = True
+            logprob[nodes] = lps
+            version[nodes] = v
+        self._derived = {
+            "parent": parent,
+            "depth": depth,
+            "policy": policy,
+            "logprob": logprob,
+            "version": version,
+        }
+        self._derived_key = key
+        return self._derived
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Token id of each node (arena order)."""
+        return self._ids[: self.n]
+
+    @property
+    def policy(self) -> np.ndarray:
+        """Whether the policy produced each node. Derived, cached."""
+        return self._derive()["policy"]
+
+    @property
+    def parent(self) -> np.ndarray:
+        """Parent node of each node (ROOT for the first token of a root run). Derived, cached."""
+        return self._derive()["parent"]
+
+    @property
+    def depth(self) -> np.ndarray:
+        """Position of each node on its root-to-node path (0 for the first token). Derived, cached."""
+        return self._derive()["depth"]
+
+    @property
+    def logprob(self) -> np.ndarray:
+        """Behaviour logprob of each policy node (0 for context). Derived, cached."""
+        return self._derive()["logprob"]
+
+    @property
+    def version(self) -> np.ndarray:
+        """Weight version that produced each policy node (-1 for context). Derived, cached."""
+        return self._derive()["version"]
+
+    def has_children(self, node: int) -> bool:
+        if node == ROOT:
+            return self.n > 0
+        c = node + 1
+        return (c < self.n and c not in self._start_set) or node in self._branches
 
     def children(self, node: int) -> list[int]:
         out = []
-        if node != ROOT and node + 1 < self.n and self.parent[node + 1] == node:
+        if node == ROOT:
+            if self.n > 0:
+                out.append(0)
+        elif node + 1 < self.n and node + 1 not in self._start_set:
             out.append(node + 1)
-        elif node == ROOT and self.n > 0:
-            out.append(0)
         out.extend(v for v in self._branches.get(node, {}).values() if v not in out)
         return out
 
     def _child(self, node: int, tok: int) -> int:
         if node == ROOT:
-            if self.n > 0 and int(self.ids[0]) == tok:
+            if self.n > 0 and int(self._ids[0]) == tok:
                 return 0
         else:
             c = node + 1
-            if c < self.n and self.parent[c] == node and int(self.ids[c]) == tok:
+            if c < self.n and c not in self._start_set and int(self._ids[c]) == tok:
                 return c
         b = self._branches.get(node)
-        return b.get(tok, ROOT - 1) if b is not None else ROOT - 1
+        return b.get(tok, NO_NODE) if b is not None else NO_NODE
 
     def _descend(self, node: int, seq: np.ndarray, i: int) -> tuple[int, int]:
         """Follow seq[i:] down from `node` while the tree agrees; returns (last matched node, next i)."""
         n_seq = seq.shape[0]
         while i < n_seq:
             nxt = self._child(node, int(seq[i]))
-            if nxt < ROOT:
+            if nxt == NO_NODE:
                 return node, i
             span = min(self._run_end(nxt) - nxt, n_seq - i)
-            m = _first_mismatch(self.ids[nxt : nxt + span], seq[i : i + span])
+            m = _first_mismatch(self._ids[nxt : nxt + span], seq[i : i + span])
             node, i = nxt + m - 1, i + m
         return node, i
 
     def path_slices(self, end: int, from_depth: int = 0) -> list[tuple[int, int]]:
         """Arena slices [lo, hi) covering the root-to-`end` path from depth `from_depth`, root first."""
         out: list[tuple[int, int]] = []
+        starts, rdep, rpar = self._starts, self._rdep, self._rpar
         node = end
         while node != ROOT:
-            start = self._run_start(node)
-            d_start = int(self.depth[start])
+            r = bisect.bisect_right(starts, node) - 1
+            start, d_start = starts[r], rdep[r]
             if d_start <= from_depth:
                 lo = start + (from_depth - d_start)
                 if lo <= node:
                     out.append((lo, node + 1))
                 break
             out.append((start, node + 1))
-            node = int(self.parent[start])
+            node = rpar[r]
         out.reverse()
         return out
 
@@ -201,13 +350,13 @@ class ExecutionTree:
         """The ancestor of `end` at `depth` (ROOT for depth -1)."""
         if depth < 0:
             return ROOT
+        starts, rdep, rpar = self._starts, self._rdep, self._rpar
         node = end
         while node != ROOT:
-            start = self._run_start(node)
-            d_start = int(self.depth[start])
-            if d_start <= depth:
-                return start + (depth - d_start)
-            node = int(self.parent[start])
+            r = bisect.bisect_right(starts, node) - 1
+            if rdep[r] <= depth:
+                return starts[r] + (depth - rdep[r])
+            node = rpar[r]
         raise IndexError(f"depth {depth} is below the root of node {end}")
 
     def path_nodes(self, end: int) -> np.ndarray:
@@ -221,7 +370,7 @@ class ExecutionTree:
         sl = self.path_slices(end)
         if not sl:
             return np.zeros(0, ID_DTYPE)
-        return np.concatenate([self.ids[lo:hi] for lo, hi in sl])
+        return np.concatenate([self._ids[lo:hi] for lo, hi in sl])
 
     # --------------------------------------------------------------------------------------- ingest
 
@@ -231,99 +380,319 @@ class ExecutionTree:
             raise RecordError(
                 f"{call.where}: belongs to execution {call.execution_id!r}, not {self.execution_id!r}"
             )
-        if call.call_id in self.calls:
-            raise RecordError(f"{call.where}: duplicate call id in this execution")
+        d = call.input_delta
+        if d is None:
+            assert call.input_ids is not None
+            parent, keep, rest = None, 0, call.input_ids
+        else:
+            parent, keep, rest = d.parent, d.keep, d.append
+        return self._add(
+            call.call_id,
+            call.agent_id,
+            call.role,
+            call.weight_version,
+            call.finish_reason,
+            call.t_start,
+            call.t_end,
+            parent,
+            keep,
+            rest,
+            call.output_ids,
+            np.array(call.output_logprobs, LOGPROB_DTYPE),  # owned: the caller may reuse its array
+        )
+
+    def _add(
+        self,
+        call_id: str,
+        agent_id: str,
+        role: Role,
+        weight_version: int,
+        finish_reason: str,
+        t_start: float,
+        t_end: float,
+        parent: str | None,
+        keep: int,
+        rest: np.ndarray,
+        out: np.ndarray,
+        lps: np.ndarray,
+        check_output: bool = False,
+    ) -> CallInfo:
+        where = _where(self.execution_id, call_id)
+        if call_id in self.calls:
+            raise RecordError(f"{where}: duplicate call id in this execution")
         st = self.stats
-        out = call.output_ids
-        if call.input_delta is not None:
-            d = call.input_delta
-            par = self.calls.get(d.parent)
-            if par is None:
+        cut_parent: CallInfo | None = None
+        if parent is not None:
+            cut_parent = self.calls.get(parent)
+            if cut_parent is None:
                 raise RecordError(
-                    f"{call.where}: input_delta names unknown parent call {d.parent!r} "
+                    f"{where}: input_delta names unknown parent call {parent!r} "
                     f"(parents must come before the calls that extend them)"
                 )
-            if d.keep > par.length:
+            if keep > cut_parent.length:
                 raise RecordError(
-                    f"{call.where}: input_delta.keep={d.keep} exceeds parent {d.parent!r} length {par.length}"
+                    f"{where}: input_delta.keep={keep} exceeds parent {parent!r} length {cut_parent.length}"
                 )
-            start = self.node_at_depth(par.end, d.keep - 1)
-            cut_parent = par
-            rest, base = d.append, d.keep
+            start = self.node_at_depth(cut_parent.end, keep - 1)
             st.delta_calls += 1
         else:
-            assert call.input_ids is not None
-            start, rest, base = ROOT, call.input_ids, 0
-            cut_parent = None
-        n_in = base + rest.shape[0]
+            start, keep = ROOT, 0
+        n_in = keep + rest.shape[0]
         node, i = self._descend(start, rest, 0)
         if i < rest.shape[0]:
             if int(rest[i:].min()) < 0:  # the part matched against the tree is known non-negative
                 pos = i + int(np.flatnonzero(rest[i:] < 0)[0])
                 raise RecordError(
-                    f"{call.where}: input ids contain a negative id {int(rest[pos])} at position {base + pos}"
+                    f"{where}: input ids contain a negative id {int(rest[pos])} at position {keep + pos}"
                 )
-            self._note_drift(call, node, int(rest[i]), base + i, cut_parent)
+            self._note_drift(call_id, node, int(rest[i]), keep + i, cut_parent)
             node = self._append(node, rest[i:], False, None, -1)
         in_end = node
         node, j = self._descend(in_end, out, 0)
         if j > 0:
-            self._promote(in_end, node, call, j)
+            self._promote(in_end, node, lps, weight_version, j)
         if j < out.shape[0]:
-            node = self._append(node, out[j:], True, call.output_logprobs[j:], call.weight_version)
+            if check_output and int(out[j:].min()) < 0:
+                pos = j + int(np.flatnonzero(out[j:] < 0)[0])
+                raise RecordError(
+                    f"{where}: output ids contain a negative id {int(out[pos])} at position {pos}"
+                )
+            node = self._append(node, out[j:], True, lps[j:], weight_version)
         info = CallInfo(
-            call.call_id,
-            call.agent_id,
-            call.role,
-            node,
-            n_in,
-            out.shape[0],
-            call.weight_version,
-            call.finish_reason,
-            call.t_start,
-            call.t_end,
+            call_id, agent_id, role, node, n_in, out.shape[0], weight_version, finish_reason, t_start, t_end
         )
-        self.calls[call.call_id] = info
+        self.calls[call_id] = info
         self._ends.add(node)
-        self.order.append(call.call_id)
+        self.order.append(call_id)
         st.calls += 1
         st.call_tokens += info.length
         return info
 
-    def _note_drift(self, call: Call, node: int, got: int, position: int, parent: CallInfo | None) -> None:
+    def add_batch(self, batch: CallBatch) -> None:
+        """Merge a `CallBatch` (its calls in order), all or nothing: if any call is bad, the error names
+        it and the tree is left as it was before the batch.
+
+        A call that extends the whole of its delta parent, where the parent's last token has no children
+        yet (an agent's next call: the common case), is placed without looking at its tokens; they are
+        copied into the arena (and checked for negative ids on the way, in cache-sized pieces) in as few
+        pieces as possible when the batch ends, or before a call that must be compared against the
+        tree, which takes `add`'s path."""
+        if batch.execution_id != self.execution_id:
+            raise RecordError(
+                f"call batch of execution {batch.execution_id!r} given to the tree of {self.execution_id!r}"
+            )
+        toks = batch.tokens
+        lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
+        tok_arr, lp_arr = batch.offsets()
+        tok_off, lp_off = tok_arr.tolist(), lp_arr.tolist()
+        n_in_l = batch.input_lens.tolist()
+        n_out_l = batch.output_lens.tolist()
+        keeps = batch.keeps.tolist()
+        versions = batch.weight_versions.tolist()
+        t0s, t1s = batch.t_start.tolist(), batch.t_end.tolist()
+        agent_ids, roles, finish, parents = batch.agent_ids, batch.roles, batch.finish_reasons, batch.parents
+        calls, ends, order = self.calls, self._ends, self.order
+        start_set, branches = self._start_set, self._branches
+        seg_lo, seg_hi, lp_segs = self._seg_lo, self._seg_hi, self._lp_segs
+        copies: list[list[int]] = []  # [arena lo, batch lo, length] not yet copied
+
+        def flush() -> None:
+            ids = self._ids
+            for dst, src, k in copies:
+                for lo in range(0, k, _COPY_CHUNK):
+                    piece = toks[src + lo : src + min(k, lo + _COPY_CHUNK)]
+                    if int(piece.view(np.uint32).max()) >= 1 << 31:
+                        batch.raise_negative(toks, tok_arr, batch.input_lens)
+                    ids[dst + lo : dst + lo + piece.shape[0]] = piece
+            copies.clear()
+
+        undo = self._checkpoint()
+        # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
+        self._reserve(min(toks.shape[0], 1 << 26))
+        cap = self._ids.shape[0]
+        n = self.n
+        fast_policy = 0
+        try:
+            cols = zip(
+                batch.call_ids,
+                parents,
+                keeps,
+                n_in_l,
+                n_out_l,
+                tok_off,
+                lp_off,
+                versions,
+                agent_ids,
+                roles,
+                finish,
+                t0s,
+                t1s,
+                strict=False,
+            )
+            for cid, par_id, keep, ni, no, a, la, ver, agent, role, fin, t0, t1 in cols:
+                par = calls.get(par_id) if par_id else None
+                if par is None:
+                    # No delta parent: a call whose first token starts a new branch at the root (a
+                    # sub-agent's first call) is all new too. ids[0] is never pending: the first run
+                    # is always written by `_add`.
+                    total = ni + no
+                    if (
+                        total
+                        and n > 0
+                        and not par_id
+                        and int(toks[a]) != int(self._ids[0])
+                        and int(toks[a]) not in branches.get(ROOT, ())
+                        and cid not in calls
+                    ):
+                        start = ROOT
+                    else:
+                        start = NO_NODE
+                elif keep == par.n_input + par.n_output and cid not in calls:
+                    start = par.end
+                    total = ni + no
+                    if not (
+                        total
+                        and start != ROOT
+                        and (start + 1 >= n or start + 1 in start_set)
+                        and start not in branches
+                    ):
+                        start = NO_NODE
+                else:
+                    start = NO_NODE
+                if start != NO_NODE:
+                    # Fast path: every token of this call is new, one chain below `start`.
+                    if n + total > cap:
+                        self.n = n
+                        self._reserve(total)
+                        cap = self._ids.shape[0]
+                    if start != n - 1 or start == ROOT:
+                        self._new_run(start, n, int(toks[a]))
+                    if copies and (last := copies[-1])[0] + last[2] == n and last[1] + last[2] == a:
+                        last[2] += total
+                    else:
+                        copies.append([n, a, total])
+                    if no:
+                        seg_lo.append(n + ni)
+                        seg_hi.append(n + total)
+                        lp_segs.append((n + ni, lps_all, la, la + no, ver))
+                        fast_policy += no
+                    n += total
+                    end = n - 1
+                    info = CallInfo(cid, agent, role, end, keep + ni, no, ver, fin, t0, t1)
+                    calls[cid] = info
+                    ends.add(end)
+                    order.append(cid)
+                    continue
+                self.n = n
+                flush()
+                self._add(
+                    cid,
+                    agent,
+                    role,
+                    ver,
+                    fin,
+                    t0,
+                    t1,
+                    par_id or None,
+                    keep,
+                    toks[a : a + ni],
+                    toks[a + ni : a + ni + no],
+                    lps_all[la : la + no],
+                    check_output=True,
+                )
+                n = self.n
+                cap = self._ids.shape[0]
+            self.n = n
+            flush()
+        except BaseException:
+            self._rollback(undo)
+            raise
+        # Every call of the batch is in: the counters are the batch's totals (`_add` counted its own
+        # calls along the way; they are part of these totals, so they are set, not added).
+        self._policy_count += fast_policy
+        st = self.stats
+        st.calls = undo[6] + len(batch)
+        st.call_tokens = undo[7] + int((batch.keeps + batch.input_lens + batch.output_lens).sum())
+        st.delta_calls = undo[8] + sum(1 for p in parents if p)
+
+    def _checkpoint(self) -> tuple[int, ...]:
+        st = self.stats
+        return (
+            self.n,
+            len(self._starts),
+            len(self._lp_segs),
+            len(self._promos),
+            len(self.order),
+            self._policy_count,
+            st.calls,
+            st.call_tokens,
+            st.delta_calls,
+            st.output_matched_existing,
+            st.context_promoted,
+            len(st.drifts),
+        )
+
+    def _rollback(self, undo: tuple[int, ...]) -> None:
+        """Put the tree back as it was at `_checkpoint()` (everything added since is appended state)."""
+        n, runs, segs, promos, calls, pol, *counts = undo
+        for lo in self._starts[runs:]:
+            self._start_set.discard(lo)
+        del self._starts[runs:], self._rpar[runs:], self._rdep[runs:]
+        for node in list(self._branches):
+            kids = {t: c for t, c in self._branches[node].items() if c < n}
+            if kids:
+                self._branches[node] = kids
+            else:
+                del self._branches[node]
+        del self._seg_lo[segs:], self._seg_hi[segs:], self._lp_segs[segs:]
+        for nodes, _, _ in self._promos[promos:]:
+            self._promoted.difference_update(nodes.tolist())
+        del self._promos[promos:]
+        for cid in self.order[calls:]:
+            del self.calls[cid]
+        del self.order[calls:]
+        self._ends = {info.end for info in self.calls.values()}
+        self._policy_count = pol
+        st = self.stats
+        st.calls, st.call_tokens, st.delta_calls, st.output_matched_existing, st.context_promoted = counts[:5]
+        del st.drifts[counts[5] :]
+        self.n = n
+
+    def _note_drift(self, call_id: str, node: int, got: int, position: int, parent: CallInfo | None) -> None:
         """Divergence at `node`: drift when the context contradicts a policy output it continues, that is
         the cut falls inside the delta parent's output, or inside a policy span (the matched token and a
-        policy child, and no call ends at the matched token). A divergence at an output's first token with no delta parent is a branch (a
-        discarded retry looks the same), not drift."""
+        policy child, and no call ends at the matched token). A divergence at an output's first token
+        with no delta parent is a branch (a discarded retry looks the same), not drift."""
+        pol = self._is_policy
         if (
             parent is not None
             and parent.n_input <= position < parent.length
             and self.node_at_depth(parent.end, position - 1) == node
         ):  # still on the parent's path
             theirs = self.node_at_depth(parent.end, position)
-            if self.policy[theirs]:
-                self.stats.drifts.append(Drift(call.call_id, position, (int(self.ids[theirs]),), got))
+            if pol(theirs):
+                self.stats.drifts.append(Drift(call_id, position, (int(self._ids[theirs]),), got))
                 return
-        if node == ROOT or not self.policy[node] or node in self._ends:
+        if node == ROOT or not pol(node) or node in self._ends:
             return
-        expected = tuple(int(self.ids[c]) for c in self.children(node) if self.policy[c])
+        expected = tuple(int(self._ids[c]) for c in self.children(node) if pol(c))
         if expected:
-            self.stats.drifts.append(Drift(call.call_id, position, expected, got))
+            self.stats.drifts.append(Drift(call_id, position, expected, got))
 
-    def _promote(self, in_end: int, node: int, call: Call, j: int) -> None:
+    def _promote(self, in_end: int, node: int, lps: np.ndarray, version: int, j: int) -> None:
         """Output tokens out[:j] matched the existing path in_end -> node: context becomes policy."""
-        d0 = 0 if in_end == ROOT else int(self.depth[in_end]) + 1
+        d0 = 0 if in_end == ROOT else self._depth_of(in_end) + 1
         off = 0
         for lo, hi in self.path_slices(node, d0):
-            pol = self.policy[lo:hi]
+            pol = self._policy_range(lo, hi)
             self.stats.output_matched_existing += int(pol.sum())
-            fresh = ~pol
-            if fresh.any():
-                idx = np.flatnonzero(fresh)
-                self.stats.context_promoted += idx.shape[0]
-                self.policy[lo + idx] = True
-                self.logprob[lo + idx] = call.output_logprobs[off + idx]
-                self.version[lo + idx] = call.weight_version
+            fresh = np.flatnonzero(~pol)
+            if fresh.shape[0]:
+                self.stats.context_promoted += fresh.shape[0]
+                nodes = lo + fresh
+                self._promos.append((nodes, lps[off + fresh].copy(), version))
+                self._promoted.update(nodes.tolist())
+                self._policy_count += fresh.shape[0]
             off += hi - lo
         assert off == j
 
@@ -338,14 +707,11 @@ class ExecutionTree:
     def leaves(self) -> list[CallInfo]:
         """One CallInfo per distinct leaf that some call ends at; a leaf that several calls end at is
         represented by its highest-priority role (ties: the later call)."""
-        has_child = np.zeros(self.n, np.bool_)
-        inner = self.parent[: self.n]
-        has_child[inner[inner >= 0]] = True
         best: dict[int, CallInfo] = {}
         prio = {r: k for k, r in enumerate(Role)}
         for cid in self.order:
             info = self.calls[cid]
-            if info.end == ROOT or has_child[info.end]:
+            if info.end == ROOT or self.has_children(info.end):
                 continue
             cur = best.get(info.end)
             if cur is None or prio[info.role] <= prio[cur.role]:
@@ -358,7 +724,7 @@ class ExecutionTree:
 
     @property
     def policy_tokens(self) -> int:
-        return int(self.policy[: self.n].sum())
+        return self._policy_count
 
 
 class Forest:
@@ -368,7 +734,7 @@ class Forest:
         self.trees: dict[str, ExecutionTree] = {}
         self.pending_scores: dict[str, Score] = {}
 
-    def add(self, rec: Call | Score) -> None:
+    def add(self, rec: Call | Score | CallBatch) -> None:
         if isinstance(rec, Score):
             tree = self.trees.get(rec.execution_id)
             if tree is None:
@@ -380,9 +746,12 @@ class Forest:
         if tree is None:
             tree = self.trees[rec.execution_id] = ExecutionTree(rec.execution_id)
             tree.score = self.pending_scores.pop(rec.execution_id, None)
-        tree.add(rec)
+        if isinstance(rec, CallBatch):
+            tree.add_batch(rec)
+        else:
+            tree.add(rec)
 
-    def add_all(self, recs: Iterable[Call | Score]) -> Forest:
+    def add_all(self, recs: Iterable[Call | Score | CallBatch]) -> Forest:
         for rec in recs:
             self.add(rec)
         return self

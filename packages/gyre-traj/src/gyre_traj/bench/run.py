@@ -35,11 +35,24 @@ def _ingest(stream: bytes) -> ExecutionTree:
     return Forest().add_msgpack(stream).trees["bench"]
 
 
-def _copy_time(nbytes: int, repeats: int) -> float:
-    src = np.ones(nbytes, np.uint8)
+def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, ExecutionTree]:
+    """Median ingest time of `stream` and median `np.copyto` time of as many bytes, measured
+    alternately in one loop so both see the same machine load."""
+    src = np.frombuffer(stream, np.uint8)
     dst = np.empty_like(src)
-    t, _ = _median_time(lambda: np.copyto(dst, src), repeats)
-    return t
+    np.copyto(dst, src)  # touch the destination once: the copy is timed into warm memory
+    ingest_t, copy_t = [], []
+    tree = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copy_t.append(time.perf_counter() - t0)
+        tree = None  # drop the previous tree first, as a long-running service would have
+        t0 = time.perf_counter()
+        tree = _ingest(stream)
+        ingest_t.append(time.perf_counter() - t0)
+    assert tree is not None
+    return statistics.median(ingest_t), statistics.median(copy_t), tree
 
 
 def _progress(msg: str) -> None:
@@ -49,29 +62,38 @@ def _progress(msg: str) -> None:
 def run_bench(quick: bool = False, out: str | None = None) -> int:
     cfg = SynthConfig(main_calls=150, max_context=100_000, seed=1) if quick else SynthConfig(seed=1)
     repeats = 3
+    delta_repeats = 5 if quick else 15
     _progress(
         f"generating a synthetic execution: {cfg.main_calls} main calls, context up to "
         f"{cfg.max_context:,} tokens, {cfg.compactions} compactions, {cfg.subagents} sub-agents"
     )
     delta_calls = synth_execution(cfg, "bench")
     full_calls = synth_execution(SynthConfig(**{**cfg.__dict__, "delta": False}), "bench")
-    delta_stream = encode_msgpack_stream(delta_calls)
+    delta_stream = encode_msgpack_stream(delta_calls, batch=len(delta_calls))
+    per_call_stream = encode_msgpack_stream(delta_calls)
     full_stream = encode_msgpack_stream(full_calls)
     del full_calls
     _progress(
         f"{len(delta_calls)} calls; full records {len(full_stream) / 2**20:,.1f} MiB, "
-        f"delta records {len(delta_stream) / 2**20:,.1f} MiB"
+        f"delta records {len(delta_stream) / 2**20:,.1f} MiB (one call batch), "
+        f"{len(per_call_stream) / 2**20:,.1f} MiB (one frame per call)"
     )
 
     _progress("ingesting full records")
-    full_s, tree_full = _ingest_timed(full_stream, repeats)
-    full_copy_s = _copy_time(len(full_stream), repeats)
+    full_s, full_copy_s, tree_full = _ingest_vs_copy(full_stream, repeats)
     _progress("ingesting delta records")
-    delta_s, tree = _ingest_timed(delta_stream, repeats)
-    delta_copy_s = _copy_time(len(delta_stream), repeats)
-    if tree.n != tree_full.n or not np.array_equal(tree.ids[: tree.n], tree_full.ids[: tree_full.n]):
-        raise AssertionError("full and delta records built different trees")
-    del tree_full, full_stream
+    delta_s, delta_copy_s, tree = _ingest_vs_copy(delta_stream, delta_repeats)
+    per_call_s, per_call_copy_s, tree_pc = _ingest_vs_copy(per_call_stream, delta_repeats)
+    for other in (tree_full, tree_pc):
+        for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
+            if not np.array_equal(getattr(tree, name), getattr(other, name)):
+                raise AssertionError(f"full, per-call and batched records built different trees ({name})")
+    del tree_full, tree_pc, full_stream
+    fresh = _ingest(delta_stream)
+    t0 = time.perf_counter()
+    _ = fresh.parent, fresh.logprob  # the per-token arrays derived on first use
+    derive_s = time.perf_counter() - t0
+    del fresh
 
     _progress("selecting and packing")
     sel5 = select(tree, SelectionConfig(j_max=5))
@@ -97,9 +119,13 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "full_ingest_s": round(full_s, 4),
         "delta_ingest_s": round(delta_s, 4),
         "copy_s": round(full_copy_s, 4),
-        "delta_copy_s": round(delta_copy_s, 4),
+        "delta_copy_s": round(delta_copy_s, 5),
         "full_over_copy": round(full_s / full_copy_s, 2),
         "delta_over_copy": round(delta_s / delta_copy_s, 2),
+        "delta_per_call_ingest_s": round(per_call_s, 4),
+        "delta_per_call_copy_s": round(per_call_copy_s, 5),
+        "delta_per_call_over_copy": round(per_call_s / per_call_copy_s, 2),
+        "derive_arrays_s": round(derive_s, 4),
         "full_tokens_per_s": round(call_tokens / full_s),
         "delta_tokens_per_s": round(call_tokens / delta_s),
         "leaves": len(tree.leaves()),
@@ -117,7 +143,3 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print(line)
     return 0
-
-
-def _ingest_timed(stream: bytes, repeats: int) -> tuple[float, ExecutionTree]:
-    return _median_time(lambda: _ingest(stream), repeats)

@@ -1,0 +1,279 @@
+"""Call batches (columnar records): round trips, the tree's batch ingest against per-call ingest, errors
+that name the call and leave the tree as it was, and the memcmp prefix comparison."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from gyre_traj import tree as tree_mod
+from gyre_traj.io import Codec, batch_calls, encode_msgpack_stream, iter_msgpack, read_records, write_records
+from gyre_traj.records import Call, CallBatch, RecordError, Score, defer_input_sign_check
+from gyre_traj.synth import SynthConfig, synth_execution, synth_group
+from gyre_traj.tree import ExecutionTree, Forest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from .helpers import OUT, SYS, TOOL, USER, call, ids
+
+PROMPT = ids(SYS, 1, 2, 3) + ids(USER, 1, 2)
+
+
+def small_cfg(**kw: object) -> SynthConfig:
+    base: dict[str, object] = dict(
+        main_calls=24,
+        max_context=6_000,
+        system_tokens=40,
+        summary_tokens=30,
+        output_tokens=(2, 30),
+        compactions=2,
+        subagents=3,
+        subagent_calls=3,
+        retries=3,
+        drifts=2,
+    )
+    base.update(kw)
+    return SynthConfig(**base)  # type: ignore[arg-type]
+
+
+def tree_state(t: ExecutionTree) -> dict[str, object]:
+    """Everything observable about a tree (arrays, calls, leaves, stats)."""
+    s = t.stats
+    return {
+        "n": t.n,
+        **{k: getattr(t, k).tolist() for k in ("ids", "parent", "depth", "policy", "logprob", "version")},
+        "calls": {cid: msgspec.structs.asdict(info) for cid, info in t.calls.items()},
+        "order": list(t.order),
+        "leaves": sorted(leaf.call_id for leaf in t.leaves()),
+        "policy_tokens": t.policy_tokens,
+        "stats": (s.calls, s.call_tokens, s.delta_calls, s.output_matched_existing, s.context_promoted),
+        "drifts": list(s.drifts),
+    }
+
+
+def test_batch_round_trips_its_calls() -> None:
+    calls = synth_execution(small_cfg(seed=3), "x")
+    batch = CallBatch.of(calls)
+    back = list(batch.calls())
+    assert len(back) == len(calls)
+    for a, b in zip(calls, back, strict=True):
+        assert a.call_id == b.call_id and a.role == b.role and a.weight_version == b.weight_version
+        assert (a.input_delta is None) == (b.input_delta is None)
+        if a.input_delta is not None:
+            assert b.input_delta is not None
+            assert (a.input_delta.parent, a.input_delta.keep) == (b.input_delta.parent, b.input_delta.keep)
+            assert a.input_delta.append.tolist() == b.input_delta.append.tolist()
+        else:
+            assert a.input_ids is not None and b.input_ids is not None
+            assert a.input_ids.tolist() == b.input_ids.tolist()
+        assert a.output_ids.tolist() == b.output_ids.tolist()
+        assert np.array_equal(a.output_logprobs, b.output_logprobs)
+        assert (a.t_start, a.t_end) == (b.t_start, b.t_end)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".msgpack"])
+def test_batches_in_files(tmp_path: Path, suffix: str) -> None:
+    recs = list(synth_group(small_cfg(), "g", 3, eval_failures=1))
+    path = tmp_path / f"recs{suffix}"
+    write_records(path, recs, batch=7)
+    stored = list(read_records(path))
+    assert any(isinstance(r, CallBatch) for r in stored)
+    assert sum(len(r) for r in stored if isinstance(r, CallBatch)) == sum(isinstance(r, Call) for r in recs)
+    assert sum(isinstance(r, Score) for r in stored) == 3
+    a = Forest().add_all(recs)
+    b = Forest().add_all(stored)
+    assert {t.execution_id for t in a} == {t.execution_id for t in b}
+    for t in a:
+        assert tree_state(t) == tree_state(b.trees[t.execution_id])
+        assert t.score == b.trees[t.execution_id].score
+
+
+def test_batch_calls_groups_per_execution_and_keeps_order() -> None:
+    recs = list(synth_group(small_cfg(main_calls=6, subagents=0, retries=0, drifts=0), "g", 2))
+    out = list(batch_calls(recs, max_calls=4))
+    per_exec: dict[str, list[str]] = {}
+    for r in out:
+        if isinstance(r, CallBatch):
+            assert 1 <= len(r) <= 4
+            per_exec.setdefault(r.execution_id, []).extend(r.call_ids)
+    want: dict[str, list[str]] = {}
+    for r in recs:
+        if isinstance(r, Call):
+            want.setdefault(r.execution_id, []).append(r.call_id)
+    assert per_exec == want
+    with pytest.raises(ValueError, match="max_calls"):
+        list(batch_calls(recs, max_calls=0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    delta=st.booleans(),
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    retries=st.integers(0, 4),
+    drifts=st.integers(0, 3),
+    subagents=st.integers(0, 3),
+)
+def test_batch_ingest_equals_per_call_ingest(
+    seed: int, delta: bool, sizes: list[int], retries: int, drifts: int, subagents: int
+) -> None:
+    calls = synth_execution(
+        small_cfg(seed=seed, delta=delta, retries=retries, drifts=drifts, subagents=subagents), "x"
+    )
+    ref = ExecutionTree("x")
+    for c in calls:
+        ref.add(c)
+    t = ExecutionTree("x")
+    i, k = 0, 0
+    while i < len(calls):  # batches of the given sizes, cycling
+        size = sizes[k % len(sizes)]
+        t.add_batch(CallBatch.of(calls[i : i + size]))
+        i, k = i + size, k + 1
+    assert tree_state(t) == tree_state(ref)
+    # and through the framed stream, where the sign check moves into the tree's copy
+    f = Forest().add_msgpack(encode_msgpack_stream(calls, batch=sizes[0]))
+    assert tree_state(f.trees["x"]) == tree_state(ref)
+
+
+def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a1, a2 = ids(OUT, 1, 2), ids(OUT, 3)
+    calls = [
+        call("c0", PROMPT, a1),
+        call("c1", None, a2, delta=("c0", 7, ids(TOOL, 1))),  # fast: extends all of c0
+        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1))),  # c0's end has a child now
+        call("c2", None, ids(OUT, 4), delta=("c1", 9, ids(TOOL, 2))),  # fast again
+        call("s0", ids(SYS, 50, 51), ids(OUT, 5), agent="sub"),  # a new root branch
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    assert compared == ["c0", "c1-retry"]  # the others were placed without looking at the tree
+    monkeypatch.undo()
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert t.call_sequence("c2")[0].tolist() == PROMPT + a1 + ids(TOOL, 1) + a2 + ids(TOOL, 2)
+    assert t.call_sequence("s0")[0].tolist() == ids(SYS, 50, 51)
+
+
+def codec_frame(rec: CallBatch) -> bytes:
+    payload = Codec().encode_msgpack(rec)
+    return len(payload).to_bytes(4, "little") + payload
+
+
+def _stream_with_bad_call(bad: str) -> tuple[list[Call], bytes]:
+    good = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1))),
+    ]
+    later = [
+        call("c2", None, ids(OUT, 4), delta=("c1", 9, ids(TOOL, 2))),
+        call("c3", None, ids(OUT, 5), delta=("c2", 11, ids(TOOL, 3))),
+    ]
+    if bad == "negative":
+        ok = CallBatch.of([call("c2", None, ids(OUT, 4, 5), delta=("c1", 9, ids(TOOL, 2)))])
+        with defer_input_sign_check():  # as a decoder inside Forest.add_msgpack would
+            neg = CallBatch(**{**msgspec.structs.asdict(ok), "tokens": np.array([3002, 4004, -7], np.int32)})
+        return good, encode_msgpack_stream(good) + codec_frame(neg)
+    elif bad == "unknown-parent":
+        later.append(call("c4", None, ids(OUT, 6), delta=("nope", 3, ids(TOOL, 4))))
+    elif bad == "too-long-keep":
+        later.append(call("c4", None, ids(OUT, 6), delta=("c3", 99, ids(TOOL, 4))))
+    elif bad == "duplicate":
+        later.append(call("c0", PROMPT, ids(OUT, 8)))
+    return good, encode_msgpack_stream(good) + encode_msgpack_stream(later, batch=10)[len(b"GYRETITO\x01") :]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("negative", r"call='c2'.*output ids contain a negative id -7 at position 1"),
+        ("unknown-parent", r"call='c4'.*unknown parent call 'nope'"),
+        ("too-long-keep", r"call='c4'.*keep=99 exceeds parent 'c3'"),
+        ("duplicate", r"call='c0'.*duplicate call id"),
+    ],
+)
+def test_bad_call_in_a_batch_names_it_and_changes_nothing(bad: str, message: str) -> None:
+    good, stream = _stream_with_bad_call(bad)
+    ref = ExecutionTree("e")
+    for c in good:
+        ref.add(c)
+    f = Forest()
+    with pytest.raises(RecordError, match=message):
+        f.add_msgpack(stream)
+    assert tree_state(f.trees["e"]) == tree_state(ref)
+    # the tree still takes good calls afterwards
+    f.trees["e"].add_batch(CallBatch.of([call("c9", None, ids(OUT, 7), delta=("c1", 9, ids(TOOL, 5)))]))
+    assert f.trees["e"].call_sequence("c9")[0].tolist() == PROMPT + ids(OUT, 1, 2) + ids(TOOL, 1) + ids(
+        OUT, 3
+    ) + ids(TOOL, 5)
+
+
+def test_malformed_batches_are_rejected_with_the_reason() -> None:
+    batch = CallBatch.of([call("c0", PROMPT, ids(OUT, 1, 2)), call("c1", PROMPT, ids(OUT, 3))])
+    fields = msgspec.structs.asdict(batch)
+    cases = [
+        ({"output_lens": np.array([2, 2])}, "add up to"),
+        ({"logprobs": np.array([-0.1, -0.2])}, "3 output tokens, the batch holds 2 logprobs"),
+        ({"call_ids": ["c0", "c0"]}, "call ids repeat"),
+        ({"roles": [batch.roles[0]]}, "roles has 1 entries for 2 calls"),
+        ({"keeps": np.array([0, -1])}, "keeps must be >= 0"),
+        ({"parents": ["", "c1"]}, "names the call itself"),
+        ({"parents": ["", ""], "keeps": np.array([0, 3])}, "without a delta parent"),
+        (
+            {"tokens": np.concatenate([batch.tokens[:-1], [-5]])},
+            r"call='c1'.*output ids contain a negative id -5 at position 0",
+        ),
+        ({"t_start": np.array([0.0, np.nan])}, "NaN"),
+    ]
+    for change, message in cases:
+        with pytest.raises(RecordError, match=message):
+            CallBatch(**{**fields, **change})
+    other = ExecutionTree("other")
+    with pytest.raises(RecordError, match="given to the tree of 'other'"):
+        other.add_batch(batch)
+
+
+def test_decoded_batch_arrays_are_views() -> None:
+    calls = synth_execution(small_cfg(seed=1), "x")
+    data = encode_msgpack_stream(calls, batch=len(calls))
+    (batch,) = list(iter_msgpack(data))
+    assert isinstance(batch, CallBatch)
+    assert not batch.tokens.flags.owndata and not batch.tokens.flags.writeable
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 3000),
+    at=st.one_of(st.none(), st.integers(0, 2999)),
+    memcmp=st.booleans(),
+)
+def test_first_mismatch_matches_a_plain_scan(n: int, at: int | None, memcmp: bool) -> None:
+    a = np.arange(n, dtype=np.int32)
+    b = a.copy()
+    if at is not None and at < n:
+        b[at] = -1
+    want = n if at is None or at >= n else at
+    saved = tree_mod._MEMCMP
+    if not memcmp:
+        tree_mod._MEMCMP = None
+    try:
+        assert tree_mod._first_mismatch(a, b) == want
+    finally:
+        tree_mod._MEMCMP = saved
+
+
+def test_memcmp_is_found_here() -> None:
+    assert tree_mod._MEMCMP is not None  # Linux CI: the fast comparison is the one tested above
