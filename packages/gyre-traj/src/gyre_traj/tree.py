@@ -18,7 +18,7 @@ import ctypes
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 import numpy as np
@@ -117,6 +117,20 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
     return n
 
 
+class _Undo(NamedTuple):
+    """What `ExecutionTree._rollback` needs to undo a batch: the lengths of the append-only state."""
+
+    n: int
+    runs: int
+    segments: int
+    groups: int
+    promos: int
+    calls: int
+    policy: int
+    counts: tuple[int, int, int, int, int]
+    drifts: int
+
+
 class ExecutionTree:
     """Prefix tree of one execution's calls. Add calls in an order where delta parents come first.
 
@@ -139,7 +153,9 @@ class ExecutionTree:
         # are promotions (nodes, logprobs, version). Nothing else is policy.
         self._seg_lo: list[int] = []
         self._seg_hi: list[int] = []
-        self._lp_segs: list[tuple[int, np.ndarray, int, int, int]] = []
+        # Segments are added alone or in groups: (first node(s), end(s), logprob offset(s), version(s),
+        # logprob array), ints for one segment, arrays for a group.
+        self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray]] = []
         self._promos: list[tuple[np.ndarray, np.ndarray, int]] = []
         self._promoted: set[int] = set()
         self._policy_count = 0
@@ -200,8 +216,18 @@ class ExecutionTree:
     def _add_segment(self, lo: int, hi: int, arr: np.ndarray, a: int, version: int) -> None:
         self._seg_lo.append(lo)
         self._seg_hi.append(hi)
-        self._lp_segs.append((lo, arr, a, a + hi - lo, version))
+        self._seg_groups.append((lo, hi, a, version, arr))
         self._policy_count += hi - lo
+
+    def _add_segments(
+        self, lo: np.ndarray, hi: np.ndarray, src: np.ndarray, versions: np.ndarray, lps: np.ndarray
+    ) -> None:
+        """Policy segments [lo[i], hi[i]) (after every existing one, in order) with logprobs
+        lps[src[i] : src[i] + hi[i] - lo[i]] and weight version versions[i]."""
+        self._seg_lo.extend(lo.tolist())
+        self._seg_hi.extend(hi.tolist())
+        self._seg_groups.append((lo, hi, src, versions, lps))
+        self._policy_count += int((hi - lo).sum())
 
     def _is_policy(self, node: int) -> bool:
         r = bisect.bisect_right(self._seg_lo, node) - 1
@@ -228,7 +254,7 @@ class ExecutionTree:
         return self._starts[r] if r < len(self._starts) else self.n
 
     def _derive(self) -> dict[str, np.ndarray]:
-        key = (self.n, len(self._lp_segs), len(self._promos))
+        key = (self.n, len(self._seg_groups), len(self._promos))
         if key == self._derived_key:
             return self._derived
         n = self.n
@@ -241,10 +267,20 @@ class ExecutionTree:
         policy = np.zeros(n, np.bool_)
         logprob = np.zeros(n, LOGPROB_DTYPE)
         version = np.full(n, -1, np.int32)
-        for lo, arr, a, b, v in self._lp_segs:
-            policy[lo : lo + b - a] = True
-            logprob[lo : lo + b - a] = arr[a:b]
-            version[lo : lo + b - a] = v
+        for lo, hi, src, vers, lps in self._seg_groups:
+            if isinstance(lo, int):
+                policy[lo:hi] = True
+                logprob[lo:hi] = lps[src : src + hi - lo]
+                version[lo:hi] = vers
+                continue
+            lens = (hi - lo).astype(np.int64)
+            total = int(lens.sum())
+            before = np.cumsum(lens) - lens  # position of each segment inside the group
+            step = np.arange(total, dtype=np.int64)
+            pos = np.repeat(lo - before, lens) + step
+            policy[pos] = True
+            logprob[pos] = lps[np.repeat(src - before, lens) + step]
+            version[pos] = np.repeat(vers, lens)
         for nodes, lps, v in self._promos:
             policy[nodes] = True
             logprob[nodes] = lps
@@ -472,46 +508,66 @@ class ExecutionTree:
         """Merge a `CallBatch` (its calls in order), all or nothing: if any call is bad, the error names
         it and the tree is left as it was before the batch.
 
-        A call that extends the whole of its delta parent, where the parent's last token has no children
-        yet (an agent's next call: the common case), is placed without looking at its tokens; they are
-        copied into the arena (and checked for negative ids on the way, in cache-sized pieces) in as few
-        pieces as possible when the batch ends, or before a call that must be compared against the
-        tree, which takes `add`'s path."""
+        A call that carries new tokens only (it extends the whole of its delta parent, whose last token
+        has no children yet: an agent's next call; or it starts a new branch at the root) is placed
+        without looking at its tokens. Between two calls that must be compared against the tree (they
+        take `add`'s path), placed calls sit in the arena exactly as in the batch, shifted by one
+        offset, so each such stretch is one copy (checked for negative ids on the way, in cache-sized
+        pieces) and one vectorized update of the policy segments, done before the next compared call
+        and at the end."""
         if batch.execution_id != self.execution_id:
             raise RecordError(
                 f"call batch of execution {batch.execution_id!r} given to the tree of {self.execution_id!r}"
             )
+        m = len(batch)
+        if m == 0:
+            return
         toks = batch.tokens
         lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
         tok_arr, lp_arr = batch.offsets()
-        tok_off, lp_off = tok_arr.tolist(), lp_arr.tolist()
-        n_in_l = batch.input_lens.tolist()
-        n_out_l = batch.output_lens.tolist()
+        n_in_arr, n_out_arr = batch.input_lens, batch.output_lens
+        tok_off = tok_arr.tolist()
+        n_in_l = n_in_arr.tolist()
+        n_out_l = n_out_arr.tolist()
         keeps = batch.keeps.tolist()
+        inputs_l = (batch.keeps + n_in_arr).tolist()  # each call's full input length
         versions = batch.weight_versions.tolist()
-        t0s, t1s = batch.t_start.tolist(), batch.t_end.tolist()
-        agent_ids, roles, finish, parents = batch.agent_ids, batch.roles, batch.finish_reasons, batch.parents
+        parents = batch.parents
         calls, ends, order = self.calls, self._ends, self.order
         start_set, branches = self._start_set, self._branches
-        seg_lo, seg_hi, lp_segs = self._seg_lo, self._seg_hi, self._lp_segs
-        copies: list[list[int]] = []  # [arena lo, batch lo, length] not yet copied
-
-        def flush() -> None:
-            ids = self._ids
-            for dst, src, k in copies:
-                for lo in range(0, k, _COPY_CHUNK):
-                    piece = toks[src + lo : src + min(k, lo + _COPY_CHUNK)]
-                    if int(piece.view(np.uint32).max()) >= 1 << 31:
-                        batch.raise_negative(toks, tok_arr, batch.input_lens)
-                    ids[dst + lo : dst + lo + piece.shape[0]] = piece
-            copies.clear()
-
+        # The chain shortcut skips the duplicate-id check: only when no id is in the tree yet (ids
+        # inside a batch are distinct by construction).
+        chain_ok = calls.keys().isdisjoint(batch.call_ids)
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
-        cap = self._ids.shape[0]
-        n = self.n
-        fast_policy = 0
+        w0 = 0  # first call of the stretch placed since the last compared call
+        delta = self.n  # arena index = batch token index + delta, inside the stretch
+
+        def place(w1: int) -> None:
+            """Copy the tokens of calls [w0, w1) (all placed) into the arena, with their segments."""
+            if w1 == w0:
+                return
+            a0, a1 = tok_off[w0], tok_off[w1]
+            lo, hi = a0 + delta, a1 + delta
+            self.n = lo
+            self._reserve(hi - lo)
+            ids = self._ids
+            for off in range(0, a1 - a0, _COPY_CHUNK):
+                piece = toks[a0 + off : min(a1, a0 + off + _COPY_CHUNK)]
+                if int(piece.view(np.uint32).max()) >= 1 << 31:
+                    batch.raise_negative(toks, tok_arr, n_in_arr)
+                ids[lo + off : lo + off + piece.shape[0]] = piece
+            self.n = hi
+            outs = n_out_arr[w0:w1]
+            has = outs > 0
+            if has.any():
+                seg_hi = (tok_arr[w0 + 1 : w1 + 1] + delta)[has]
+                lens = outs[has]
+                self._add_segments(
+                    seg_hi - lens, seg_hi, lp_arr[w0:w1][has], batch.weight_versions[w0:w1][has], lps_all
+                )
+
         try:
             cols = zip(
                 batch.call_ids,
@@ -520,71 +576,54 @@ class ExecutionTree:
                 n_in_l,
                 n_out_l,
                 tok_off,
-                lp_off,
+                inputs_l,
                 versions,
-                agent_ids,
-                roles,
-                finish,
-                t0s,
-                t1s,
+                batch.agent_ids,
+                batch.roles,
+                batch.finish_reasons,
+                batch.t_start.tolist(),
+                batch.t_end.tolist(),
                 strict=False,
             )
-            for cid, par_id, keep, ni, no, a, la, ver, agent, role, fin, t0, t1 in cols:
-                par = calls.get(par_id) if par_id else None
-                if par is None:
-                    # No delta parent: a call whose first token starts a new branch at the root (a
-                    # sub-agent's first call) is all new too. ids[0] is never pending: the first run
-                    # is always written by `_add`.
-                    total = ni + no
-                    if (
-                        total
-                        and n > 0
-                        and not par_id
-                        and int(toks[a]) != int(self._ids[0])
-                        and int(toks[a]) not in branches.get(ROOT, ())
-                        and cid not in calls
-                    ):
-                        start = ROOT
-                    else:
-                        start = NO_NODE
-                elif keep == par.n_input + par.n_output and cid not in calls:
-                    start = par.end
-                    total = ni + no
-                    if not (
-                        total
-                        and start != ROOT
-                        and (start + 1 >= n or start + 1 in start_set)
-                        and start not in branches
-                    ):
-                        start = NO_NODE
-                else:
-                    start = NO_NODE
-                if start != NO_NODE:
-                    # Fast path: every token of this call is new, one chain below `start`.
-                    if n + total > cap:
-                        self.n = n
-                        self._reserve(total)
-                        cap = self._ids.shape[0]
-                    if start != n - 1 or start == ROOT:
-                        self._new_run(start, n, int(toks[a]))
-                    if copies and (last := copies[-1])[0] + last[2] == n and last[1] + last[2] == a:
-                        last[2] += total
-                    else:
-                        copies.append([n, a, total])
-                    if no:
-                        seg_lo.append(n + ni)
-                        seg_hi.append(n + total)
-                        lp_segs.append((n + ni, lps_all, la, la + no, ver))
-                        fast_policy += no
-                    n += total
-                    end = n - 1
-                    info = CallInfo(cid, agent, role, end, keep + ni, no, ver, fin, t0, t1)
-                    calls[cid] = info
+            prev_cid: str | None = None
+            prev_len = -1
+            for k, (cid, par_id, keep, ni, no, a, n_input, ver, agent, role, fin, t0, t1) in enumerate(cols):
+                total = ni + no
+                if par_id == prev_cid and keep == prev_len and total:
+                    # The next call of the same agent right after its parent was placed: it continues
+                    # the same run.
+                    end = a + total - 1 + delta
+                    calls[cid] = CallInfo(cid, agent, role, end, n_input, no, ver, fin, t0, t1)
                     ends.add(end)
                     order.append(cid)
+                    prev_cid, prev_len = cid, n_input + no
                     continue
-                self.n = n
-                flush()
+                n = a + delta  # where this call's tokens go if it is placed
+                start = NO_NODE
+                par = calls.get(par_id) if par_id else None
+                if par is not None:
+                    if keep == par.n_input + par.n_output and total and cid not in calls:
+                        s = par.end
+                        if s != ROOT and (s + 1 >= n or s + 1 in start_set) and s not in branches:
+                            start = s
+                elif total and not par_id and n > 0 and cid not in calls:
+                    # A new branch at the root (a sub-agent's first call) is all new too. ids[0] is
+                    # never pending: the tree's first run is always written by `_add`.
+                    first = int(toks[a])
+                    if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
+                        start = ROOT
+                if start != NO_NODE:
+                    if start != n - 1 or start == ROOT:
+                        self._new_run(start, n, int(toks[a]))
+                    end = n + total - 1
+                    calls[cid] = CallInfo(cid, agent, role, end, n_input, no, ver, fin, t0, t1)
+                    ends.add(end)
+                    order.append(cid)
+                    if chain_ok:
+                        prev_cid, prev_len = cid, n_input + no
+                    continue
+                prev_cid = None
+                place(k)
                 self._add(
                     cid,
                     agent,
@@ -596,66 +635,63 @@ class ExecutionTree:
                     par_id or None,
                     keep,
                     toks[a : a + ni],
-                    toks[a + ni : a + ni + no],
-                    lps_all[la : la + no],
+                    toks[a + ni : a + total],
+                    lps_all[int(lp_arr[k]) : int(lp_arr[k]) + no],
                     check_output=True,
                 )
-                n = self.n
-                cap = self._ids.shape[0]
-            self.n = n
-            flush()
+                w0, delta = k + 1, self.n - tok_off[k + 1]
+            place(m)
         except BaseException:
             self._rollback(undo)
             raise
         # Every call of the batch is in: the counters are the batch's totals (`_add` counted its own
         # calls along the way; they are part of these totals, so they are set, not added).
-        self._policy_count += fast_policy
         st = self.stats
-        st.calls = undo[6] + len(batch)
-        st.call_tokens = undo[7] + int((batch.keeps + batch.input_lens + batch.output_lens).sum())
-        st.delta_calls = undo[8] + sum(1 for p in parents if p)
+        st.calls = undo.counts[0] + m
+        st.call_tokens = undo.counts[1] + int((batch.keeps + n_in_arr + n_out_arr).sum())
+        st.delta_calls = undo.counts[2] + sum(1 for p in parents if p)
 
-    def _checkpoint(self) -> tuple[int, ...]:
+    def _checkpoint(self) -> _Undo:
         st = self.stats
-        return (
+        return _Undo(
             self.n,
             len(self._starts),
-            len(self._lp_segs),
+            len(self._seg_lo),
+            len(self._seg_groups),
             len(self._promos),
             len(self.order),
             self._policy_count,
-            st.calls,
-            st.call_tokens,
-            st.delta_calls,
-            st.output_matched_existing,
-            st.context_promoted,
+            (st.calls, st.call_tokens, st.delta_calls, st.output_matched_existing, st.context_promoted),
             len(st.drifts),
         )
 
-    def _rollback(self, undo: tuple[int, ...]) -> None:
+    def _rollback(self, undo: _Undo) -> None:
         """Put the tree back as it was at `_checkpoint()` (everything added since is appended state)."""
-        n, runs, segs, promos, calls, pol, *counts = undo
-        for lo in self._starts[runs:]:
+        n = undo.n
+        for lo in self._starts[undo.runs :]:
             self._start_set.discard(lo)
-        del self._starts[runs:], self._rpar[runs:], self._rdep[runs:]
+        del self._starts[undo.runs :], self._rpar[undo.runs :], self._rdep[undo.runs :]
         for node in list(self._branches):
             kids = {t: c for t, c in self._branches[node].items() if c < n}
             if kids:
                 self._branches[node] = kids
             else:
                 del self._branches[node]
-        del self._seg_lo[segs:], self._seg_hi[segs:], self._lp_segs[segs:]
-        for nodes, _, _ in self._promos[promos:]:
+        del self._seg_lo[undo.segments :], self._seg_hi[undo.segments :]
+        del self._seg_groups[undo.groups :]
+        for nodes, _, _ in self._promos[undo.promos :]:
             self._promoted.difference_update(nodes.tolist())
-        del self._promos[promos:]
-        for cid in self.order[calls:]:
+        del self._promos[undo.promos :]
+        for cid in self.order[undo.calls :]:
             del self.calls[cid]
-        del self.order[calls:]
+        del self.order[undo.calls :]
         self._ends = {info.end for info in self.calls.values()}
-        self._policy_count = pol
+        self._policy_count = undo.policy
         st = self.stats
-        st.calls, st.call_tokens, st.delta_calls, st.output_matched_existing, st.context_promoted = counts[:5]
-        del st.drifts[counts[5] :]
+        st.calls, st.call_tokens, st.delta_calls, st.output_matched_existing, st.context_promoted = (
+            undo.counts
+        )
+        del st.drifts[undo.drifts :]
         self.n = n
 
     def _note_drift(self, call_id: str, node: int, got: int, position: int, parent: CallInfo | None) -> None:
