@@ -10,6 +10,7 @@ which micro-batch cannot change the result.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -132,20 +133,10 @@ def micro_gradient(
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     megatron = type(model).__module__.startswith("megatron.")  # a Megatron-core GPTModel
-    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
-        from gyre_train.chunked import chunked_loss_backward
-
-        metrics = chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
-    else:
-        tb = TorchBatch.from_packed(batch, device=device)
-        if megatron:
-            from gyre_train.megatron import tree_target_logprobs
-
-            lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
-        else:
-            lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
-        loss, metrics = policy_loss(lp, tb, loss_cfg)
-        loss.backward()
+    with _attention_kernels(device):
+        metrics = _loss_backward(model, batch, loss_cfg, attention, chunk_budget, megatron, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     flat = out if out is not None else torch.empty(layout.numel, dtype=torch.float32)
     if flat.shape != (layout.numel,) or flat.dtype != torch.float32:
         raise ValueError(
@@ -166,6 +157,43 @@ def micro_gradient(
     metrics["compute_s"] = t1 - t0
     metrics["copy_s"] = time.perf_counter() - t1
     return flat, metrics
+
+
+def _attention_kernels(device: torch.device) -> Any:
+    """On a GPU, keep SDPA (dense ancestor masks) off cuDNN's kernel, which builds a plan for every new
+    sequence length (seconds on a 1.5B model at a satellite's first micro-batch of a new length); the
+    memory-efficient kernel takes the same masks with no per-shape set-up. The same choice everywhere
+    micro_gradient runs, so every replica computes a micro-batch with the same kernels."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _loss_backward(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    loss_cfg: LossConfig,
+    attention: Attention,
+    chunk_budget: int,
+    megatron: bool,
+    device: torch.device,
+) -> dict[str, float]:
+    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
+        from gyre_train.chunked import chunked_loss_backward
+
+        return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
+    tb = TorchBatch.from_packed(batch, device=device)
+    if megatron:
+        from gyre_train.megatron import tree_target_logprobs
+
+        lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
+    else:
+        lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
+    loss, metrics = policy_loss(lp, tb, loss_cfg)
+    loss.backward()
+    return metrics
 
 
 def set_gradients(model: torch.nn.Module, layout: Layout, flat: torch.Tensor) -> None:

@@ -82,6 +82,9 @@ class SatelliteConfig:
     """Synthetic micro-batches (of different lengths) computed at start, before the first claim, so that
     kernels are compiled (FlexAttention) and memory allocated before any join. None = 2 on a GPU, 0 on
     the CPU."""
+    shm_gradients: bool = True
+    """On the core's host (snapshots over shared memory), hand gradients over in a shared-memory buffer
+    the core maps at start; False: always as a ZeroMQ frame."""
     verify_shm_checksums: bool = False
     """crc32 every tensor of a snapshot pulled over same-host shared memory (a memcpy between mappings;
     the crc costs about 0.6 s per GB of CPU). Pulls over Mooncake (TCP/RDMA) are always verified."""
@@ -132,13 +135,18 @@ class Satellite:
         # (registered with the core now, so a join maps nothing); elsewhere host memory sent as a frame.
         self._grad_pinned = False
         self._grad_region = None
-        if w.transport == "shm" and _shm_free() > 4 * self.layout.numel + (1 << 30):
+        if cfg.shm_gradients and w.transport == "shm" and _shm_free() > 4 * self.layout.numel + (1 << 30):
             self._grad_region = self._transport.alloc(4 * self.layout.numel)
             arr = self._grad_region.array
             assert arr is not None
             self._grad = torch.from_numpy(arr.view(np.float32)[: self.layout.numel])
             self._grad_pinned = cuda and hostmem.pin(self._grad)
-            ack = self._request(GradientBuffer(cfg.name, self._grad_region.desc.shm_name, self.layout.numel))
+            buf = GradientBuffer(cfg.name, self._grad_region.desc.shm_name, self.layout.numel)
+            ack = self._request(buf)
+            while isinstance(ack, ErrorReply):  # presumed dead while building the model: hello again
+                if not self._rejoin():
+                    raise CoreGoneError("the core shut down while this satellite started")
+                ack = self._request(buf)
             if not isinstance(ack, Ack) or not ack.accepted:
                 raise CoreGoneError(f"core refused the gradient buffer: {ack}")
         else:
@@ -155,7 +163,7 @@ class Satellite:
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
-            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient | GradientBuffer):
                 return rep  # the core presumed us dead while we were silent: say hello again
             raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
         if isinstance(rep, Assign):
@@ -185,7 +193,7 @@ class Satellite:
         t0 = time.perf_counter()
         self.pull(-1)
         for k in range(n):
-            mb = synthetic_minibatch(1, seed=1000 + k, token_budget=256 << k)[0]
+            mb = synthetic_minibatch(1, seed=1000 + k, token_budget=1 << 14)[0]  # lengths differ by seed
             micro_gradient(
                 self.model, self.layout, mb, self.loss, self.attention, self._grad, self.welcome.chunk_budget
             )

@@ -326,7 +326,10 @@ class ReplicaServer:
             )
             return
         t = torch.from_numpy(arr[: 4 * numel].view(np.float32))
-        pinned = self.core.device.type == "cuda" and hostmem.pin(t)
+        try:
+            pinned = self.core.device.type == "cuda" and hostmem.pin(t)
+        except RuntimeError:  # the driver refused: copies from pageable memory, only slower
+            pinned = False
         with self._mu:
             self._drop_buffer(rep.name)
             self._buffers[rep.name] = (t, pinned)

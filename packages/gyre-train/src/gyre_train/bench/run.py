@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -216,12 +217,15 @@ def join(mc: ModelConfig, dev: str, timeout_s: float = 600.0) -> dict[str, Any]:
     core = Core(build_model(mc, "dense", dev), mc, CoreConfig(core_computes=False, token_budget=1024))
     cmd = [sys.executable, "-m", "gyre_train.cli", "satellite", "--core", core.address, "--name", "bench-sat",
            "--device", dev]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + timeout_s
         while not core.replicas().get("bench-sat", {}).get("ready"):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"satellite did not come up (exit code {proc.poll()})")
+                err.seek(0)
+                tail = err.read()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"satellite did not come up (exit code {proc.poll()}): {tail}")
             time.sleep(0.01)
         mb = synthetic_minibatch(1, seed=3, token_budget=1024)[:1]
         core.republish()  # a version the satellite has not pulled, in the publisher's other slot
@@ -246,6 +250,7 @@ def join(mc: ModelConfig, dev: str, timeout_s: float = 600.0) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+        err.close()
 
 
 def guarded(name: str, fn: Any) -> dict[str, Any]:
