@@ -12,7 +12,7 @@ import enum
 
 import msgspec
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 class ErrorCode(enum.IntEnum):
