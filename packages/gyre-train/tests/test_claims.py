@@ -91,3 +91,12 @@ def test_incomplete_step_has_no_gradient() -> None:
         s.gradient()
     with pytest.raises(ValueError, match="at least one"):
         StepState(batch=0, n=0, numel=1, version=0)
+
+
+def test_read_only_gradients_are_copied_not_wrapped() -> None:
+    g = _grads(1, 5, 3)[0]
+    ro = np.frombuffer(g.tobytes(), dtype=np.float32)  # read-only, as some receive buffers are
+    assert not ro.flags.writeable
+    s = StepState(batch=0, n=1, numel=5, version=0)
+    assert s.claim("s1") == 0 and s.deliver("s1", 0, ro)
+    np.testing.assert_array_equal(s.gradient().numpy(), g)

@@ -84,7 +84,10 @@ class StepState:
                 )
         self.claimed.pop(index, None)
         self.done[index] = replica
-        t = torch.from_numpy(grad) if isinstance(grad, np.ndarray) else grad
+        if isinstance(grad, np.ndarray):  # a read-only buffer is copied here rather than wrapped
+            t = torch.from_numpy(grad if grad.flags.writeable else grad.copy())
+        else:
+            t = grad
         if index != self._next:  # waits for its turn: keep a copy
             self._waiting[index] = t.to(self.device, copy=True)
             return True
