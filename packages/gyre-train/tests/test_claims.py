@@ -56,7 +56,7 @@ def test_sum_is_order_independent(n: int, seed: int, script: list[tuple[str, str
     while (i := s.claim("core")) is not None:
         s.deliver("core", i, grads[i])
     assert s.complete
-    np.testing.assert_array_equal(s.gradient(), _reference(grads))
+    np.testing.assert_array_equal(s.gradient().numpy(), _reference(grads))
 
 
 def test_duplicate_and_foreign_gradients() -> None:
@@ -68,16 +68,21 @@ def test_duplicate_and_foreign_gradients() -> None:
         s.deliver("s2", 0, g[0])
     with pytest.raises(ClaimError, match="shape"):
         s.deliver("s1", 0, g[0][:2])
+    with pytest.raises(ClaimError, match="dtype"):
+        s.deliver("s1", 0, g[0].astype(np.float64))
     with pytest.raises(ClaimError, match="not in mini-batch 7"):
         s.deliver("s1", 5, g[0])
     assert s.release("s1") == 1 and s.requeued == 1
     # s1 was presumed dead but was only slow: its gradient is still the gradient of micro-batch 0.
     assert s.deliver("s1", 0, g[0])
     assert not s.deliver("core", 0, g[0])  # a duplicate is ignored
-    for k in (1, 2):
-        assert s.claim("core") == k
-        s.deliver("core", k, g[k])
-    np.testing.assert_array_equal(s.gradient(), _reference(g))
+    for k in (2, 1):  # out of order: 2 waits for 1
+        assert s.claim("core") == 3 - k
+    for k in (2, 1):
+        buf = g[k].copy()
+        s.deliver("core", k, buf)
+        buf[:] = np.nan  # the sender reuses its buffer as soon as deliver returns
+    np.testing.assert_array_equal(s.gradient().numpy(), _reference(g))
 
 
 def test_incomplete_step_has_no_gradient() -> None:
@@ -86,3 +91,12 @@ def test_incomplete_step_has_no_gradient() -> None:
         s.gradient()
     with pytest.raises(ValueError, match="at least one"):
         StepState(batch=0, n=0, numel=1, version=0)
+
+
+def test_read_only_gradients_are_copied_not_wrapped() -> None:
+    g = _grads(1, 5, 3)[0]
+    ro = np.frombuffer(g.tobytes(), dtype=np.float32)  # read-only, as some receive buffers are
+    assert not ro.flags.writeable
+    s = StepState(batch=0, n=1, numel=5, version=0)
+    assert s.claim("s1") == 0 and s.deliver("s1", 0, ro)
+    np.testing.assert_array_equal(s.gradient().numpy(), g)

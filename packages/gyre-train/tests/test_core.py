@@ -19,7 +19,16 @@ from gyre_train.checkpoint import CheckpointError
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
 from gyre_train.model import ModelConfig, build_model
-from gyre_train.protocol import PROTOCOL, ErrorCode, ErrorReply, Gradient, Hello, Welcome, reply_decoder
+from gyre_train.protocol import (
+    PROTOCOL,
+    ErrorCode,
+    ErrorReply,
+    Gradient,
+    GradientBuffer,
+    Hello,
+    Welcome,
+    reply_decoder,
+)
 from gyre_train.satellite import Satellite, SatelliteConfig
 from gyre_train.wire import MicroBatchError
 from gyre_traj.loss import LossConfig
@@ -64,7 +73,7 @@ def wait_for(cond: object, timeout_s: float = 60.0) -> None:
 @pytest.fixture
 def core_and_satellite() -> Iterator[tuple[Core, Satellite]]:
     core = new_core()
-    sat = Satellite(SatelliteConfig(core.address, "sat-t"))
+    sat = Satellite(SatelliteConfig(core.address, "sat-t", warmup=2))  # warm-up as on a GPU
     th = threading.Thread(target=sat.run, daemon=True)
     th.start()
     try:
@@ -85,8 +94,10 @@ def test_mu_2_burst_with_a_satellite_equals_one_replica(
             core.admit("sat-t")
             wait_for(lambda: core.replicas()["sat-t"]["claims"] > 0)
 
+    assert sat.warmup_s > 0 and sat.snapshot == core.snapshot  # pulled and computed at start
     reports = core.train_burst([A, B], on_progress=join_after_first)
     assert [r.version for r in reports] == [1, 2]
+    assert core.replicas()["sat-t"]["shm_gradients"]  # handed over in shared memory
     assert reports[0].by_replica.get("sat-t", 0) > 0
     assert sum(r.by_replica.get("sat-t", 0) for r in reports) >= 1
     assert sat.snapshot in (
@@ -220,6 +231,13 @@ def test_bad_peers_get_clear_errors() -> None:
         assert isinstance(ask([enc.encode(Hello(PROTOCOL, "x"))]), Welcome)
         r = ask([enc.encode(Gradient("x", 0, 0, 0, core.layout.numel)), b"\x00" * 8])
         assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_GRADIENT and "bytes" in r.message
+        # A gradient "in shared memory" with no buffer registered, and buffers that are not gyre segments.
+        r = ask([enc.encode(Gradient("x", 0, 0, 0, core.layout.numel, {}, True))])
+        assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_GRADIENT and "registered" in r.message
+        for name, why in (("../etc/passwd", "bad gradient buffer"), ("gyre-1-abc-9", "cannot map")):
+            r = ask([enc.encode(GradientBuffer("x", name, core.layout.numel))])
+            assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_GRADIENT and why in r.message
+        assert not core.replicas()["x"]["shm_gradients"]
     finally:
         s.close()
         ctx.term()
@@ -236,7 +254,7 @@ def test_chunked_microbatches_in_the_core_and_a_satellite_match_unchunked() -> N
     finally:
         plain.close()
     core = Core(build_model(MC), MC, CoreConfig(chunk_budget=200, **cfg))  # type: ignore[arg-type]
-    sat = Satellite(SatelliteConfig(core.address, "sat-c"))
+    sat = Satellite(SatelliteConfig(core.address, "sat-c", shm_gradients=False))  # ZeroMQ frames
     th = threading.Thread(target=sat.run, daemon=True)
     th.start()
     try:

@@ -19,6 +19,7 @@ from gyre_train.protocol import (
     ErrorReply,
     Goodbye,
     Gradient,
+    GradientBuffer,
     Heartbeat,
     Hello,
     Idle,
@@ -43,6 +44,8 @@ def test_messages_round_trip() -> None:
         Hello(PROTOCOL, "sat-0"),
         Claim("sat-0", -1),
         Gradient("sat-0", 3, 1, 2, 10, {"loss": 0.5}),
+        Gradient("sat-0", 3, 1, 2, 10, {}, True),
+        GradientBuffer("sat-0", "gyre-123-abcdef01-4", 10),
         Heartbeat("sat-0"),
         Goodbye("sat-0", ((3, 1), (3, 4))),
     ]

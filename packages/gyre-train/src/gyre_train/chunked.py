@@ -86,14 +86,22 @@ def _mask(tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention) ->
         return ((kidx[None, :] <= q[:, None]) & (q[:, None] <= ld[None, :]))[None, None]
     from torch.nn.attention.flex_attention import create_block_mask
 
-    ld = tb.last_desc[kidx]
+    # The kernel evaluates the mask on whole blocks, so key indices past the end occur: pad the lookup
+    # tables to whole blocks (a key that is nobody's ancestor) rather than read out of range.
+    n = int(kidx.shape[0])
+    padded = -(-n // 128) * 128 + 128
+    kpad = torch.full((padded,), 1 << 40, dtype=torch.long, device=kidx.device)
+    kpad[:n] = kidx
+    ld = torch.full((padded,), -1, dtype=tb.last_desc.dtype, device=kidx.device)
+    ld[:n] = tb.last_desc[kidx]
     lo = c.lo
 
     def mask_mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
-        kv = kidx[ki]
-        return (kv <= qi + lo) & (qi + lo <= ld[ki])
+        return (kpad[ki] <= qi + lo) & (qi + lo <= ld[ki])
 
-    return create_block_mask(mask_mod, None, None, c.hi - c.lo, int(kidx.shape[0]), device=str(kidx.device))
+    return create_block_mask(
+        mask_mod, None, None, c.hi - c.lo, n, device=str(kidx.device), BLOCK_SIZE=128, _compile=kidx.is_cuda
+    )
 
 
 def _forward(
@@ -124,6 +132,13 @@ def _kv(cache: Any, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys[:, :, -n:, :], layer.values[:, :, -n:, :]) for layer in cache.layers]
 
 
+def _where(ext: np.ndarray, dev: torch.device) -> slice | torch.Tensor:
+    """Ancestor indices as a slice when they are one contiguous run, else an index tensor."""
+    if ext.shape[0] and int(ext[-1]) - int(ext[0]) + 1 == ext.shape[0]:
+        return slice(int(ext[0]), int(ext[-1]) + 1)
+    return torch.as_tensor(ext, device=dev, dtype=torch.long)
+
+
 def chunked_loss_backward(
     model: Any,
     b: PackedBatch,
@@ -135,21 +150,25 @@ def chunked_loss_backward(
     chunks = plan(b, budget)
     dev = next(model.parameters()).device
     tb = TorchBatch.from_packed(b, device=dev)
-    t = b.num_tokens
+    # Keys/values (and their gradients) are kept for the shared chunks only: up to the last one.
+    t = max((c.hi for c in chunks if c.needed), default=0)
     keys: list[torch.Tensor] = []
     vals: list[torch.Tensor] = []
     gk: list[torch.Tensor] = []
     gv: list[torch.Tensor] = []
+    where = {id(c): _where(c.ext, dev) for c in chunks}
 
-    def gather(ext: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ix = torch.as_tensor(ext, device=dev, dtype=torch.long)
-        return [(k.index_select(2, ix), v.index_select(2, ix)) for k, v in zip(keys, vals, strict=True)]
+    def gather(c: Chunk) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        w = where[id(c)]
+        if isinstance(w, slice):  # a contiguous run of ancestors (a trunk): views, no copy
+            return [(k[:, :, w], v[:, :, w]) for k, v in zip(keys, vals, strict=True)]
+        return [(k.index_select(2, w), v.index_select(2, w)) for k, v in zip(keys, vals, strict=True)]
 
     with torch.no_grad():  # pass 1: keys and values of the shared chunks
         for c in chunks:
             if not c.needed:
                 continue
-            _, cache = _forward(model, tb, c, gather(c.ext) if keys else [], attention)
+            _, cache = _forward(model, tb, c, gather(c) if keys else [], attention)
             for li, (k, v) in enumerate(_kv(cache, c.hi - c.lo)):
                 if len(keys) <= li:
                     shape = (k.shape[0], k.shape[1], t, k.shape[3])
@@ -163,7 +182,7 @@ def chunked_loss_backward(
     head = model.get_output_embeddings()
     for c in reversed(chunks):  # pass 2: one backward per chunk, reverse order
         past = (
-            [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in gather(c.ext)]
+            [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in gather(c)]
             if c.ext.shape[0]
             else []
         )
@@ -187,12 +206,15 @@ def chunked_loss_backward(
         if outs:
             torch.autograd.backward(outs, grads)
         if past:
-            ix = torch.as_tensor(c.ext, device=dev, dtype=torch.long)
+            w = where[id(c)]
             for li, (k, v) in enumerate(past):
-                if k.grad is not None:
-                    gk[li].index_add_(2, ix, k.grad.float())
-                if v.grad is not None:
-                    gv[li].index_add_(2, ix, v.grad.float())
+                for acc, x in ((gk[li], k), (gv[li], v)):
+                    if x.grad is None:
+                        continue
+                    if isinstance(w, slice):
+                        acc[:, :, w] += x.grad
+                    else:
+                        acc.index_add_(2, w, x.grad.float())
     return {
         "loss": total,
         "chunks": float(len(chunks)),

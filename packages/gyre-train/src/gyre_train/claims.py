@@ -3,7 +3,10 @@
 Micro-batches are claimed one at a time by any replica; a replica that dies or leaves returns its claims
 to the front of the queue. Gradients are added in micro-batch index order whatever order they arrive in
 (later ones wait in a reorder buffer), so the sum is the same float for float whichever replicas
-computed which micro-batches. Not thread-safe: the core guards it with its lock.
+computed which micro-batches. The sum lives on the core's device (float32 additions are correctly
+rounded on a CPU and a GPU alike, so the bits do not depend on where it is kept); every accepted gradient
+is copied there before `deliver` returns, so the sender may reuse its buffer at once. Not thread-safe: the
+core guards it with its lock.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 class ClaimError(ValueError):
@@ -30,9 +34,11 @@ class StepState:
     done: dict[int, str] = field(default_factory=dict)
     """index -> replica whose gradient was accepted."""
     requeued: int = 0
-    _acc: np.ndarray | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the sum (and gradients waiting for their turn) are kept."""
+    _acc: torch.Tensor | None = None
     _next: int = 0
-    _waiting: dict[int, np.ndarray] = field(default_factory=dict)
+    _waiting: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -57,13 +63,16 @@ class StepState:
         self.requeued += len(mine)
         return len(mine)
 
-    def deliver(self, replica: str, index: int, grad: np.ndarray) -> bool:
-        """Accept `replica`'s gradient for `index`. False for a duplicate of a finished micro-batch
-        (a replica declared dead that was only slow); ClaimError for one it never claimed."""
+    def deliver(self, replica: str, index: int, grad: np.ndarray | torch.Tensor) -> bool:
+        """Accept `replica`'s float32 gradient for `index` (copied before returning). False for a
+        duplicate of a finished micro-batch (a replica declared dead that was only slow); ClaimError for
+        one it never claimed."""
         if not 0 <= index < self.n:
             raise ClaimError(f"micro-batch {index} is not in mini-batch {self.batch} (0..{self.n - 1})")
-        if grad.shape != (self.numel,):
-            raise ClaimError(f"gradient has shape {grad.shape}, expected ({self.numel},)")
+        if tuple(grad.shape) != (self.numel,):
+            raise ClaimError(f"gradient has shape {tuple(grad.shape)}, expected ({self.numel},)")
+        if grad.dtype not in (np.float32, torch.float32):
+            raise ClaimError(f"gradient has dtype {grad.dtype}, expected float32")
         if index in self.done:
             return False
         if self.claimed.get(index) != replica:
@@ -75,13 +84,20 @@ class StepState:
                 )
         self.claimed.pop(index, None)
         self.done[index] = replica
-        self._waiting[index] = grad
+        if isinstance(grad, np.ndarray):  # a read-only buffer is copied here rather than wrapped
+            t = torch.from_numpy(grad if grad.flags.writeable else grad.copy())
+        else:
+            t = grad
+        if index != self._next:  # waits for its turn: keep a copy
+            self._waiting[index] = t.to(self.device, copy=True)
+            return True
+        if self._acc is None:
+            self._acc = t.to(self.device, copy=True)
+        else:
+            self._acc += t.to(self.device, non_blocking=False)
+        self._next += 1
         while self._next in self._waiting:
-            g = self._waiting.pop(self._next)
-            if self._acc is None:
-                self._acc = np.array(g, dtype=np.float32, copy=True)
-            else:
-                self._acc += g
+            self._acc += self._waiting.pop(self._next)
             self._next += 1
         return True
 
@@ -89,7 +105,7 @@ class StepState:
     def complete(self) -> bool:
         return self._next == self.n
 
-    def gradient(self) -> np.ndarray:
+    def gradient(self) -> torch.Tensor:
         if not self.complete or self._acc is None:
             raise RuntimeError(f"mini-batch {self.batch}: {len(self.done)} of {self.n} micro-batches done")
         return self._acc

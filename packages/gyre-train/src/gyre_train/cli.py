@@ -88,9 +88,10 @@ def _satellite(args: argparse.Namespace) -> int:
             reply_timeout_s=args.reply_timeout_s,
             idle_exit_s=args.idle_exit_s,
             crash_after_claims=args.crash_after_claims,
+            warmup=args.warmup,
         )
     )
-    print(json.dumps({"ready": args.name}), flush=True)
+    print(json.dumps({"ready": args.name, "warmup_s": sat.warmup_s}), flush=True)
     try:
         n = sat.run()
     finally:
@@ -138,11 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--reply-timeout-s", type=float, default=30.0)
     s.add_argument("--idle-exit-s", type=float, default=0.0)
     s.add_argument("--crash-after-claims", type=int, default=0, help="fault injection for tests")
+    s.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up micro-batches at start (default: 2 on a GPU, 0 on the CPU)",
+    )
     s.set_defaults(fn=_satellite)
     b = sub.add_parser("bench", help="tree-packed vs path-expanded training and satellite join time")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--device", default="cpu")
     b.add_argument("--out", help="also write the result JSON here")
+    b.add_argument(
+        "--cases",
+        default="fan,synthetic-agent,large-tree-chunked,join",
+        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, join",
+    )
     b.set_defaults(fn=_bench)
     args = ap.parse_args(argv)
     return int(args.fn(args))

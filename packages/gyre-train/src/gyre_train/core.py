@@ -110,6 +110,8 @@ class Core:
         self.model = model
         self.model_cfg = model_cfg
         self.layout = Layout.of(model)
+        self.device = next(model.parameters()).device
+        """Where the gradient sum is kept (the model's device)."""
         o = self.cfg.optim
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -195,7 +197,7 @@ class Core:
         batch: int,
         index: int,
         version: int,
-        grad: np.ndarray,
+        grad: np.ndarray | torch.Tensor,
         metrics: dict[str, float] | None = None,
     ) -> tuple[bool, str]:
         with self._lock:
@@ -248,9 +250,11 @@ class Core:
             self._frames = frames
             self._metrics = {}
             self._batch_seq += 1  # unique for this process's life, so no late gradient can match a later step
-            self._state = StepState(self._batch_seq, len(microbatches), self.layout.numel, self.version)
+            self._state = StepState(
+                self._batch_seq, len(microbatches), self.layout.numel, self.version, device=self.device
+            )
             st = self._state
-        scratch = np.empty(self.layout.numel, np.float32)
+        scratch = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
         deadline = time.monotonic() + self.cfg.step_timeout_s
         try:
             while True:
@@ -266,7 +270,7 @@ class Core:
                         scratch,
                         self.cfg.chunk_budget,
                     )
-                    self._deliver(CORE, st.batch, i, st.version, g.copy(), m)
+                    self._deliver(CORE, st.batch, i, st.version, g, m)  # copied into the sum
                     if on_progress is not None:
                         on_progress(len(st.done))
                     continue
@@ -308,10 +312,10 @@ class Core:
             elapsed_s=time.perf_counter() - t0,
         )
 
-    def _apply(self, grad: np.ndarray) -> float:
+    def _apply(self, grad: torch.Tensor) -> float:
         set_gradients(self.model, self.layout, grad)
         mx = self.cfg.optim.max_grad_norm
-        norm = float(np.linalg.norm(grad.astype(np.float64)))
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
         if mx > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), mx)
         self.optimizer.step()

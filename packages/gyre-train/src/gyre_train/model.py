@@ -3,12 +3,14 @@ gradient as a flat float32 array.
 
 `micro_gradient` is the only place a replica computes: zero the grads, run gyre-traj's `target_logprobs`
 and `policy_loss` on one tree-packed micro-batch, backward, and copy the gradients into one contiguous
-float32 vector in `Layout` order. The core sums those vectors in micro-batch order, so who computed
+float32 vector in `Layout` order (a tensor on any device: the core keeps it on its own device, a
+satellite on a GPU copies it straight into pinned host memory). The core sums those vectors in micro-batch order, so who computed
 which micro-batch cannot change the result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -120,51 +122,86 @@ def micro_gradient(
     batch: PackedBatch,
     loss_cfg: LossConfig,
     attention: Attention = "dense",
-    out: np.ndarray | None = None,
+    out: torch.Tensor | None = None,
     chunk_budget: int = 0,
-) -> tuple[np.ndarray, dict[str, float]]:
-    """Flat float32 gradient of one micro-batch's weighted policy loss, and its metrics. With
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Flat float32 gradient of one micro-batch's weighted policy loss (written into `out` if given: a
+    float32 vector of `layout.numel` on any device, e.g. pinned host memory), and its metrics. With
     `chunk_budget`, a micro-batch larger than it is trained in chunks (`gyre_train.chunked`: shared
     prefix forwarded once, activation memory of one chunk); transformers backend only."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     megatron = type(model).__module__.startswith("megatron.")  # a Megatron-core GPTModel
-    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
-        from gyre_train.chunked import chunked_loss_backward
-
-        metrics = chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
-    else:
-        tb = TorchBatch.from_packed(batch, device=device)
-        if megatron:
-            from gyre_train.megatron import tree_target_logprobs
-
-            lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
-        else:
-            lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
-        loss, metrics = policy_loss(lp, tb, loss_cfg)
-        loss.backward()
-    flat = out if out is not None else np.empty(layout.numel, np.float32)
+    with _attention_kernels(device):
+        metrics = _loss_backward(model, batch, loss_cfg, attention, chunk_budget, megatron, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    flat = out if out is not None else torch.empty(layout.numel, dtype=torch.float32)
+    if flat.shape != (layout.numel,) or flat.dtype != torch.float32:
+        raise ValueError(
+            f"out must be float32 of shape ({layout.numel},), got {flat.dtype} {tuple(flat.shape)}"
+        )
     ps = dict(model.named_parameters())
+    t1 = time.perf_counter()
     for name, off, shape in zip(layout.names, layout.offsets, layout.shapes, strict=True):
         g = ps[name].grad
         k = int(np.prod(shape, dtype=np.int64))
         if g is None:
-            flat[off : off + k] = 0.0
-        else:
-            flat[off : off + k] = g.detach().reshape(-1).float().cpu().numpy()
+            flat[off : off + k].zero_()
+        else:  # async into pinned memory; the dtype conversion (bf16 -> f32) is exact
+            flat[off : off + k].copy_(g.detach().reshape(-1), non_blocking=True)
+    if device.type == "cuda" or flat.device.type == "cuda":
+        torch.cuda.synchronize(device if device.type == "cuda" else flat.device)
     model.zero_grad(set_to_none=True)
-    metrics["compute_s"] = time.perf_counter() - t0
+    metrics["compute_s"] = t1 - t0
+    metrics["copy_s"] = time.perf_counter() - t1
     return flat, metrics
 
 
-def set_gradients(model: torch.nn.Module, layout: Layout, flat: np.ndarray) -> None:
+def _attention_kernels(device: torch.device) -> Any:
+    """On a GPU, keep SDPA (dense ancestor masks) off cuDNN's kernel, which builds a plan for every new
+    sequence length (seconds on a 1.5B model at a satellite's first micro-batch of a new length); the
+    memory-efficient kernel takes the same masks with no per-shape set-up. The same choice everywhere
+    micro_gradient runs, so every replica computes a micro-batch with the same kernels."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _loss_backward(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    loss_cfg: LossConfig,
+    attention: Attention,
+    chunk_budget: int,
+    megatron: bool,
+    device: torch.device,
+) -> dict[str, float]:
+    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
+        from gyre_train.chunked import chunked_loss_backward
+
+        return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
+    tb = TorchBatch.from_packed(batch, device=device)
+    if megatron:
+        from gyre_train.megatron import tree_target_logprobs
+
+        lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
+    else:
+        lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
+    loss, metrics = policy_loss(lp, tb, loss_cfg)
+    loss.backward()
+    return metrics
+
+
+def set_gradients(model: torch.nn.Module, layout: Layout, flat: torch.Tensor) -> None:
     ps = dict(model.named_parameters())
     for name, off, shape in zip(layout.names, layout.offsets, layout.shapes, strict=True):
         p = ps[name]
         k = int(np.prod(shape, dtype=np.int64))
-        g = torch.from_numpy(np.ascontiguousarray(flat[off : off + k])).reshape(shape)
-        p.grad = g.to(device=p.device, dtype=p.dtype)
+        p.grad = flat[off : off + k].reshape(shape).to(device=p.device, dtype=p.dtype, copy=True)
 
 
 def load_params(model: torch.nn.Module, tensors: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ import enum
 
 import msgspec
 
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 class ErrorCode(enum.IntEnum):
@@ -49,7 +49,8 @@ class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
 
 
 class Gradient(msgspec.Struct, frozen=True, array_like=True, tag="grad"):
-    """Followed by one raw frame: the flat float32 gradient in the core's parameter order."""
+    """Followed by one raw frame: the flat float32 gradient in the core's parameter order; or by no frame
+    when `shm` is set: the gradient is in the satellite's shared-memory gradient buffer (`GradientBuffer`)."""
 
     replica: str
     batch: int
@@ -57,6 +58,17 @@ class Gradient(msgspec.Struct, frozen=True, array_like=True, tag="grad"):
     version: int
     numel: int
     metrics: dict[str, float] = {}
+    shm: bool = False
+    """The gradient is in the registered shared-memory buffer; the satellite leaves it alone until the Ack."""
+
+
+class GradientBuffer(msgspec.Struct, frozen=True, array_like=True, tag="gradbuf"):
+    """Sent once at start by a satellite on the core's host: its gradients will be handed over in this
+    shared-memory segment (`numel` float32), which the core maps (and page-locks) now, not at a join."""
+
+    replica: str
+    shm_name: str
+    numel: int
 
 
 class Heartbeat(msgspec.Struct, frozen=True, array_like=True, tag="beat"):
@@ -97,7 +109,7 @@ class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
     protocol: int
 
 
-Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status | Submit
+Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status | Submit | GradientBuffer
 
 
 # ---- replies (core -> satellite) --------------------------------------------------------------------

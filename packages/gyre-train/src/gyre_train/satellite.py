@@ -1,7 +1,11 @@
-"""A satellite replica: weights only, no optimizer. Started once (process, socket, model built), it says
-hello to the core and long-polls for micro-batches; when the core admits it, each assignment names the
-weight version to compute at, and the satellite pulls that gyre-xfer snapshot straight into its
-parameters before computing, then hands the flat gradient back as one raw frame.
+"""A satellite replica: weights only, no optimizer. Started once, it says hello to the core, builds the
+model, allocates everything a join needs (page-locked snapshot staging, the gradient buffer: a
+shared-memory segment the core maps at once when both are on one host), pulls the current snapshot and
+computes warm-up micro-batches (kernels compiled, memory allocated), and only then long-polls for work.
+When the core admits it, each assignment names the weight version to compute at; the satellite pulls that
+gyre-xfer snapshot into its staging and copies it into the parameters (one host-to-device copy per tensor
+on a GPU), computes, and hands the flat float32 gradient over: in the shared-memory buffer on one host,
+else as one raw ZeroMQ frame.
 
 Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
 A heartbeat thread (its own socket) keeps the core from declaring a busy satellite dead.
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 from gyre_traj.loss import LossConfig
@@ -25,6 +30,7 @@ from gyre_xfer.subscriber import Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import open_transport
 
+from gyre_train import hostmem
 from gyre_train.model import Attention, Layout, ModelConfig, build_model, micro_gradient, params
 from gyre_train.protocol import (
     PROTOCOL,
@@ -35,6 +41,7 @@ from gyre_train.protocol import (
     ErrorReply,
     Goodbye,
     Gradient,
+    GradientBuffer,
     Heartbeat,
     Hello,
     Idle,
@@ -44,6 +51,14 @@ from gyre_train.protocol import (
     reply_decoder,
 )
 from gyre_train.wire import from_frames, microbatch_from_arrays
+
+
+def _shm_free() -> int:
+    """Bytes free under /dev/shm (a segment larger than that would fault when touched)."""
+    from gyre_xfer.shm import SHM_DIR
+
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 class CoreGoneError(RuntimeError):
@@ -63,6 +78,16 @@ class SatelliteConfig:
     """Deadline for the core to answer the first hello (it may still be starting)."""
     idle_exit_s: float = 0.0
     """Exit after this long without work (0 = wait for the core's Shutdown)."""
+    warmup: int | None = None
+    """Synthetic micro-batches (of different lengths) computed at start, before the first claim, so that
+    kernels are compiled (FlexAttention) and memory allocated before any join. None = 2 on a GPU, 0 on
+    the CPU."""
+    shm_gradients: bool = True
+    """On the core's host (snapshots over shared memory), hand gradients over in a shared-memory buffer
+    the core maps at start; False: always as a ZeroMQ frame."""
+    verify_shm_checksums: bool = False
+    """crc32 every tensor of a snapshot pulled over same-host shared memory (a memcpy between mappings;
+    the crc costs about 0.6 s per GB of CPU). Pulls over Mooncake (TCP/RDMA) are always verified."""
     crash_after_claims: int = 0
     """Fault injection for tests: SIGKILL this process right after receiving its N-th micro-batch
     (0 = never), so the core sees a real death mid-batch."""
@@ -91,12 +116,42 @@ class Satellite:
         self.model = build_model(self.model_cfg, self.attention, cfg.device)
         self.layout = Layout.of(self.model)
         self._transport = open_transport(XferConfig(kind=w.transport))
-        self._sub = Subscriber(self._transport, SubscriberConfig(publisher=w.publisher))
+        verify = w.transport != "shm" or cfg.verify_shm_checksums
+        self._sub = Subscriber(
+            self._transport, SubscriberConfig(publisher=w.publisher, verify_checksums=verify)
+        )
         self.version = -1
         self.snapshot = -1
         self.claims = 0
         self.rejoins = 0
-        self._staging: dict[str, torch.Tensor] | None = None
+        ps = params(self.model)
+        cuda = any(p.device.type == "cuda" for p in ps.values())
+        # Page-locked staging for snapshot pulls, allocated once: a pull is a memcpy into it plus one
+        # asynchronous host-to-device copy per tensor.
+        self._staging: dict[str, torch.Tensor] | None = (
+            {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in ps.items()} if cuda else None
+        )
+        # The gradient buffer: on the core's host a shared-memory segment the core reads the gradient from
+        # (registered with the core now, so a join maps nothing); elsewhere host memory sent as a frame.
+        self._grad_pinned = False
+        self._grad_region = None
+        if cfg.shm_gradients and w.transport == "shm" and _shm_free() > 4 * self.layout.numel + (1 << 30):
+            self._grad_region = self._transport.alloc(4 * self.layout.numel)
+            arr = self._grad_region.array
+            assert arr is not None
+            self._grad = torch.from_numpy(arr.view(np.float32)[: self.layout.numel])
+            self._grad_pinned = cuda and hostmem.pin(self._grad)
+            buf = GradientBuffer(cfg.name, self._grad_region.desc.shm_name, self.layout.numel)
+            ack = self._request(buf)
+            while isinstance(ack, ErrorReply):  # presumed dead while building the model: hello again
+                if not self._rejoin():
+                    raise CoreGoneError("the core shut down while this satellite started")
+                ack = self._request(buf)
+            if not isinstance(ack, Ack) or not ack.accepted:
+                raise CoreGoneError(f"core refused the gradient buffer: {ack}")
+        else:
+            self._grad = torch.empty(self.layout.numel, dtype=torch.float32, pin_memory=cuda)
+        self.warmup_s = self._warm_up(cfg.warmup if cfg.warmup is not None else (2 if cuda else 0))
 
     def _request(
         self, req: Any, frames: list[Any] | None = None, timeout_s: float | None = None
@@ -108,7 +163,7 @@ class Satellite:
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
-            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient | GradientBuffer):
                 return rep  # the core presumed us dead while we were silent: say hello again
             raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
         if isinstance(rep, Assign):
@@ -127,22 +182,38 @@ class Satellite:
         finally:
             sock.close()
 
+    def _warm_up(self, n: int) -> float:
+        """At start, not at a join: pull the current snapshot (maps the publisher's segment, registers the
+        staging) and compute `n` synthetic micro-batches of different lengths (compiles the attention
+        kernels for dynamic shapes, fills the allocator). Their gradients are thrown away."""
+        if n <= 0:
+            return 0.0
+        from gyre_train.data import synthetic_minibatch
+
+        t0 = time.perf_counter()
+        self.pull(-1)
+        for k in range(n):
+            mb = synthetic_minibatch(1, seed=1000 + k, token_budget=1 << 14)[0]  # lengths differ by seed
+            micro_gradient(
+                self.model, self.layout, mb, self.loss, self.attention, self._grad, self.welcome.chunk_budget
+            )
+        return time.perf_counter() - t0
+
     def pull(self, snapshot: int) -> float:
+        """Pull snapshot `snapshot` (-1: the newest) into the parameters; returns the seconds taken."""
         t0 = time.perf_counter()
         ps = params(self.model)
-        if all(p.device.type == "cpu" for p in ps.values()):
-            snap = self._sub.pull(min_version=snapshot, into=ps)  # straight into the parameters
-        else:  # accelerator: into pinned host buffers (registered once), then one copy per tensor
-            if self._staging is None:
-                self._staging = {n: torch.empty(p.shape, dtype=p.dtype).pin_memory() for n, p in ps.items()}
-            snap = self._sub.pull(min_version=snapshot, into=self._staging)
+        if self._staging is None:
+            snap = self._sub.pull(min_version=max(snapshot, 0), into=ps)  # straight into the parameters
+        else:  # accelerator: into page-locked staging (allocated at start), then one copy per tensor
+            snap = self._sub.pull(min_version=max(snapshot, 0), into=self._staging)
             with torch.no_grad():
                 for n, p in ps.items():
                     p.copy_(self._staging[n], non_blocking=True)
             torch.cuda.synchronize()
-        if snap.version != snapshot:
+        if snapshot >= 0 and snap.version != snapshot:
             raise CoreGoneError(f"asked for snapshot {snapshot}, the publisher served {snap.version}")
-        self.snapshot = snapshot
+        self.snapshot = snap.version
         return time.perf_counter() - t0
 
     def _rejoin(self) -> bool:
@@ -183,7 +254,7 @@ class Satellite:
             pull_s = 0.0
             if self.snapshot != a.snapshot:
                 pull_s = self.pull(a.snapshot)
-                self.version = a.version
+            self.version = a.version
             batch = microbatch_from_arrays(from_frames(a.arrays, frames))
             grad, metrics = micro_gradient(
                 self.model,
@@ -191,11 +262,13 @@ class Satellite:
                 batch,
                 self.loss,
                 self.attention,
+                self._grad,
                 chunk_budget=self.welcome.chunk_budget,
             )
             metrics["pull_s"] = pull_s
-            g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics)
-            ack = self._request(g, [memoryview(grad).cast("B")])
+            shm = self._grad_region is not None
+            g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics, shm)
+            ack = self._request(g, None if shm else [memoryview(grad.numpy()).cast("B")])
             if isinstance(ack, ErrorReply):  # presumed dead while computing: the claim was re-queued
                 if not self._rejoin():
                     break
@@ -210,6 +283,8 @@ class Satellite:
         self._stop.set()
         self._beat.join(timeout=5.0)
         self._sub.close()
+        if self._grad_pinned:
+            hostmem.unpin(self._grad)
         self._transport.close()
         self._sock.close()
         self._ctx.term()

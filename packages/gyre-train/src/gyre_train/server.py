@@ -10,6 +10,8 @@ groups are created or torn down.
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -17,9 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import torch
 import zmq
+from gyre_xfer.shm import SHM_DIR
 from gyre_xfer.sockets import check_bind, make_socket
 
+from gyre_train import hostmem
 from gyre_train.claims import ClaimError
 from gyre_train.protocol import (
     PROTOCOL,
@@ -32,6 +37,7 @@ from gyre_train.protocol import (
     ErrorReply,
     Goodbye,
     Gradient,
+    GradientBuffer,
     Heartbeat,
     Hello,
     Idle,
@@ -60,6 +66,10 @@ class _Replica:
     polls: int = 0
     gradients: int = 0
     last_pull_s: float = 0.0
+    last_compute_s: float = 0.0
+
+
+_SEGMENT = re.compile(r"gyre-\d+-[0-9a-f]+-\d+")
 
 
 class ReplicaServer:
@@ -76,6 +86,9 @@ class ReplicaServer:
         self._reps: dict[str, _Replica] = {}
         self._admitted: set[str] = set()
         self._parked: list[tuple[bytes, str, float]] = []
+        # Satellites' shared-memory gradient buffers by replica name, mapped (and page-locked on a GPU
+        # core) when the satellite starts; kept while a satellite presumed dead says hello again.
+        self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}
         self.dead: list[str] = []
         self._stop = threading.Event()
         self._closing = threading.Event()
@@ -107,6 +120,8 @@ class ReplicaServer:
                     "claims": r.claims,
                     "gradients": r.gradients,
                     "last_pull_s": r.last_pull_s,
+                    "last_compute_s": r.last_compute_s,
+                    "shm_gradients": r.name in self._buffers,
                 }
                 if r.admitted_at is not None and r.first_gradient_at is not None:
                     d["join_s"] = r.first_gradient_at - r.admitted_at
@@ -120,6 +135,9 @@ class ReplicaServer:
         self._thread.join(timeout=5.0)
         self._sock.close()
         self._ctx.term()
+        with self._mu:
+            for name in list(self._buffers):
+                self._drop_buffer(name)
 
     # ---- the server thread ----------------------------------------------------------------------------
 
@@ -220,11 +238,14 @@ class ReplicaServer:
                 self._parked.append((ident, req.replica, now))
         elif isinstance(req, Gradient):
             self._gradient(ident, rep, req, msg[2:])
+        elif isinstance(req, GradientBuffer):
+            self._gradient_buffer(ident, rep, req)
         elif isinstance(req, Goodbye):
             self.core._release(req.replica, [i for _, i in req.returned] if req.returned else None)
             with self._mu:
                 self._reps.pop(req.replica, None)
                 self._admitted.discard(req.replica)
+                self._drop_buffer(req.replica)
             self._send(ident, Ack(True))
 
     def _control(self, ident: bytes, req: Admit | Dismiss | Status) -> None:
@@ -275,7 +296,61 @@ class ReplicaServer:
             ok, why = False, str(exc)
         self._send(ident, Ack(ok, why))
 
+    def _drop_buffer(self, name: str) -> None:
+        """Forget `name`'s gradient buffer (caller holds `_mu`)."""
+        got = self._buffers.pop(name, None)
+        if got is not None and got[1]:
+            hostmem.unpin(got[0])
+
+    def _gradient_buffer(self, ident: bytes, rep: _Replica, req: GradientBuffer) -> None:
+        """Map a satellite's shared-memory gradient segment once (at its start), page-locked when the
+        core's sum lives on a GPU, so each gradient is one fast host-to-device copy."""
+        numel = self.core.layout.numel
+        if req.numel != numel or not _SEGMENT.fullmatch(req.shm_name):
+            self._send(
+                ident,
+                ErrorReply(ErrorCode.BAD_GRADIENT, f"bad gradient buffer {req.shm_name!r} of {req.numel}"),
+            )
+            return
+        try:
+            arr = np.memmap(os.path.join(SHM_DIR, req.shm_name), dtype=np.uint8, mode="r+")
+        except (OSError, ValueError) as exc:
+            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, f"cannot map {req.shm_name!r}: {exc}"))
+            return
+        if arr.nbytes < 4 * numel:
+            self._send(
+                ident,
+                ErrorReply(
+                    ErrorCode.BAD_GRADIENT, f"{req.shm_name!r} has {arr.nbytes} bytes, need {4 * numel}"
+                ),
+            )
+            return
+        t = torch.from_numpy(arr[: 4 * numel].view(np.float32))
+        try:
+            pinned = self.core.device.type == "cuda" and hostmem.pin(t)
+        except RuntimeError:  # the driver refused: copies from pageable memory, only slower
+            pinned = False
+        with self._mu:
+            self._drop_buffer(rep.name)
+            self._buffers[rep.name] = (t, pinned)
+        self._send(ident, Ack(True))
+
     def _gradient(self, ident: bytes, rep: _Replica, req: Gradient, frames: list[Any]) -> None:
+        if req.shm:
+            with self._mu:
+                got = self._buffers.get(rep.name)
+            buf = None if got is None else got[0]
+            if buf is None or frames or req.numel != self.core.layout.numel:
+                self._send(
+                    ident,
+                    ErrorReply(
+                        ErrorCode.BAD_GRADIENT,
+                        "a shared-memory gradient needs a registered buffer, no frames",
+                    ),
+                )
+                return
+            self._accept(ident, rep, req, buf)
+            return
         if len(frames) != 1 or req.numel != self.core.layout.numel:
             self._send(
                 ident,
@@ -291,7 +366,10 @@ class ReplicaServer:
                 ),
             )
             return
-        grad = np.frombuffer(buf, dtype="<f4")
+        self._accept(ident, rep, req, np.frombuffer(buf, dtype="<f4"))
+
+    def _accept(self, ident: bytes, rep: _Replica, req: Gradient, grad: np.ndarray | torch.Tensor) -> None:
+        """Hand the gradient to the core (which copies it into the sum before returning), then ack."""
         try:
             ok, why = self.core._deliver(req.replica, req.batch, req.index, req.version, grad, req.metrics)
         except ClaimError as exc:
@@ -301,6 +379,7 @@ class ReplicaServer:
             with self._mu:
                 rep.gradients += 1
                 rep.last_pull_s = float(req.metrics.get("pull_s", 0.0)) or rep.last_pull_s
+                rep.last_compute_s = float(req.metrics.get("compute_s", 0.0))
                 if rep.first_gradient_at is None:
                     rep.first_gradient_at = time.monotonic()
         self._send(ident, Ack(ok, why))

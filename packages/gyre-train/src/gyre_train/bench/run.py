@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from gyre_traj.select import SelectionConfig, select
 from gyre_traj.synth import SynthConfig, synth_execution
 from gyre_traj.tree import ExecutionTree
 
-from gyre_train.chunked import chunked_loss_backward
+from gyre_train.chunked import chunked_loss_backward, plan
 from gyre_train.model import Attention, ModelConfig, build_model
 
 H200_BF16_PEAK = 989e12  # dense bf16 tensor-core peak, FLOP/s
@@ -154,12 +155,17 @@ def compare(name: str, model: Any, mc: ModelConfig, tree: ExecutionTree, j_max: 
     train_time(model, pb[:1], attention, dev, cfg)
     if chunk_budget:
         chunked_time(model, tb[0], chunk_budget, attention, dev, cfg)
-    tt, pt, ct = [], [], []
+        for b in pb[:1]:
+            chunked_time(model, b, chunk_budget, attention, dev, cfg)
+    tt, pt, ct, pct = [], [], [], []
     for _ in range(repeats):
         tt.append(train_time(model, tb, attention, dev, cfg))
         pt.append(train_time(model, pb, attention, dev, cfg))
         if chunk_budget:
             ct.append(chunked_time(model, tb[0], chunk_budget, attention, dev, cfg))
+            # Path-expanded under the same memory budget: every path is chunked the same way (keys and
+            # values of its earlier chunks kept, each chunk forwarded without autograd and again with it).
+            pct.append(sum(chunked_time(model, b, chunk_budget, attention, dev, cfg) for b in pb))
     t_tree, t_paths = statistics.median(tt), statistics.median(pt)
     out: dict[str, Any] = {
         "case": name,
@@ -174,42 +180,69 @@ def compare(name: str, model: Any, mc: ModelConfig, tree: ExecutionTree, j_max: 
         "paths_tokens_per_s": expanded / t_paths,
     }
     out["fraction_of_ideal"] = out["tree_speedup"] / out["ideal_ratio"]
+    flops_tree, flops_paths = model_flops(mc, tb), model_flops(mc, pb)
+    out["flop_ratio"] = flops_paths / flops_tree
     if chunk_budget:
-        t_chunk = statistics.median(ct)
-        out.update(chunk_budget=chunk_budget, chunked_s=t_chunk, chunked_speedup=t_paths / t_chunk,
-                   chunked_fraction_of_ideal=t_paths / t_chunk / out["ideal_ratio"])  # fmt: skip
+        t_chunk, t_pchunk = statistics.median(ct), statistics.median(pct)
+        out.update(
+            chunk_budget=chunk_budget,
+            tree_chunks=len(plan(tb[0], chunk_budget)),
+            tree_shared_chunks=sum(c.needed for c in plan(tb[0], chunk_budget)),
+            path_chunks=sum(len(plan(b, chunk_budget)) for b in pb),
+            chunked_s=t_chunk,
+            paths_chunked_s=t_pchunk,
+            # the goal's figure: both sides under the same chunk (memory) budget
+            chunked_speedup=t_pchunk / t_chunk,
+            chunked_fraction_of_ideal=t_pchunk / t_chunk / out["ideal_ratio"],
+            # against path-expanded micro-batches of a whole path each (memory grows with the path)
+            chunked_speedup_vs_unchunked_paths=t_paths / t_chunk,
+            chunking_overhead_tree=t_chunk / t_tree,
+            chunking_overhead_paths=t_pchunk / t_paths,
+        )
     if dev.startswith("cuda"):
-        out["mfu_tree"] = model_flops(mc, tb) / t_tree / H200_BF16_PEAK
-        out["mfu_paths"] = model_flops(mc, pb) / t_paths / H200_BF16_PEAK
+        out["mfu_tree"] = flops_tree / t_tree / H200_BF16_PEAK
+        out["mfu_paths"] = flops_paths / t_paths / H200_BF16_PEAK
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 
 
 def join(mc: ModelConfig, dev: str, timeout_s: float = 600.0) -> dict[str, Any]:
-    """A satellite process, started beforehand (not timed), is admitted; time until its first gradient
-    reaches the core, and the snapshot pull inside it."""
+    """A satellite process, started beforehand (not timed: process, model, buffers, warm-up), is admitted
+    after the core has published a new snapshot it has never seen (in a slot it has not mapped yet); time
+    from `admit` until the core has accepted its first gradient (summed into the core's gradient), with
+    the snapshot pull and the satellite's compute inside it."""
     from gyre_train.core import Core, CoreConfig
     from gyre_train.data import synthetic_minibatch
 
     core = Core(build_model(mc, "dense", dev), mc, CoreConfig(core_computes=False, token_budget=1024))
     cmd = [sys.executable, "-m", "gyre_train.cli", "satellite", "--core", core.address, "--name", "bench-sat",
            "--device", dev]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + timeout_s
         while not core.replicas().get("bench-sat", {}).get("ready"):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"satellite did not come up (exit code {proc.poll()})")
+                err.seek(0)
+                tail = err.read()[-3000:].decode(errors="replace")
+                raise RuntimeError(f"satellite did not come up (exit code {proc.poll()}): {tail}")
             time.sleep(0.01)
         mb = synthetic_minibatch(1, seed=3, token_budget=1024)[:1]
+        core.republish()  # a version the satellite has not pulled, in the publisher's other slot
         t0 = time.perf_counter()
         core.admit("bench-sat")
         core.train_step(mb)
         step_s = time.perf_counter() - t0
         info = core.replicas()["bench-sat"]
         params = sum(p.numel() for p in core.model.parameters())
-        return {"params": params, "join_s": float(info["join_s"]), "pull_s": float(info["last_pull_s"]),
-                "step_s": step_s}  # fmt: skip
+        join_s, pull_s, compute_s = (
+            float(info["join_s"]),
+            float(info["last_pull_s"]),
+            float(info["last_compute_s"]),
+        )
+        return {"params": params, "join_s": join_s, "pull_s": pull_s, "compute_s": compute_s,
+                "handoff_s": join_s - pull_s - compute_s, "shm_gradients": bool(info["shm_gradients"]),
+                "tokens": mb[0].num_tokens, "step_s": step_s}  # fmt: skip
     finally:
         core.close()
         try:
@@ -217,6 +250,7 @@ def join(mc: ModelConfig, dev: str, timeout_s: float = 600.0) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+        err.close()
 
 
 def guarded(name: str, fn: Any) -> dict[str, Any]:
@@ -255,17 +289,29 @@ def main(args: argparse.Namespace) -> int:
             **{**synth.__dict__, "max_context": 16000, "main_calls": 40, "system_tokens": 2000}
         )
 
+    want = set(args.cases.split(","))
+    unknown = want - {"fan", "synthetic-agent", "large-tree-chunked", "join"}
+    if unknown:
+        raise SystemExit(f"unknown bench cases {sorted(unknown)}")
+    skipped: dict[str, Any] = {"skipped": True}
     cases = [
-        guarded("fan", lambda: compare("fan", model, mc, fan_tree(fan), fan.branches, repeats, attention, dev)),
+        guarded("fan", lambda: compare("fan", model, mc, fan_tree(fan), fan.branches, repeats, attention, dev))
+        if "fan" in want else {"case": "fan", **skipped},
         guarded("synthetic-agent", lambda: compare("synthetic-agent", model, mc, synth_tree(synth), 5, repeats,
-                                                   attention, dev)),
+                                                   attention, dev))
+        if "synthetic-agent" in want else {"case": "synthetic-agent", **skipped},
         guarded("large-tree-chunked", lambda: compare("large-tree-chunked", model, mc, fan_tree(big, seed=1),
-                                                      big.branches, 1, attention, dev, chunk_budget=big_budget)),
+                                                      big.branches, 1, attention, dev, chunk_budget=big_budget))
+        if "large-tree-chunked" in want else {"case": "large-tree-chunked", **skipped},
     ]  # fmt: skip
     model.to("cpu")  # free the accelerator for the join test's 1.5B model
     if cuda:
         torch.cuda.empty_cache()
-    j = guarded("join", lambda: join(JOIN_15B if cuda else (ModelConfig() if quick else JOIN_CPU), dev))
+    j = (
+        guarded("join", lambda: join(JOIN_15B if cuda else (ModelConfig() if quick else JOIN_CPU), dev))
+        if "join" in want
+        else skipped
+    )
     head = cases[0]
     nan = float("nan")
     result = {
@@ -282,6 +328,7 @@ def main(args: argparse.Namespace) -> int:
         "fraction_of_ideal": head.get("fraction_of_ideal", nan),
         "large_tree_speedup": cases[2].get("chunked_speedup", nan),
         "large_tree_ideal_ratio": cases[2].get("ideal_ratio", nan),
+        "large_tree_fraction_of_ideal": cases[2].get("chunked_fraction_of_ideal", nan),
         "join_s": j.get("join_s", nan),
         "join_pull_s": j.get("pull_s", nan),
         "join_params": j.get("params", 0),
