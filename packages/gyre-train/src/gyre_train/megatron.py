@@ -5,8 +5,8 @@ Megatron's GPTModel computes rotary embeddings from the sequence index and ignor
 packing needs them from tree depth, so `tree_target_logprobs` runs the model's own embedding, decoder and
 output layer with rotary frequencies gathered at each token's position id and the ancestor mask as a
 boolean attention mask (True = masked). Weights convert to the transformers layout with
-`gyre_xfer.convert.megatron_to_hf`. On the CPU this needs a gloo process group and two work-arounds
-(see `init_cpu`); on GPUs the usual NCCL setup applies.
+`gyre_xfer.convert.megatron_to_hf`. One process needs a gloo process group (and, on the CPU, two
+work-arounds; see `init_cpu`); tested on the CPU and on one H200 (`tests/test_megatron_cuda.py`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ with warnings.catch_warnings():  # megatron-core warns at import about optional 
 
 
 def init_cpu(seed: int = 0) -> None:
-    """One-process gloo group and model-parallel state for CPU runs (idempotent). Work-arounds for
-    megatron-core 0.19 on a machine without CUDA: its RNG tracker asks `torch.cuda.current_device()`
-    (answered with the CPU here) and needs `inference_rng_tracker=True`."""
+    """One-process gloo group and model-parallel state (idempotent: a process group or model-parallel
+    state set up before, e.g. NCCL across GPUs, is kept), for CPU runs and single-GPU runs alike.
+    Work-arounds for megatron-core 0.19 on a machine without CUDA: its RNG tracker asks
+    `torch.cuda.current_device()` (answered with the CPU there) and needs `inference_rng_tracker=True`."""
     if not torch.distributed.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -75,8 +75,7 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
     if cfg.backend == "megatron":
         from gyre_train import megatron
 
-        if device == "cpu":
-            megatron.init_cpu(cfg.seed)
+        megatron.init_cpu(cfg.seed)  # one-process group and RNG tracker unless already set up
         torch.manual_seed(cfg.seed)
         return megatron.build_gpt(cfg).to(device).train()
     if cfg.backend != "transformers":
