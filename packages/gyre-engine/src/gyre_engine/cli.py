@@ -31,6 +31,17 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-running-requests", type=int, default=64)
     s.add_argument("--max-cached-tokens", type=int, default=1 << 20)
     s.add_argument("--prefill-chunk", type=int, default=2048)
+    s.add_argument(
+        "--decode-slots",
+        default="auto",
+        choices=["auto", "graphs", "eager", "off"],
+        help="decode in fixed slots of a static KV cache, captured as CUDA graphs (auto: on CUDA)",
+    )
+    s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
+    s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
+    s.add_argument(
+        "--warmup-decode-tokens", type=int, default=0, help="capture decode graphs up to this length at start"
+    )
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
     s.add_argument("--xfer-hostname", default="127.0.0.1", help="gyre-xfer: address Mooncake peers use")
     s.add_argument("--xfer-metadata-server", default="P2PHANDSHAKE", help="gyre-xfer: Mooncake metadata")
@@ -87,7 +98,11 @@ def main(argv: list[str] | None = None) -> None:
                         max_running_requests=args.max_running_requests,
                         max_cached_tokens=args.max_cached_tokens,
                         prefill_chunk=args.prefill_chunk,
+                        decode_slots=args.decode_slots,
+                        compile_decode=not args.no_compile_decode,
+                        slot_kv_fraction=args.slot_kv_fraction,
                     ),
+                    warmup_decode_tokens=args.warmup_decode_tokens,
                     xfer=XferConfig(
                         hostname=args.xfer_hostname,
                         metadata_server=args.xfer_metadata_server,

@@ -124,7 +124,9 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
     engine = Engine(model, None, Engine.Config(max_running_requests=max(c.batches), prefill_chunk=4096))
     engine.start()
     try:
-        # warm-up (allocator, kernels) for both paths
+        # capture the decode graphs up front (CUDA; as `serve --warmup-decode-tokens` does), then warm up
+        # (allocator, kernels) both paths
+        warmup_s = engine.call(engine.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
         engine_run(engine, [prompt(c.prompt_len)] * 2, 4)
         generate_run(model, [prompt(c.prompt_len)] * 2, 4, device)
         decode: dict[str, Any] = {}
@@ -161,6 +163,7 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
             "case": asdict(c),
             "parameters": sum(p.numel() for p in model.parameters()),
             "decode": decode,
+            "decode_path": {**engine.slot_stats(), "graph_warmup_s": warmup_s},
             "prefix": {
                 "cached_call_s": statistics.median(cached_t),
                 "cold_prefill_s": statistics.median(cold_t),
