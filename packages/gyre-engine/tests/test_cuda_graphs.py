@@ -62,7 +62,7 @@ def test_graphs_greedy_equals_generate(engines: tuple[Engine, Engine], ref: Any)
 
 
 def test_graphs_logprobs_equal_a_separate_forward(engines: tuple[Engine, Engine], ref: Any) -> None:
-    slot_checks.check_logprobs(engines[0], ref)
+    slot_checks.check_logprobs(engines[0], ref, atol=2e-4)
 
 
 def test_graphs_prefix_reuse_and_export_import(engines: tuple[Engine, Engine], ref: Any) -> None:
@@ -74,11 +74,12 @@ def test_graphs_weight_update_in_place(
     engines: tuple[Engine, Engine], ref: Any, model_dir: Path, other_dir: Path
 ) -> None:
     a = engines[0]
-    captures = a.slot_stats()["captures"]
+    assert a.slots is not None
+    graphs = dict(a.slots._graphs)
     slot_checks.check_weight_update(a, ref, other_dir, model_dir)
     slot_checks.check_update_between_tokens(a, other_dir)
-    # copies into the parameters keep their addresses: the captured graphs stayed valid
-    assert a.slot_stats()["captures"] - captures <= 4
+    # copies into the parameters keep their addresses: the graphs captured before were kept and replayed
+    assert graphs and all(a.slots._graphs.get(k) is g for k, g in graphs.items())
 
 
 def test_graphs_release_and_resume(engines: tuple[Engine, Engine], ref: Any) -> None:

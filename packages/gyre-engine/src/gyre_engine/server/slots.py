@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from typing import Any
 
@@ -41,7 +40,6 @@ log = logging.getLogger(__name__)
 ATTN_NAME = "gyre_slots"
 LEN_QUANTUM = 128
 _registered = False
-_ctx = threading.local()  # the slot KV buffer of the step being run on this thread
 
 
 def _grouped_attention(
@@ -61,34 +59,22 @@ def _grouped_attention(
     return out.reshape(b, h, q, d).transpose(1, 2).contiguous()
 
 
-@torch.library.custom_op("gyre::slot_attention", mutates_args=())
-def slot_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    pos: torch.Tensor,
-    mask: torch.Tensor,
-    layer: int,
-    scaling: float,
-) -> torch.Tensor:
-    """Write row i's new key/value (key/value [B, KVH, 1, D]) at column pos[i] of slot i of layer `layer`
-    of the thread's slot KV buffer ([2, layers, slots, KVH, capacity, D]), then attend over the first
-    mask.shape[-1] columns. Opaque to torch.compile (the buffer is not an argument, so nothing is
-    functionalized or copied: the fused code around it stays in place)."""
-    kv = _ctx.kv
-    b = query.shape[0]
-    rows = torch.arange(b, device=query.device)
-    kb, vb = kv[0, layer], kv[1, layer]
-    kb[rows, :, pos] = key[:, :, 0].to(kb.dtype)
-    vb[rows, :, pos] = value[:, :, 0].to(vb.dtype)
-    width = mask.shape[-1]
-    return _grouped_attention(query, kb[:b, :, :width], vb[:b, :, :width], mask, scaling)
+@torch.library.custom_op("gyre::slot_kv_write", mutates_args=("kv",))
+def slot_kv_write(
+    kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pos: torch.Tensor, layer: int
+) -> None:
+    """Write row i's new key/value (key/value [B, KVH, 1, D]) at column pos[i] of slot i of layer
+    `layer` of `kv` ([2, layers, slots, KVH, capacity, D]). A custom op that declares its mutation, so
+    torch.compile keeps the write in place (an `index_put_` on a view of a graph input is functionalized
+    into a copy of the whole buffer)."""
+    b = key.shape[0]
+    rows = torch.arange(b, device=key.device)
+    kv[:, layer, rows, :, pos] = torch.stack([key[:, :, 0], value[:, :, 0]], dim=1).to(kv.dtype)
 
 
-@slot_attention.register_fake
-def _(query, key, value, pos, mask, layer, scaling):  # type: ignore[no-untyped-def]
-    b, h, q, d = query.shape
-    return query.new_empty((b, q, h, d))
+@slot_kv_write.register_fake
+def _(kv, key, value, pos, layer):  # type: ignore[no-untyped-def]
+    return None
 
 
 def _slot_attention_interface(
@@ -101,13 +87,12 @@ def _slot_attention_interface(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function for a slot step: key/value are the new token's (SlotCache passes
-    them through), `attention_mask` is the [B, 1, 1, L] bool mask of the step (`column <= position`)."""
+    """transformers attention function for a slot step. `key`/`value` are the slot buffers cut to the
+    step's rows and columns (from `SlotCache.update`, which wrote the new token's), `attention_mask` the
+    [B, 1, 1, L] bool mask (`column <= position`)."""
     assert attention_mask is not None
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    pos = attention_mask[:, 0, 0].sum(-1) - 1  # the mask is `columns <= position`
-    layer: int = module.layer_idx  # type: ignore[assignment]
-    return torch.ops.gyre.slot_attention(query, key, value, pos, attention_mask, int(layer), scale), None
+    return _grouped_attention(query, key, value, attention_mask, scale), None
 
 
 def register_attention() -> None:
@@ -120,14 +105,19 @@ def register_attention() -> None:
 
 
 class SlotCache:
-    """What the model's attention layers see as their cache during a slot step: the write into the slot
-    buffer happens inside the attention op, so `update` hands the new key/value through. Duck-typed
-    (transformers 5.17 and 5.2x call `update(k, v, layer_idx, ...)`)."""
+    """What the model's attention layers see as their cache during a slot step: `update` writes row i's
+    new key/value at column pos[i] of slot i and returns the buffers cut to the step's rows and columns.
+    Duck-typed (transformers 5.17 and 5.2x call `update(k, v, layer_idx, ...)`)."""
+
+    def __init__(self, kv: torch.Tensor, pos: torch.Tensor, width: int) -> None:
+        self.kv, self.pos, self.width = kv, pos, width
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v
+        torch.ops.gyre.slot_kv_write(self.kv, k, v, self.pos, layer_idx)
+        b = k.shape[0]
+        return self.kv[0, layer_idx, :b, :, : self.width], self.kv[1, layer_idx, :b, :, : self.width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -316,11 +306,11 @@ class SlotBatch:
         )
 
     # ------------------------------------------------------------------ the step
-    def _forward(self, io: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def _forward(self, io: torch.Tensor, cols: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Logits [b, V] of one decode step for rows 0..b-1 (b = io.shape[1]) over `cols` columns."""
         ids, pos = io[0], io[1]
         mask = (cols[None, :] <= pos[:, None])[:, None, None, :]
-        cache = SlotCache()
+        cache = SlotCache(kv, pos, cols.shape[0])
         out = self.model(
             input_ids=ids[:, None],
             position_ids=pos[:, None],
@@ -337,12 +327,10 @@ class SlotBatch:
         cfg = self.model.config
         old = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
-        _ctx.kv = self.kv
         try:
-            logits = fwd(self.io[:, :b], self.cols[:width])
+            logits = fwd(self.io[:, :b], self.cols[:width], self.kv)
         finally:
             cfg._attn_implementation = old
-            _ctx.kv = None
         # the greedy head, exactly as `sampling.sample` computes it for greedy rows without processing
         logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
         chosen = torch.argmax(logp, dim=-1)
