@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
     b = sub.add_parser("bench", help="benchmark; prints one JSON object as its last line")
     b.add_argument("--quick", action="store_true", help="tiny model only, small sizes (under a minute)")
+    b.add_argument("--repeats", type=int, default=None, help="runs per measurement (default: the case's)")
     b.add_argument("--device", default="cpu")
     b.add_argument("--out", default=None, help="also write the JSON here")
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.cmd == "bench":
             from gyre_engine.bench.run import run_bench
 
-            run_bench(quick=args.quick, device=args.device, out=args.out)
+            run_bench(quick=args.quick, device=args.device, out=args.out, repeats=args.repeats)
     except ImportError as exc:
         if exc.name in (
             "torch",

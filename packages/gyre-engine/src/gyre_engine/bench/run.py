@@ -17,7 +17,7 @@ import random
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -127,6 +127,7 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
         # capture the decode graphs up front (CUDA; as `serve --warmup-decode-tokens` does), then warm up
         # (allocator, kernels) both paths
         warmup_s = engine.call(engine.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
+        print(f"decode path: {json.dumps({**engine.slot_stats(), 'graph_warmup_s': warmup_s})}", flush=True)
         engine_run(engine, [prompt(c.prompt_len)] * 2, 4)
         generate_run(model, [prompt(c.prompt_len)] * 2, 4, device)
         decode: dict[str, Any] = {}
@@ -149,6 +150,7 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
                 "generate_tokens_per_s": work / statistics.median(g_times),
                 "engine_over_generate": statistics.median(g_times) / statistics.median(e_times),
             }
+            print(f"decode b{b}: {json.dumps(decode[f'b{b}'])}", flush=True)
         # a call appending `append` tokens to a cached `context` against a cold prefill of the same call
         ctx, extra = prompt(c.context), prompt(c.append)
         cached_t, cold_t, cached_n = [], [], 0
@@ -200,9 +202,13 @@ def bandwidth(model: Any, c: Case, decode_tps: float, batch: int = 64) -> dict[s
     }
 
 
-def run_bench(quick: bool, device: str = "cpu", out: str | None = None) -> dict[str, Any]:
+def run_bench(
+    quick: bool, device: str = "cpu", out: str | None = None, repeats: int | None = None
+) -> dict[str, Any]:
     results = {}
     for c in cases(quick, device):
+        if repeats is not None:
+            c = replace(c, repeats=repeats)
         print(f"bench {c.shape} ({c.dtype}) on {device} ...", flush=True)
         results[c.shape] = bench_case(c, device)
         print(json.dumps(results[c.shape]), flush=True)

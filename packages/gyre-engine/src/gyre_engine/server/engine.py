@@ -115,6 +115,7 @@ class Engine:
         self.slots = self._make_slots()
         self.lanes = Lanes(self.device, slots=self.slots)
         self._partial: _Partial | None = None
+        self._placing: list[Running] = []
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
@@ -319,7 +320,9 @@ class Engine:
                 budget -= self._advance_partial(budget, joining)
         if group:
             self._prefill_group(group, joining)
+        self._placing = [r for r, _, _ in joining]  # prefilled, not yet in a lane: aborted if placing fails
         self.lanes.place(joining)
+        self._placing = []
         self.lanes.evict_full_slots()
         for lane in self.lanes.lanes:
             self._decode(lane)
@@ -486,7 +489,10 @@ class Engine:
         """Drop every admitted request's KV (lanes and the chunked prefill); returns them, oldest first."""
         partial = [self._partial.r] if self._partial is not None else []
         self._partial = None
-        return partial + self.lanes.clear()
+        placed = self.lanes.clear()
+        lost = [r for r in self._placing if all(r is not p for p in placed)]
+        self._placing = []
+        return partial + placed + lost
 
     def _abort_all_now(
         self, message: str = "Abort all requests", status: int = 200, err_type: str = "abort"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -206,6 +207,7 @@ class SlotBatch:
         self.logits_out: torch.Tensor | None = None
         self.greedy_out = torch.zeros((2, s), dtype=torch.float64, device=dev)
 
+    @torch.inference_mode()
     def _ensure_capacity(self, need: int) -> None:
         """Make every slot hold at least `need` tokens (grow by doubling, copy, drop the graphs)."""
         if need <= self.capacity:
@@ -227,6 +229,7 @@ class SlotBatch:
         self.drop_graphs()
         self.stats["grows"] += 1
 
+    @torch.inference_mode()
     def release(self) -> None:
         """Free the KV buffer and graphs (no rows may be running)."""
         assert not self.lengths
@@ -259,6 +262,7 @@ class SlotBatch:
         """Rows whose next token would not fit their slot (they must leave for the eager path)."""
         return [i for i, n in enumerate(self.lengths) if n + 1 > self.max_len]
 
+    @torch.inference_mode()  # the buffer is an inference tensor: writes happen in inference mode
     def add_many(self, rows: list[tuple[RowKV, int]]) -> None:
         if not rows:
             return
@@ -275,6 +279,7 @@ class SlotBatch:
     def add(self, kv: RowKV, next_token: int) -> None:
         self.add_many([(kv, next_token)])
 
+    @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:
         """Drop rows: the last remaining rows move into the freed slots (one gather/scatter of whole slots,
         all layers at once). Returns the old row indices in their new order."""
@@ -328,7 +333,9 @@ class SlotBatch:
         old = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
         try:
-            logits = fwd(self.io[:, :b], self.cols[:width], self.kv)
+            with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
+                warnings.simplefilter("ignore")
+                logits = fwd(self.io[:, :b], self.cols[:width], self.kv)
         finally:
             cfg._attn_implementation = old
         # the greedy head, exactly as `sampling.sample` computes it for greedy rows without processing
@@ -432,7 +439,10 @@ class SlotBatch:
 
 
 def _compile(fn: Any) -> Any:
-    import torch._dynamo
+    with warnings.catch_warnings():  # importing Inductor warns (deprecations); a pytest "error" filter
+        warnings.simplefilter("ignore")  # must not turn that into a failed compilation
+        import torch._dynamo
+        import torch._inductor.compile_fx
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
