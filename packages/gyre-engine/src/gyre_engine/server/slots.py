@@ -311,9 +311,12 @@ class SlotBatch:
         )
 
     # ------------------------------------------------------------------ the step
-    def _forward(self, io: torch.Tensor, cols: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Logits [b, V] of one decode step for rows 0..b-1 (b = io.shape[1]) over `cols` columns."""
-        ids, pos = io[0], io[1]
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [b, V] of one decode step for rows 0..b-1 (input ids and positions [b]) over `cols`
+        columns. Every input is contiguous whatever the bucket, so the compiled code does not specialize
+        on the largest bucket (a [2, b] slice of the [2, slots] buffer is contiguous only at b = slots)."""
         mask = (cols[None, :] <= pos[:, None])[:, None, None, :]
         cache = SlotCache(kv, pos, cols.shape[0])
         out = self.model(
@@ -335,7 +338,7 @@ class SlotBatch:
         try:
             with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
                 warnings.simplefilter("ignore")
-                logits = fwd(self.io[:, :b], self.cols[:width], self.kv)
+                logits = fwd(self.io[0, :b], self.io[1, :b], self.cols[:width], self.kv)
         finally:
             cfg._attn_implementation = old
         # the greedy head, exactly as `sampling.sample` computes it for greedy rows without processing
