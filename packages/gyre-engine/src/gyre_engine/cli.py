@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
     s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
     s.add_argument(
-        "--warmup-decode-tokens", type=int, default=0, help="capture decode graphs up to this length at start"
+        "--warmup-decode-tokens",
+        type=int,
+        default=1024,
+        help="with CUDA graphs: compile and capture the decode step for rows up to this length before "
+        "serving (0: on first use)",
     )
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
     s.add_argument("--xfer-hostname", default="127.0.0.1", help="gyre-xfer: address Mooncake peers use")
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("bench", help="benchmark; prints one JSON object as its last line")
     b.add_argument("--quick", action="store_true", help="tiny model only, small sizes (under a minute)")
     b.add_argument("--repeats", type=int, default=None, help="runs per measurement (default: the case's)")
+    b.add_argument("--decode-slots", default="auto", choices=["auto", "graphs", "eager", "off"])
+    b.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
     b.add_argument("--device", default="cpu")
     b.add_argument("--out", default=None, help="also write the JSON here")
 
@@ -118,7 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         elif args.cmd == "bench":
             from gyre_engine.bench.run import run_bench
 
-            run_bench(quick=args.quick, device=args.device, out=args.out, repeats=args.repeats)
+            run_bench(
+                quick=args.quick,
+                device=args.device,
+                out=args.out,
+                repeats=args.repeats,
+                decode_slots=args.decode_slots,
+                compile_decode=not args.no_compile_decode,
+            )
     except ImportError as exc:
         if exc.name in (
             "torch",

@@ -113,7 +113,9 @@ def generate_run(model: Any, prompts: list[list[int]], new_tokens: int, device: 
     return time.perf_counter() - t0
 
 
-def bench_case(c: Case, device: str) -> dict[str, Any]:
+def bench_case(
+    c: Case, device: str, decode_slots: str = "auto", compile_decode: bool = True
+) -> dict[str, Any]:
     model = make_model(c.shape, c.dtype, device)
     vocab = model.config.vocab_size
     rng = random.Random(0)
@@ -121,7 +123,13 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(n)]
 
-    engine = Engine(model, None, Engine.Config(max_running_requests=max(c.batches), prefill_chunk=4096))
+    cfg = Engine.Config(
+        max_running_requests=max(c.batches),
+        prefill_chunk=4096,
+        decode_slots=decode_slots,
+        compile_decode=compile_decode,
+    )
+    engine = Engine(model, None, cfg)
     engine.start()
     try:
         # capture the decode graphs up front (CUDA; as `serve --warmup-decode-tokens` does), then warm up
@@ -203,14 +211,19 @@ def bandwidth(model: Any, c: Case, decode_tps: float, batch: int = 64) -> dict[s
 
 
 def run_bench(
-    quick: bool, device: str = "cpu", out: str | None = None, repeats: int | None = None
+    quick: bool,
+    device: str = "cpu",
+    out: str | None = None,
+    repeats: int | None = None,
+    decode_slots: str = "auto",
+    compile_decode: bool = True,
 ) -> dict[str, Any]:
     results = {}
     for c in cases(quick, device):
         if repeats is not None:
             c = replace(c, repeats=repeats)
         print(f"bench {c.shape} ({c.dtype}) on {device} ...", flush=True)
-        results[c.shape] = bench_case(c, device)
+        results[c.shape] = bench_case(c, device, decode_slots, compile_decode)
         print(json.dumps(results[c.shape]), flush=True)
     main = results[cases(quick, device)[0].shape]
     summary: dict[str, Any] = {
