@@ -31,6 +31,21 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-running-requests", type=int, default=64)
     s.add_argument("--max-cached-tokens", type=int, default=1 << 20)
     s.add_argument("--prefill-chunk", type=int, default=2048)
+    s.add_argument(
+        "--decode-slots",
+        default="auto",
+        choices=["auto", "graphs", "eager", "off"],
+        help="decode in fixed slots of a static KV cache, captured as CUDA graphs (auto: on CUDA)",
+    )
+    s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
+    s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
+    s.add_argument(
+        "--warmup-decode-tokens",
+        type=int,
+        default=1024,
+        help="with CUDA graphs: compile and capture the decode step for rows up to this length before "
+        "serving (0: on first use)",
+    )
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
     s.add_argument("--xfer-hostname", default="127.0.0.1", help="gyre-xfer: address Mooncake peers use")
     s.add_argument("--xfer-metadata-server", default="P2PHANDSHAKE", help="gyre-xfer: Mooncake metadata")
@@ -53,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
 
     b = sub.add_parser("bench", help="benchmark; prints one JSON object as its last line")
     b.add_argument("--quick", action="store_true", help="tiny model only, small sizes (under a minute)")
+    b.add_argument("--repeats", type=int, default=None, help="runs per measurement (default: the case's)")
+    b.add_argument("--decode-slots", default="auto", choices=["auto", "graphs", "eager", "off"])
+    b.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
     b.add_argument("--device", default="cpu")
     b.add_argument("--out", default=None, help="also write the JSON here")
 
@@ -87,7 +105,11 @@ def main(argv: list[str] | None = None) -> None:
                         max_running_requests=args.max_running_requests,
                         max_cached_tokens=args.max_cached_tokens,
                         prefill_chunk=args.prefill_chunk,
+                        decode_slots=args.decode_slots,
+                        compile_decode=not args.no_compile_decode,
+                        slot_kv_fraction=args.slot_kv_fraction,
                     ),
+                    warmup_decode_tokens=args.warmup_decode_tokens,
                     xfer=XferConfig(
                         hostname=args.xfer_hostname,
                         metadata_server=args.xfer_metadata_server,
@@ -102,7 +124,14 @@ def main(argv: list[str] | None = None) -> None:
         elif args.cmd == "bench":
             from gyre_engine.bench.run import run_bench
 
-            run_bench(quick=args.quick, device=args.device, out=args.out)
+            run_bench(
+                quick=args.quick,
+                device=args.device,
+                out=args.out,
+                repeats=args.repeats,
+                decode_slots=args.decode_slots,
+                compile_decode=not args.no_compile_decode,
+            )
     except ImportError as exc:
         if exc.name in (
             "torch",

@@ -17,7 +17,7 @@ import random
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -113,7 +113,9 @@ def generate_run(model: Any, prompts: list[list[int]], new_tokens: int, device: 
     return time.perf_counter() - t0
 
 
-def bench_case(c: Case, device: str) -> dict[str, Any]:
+def bench_case(
+    c: Case, device: str, decode_slots: str = "auto", compile_decode: bool = True
+) -> dict[str, Any]:
     model = make_model(c.shape, c.dtype, device)
     vocab = model.config.vocab_size
     rng = random.Random(0)
@@ -121,10 +123,19 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(n)]
 
-    engine = Engine(model, None, Engine.Config(max_running_requests=max(c.batches), prefill_chunk=4096))
+    cfg = Engine.Config(
+        max_running_requests=max(c.batches),
+        prefill_chunk=4096,
+        decode_slots=decode_slots,
+        compile_decode=compile_decode,
+    )
+    engine = Engine(model, None, cfg)
     engine.start()
     try:
-        # warm-up (allocator, kernels) for both paths
+        # capture the decode graphs up front (CUDA; as `serve --warmup-decode-tokens` does), then warm up
+        # (allocator, kernels) both paths
+        warmup_s = engine.call(engine.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
+        print(f"decode path: {json.dumps({**engine.slot_stats(), 'graph_warmup_s': warmup_s})}", flush=True)
         engine_run(engine, [prompt(c.prompt_len)] * 2, 4)
         generate_run(model, [prompt(c.prompt_len)] * 2, 4, device)
         decode: dict[str, Any] = {}
@@ -147,6 +158,7 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
                 "generate_tokens_per_s": work / statistics.median(g_times),
                 "engine_over_generate": statistics.median(g_times) / statistics.median(e_times),
             }
+            print(f"decode b{b}: {json.dumps(decode[f'b{b}'])}", flush=True)
         # a call appending `append` tokens to a cached `context` against a cold prefill of the same call
         ctx, extra = prompt(c.context), prompt(c.append)
         cached_t, cold_t, cached_n = [], [], 0
@@ -161,6 +173,7 @@ def bench_case(c: Case, device: str) -> dict[str, Any]:
             "case": asdict(c),
             "parameters": sum(p.numel() for p in model.parameters()),
             "decode": decode,
+            "decode_path": {**engine.slot_stats(), "graph_warmup_s": warmup_s},
             "prefix": {
                 "cached_call_s": statistics.median(cached_t),
                 "cold_prefill_s": statistics.median(cold_t),
@@ -197,11 +210,20 @@ def bandwidth(model: Any, c: Case, decode_tps: float, batch: int = 64) -> dict[s
     }
 
 
-def run_bench(quick: bool, device: str = "cpu", out: str | None = None) -> dict[str, Any]:
+def run_bench(
+    quick: bool,
+    device: str = "cpu",
+    out: str | None = None,
+    repeats: int | None = None,
+    decode_slots: str = "auto",
+    compile_decode: bool = True,
+) -> dict[str, Any]:
     results = {}
     for c in cases(quick, device):
+        if repeats is not None:
+            c = replace(c, repeats=repeats)
         print(f"bench {c.shape} ({c.dtype}) on {device} ...", flush=True)
-        results[c.shape] = bench_case(c, device)
+        results[c.shape] = bench_case(c, device, decode_slots, compile_decode)
         print(json.dumps(results[c.shape]), flush=True)
     main = results[cases(quick, device)[0].shape]
     summary: dict[str, Any] = {

@@ -4,7 +4,9 @@ Other threads talk to it only through `call(fn)`, which runs `fn` on the engine 
 and returns a future; so a weight update, pause, abort or cache export never lands inside a step, and no
 token is computed with two weight versions. Each step admits waiting requests (chunked prefill that
 reuses the longest cached prefix), then one batched decode step per lane of running requests
-(`lanes.py`: rows of similar length share a left-padded batch).
+(`lanes.py`: rows of similar length share a left-padded batch). On CUDA, rows decode first in fixed slots of
+a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`); the lanes take what does not
+fit there.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from gyre_engine.server.request import (
     as_stop_list,
     compile_stop_regex,
 )
-from gyre_engine.server.sampling import SamplerState, sample, validate_params
+from gyre_engine.server.sampling import Sampled, SamplerState, sample, validate_params
+from gyre_engine.server.slots import SlotBatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +81,17 @@ class Engine:
         """Tokens per prefill forward pass; also the prefill budget of one step."""
         enable_prefix_cache: bool = True
         """Reuse the KV of earlier sequences that share a prefix with a new prompt."""
+        decode_slots: str = "auto"
+        """Decode in fixed slots of a static KV cache: "graphs" (CUDA graphs per batch/length bucket),
+        "eager" (same slots, no graphs: for tests), "off" (left-padded lanes only), "auto" (graphs on
+        CUDA, off elsewhere)."""
+        compile_decode: bool = True
+        """Capture the slot step over a `torch.compile`d forward (fused elementwise kernels); on CUDA."""
+        slot_kv_fraction: float = 0.2
+        """Bound of the slots' KV buffer, as a fraction of the device's memory (CUDA)."""
+        slot_max_len: int | None = None
+        """Tokens per slot at most (default: from `slot_kv_fraction` on CUDA, the context length else);
+        longer rows continue in the lanes."""
 
     def __init__(self, model: Any, tokenizer: Any, config: Engine.Config | None = None) -> None:
         self.model = model.eval()
@@ -98,8 +112,10 @@ class Engine:
         self._pending_bump = False
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
-        self.lanes = Lanes(self.device)
+        self.slots = self._make_slots()
+        self.lanes = Lanes(self.device, slots=self.slots)
         self._partial: _Partial | None = None
+        self._placing: list[Running] = []
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
@@ -110,6 +126,61 @@ class Engine:
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+
+    def _make_slots(self) -> SlotBatch | None:
+        mode = self.config.decode_slots
+        if mode not in ("auto", "graphs", "eager", "off"):
+            raise ValueError(f"decode_slots must be auto, graphs, eager or off, not {mode!r}")
+        cuda = self.device.type == "cuda"
+        if mode == "off" or (mode == "auto" and not cuda):
+            return None
+        why = SlotBatch.unsupported(self.model)
+        if why is not None:
+            log.warning("decode slots off: %s", why)
+            return None
+        graphs = mode in ("auto", "graphs")
+        if graphs and not cuda:
+            raise ValueError("decode_slots='graphs' needs a CUDA model")
+        slots = self.config.max_running_requests
+        max_len = self.config.slot_max_len
+        if max_len is None:
+            if cuda:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                per_token = SlotBatch.token_bytes(self.model) * slots
+                max_len = int(total * self.config.slot_kv_fraction) // per_token
+            else:
+                max_len = self.context_len
+        max_len = min(max_len, self.context_len)
+        if max_len < 16:
+            log.warning("decode slots off: %d tokens per slot is too few", max_len)
+            return None
+        log.info("decode slots: %d slots of up to %d tokens, graphs=%s", slots, max_len, graphs)
+        return SlotBatch(
+            self.model, slots, max_len, use_graphs=graphs, compile_model=graphs and self.config.compile_decode
+        )
+
+    def warmup_decode(self, max_tokens: int) -> float:
+        """Capture the decode graphs for rows of up to `max_tokens` tokens (run it on the engine thread,
+        idle: `engine.call(engine.warmup_decode, n)`); returns the seconds it took. A no-op without
+        graph slots."""
+        t0 = time.perf_counter()
+        if self.slots is not None and self.slots.use_graphs and not self.lanes.requests():
+            with torch.inference_mode():
+                self.slots.warmup(max_tokens)
+        return time.perf_counter() - t0
+
+    def slot_stats(self) -> dict[str, Any]:
+        if self.slots is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "graphs": self.slots.use_graphs,
+            "compiled": self.slots.compile_model,
+            "slots": self.slots.slots,
+            "max_len": self.slots.max_len,
+            "capacity": self.slots.capacity,
+            **self.slots.stats,
+        }
 
     # ----------------------------------------------------------------- lifecycle and calls
     def start(self) -> None:
@@ -249,7 +320,10 @@ class Engine:
                 budget -= self._advance_partial(budget, joining)
         if group:
             self._prefill_group(group, joining)
+        self._placing = [r for r, _, _ in joining]  # prefilled, not yet in a lane: aborted if placing fails
         self.lanes.place(joining)
+        self._placing = []
+        self.lanes.evict_full_slots()
         for lane in self.lanes.lanes:
             self._decode(lane)
         self.lanes.prune()
@@ -321,9 +395,18 @@ class Engine:
     def _decode(self, lane: Lane) -> None:
         """One decode step for the rows of one lane; finished rows leave it."""
         t0 = time.perf_counter()
-        logits = lane.batch.step(self.model)
         reqs = lane.reqs
-        s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
+        if isinstance(lane.batch, SlotBatch) and all(
+            r.sampler.greedy and not r.sampler.needs_row_processing and not r.req.top_logprobs_num
+            for r in reqs
+        ):  # the greedy head ran inside the captured step
+            toks, lps = lane.batch.step_greedy()
+            for r, tok in zip(reqs, toks, strict=True):
+                r.sampler.observe(tok)
+            s = Sampled(tokens=toks, logprobs=lps, top=None)
+        else:
+            logits = lane.batch.step(self.model)
+            s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
         self._stats["decode_time_s"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
         self._stats["decode_tokens"] += len(reqs)
@@ -406,7 +489,10 @@ class Engine:
         """Drop every admitted request's KV (lanes and the chunked prefill); returns them, oldest first."""
         partial = [self._partial.r] if self._partial is not None else []
         self._partial = None
-        return partial + self.lanes.clear()
+        placed = self.lanes.clear()
+        lost = [r for r in self._placing if all(r is not p for p in placed)]
+        self._placing = []
+        return partial + placed + lost
 
     def _abort_all_now(
         self, message: str = "Abort all requests", status: int = 200, err_type: str = "abort"
@@ -470,6 +556,8 @@ class Engine:
         if abort_all:
             self._abort_all_now("Abort for a weight update")
         n = apply()
+        if self.slots is not None:
+            self.slots.check_weights()
         if flush:
             self.prefix.clear()
         if self.updating and version is None:
@@ -484,7 +572,11 @@ class Engine:
             raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
         if "kv_cache" in tags:
             self.prefix.clear()
+            if self.slots is not None:
+                self.slots.release()
         if "weights" in tags and self.device.type == "cuda":
+            if self.slots is not None:
+                self.slots.drop_graphs()
             self.model.to("cpu")
             torch.cuda.empty_cache()
         self.released |= set(tags)
@@ -493,6 +585,8 @@ class Engine:
         tags = _check_tags(tags)
         if "weights" in tags and "weights" in self.released and self.device.type == "cuda":
             self.model.to(self.device)
+            if self.slots is not None:
+                self.slots.check_weights()
         self.released -= set(tags)
 
 

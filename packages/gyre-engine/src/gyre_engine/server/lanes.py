@@ -1,6 +1,7 @@
 """Decode lanes: running requests grouped into left-padded batches of similar length.
 
-One batch for all rows would pad every short row to the longest context (an agent at 30k tokens next to
+With a slot batch (`slots.py`, CUDA), rows go to its fixed slots first while they fit; the lanes take
+the rest (rows too long for a slot, or more rows than slots). One batch for all rows would pad every short row to the longest context (an agent at 30k tokens next to
 one at 2k would cost 30k of KV per row). A row joins a lane only while the lane's longest row stays within
 twice its shortest plus `slack` tokens; otherwise it opens a new lane. Each engine step decodes every lane.
 """
@@ -13,28 +14,38 @@ import torch
 
 from gyre_engine.server.batch import DecodeBatch, RowKV
 from gyre_engine.server.request import Running
+from gyre_engine.server.slots import SlotBatch
 
 
 @dataclass
 class Lane:
     """A decode batch and its requests; `reqs[i]` is row i of `batch`."""
 
-    batch: DecodeBatch
+    batch: DecodeBatch | SlotBatch
     reqs: list[Running] = field(default_factory=list)
 
     def drop(self, rows: list[int]) -> None:
-        self.batch.remove(rows)
-        gone = set(rows)
-        self.reqs = [r for i, r in enumerate(self.reqs) if i not in gone]
+        order = self.batch.remove(rows)
+        if order is None:
+            gone = set(rows)
+            order = [i for i in range(len(self.reqs)) if i not in gone]
+        self.reqs = [self.reqs[i] for i in order]
 
 
 class Lanes:
     """All running requests, in lanes of bounded padding."""
 
-    def __init__(self, device: torch.device, slack: int = 64) -> None:
+    def __init__(self, device: torch.device, slack: int = 64, slots: SlotBatch | None = None) -> None:
         self.device = device
         self.slack = slack
-        self.lanes: list[Lane] = []
+        self.eager: list[Lane] = []
+        self.slot_lane = Lane(slots) if slots is not None else None
+
+    @property
+    def lanes(self) -> list[Lane]:
+        """Every lane with rows: the slot lane first, then the eager ones."""
+        s = self.slot_lane
+        return ([s] if s is not None and s.reqs else []) + self.eager
 
     def __len__(self) -> int:
         return sum(len(lane.reqs) for lane in self.lanes)
@@ -47,8 +58,24 @@ class Lanes:
 
     def place(self, items: list[tuple[Running, RowKV, int]]) -> None:
         """Add prefilled requests (request, its KV, its next input token); one re-pad per lane touched."""
-        bounds = [(min(lane.batch.lengths), max(lane.batch.lengths)) for lane in self.lanes]
-        pending: list[list[tuple[Running, RowKV, int]]] = [[] for _ in self.lanes]
+        if self.slot_lane is not None:
+            slots = self.slot_lane.batch
+            assert isinstance(slots, SlotBatch)
+            room = slots.free()
+            to_slots = []
+            rest = []
+            for item in items:
+                if room > 0 and slots.fits(item[1].length):
+                    to_slots.append(item)
+                    room -= 1
+                else:
+                    rest.append(item)
+            if to_slots:
+                slots.add_many([(kv, tok) for _, kv, tok in to_slots])
+                self.slot_lane.reqs.extend(r for r, _, _ in to_slots)
+            items = rest
+        bounds = [(min(lane.batch.lengths), max(lane.batch.lengths)) for lane in self.eager]
+        pending: list[list[tuple[Running, RowKV, int]]] = [[] for _ in self.eager]
         for item in items:
             n = item[1].length
             for i, (lo, hi) in enumerate(bounds):
@@ -57,10 +84,10 @@ class Lanes:
                     pending[i].append(item)
                     break
             else:
-                self.lanes.append(Lane(DecodeBatch(self.device)))
+                self.eager.append(Lane(DecodeBatch(self.device)))
                 bounds.append((n, n))
                 pending.append([item])
-        for lane, new in zip(self.lanes, pending, strict=True):
+        for lane, new in zip(self.eager, pending, strict=True):
             if new:
                 lane.batch.add_many([(kv, tok) for _, kv, tok in new])
                 lane.reqs.extend(r for r, _, _ in new)
@@ -72,11 +99,32 @@ class Lanes:
                     return lane, i
         return None
 
+    def evict_full_slots(self) -> None:
+        """Move rows whose next token would overflow their slot to the eager lanes (KV copied out)."""
+        lane = self.slot_lane
+        if lane is None or not lane.reqs:
+            return
+        slots = lane.batch
+        assert isinstance(slots, SlotBatch)
+        full = slots.full_rows()
+        if not full:
+            return
+        moving = [(lane.reqs[i], slots.row_kv(i).clone(), slots.next_tokens[i]) for i in full]
+        lane.drop(full)
+        slot_lane, self.slot_lane = self.slot_lane, None
+        try:
+            self.place(moving)
+        finally:
+            self.slot_lane = slot_lane
+
     def prune(self) -> None:
-        self.lanes = [lane for lane in self.lanes if lane.reqs]
+        self.eager = [lane for lane in self.eager if lane.reqs]
 
     def clear(self) -> list[Running]:
         """Drop every row (and its KV); returns the requests in row order."""
         out = self.requests()
-        self.lanes = []
+        self.eager = []
+        if self.slot_lane is not None:
+            self.slot_lane.batch.clear()  # type: ignore[union-attr]
+            self.slot_lane.reqs = []
         return out

@@ -37,6 +37,8 @@ class ServeConfig:
     served_model_name: str | None = None
     engine: Engine.Config = field(default_factory=Engine.Config)
     xfer: XferConfig = field(default_factory=XferConfig)
+    warmup_decode_tokens: int = 0
+    """Capture the decode graphs for rows up to this many tokens before serving (0: on first use)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -55,6 +57,9 @@ def load_engine(cfg: ServeConfig) -> Engine:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     engine = Engine(model, tokenizer, cfg.engine)
     engine.start()
+    if cfg.warmup_decode_tokens > 0:
+        took = engine.call(engine.warmup_decode, cfg.warmup_decode_tokens).result()
+        logging.getLogger(__name__).info("decode graphs captured in %.1f s", took)
     return engine
 
 

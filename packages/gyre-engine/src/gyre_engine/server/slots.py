@@ -1,0 +1,461 @@
+"""Fixed decode slots over a preallocated KV cache, with the decode step captured as CUDA graphs.
+
+The eager decode batch (`batch.py`) rebuilds a transformers `DynamicCache` and launches every kernel of
+every layer from Python each step; on a GPU that, not memory bandwidth, bounds decode. Here each running
+request owns a slot: row `i` of a static KV buffer per layer (`[slots, kv_heads, capacity, head_dim]`),
+with its own length. One decode step is the transformers model's own forward, given
+
+- `SlotCache`, a duck-typed cache whose `update` writes each row's new key/value at that row's position
+  (an `index_put_` with per-row positions) and returns the buffers cut to a length bucket, and
+- the attention function `gyre_slots` (registered through transformers' `AttentionInterface`), grouped
+  query attention over each row's valid prefix (columns at or before its position) without repeating
+  the KV heads.
+
+On CUDA the step for a (batch bucket, length bucket) pair is captured once as a `torch.cuda.CUDAGraph`
+(optionally over a `torch.compile`d forward, which fuses the norms, rotary and MLP elementwise work) and
+replayed; the inputs (token ids, positions) are copied into static buffers before each replay. Padding
+rows of a bucket sit in free slots at position 0, so they never touch a running row's KV. The greedy
+head (the same float log-softmax / argmax / gather that `sampling.sample` runs for greedy rows) is
+captured too, so an all-greedy step costs one replay and one read-back.
+
+Graphs read parameter storage in place: a weight update that copies into the parameters (all of
+gyre-engine's do) needs no re-capture and lands between two replays, so no token mixes two versions;
+anything that moves the parameters (release/resume of weights) drops the graphs (`check_weights`).
+The same code runs without graphs (and on CPU), which is how its bookkeeping is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from gyre_engine.server.batch import RowKV, cache_kwarg
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "gyre_slots"
+LEN_QUANTUM = 128
+_registered = False
+
+
+def _grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """query [B, H, 1, D], key/value [B, KVH, L, D] (strided views), mask [B, 1, 1, L] bool (True =
+    attend); returns [B, 1, H, D]. Grouped-query attention without repeating the KV heads."""
+    b, h, q, d = query.shape
+    kvh = key.shape[1]
+    qg = query.reshape(
+        b, kvh, (h // kvh) * q, d
+    )  # head j of kv group k is head k * g + j (repeat_kv's order)
+    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling  # [B, KVH, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, KVH, G, D]
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("gyre::slot_kv_write", mutates_args=("kv",))
+def slot_kv_write(
+    kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pos: torch.Tensor, layer: int
+) -> None:
+    """Write row i's new key/value (key/value [B, KVH, 1, D]) at column pos[i] of slot i of layer
+    `layer` of `kv` ([2, layers, slots, KVH, capacity, D]). A custom op that declares its mutation, so
+    torch.compile keeps the write in place (an `index_put_` on a view of a graph input is functionalized
+    into a copy of the whole buffer)."""
+    b = key.shape[0]
+    rows = torch.arange(b, device=key.device)
+    kv[:, layer, rows, :, pos] = torch.stack([key[:, :, 0], value[:, :, 0]], dim=1).to(kv.dtype)
+
+
+@slot_kv_write.register_fake
+def _(kv, key, value, pos, layer):  # type: ignore[no-untyped-def]
+    return None
+
+
+def _slot_attention_interface(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function for a slot step. `key`/`value` are the slot buffers cut to the
+    step's rows and columns (from `SlotCache.update`, which wrote the new token's), `attention_mask` the
+    [B, 1, 1, L] bool mask (`column <= position`)."""
+    assert attention_mask is not None
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return _grouped_attention(query, key, value, attention_mask, scale), None
+
+
+def register_attention() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_NAME, _slot_attention_interface)
+        _registered = True
+
+
+class SlotCache:
+    """What the model's attention layers see as their cache during a slot step: `update` writes row i's
+    new key/value at column pos[i] of slot i and returns the buffers cut to the step's rows and columns.
+    Duck-typed (transformers 5.17 and 5.2x call `update(k, v, layer_idx, ...)`)."""
+
+    def __init__(self, kv: torch.Tensor, pos: torch.Tensor, width: int) -> None:
+        self.kv, self.pos, self.width = kv, pos, width
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.ops.gyre.slot_kv_write(self.kv, k, v, self.pos, layer_idx)
+        b = k.shape[0]
+        return self.kv[0, layer_idx, :b, :, : self.width], self.kv[1, layer_idx, :b, :, : self.width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _batch_buckets(slots: int, smallest: int = 1) -> list[int]:
+    out = [smallest, 2, 4, 8, 16]
+    n = 24
+    while n < slots:
+        out.append(n)
+        n += 8 if n < 64 else 32
+    return sorted({x for x in out if x < slots} | {slots})
+
+
+def length_bucket(n: int) -> int:
+    """Columns attended for rows of at most `n` tokens: a multiple of 128, with at most ~25% waste."""
+    step = max(LEN_QUANTUM, (1 << max(0, math.ceil(math.log2(max(n, 1))) - 2)))
+    return -(-n // step) * step
+
+
+class SlotBatch:
+    """The decode rows held in slots 0..n-1 (compact: a leaving row's slot is filled by the last one).
+    Same interface as `DecodeBatch` (`lengths`, `next_tokens`, `add_many`, `remove`, `row_kv`, `step`)."""
+
+    def __init__(
+        self,
+        model: Any,
+        slots: int,
+        max_len: int,
+        use_graphs: bool,
+        compile_model: bool = False,
+    ) -> None:
+        register_attention()
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        mc = model.config.get_text_config()
+        self.layers = int(mc.num_hidden_layers)
+        self.kv_heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
+        self.head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+        self.vocab = int(mc.vocab_size)
+        self.slots = slots
+        self.max_len = max_len
+        self.use_graphs = use_graphs
+        self.compile_model = compile_model
+        self.cache_kw = cache_kwarg(model)
+        self.lengths: list[int] = []
+        self.next_tokens: list[int] = []
+        self.capacity = 0
+        self.kv = torch.zeros(0, device=self.device)
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._pool: Any = None
+        self._weights_fp: tuple[int, ...] = ()
+        self._compiled: Any = None
+        # a compiled forward specializes on a batch of 1, so one row runs in a bucket of 2 (same cost:
+        # decode reads the weights once either way) and one compilation serves every bucket
+        self.buckets = _batch_buckets(slots, 2 if compile_model and slots > 1 else 1)
+        self.stats = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager_steps": 0, "grows": 0}
+        self._alloc_io()
+
+    # ------------------------------------------------------------------ support
+    @staticmethod
+    def unsupported(model: Any) -> str | None:
+        """Why the slot path cannot serve this model (None if it can)."""
+        mc = model.config.get_text_config()
+        types = set(getattr(mc, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"}:
+            return f"layer types {sorted(types)} (only full attention is supported)"
+        if getattr(mc, "sliding_window", None) and getattr(mc, "use_sliding_window", False):
+            return "sliding-window attention"
+        return None
+
+    @staticmethod
+    def token_bytes(model: Any) -> int:
+        mc = model.config.get_text_config()
+        kvh = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
+        hd = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+        return 2 * int(mc.num_hidden_layers) * kvh * hd * next(model.parameters()).element_size()
+
+    # ------------------------------------------------------------------ buffers
+    def _alloc_io(self) -> None:
+        s, dev = self.slots, self.device
+        self.io = torch.zeros((2, s), dtype=torch.long, device=dev)  # row 0: input ids, row 1: positions
+        self.rows = torch.arange(s, device=dev)
+        self.cols = torch.arange(0, device=dev)
+        self.logits_out: torch.Tensor | None = None
+        self.greedy_out = torch.zeros((2, s), dtype=torch.float64, device=dev)
+
+    @torch.inference_mode()
+    def _ensure_capacity(self, need: int) -> None:
+        """Make every slot hold at least `need` tokens (grow by doubling, copy, drop the graphs)."""
+        if need <= self.capacity:
+            return
+        cap = max(512, self.capacity)
+        while cap < need:
+            cap *= 2
+        cap = min(max(cap, need), self.max_len)
+        kv = torch.zeros(
+            (2, self.layers, self.slots, self.kv_heads, cap, self.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        if self.capacity:
+            n = max(self.lengths, default=0)
+            kv[..., :n, :].copy_(self.kv[..., :n, :])
+        self.kv, self.capacity = kv, cap
+        self.cols = torch.arange(cap, device=self.device)
+        self.drop_graphs()
+        self.stats["grows"] += 1
+
+    @torch.inference_mode()
+    def release(self) -> None:
+        """Free the KV buffer and graphs (no rows may be running)."""
+        assert not self.lengths
+        self.kv, self.capacity = torch.zeros(0, device=self.device), 0
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def check_weights(self) -> None:
+        """Drop the graphs if any parameter moved (graphs hold their addresses)."""
+        fp = tuple(p.data_ptr() for p in self.model.parameters())
+        if fp != self._weights_fp:
+            self._weights_fp = fp
+            self.drop_graphs()
+
+    # ------------------------------------------------------------------ rows
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def free(self) -> int:
+        return self.slots - len(self.lengths)
+
+    def fits(self, length: int) -> bool:
+        """Whether a row of `length` cached tokens can decode here at least one step."""
+        return length + 1 <= self.max_len
+
+    def full_rows(self) -> list[int]:
+        """Rows whose next token would not fit their slot (they must leave for the eager path)."""
+        return [i for i, n in enumerate(self.lengths) if n + 1 > self.max_len]
+
+    @torch.inference_mode()  # the buffer is an inference tensor: writes happen in inference mode
+    def add_many(self, rows: list[tuple[RowKV, int]]) -> None:
+        if not rows:
+            return
+        if len(self.lengths) + len(rows) > self.slots:
+            raise RuntimeError("no free decode slot")
+        self._ensure_capacity(max(kv.length for kv, _ in rows) + 1)
+        for kv, tok in rows:
+            i, n = len(self.lengths), kv.length
+            self.kv[0, :, i, :, :n].copy_(torch.cat(kv.keys, dim=0))
+            self.kv[1, :, i, :, :n].copy_(torch.cat(kv.values, dim=0))
+            self.lengths.append(n)
+            self.next_tokens.append(tok)
+
+    def add(self, kv: RowKV, next_token: int) -> None:
+        self.add_many([(kv, next_token)])
+
+    @torch.inference_mode()
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop rows: the last remaining rows move into the freed slots (one gather/scatter of whole slots,
+        all layers at once). Returns the old row indices in their new order."""
+        gone = set(rows)
+        n = len(self.lengths)
+        new_n = n - len(gone)
+        order = list(range(new_n))
+        holes = [j for j in range(new_n) if j in gone]
+        movers = [i for i in range(new_n, n) if i not in gone]
+        for h, m in zip(holes, movers, strict=True):
+            order[h] = m
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+        self.lengths = [self.lengths[i] for i in order]
+        self.next_tokens = [self.next_tokens[i] for i in order]
+        return order
+
+    def clear(self) -> None:
+        self.lengths, self.next_tokens = [], []
+
+    def row_kv(self, row: int) -> RowKV:
+        """The valid KV of one row (views of the slot buffer: clone before keeping it)."""
+        n = self.lengths[row]
+        return RowKV(
+            [self.kv[0, layer, row : row + 1, :, :n] for layer in range(self.layers)],
+            [self.kv[1, layer, row : row + 1, :, :n] for layer in range(self.layers)],
+        )
+
+    # ------------------------------------------------------------------ the step
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [b, V] of one decode step for rows 0..b-1 (input ids and positions [b]) over `cols`
+        columns. Every input is contiguous whatever the bucket, so the compiled code does not specialize
+        on the largest bucket (a [2, b] slice of the [2, slots] buffer is contiguous only at b = slots)."""
+        mask = (cols[None, :] <= pos[:, None])[:, None, None, :]
+        cache = SlotCache(kv, pos, cols.shape[0])
+        out = self.model(
+            input_ids=ids[:, None],
+            position_ids=pos[:, None],
+            attention_mask={"full_attention": mask, "sliding_attention": mask},
+            use_cache=True,
+            **{self.cache_kw: cache},
+        )
+        return out.logits[:, -1]
+
+    def _run(self, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compile_model and self._compiled is None:
+            self._compiled = _compile(self._forward)
+        fwd = self._compiled if self._compiled is not None else self._forward
+        cfg = self.model.config
+        old = cfg._attn_implementation
+        cfg._attn_implementation = ATTN_NAME
+        try:
+            with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
+                warnings.simplefilter("ignore")
+                logits = fwd(self.io[0, :b], self.io[1, :b], self.cols[:width], self.kv)
+        finally:
+            cfg._attn_implementation = old
+        # the greedy head, exactly as `sampling.sample` computes it for greedy rows without processing
+        logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
+        chosen = torch.argmax(logp, dim=-1)
+        lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
+        return logits, torch.stack([chosen.double(), lp.double()])
+
+    def _prepare(self) -> tuple[int, int]:
+        n = len(self.lengths)
+        self._ensure_capacity(max(self.lengths) + 1)
+        b = next(x for x in self.buckets if x >= n) if self.use_graphs else n
+        width = min(length_bucket(max(self.lengths) + 1), self.capacity)
+        host = torch.zeros((2, b), dtype=torch.long)
+        host[0, :n] = torch.tensor(self.next_tokens, dtype=torch.long)
+        host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
+        self.io[:, :b].copy_(host, non_blocking=False)
+        return b, width
+
+    def _graph(self, b: int, width: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        key = (b, width)
+        got = self._graphs.get(key)
+        if got is not None:
+            return got
+        t0 = time.perf_counter()
+        if not self._weights_fp:
+            self._weights_fp = tuple(p.data_ptr() for p in self.model.parameters())
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture; the step's own
+            try:  # KV writes are recomputed identically by the replay
+                for _ in range(2):
+                    self._run(b, width)
+            except Exception:
+                if not self.compile_model:
+                    raise
+                log.exception("compiled decode step failed; capturing the eager forward instead")
+                self._compiled, self.compile_model = None, False
+                for _ in range(2):
+                    self._run(b, width)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits, greedy = self._run(b, width)
+        got = (graph, logits, greedy)
+        self._graphs[key] = got
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return got
+
+    def _execute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b, width = self._prepare()
+        n = len(self.lengths)
+        got = None
+        if self.use_graphs:
+            try:
+                got = self._graph(b, width)
+            except Exception:
+                log.exception("capturing the decode step failed; decoding in slots without graphs")
+                self.use_graphs = False
+                self.drop_graphs()
+        if got is not None:
+            graph, logits, greedy = got
+            graph.replay()
+            self.stats["replays"] += 1
+        else:
+            logits, greedy = self._run(b, width)
+            self.stats["eager_steps"] += 1
+        self.lengths = [x + 1 for x in self.lengths]
+        return logits[:n], greedy[:, :n]
+
+    @torch.inference_mode()
+    def step(self, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """One decode step for every row; the last-position logits [n, V] (valid until the next step)."""
+        return self._execute()[0]
+
+    @torch.inference_mode()
+    def step_greedy(self) -> tuple[list[int], list[float]]:
+        """One decode step where every row is greedy without logit processing: tokens and logprobs."""
+        _, greedy = self._execute()
+        toks, lps = greedy.tolist()
+        return [int(t) for t in toks], lps
+
+    @torch.inference_mode()
+    def warmup(self, max_tokens: int) -> None:
+        """Capture the graphs of every batch bucket and every length bucket for rows of up to
+        `max_tokens` tokens (no row may be running)."""
+        if not self.use_graphs:
+            return
+        if self.lengths:
+            raise RuntimeError("warm up the decode graphs before any row runs")
+        top = min(max_tokens, self.max_len)
+        self._ensure_capacity(top)
+        widths = sorted({min(length_bucket(n), self.capacity) for n in range(1, top + 1)})
+        self.io.zero_()  # rows at position 0 of free slots: their writes land where no row reads
+        for width in widths:
+            for b in self.buckets:
+                self._graph(b, width)
+
+
+def _compile(fn: Any) -> Any:
+    with warnings.catch_warnings():  # importing Inductor warns (deprecations); a pytest "error" filter
+        warnings.simplefilter("ignore")  # must not turn that into a failed compilation
+        import torch._dynamo
+        import torch._inductor.compile_fx
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False  # keep the batch size its own symbol (no guard "batch == heads")
+    except (ImportError, AttributeError):
+        pass
+    compiled = torch.compile(fn, dynamic=True, fullgraph=False)
+
+    return compiled

@@ -1,0 +1,106 @@
+"""The slot decode path (`server/slots.py`) on CPU, without CUDA graphs: requests decode in fixed slots
+of a static KV cache (per-row positions, compaction when rows leave, eviction to the eager lanes when a
+slot is full), and stay exact: greedy equals transformers' generate, logprobs equal a separate forward,
+prefix reuse and export/import, weight updates in place. `test_cuda_graphs.py` runs the same checks with
+captured graphs on a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared checks (tests run with --import-mode=importlib)
+import slot_checks  # noqa: E402
+from gyre_engine.server.engine import Engine  # noqa: E402
+from gyre_engine.server.model_factory import create_model  # noqa: E402
+from gyre_engine.server.serve import ServeConfig, load_engine  # noqa: E402
+from gyre_engine.server.slots import SlotBatch, length_bucket  # noqa: E402
+
+
+def _engine(model_dir: Path, **kw: Any) -> Engine:
+    cfg = Engine.Config(max_running_requests=8, decode_slots="eager", **kw)
+    return load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=cfg))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    a = _engine(model_dir, slot_max_len=48)  # small slots: long rows move on to the eager lanes
+    b = _engine(model_dir)
+    yield a, b
+    a.shutdown()
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_model(tmp_path_factory.mktemp("tiny-other") / "model", shape="tiny", seed=1)
+
+
+def test_slot_engine_is_on_and_greedy_equals_generate(engines: tuple[Engine, Engine], hf_model: Any) -> None:
+    a, _ = engines
+    assert a.slots is not None and not a.slots.use_graphs
+    slot_checks.check_concurrent_greedy(a, hf_model)
+    st = a.slot_stats()
+    assert st["eager_steps"] > 0
+    assert a.stats().decode_steps > st["eager_steps"]  # some rows outgrew 48 tokens and went on in lanes
+
+
+def test_slot_logprobs_equal_a_separate_forward(engines: tuple[Engine, Engine], hf_model: Any) -> None:
+    slot_checks.check_logprobs(engines[1], hf_model)
+
+
+def test_slot_prefix_reuse_and_export_import(engines: tuple[Engine, Engine], hf_model: Any) -> None:
+    a, b = engines
+    slot_checks.check_prefix_reuse_and_export(b, a, hf_model)
+
+
+def test_slot_weight_update(engines: tuple[Engine, Engine], model_dir: Path, other_dir: Path) -> None:
+    ref = slot_checks.load_hf(model_dir)
+    slot_checks.check_weight_update(engines[1], ref, other_dir, model_dir)
+    slot_checks.check_update_between_tokens(engines[1], other_dir)
+
+
+def test_slot_rows_compact_and_keep_their_kv(hf_model: Any) -> None:
+    """Rows leave from the middle: the last rows move into the holes with their KV and positions."""
+    from gyre_engine.server.batch import cache_kwarg
+    from gyre_engine.server.prefill import prefill_group
+
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17], [18, 19, 20]]
+    with torch.inference_mode():
+        rows, logits = prefill_group(hf_model, cache_kwarg(hf_model), prompts, torch.device("cpu"))
+        sb = SlotBatch(hf_model, 8, 64, use_graphs=False)
+        toks = logits.argmax(-1).tolist()
+        sb.add_many(list(zip(rows, toks, strict=True)))
+        ctxs = [[*p, t] for p, t in zip(prompts, toks, strict=True)]
+        for step in range(6):
+            if step == 2:
+                order = sb.remove([0, 2])
+                assert order == [3, 1, 4]
+                ctxs = [ctxs[i] for i in order]
+            out = sb.step()
+            for i, ctx in enumerate(ctxs):
+                want = hf_model(torch.tensor([ctx])).logits[0, -1]
+                assert torch.allclose(out[i], want, atol=1e-4)
+            for i in range(len(ctxs)):
+                sb.next_tokens[i] = int(out[i].argmax())
+                ctxs[i].append(sb.next_tokens[i])
+        assert sb.lengths == [len(c) - 1 for c in ctxs]
+
+
+def test_length_buckets() -> None:
+    assert [length_bucket(n) for n in (1, 128, 129, 256, 257, 385, 1000, 5000)] == [
+        128,
+        128,
+        256,
+        256,
+        384,
+        512,
+        1024,
+        6144,
+    ]
