@@ -649,7 +649,7 @@ class ExecutionTree:
         st = self.stats
         st.calls = undo.counts[0] + m
         st.call_tokens = undo.counts[1] + int((batch.keeps + n_in_arr + n_out_arr).sum())
-        st.delta_calls = undo.counts[2] + sum(1 for p in parents if p)
+        st.delta_calls = undo.counts[2] + m - parents.count("")
 
     def _checkpoint(self) -> _Undo:
         st = self.stats
