@@ -242,3 +242,24 @@ def test_an_engine_rank_that_never_joins_is_a_timeout(engine: str) -> None:
         assert sync.group is None
     finally:
         sync.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
+def test_a_megatron_core_pushes_the_transformers_layout(engine: str, model_dir: Path) -> None:
+    """A Megatron-core core (CPU, its own one-process default group) next to the weight-update group: its
+    weights reach the engine converted to the transformers layout, and the engine serves them."""
+    megatron = pytest.importorskip("gyre_train.megatron")
+    mc = dataclasses.replace(engine_config(model_dir), backend="megatron")
+    sync = SGLangSyncConfig((engine,), group_name="gyre-megatron", timeout_s=30.0)
+    core = Core(build_model(mc), mc, CoreConfig(token_budget=512, engines=sync, optim=OptimConfig(lr=3e-2)))
+    try:
+
+        def hf() -> dict[str, torch.Tensor]:
+            return {k: torch.from_numpy(v) for k, v in megatron.hf_state_dict(core.model, mc).items()}
+
+        before = assert_serves(engine, model_dir, hf(), "0")
+        core.train_step(in_vocab(synthetic_minibatch(4, seed=3), mc.vocab_size))
+        after = assert_serves(engine, model_dir, hf(), "1")
+        assert after != before
+    finally:
+        core.close()
