@@ -204,7 +204,12 @@ class SGLangWeightSync:
         replies: list[str] = []
         broadcast_s = 0.0
         if cfg.session:
-            self._all_ok("begin_weight_update", lambda c, i: c.begin_weight_update(), cfg.http_timeout_s)
+            failed = self._failures(self._gather(lambda c, i: c.begin_weight_update(), cfg.http_timeout_s))
+            if failed:  # let the engines that did begin serve on
+                self._gather(lambda c, i: c.end_weight_update(), cfg.http_timeout_s)
+                raise WeightSyncError(
+                    f"pushing version {label}: begin_weight_update failed: {'; '.join(failed)}"
+                )
         for k, bucket in enumerate(buckets):
             names = [n for n, _ in bucket]
             dtypes = [wire_dtype_name(t.dtype) for _, t in bucket]
