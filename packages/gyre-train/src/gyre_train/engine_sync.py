@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -96,6 +97,10 @@ class SGLangWeightSync:
         ranks = cfg.ranks_per_engine or tuple(1 for _ in cfg.engines)
         if len(ranks) != len(cfg.engines) or any(r < 1 for r in ranks):
             raise ValueError("ranks_per_engine must give a positive rank count for every engine")
+        if cfg.wire_dtype is not None and not isinstance(getattr(torch, cfg.wire_dtype, None), torch.dtype):
+            raise ValueError(f"wire_dtype {cfg.wire_dtype!r} is not a torch dtype name (e.g. 'bfloat16')")
+        if cfg.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {cfg.backend!r}: use 'gloo' or 'nccl'")
         self.cfg = cfg
         self.ranks = ranks
         self.world_size = 1 + sum(ranks)
@@ -167,13 +172,17 @@ class SGLangWeightSync:
                 listener=listener, cuda_device=cuda,
             )  # fmt: skip
         except WeightGroupError as exc:
-            replies = joins.result(cfg.timeout_s + 60.0)
-            why = "; ".join(self._failures(replies)) or "every engine answered"
+            try:
+                why = "; ".join(self._failures(joins.result(cfg.timeout_s + 60.0))) or "every engine answered"
+            except FutureTimeout:
+                why = "no answer"
             raise WeightSyncError(
                 f"forming weight group {cfg.group_name!r} failed: {exc} (engines: {why})"
             ) from exc
-        replies = joins.result(cfg.timeout_s + 60.0)
-        failed = self._failures(replies)
+        try:
+            failed = self._failures(joins.result(cfg.timeout_s + 60.0))
+        except FutureTimeout:
+            failed = ["did not answer /init_weights_update_group"]
         if failed:
             group.close()
             raise WeightSyncError(
@@ -244,7 +253,10 @@ class SGLangWeightSync:
                     sent_error = exc
                     break
             broadcast_s += time.perf_counter() - tb
-            results = pending.result(cfg.timeout_s * 2 + 120.0)
+            try:
+                results = pending.result(cfg.timeout_s * 2 + 120.0)
+            except FutureTimeout as exc:
+                raise WeightSyncError(f"pushing version {label}: engines did not answer") from exc
             failed = self._failures(results)
             if sent_error is not None or failed:
                 why = "; ".join(([str(sent_error)] if sent_error is not None else []) + failed)
