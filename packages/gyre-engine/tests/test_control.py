@@ -264,7 +264,7 @@ def test_flush_model_info_health_and_nccl_endpoints(server: Any, model_dir: Path
             info = await c.model_info()
             assert info.model_path == str(model_dir) and info.is_generation
             assert await c.health() and await c.health_generate() and await c.ready()
-            with pytest.raises(EngineError, match="not supported by gyre-engine"):
+            with pytest.raises(EngineError, match="'nccl' needs the engine on CUDA"):
                 await c.init_weights_update_group("127.0.0.1", 29500, 1, 2, "g")
 
     run(go())

@@ -254,9 +254,14 @@ class EngineClient:
         world_size: int,
         group_name: str,
         backend: str = "nccl",
+        *,
+        timeout_s: float | None = None,
     ) -> SuccessReply:
-        """SGLang only: joins the trainer's NCCL group for /update_weights_from_distributed."""
-        body = {
+        """Join the trainer's weight-update group (rank 0 is the trainer; this engine's ranks start at
+        `rank_offset`). Returns once the whole group has formed, so the trainer must form its rank 0 at
+        the same time. `timeout_s` (gyre-engine; SGLang ignores it) bounds the forming and each
+        broadcast; the HTTP wait is that plus 30 s."""
+        body: dict[str, Any] = {
             "master_address": master_address,
             "master_port": master_port,
             "rank_offset": rank_offset,
@@ -264,8 +269,11 @@ class EngineClient:
             "group_name": group_name,
             "backend": backend,
         }
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        wait = None if timeout_s is None else timeout_s + 30.0
         return msgspec.json.decode(
-            (await self._post("/init_weights_update_group", body)).content, type=SuccessReply
+            (await self._post("/init_weights_update_group", body, timeout=wait)).content, type=SuccessReply
         )
 
     async def update_weights_from_distributed(
@@ -277,19 +285,32 @@ class EngineClient:
         *,
         weight_version: str | None = None,
         flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        http_timeout_s: float | None = None,
     ) -> SuccessReply:
-        """SGLang only: the trainer's rank 0 then broadcasts each tensor over the group."""
+        """The trainer's rank 0 then broadcasts each tensor over the group, in the order of `names`;
+        the reply comes once they are all received and loaded. `dtypes` are torch dtype names
+        ("bfloat16", "float32", ...)."""
         body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": group_name,
             "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
         return msgspec.json.decode(
-            (await self._post("/update_weights_from_distributed", body)).content, type=SuccessReply
+            (await self._post("/update_weights_from_distributed", body, timeout=http_timeout_s)).content,
+            type=SuccessReply,
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> SuccessReply:
+        """Leave the weight-update group `group_name`."""
+        return msgspec.json.decode(
+            (await self._post("/destroy_weights_update_group", {"group_name": group_name})).content,
+            type=SuccessReply,
         )
 
     async def release_memory(self, tags: list[str] | None = None) -> None:

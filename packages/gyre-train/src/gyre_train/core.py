@@ -26,6 +26,13 @@ from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import open_transport
 
 from gyre_train.claims import StepState
+from gyre_train.engine_sync import (
+    PushReport,
+    SGLangSyncConfig,
+    SGLangWeightSync,
+    WeightSyncError,
+    engine_tensors,
+)
 from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
 from gyre_train.protocol import ArraySpec
 from gyre_train.server import ReplicaServer
@@ -76,6 +83,9 @@ class CoreConfig:
     """Mini-batches the trajectory service may queue ahead (`Submit`); more are refused until one is taken."""
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    engines: SGLangSyncConfig | None = None
+    """Also push every version to these engines through SGLang's weight-update endpoints
+    (`engine_sync.py`; the group is formed once, in the constructor). None: gyre-xfer snapshots only."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class StepReport:
     grad_norm: float
     staleness: Staleness
     elapsed_s: float
+    engine_push: PushReport | None = None
+    """The push of this version to the SGLang-protocol engines (`CoreConfig.engines`)."""
 
 
 class Core:
@@ -131,6 +143,17 @@ class Core:
         self._metrics: dict[int, dict[str, float]] = {}
         self._server = ReplicaServer(self)
         self.address = self._server.address
+        self.engine_sync: SGLangWeightSync | None = None
+        self.last_push: PushReport | None = None
+        if self.cfg.engines is not None:
+            try:
+                self.engine_sync = SGLangWeightSync(self.cfg.engines)
+                self.engine_sync.connect()
+                if self.cfg.engines.push_at_start:
+                    self.push_to_engines()
+            except BaseException:
+                self.close()
+                raise
 
     # ---- membership (what the scheduler calls) ----------------------------------------------------
 
@@ -295,6 +318,7 @@ class Core:
         self.version += 1
         self.queue_position += 1
         self.snapshot = self.publisher.publish(params(self.model))
+        push = self.push_to_engines() if self.engine_sync is not None else None
         by_replica: dict[str, int] = {}
         for r in st.done.values():
             by_replica[r] = by_replica.get(r, 0) + 1
@@ -310,6 +334,7 @@ class Core:
             grad_norm=grad_norm,
             staleness=staleness(microbatches, st.version),
             elapsed_s=time.perf_counter() - t0,
+            engine_push=push,
         )
 
     def _apply(self, grad: torch.Tensor) -> float:
@@ -330,9 +355,27 @@ class Core:
         return [self.train_step(mb, on_progress) for mb in minibatches]
 
     def republish(self) -> int:
-        """Publish the current weights as a new snapshot (after loading a checkpoint)."""
+        """Publish the current weights as a new snapshot (after loading a checkpoint), and push them to
+        the SGLang-protocol engines if there are any."""
         self.snapshot = self.publisher.publish(params(self.model))
+        if self.engine_sync is not None:
+            self.push_to_engines()
         return self.snapshot
+
+    def push_to_engines(self) -> PushReport:
+        """Push the current weights (transformers layout) to the engines of `CoreConfig.engines`, labelled
+        with the core's version. Called after every update; call it again to retry a failed push (after
+        `engine_sync.reconnect()` if the group broke)."""
+        if self.engine_sync is None:
+            raise WeightSyncError("no engines configured (CoreConfig.engines)")
+        try:
+            self.last_push = self.engine_sync.push(engine_tensors(self.model, self.model_cfg), self.version)
+        except WeightSyncError as exc:
+            raise WeightSyncError(
+                f"step {self.step} is applied (version {self.version}, snapshot {self.snapshot}), but the "
+                f"engines did not get it: {exc}"
+            ) from exc
+        return self.last_push
 
     def save(self, path: Path) -> Path:
         """Checkpoint weights, optimizer state, step, version and queue position (between steps)."""
@@ -350,6 +393,10 @@ class Core:
         load(self, path)
 
     def close(self) -> None:
+        if getattr(self, "engine_sync", None) is not None:
+            sync, self.engine_sync = self.engine_sync, None
+            assert sync is not None
+            sync.close()
         self._server.close()
         self.publisher.close()
         self._transport.close()

@@ -50,6 +50,14 @@ from gyre_engine.protocol import (
     XferWeightsReply,
     check_sampling_keys,
 )
+from gyre_engine.server.dist_update import (
+    DestroyWeightsUpdateGroupRequest,
+    DistUpdateError,
+    GroupBusy,
+    InitWeightsUpdateGroupRequest,
+    UpdateFromDistributedRequest,
+    WeightGroups,
+)
 from gyre_engine.server.engine import Engine, EngineUnavailable
 from gyre_engine.server.kv_transfer import (
     KvTransferError,
@@ -77,6 +85,7 @@ from gyre_engine.server.xfer import (
     snapshot_tensors,
     xfer_status,
 )
+from gyre_engine.weight_group import WeightGroupError, WeightGroupTimeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,9 +124,20 @@ def _error_for(exc: Exception) -> Response:
         return error_response(f"{err_type}: {exc}", status, err_type, retryable=retry)
     if isinstance(exc, EngineUnavailable):
         return error_response(str(exc), 409, "EngineUnavailable", retryable=True)
+    if isinstance(exc, GroupBusy):
+        return error_response(str(exc), 409, "WeightGroupBusy", retryable=True)
+    if isinstance(exc, WeightGroupTimeout):
+        return error_response(str(exc), 504, "WeightGroupTimeout", retryable=True)
+    if isinstance(exc, WeightGroupError):
+        return error_response(str(exc), 502, "WeightGroupError", retryable=True)
     if isinstance(
         exc,
-        ProtocolError | WeightUpdateError | KvTransferError | msgspec.ValidationError | msgspec.DecodeError,
+        ProtocolError
+        | WeightUpdateError
+        | KvTransferError
+        | DistUpdateError
+        | msgspec.ValidationError
+        | msgspec.DecodeError,
     ):
         return error_response(str(exc))
     if isinstance(exc, TimeoutError):
@@ -131,6 +151,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     tok = engine.tokenizer
     xfer = XferHub(config.xfer)
     xfer_weights = asyncio.Lock()  # a snapshot's arrays live in the subscriber's staging until applied
+    groups = WeightGroups(engine.model, engine.device)  # SGLang's distributed weight-update groups
 
     async def run(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         fut = engine.call(fn, *args)
@@ -321,11 +342,33 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             SuccessReply(True, msg, num_paused_requests=0 if body.abort_all_requests else running + waiting)
         )
 
-    async def not_supported(request: Request) -> Response:
-        return error_response(
-            f"{request.url.path} (NCCL weight-update groups) is not supported by gyre-engine; "
-            "use /update_weights_from_tensor or /update_weights_from_disk"
+    async def init_weights_update_group(request: Request) -> Response:
+        body = await body_as(request, InitWeightsUpdateGroupRequest)
+        g = await groups.init(body)
+        msg = f"joined weight update group {g.name!r} as rank {g.rank} of {g.world_size} ({g.backend})"
+        return _json_response(SuccessReply(True, msg))
+
+    async def update_from_distributed(request: Request) -> Response:
+        body = await body_as(request, UpdateFromDistributedRequest)
+        t0 = time.monotonic()
+        tensors = await groups.receive(body)
+        n = await run(
+            engine.update_weights,
+            lambda: apply_named_tensors(engine.model, tensors),
+            body.weight_version,
+            body.flush_cache,
+            body.abort_all_requests,
         )
+        msg = (
+            f"updated {n} tensors from group {body.group_name!r} in {time.monotonic() - t0:.3f} s; "
+            f"weight_version={engine.weight_version}"
+        )
+        return _json_response(SuccessReply(True, msg))
+
+    async def destroy_weights_update_group(request: Request) -> Response:
+        body = await body_as(request, DestroyWeightsUpdateGroupRequest)
+        groups.destroy(body.group_name)
+        return _json_response(SuccessReply(True, f"weight update group {body.group_name!r} destroyed"))
 
     async def release_memory(request: Request) -> Response:
         body = await body_as(request, MemoryRequest)
@@ -467,8 +510,9 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         Route("/end_weight_update", guarded(end_weight_update), methods=["POST"]),
         Route("/update_weights_from_tensor", guarded(update_from_tensor), methods=["POST"]),
         Route("/update_weights_from_disk", guarded(update_from_disk), methods=["POST"]),
-        Route("/init_weights_update_group", guarded(not_supported), methods=["POST"]),
-        Route("/update_weights_from_distributed", guarded(not_supported), methods=["POST"]),
+        Route("/init_weights_update_group", guarded(init_weights_update_group), methods=["POST"]),
+        Route("/update_weights_from_distributed", guarded(update_from_distributed), methods=["POST"]),
+        Route("/destroy_weights_update_group", guarded(destroy_weights_update_group), methods=["POST"]),
         Route("/release_memory_occupation", guarded(release_memory), methods=["POST"]),
         Route("/resume_memory_occupation", guarded(resume_memory), methods=["POST"]),
         Route("/flush_cache", guarded(flush_cache), methods=["GET", "POST"]),
@@ -487,6 +531,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     ]
     app = Starlette(routes=routes)
     app.state.xfer = xfer
+    app.state.weight_groups = groups
     return app
 
 

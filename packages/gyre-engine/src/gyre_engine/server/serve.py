@@ -78,3 +78,4 @@ def serve(cfg: ServeConfig) -> None:
     finally:
         engine.shutdown()
         app.state.xfer.close()
+        app.state.weight_groups.close()
