@@ -195,7 +195,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         if key not in _SECTIONS:
             raise ConfigError(f"unknown section [{key}]; known: {', '.join(_SECTIONS)}")
         f = _SECTIONS[key]
-        kwargs[key] = _section(f.default_factory, key, value)  # type: ignore[misc]
+        kwargs[key] = _section(f.default_factory, key, value)
     return Config(**kwargs)
 
 

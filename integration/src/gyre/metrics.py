@@ -30,6 +30,7 @@ class Sample:
     t: float
     roles: dict[int, int]
     engine_busy: dict[int, bool]
+    """The engine ran or queued a request at this sample, or computed anything since the last one."""
     engine_version: dict[int, str]
 
 
@@ -73,6 +74,7 @@ class Sampler:
         sock.connect(self.sched_address)
         sock.send(codec.encode(Hello(PeerKind.OBSERVER)))
         clients = {cid: EngineClient(url, timeout_s=5.0) for cid, url in self.engines.items()}
+        work: dict[int, int] = {}
         try:
             while not self._stop.is_set():
                 st = self.state(sock, codec)
@@ -85,7 +87,11 @@ class Sampler:
                             info = await c.server_info()
                         except Exception:  # a busy or restarting engine: this sample says idle
                             continue
-                        busy[cid] = info.running_requests + info.waiting_requests > 0
+                        done = info.decode_steps + info.prefill_tokens_computed
+                        busy[cid] = info.running_requests + info.waiting_requests > 0 or done != work.get(
+                            cid, done
+                        )
+                        work[cid] = done
                         ver[cid] = info.weight_version
                     self.samples.append(
                         Sample(time.time(), {v.cell_id: int(v.role) for v in st.cells}, busy, ver)
@@ -117,13 +123,14 @@ def role_accounting(
         if dt <= 0:
             continue
         for cid, role in prev.roles.items():
+            busy = cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False)
             acc = per_cell.setdefault(
                 cid, {"rollout_s": 0.0, "rollout_busy_s": 0.0, "training_s": 0.0, "training_busy_s": 0.0,
                       "switching_s": 0.0, "failed_s": 0.0}
             )  # fmt: skip
             if role == int(Role.ROLLOUT):
                 acc["rollout_s"] += dt
-                if prev.engine_busy.get(cid, False):
+                if busy:
                     acc["rollout_busy_s"] += dt
             elif role == int(Role.TRAINING):
                 acc["training_s"] += dt
@@ -173,7 +180,7 @@ def write_plot(metrics: dict[str, Any], samples: list[Sample], path: Path) -> Pa
     for prev, cur in itertools.pairwise(samples):
         for cid, role in prev.roles.items():
             if role == int(Role.ROLLOUT):
-                key = ("r", prev.engine_busy.get(cid, False))
+                key = ("r", cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False))
             elif role == int(Role.TRAINING):
                 key = ("t", _in_steps(prev.t, steps))
             else:
@@ -182,8 +189,10 @@ def write_plot(metrics: dict[str, Any], samples: list[Sample], path: Path) -> Pa
     for s in metrics["steps"]:
         if "t_end" in s:
             ax.axvline(s["t_end"] - t0, color="k", linewidth=0.8, linestyle=":")
+    ax.set_xlim(0, metrics["end_to_end_s"] * 1.02 + 0.1)
     ax.set_xlabel("seconds since the first batch started")
     ax.set_ylabel("cell")
+    ax.set_yticks(sorted({cid for smp in samples for cid in smp.roles}))
     ax.set_title(
         f"{metrics['policy']}: {metrics['end_to_end_s']:.1f} s; rollout (blue), training (red), "
         "switching (grey); light = idle"

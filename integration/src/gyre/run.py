@@ -74,7 +74,14 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json)."""
     out = Path(cfg.run.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("steps.jsonl", "core.json", "metrics.json", "timeline.png", "records.msgpack"):
+    for stale in (
+        "steps.jsonl",
+        "core.json",
+        "metrics.json",
+        "timeline.png",
+        "records.msgpack",
+        "samples.jsonl",
+    ):
         (out / stale).unlink(missing_ok=True)
     if (out / "logs").exists():
         shutil.rmtree(out / "logs")
@@ -175,6 +182,9 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     write_json(out / "metrics.json", metrics)
+    with open(out / "samples.jsonl", "w") as fh:
+        for smp in sampler.samples:
+            fh.write(json.dumps(smp.__dict__) + "\n")
     plot = write_plot(metrics, sampler.samples, out / "timeline.png")
     say(
         f"gyre run: done in {metrics['end_to_end_s']:.1f} s; idle rollout {metrics['roles']['idle_rollout']}, "
