@@ -10,14 +10,15 @@ duration sample) in `out_dir/<policy>/`. Afterwards the machine-dependent times 
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from gyre import predict as sim
 from gyre.config import Config
 from gyre.metrics import write_json
-from gyre.run import run
+from gyre.procs import ProcessGroup
+from gyre.run import ensure_model, run
 
 
 def _fmt(v: Any, pct: bool = False) -> str:
@@ -51,7 +52,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def compare(cfg: Config, policies: list[str], say: Any = print) -> dict[str, Any]:
-    root = Path(cfg.run.out_dir)
+    root = Path(cfg.run.out_dir).resolve()
+    if not cfg.run.model_dir:  # one embedded model for all policies
+        procs = ProcessGroup(root / "logs")
+        try:
+            model = ensure_model(cfg, root, procs)
+        finally:
+            procs.close()
+        cfg = replace(cfg, run=replace(cfg.run, model_dir=str(model)))
     measured: dict[str, dict[str, Any]] = {}
     for p in policies:
         m = run(cfg.with_policy(p, str(root / p)), say=say)
