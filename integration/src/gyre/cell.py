@@ -65,6 +65,7 @@ class CellArgs:
     temperature: float = 1.0
     release_memory: bool = True
     startup_timeout_s: float = 180.0
+    device: str = "cpu"
 
 
 def model_config_of(model_dir: str) -> Any:
@@ -81,6 +82,7 @@ def model_config_of(model_dir: str) -> Any:
         num_key_value_heads=c["num_key_value_heads"],
         head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
     )
 
 
@@ -133,7 +135,7 @@ class Cell:
     def start_engine(self) -> None:
         argv = python_argv(
             "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
-            "--device", "cpu", "--max-running-requests", "64",
+            "--device", self.a.device, "--max-running-requests", "64",
         )  # fmt: skip
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + self.a.startup_timeout_s
@@ -200,12 +202,14 @@ class Cell:
 
         if self.a.is_core:
             from gyre_train.core import Core, CoreConfig, OptimConfig
-            from gyre_train.model import build_model
+            from gyre_train.model import Attention, build_model
 
             mc = model_config_of(self.a.model_dir)
-            model = build_model(mc)
+            attention: Attention = "flex" if self.a.device == "cuda" else "dense"
+            model = build_model(mc, attention, self.a.device)
             load_engine_weights(model, self.a.model_dir)
             cfg = CoreConfig(
+                attention=attention,
                 token_budget=self.a.token_budget,
                 loss=LossConfig(
                     mode="tis" if self.a.loss == "tis" else "ppo", temperature=self.a.temperature
@@ -225,7 +229,9 @@ class Cell:
             from gyre_train.satellite import Satellite, SatelliteConfig
 
             self.client = CoreClient(self.a.core, timeout_s=30.0)
-            sat = Satellite(SatelliteConfig(core=self.a.core, name=self.name, reply_timeout_s=60.0))
+            sat = Satellite(
+                SatelliteConfig(core=self.a.core, name=self.name, device=self.a.device, reply_timeout_s=60.0)
+            )
 
             def serve() -> None:
                 try:

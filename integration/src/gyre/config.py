@@ -33,7 +33,11 @@ class RunSection:
     out_dir: str = "gyre-run"
     """Where logs, records, metrics.json and the plot go (created; a policy subdirectory for compare)."""
     model_dir: str = ""
-    """A gyre-engine model directory; empty: the embedded tiny model, created under out_dir once."""
+    """A gyre-engine model directory; empty: a random-init model of `model_shape`, created under out_dir."""
+    model_shape: str = "tiny"
+    """`gyre-engine create-model --shape`: tiny (the embedded default), small or qwen3-0.6b."""
+    model_dtype: str = "float32"
+    """dtype of a created model (float32 or bfloat16)."""
     deadline_s: float = 900.0
     """The whole run fails (every process stopped) if it has not finished in this long."""
     startup_timeout_s: float = 180.0
@@ -76,6 +80,10 @@ class DriverSection:
     """Batches rollout may run ahead of the trainer: batch k starts once k - steps applied <= this."""
     report_s: float = 0.2
     """How often the water level and ready groups go to the scheduler."""
+    streaming: bool = False
+    """Report a step's groups to the scheduler as they complete (True) or only once the whole batch is
+    (False). gyre-train's core trains whole mini-batches, so True only lets cells move to training
+    before the batch is complete, where they wait."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,9 @@ class CellSection:
     """Concurrent executions one rollout cell serves at full speed (the scheduler's water level unit)."""
     release_memory: bool = True
     """Release the engine's memory while its cell trains (gyre-engine's /release_memory_occupation)."""
+    device: str = "cpu"
+    """cpu, or cuda: cell i then sees GPU i alone (CUDA_VISIBLE_DEVICES) for its engine and its replica,
+    and training uses FlexAttention."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +162,15 @@ class Config:
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")
         _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
+        _check(
+            self.cell.device in ("cpu", "cuda"),
+            f"[cell] device must be cpu or cuda, got {self.cell.device!r}",
+        )
+        _check(
+            r.model_shape in ("tiny", "small", "qwen3-0.6b"),
+            "[run] model_shape must be tiny, small or qwen3-0.6b",
+        )
+        _check(r.model_dtype in ("float32", "bfloat16"), "[run] model_dtype must be float32 or bfloat16")
         s = self.sched
         _check(0 < s.ready_fraction <= 1, "[sched] ready_fraction must be in (0, 1]")
         _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")

@@ -73,7 +73,7 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
         driver=DriverConfig(
             max_ahead=cfg.driver.max_ahead,
             staleness_target=1e9,  # the real driver bounds staleness by max_ahead only
-            streaming=cfg.run.policy == "elastic",
+            streaming=cfg.driver.streaming,
             decision_interval_s=0.2,
         ),
         elastic=WaterLevelConfig(ready_fraction=cfg.sched.ready_fraction, hold_s=cfg.sched.hold_s),

@@ -45,7 +45,18 @@ def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
     p = out / "model"
     if not (p / "config.json").exists():
         child = procs.start(
-            "create-model", python_argv("gyre_engine", "create-model", str(p), "--seed", str(cfg.run.seed))
+            "create-model",
+            python_argv(
+                "gyre_engine",
+                "create-model",
+                str(p),
+                "--seed",
+                str(cfg.run.seed),
+                "--shape",
+                cfg.run.model_shape,
+                "--dtype",
+                cfg.run.model_dtype,
+            ),
         )
         rc = child.proc.wait(300)
         procs.children.remove(child)
@@ -114,8 +125,12 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
                 engine_port=ports[i], run_dir=str(out), core=core, publisher=publisher, lr=cfg.train.lr,
                 token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
                 release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
+                device=cfg.cell.device,
             )  # fmt: skip
-            procs.start(f"cell-{i}", python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)))
+            env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.cell.device == "cuda" else {}
+            procs.start(
+                f"cell-{i}", python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)), env=env
+            )
 
         say(f"gyre run: policy {c.policy}, {c.cells} cells, {c.steps} steps -> {out}")
         cell(0)
@@ -124,7 +139,7 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
         for i in range(1, c.cells):
             cell(i, info["core"], info["publisher"])
         traj = TrajectoryService(
-            info["core"], sched, cfg.batch.queries, streaming=c.policy == "elastic",
+            info["core"], sched, cfg.batch.queries, streaming=cfg.driver.streaming,
             token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
         )  # fmt: skip
         proxy_url = f"http://127.0.0.1:{free_port()}"
