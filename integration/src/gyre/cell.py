@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import zmq
 from gyre_sched.protocol import (
     CellLost,
     Codec,
+    GetState,
     Heartbeat,
     Hello,
     PeerKind,
@@ -121,6 +123,7 @@ class Cell:
         self.core: Any = None
         self.client: Any = None  # CoreClient (weight thread + admit/dismiss)
         self.publisher = a.publisher
+        self.fatal: BaseException | None = None
 
     # ---- engine -------------------------------------------------------------------------------------
     def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
@@ -306,19 +309,34 @@ class Cell:
             if not isinstance(w, Welcome):
                 raise RuntimeError(f"expected Welcome, got {type(w).__name__}")
             hb = w.heartbeat_s
-            last_sent = last_heard = time.monotonic()
+            last_sent = last_heard = last_probe = time.monotonic()
             done: list[SwitchDone] = []
             worker: threading.Thread | None = None
+
+            def send(msg: Any) -> None:
+                try:
+                    sock.send(codec.encode(msg), zmq.NOBLOCK)
+                except zmq.Again as exc:  # no connection to the scheduler right now
+                    log.warning("cell %d: could not send %s: %s", self.a.cell_id, type(msg).__name__, exc)
+
             while not self.stop.is_set():
+                # A main loop stuck for 20 s dumps every thread's stack into the log (diagnosis only).
+                faulthandler.dump_traceback_later(20.0, exit=False)
                 self.procs.check()
+                if self.fatal is not None:
+                    raise RuntimeError(f"cell {self.a.cell_id}: switch failed: {self.fatal}") from self.fatal
                 now = time.monotonic()
+                # The scheduler only speaks when it has something to say: ask it, and fail if it stays silent.
                 if now - last_heard > 60.0:
-                    raise TimeoutError("scheduler silent for 60 s")
+                    raise TimeoutError(f"scheduler at {self.a.sched} did not answer for 60 s")
+                if now - last_heard > 5.0 and now - last_probe > 5.0:
+                    send(GetState())
+                    last_probe = now
                 while done:
-                    sock.send(codec.encode(done.pop()))
+                    send(done.pop())
                     last_sent = now
                 if now - last_sent >= hb / 2:
-                    sock.send(codec.encode(Heartbeat(self.a.cell_id, self.role)))
+                    send(Heartbeat(self.a.cell_id, self.role))
                     last_sent = now
                 if not sock.poll(50):
                     continue
@@ -333,11 +351,20 @@ class Cell:
                     log.warning("cell %d lost (the core re-queues its claims itself)", msg.cell_id)
                 elif isinstance(msg, Reject):
                     log.warning("scheduler: %s", msg.reason)
+                # State (the answer to a probe), Welcome: nothing to do
         finally:
+            faulthandler.cancel_dump_traceback_later()
             sock.close(0)
             ctx.term()
 
     def _switch(self, cmd: SwitchCommand, done: list[SwitchDone]) -> None:
+        try:
+            self._do_switch(cmd, done)
+        except BaseException as exc:  # the main loop raises it: a cell that cannot switch stops
+            log.exception("cell %d: switch to %s failed", self.a.cell_id, cmd.role.name)
+            self.fatal = exc
+
+    def _do_switch(self, cmd: SwitchCommand, done: list[SwitchDone]) -> None:
         t0 = time.monotonic()
         if cmd.role is Role.TRAINING:
             self.role = Role.TO_TRAINING

@@ -43,6 +43,11 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("--out", help="override [run] out_dir (each policy gets a subdirectory)")
     c.add_argument("--policies", default="elastic,colocate,async", help="comma separated")
+    c.add_argument(
+        "--reuse",
+        action="store_true",
+        help="do not run: read out_dir/<policy>/metrics.json of earlier runs (e.g. made on a GPU machine)",
+    )
     c.add_argument("-v", "--verbose", action="store_true")
     cell = sub.add_parser("cell", help="one cell process (started by `gyre run`)")
     cell.add_argument("--args", required=True)
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from gyre.compare import compare
 
-                compare(cfg, [p.strip() for p in args.policies.split(",") if p.strip()])
+                compare(cfg, [p.strip() for p in args.policies.split(",") if p.strip()], reuse=args.reuse)
         except (RunError, ChildDied, ConfigError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             return 1

@@ -10,6 +10,7 @@ duration sample) in `out_dir/<policy>/`. Afterwards the machine-dependent times 
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from gyre import predict as sim
 from gyre.config import Config
 from gyre.metrics import write_json
 from gyre.procs import ProcessGroup
-from gyre.run import ensure_model, run
+from gyre.run import RunError, ensure_model, run
 
 
 def _fmt(v: Any, pct: bool = False) -> str:
@@ -51,9 +52,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def compare(cfg: Config, policies: list[str], say: Any = print) -> dict[str, Any]:
+def compare(cfg: Config, policies: list[str], say: Any = print, reuse: bool = False) -> dict[str, Any]:
+    """Run each policy (or, with `reuse`, read `out_dir/<policy>/metrics.json` of an earlier run, e.g.
+    one made on another machine), then predict each with the simulator and tabulate."""
     root = Path(cfg.run.out_dir).resolve()
-    if not cfg.run.model_dir:  # one embedded model for all policies
+    if not reuse and not cfg.run.model_dir:  # one embedded model for all policies
         procs = ProcessGroup(root / "logs")
         try:
             model = ensure_model(cfg, root, procs)
@@ -62,8 +65,13 @@ def compare(cfg: Config, policies: list[str], say: Any = print) -> dict[str, Any
         cfg = replace(cfg, run=replace(cfg.run, model_dir=str(model)))
     measured: dict[str, dict[str, Any]] = {}
     for p in policies:
-        m = run(cfg.with_policy(p, str(root / p)), say=say)
-        measured[p] = m
+        if reuse:
+            path = root / p / "metrics.json"
+            if not path.exists():
+                raise RunError(f"--reuse: no {path}; run `gyre compare --policies {p}` first")
+            measured[p] = json.loads(path.read_text())
+        else:
+            measured[p] = run(cfg.with_policy(p, str(root / p)), say=say)
     cal = sim.calibrate(list(measured.values()))
     rows: list[dict[str, Any]] = []
     for p, m in measured.items():
