@@ -42,6 +42,8 @@ class Outcome:
     calls: int
     timed_out: bool
     score: float | None
+    tool_s: float = 0.0
+    """Tool time the harness slept (the rest of the wall time went to model calls and waiting)."""
     error: str = ""
 
 
@@ -159,7 +161,9 @@ class Driver:
             self.state.running.pop(ex.execution_id, None)
             self.state.finished.append((dur, timed_out))
             self.state.outcomes.append(
-                Outcome(ex.execution_id, k, start, time.time(), ex.calls, timed_out, score.value, error)
+                Outcome(
+                    ex.execution_id, k, start, time.time(), ex.calls, timed_out, score.value, ex.tool_s, error
+                )
             )
 
     def _report(self) -> None:

@@ -39,8 +39,10 @@ class Calibration:
     """Optimizer step plus the weight push to the engines."""
     to_training_s: float = 0.5
     to_rollout_s: float = 0.5
-    model_fraction: float | None = None
-    """None: the config's [agent] model_fraction."""
+    model_call_s: float | None = None
+    """Measured seconds per model call (wall time of finished executions minus their tool time, per
+    call). With it the simulator's executions are the harness's tool time plus `turns` such calls,
+    instead of the nominal profile's model share (which the tiny model on a CPU does not fill)."""
 
 
 def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
@@ -61,7 +63,9 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
             median_h=a.median_s / 3600.0,
             sigma=a.sigma,
             exec_sigma=a.exec_sigma,
-            model_fraction=cal.model_fraction if cal.model_fraction is not None else a.model_fraction,
+            model_fraction=a.model_fraction
+            if cal.model_call_s is None
+            else _model_share(cfg, cal.model_call_s),
         ),
         cell=CellConfig(
             rollout_capacity=cfg.cell.capacity,
@@ -81,6 +85,22 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
     )
 
 
+def _model_share(cfg: Config, call_s: float) -> float:
+    model = cfg.agent.turns * call_s
+    tool = float(np.median(durations(cfg))) * (1.0 - cfg.agent.model_fraction)
+    return float(min(1.0, max(1e-3, model / (model + tool))))
+
+
+def sim_durations(cfg: Config, cal: Calibration) -> np.ndarray:
+    """Full-service durations the simulator is given: the run's nominal sample, or, calibrated, the
+    harness's tool time plus `turns` measured model calls."""
+    d = durations(cfg)
+    if cal.model_call_s is None:
+        return d
+    out: np.ndarray = d * (1.0 - cfg.agent.model_fraction) + cfg.agent.turns * cal.model_call_s
+    return out
+
+
 def durations(cfg: Config) -> np.ndarray:
     """Nominal seconds per execution, shape (steps, queries, group_size): the real run's and the sim's."""
     return sample_durations(sim_workload(cfg))
@@ -92,7 +112,11 @@ def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
     update_s: list[float] = []
     to_t: list[float] = []
     to_r: list[float] = []
+    call_s: list[float] = []
     for m in metrics:
+        for o in m.get("outcomes", []):
+            if not o["timed_out"] and not o["error"] and o["calls"] > 0:
+                call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / o["calls"])
         for s in m["steps"]:
             if s.get("elapsed_s") and s.get("groups"):
                 cells = max(1, s.get("training_cells", 1))
@@ -107,15 +131,14 @@ def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
         update_s=med(update_s) if update_s else Calibration.update_s,
         to_training_s=med(to_t) if to_t else Calibration.to_training_s,
         to_rollout_s=med(to_r) if to_r else Calibration.to_rollout_s,
+        model_call_s=med(call_s) if call_s else None,
     )
 
 
 def predict(cfg: Config, cal: Calibration) -> dict[str, Any]:
     """The simulator's figures for this config's policy (on the run's duration sample)."""
     w = sim_workload(cfg, cal)
-    r = run_one(
-        w, cfg.run.policy, streaming=w.driver.streaming, durations=sample_durations(sim_workload(cfg))
-    )
+    r = run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=sim_durations(cfg, cal))
     return {
         "end_to_end_s": r.end_to_end_h * 3600.0,
         "idle_rollout": r.idle_rollout,
