@@ -1,5 +1,6 @@
-"""`gyre run` end to end: real processes (gyre-sched, two cells with gyre-engine servers and a gyre-train
-core/satellite, gyre-proxy), the built-in harness, two optimizer steps. About a minute on 2 cores."""
+"""`gyre run` end to end under each policy: real processes (gyre-sched, two cells with gyre-engine servers
+and a gyre-train core/satellite, gyre-proxy), the built-in harness, two optimizer steps. About 50 s per
+policy on 2 cores."""
 
 from __future__ import annotations
 
@@ -27,14 +28,24 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded tiny model, made once for the three runs."""
+    from gyre_engine.server.model_factory import create_model
+
+    return create_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
 @pytest.mark.slow
-def test_gyre_run_tiny(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["elastic", "colocate", "async"])
+def test_gyre_run_tiny(tmp_path: Path, model_dir: Path, policy: str) -> None:
     out = tmp_path / "run"
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(
         f"""
 [run]
-policy = "elastic"
+model_dir = "{model_dir}"
+policy = "{policy}"
 cells = 2
 steps = 2
 out_dir = "{out}"
@@ -89,8 +100,14 @@ timeout_s = 6.0
     for k in ("idle_rollout", "idle_training", "switching_share", "idle_total"):
         assert roles[k] is None or 0.0 <= roles[k] <= 1.0
     assert m["end_to_end_s"] > 0
-    assert m["switches"] == len(m["decisions"]) >= 2  # the core had to move to training and back
-    assert m["switches_to_training"] >= 1
+    assert m["switches"] == len(m["decisions"])
+    if policy == "async":  # the core moves to training once and stays there
+        assert [(d["cell"], d["action"]) for d in m["decisions"]] == [(0, "TO_TRAINING")]
+        assert m["final_cells"]["0"]["role"] == "training"
+    else:  # the core had to move to training and back; colocate moves the whole pool
+        assert m["switches_to_training"] >= (1 if policy == "elastic" else 2)
+        assert m["final_cells"]["0"]["role"] == "rollout"
+    assert {r for s in m["steps"] for r in s["by_replica"]} >= {"core"}
 
     # No process of the run is left.
     assert _processes_mentioning(str(out)) == []

@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         except (RunError, ChildDied, ConfigError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # every child was stopped on the way out
+            print(f"gyre {args.command}: interrupted", file=sys.stderr)
+            return 130
         return 0
     parser.print_help()
     return 0
