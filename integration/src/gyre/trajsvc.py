@@ -4,9 +4,10 @@ It PULLs the proxy's TITO records (ZeroMQ, msgpack) into a gyre-traj `Forest`, t
 `Score` from the driver, and when every group of step k is scored (and every call the harness saw
 answered has arrived as a record) it selects (J_max), weights, tree-packs the step's executions and
 submits them to the core as mini-batch k (`CoreClient.submit`, in queue order). Each execution goes into
-exactly one mini-batch. It reports `ReadyGroups` to gyre-sched: the groups ready and not yet applied
+exactly one mini-batch. It reports `ReadyGroups` to gyre-sched: the groups ready and not yet applied, in step order
 (with streaming, complete groups count as they finish; without, a step's groups count only once its
-whole batch is complete), the trainer's version and whether a step is open.
+whole batch is complete; nothing after the first step still running counts, since steps are trained in
+order), the trainer's version and whether a step is open.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ class TrajectoryService:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the service thread (it closes the sockets); closes them itself if it never started."""
         self._stop.set()
+        if self._thread.ident is None:
+            self._pull.close(0)
+            self._ctx.term()
+            return
         self._thread.join(timeout=30.0)
 
     # ---- the service thread -------------------------------------------------------------------------
@@ -184,13 +190,17 @@ class TrajectoryService:
         with self._lock:
             applied = self.applied
         ready = 0
-        for k, sd in self.steps.items():
-            if k < applied:
-                continue
-            if self.streaming:
-                ready += self._groups_done(sd)
-            elif self._groups_done(sd) == len(sd.groups):
-                ready += len(sd.groups)
+        k = applied
+        # The core trains steps in order: a later step's complete batch is not trainable while an earlier
+        # one is still running (counting it sent a Colocate pool to train with nothing to train).
+        while k in self.steps:
+            sd = self.steps[k]
+            done = self._groups_done(sd)
+            if done < len(sd.groups):
+                ready += done if self.streaming else 0
+                break
+            ready += done
+            k += 1
         open_ = self.next_submit > applied
         return ReadyGroups(
             ready=ready,
