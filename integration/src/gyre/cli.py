@@ -1,10 +1,12 @@
-"""The `gyre` command. Today it reports versions and points at the per-package commands; the
-subcommands that start processes (`gyre run`, `gyre cell`, `gyre demo`) arrive with their issues."""
+"""The `gyre` command: `run` the whole system from a config, `compare` the three scheduling policies on
+one workload (with the gyre-sched simulator's prediction beside each), `cell` (one cell process, started
+by `gyre run`), and `version`."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import sys
 
 # Distributions that make up gyre; those not installed are shown as such.
@@ -25,21 +27,81 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gyre",
         description="Online RL for long-horizon LLM agents running inside black-box harnesses.",
-        epilog="Component commands: gyre-traj (trajectory trees, packing, loss). "
-        "Run `gyre-traj --help` for its subcommands.",
+        epilog="Component commands: gyre-traj, gyre-sched, gyre-engine, gyre-proxy, gyre-train, gyre-xfer.",
     )
     parser.add_argument("--version", action="store_true", help="print the version of each gyre component")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("version", help="print the version of each gyre component")
+    r = sub.add_parser("run", help="run the whole system on this machine from a TOML/YAML config")
+    r.add_argument("config", help="a .toml, .yaml or .json run config (see integration/examples/)")
+    r.add_argument("--policy", choices=["elastic", "colocate", "async"], help="override [run] policy")
+    r.add_argument("--out", help="override [run] out_dir")
+    r.add_argument("-v", "--verbose", action="store_true", help="log every component's decisions")
+    c = sub.add_parser(
+        "compare", help="the same workload under elastic, colocate and async, with predictions"
+    )
+    c.add_argument("config")
+    c.add_argument("--out", help="override [run] out_dir (each policy gets a subdirectory)")
+    c.add_argument("--policies", default="elastic,colocate,async", help="comma separated")
+    c.add_argument(
+        "--reuse",
+        action="store_true",
+        help="do not run: read out_dir/<policy>/metrics.json of earlier runs (e.g. made on a GPU machine)",
+    )
+    c.add_argument("-v", "--verbose", action="store_true")
+    cell = sub.add_parser("cell", help="one cell process (started by `gyre run`)")
+    cell.add_argument("--args", required=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "cell":
+        from gyre.cell import main as cell_main
+
+        return cell_main(["--args", args.args, *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.version or args.command == "version":
         for dist, version in _versions():
             print(f"{dist:<12} {version if version is not None else '(not installed)'}")
+        return 0
+    if args.command in ("run", "compare"):
+        from gyre.config import ConfigError, load_config
+
+        logging.basicConfig(
+            level=logging.INFO if args.verbose else logging.WARNING,
+            format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        )
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        try:
+            cfg = load_config(args.config)
+            if args.out:
+                cfg = cfg.with_policy(cfg.run.policy, args.out)
+            if args.command == "run" and args.policy:
+                cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
+        except ConfigError as exc:
+            print(f"gyre {args.command}: {exc}", file=sys.stderr)
+            return 2
+        from gyre.procs import ChildDied
+        from gyre.run import RunError
+
+        try:
+            if args.command == "run":
+                from gyre.run import run
+
+                run(cfg)
+            else:
+                from gyre.compare import compare
+
+                compare(cfg, [p.strip() for p in args.policies.split(",") if p.strip()], reuse=args.reuse)
+        except (RunError, ChildDied, ConfigError) as exc:
+            print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # every child was stopped on the way out
+            print(f"gyre {args.command}: interrupted", file=sys.stderr)
+            return 130
         return 0
     parser.print_help()
     return 0

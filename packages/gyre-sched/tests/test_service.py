@@ -159,3 +159,47 @@ def test_switch_and_failure(sched: Scheduler) -> None:
             p.kill()
             p.wait(5.0)
         ctx.term()
+
+
+def test_colocate_satellite_drained_before_the_core() -> None:
+    """A whole-pool switch: the proxy reports a satellite's engine drained before the core's. The satellite
+    waits (it may not train before the core) and follows the core; the scheduler keeps running."""
+    from gyre_sched.policy import ColocatePolicy
+
+    cfg = ServiceConfig(
+        bind="tcp://127.0.0.1:0", heartbeat_s=0.1, failure_timeout_s=5.0, drain_timeout_s=30.0,
+        max_concurrent_switches=100,
+    )  # fmt: skip
+    s = Scheduler(ColocatePolicy(), cfg)
+    th = threading.Thread(target=s.serve_forever, daemon=True)
+    th.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    procs = [spawn_cell(s.endpoint, i, i == 0) for i in range(3)]
+    try:
+        proxy = Peer(ctx, s.endpoint, PeerKind.PROXY)
+        traj = Peer(ctx, s.endpoint, PeerKind.TRAJ)
+        obs = Peer(ctx, s.endpoint, PeerKind.OBSERVER)
+
+        def roles() -> dict[int, Role]:
+            obs.send(GetState())
+            st = obs.recv(5.0)
+            assert isinstance(st, State)
+            return {c.cell_id: c.role for c in st.cells}
+
+        wait_for(lambda: len(roles()) == 3, 20.0, "three cells registered")
+        traj.send(ReadyGroups(4, 4))  # the batch is complete: the whole pool drains
+        wait_for(lambda: set(roles().values()) == {Role.DRAINING}, 5.0, "all cells draining")
+        proxy.send(EngineDrained(2))
+        time.sleep(0.3)
+        assert th.is_alive() and roles()[2] is Role.DRAINING  # waits for the core
+        proxy.send(EngineDrained(0))
+        proxy.send(EngineDrained(1))
+        wait_for(lambda: set(roles().values()) == {Role.TRAINING}, 10.0, "the whole pool training")
+        assert th.is_alive()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5.0)
+        s.stop()
+        th.join(5.0)
+        ctx.destroy(0)

@@ -82,6 +82,7 @@ class _Pending:
     target: Role
     deadline: float
     draining: bool = False  # waiting for EngineDrained
+    drained: bool = False  # a satellite drained before its core reached the training side: waits for it
     arrived: bool = False  # the cell reported TRAINING before the core did
 
 
@@ -192,7 +193,7 @@ class Scheduler:
                 self._fail(cid, f"silent for {now - peer.last_seen:.2f}s")
                 continue
             pend = self._pending.get(cid)
-            if pend is not None and pend.draining and now >= pend.deadline:
+            if pend is not None and pend.draining and not pend.drained and now >= pend.deadline:
                 log.info(
                     "cell %d: no EngineDrained within %.1fs; switching anyway",
                     cid,
@@ -247,11 +248,22 @@ class Scheduler:
         cell = self.table.cells.get(cid)
         if pend is None or not pend.draining or cell is None or cell.role is not Role.DRAINING:
             return
+        core = self.table.core
+        if not cell.is_core and (core is None or core.role not in TRAINING_SIDE):
+            # Whole-pool switches (Colocate) drain every cell at once; a satellite whose engine drained
+            # first may not start training before the core does, so it waits for the core's drain.
+            pend.drained = True
+            return
         self._to_proxy(EngineRemove(cid))
         self.table.transition(cid, Role.TO_TRAINING, self.now())
         pend.draining = False
+        pend.drained = False
         pend.deadline = self.now() + self.config.switch_timeout_s
         self._command(cid, pend.decision, Role.TRAINING)
+        if cell.is_core:
+            for other, op in list(self._pending.items()):
+                if op.drained:
+                    self._drained(other)
 
     def _fail(self, cid: int, why: str) -> None:
         cell = self.table.cells[cid]

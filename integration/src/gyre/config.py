@@ -1,0 +1,253 @@
+"""The `gyre run` configuration: a TOML or YAML file loaded into frozen dataclasses with defaults.
+
+Every section and key is checked: an unknown section or key, a wrong type or an out-of-range value is a
+`ConfigError` naming it (`[agent] turns must be >= 1`), so a typo never silently runs the default. The
+field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("elastic", "colocate", "async")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used, with the offending section and key in the message."""
+
+
+@dataclass(frozen=True)
+class RunSection:
+    policy: str = "elastic"
+    """Who decides the cells' roles: elastic (water level), colocate or async (gyre-sched's policies)."""
+    cells: int = 2
+    """Cells, each a gyre-engine rollout server or a trainer replica; cell 0 is the trainer core."""
+    steps: int = 2
+    """Optimizer steps to run; the run ends when the last one is applied and reached the engines."""
+    seed: int = 0
+    out_dir: str = "gyre-run"
+    """Where logs, records, metrics.json and the plot go (created; a policy subdirectory for compare)."""
+    model_dir: str = ""
+    """A gyre-engine model directory; empty: a random-init model of `model_shape`, created under out_dir."""
+    model_shape: str = "tiny"
+    """`gyre-engine create-model --shape`: tiny (the embedded default), small or qwen3-0.6b."""
+    model_dtype: str = "float32"
+    """dtype of a created model (float32 or bfloat16)."""
+    deadline_s: float = 900.0
+    """The whole run fails (every process stopped) if it has not finished in this long."""
+    startup_timeout_s: float = 180.0
+    """Processes that are not up within this long are an error."""
+
+
+@dataclass(frozen=True)
+class BatchSection:
+    queries: int = 2
+    """Groups (tasks) per optimizer step."""
+    group_size: int = 2
+    """Executions per task; advantages are taken within a group."""
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    turns: int = 3
+    """Model calls of one execution when it does not time out (the built-in harness is scripted)."""
+    max_tokens: int = 12
+    """max_tokens of each model call."""
+    temperature: float = 1.0
+    median_s: float = 2.0
+    """Execution duration profile (lognormal, as gyre-sched's workloads): median of a task's scale ..."""
+    sigma: float = 0.8
+    """... its log-space spread (the heavy tail) ..."""
+    exec_sigma: float = 0.3
+    """... and the spread of the executions inside a group."""
+    model_fraction: float = 0.5
+    """Share of the nominal duration the simulator counts as model time; the harness sleeps the rest
+    (1 - model_fraction) as tool time between calls."""
+    timeout_s: float = 8.0
+    """Hard timeout of one execution; a timed-out one is scored on what it produced (flagged)."""
+    request_timeout_s: float = 60.0
+    """Give up one HTTP call after this long (inside the execution's timeout)."""
+
+
+@dataclass(frozen=True)
+class DriverSection:
+    max_ahead: int = 1
+    """Batches rollout may run ahead of the trainer: batch k starts once k - steps applied <= this."""
+    report_s: float = 0.2
+    """How often the water level and ready groups go to the scheduler."""
+    streaming: bool = False
+    """Report a step's groups to the scheduler as they complete (True) or only once the whole batch is
+    (False). gyre-train's core trains whole mini-batches, so True only lets cells move to training
+    before the batch is complete, where they wait."""
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    lr: float = 1e-4
+    token_budget: int = 4096
+    """Most tokens in one tree-packed micro-batch."""
+    loss: str = "ppo"
+    """ppo or tis (gyre-traj's policy loss)."""
+    j_max: int = 5
+    """Trajectories selected per execution."""
+
+
+@dataclass(frozen=True)
+class CellSection:
+    capacity: int = 8
+    """Concurrent executions one rollout cell serves at full speed (the scheduler's water level unit)."""
+    release_memory: bool = True
+    """Release the engine's memory while its cell trains (gyre-engine's /release_memory_occupation)."""
+    device: str = "cpu"
+    """cpu, or cuda: cell i then sees GPU i alone (CUDA_VISIBLE_DEVICES) for its engine and its replica,
+    and training uses FlexAttention."""
+
+
+@dataclass(frozen=True)
+class SchedSection:
+    ready_fraction: float = 0.5
+    """elastic: ready groups must stay at this fraction of the batch ..."""
+    hold_s: float = 0.5
+    """... for this long before a cell moves to training."""
+    async_train_cells: int = 1
+    """async: cells that train for the whole run (the core first)."""
+    heartbeat_s: float = 1.0
+    failure_timeout_s: float = 30.0
+    """A cell silent this long is failed (generous: 2 loaded CPU cores)."""
+    drain_timeout_s: float = 10.0
+    switch_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class ProxySection:
+    pick_wait_s: float = 30.0
+    """A call waits this long for a rollout engine (none while the whole pool trains) before 529."""
+    drain_grace_s: float = 0.0
+    """Seconds a draining engine's calls may finish before they are moved."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    agent: AgentSection = field(default_factory=AgentSection)
+    driver: DriverSection = field(default_factory=DriverSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    cell: CellSection = field(default_factory=CellSection)
+    sched: SchedSection = field(default_factory=SchedSection)
+    proxy: ProxySection = field(default_factory=ProxySection)
+
+    def __post_init__(self) -> None:
+        r, b, a, t = self.run, self.batch, self.agent, self.train
+        _check(r.policy in POLICIES, f"[run] policy must be one of {', '.join(POLICIES)}, got {r.policy!r}")
+        _check(r.cells >= 2, "[run] cells must be >= 2 (a core and at least one rollout cell)")
+        _check(r.steps >= 1, "[run] steps must be >= 1")
+        _check(r.deadline_s > 0 and r.startup_timeout_s > 0, "[run] deadline_s and startup_timeout_s > 0")
+        _check(b.queries >= 1, "[batch] queries must be >= 1")
+        _check(b.group_size >= 2, "[batch] group_size must be >= 2 (advantages need two scores)")
+        _check(a.turns >= 1, "[agent] turns must be >= 1")
+        _check(a.max_tokens >= 1, "[agent] max_tokens must be >= 1")
+        _check(a.temperature > 0, "[agent] temperature must be > 0 (logprobs of sampled tokens)")
+        _check(a.median_s > 0 and a.sigma >= 0 and a.exec_sigma >= 0, "[agent] duration profile >= 0")
+        _check(0 < a.model_fraction <= 1, "[agent] model_fraction must be in (0, 1]")
+        _check(a.timeout_s > 0 and a.request_timeout_s > 0, "[agent] timeouts must be > 0")
+        _check(self.driver.max_ahead >= 0, "[driver] max_ahead must be >= 0")
+        _check(self.driver.report_s > 0, "[driver] report_s must be > 0")
+        _check(t.lr > 0 and t.token_budget >= 64, "[train] lr > 0 and token_budget >= 64")
+        _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
+        _check(t.j_max >= 0, "[train] j_max must be >= 0")
+        _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
+        _check(
+            self.cell.device in ("cpu", "cuda"),
+            f"[cell] device must be cpu or cuda, got {self.cell.device!r}",
+        )
+        _check(
+            r.model_shape in ("tiny", "small", "qwen3-0.6b"),
+            "[run] model_shape must be tiny, small or qwen3-0.6b",
+        )
+        _check(r.model_dtype in ("float32", "bfloat16"), "[run] model_dtype must be float32 or bfloat16")
+        s = self.sched
+        _check(0 < s.ready_fraction <= 1, "[sched] ready_fraction must be in (0, 1]")
+        _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")
+        _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
+        _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
+
+    def with_policy(self, policy: str, out_dir: str) -> Config:
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, policy=policy, out_dir=out_dir))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _section(cls: Any, name: str, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{name}] must be a table, got {type(raw).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"[{name}] unknown key {key!r}; known: {', '.join(sorted(fields))}")
+        want = type(getattr(cls(), key))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"[{name}] {key} must be {want.__name__}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _SECTIONS:
+            raise ConfigError(f"unknown section [{key}]; known: {', '.join(_SECTIONS)}")
+        f = _SECTIONS[key]
+        kwargs[key] = _section(f.default_factory, key, value)
+    return Config(**kwargs)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a .toml, .yaml/.yml or .json file; errors name the file and the key."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {p}: {exc.strerror or exc}") from exc
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            raw = json.loads(text)
+        elif p.suffix == ".toml":
+            raw = tomllib.loads(text)
+        else:
+            raise ConfigError(f"{p}: use a .toml, .yaml, .yml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
+    except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
+        raise ConfigError(f"{p}: YAML needs pyyaml ({exc})") from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith("yaml"):
+            raise ConfigError(f"{p}: {exc}") from exc
+        raise
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a table of sections")
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc

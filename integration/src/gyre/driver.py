@@ -1,0 +1,207 @@
+"""The rollout driver: runs batches of harness executions through the proxy, with hard timeouts.
+
+Batch k (`queries` tasks x `group_size` executions) starts once at most `max_ahead` applied steps
+separate it from the trainer. Each execution runs the built-in harness under `asyncio.wait_for` with the
+execution timeout; when it ends (finished, timed out, or failed) the evaluator scores it and the score
+goes to the trajectory service with the number of calls that completed. Nominal durations come from
+gyre-sched's `sample_durations` on the same workload the simulator predicts, so both see one sample.
+The driver reports the water level (`WaterLevel`: unfinished executions, their ages, finished
+durations and timeout flags) to gyre-sched every `report_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import zmq
+from gyre_sched.protocol import Codec, Hello, PeerKind, WaterLevel
+
+from gyre.agent import Execution, HarnessError, run_execution
+from gyre.config import Config
+from gyre.tasks import evaluate, make_task
+from gyre.trajsvc import TrajectoryService
+
+log = logging.getLogger("gyre.driver")
+
+
+@dataclass
+class Outcome:
+    execution_id: str
+    step: int
+    start: float
+    end: float
+    calls: int
+    timed_out: bool
+    score: float | None
+    tool_s: float = 0.0
+    """Tool time the harness slept (the rest of the wall time went to model calls and waiting)."""
+    error: str = ""
+
+
+@dataclass
+class DriverState:
+    running: dict[str, float] = field(default_factory=dict)
+    """execution id -> start (monotonic)."""
+    finished: list[tuple[float, bool]] = field(default_factory=list)
+    """(wall duration, timed out) since the last report."""
+    outcomes: list[Outcome] = field(default_factory=list)
+    batches_started: dict[int, float] = field(default_factory=dict)
+
+
+class Driver:
+    def __init__(
+        self, cfg: Config, proxy_url: str, sched_address: str, traj: TrajectoryService, durations: np.ndarray
+    ) -> None:
+        self.cfg = cfg
+        self.proxy_url = proxy_url
+        self.sched_address = sched_address
+        self.traj = traj
+        self.durations = durations
+        self.state = DriverState()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, name="driver", daemon=True),
+            threading.Thread(target=self._report, name="water-level", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30.0)
+
+    def _loop(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:
+            log.exception("driver failed")
+            self.error = exc
+        finally:
+            self.done.set()
+
+    async def _main(self) -> None:
+        c = self.cfg
+        rng = random.Random(c.run.seed)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        timeout = httpx.Timeout(c.agent.request_timeout_s, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            batches: list[asyncio.Task[None]] = []
+            for k in range(c.run.steps):
+                while k - self.traj.applied > c.driver.max_ahead:
+                    if self._stop.is_set():
+                        return
+                    await asyncio.sleep(0.05)
+                batches.append(asyncio.create_task(self._batch(http, rng, k)))
+                await asyncio.sleep(0)  # let batch k register before k+1 is considered
+            await asyncio.gather(*batches)
+
+    async def _batch(self, http: httpx.AsyncClient, rng: random.Random, k: int) -> None:
+        c = self.cfg
+        groups: dict[str, list[str]] = {}
+        runs = []
+        for q in range(c.batch.queries):
+            gid = f"s{k}-q{q}"
+            task = make_task(rng, gid)
+            groups[gid] = []
+            for j in range(c.batch.group_size):
+                eid = f"{gid}-e{j}"
+                groups[gid].append(eid)
+                tool_s = float(self.durations[k, q, j]) * (1.0 - c.agent.model_fraction)
+                runs.append(Execution(eid, gid, task, tool_s))
+        self.traj.register_batch(k, groups)
+        with self.lock:
+            self.state.batches_started[k] = time.time()
+        log.info("batch %d started: %d executions", k, len(runs))
+        await asyncio.gather(*(self._one(http, k, ex) for ex in runs))
+
+    async def _one(self, http: httpx.AsyncClient, k: int, ex: Execution) -> None:
+        c = self.cfg
+        t0 = time.monotonic()
+        start = time.time()
+        with self.lock:
+            self.state.running[ex.execution_id] = t0
+        timed_out, error = False, ""
+        try:
+            await asyncio.wait_for(
+                run_execution(
+                    http,
+                    self.proxy_url,
+                    ex,
+                    turns=c.agent.turns,
+                    max_tokens=c.agent.max_tokens,
+                    temperature=c.agent.temperature,
+                    retry_for_s=c.agent.timeout_s,
+                ),
+                timeout=c.agent.timeout_s,
+            )
+        except TimeoutError:
+            timed_out = True
+        except (HarnessError, httpx.HTTPError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("execution %s failed: %s", ex.execution_id, error)
+        dur = time.monotonic() - t0
+        score = evaluate(ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
+        self.traj.score(k, score, ex.calls)
+        with self.lock:
+            self.state.running.pop(ex.execution_id, None)
+            self.state.finished.append((dur, timed_out))
+            self.state.outcomes.append(
+                Outcome(
+                    ex.execution_id, k, start, time.time(), ex.calls, timed_out, score.value, ex.tool_s, error
+                )
+            )
+
+    def _report(self) -> None:
+        codec = Codec()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.sched_address)
+        try:
+            sock.send(codec.encode(Hello(PeerKind.DRIVER)))
+            while not self._stop.is_set():
+                sock.send(codec.encode(self.water_level()))
+                while sock.poll(0):
+                    sock.recv()  # Welcome / Reject: nothing to act on
+                self._stop.wait(self.cfg.driver.report_s)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.close(0)
+            ctx.term()
+
+    def water_level(self) -> WaterLevel:
+        now = time.monotonic()
+        with self.lock:
+            ages = [now - t for t in self.state.running.values()]
+            fin, self.state.finished = self.state.finished, []
+        buckets: dict[float, int] = {}
+        for a in ages:
+            b = float(np.floor(a))
+            buckets[b] = buckets.get(b, 0) + 1
+        keys = sorted(buckets)
+        return WaterLevel(
+            unfinished=len(ages),
+            elapsed_s=tuple(keys),
+            elapsed_count=tuple(buckets[b] for b in keys),
+            finished_s=tuple(d for d, _ in fin),
+            finished_timeout=tuple(t for _, t in fin),
+        )
+
+    def outcomes(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [o.__dict__.copy() for o in self.state.outcomes]

@@ -1,0 +1,357 @@
+"""`gyre run CONFIG`: the whole system on one machine, as local processes, until the last step lands.
+
+Started here, in order: gyre-sched's service (the configured policy), cell 0 (engine + trainer core),
+the other cells (engine + satellite), gyre-proxy (engines come from the scheduler, records PUSHed to the
+trajectory service); in this process: the trajectory service, the rollout driver and a sampler. The run
+ends when the core has applied `steps` updates and every rollout engine serves the last version; then
+every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. Any
+child that dies, or a run past its deadline, stops everything and is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gyre_sched.protocol import Action, Role
+
+from gyre import predict as sim
+from gyre.cell import CellArgs
+from gyre.config import Config
+from gyre.driver import Driver
+from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
+from gyre.procs import ProcessGroup, free_port, python_argv
+from gyre.trajsvc import TrajectoryService
+
+log = logging.getLogger("gyre.run")
+
+
+class RunError(RuntimeError):
+    """The run could not complete; the message says which part failed."""
+
+
+def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
+    if cfg.run.model_dir:
+        p = Path(cfg.run.model_dir)
+        if not (p / "config.json").exists():
+            raise RunError(f"[run] model_dir {p} is not a model directory (no config.json)")
+        return p
+    p = out / "model"
+    if not (p / "config.json").exists():
+        child = procs.start(
+            "create-model",
+            python_argv(
+                "gyre_engine",
+                "create-model",
+                str(p),
+                "--seed",
+                str(cfg.run.seed),
+                "--shape",
+                cfg.run.model_shape,
+                "--dtype",
+                cfg.run.model_dtype,
+            ),
+        )
+        rc = child.proc.wait(300)
+        procs.children.remove(child)
+        if rc != 0:
+            raise RunError(f"gyre-engine create-model failed; see {child.log}")
+    return p
+
+
+def _wait(what: str, ok: Callable[[], bool], procs: ProcessGroup, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        procs.check()
+        if time.monotonic() > deadline:
+            raise RunError(f"{what} not ready within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _proxy_up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json)."""
+    out = Path(cfg.run.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (
+        "steps.jsonl",
+        "core.json",
+        "metrics.json",
+        "timeline.png",
+        "records.msgpack",
+        "samples.jsonl",
+    ):
+        (out / stale).unlink(missing_ok=True)
+    if (out / "logs").exists():
+        shutil.rmtree(out / "logs")
+    procs = ProcessGroup(out / "logs")
+    c = cfg.run
+    driver: Driver | None = None
+    traj: TrajectoryService | None = None
+    sampler: Sampler | None = None
+    t_start = t_end = 0.0
+    try:
+        model_dir = ensure_model(cfg, out, procs)
+        sched = f"tcp://127.0.0.1:{free_port()}"
+        s = cfg.sched
+        procs.start(
+            "sched",
+            python_argv(
+                "gyre_sched.cli", "serve", "--bind", sched, "--policy", c.policy,
+                "--async-train-cells", str(s.async_train_cells), "--ready-fraction", str(s.ready_fraction),
+                "--hold-s", str(s.hold_s), "--timeout-h", str(cfg.agent.timeout_s / 3600.0),
+                "--heartbeat-s", str(s.heartbeat_s), "--failure-timeout-s", str(s.failure_timeout_s),
+                "--switch-timeout-s", str(s.switch_timeout_s), "--drain-timeout-s", str(s.drain_timeout_s),
+            ),
+        )  # fmt: skip
+        ports = [free_port() for _ in range(c.cells)]
+        engines = {i: f"http://127.0.0.1:{p}" for i, p in enumerate(ports)}
+
+        def cell(i: int, core: str = "", publisher: str = "") -> None:
+            a = CellArgs(
+                sched=sched, cell_id=i, is_core=i == 0, capacity=cfg.cell.capacity, model_dir=str(model_dir),
+                engine_port=ports[i], run_dir=str(out), core=core, publisher=publisher, lr=cfg.train.lr,
+                token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
+                release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
+                device=cfg.cell.device,
+            )  # fmt: skip
+            env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.cell.device == "cuda" else {}
+            procs.start(
+                f"cell-{i}", python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)), env=env
+            )
+
+        say(f"gyre run: policy {c.policy}, {c.cells} cells, {c.steps} steps -> {out}")
+        cell(0)
+        _wait("the core cell", (out / "core.json").exists, procs, c.startup_timeout_s)
+        info = json.loads((out / "core.json").read_text())
+        for i in range(1, c.cells):
+            cell(i, info["core"], info["publisher"])
+        traj = TrajectoryService(
+            info["core"], sched, cfg.batch.queries, streaming=cfg.driver.streaming,
+            token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
+        )  # fmt: skip
+        proxy_url = f"http://127.0.0.1:{free_port()}"
+        procs.start(
+            "proxy",
+            python_argv(
+                "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", proxy_url.rsplit(":", 1)[1],
+                "--sched", sched, "--record-log", str(out / "records.msgpack"), "--record-push", traj.address,
+                "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
+            ),
+        )  # fmt: skip
+        sampler = Sampler(sched, engines)
+        sampler.start()
+
+        def registered() -> bool:
+            st = sampler.last_state if sampler else None
+            return st is not None and len(st.cells) == c.cells
+
+        _wait("the cells (engines up, registered with gyre-sched)", registered, procs, c.startup_timeout_s)
+        _wait("gyre-proxy", lambda: _proxy_up(proxy_url), procs, c.startup_timeout_s)
+        say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
+        traj.start()
+        driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
+        t_start = time.time()
+        driver.start()
+        deadline = time.monotonic() + c.deadline_s
+        last_say = 0.0
+        while True:
+            procs.check()
+            if traj.error is not None:
+                raise RunError(f"trajectory service failed: {traj.error}") from traj.error
+            if driver.error is not None:
+                raise RunError(f"rollout driver failed: {driver.error}") from driver.error
+            if traj.applied >= c.steps and driver.done.is_set():
+                break
+            if time.monotonic() > deadline:
+                raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
+            if time.monotonic() - last_say > 5.0:
+                last_say = time.monotonic()
+                say(_progress(t_start, driver, traj, sampler))
+            time.sleep(0.1)
+        t_end = _last_step_end(out)
+        _wait(
+            "the last weight version on every rollout engine",
+            lambda: _engines_at(sampler, c.steps),
+            procs,
+            60.0,
+        )
+        say(_progress(t_start, driver, traj, sampler))
+    finally:
+        for part in (driver, traj, sampler):
+            if part is not None:
+                part.stop()
+        procs.close()
+    assert driver is not None and traj is not None and sampler is not None
+    metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
+    write_json(out / "metrics.json", metrics)
+    with open(out / "samples.jsonl", "w") as fh:
+        for smp in sampler.samples:
+            fh.write(json.dumps(smp.__dict__) + "\n")
+    plot = write_plot(metrics, sampler.samples, out / "timeline.png")
+    say(
+        f"gyre run: done in {metrics['end_to_end_s']:.1f} s; idle rollout {metrics['roles']['idle_rollout']}, "
+        f"idle training {metrics['roles']['idle_training']}, switches {metrics['switches']}; "
+        f"metrics {out / 'metrics.json'}" + (f", plot {plot}" if plot else "")
+    )
+    return metrics
+
+
+def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampler | None) -> str:
+    with driver.lock:
+        running = len(driver.state.running)
+        finished = len(driver.state.outcomes)
+    roles = ""
+    if sampler is not None and sampler.samples:
+        last = sampler.samples[-1]
+        roles = " ".join(f"{cid}:{Role(r).name.lower()}" for cid, r in sorted(last.roles.items()))
+    return (
+        f"[{time.time() - t0:6.1f}s] executions running {running}, finished {finished}; records {traj.records}; "
+        f"steps submitted {traj.next_submit}, applied {traj.applied}; cells {roles}"
+    )
+
+
+def _last_step_end(out: Path) -> float:
+    rows = _steps(out)
+    if not rows:
+        raise RunError("the core reported no step")
+    return float(rows[-1]["t_end"])
+
+
+def _steps(out: Path) -> list[dict[str, Any]]:
+    p = out / "steps.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def _at_least(v: str | None, version: int) -> bool:
+    return v is not None and v.isdigit() and int(v) >= version
+
+
+def _engines_at(sampler: Sampler | None, version: int) -> bool:
+    """No cell mid-switch, and every rollout cell's engine serves `version` or newer."""
+    if sampler is None or not sampler.samples:
+        return False
+    last = sampler.samples[-1]
+    if any(r not in (int(Role.ROLLOUT), int(Role.TRAINING)) for r in last.roles.values()):
+        return False
+    rollout = [cid for cid, r in last.roles.items() if r == int(Role.ROLLOUT)]
+    return bool(rollout) and all(_at_least(last.engine_version.get(cid), version) for cid in rollout)
+
+
+def _switch_times(samples: list[Sample]) -> dict[str, list[float]]:
+    """Seconds from leaving a role to arriving in the other, per switch (sampling resolution)."""
+    out: dict[str, list[float]] = {"to_training_s": [], "to_rollout_s": []}
+    left: dict[int, tuple[float, int]] = {}
+    prev: dict[int, int] = {}
+    for s in samples:
+        for cid, r in s.roles.items():
+            p = prev.get(cid)
+            if p == int(Role.ROLLOUT) and r != p:
+                left[cid] = (s.t, int(Role.TRAINING))
+            elif p == int(Role.TRAINING) and r != p:
+                left[cid] = (s.t, int(Role.ROLLOUT))
+            if cid in left and r == left[cid][1]:
+                t, to = left.pop(cid)
+                out["to_training_s" if to == int(Role.TRAINING) else "to_rollout_s"].append(round(s.t - t, 3))
+            prev[cid] = r
+    return out
+
+
+def collect(
+    cfg: Config,
+    out: Path,
+    t0: float,
+    t1: float,
+    driver: Driver,
+    traj: TrajectoryService,
+    sampler: Sampler,
+) -> dict[str, Any]:
+    samples = sampler.samples
+    rows = _steps(out)
+    intervals = [(float(r["t_start"]), float(r["t_end"])) for r in rows]
+    steps: list[dict[str, Any]] = []
+    for r in rows:
+        k = int(r["step"]) - 1
+        summary = traj.steps[k].summary if k in traj.steps else {}
+        v = int(r["version"])
+        reached = [
+            x.t for x in samples
+            if x.t >= r["t_end"] and any(ro == int(Role.ROLLOUT) for ro in x.roles.values())
+            and all(_at_least(x.engine_version.get(cid), v) for cid, ro in x.roles.items() if ro == int(Role.ROLLOUT))
+        ]  # fmt: skip
+        steps.append(
+            {
+                "step": k,
+                "version": v,
+                "t_start": r["t_start"],
+                "t_end": r["t_end"],
+                "elapsed_s": r["elapsed_s"],
+                "push_s": round(reached[0] - r["t_end"], 3) if reached else None,
+                "groups": cfg.batch.queries,
+                "training_cells": len(r["by_replica"]),
+                "by_replica": r["by_replica"],
+                "microbatches": r["microbatches"],
+                "loss": r["loss"],
+                "grad_norm": r["grad_norm"],
+                "staleness_mean": r["staleness"]["mean"],
+                "staleness_max": r["staleness"]["max"],
+                **{
+                    k2: summary.get(k2)
+                    for k2 in (
+                        "executions",
+                        "trained_executions",
+                        "eval_failed",
+                        "timed_out",
+                        "mean_score",
+                        "tokens",
+                        "loss_tokens",
+                        "output_tokens_recorded",
+                    )
+                },
+            }
+        )
+    state = sampler.last_state
+    decisions = list(state.decisions) if state is not None else []
+    outcomes = driver.outcomes()
+    stale = [s["staleness_mean"] for s in steps]
+    return {
+        "policy": cfg.run.policy,
+        "config": cfg.to_dict(),
+        "t0": t0,
+        "end_to_end_s": round(t1 - t0, 3),
+        "steps_applied": len(steps),
+        "final_version": steps[-1]["version"] if steps else 0,
+        "final_cells": {
+            str(cid): {"role": Role(r).name.lower(), "engine_version": samples[-1].engine_version.get(cid)}
+            for cid, r in sorted(samples[-1].roles.items())
+        }
+        if samples
+        else {},
+        "roles": role_accounting(samples, intervals, t0, t1),
+        "switches": len(decisions),
+        "switches_to_training": sum(d.action is Action.TO_TRAINING for d in decisions),
+        "switch_times": _switch_times(samples),
+        "decisions": [
+            {"at": round(d.at, 3), "cell": d.cell_id, "action": d.action.name, "rule": d.rule}
+            for d in decisions
+        ],
+        "staleness_mean": round(sum(stale) / len(stale), 4) if stale else 0.0,
+        "staleness_max": max((s["staleness_max"] for s in steps), default=0),
+        "executions": len(outcomes),
+        "timeouts": sum(o["timed_out"] for o in outcomes),
+        "records": traj.records,
+        "steps": steps,
+        "outcomes": outcomes,
+    }

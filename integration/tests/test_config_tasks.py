@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gyre.cli import main
+from gyre.config import Config, ConfigError, load_config
+from gyre.predict import durations, sim_workload
+from gyre.tasks import Task, ToolStep, evaluate, partial_score, run_tool
+from gyre_traj.records import EvalStatus
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_examples_load() -> None:
+    for p in sorted(EXAMPLES.glob("*.toml")):
+        cfg = load_config(p)
+        assert cfg.run.cells >= 2
+
+
+def test_defaults_and_yaml(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("run:\n  policy: colocate\n  steps: 3\nagent:\n  timeout_s: 5\n")
+    cfg = load_config(p)
+    assert cfg.run.policy == "colocate" and cfg.run.steps == 3
+    assert cfg.agent.timeout_s == 5.0  # an int where a float is expected is fine
+    assert cfg.batch == Config().batch
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[run]\npolicy = 'fifo'\n", "[run] policy must be one of elastic, colocate, async"),
+        ("[run]\ncells = 1\n", "[run] cells must be >= 2"),
+        ("[run]\nsteps = 'two'\n", "[run] steps must be int"),
+        ("[agent]\nturn = 3\n", "[agent] unknown key 'turn'"),
+        ("[agnet]\nturns = 3\n", "unknown section [agnet]"),
+        ("[batch]\ngroup_size = 1\n", "[batch] group_size must be >= 2"),
+        ("[run]\ncells = 2\n[sched]\nasync_train_cells = 2\n", "async_train_cells must be in [1, cells)"),
+        ("[run\n", "Expected"),
+    ],
+)
+def test_bad_configs_name_the_key(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=None) as err:
+        load_config(p)
+    assert message in str(err.value) and str(p) in str(err.value)
+
+
+def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text("[run]\npolicy = 'fifo'\n")
+    assert main(["run", str(p)]) == 2
+    assert "policy must be one of" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "c.ini")]) == 2
+
+
+def test_tools_and_partial_scores() -> None:
+    assert run_tool("calculator", "(12+30)*2") == ("84", False)
+    out, err = run_tool("calculator", "__import__('os')")
+    assert err and out.startswith("error")
+    assert run_tool("reverse", "gyre") == ("eryg", False)
+    assert run_tool("count", "gradient") == ("3", False)
+    assert run_tool("nope", "x")[1]
+    assert partial_score("84", "the answer is 84") == 1.0
+    assert partial_score("84", "8") == 0.5
+    assert partial_score("84", "") == 0.0
+    task = Task("t", "p", "eryg", (ToolStep("reverse", "gyre"),))
+    s = evaluate(task, "e", "g", "eryX", timed_out=True)
+    assert s.value == 0.75 and s.timed_out
+    failed = evaluate(task, "e", "g", None, timed_out=False, error="HarnessError: 400")
+    assert failed.status is EvalStatus.EVAL_FAILED and failed.value is None  # not a 0
+
+
+def test_run_and_simulator_share_one_duration_sample() -> None:
+    cfg = load_config(EXAMPLES / "tiny.toml")
+    d = durations(cfg)
+    assert d.shape == (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
+    assert (d == durations(cfg.with_policy("async", "x"))).all()
+    w = sim_workload(cfg)
+    assert w.run.cells == cfg.run.cells and w.timeout_s == pytest.approx(cfg.agent.timeout_s)
