@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -89,7 +90,7 @@ def as_logprobs(values: Any) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"logprobs must be a flat list, got shape {arr.shape}")
     arr = arr.astype(LOGPROB_DTYPE, copy=False)
-    if arr.size and not bool(np.all(arr <= 1e-4)):
+    if arr.size and not float(arr.max()) <= 1e-4:  # max propagates NaN, so NaN fails this too
         pos = int(np.flatnonzero(~(arr <= 1e-4))[0])
         raise ValueError(f"logprobs must be <= 0 (and not NaN), got {float(arr[pos])} at position {pos}")
     return arr
@@ -266,15 +267,17 @@ class CallBatch(
                 f"{where}: output_lens add up to {int(lp_off[-1])} output tokens, the batch holds "
                 f"{lps.shape[0]} logprobs (must be equal)"
             )
-        for k, (cid, par) in enumerate(zip(self.call_ids, self.parents, strict=True)):
-            if par == cid:
-                raise RecordError(
-                    f"{_where(self.execution_id, cid)}: input_delta.parent names the call itself"
-                )
-            if not par and keeps[k]:
-                raise RecordError(
-                    f"{_where(self.execution_id, cid)}: keep={int(keeps[k])} without a delta parent"
-                )
+        if any(map(operator.eq, self.call_ids, self.parents)):  # one C loop; the error path finds which
+            k = next(i for i, (c, p) in enumerate(zip(self.call_ids, self.parents, strict=True)) if c == p)
+            raise RecordError(
+                f"{_where(self.execution_id, self.call_ids[k])}: input_delta.parent names the call itself"
+            )
+        full = [i for i, p in enumerate(self.parents) if not p]  # calls with their input in full
+        if full and bool(keeps[full].any()):
+            k = next(i for i in full if keeps[i])
+            raise RecordError(
+                f"{_where(self.execution_id, self.call_ids[k])}: keep={int(keeps[k])} without a delta parent"
+            )
         # Inside `defer_input_sign_check` the tree checks instead, piece by piece as it copies the tokens
         # it stores (`ExecutionTree.add_batch`), so the bytes are read once.
         if (

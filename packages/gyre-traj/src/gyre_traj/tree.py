@@ -94,7 +94,7 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 
 
 _MEMCMP = _load_memcmp()
-_MEMCMP_MIN = 512  # below this many tokens numpy's comparison is as fast as the ctypes call
+_MEMCMP_MIN = 1 << 14  # below this many tokens numpy's comparison is faster than the ctypes call
 _CHUNK = 1 << 18  # tokens compared per step: a long match costs one pass, an early mismatch exits early
 _COPY_CHUNK = 1 << 16  # tokens checked then copied per step: the copy reads them back from cache
 NO_NODE = ROOT - 1
