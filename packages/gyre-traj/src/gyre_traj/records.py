@@ -189,6 +189,14 @@ def _int_column(values: Any, what: str, n: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _offsets(n_in: np.ndarray, n_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    tok_off = np.zeros(n_in.shape[0] + 1, np.int64)
+    np.cumsum(n_in + n_out, out=tok_off[1:])
+    lp_off = np.zeros(n_out.shape[0] + 1, np.int64)
+    np.cumsum(n_out, out=lp_off[1:])
+    return tok_off, lp_off
+
+
 class CallBatch(
     msgspec.Struct,
     frozen=True,
@@ -253,10 +261,7 @@ class CallBatch(
             toks = as_ids(self.tokens, "token ids", check_sign=False)
         except ValueError as exc:
             raise RecordError(f"{where}: {exc}") from None
-        tok_off = np.zeros(n + 1, np.int64)
-        np.cumsum(n_in + n_out, out=tok_off[1:])
-        lp_off = np.zeros(n + 1, np.int64)
-        np.cumsum(n_out, out=lp_off[1:])
+        tok_off, lp_off = _offsets(n_in, n_out)
         if int(tok_off[-1]) != toks.shape[0]:
             raise RecordError(
                 f"{where}: input_lens + output_lens add up to {int(tok_off[-1])} tokens, the batch holds "
@@ -278,14 +283,6 @@ class CallBatch(
             raise RecordError(
                 f"{_where(self.execution_id, self.call_ids[k])}: keep={int(keeps[k])} without a delta parent"
             )
-        # Inside `defer_input_sign_check` the tree checks instead, piece by piece as it copies the tokens
-        # it stores (`ExecutionTree.add_batch`), so the bytes are read once.
-        if (
-            not getattr(_deferred, "on", False)
-            and toks.shape[0]
-            and int(toks.view(np.uint32).max()) >= 1 << 31
-        ):
-            self.raise_negative(toks, tok_off, n_in)
         set_ = msgspec.structs.force_setattr
         set_(self, "keeps", keeps)
         set_(self, "input_lens", n_in)
@@ -295,9 +292,20 @@ class CallBatch(
         set_(self, "t_end", t1)
         set_(self, "tokens", toks)
         set_(self, "logprobs", lps)
+        # Inside `defer_input_sign_check` the tree checks instead, piece by piece as it copies the tokens
+        # it stores (`ExecutionTree.add_batch`), so the bytes are read once.
+        if (
+            not getattr(_deferred, "on", False)
+            and toks.shape[0]
+            and int(toks.view(np.uint32).max()) >= 1 << 31
+        ):
+            self.raise_negative()
 
-    def raise_negative(self, toks: np.ndarray, tok_off: np.ndarray, n_in: np.ndarray) -> None:
-        """Raise the RecordError for the first negative id of `toks`, naming its call and position."""
+    def raise_negative(self) -> None:
+        """Raise the RecordError for the first negative id of the batch's tokens, naming its call and
+        position."""
+        toks, n_in = self.tokens, self.input_lens
+        tok_off, _ = self.offsets()
         pos = int(np.flatnonzero(toks < 0)[0])
         k = int(np.searchsorted(tok_off, pos, side="right")) - 1
         rel = pos - int(tok_off[k])
@@ -317,11 +325,7 @@ class CallBatch(
 
     def offsets(self) -> tuple[np.ndarray, np.ndarray]:
         """(token offsets, logprob offsets), each of length len(batch) + 1."""
-        tok_off = np.zeros(len(self) + 1, np.int64)
-        np.cumsum(self.input_lens + self.output_lens, out=tok_off[1:])
-        lp_off = np.zeros(len(self) + 1, np.int64)
-        np.cumsum(self.output_lens, out=lp_off[1:])
-        return tok_off, lp_off
+        return _offsets(self.input_lens, self.output_lens)
 
     @classmethod
     def of(cls, calls: Sequence[Call]) -> CallBatch:

@@ -556,7 +556,7 @@ class ExecutionTree:
             for off in range(0, a1 - a0, _COPY_CHUNK):
                 piece = toks[a0 + off : min(a1, a0 + off + _COPY_CHUNK)]
                 if int(piece.view(np.uint32).max()) >= 1 << 31:
-                    batch.raise_negative(toks, tok_arr, n_in_arr)
+                    batch.raise_negative()
                 ids[lo + off : lo + off + piece.shape[0]] = piece
             self.n = hi
             outs = n_out_arr[w0:w1]
