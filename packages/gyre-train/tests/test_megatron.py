@@ -5,7 +5,9 @@ convert to transformers with identical logits, and the core trains it with a sat
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,11 @@ from gyre_train.model import ModelConfig, build_model
 from gyre_traj.loss import LossConfig, TorchBatch, target_logprobs
 
 M = pytest.importorskip("gyre_train.megatron")
+sys.path.insert(
+    0, str(Path(__file__).parent)
+)  # the shared reference (tests run with --import-mode=importlib)
+import megatron_checks  # noqa: E402
+
 # megatron-core 0.19 warns on every forward (deprecated GPTModel, implicit tp_group); not ours to fix.
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning"
@@ -29,20 +36,7 @@ def test_tree_packed_equals_each_path_alone_and_matches_transformers() -> None:
     tb = TorchBatch.from_packed(BATCH)
     with torch.no_grad():
         packed = M.tree_target_logprobs(gpt, tb)
-        # Reference: every root-to-target chain run alone through Megatron's stock forward (sequence
-        # index = tree depth on a chain), reading the logit at the target's parent.
-        ref = torch.empty_like(packed)
-        par = BATCH.parent
-        for j, (tp, tid) in enumerate(zip(BATCH.target_pos.tolist(), BATCH.target_ids.tolist(), strict=True)):
-            chain = [tp]
-            while par[chain[-1]] >= 0:
-                chain.append(int(par[chain[-1]]))
-            ids = torch.as_tensor(BATCH.input_ids[chain[::-1]], dtype=torch.long)[None]
-            pos = torch.arange(ids.shape[1])[None]
-            n = ids.shape[1]
-            mask = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]  # True = masked
-            logits = gpt(input_ids=ids, position_ids=pos, attention_mask=mask)[0, -1].float()
-            ref[j] = torch.log_softmax(logits, -1)[tid]
+        ref = megatron_checks.path_logprobs(gpt, BATCH)
         torch.testing.assert_close(packed, ref, atol=2e-5, rtol=0)
         # Megatron's own forward on the packed batch takes RoPE from the sequence index: wrong for trees.
         n = BATCH.num_tokens

@@ -6,6 +6,8 @@ path-expanded one; a core step trains it on the GPU."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning"),
 ]
 M = pytest.importorskip("gyre_train.megatron")
+sys.path.insert(
+    0, str(Path(__file__).parent)
+)  # the shared reference (tests run with --import-mode=importlib)
+import megatron_checks  # noqa: E402
 
 # Qwen3-0.6B's layer shape (1024 wide, 16 x 128 query heads, 8 key/value heads, 3072 MLP) with 4 layers
 # and a smaller vocabulary, float32 so the comparisons are tight.
@@ -42,29 +48,13 @@ def _exact_matmuls() -> object:
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _path_logprobs(gpt: torch.nn.Module, batch: object) -> torch.Tensor:
-    b = batch
-    out = []
-    par = b.parent  # type: ignore[attr-defined]
-    for tp, tid in zip(b.target_pos.tolist(), b.target_ids.tolist(), strict=True):  # type: ignore[attr-defined]
-        chain = [tp]
-        while par[chain[-1]] >= 0:
-            chain.append(int(par[chain[-1]]))
-        ids = torch.as_tensor(b.input_ids[chain[::-1]], dtype=torch.long, device="cuda")[None]  # type: ignore[attr-defined]
-        n = ids.shape[1]
-        mask = torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1)[None, None]
-        logits = gpt(input_ids=ids, position_ids=torch.arange(n, device="cuda")[None], attention_mask=mask)
-        out.append(torch.log_softmax(logits[0, -1].float(), -1)[tid])
-    return torch.stack(out)
-
-
 def test_tree_packed_on_cuda_equals_paths_and_transformers() -> None:
     batch = synthetic_minibatch(2, seed=4)[0]
     gpt = build_model(MC, device="cuda")
     tb = TorchBatch.from_packed(batch, device="cuda")
     with torch.no_grad():
         packed = M.tree_target_logprobs(gpt, tb)
-        ref = _path_logprobs(gpt, batch)
+        ref = megatron_checks.path_logprobs(gpt, batch, "cuda")
         diff_paths = float((packed - ref).abs().max())
         hf = build_model(dataclasses.replace(MC, backend="transformers"), device="cuda")
         sd = M.hf_state_dict(gpt, MC)
