@@ -57,20 +57,46 @@ def test_chunked_gradient_equals_one_microbatch(mode: str) -> None:
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     scale = max(float(g.abs().max()) for g in ref.values())
     assert scale > 0
-    for budget in (64, 300):
+    for budget, loss_slice in ((64, 2048), (300, 7)):  # the loss in one slice per chunk / in many
         model.zero_grad()
-        m = chunked_loss_backward(model, big, budget, cfg)
+        m = chunked_loss_backward(model, big, budget, cfg, loss_slice=loss_slice)
         assert m["shared_chunks"] >= 1
+        with_ancestors = sum(1 for c in plan(big, budget) if c.ext.shape[0])
+        assert m["joined_in_place"] + m["joined_gathered"] == with_ancestors
         assert abs(m["loss"] - float(loss.detach())) <= 1e-5 * max(1.0, abs(float(loss.detach())))
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, ref[n], atol=1e-6 * scale, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("branches", [0, 3])
+def test_trunk_and_branches_join_in_place_with_the_same_gradient(branches: int) -> None:
+    """A long trunk (and branches off its end): every chunk reads its ancestors' kept keys/values as a
+    view of the kept buffer (no gathered copy), and the gradient is that of one micro-batch."""
+    from gyre_train.bench.run import Fan, fan_tree, packs
+
+    tree = fan_tree(Fan(1280, branches, 160), seed=3)  # trunk = 5 chunks of 256
+    b = packs(tree, max(branches, 1))[0][0]
+    model = build_model(ModelConfig())
+    cfg = LossConfig(mode="tis")
+    tb = TorchBatch.from_packed(b)
+    model.zero_grad()
+    loss, _ = policy_loss(target_logprobs(model, tb), tb, cfg)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    scale = max(float(g.abs().max()) for g in ref.values())
+    model.zero_grad()
+    m = chunked_loss_backward(model, b, 256, cfg)
+    assert m["chunks"] >= 5 and m["joined_gathered"] == 0
+    assert m["joined_in_place"] == m["chunks"] - 1
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], atol=1e-6 * scale, rtol=1e-4, msg=n)
 
 
 @pytest.mark.slow
 def test_flex_chunk_mask_matches_dense_forward() -> None:
     """The GPU path's FlexAttention BlockMask over gathered ancestor keys/values equals the dense mask
     (forward only: FlexAttention has no backward on the CPU)."""
-    from gyre_train.chunked import _forward
+    from gyre_train.chunked import _ChunkCache, _forward, _Kept
 
     mc = ModelConfig()
     dense, flex = build_model(mc, "dense"), build_model(mc, "flex")
@@ -83,7 +109,34 @@ def test_flex_chunk_mask_matches_dense_forward() -> None:
         (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
         for _ in range(mc.num_hidden_layers)
     ]
-    with torch.no_grad():
-        hd, _ = _forward(dense, tb, c, [(k.clone(), v.clone()) for k, v in past], "dense")
-        hf, _ = _forward(flex, tb, c, [(k.clone(), v.clone()) for k, v in past], "flex")
-    torch.testing.assert_close(hf, hd, atol=1e-5, rtol=1e-5)
+    ext = torch.as_tensor(c.ext)
+
+    def run(model: torch.nn.Module, attention: str) -> torch.Tensor:
+        kept = _Kept(c.lo, 300)
+        for li, (k, v) in enumerate(past):
+            kb, vb = kept.buffers(li, k)
+            kb[:, :, ext], vb[:, :, ext] = k, v
+        with torch.no_grad():
+            return _forward(model, tb, c, _ChunkCache(kept, c, False, tb.input_ids.device), attention)  # type: ignore[arg-type]
+
+    torch.testing.assert_close(run(flex, "flex"), run(dense, "dense"), atol=1e-5, rtol=1e-5)
+
+
+def test_huge_tree_bench_case_runs_and_scales_sampled_paths() -> None:
+    """The bench's huge-tree case on the CPU: both sides chunked under one budget, sampled path times
+    scaled to all paths, kept memory as the formula says."""
+    from gyre_train.bench.run import Fan, huge
+
+    mc = ModelConfig()
+    model = build_model(mc)
+    r = huge(model, mc, Fan(512, 3, 64), 128, "dense", "cpu", path_sample=1, repeats=2)
+    assert r["paths"] == 3 and r["paths_timed"] == 1 and len(r["tree_rounds_s"]) == 2
+    assert r["paths_chunked_s"] == pytest.approx(r["per_path_s"][0] * 3)
+    assert r["ideal_ratio"] == pytest.approx(3 * (512 + 64) / (512 + 3 * 64))
+    per = mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2
+    assert r["kept_tree"] == {
+        "shared_tokens": 512,
+        "kv_bytes": per * (512 + 128) * 4,
+        "accumulator_bytes": per * 512 * 4,
+    }
+    assert r["chunked_speedup"] == pytest.approx(r["paths_chunked_s"] / r["chunked_s"])

@@ -1,20 +1,28 @@
 """Training one execution tree larger than a micro-batch with every shared token computed once.
 
 The whole tree is tree-packed (DFS preorder) and cut into chunks of at most `budget` tokens. A chunk's
-queries see the keys and values of their ancestors in earlier chunks (gathered, `ext`) plus the chunk's
-own, under the same ancestor test as one big batch (`kv <= q <= last_desc[kv]`, global indices). Pass 1
-runs, without autograd, only the chunks some later chunk attends to (the shared prefix) and keeps their
-keys and values. Pass 2 goes over the chunks in reverse: each is run with autograd on detached copies of
-its ancestors' keys and values, backward once with its own loss plus the gradient that later chunks sent
-to its keys and values, and passes the gradient of the gathered ancestors back to their chunks. So each
-token is forwarded once (twice if shared), backward once, activation memory is one chunk's, and the
-kept keys and values grow with the shared prefix only. The gradient equals that of the whole tree as one
-micro-batch (tested on the CPU within float tolerance).
+queries see the keys and values of their ancestors in earlier chunks (`ext`) plus the chunk's own, under
+the same ancestor test as one big batch (`kv <= q <= last_desc[kv]`, global indices). Pass 1 runs,
+without autograd, only the chunks some later chunk attends to (the shared prefix) and keeps their keys
+and values. Pass 2 goes over the chunks in reverse: each is run with autograd over its ancestors' kept
+keys and values, backward once with its own loss plus the gradient that later chunks sent to its keys
+and values, and passes the gradient of its ancestors' keys and values back into float32 accumulators.
+So each token is forwarded once (twice if shared: pass 2 recomputes what pass 1 computed, as activation
+checkpointing does), backward once, and activation memory is one chunk's. The gradient equals that of
+the whole tree as one micro-batch (tested on the CPU within float tolerance).
+
+Memory beyond one chunk's activations is the kept keys/values of the shared chunks (model dtype) and
+their float32 gradient accumulators: per shared token, layers x kv_heads x head_dim x 2 x (dtype
+bytes + 4). Nothing else grows with the tree: where a chunk's ancestors are one contiguous run that ends
+where the chunk's own keys can be written (right after it: a trunk; or at the end of the kept region:
+branches off a trunk), the attention reads a view of the kept buffer with the chunk's keys written in
+place, and the ancestors' gradient is added straight into the accumulators by a custom autograd node
+(`_Join`), so no per-chunk copy of the prefix's keys/values or of their gradient is ever made. Other
+chunks (ancestors scattered over the tree) gather theirs (a copy of those ancestors only).
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +73,22 @@ def plan(b: PackedBatch, budget: int) -> list[Chunk]:
     return out
 
 
+def kept_bytes(b: PackedBatch, budget: int, model: Any) -> dict[str, int]:
+    """What `chunked_loss_backward` keeps beyond one chunk's activations, in bytes: the shared chunks'
+    keys/values (plus one chunk of scratch) and their float32 gradient accumulators."""
+    chunks = plan(b, budget)
+    t = max((c.hi for c in chunks if c.needed), default=0)
+    cfg = model.config
+    per = cfg.num_hidden_layers * cfg.num_key_value_heads * _head_dim(cfg) * 2
+    item = next(model.parameters()).element_size()
+    cap = t + budget if t else 0
+    return {"shared_tokens": t, "kv_bytes": per * cap * item, "accumulator_bytes": per * t * 4}
+
+
+def _head_dim(cfg: Any) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def _sub(tb: TorchBatch, idx: torch.Tensor, lo: int) -> TorchBatch:
     return TorchBatch(
         input_ids=tb.input_ids,
@@ -104,39 +128,133 @@ def _mask(tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention) ->
     )
 
 
-def _forward(
-    model: Any, tb: TorchBatch, c: Chunk, past: list[tuple[torch.Tensor, torch.Tensor]], attention: Attention
-) -> tuple[torch.Tensor, Any]:
-    from transformers import DynamicCache
+class _Join(torch.autograd.Function):
+    """Keys (or values) a chunk attends to: its ancestors' kept ones followed by its own. Forward returns
+    `joined` (built by the caller: a view of the kept buffer with the chunk's own written in place, or
+    a gathered copy); backward hands the own part's gradient to `own` and adds the ancestors' part into
+    the float32 accumulator `acc` at `where` (a slice, or indices), so no gradient tensor of the prefix
+    outlives the layer's backward."""
 
+    @staticmethod
+    def forward(
+        ctx: Any, own: torch.Tensor, joined: torch.Tensor, acc: torch.Tensor, where: Any, n_ext: int
+    ) -> torch.Tensor:
+        ctx.acc, ctx.where, ctx.n_ext = acc, where, n_ext  # acc changes between chunks: not saved
+        return joined.detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        n = ctx.n_ext
+        if isinstance(ctx.where, slice):
+            ctx.acc[:, :, ctx.where].add_(g[:, :, :n])
+        else:
+            ctx.acc.index_add_(2, ctx.where, g[:, :, :n].to(ctx.acc.dtype))
+        return g[:, :, n:], None, None, None, None
+
+
+class _Kept:
+    """Per layer, the kept keys and values ([1, kv_heads, t + budget, head_dim], model dtype: the shared
+    region [0, t) and one chunk of scratch after it) and float32 gradient accumulators over [0, t)."""
+
+    def __init__(self, t: int, budget: int) -> None:
+        self.t, self.cap = t, t + budget
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.acc: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.in_place = 0
+        self.gathered = 0
+
+    def buffers(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.kv) <= layer:  # allocated when the first chunk's layer produces its keys
+            shape = (k.shape[0], k.shape[1], self.cap, k.shape[3])
+            self.kv.append((k.new_zeros(shape), k.new_zeros(shape)))
+            ashape = (k.shape[0], k.shape[1], self.t, k.shape[3])
+            z = torch.zeros(ashape, dtype=torch.float32, device=k.device)
+            self.acc.append((z, torch.zeros_like(z)))
+        return self.kv[layer]
+
+
+class _ChunkCache:
+    """What the model's attention layers see as their cache while one chunk runs (duck-typed: transformers
+    5.x calls `update(key, value, layer_idx, ...)` and `get_seq_length()`): `update` returns the keys and
+    values the chunk attends to, ancestors first, then its own."""
+
+    def __init__(self, kept: _Kept, c: Chunk, grad: bool, dev: torch.device) -> None:
+        self.kept, self.c, self.grad = kept, c, grad
+        self.own: list[tuple[torch.Tensor, torch.Tensor]] = []
+        n = int(c.ext.shape[0])
+        self.n_ext = n
+        contiguous = n > 0 and int(c.ext[-1]) - int(c.ext[0]) + 1 == n
+        self.a = int(c.ext[0]) if n else 0
+        b = self.a + n
+        # where the chunk's own keys go: its own place when its ancestors end right before it (a trunk),
+        # the scratch after the kept region when they end there (branches off a trunk); else gathered
+        self.dst = b if contiguous and (b == c.lo or b == kept.t) else -1
+        self.idx = None if self.dst >= 0 or not n else torch.as_tensor(c.ext, device=dev, dtype=torch.long)
+        if n and grad:  # counted once per chunk (pass 2)
+            if self.dst >= 0:
+                kept.in_place += 1
+            else:
+                kept.gathered += 1
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c, kept, n = self.c, self.kept, self.n_ext
+        if self.grad:
+            self.own.append((k, v))
+        if not n and not (c.needed and not self.grad):
+            return k, v
+        kb, vb = kept.buffers(layer_idx, k)
+        if not self.grad and c.needed:  # pass 1: keep this chunk's keys and values
+            kb[:, :, c.lo : c.hi] = k
+            vb[:, :, c.lo : c.hi] = v
+        if not n:
+            return k, v
+        m = c.hi - c.lo
+        if self.dst >= 0:
+            if self.grad or self.dst != c.lo:
+                with torch.no_grad():
+                    kb[:, :, self.dst : self.dst + m] = k
+                    vb[:, :, self.dst : self.dst + m] = v
+            jk, jv = kb[:, :, self.a : self.dst + m], vb[:, :, self.a : self.dst + m]
+            where: Any = slice(self.a, self.a + n)
+        else:
+            assert self.idx is not None
+            jk = torch.cat([kb.index_select(2, self.idx), k.detach()], 2)
+            jv = torch.cat([vb.index_select(2, self.idx), v.detach()], 2)
+            where = self.idx
+        if not self.grad:
+            return jk, jv
+        ak, av = kept.acc[layer_idx]
+        return _Join.apply(k, jk, ak, where, n), _Join.apply(v, jv, av, where, n)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attention) -> torch.Tensor:
     dev = tb.input_ids.device
     kidx = torch.cat(
         [torch.as_tensor(c.ext, device=dev, dtype=torch.long), torch.arange(c.lo, c.hi, device=dev)]
     )
-    cache = DynamicCache(ddp_cache_data=past) if c.ext.shape[0] else DynamicCache()
+    mask = _mask(tb, c, kidx, attention)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     # transformers >= 5.2x names the argument `cache`; earlier 5.x releases call it `past_key_values`.
-    arg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
+    arg = "cache" if "cache" in _params(backbone) else "past_key_values"
     out = backbone(
         input_ids=tb.input_ids[c.lo : c.hi][None],
         position_ids=tb.position_ids[c.lo : c.hi][None],
-        attention_mask=_mask(tb, c, kidx, attention),
+        attention_mask={"full_attention": mask, "sliding_attention": mask},
         use_cache=True,
         **{arg: cache},
     )
-    return out.last_hidden_state[0], cache
+    return out.last_hidden_state[0]
 
 
-def _kv(cache: Any, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The last n positions of each layer's keys and values."""
-    return [(layer.keys[:, :, -n:, :], layer.values[:, :, -n:, :]) for layer in cache.layers]
+def _params(fn: Any) -> Any:
+    import inspect
 
-
-def _where(ext: np.ndarray, dev: torch.device) -> slice | torch.Tensor:
-    """Ancestor indices as a slice when they are one contiguous run, else an index tensor."""
-    if ext.shape[0] and int(ext[-1]) - int(ext[0]) + 1 == ext.shape[0]:
-        return slice(int(ext[0]), int(ext[-1]) + 1)
-    return torch.as_tensor(ext, device=dev, dtype=torch.long)
+    return inspect.signature(fn.forward).parameters
 
 
 def chunked_loss_backward(
@@ -145,78 +263,57 @@ def chunked_loss_backward(
     budget: int,
     loss_cfg: LossConfig,
     attention: Attention = "dense",
+    loss_slice: int = 2048,
 ) -> dict[str, float]:
     """Accumulate into `.grad` the gradient of the policy loss of tree `b`, chunk by chunk (see module)."""
     chunks = plan(b, budget)
     dev = next(model.parameters()).device
     tb = TorchBatch.from_packed(b, device=dev)
     # Keys/values (and their gradients) are kept for the shared chunks only: up to the last one.
-    t = max((c.hi for c in chunks if c.needed), default=0)
-    keys: list[torch.Tensor] = []
-    vals: list[torch.Tensor] = []
-    gk: list[torch.Tensor] = []
-    gv: list[torch.Tensor] = []
-    where = {id(c): _where(c.ext, dev) for c in chunks}
-
-    def gather(c: Chunk) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        w = where[id(c)]
-        if isinstance(w, slice):  # a contiguous run of ancestors (a trunk): views, no copy
-            return [(k[:, :, w], v[:, :, w]) for k, v in zip(keys, vals, strict=True)]
-        return [(k.index_select(2, w), v.index_select(2, w)) for k, v in zip(keys, vals, strict=True)]
-
+    kept = _Kept(max((c.hi for c in chunks if c.needed), default=0), budget)
     with torch.no_grad():  # pass 1: keys and values of the shared chunks
         for c in chunks:
-            if not c.needed:
-                continue
-            _, cache = _forward(model, tb, c, gather(c) if keys else [], attention)
-            for li, (k, v) in enumerate(_kv(cache, c.hi - c.lo)):
-                if len(keys) <= li:
-                    shape = (k.shape[0], k.shape[1], t, k.shape[3])
-                    keys.append(k.new_zeros(shape))
-                    vals.append(v.new_zeros(shape))
-                    gk.append(torch.zeros(shape, dtype=torch.float32, device=dev))
-                    gv.append(torch.zeros(shape, dtype=torch.float32, device=dev))
-                keys[li][:, :, c.lo : c.hi] = k
-                vals[li][:, :, c.lo : c.hi] = v
+            if c.needed:
+                _forward(model, tb, c, _ChunkCache(kept, c, False, dev), attention)
     total = 0.0
     head = model.get_output_embeddings()
     for c in reversed(chunks):  # pass 2: one backward per chunk, reverse order
-        past = (
-            [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in gather(c)]
-            if c.ext.shape[0]
-            else []
-        )
-        hidden, cache = _forward(model, tb, c, past, attention)
+        cache = _ChunkCache(kept, c, True, dev)
+        hidden = _forward(model, tb, c, cache, attention)
         outs: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if c.targets.shape[0]:
-            sub = _sub(tb, torch.as_tensor(c.targets, device=dev), c.lo)
-            logits = head(hidden.index_select(0, sub.target_pos)).float()
-            if loss_cfg.temperature != 1.0:
-                logits = logits / loss_cfg.temperature
-            lp = torch.log_softmax(logits, -1).gather(1, sub.target_ids[:, None])[:, 0]
-            loss, m = policy_loss(lp, sub, loss_cfg)
-            total += m["loss"]
-            outs.append(loss)
-            grads.append(torch.ones_like(loss))
+            # The loss in slices of `loss_slice` targets off a detached copy of the hidden states, so the
+            # float32 logits (targets x vocabulary) of only one slice exist at a time; the hidden states'
+            # gradient then joins the chunk's backward.
+            h = hidden.detach().requires_grad_()
+            for s in range(0, int(c.targets.shape[0]), loss_slice):
+                sub = _sub(tb, torch.as_tensor(c.targets[s : s + loss_slice], device=dev), c.lo)
+                logits = head(h.index_select(0, sub.target_pos)).float()
+                if loss_cfg.temperature != 1.0:
+                    logits = logits / loss_cfg.temperature
+                lp = torch.log_softmax(logits, -1).gather(1, sub.target_ids[:, None])[:, 0]
+                loss, m = policy_loss(lp, sub, loss_cfg)
+                total += m["loss"]
+                loss.backward()
+                del logits, lp, loss
+            assert h.grad is not None
+            outs.append(hidden)
+            grads.append(h.grad)
         if c.needed:
-            for li, (k, v) in enumerate(_kv(cache, c.hi - c.lo)):
+            for li, (k, v) in enumerate(cache.own):
+                ak, av = kept.acc[li]
                 outs += [k, v]
-                grads += [gk[li][:, :, c.lo : c.hi].to(k.dtype), gv[li][:, :, c.lo : c.hi].to(v.dtype)]
+                grads += [ak[:, :, c.lo : c.hi].to(k.dtype), av[:, :, c.lo : c.hi].to(v.dtype)]
         if outs:
             torch.autograd.backward(outs, grads)
-        if past:
-            w = where[id(c)]
-            for li, (k, v) in enumerate(past):
-                for acc, x in ((gk[li], k), (gv[li], v)):
-                    if x.grad is None:
-                        continue
-                    if isinstance(w, slice):
-                        acc[:, :, w] += x.grad
-                    else:
-                        acc.index_add_(2, w, x.grad.float())
+        del cache, hidden, outs, grads
+        if c.targets.shape[0]:
+            del h
     return {
         "loss": total,
         "chunks": float(len(chunks)),
         "shared_chunks": float(sum(c.needed for c in chunks)),
+        "joined_in_place": float(kept.in_place),
+        "joined_gathered": float(kept.gathered),
     }

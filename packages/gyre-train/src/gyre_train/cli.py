@@ -152,8 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", help="also write the result JSON here")
     b.add_argument(
         "--cases",
-        default="fan,synthetic-agent,large-tree-chunked,join",
-        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, join",
+        default="fan,synthetic-agent,large-tree-chunked,huge-tree,join",
+        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, huge-tree, join",
+    )
+    b.add_argument(
+        "--huge-trunk",
+        type=int,
+        default=0,
+        help="huge-tree trunk tokens (default 262144 on CUDA, 4096 on CPU, 1024 with --quick)",
+    )
+    b.add_argument(
+        "--huge-paths",
+        type=int,
+        default=0,
+        help="huge-tree: time this many of its identical paths and scale to all (default 0: all)",
+    )
+    b.add_argument(
+        "--huge-repeats", type=int, default=1, help="huge-tree: rounds of tree and paths (medians)"
     )
     b.set_defaults(fn=_bench)
     args = ap.parse_args(argv)

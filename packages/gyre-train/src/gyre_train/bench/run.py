@@ -30,7 +30,7 @@ from gyre_traj.select import SelectionConfig, select
 from gyre_traj.synth import SynthConfig, synth_execution
 from gyre_traj.tree import ExecutionTree
 
-from gyre_train.chunked import chunked_loss_backward, plan
+from gyre_train.chunked import chunked_loss_backward, kept_bytes, plan
 from gyre_train.model import Attention, ModelConfig, build_model
 
 H200_BF16_PEAK = 989e12  # dense bf16 tensor-core peak, FLOP/s
@@ -206,6 +206,79 @@ def compare(name: str, model: Any, mc: ModelConfig, tree: ExecutionTree, j_max: 
     return out
 
 
+def _peak_reset(dev: str) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(dev: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if dev.startswith("cuda") else float("nan")
+
+
+def huge(model: Any, mc: ModelConfig, f: Fan, budget: int, attention: Attention, dev: str,
+         path_sample: int, repeats: int = 1) -> dict[str, Any]:  # fmt: skip
+    """The issue's regime: a fan tree whose trunk is far larger than a micro-batch (256k tokens on the
+    GPU), trained chunked under `budget` tokens per chunk, against path-expanded training of the same
+    paths chunked under the same budget. Nothing here fits one micro-batch, so there is no unchunked
+    run. Every path of a fan tree has the same length and attention pattern (trunk + one branch), so
+    path-expanded time is measured on `path_sample` of them (0: all) and scaled to all of them; the
+    sampled paths' times are reported so their spread is visible. With `repeats` > 1 the tree and the
+    sampled paths are timed alternately that many times and medians are used (the first round may
+    include compilation for shapes the warm-up did not reach). Peak memory per side (GPU)."""
+    tree = fan_tree(f, seed=2)
+    tb, pb = packs(tree, f.branches)
+    big = tb[0]
+    lengths = {b.num_tokens for b in pb}
+    if len(lengths) != 1:
+        raise RuntimeError(f"fan paths differ in length: {sorted(lengths)}")
+    cfg = LossConfig(mode="tis")
+    # warm-up (kernels, FlexAttention compilation for varying key lengths) on a small fan, same budget
+    wt, wp = packs(fan_tree(Fan(4 * budget, 2, f.branch), seed=3), 2)
+    chunked_time(model, wt[0], budget, attention, dev, cfg)
+    chunked_time(model, wp[0], budget, attention, dev, cfg)
+    sample = pb if path_sample <= 0 else pb[:path_sample]
+    tree_s: list[float] = []
+    path_rounds: list[list[float]] = []
+    peak_tree = peak_path = 0.0
+    for _ in range(max(1, repeats)):
+        _peak_reset(dev)
+        tree_s.append(chunked_time(model, big, budget, attention, dev, cfg))
+        peak_tree = max(peak_tree, _peak_gib(dev))
+        _peak_reset(dev)
+        path_rounds.append([chunked_time(model, b, budget, attention, dev, cfg) for b in sample])
+        peak_path = max(peak_path, _peak_gib(dev))
+    t_tree = statistics.median(tree_s)
+    per_path = [statistics.median(r[i] for r in path_rounds) for i in range(len(sample))]
+    unique, expanded = big.num_tokens, sum(b.num_tokens for b in pb)
+    t_paths = statistics.mean(per_path) * len(pb)
+    kt, kp = kept_bytes(big, budget, model), kept_bytes(pb[0], budget, model)
+    out: dict[str, Any] = {
+        "case": "huge-tree",
+        "trunk": f.trunk, "branches": f.branches, "branch": f.branch, "chunk_budget": budget,
+        "unique_tokens": unique, "expanded_tokens": expanded, "paths": len(pb),
+        "ideal_ratio": expanded / unique,
+        "tree_chunks": len(plan(big, budget)), "tree_shared_chunks": sum(c.needed for c in plan(big, budget)),
+        "path_chunks_each": len(plan(pb[0], budget)),
+        "chunked_s": t_tree, "repeats": max(1, repeats), "tree_rounds_s": tree_s,
+        "paths_timed": len(sample), "per_path_s": per_path, "path_rounds_s": path_rounds,
+        "paths_chunked_s": t_paths,
+        "chunked_speedup": t_paths / t_tree,
+        "tree_tokens_per_s": unique / t_tree, "paths_tokens_per_s": expanded / t_paths,
+        "kept_tree": kt, "kept_path": kp,
+    }  # fmt: skip
+    out["chunked_fraction_of_ideal"] = out["chunked_speedup"] / out["ideal_ratio"]
+    flops_tree, flops_paths = model_flops(mc, [big]), model_flops(mc, pb)
+    out["flop_ratio"] = flops_paths / flops_tree
+    if dev.startswith("cuda"):
+        out["mfu_tree"] = flops_tree / t_tree / H200_BF16_PEAK
+        out["mfu_paths"] = flops_paths / t_paths / H200_BF16_PEAK
+        out["peak_mem_tree_gib"], out["peak_mem_path_gib"] = peak_tree, peak_path
+        out["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    return out
+
+
 def join(mc: ModelConfig, dev: str, timeout_s: float = 600.0) -> dict[str, Any]:
     """A satellite process, started beforehand (not timed: process, model, buffers, warm-up), is admitted
     after the core has published a new snapshot it has never seen (in a slot it has not mapped yet); time
@@ -290,7 +363,7 @@ def main(args: argparse.Namespace) -> int:
         )
 
     want = set(args.cases.split(","))
-    unknown = want - {"fan", "synthetic-agent", "large-tree-chunked", "join"}
+    unknown = want - {"fan", "synthetic-agent", "large-tree-chunked", "huge-tree", "join"}
     if unknown:
         raise SystemExit(f"unknown bench cases {sorted(unknown)}")
     skipped: dict[str, Any] = {"skipped": True}
@@ -304,6 +377,18 @@ def main(args: argparse.Namespace) -> int:
                                                       big.branches, 1, attention, dev, chunk_budget=big_budget))
         if "large-tree-chunked" in want else {"case": "large-tree-chunked", **skipped},
     ]  # fmt: skip
+    if cuda:
+        hf, h_budget = Fan(args.huge_trunk or 262144, 8, 2048), 8192
+    else:
+        hf, h_budget = Fan(args.huge_trunk or (1024 if quick else 4096), 4, 128), 256
+    hcase = (
+        guarded(
+            "huge-tree",
+            lambda: huge(model, mc, hf, h_budget, attention, dev, args.huge_paths, args.huge_repeats),
+        )
+        if "huge-tree" in want
+        else {"case": "huge-tree", **skipped}
+    )
     model.to("cpu")  # free the accelerator for the join test's 1.5B model
     if cuda:
         torch.cuda.empty_cache()
@@ -329,15 +414,19 @@ def main(args: argparse.Namespace) -> int:
         "large_tree_speedup": cases[2].get("chunked_speedup", nan),
         "large_tree_ideal_ratio": cases[2].get("ideal_ratio", nan),
         "large_tree_fraction_of_ideal": cases[2].get("chunked_fraction_of_ideal", nan),
+        "huge_tree_speedup": hcase.get("chunked_speedup", nan),
+        "huge_tree_ideal_ratio": hcase.get("ideal_ratio", nan),
+        "huge_tree_fraction_of_ideal": hcase.get("chunked_fraction_of_ideal", nan),
         "join_s": j.get("join_s", nan),
         "join_pull_s": j.get("pull_s", nan),
         "join_params": j.get("params", 0),
         "cases": cases,
+        "huge_tree": hcase,
         "join": j,
     }
     if cuda:
         result["mfu_tree"] = head.get("mfu_tree", nan)
-    for c in cases:
+    for c in [*cases, hcase]:
         print(json.dumps(c), file=sys.stderr)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
