@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 from gyre.cli import main
-from gyre.config import Config, ConfigError, load_config
+from gyre.config import Config, ConfigError, config_from_dict, load_config
 from gyre.predict import durations, sim_workload
 from gyre.tasks import Task, ToolStep, evaluate, partial_score, run_tool
 from gyre_traj.records import EvalStatus
@@ -33,7 +33,9 @@ def test_defaults_and_yaml(tmp_path: Path) -> None:
         ("[run]\npolicy = 'fifo'\n", "[run] policy must be one of elastic, colocate, async"),
         ("[run]\ncells = 1\n", "[run] cells must be >= 2"),
         ("[run]\nsteps = 'two'\n", "[run] steps must be int"),
-        ("[agent]\nturn = 3\n", "[agent] unknown key 'turn'"),
+        ("[agent]\nturn = 3\n", "[agent] unknown key 'turn'; known: exec_sigma, max_tokens, median_s"),
+        ("[agent]\ntimeout_s = true\n", "[agent] timeout_s must be float, got True"),
+        ("run = [1, 2]\n", "[run] must be a table, got list"),
         ("[agnet]\nturns = 3\n", "unknown section [agnet]"),
         ("[batch]\ngroup_size = 1\n", "[batch] group_size must be >= 2"),
         ("[run]\ncells = 2\n[sched]\nasync_train_cells = 2\n", "async_train_cells must be in [1, cells)"),
@@ -48,11 +50,23 @@ def test_bad_configs_name_the_key(tmp_path: Path, text: str, message: str) -> No
     assert message in str(err.value) and str(p) in str(err.value)
 
 
+def test_config_error_is_gyre_scheds() -> None:
+    # the section checks are gyre_sched.tables'; callers here still catch gyre.config.ConfigError
+    from gyre_sched.tables import ConfigError as TableError
+
+    assert issubclass(ConfigError, TableError) and issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError, match=r"^\[cell\] capacity must be int, got 2\.5$"):
+        config_from_dict({"cell": {"capacity": 2.5}})
+
+
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     p = tmp_path / "bad.toml"
     p.write_text("[run]\npolicy = 'fifo'\n")
     assert main(["run", str(p)]) == 2
     assert "policy must be one of" in capsys.readouterr().err
+    p.write_text("[run]\nstepz = 2\n")  # a gyre-sched table check, reported the same way
+    assert main(["run", str(p)]) == 2
+    assert "[run] unknown key 'stepz'; known: " in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.toml")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "c.ini")]) == 2

@@ -12,13 +12,17 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
+
+from gyre_sched import tables
 
 POLICIES = ("elastic", "colocate", "async")
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used, with the offending section and key in the message."""
+class ConfigError(tables.ConfigError):
+    """A configuration that cannot be used, with the offending section and key in the message. A
+    `ValueError`, and a `gyre_sched.tables.ConfigError`: the section checks are gyre-sched's, raising
+    this class."""
 
 
 @dataclass(frozen=True)
@@ -189,24 +193,8 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-_SECTIONS = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def _section(cls: Any, name: str, raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{name}] must be a table, got {type(raw).__name__}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"[{name}] unknown key {key!r}; known: {', '.join(sorted(fields))}")
-        want = type(getattr(cls(), key))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ConfigError(f"[{name}] {key} must be {want.__name__}, got {value!r}")
-        kwargs[key] = value
-    return cls(**kwargs)
+_SECTIONS = get_type_hints(Config)
+"""Section name -> its dataclass (every field of `Config` is a section)."""
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -214,8 +202,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     for key, value in raw.items():
         if key not in _SECTIONS:
             raise ConfigError(f"unknown section [{key}]; known: {', '.join(_SECTIONS)}")
-        f = _SECTIONS[key]
-        kwargs[key] = _section(f.default_factory, key, value)
+        kwargs[key] = tables.dataclass_from_table(_SECTIONS[key], key, value, error=ConfigError)
     return Config(**kwargs)
 
 

@@ -1,3 +1,3 @@
 """gyre-sched: elastic rollout/training scheduler for long-horizon agent RL, and its simulator."""
 
-__version__ = "0.1.1"
+__version__ = "0.2.0"

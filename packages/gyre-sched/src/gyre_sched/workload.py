@@ -1,8 +1,9 @@
 """Workload configuration for the simulator: plain TOML or JSON, loaded into frozen dataclasses.
 
-Every section and key is checked: an unknown key, a wrong type or an out-of-range value is a
-`ConfigError` naming it. `sample_durations` draws every execution's nominal duration for a run from the
-configured distributions with one seeded generator, so all policies can be run on the same sample.
+Every section and key is checked (`gyre_sched.tables.dataclass_from_table`): an unknown key, a wrong type
+or an out-of-range value is a `ConfigError` naming it. `sample_durations` draws every execution's nominal
+duration for a run from the configured distributions with one seeded generator, so all policies can be
+run on the same sample.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
 
 from gyre_sched.policy import WaterLevelConfig
 from gyre_sched.predict import PredictConfig
-
-
-class ConfigError(ValueError):
-    """A workload file that cannot be used, with the offending key in the message."""
+from gyre_sched.tables import ConfigError as ConfigError  # defined there, imported from here too
+from gyre_sched.tables import dataclass_from_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,24 +138,9 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-_SECTIONS = {f.name.rstrip("_"): f for f in dataclasses.fields(Workload) if f.name != "name"}
-
-
-def _build(cls: Any, section: str, raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{section}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"[{section}] unknown key {key!r}; known: {sorted(fields)}")
-        want = type(getattr(cls(), key))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ConfigError(f"[{section}] {key} must be {want.__name__}, got {value!r}")
-        kwargs[key] = value
-    return cls(**kwargs)
+_SECTIONS = {f.name.rstrip("_"): f.name for f in dataclasses.fields(Workload) if f.name != "name"}
+"""Section name in a file -> field of `Workload` (`async` is `async_`)."""
+_SECTION_TYPES = get_type_hints(Workload)
 
 
 def workload_from_dict(raw: dict[str, Any]) -> Workload:
@@ -165,10 +149,10 @@ def workload_from_dict(raw: dict[str, Any]) -> Workload:
         if key == "name":
             kwargs["name"] = str(value)
         elif key in _SECTIONS:
-            f = _SECTIONS[key]
-            kwargs[f.name] = _build(f.default_factory, key, value)
+            name = _SECTIONS[key]
+            kwargs[name] = dataclass_from_table(_SECTION_TYPES[name], key, value)
         else:
-            raise ConfigError(f"unknown section [{key}]; known: {sorted(_SECTIONS)}")
+            raise ConfigError(f"unknown section [{key}]; known: {', '.join(sorted(_SECTIONS))}")
     return Workload(**kwargs)
 
 
