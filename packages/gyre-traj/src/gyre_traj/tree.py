@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import operator
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -510,11 +511,13 @@ class ExecutionTree:
 
         A call that carries new tokens only (it extends the whole of its delta parent, whose last token
         has no children yet: an agent's next call; or it starts a new branch at the root) is placed
-        without looking at its tokens. Between two calls that must be compared against the tree (they
-        take `add`'s path), placed calls sit in the arena exactly as in the batch, shifted by one
-        offset, so each such stretch is one copy (checked for negative ids on the way, in cache-sized
-        pieces) and one vectorized update of the policy segments, done before the next compared call
-        and at the end."""
+        without looking at its tokens. Most calls are the next call of the agent right before them (a
+        chain); those are found for the whole batch at once from its columns and not visited one by one.
+        Between two calls that must be compared against the tree (they take `add`'s path), placed calls
+        sit in the arena exactly as in the batch, shifted by one offset, so each such stretch is one
+        copy (checked for negative ids on the way, in cache-sized pieces), one vectorized update of the
+        policy segments and one bulk registration of its calls, done before the next compared call and
+        at the end."""
         if batch.execution_id != self.execution_id:
             raise RecordError(
                 f"call batch of execution {batch.execution_id!r} given to the tree of {self.execution_id!r}"
@@ -525,19 +528,33 @@ class ExecutionTree:
         toks = batch.tokens
         lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
         tok_arr, lp_arr = batch.offsets()
-        n_in_arr, n_out_arr = batch.input_lens, batch.output_lens
+        keep_arr, n_out_arr = batch.keeps, batch.output_lens
+        totals = tok_arr[1:] - tok_arr[:-1]  # each call's appended input + output
+        lengths = keep_arr + totals  # each call's input + output
+        call_ids, parents = batch.call_ids, batch.parents
+        calls, start_set, branches = self.calls, self._start_set, self._branches
+        dup = set() if calls.keys().isdisjoint(call_ids) else calls.keys() & set(call_ids)
+        # Chains: call k extends the whole of call k-1 and carries tokens. Placed right after call k-1,
+        # it continues call k-1's run, which ends at the arena's last token: nothing to look up. Only
+        # the other calls (and a call right after a compared one) are visited in the loop below.
+        chain = totals > 0
+        chain[0] = False
+        if m > 1:
+            chain[1:] &= np.fromiter(map(operator.eq, parents[1:], call_ids[:-1]), np.bool_, m - 1)
+            chain[1:] &= keep_arr[1:] == lengths[:-1]
+        if dup:  # a call id already in the tree is compared (and rejected there)
+            chain[[k for k, cid in enumerate(call_ids) if cid in dup]] = False
+        visit = np.flatnonzero(~chain).tolist()
+        visit.append(m)
         tok_off = tok_arr.tolist()
-        n_in_l = n_in_arr.tolist()
-        n_out_l = n_out_arr.tolist()
-        keeps = batch.keeps.tolist()
-        inputs_l = (batch.keeps + n_in_arr).tolist()  # each call's full input length
-        versions = batch.weight_versions.tolist()
-        parents = batch.parents
-        calls, ends, order = self.calls, self._ends, self.order
-        start_set, branches = self._start_set, self._branches
-        # The chain shortcut skips the duplicate-id check: only when no id is in the tree yet (ids
-        # inside a batch are distinct by construction).
-        chain_ok = calls.keys().isdisjoint(batch.call_ids)
+        keeps, totals_l, lengths_l = keep_arr.tolist(), totals.tolist(), lengths.tolist()
+        index = dict(zip(call_ids, range(m), strict=True))
+        # Policy segments of the batch's calls (those with output), relative to the batch.
+        o_idx = np.flatnonzero(n_out_arr)
+        o_at = o_idx.tolist()
+        o_hi = tok_arr[1:][o_idx]
+        o_lo = o_hi - n_out_arr[o_idx]
+        o_src, o_ver = lp_arr[o_idx], batch.weight_versions[o_idx]
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
@@ -545,7 +562,8 @@ class ExecutionTree:
         delta = self.n  # arena index = batch token index + delta, inside the stretch
 
         def place(w1: int) -> None:
-            """Copy the tokens of calls [w0, w1) (all placed) into the arena, with their segments."""
+            """Copy the tokens of calls [w0, w1) (all placed) into the arena, with their segments, and
+            register the calls."""
             if w1 == w0:
                 return
             a0, a1 = tok_off[w0], tok_off[w1]
@@ -559,87 +577,80 @@ class ExecutionTree:
                     batch.raise_negative()
                 ids[lo + off : lo + off + piece.shape[0]] = piece
             self.n = hi
-            outs = n_out_arr[w0:w1]
-            has = outs > 0
-            if has.any():
-                seg_hi = (tok_arr[w0 + 1 : w1 + 1] + delta)[has]
-                lens = outs[has]
+            i0, i1 = bisect.bisect_left(o_at, w0), bisect.bisect_left(o_at, w1)
+            if i1 > i0:
                 self._add_segments(
-                    seg_hi - lens, seg_hi, lp_arr[w0:w1][has], batch.weight_versions[w0:w1][has], lps_all
+                    o_lo[i0:i1] + delta, o_hi[i0:i1] + delta, o_src[i0:i1], o_ver[i0:i1], lps_all
                 )
+            # A placed call ends where its tokens end.
+            ends_l = (tok_arr[w0 + 1 : w1 + 1] + (delta - 1)).tolist()
+            cids = call_ids[w0:w1]
+            infos = map(
+                CallInfo,
+                cids,
+                batch.agent_ids[w0:w1],
+                batch.roles[w0:w1],
+                ends_l,
+                (keep_arr[w0:w1] + batch.input_lens[w0:w1]).tolist(),
+                n_out_arr[w0:w1].tolist(),
+                batch.weight_versions[w0:w1].tolist(),
+                batch.finish_reasons[w0:w1],
+                batch.t_start[w0:w1].tolist(),
+                batch.t_end[w0:w1].tolist(),
+            )
+            self.order.extend(cids)
+            calls.update(zip(cids, infos))
+            self._ends.update(ends_l)
 
         try:
-            cols = zip(
-                batch.call_ids,
-                parents,
-                keeps,
-                n_in_l,
-                n_out_l,
-                tok_off,
-                inputs_l,
-                versions,
-                batch.agent_ids,
-                batch.roles,
-                batch.finish_reasons,
-                batch.t_start.tolist(),
-                batch.t_end.tolist(),
-                strict=False,
-            )
-            prev_cid: str | None = None
-            prev_len = -1
-            for k, (cid, par_id, keep, ni, no, a, n_input, ver, agent, role, fin, t0, t1) in enumerate(cols):
-                total = ni + no
-                if par_id == prev_cid and keep == prev_len and total:
-                    # The next call of the same agent right after its parent was placed: it continues
-                    # the same run.
-                    end = a + total - 1 + delta
-                    calls[cid] = CallInfo(cid, agent, role, end, n_input, no, ver, fin, t0, t1)
-                    ends.add(end)
-                    order.append(cid)
-                    prev_cid, prev_len = cid, n_input + no
-                    continue
-                n = a + delta  # where this call's tokens go if it is placed
+            k = visit[0]
+            while k < m:
+                par_id, total = parents[k], totals_l[k]
+                n = tok_off[k] + delta  # where this call's tokens go if it is placed
                 start = NO_NODE
-                par = calls.get(par_id) if par_id else None
-                if par is not None:
-                    if keep == par.n_input + par.n_output and total and cid not in calls:
-                        s = par.end
-                        if s != ROOT and (s + 1 >= n or s + 1 in start_set) and s not in branches:
-                            start = s
-                elif total and not par_id and n > 0 and cid not in calls:
-                    # A new branch at the root (a sub-agent's first call) is all new too. ids[0] is
-                    # never pending: the tree's first run is always written by `_add`.
-                    first = int(toks[a])
-                    if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
-                        start = ROOT
+                if total and call_ids[k] not in dup:
+                    if par_id:
+                        par = calls.get(par_id)
+                        if par is not None:
+                            s, plen = par.end, par.length
+                        else:  # a parent placed in this stretch is registered with it, later
+                            j = index.get(par_id, m)
+                            s, plen = (
+                                (tok_off[j + 1] - 1 + delta, lengths_l[j]) if w0 <= j < k else (ROOT, -1)
+                            )
+                        if keeps[k] == plen and s != ROOT:
+                            if (s + 1 >= n or s + 1 in start_set) and s not in branches:
+                                start = s
+                    elif n > 0:
+                        # A new branch at the root (a sub-agent's first call) is all new too. ids[0] is
+                        # never pending: the tree's first run is always written by `_add`.
+                        first = int(toks[tok_off[k]])
+                        if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
+                            start = ROOT
                 if start != NO_NODE:
                     if start != n - 1 or start == ROOT:
-                        self._new_run(start, n, int(toks[a]))
-                    end = n + total - 1
-                    calls[cid] = CallInfo(cid, agent, role, end, n_input, no, ver, fin, t0, t1)
-                    ends.add(end)
-                    order.append(cid)
-                    if chain_ok:
-                        prev_cid, prev_len = cid, n_input + no
+                        self._new_run(start, n, int(toks[tok_off[k]]))
+                    k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
                     continue
-                prev_cid = None
                 place(k)
+                a, ni, no = tok_off[k], int(batch.input_lens[k]), int(n_out_arr[k])
                 self._add(
-                    cid,
-                    agent,
-                    role,
-                    ver,
-                    fin,
-                    t0,
-                    t1,
+                    call_ids[k],
+                    batch.agent_ids[k],
+                    batch.roles[k],
+                    int(batch.weight_versions[k]),
+                    batch.finish_reasons[k],
+                    float(batch.t_start[k]),
+                    float(batch.t_end[k]),
                     par_id or None,
-                    keep,
+                    keeps[k],
                     toks[a : a + ni],
-                    toks[a + ni : a + total],
+                    toks[a + ni : a + ni + no],
                     lps_all[int(lp_arr[k]) : int(lp_arr[k]) + no],
                     check_output=True,
                 )
                 w0, delta = k + 1, self.n - tok_off[k + 1]
+                k += 1  # visited whatever it is: a chain needs its parent placed
             place(m)
         except BaseException:
             self._rollback(undo)
@@ -648,7 +659,7 @@ class ExecutionTree:
         # calls along the way; they are part of these totals, so they are set, not added).
         st = self.stats
         st.calls = undo.counts[0] + m
-        st.call_tokens = undo.counts[1] + int((batch.keeps + n_in_arr + n_out_arr).sum())
+        st.call_tokens = undo.counts[1] + int(lengths.sum())
         st.delta_calls = undo.counts[2] + m - parents.count("")
 
     def _checkpoint(self) -> _Undo:
@@ -683,7 +694,7 @@ class ExecutionTree:
             self._promoted.difference_update(nodes.tolist())
         del self._promos[undo.promos :]
         for cid in self.order[undo.calls :]:
-            del self.calls[cid]
+            self.calls.pop(cid, None)
         del self.order[undo.calls :]
         self._ends = {info.end for info in self.calls.values()}
         self._policy_count = undo.policy
