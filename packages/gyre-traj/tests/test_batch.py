@@ -158,7 +158,8 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     monkeypatch.setattr(ExecutionTree, "_add", counting_add)
     t = ExecutionTree("e")
     t.add_batch(CallBatch.of(calls))
-    assert compared == ["c0", "c1-retry"]  # the others were placed without looking at the tree
+    # the others were placed without looking at the tree (c0 too: the tree was empty)
+    assert compared == ["c1-retry"]
     monkeypatch.undo()
     ref = ExecutionTree("e")
     for c in calls:
@@ -166,6 +167,39 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     assert tree_state(t) == tree_state(ref)
     assert t.call_sequence("c2")[0].tolist() == PROMPT + a1 + ids(TOOL, 1) + a2 + ids(TOOL, 2)
     assert t.call_sequence("s0")[0].tolist() == ids(SYS, 50, 51)
+
+
+def test_first_call_of_an_empty_tree_is_placed_and_root_calls_after_it_compare_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first call of an empty tree is placed with its stretch (copied later), so the root-branch
+    test of the calls after it in the same batch must still see its first token."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1)),  # placed: the tree is empty
+        call("s0", ids(SYS, 1, 9), ids(OUT, 2), agent="sub"),  # shares c0's first token: compared
+        call("s1", ids(SYS, 60, 61), ids(OUT, 3), agent="sub1"),  # a new root branch: placed
+        call("s2", ids(SYS, 60, 62), ids(OUT, 4), agent="sub2"),  # shares s1's first token: compared
+        call("c1", None, ids(OUT, 5), delta=("c0", 6, ids(TOOL, 1))),  # c0's end has no child: placed
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    assert compared == ["s0", "s2"]
+    monkeypatch.undo()
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert len(t.children(-1)) == 2  # c0 (with s0 below its first token) and s1 (with s2)
+    for c in calls:
+        assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
 
 
 def codec_frame(rec: CallBatch) -> bytes:

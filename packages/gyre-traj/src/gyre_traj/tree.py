@@ -97,7 +97,7 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 _MEMCMP = _load_memcmp()
 _MEMCMP_MIN = 1 << 14  # below this many tokens numpy's comparison is faster than the ctypes call
 _CHUNK = 1 << 18  # tokens compared per step: a long match costs one pass, an early mismatch exits early
-_COPY_CHUNK = 1 << 16  # tokens checked then copied per step: the copy reads them back from cache
+_COPY_CHUNK = 1 << 16  # tokens copied then checked per step: the check reads them back from cache
 NO_NODE = ROOT - 1
 
 
@@ -152,8 +152,10 @@ class ExecutionTree:
         # Policy tokens: each appended output is a segment of nodes [lo, hi) with its logprobs
         # (array[a:b]) and version, appended in arena order; context tokens the policy later produced
         # are promotions (nodes, logprobs, version). Nothing else is policy.
-        self._seg_lo: list[int] = []
-        self._seg_hi: list[int] = []
+        # Segment bounds, in arena order: [_seg_lo[i], _seg_hi[i]) for i < _nseg (arrays with spare room).
+        self._seg_lo = np.empty(64, np.int64)
+        self._seg_hi = np.empty(64, np.int64)
+        self._nseg = 0
         # Segments are added alone or in groups: (first node(s), end(s), logprob offset(s), version(s),
         # logprob array), ints for one segment, arrays for a group.
         self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray]] = []
@@ -214,36 +216,39 @@ class ExecutionTree:
         self.n = hi
         return hi - 1
 
+    def _seg_room(self, extra: int) -> int:
+        """Room for `extra` more segments; returns the index of the first."""
+        c = self._nseg
+        if c + extra > self._seg_lo.shape[0]:
+            cap = max(c + extra, 2 * self._seg_lo.shape[0])
+            for name in ("_seg_lo", "_seg_hi"):
+                grown = np.empty(cap, np.int64)
+                grown[:c] = getattr(self, name)[:c]
+                setattr(self, name, grown)
+        return c
+
     def _add_segment(self, lo: int, hi: int, arr: np.ndarray, a: int, version: int) -> None:
-        self._seg_lo.append(lo)
-        self._seg_hi.append(hi)
+        c = self._seg_room(1)
+        self._seg_lo[c] = lo
+        self._seg_hi[c] = hi
+        self._nseg = c + 1
         self._seg_groups.append((lo, hi, a, version, arr))
         self._policy_count += hi - lo
 
-    def _add_segments(
-        self, lo: np.ndarray, hi: np.ndarray, src: np.ndarray, versions: np.ndarray, lps: np.ndarray
-    ) -> None:
-        """Policy segments [lo[i], hi[i]) (after every existing one, in order) with logprobs
-        lps[src[i] : src[i] + hi[i] - lo[i]] and weight version versions[i]."""
-        self._seg_lo.extend(lo.tolist())
-        self._seg_hi.extend(hi.tolist())
-        self._seg_groups.append((lo, hi, src, versions, lps))
-        self._policy_count += int((hi - lo).sum())
-
     def _is_policy(self, node: int) -> bool:
-        r = bisect.bisect_right(self._seg_lo, node) - 1
-        return (r >= 0 and node < self._seg_hi[r]) or node in self._promoted
+        r = int(np.searchsorted(self._seg_lo[: self._nseg], node, "right")) - 1
+        return (r >= 0 and node < int(self._seg_hi[r])) or node in self._promoted
 
     def _policy_range(self, lo: int, hi: int) -> np.ndarray:
         """The policy flags of nodes [lo, hi)."""
         out = np.zeros(hi - lo, np.bool_)
-        seg_lo, seg_hi = self._seg_lo, self._seg_hi
-        r = max(0, bisect.bisect_right(seg_lo, lo) - 1)
-        while r < len(seg_lo) and seg_lo[r] < hi:
-            a, b = max(lo, seg_lo[r]), min(hi, seg_hi[r])
+        seg_lo = self._seg_lo[: self._nseg]
+        r = max(0, int(np.searchsorted(seg_lo, lo, "right")) - 1)
+        e = int(np.searchsorted(seg_lo, hi, "left"))
+        for a, b in zip(seg_lo[r:e].tolist(), self._seg_hi[r:e].tolist(), strict=True):
+            a, b = max(lo, a), min(hi, b)
             if a < b:
                 out[a - lo : b - lo] = True
-            r += 1
         if self._promoted:
             for nodes, _, _ in self._promos:
                 inside = nodes[(nodes >= lo) & (nodes < hi)]
@@ -548,13 +553,23 @@ class ExecutionTree:
         visit.append(m)
         tok_off = tok_arr.tolist()
         keeps, totals_l, lengths_l = keep_arr.tolist(), totals.tolist(), lengths.tolist()
-        index = dict(zip(call_ids, range(m), strict=True))
-        # Policy segments of the batch's calls (those with output), relative to the batch.
+        # A placed call can only be extended without comparison while nothing follows it in the arena:
+        # when the call after it is visited (or it is the last). Those are the batch indices needed.
+        index = {call_ids[v - 1]: v - 1 for v in visit if v}
+        # Columns of the calls' CallInfo, registered a stretch at a time.
+        agents, roles, fins = batch.agent_ids, batch.roles, batch.finish_reasons
+        inputs_l = (keep_arr + batch.input_lens).tolist()
+        n_out_l, vers_l = n_out_arr.tolist(), batch.weight_versions.tolist()
+        t0_l, t1_l = batch.t_start.tolist(), batch.t_end.tolist()
+        # Policy segments of the batch's calls (those with output), relative to the batch; a stretch
+        # adds its own bounds to the arrays that `_is_policy` reads, and the group (for `_derive`) is added
+        # for the whole batch at the end, each segment shifted by its stretch's offset.
         o_idx = np.flatnonzero(n_out_arr)
         o_at = o_idx.tolist()
         o_hi = tok_arr[1:][o_idx]
         o_lo = o_hi - n_out_arr[o_idx]
-        o_src, o_ver = lp_arr[o_idx], batch.weight_versions[o_idx]
+        o_shift = np.zeros(o_idx.shape[0], np.int64)
+        o_placed = np.zeros(o_idx.shape[0], np.bool_)  # False: the call was compared
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
@@ -573,33 +588,40 @@ class ExecutionTree:
             ids = self._ids
             for off in range(0, a1 - a0, _COPY_CHUNK):
                 piece = toks[a0 + off : min(a1, a0 + off + _COPY_CHUNK)]
-                if int(piece.view(np.uint32).max()) >= 1 << 31:
+                dst = ids[lo + off : lo + off + piece.shape[0]]
+                dst[...] = piece
+                # Checked where it landed: the arena is aligned and the piece is still in cache (a
+                # decoded batch's tokens are a view into the stream, at any byte offset, where numpy's
+                # reductions are half as fast).
+                if int(dst.view(np.uint32).max()) >= 1 << 31:
                     batch.raise_negative()
-                ids[lo + off : lo + off + piece.shape[0]] = piece
             self.n = hi
             i0, i1 = bisect.bisect_left(o_at, w0), bisect.bisect_left(o_at, w1)
             if i1 > i0:
-                self._add_segments(
-                    o_lo[i0:i1] + delta, o_hi[i0:i1] + delta, o_src[i0:i1], o_ver[i0:i1], lps_all
-                )
+                c = self._seg_room(i1 - i0)
+                self._nseg = c + i1 - i0
+                np.add(o_lo[i0:i1], delta, out=self._seg_lo[c : self._nseg])
+                np.add(o_hi[i0:i1], delta, out=self._seg_hi[c : self._nseg])
+                o_shift[i0:i1] = delta
+                o_placed[i0:i1] = True
             # A placed call ends where its tokens end.
-            ends_l = (tok_arr[w0 + 1 : w1 + 1] + (delta - 1)).tolist()
+            ends_l = [x + delta - 1 for x in tok_off[w0 + 1 : w1 + 1]]
             cids = call_ids[w0:w1]
             infos = map(
                 CallInfo,
                 cids,
-                batch.agent_ids[w0:w1],
-                batch.roles[w0:w1],
+                agents[w0:w1],
+                roles[w0:w1],
                 ends_l,
-                (keep_arr[w0:w1] + batch.input_lens[w0:w1]).tolist(),
-                n_out_arr[w0:w1].tolist(),
-                batch.weight_versions[w0:w1].tolist(),
-                batch.finish_reasons[w0:w1],
-                batch.t_start[w0:w1].tolist(),
-                batch.t_end[w0:w1].tolist(),
+                inputs_l[w0:w1],
+                n_out_l[w0:w1],
+                vers_l[w0:w1],
+                fins[w0:w1],
+                t0_l[w0:w1],
+                t1_l[w0:w1],
             )
             self.order.extend(cids)
-            calls.update(zip(cids, infos))
+            calls.update(zip(cids, infos, strict=True))
             self._ends.update(ends_l)
 
         try:
@@ -618,40 +640,57 @@ class ExecutionTree:
                             s, plen = (
                                 (tok_off[j + 1] - 1 + delta, lengths_l[j]) if w0 <= j < k else (ROOT, -1)
                             )
-                        if keeps[k] == plen and s != ROOT:
-                            if (s + 1 >= n or s + 1 in start_set) and s not in branches:
-                                start = s
+                        if (
+                            keeps[k] == plen
+                            and s != ROOT
+                            and (s + 1 >= n or s + 1 in start_set)
+                            and s not in branches
+                        ):
+                            start = s
                     elif n > 0:
-                        # A new branch at the root (a sub-agent's first call) is all new too. ids[0] is
-                        # never pending: the tree's first run is always written by `_add`.
+                        # A new branch at the root (a sub-agent's first call) is all new too.
                         first = int(toks[tok_off[k]])
                         if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
                             start = ROOT
+                    else:
+                        # The first tokens of an empty tree. Its first token is written now, ahead of
+                        # its stretch, for the root-branch test above.
+                        start = ROOT
+                        self._ids[0] = toks[tok_off[k]]
                 if start != NO_NODE:
                     if start != n - 1 or start == ROOT:
                         self._new_run(start, n, int(toks[tok_off[k]]))
                     k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
                     continue
                 place(k)
-                a, ni, no = tok_off[k], int(batch.input_lens[k]), int(n_out_arr[k])
+                a, no = tok_off[k], n_out_l[k]
+                b = tok_off[k + 1] - no  # where its output starts
                 self._add(
                     call_ids[k],
-                    batch.agent_ids[k],
-                    batch.roles[k],
-                    int(batch.weight_versions[k]),
-                    batch.finish_reasons[k],
-                    float(batch.t_start[k]),
-                    float(batch.t_end[k]),
+                    agents[k],
+                    roles[k],
+                    vers_l[k],
+                    fins[k],
+                    t0_l[k],
+                    t1_l[k],
                     par_id or None,
                     keeps[k],
-                    toks[a : a + ni],
-                    toks[a + ni : a + ni + no],
+                    toks[a:b],
+                    toks[b : b + no],
                     lps_all[int(lp_arr[k]) : int(lp_arr[k]) + no],
                     check_output=True,
                 )
                 w0, delta = k + 1, self.n - tok_off[k + 1]
                 k += 1  # visited whatever it is: a chain needs its parent placed
             place(m)
+            placed = o_placed
+            if placed.any():
+                lo = o_lo[placed] + o_shift[placed]
+                hi = o_hi[placed] + o_shift[placed]
+                self._seg_groups.append(
+                    (lo, hi, lp_arr[o_idx[placed]], batch.weight_versions[o_idx[placed]], lps_all)
+                )
+                self._policy_count += int((hi - lo).sum())
         except BaseException:
             self._rollback(undo)
             raise
@@ -667,7 +706,7 @@ class ExecutionTree:
         return _Undo(
             self.n,
             len(self._starts),
-            len(self._seg_lo),
+            self._nseg,
             len(self._seg_groups),
             len(self._promos),
             len(self.order),
@@ -688,7 +727,7 @@ class ExecutionTree:
                 self._branches[node] = kids
             else:
                 del self._branches[node]
-        del self._seg_lo[undo.segments :], self._seg_hi[undo.segments :]
+        self._nseg = undo.segments
         del self._seg_groups[undo.groups :]
         for nodes, _, _ in self._promos[undo.promos :]:
             self._promoted.difference_update(nodes.tolist())
