@@ -165,7 +165,8 @@ class ExecutionTree:
         self._derived: dict[str, np.ndarray] = {}
         self._derived_key: tuple[int, int, int] = (-1, -1, -1)
         self.calls: dict[str, CallInfo] = {}
-        self._ends: set[int] = set()
+        self._ends: set[int] = set()  # where the first `_ends_seen` calls of `order` end (`_call_ends`)
+        self._ends_seen = 0
         self.order: list[str] = []
         self.stats = IngestStats()
         self.score: Score | None = None
@@ -254,6 +255,14 @@ class ExecutionTree:
                 inside = nodes[(nodes >= lo) & (nodes < hi)]
                 out[inside - lo] = True
         return out
+
+    def _call_ends(self) -> set[int]:
+        """The nodes some call ends at. Kept up to date on use (rarely: `_note_drift`), not per call."""
+        if self._ends_seen < len(self.order):
+            calls = self.calls
+            self._ends.update([calls[cid].end for cid in self.order[self._ends_seen :]])
+            self._ends_seen = len(self.order)
+        return self._ends
 
     def _run_end(self, node: int) -> int:
         r = bisect.bisect_right(self._starts, node)
@@ -504,7 +513,6 @@ class ExecutionTree:
             call_id, agent_id, role, node, n_in, out.shape[0], weight_version, finish_reason, t_start, t_end
         )
         self.calls[call_id] = info
-        self._ends.add(node)
         self.order.append(call_id)
         st.calls += 1
         st.call_tokens += info.length
@@ -534,31 +542,30 @@ class ExecutionTree:
         lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
         tok_arr, lp_arr = batch.offsets()
         keep_arr, n_out_arr = batch.keeps, batch.output_lens
-        totals = tok_arr[1:] - tok_arr[:-1]  # each call's appended input + output
-        lengths = keep_arr + totals  # each call's input + output
+        inputs = keep_arr + batch.input_lens  # each call's input length
+        lengths = inputs + n_out_arr  # each call's input + output
         call_ids, parents = batch.call_ids, batch.parents
         calls, start_set, branches = self.calls, self._start_set, self._branches
         dup = set() if calls.keys().isdisjoint(call_ids) else calls.keys() & set(call_ids)
         # Chains: call k extends the whole of call k-1 and carries tokens. Placed right after call k-1,
         # it continues call k-1's run, which ends at the arena's last token: nothing to look up. Only
         # the other calls (and a call right after a compared one) are visited in the loop below.
-        chain = totals > 0
-        chain[0] = False
+        chain = np.zeros(m, np.bool_)
         if m > 1:
+            np.equal(keep_arr[1:], lengths[:-1], out=chain[1:])
+            chain[1:] &= lengths[1:] > keep_arr[1:]  # it carries tokens
             chain[1:] &= np.fromiter(map(operator.eq, parents[1:], call_ids[:-1]), np.bool_, m - 1)
-            chain[1:] &= keep_arr[1:] == lengths[:-1]
         if dup:  # a call id already in the tree is compared (and rejected there)
             chain[[k for k, cid in enumerate(call_ids) if cid in dup]] = False
         visit = np.flatnonzero(~chain).tolist()
         visit.append(m)
         tok_off = tok_arr.tolist()
-        keeps, totals_l, lengths_l = keep_arr.tolist(), totals.tolist(), lengths.tolist()
         # A placed call can only be extended without comparison while nothing follows it in the arena:
         # when the call after it is visited (or it is the last). Those are the batch indices needed.
         index = {call_ids[v - 1]: v - 1 for v in visit if v}
         # Columns of the calls' CallInfo, registered a stretch at a time.
         agents, roles, fins = batch.agent_ids, batch.roles, batch.finish_reasons
-        inputs_l = (keep_arr + batch.input_lens).tolist()
+        inputs_l = inputs.tolist()
         n_out_l, vers_l = n_out_arr.tolist(), batch.weight_versions.tolist()
         t0_l, t1_l = batch.t_start.tolist(), batch.t_end.tolist()
         # Policy segments of the batch's calls (those with output), relative to the batch; a stretch
@@ -568,8 +575,7 @@ class ExecutionTree:
         o_at = o_idx.tolist()
         o_hi = tok_arr[1:][o_idx]
         o_lo = o_hi - n_out_arr[o_idx]
-        o_shift = np.zeros(o_idx.shape[0], np.int64)
-        o_placed = np.zeros(o_idx.shape[0], np.bool_)  # False: the call was compared
+        o_runs: list[tuple[int, int, int]] = []  # (first, end, offset) of the placed ones, per stretch
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
@@ -602,8 +608,7 @@ class ExecutionTree:
                 self._nseg = c + i1 - i0
                 np.add(o_lo[i0:i1], delta, out=self._seg_lo[c : self._nseg])
                 np.add(o_hi[i0:i1], delta, out=self._seg_hi[c : self._nseg])
-                o_shift[i0:i1] = delta
-                o_placed[i0:i1] = True
+                o_runs.append((i0, i1, delta))
             # A placed call ends where its tokens end.
             ends_l = [x + delta - 1 for x in tok_off[w0 + 1 : w1 + 1]]
             cids = call_ids[w0:w1]
@@ -622,15 +627,14 @@ class ExecutionTree:
             )
             self.order.extend(cids)
             calls.update(zip(cids, infos, strict=True))
-            self._ends.update(ends_l)
 
         try:
             k = visit[0]
             while k < m:
-                par_id, total = parents[k], totals_l[k]
-                n = tok_off[k] + delta  # where this call's tokens go if it is placed
+                par_id, a = parents[k], tok_off[k]
+                n = a + delta  # where this call's tokens go if it is placed
                 start = NO_NODE
-                if total and call_ids[k] not in dup:
+                if tok_off[k + 1] > a and call_ids[k] not in dup:
                     if par_id:
                         par = calls.get(par_id)
                         if par is not None:
@@ -638,10 +642,10 @@ class ExecutionTree:
                         else:  # a parent placed in this stretch is registered with it, later
                             j = index.get(par_id, m)
                             s, plen = (
-                                (tok_off[j + 1] - 1 + delta, lengths_l[j]) if w0 <= j < k else (ROOT, -1)
+                                (tok_off[j + 1] - 1 + delta, int(lengths[j])) if w0 <= j < k else (ROOT, -1)
                             )
                         if (
-                            keeps[k] == plen
+                            int(keep_arr[k]) == plen
                             and s != ROOT
                             and (s + 1 >= n or s + 1 in start_set)
                             and s not in branches
@@ -649,21 +653,21 @@ class ExecutionTree:
                             start = s
                     elif n > 0:
                         # A new branch at the root (a sub-agent's first call) is all new too.
-                        first = int(toks[tok_off[k]])
+                        first = int(toks[a])
                         if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
                             start = ROOT
                     else:
                         # The first tokens of an empty tree. Its first token is written now, ahead of
                         # its stretch, for the root-branch test above.
                         start = ROOT
-                        self._ids[0] = toks[tok_off[k]]
+                        self._ids[0] = toks[a]
                 if start != NO_NODE:
                     if start != n - 1 or start == ROOT:
-                        self._new_run(start, n, int(toks[tok_off[k]]))
+                        self._new_run(start, n, int(toks[a]))
                     k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
                     continue
                 place(k)
-                a, no = tok_off[k], n_out_l[k]
+                no = n_out_l[k]
                 b = tok_off[k + 1] - no  # where its output starts
                 self._add(
                     call_ids[k],
@@ -674,7 +678,7 @@ class ExecutionTree:
                     t0_l[k],
                     t1_l[k],
                     par_id or None,
-                    keeps[k],
+                    int(keep_arr[k]),
                     toks[a:b],
                     toks[b : b + no],
                     lps_all[int(lp_arr[k]) : int(lp_arr[k]) + no],
@@ -683,14 +687,26 @@ class ExecutionTree:
                 w0, delta = k + 1, self.n - tok_off[k + 1]
                 k += 1  # visited whatever it is: a chain needs its parent placed
             place(m)
-            placed = o_placed
-            if placed.any():
-                lo = o_lo[placed] + o_shift[placed]
-                hi = o_hi[placed] + o_shift[placed]
+            if o_runs:  # one group for the placed calls' outputs
+                if len(o_runs) == 1:
+                    i0, i1, d = o_runs[0]
+                    sel: Any = slice(i0, i1)
+                    shift: Any = d
+                else:
+                    sel = np.concatenate([np.arange(i0, i1) for i0, i1, _ in o_runs])
+                    shift = np.repeat([d for _, _, d in o_runs], [i1 - i0 for i0, i1, _ in o_runs])
+                o_src = o_idx[sel]
+                lens = n_out_arr[o_src]
                 self._seg_groups.append(
-                    (lo, hi, lp_arr[o_idx[placed]], batch.weight_versions[o_idx[placed]], lps_all)
+                    (
+                        o_lo[sel] + shift,
+                        o_hi[sel] + shift,
+                        lp_arr[o_src],
+                        batch.weight_versions[o_src],
+                        lps_all,
+                    )
                 )
-                self._policy_count += int((hi - lo).sum())
+                self._policy_count += int(lens.sum())
         except BaseException:
             self._rollback(undo)
             raise
@@ -735,7 +751,7 @@ class ExecutionTree:
         for cid in self.order[undo.calls :]:
             self.calls.pop(cid, None)
         del self.order[undo.calls :]
-        self._ends = {info.end for info in self.calls.values()}
+        self._ends, self._ends_seen = set(), 0
         self._policy_count = undo.policy
         st = self.stats
         st.calls, st.call_tokens, st.delta_calls, st.output_matched_existing, st.context_promoted = (
@@ -759,7 +775,7 @@ class ExecutionTree:
             if pol(theirs):
                 self.stats.drifts.append(Drift(call_id, position, (int(self._ids[theirs]),), got))
                 return
-        if node == ROOT or not pol(node) or node in self._ends:
+        if node == ROOT or not pol(node) or node in self._call_ends():
             return
         expected = tuple(int(self._ids[c]) for c in self.children(node) if pol(c))
         if expected:
