@@ -255,6 +255,70 @@ def test_bad_call_in_a_batch_names_it_and_changes_nothing(bad: str, message: str
     ) + ids(TOOL, 5)
 
 
+def _with_negative_id(calls: list[Call], call_id: str) -> CallBatch:
+    """A batch of `calls` where the last output id of `call_id` is -7 (as decoded from a stream, where
+    the tree checks the sign)."""
+    ok = CallBatch.of(calls)
+    k = ok.call_ids.index(call_id)
+    toks = ok.tokens.copy()
+    toks[int(np.sum(ok.input_lens[: k + 1]) + np.sum(ok.output_lens[: k + 1])) - 1] = -7
+    with defer_input_sign_check():
+        return CallBatch(**{**msgspec.structs.asdict(ok), "tokens": toks})
+
+
+@pytest.mark.parametrize(
+    ("later", "message"),
+    [
+        # c3 is placed too: the negative id is found when the placed tokens are copied, at the end
+        (
+            call("c3", None, ids(OUT, 5), delta=("c2", 11, ids(TOOL, 3))),
+            r"call='c2'.*negative id -7 at position 1",
+        ),
+        # c3 is compared and fails: the negative id of c2, placed before it, is still the error
+        (
+            call("c3", None, ids(OUT, 5), delta=("nope", 3, ids(TOOL, 3))),
+            r"call='c2'.*negative id -7 at position 1",
+        ),
+        # c3 is compared against c2's tokens (still in the batch, not yet copied) and is fine itself
+        (
+            call("c3", None, ids(OUT, 6), delta=("c1", 9, ids(TOOL, 2))),
+            r"call='c2'.*negative id -7 at position 1",
+        ),
+    ],
+)
+def test_negative_id_of_a_placed_call_is_reported_whatever_follows(later: Call, message: str) -> None:
+    good = [call("c0", PROMPT, ids(OUT, 1, 2)), call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1)))]
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(good))
+    before = tree_state(t)
+    batch = _with_negative_id([call("c2", None, ids(OUT, 4, 5), delta=("c1", 9, ids(TOOL, 2))), later], "c2")
+    with pytest.raises(RecordError, match=message):
+        t.add_batch(batch)
+    assert tree_state(t) == before
+
+
+def test_compared_call_matches_placed_calls_not_yet_copied() -> None:
+    """Placed calls are copied into the arena at the end of the batch; a compared call in between reads
+    their tokens from the batch, also across the boundary with tokens the tree already held."""
+    c0 = call("c0", PROMPT, ids(OUT, 1, 2))
+    c1 = call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1, 2, 3)))
+    # c0 and c1 are one run: c1-retry's input spans the tree's tokens (c0, from the first batch) and the
+    # pending ones (c1's appended input) in one comparison; its output differs from c1's.
+    batch = [
+        c1,
+        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1, 2, 3))),
+        call("c2", PROMPT + ids(OUT, 1, 2) + ids(TOOL, 1, 2, 3) + ids(OUT, 3, 4), ids(OUT, 5)),  # full input
+    ]
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of([c0]))
+    t.add_batch(CallBatch.of(batch))
+    ref = ExecutionTree("e")
+    for c in [c0, *batch]:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert t.n == len(PROMPT) + 2 + 3 + 1 + 1 + 1 + 1  # c1-retry and c2 added only their new tokens
+
+
 def test_malformed_batches_are_rejected_with_the_reason() -> None:
     batch = CallBatch.of([call("c0", PROMPT, ids(OUT, 1, 2)), call("c1", PROMPT, ids(OUT, 3))])
     fields = msgspec.structs.asdict(batch)

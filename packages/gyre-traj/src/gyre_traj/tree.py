@@ -99,6 +99,8 @@ _MEMCMP_MIN = 1 << 14  # below this many tokens numpy's comparison is faster tha
 _CHUNK = 1 << 18  # tokens compared per step: a long match costs one pass, an early mismatch exits early
 _COPY_CHUNK = 1 << 16  # tokens copied then checked per step: the check reads them back from cache
 NO_NODE = ROOT - 1
+_NO_PENDING = 1 << 62
+_umax = np.maximum.reduce
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -162,6 +164,11 @@ class ExecutionTree:
         self._promos: list[tuple[np.ndarray, np.ndarray, int]] = []
         self._promoted: set[int] = set()
         self._policy_count = 0
+        # Inside `add_batch`: stretches of placed calls not copied into the arena yet, in arena order,
+        # as (first node, end node, source ids, offset) with node x at source[x - offset]; all are
+        # copied (and checked) at the end of the batch. `_pend_lo` is the first such node.
+        self._pending: list[tuple[int, int, np.ndarray, int]] = []
+        self._pend_lo = _NO_PENDING
         self._derived: dict[str, np.ndarray] = {}
         self._derived_key: tuple[int, int, int] = (-1, -1, -1)
         self.calls: dict[str, CallInfo] = {}
@@ -356,13 +363,40 @@ class ExecutionTree:
         out.extend(v for v in self._branches.get(node, {}).values() if v not in out)
         return out
 
+    def _token(self, node: int) -> int:
+        """The id at `node` (inside `add_batch`, possibly still in the batch, not yet copied)."""
+        if node < self._pend_lo:
+            return int(self._ids[node])
+        return int(self._span(node, 1)[0])
+
+    def _span(self, lo: int, k: int) -> np.ndarray:
+        """The ids of nodes [lo, lo + k): a view of the arena, or of the batch while pending there."""
+        hi = lo + k
+        if hi <= self._pend_lo:
+            return self._ids[lo:hi]
+        pieces, pos = [], lo
+        for a, b, src, d in self._pending:
+            if b <= pos:
+                continue
+            if a >= hi:
+                break
+            if pos < a:
+                pieces.append(self._ids[pos:a])
+                pos = a
+            e = min(b, hi)
+            pieces.append(src[pos - d : e - d])
+            pos = e
+        if pos < hi:
+            pieces.append(self._ids[pos:hi])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
     def _child(self, node: int, tok: int) -> int:
         if node == ROOT:
-            if self.n > 0 and int(self._ids[0]) == tok:
+            if self.n > 0 and self._token(0) == tok:
                 return 0
         else:
             c = node + 1
-            if c < self.n and c not in self._start_set and int(self._ids[c]) == tok:
+            if c < self.n and c not in self._start_set and self._token(c) == tok:
                 return c
         b = self._branches.get(node)
         return b.get(tok, NO_NODE) if b is not None else NO_NODE
@@ -375,7 +409,7 @@ class ExecutionTree:
             if nxt == NO_NODE:
                 return node, i
             span = min(self._run_end(nxt) - nxt, n_seq - i)
-            m = _first_mismatch(self._ids[nxt : nxt + span], seq[i : i + span])
+            m = _first_mismatch(self._span(nxt, span), seq[i : i + span])
             node, i = nxt + m - 1, i + m
         return node, i
 
@@ -539,6 +573,7 @@ class ExecutionTree:
         if m == 0:
             return
         toks = batch.tokens
+        toks_u = toks.view(np.uint32)
         lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
         tok_arr, lp_arr = batch.offsets()
         keep_arr, n_out_arr = batch.keeps, batch.output_lens
@@ -576,31 +611,25 @@ class ExecutionTree:
         o_hi = tok_arr[1:][o_idx]
         o_lo = o_hi - n_out_arr[o_idx]
         o_runs: list[tuple[int, int, int]] = []  # (first, end, offset) of the placed ones, per stretch
+        self._seg_room(o_idx.shape[0])  # one growth for the batch's segments
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
+        pending = self._pending
         w0 = 0  # first call of the stretch placed since the last compared call
         delta = self.n  # arena index = batch token index + delta, inside the stretch
 
         def place(w1: int) -> None:
-            """Copy the tokens of calls [w0, w1) (all placed) into the arena, with their segments, and
-            register the calls."""
+            """Place calls [w0, w1): their tokens (copied at the end), segments and CallInfos."""
             if w1 == w0:
                 return
             a0, a1 = tok_off[w0], tok_off[w1]
             lo, hi = a0 + delta, a1 + delta
             self.n = lo
             self._reserve(hi - lo)
-            ids = self._ids
-            for off in range(0, a1 - a0, _COPY_CHUNK):
-                piece = toks[a0 + off : min(a1, a0 + off + _COPY_CHUNK)]
-                dst = ids[lo + off : lo + off + piece.shape[0]]
-                dst[...] = piece
-                # Checked where it landed: the arena is aligned and the piece is still in cache (a
-                # decoded batch's tokens are a view into the stream, at any byte offset, where numpy's
-                # reductions are half as fast).
-                if int(dst.view(np.uint32).max()) >= 1 << 31:
-                    batch.raise_negative()
+            if not pending:
+                self._pend_lo = lo
+            pending.append((lo, hi, toks, delta))
             self.n = hi
             i0, i1 = bisect.bisect_left(o_at, w0), bisect.bisect_left(o_at, w1)
             if i1 > i0:
@@ -610,7 +639,7 @@ class ExecutionTree:
                 np.add(o_hi[i0:i1], delta, out=self._seg_hi[c : self._nseg])
                 o_runs.append((i0, i1, delta))
             # A placed call ends where its tokens end.
-            ends_l = [x + delta - 1 for x in tok_off[w0 + 1 : w1 + 1]]
+            ends_l = (tok_arr[w0 + 1 : w1 + 1] + (delta - 1)).tolist()
             cids = call_ids[w0:w1]
             infos = map(
                 CallInfo,
@@ -654,7 +683,7 @@ class ExecutionTree:
                     elif n > 0:
                         # A new branch at the root (a sub-agent's first call) is all new too.
                         first = int(toks[a])
-                        if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
+                        if first != self._token(0) and first not in branches.get(ROOT, ()):
                             start = ROOT
                     else:
                         # The first tokens of an empty tree. Its first token is written now, ahead of
@@ -687,6 +716,19 @@ class ExecutionTree:
                 w0, delta = k + 1, self.n - tok_off[k + 1]
                 k += 1  # visited whatever it is: a chain needs its parent placed
             place(m)
+            # The placed tokens, copied into the arena in one pass at the end (the Python work above
+            # runs with the batch's columns still in cache), each piece checked for negative ids where
+            # it landed: the arena is aligned and the piece still in cache (a decoded batch's tokens
+            # are a view into the stream, at any byte offset, where numpy's reductions are slower).
+            ids = self._ids.view(np.uint32)  # unsigned: a negative id is a maximum >= 2**31
+            for lo, hi, _, d in pending:
+                for off in range(lo, hi, _COPY_CHUNK):
+                    dst = ids[off : min(hi, off + _COPY_CHUNK)]
+                    np.copyto(dst, toks_u[off - d : off - d + dst.shape[0]])
+                    if _umax(dst) >= 1 << 31:
+                        batch.raise_negative()
+            pending.clear()
+            self._pend_lo = _NO_PENDING
             if o_runs:  # one group for the placed calls' outputs
                 if len(o_runs) == 1:
                     i0, i1, d = o_runs[0]
@@ -707,8 +749,20 @@ class ExecutionTree:
                     )
                 )
                 self._policy_count += int(lens.sum())
-        except BaseException:
+        except BaseException as exc:
+            # A negative id in a placed call comes before the compared call that failed (or is the
+            # failure): that is the error to report, as if each stretch had been checked in turn.
+            negative = isinstance(exc, RecordError) and any(
+                int(_umax(toks_u[lo - d : hi - d])) >= 1 << 31 for lo, hi, _, d in pending
+            )
+            pending.clear()
+            self._pend_lo = _NO_PENDING
             self._rollback(undo)
+            if negative:
+                try:
+                    batch.raise_negative()
+                except RecordError as neg:
+                    raise neg from None
             raise
         # Every call of the batch is in: the counters are the batch's totals (`_add` counted its own
         # calls along the way; they are part of these totals, so they are set, not added).
@@ -773,11 +827,11 @@ class ExecutionTree:
         ):  # still on the parent's path
             theirs = self.node_at_depth(parent.end, position)
             if pol(theirs):
-                self.stats.drifts.append(Drift(call_id, position, (int(self._ids[theirs]),), got))
+                self.stats.drifts.append(Drift(call_id, position, (self._token(theirs),), got))
                 return
         if node == ROOT or not pol(node) or node in self._call_ends():
             return
-        expected = tuple(int(self._ids[c]) for c in self.children(node) if pol(c))
+        expected = tuple(self._token(c) for c in self.children(node) if pol(c))
         if expected:
             self.stats.drifts.append(Drift(call_id, position, expected, got))
 
