@@ -159,8 +159,8 @@ class ExecutionTree:
         self._seg_hi = np.empty(64, np.int64)
         self._nseg = 0
         # Segments are added alone or in groups: (first node(s), end(s), logprob offset(s), version(s),
-        # logprob array), ints for one segment, arrays for a group.
-        self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray]] = []
+        # logprob array, shift), ints for one segment, arrays for a group (nodes: first/end + shift).
+        self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray, int]] = []
         self._promos: list[tuple[np.ndarray, np.ndarray, int]] = []
         self._promoted: set[int] = set()
         self._policy_count = 0
@@ -240,7 +240,7 @@ class ExecutionTree:
         self._seg_lo[c] = lo
         self._seg_hi[c] = hi
         self._nseg = c + 1
-        self._seg_groups.append((lo, hi, a, version, arr))
+        self._seg_groups.append((lo, hi, a, version, arr, 0))
         self._policy_count += hi - lo
 
     def _is_policy(self, node: int) -> bool:
@@ -289,7 +289,7 @@ class ExecutionTree:
         policy = np.zeros(n, np.bool_)
         logprob = np.zeros(n, LOGPROB_DTYPE)
         version = np.full(n, -1, np.int32)
-        for lo, hi, src, vers, lps in self._seg_groups:
+        for lo, hi, src, vers, lps, shift in self._seg_groups:
             if isinstance(lo, int):
                 policy[lo:hi] = True
                 logprob[lo:hi] = lps[src : src + hi - lo]
@@ -299,7 +299,7 @@ class ExecutionTree:
             total = int(lens.sum())
             before = np.cumsum(lens) - lens  # position of each segment inside the group
             step = np.arange(total, dtype=np.int64)
-            pos = np.repeat(lo - before, lens) + step
+            pos = np.repeat(lo + (shift - before), lens) + step
             policy[pos] = True
             logprob[pos] = lps[np.repeat(src - before, lens) + step]
             version[pos] = np.repeat(vers, lens)
@@ -610,7 +610,8 @@ class ExecutionTree:
         o_at = o_idx.tolist()
         o_hi = tok_arr[1:][o_idx]
         o_lo = o_hi - n_out_arr[o_idx]
-        o_runs: list[tuple[int, int, int]] = []  # (first, end, offset) of the placed ones, per stretch
+        o_src, o_ver = lp_arr[o_idx], batch.weight_versions[o_idx]
+        o_before = np.cumsum(n_out_arr).tolist()  # output tokens of calls [0, k]
         self._seg_room(o_idx.shape[0])  # one growth for the batch's segments
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
@@ -637,7 +638,10 @@ class ExecutionTree:
                 self._nseg = c + i1 - i0
                 np.add(o_lo[i0:i1], delta, out=self._seg_lo[c : self._nseg])
                 np.add(o_hi[i0:i1], delta, out=self._seg_hi[c : self._nseg])
-                o_runs.append((i0, i1, delta))
+                self._seg_groups.append(
+                    (o_lo[i0:i1], o_hi[i0:i1], o_src[i0:i1], o_ver[i0:i1], lps_all, delta)
+                )
+                self._policy_count += o_before[w1 - 1] - (o_before[w0 - 1] if w0 else 0)
             # A placed call ends where its tokens end.
             ends_l = (tok_arr[w0 + 1 : w1 + 1] + (delta - 1)).tolist()
             cids = call_ids[w0:w1]
@@ -729,26 +733,6 @@ class ExecutionTree:
                         batch.raise_negative()
             pending.clear()
             self._pend_lo = _NO_PENDING
-            if o_runs:  # one group for the placed calls' outputs
-                if len(o_runs) == 1:
-                    i0, i1, d = o_runs[0]
-                    sel: Any = slice(i0, i1)
-                    shift: Any = d
-                else:
-                    sel = np.concatenate([np.arange(i0, i1) for i0, i1, _ in o_runs])
-                    shift = np.repeat([d for _, _, d in o_runs], [i1 - i0 for i0, i1, _ in o_runs])
-                o_src = o_idx[sel]
-                lens = n_out_arr[o_src]
-                self._seg_groups.append(
-                    (
-                        o_lo[sel] + shift,
-                        o_hi[sel] + shift,
-                        lp_arr[o_src],
-                        batch.weight_versions[o_src],
-                        lps_all,
-                    )
-                )
-                self._policy_count += int(lens.sum())
         except BaseException as exc:
             # A negative id in a placed call comes before the compared call that failed (or is the
             # failure): that is the error to report, as if each stretch had been checked in turn.
