@@ -202,6 +202,29 @@ def test_first_call_of_an_empty_tree_is_placed_and_root_calls_after_it_compare_w
         assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
 
 
+def test_calls_without_output_in_a_batch_mark_no_policy_tokens() -> None:
+    """A placed call without output adds an empty policy segment: policy flags, drift detection and
+    branch points around it are those of per-call ingest."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, [], delta=("c0", 7, ids(TOOL, 1))),  # no output
+        call("c2", None, ids(OUT, 3, 4), delta=("c1", 8, ids(TOOL, 2))),  # placed after it
+        call(
+            "c3", None, ids(OUT, 5), delta=("c2", 10, ids(OUT, 9) + ids(TOOL, 3))
+        ),  # contradicts OUT+4: drift
+        call("c4", None, ids(OUT, 6), delta=("c1", 8, ids(TOOL, 5))),  # branches after c1's context: no drift
+        call("c5", None, [], delta=("c4", 10, ids(TOOL, 6))),  # no output, then the batch ends
+    ]
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert [d.call_id for d in t.stats.drifts] == ["c3"]
+    assert t.policy_tokens == 2 + 2 + 1 + 1
+
+
 def codec_frame(rec: CallBatch) -> bytes:
     payload = Codec().encode_msgpack(rec)
     return len(payload).to_bytes(4, "little") + payload

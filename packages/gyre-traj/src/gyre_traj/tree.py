@@ -603,16 +603,12 @@ class ExecutionTree:
         inputs_l = inputs.tolist()
         n_out_l, vers_l = n_out_arr.tolist(), batch.weight_versions.tolist()
         t0_l, t1_l = batch.t_start.tolist(), batch.t_end.tolist()
-        # Policy segments of the batch's calls (those with output), relative to the batch; a stretch
-        # adds its own bounds to the arrays that `_is_policy` reads, and the group (for `_derive`) is added
-        # for the whole batch at the end, each segment shifted by its stretch's offset.
-        o_idx = np.flatnonzero(n_out_arr)
-        o_at = o_idx.tolist()
-        o_hi = tok_arr[1:][o_idx]
-        o_lo = o_hi - n_out_arr[o_idx]
-        o_src, o_ver = lp_arr[o_idx], batch.weight_versions[o_idx]
-        o_before = np.cumsum(n_out_arr).tolist()  # output tokens of calls [0, k]
-        self._seg_room(o_idx.shape[0])  # one growth for the batch's segments
+        # Policy segments of the placed calls: each call's output, relative to the batch (a call without
+        # output has an empty one: it marks nothing). A stretch adds its bounds to the arrays that
+        # `_is_policy` reads and a group (for `_derive`) with its offset.
+        seg_hi = tok_arr[1:]
+        seg_lo = seg_hi - n_out_arr
+        self._seg_room(m)  # one growth for the batch's segments
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
@@ -632,18 +628,16 @@ class ExecutionTree:
                 self._pend_lo = lo
             pending.append((lo, hi, toks, delta))
             self.n = hi
-            i0, i1 = bisect.bisect_left(o_at, w0), bisect.bisect_left(o_at, w1)
-            if i1 > i0:
-                c = self._seg_room(i1 - i0)
-                self._nseg = c + i1 - i0
-                np.add(o_lo[i0:i1], delta, out=self._seg_lo[c : self._nseg])
-                np.add(o_hi[i0:i1], delta, out=self._seg_hi[c : self._nseg])
-                self._seg_groups.append(
-                    (o_lo[i0:i1], o_hi[i0:i1], o_src[i0:i1], o_ver[i0:i1], lps_all, delta)
-                )
-                self._policy_count += o_before[w1 - 1] - (o_before[w0 - 1] if w0 else 0)
+            c = self._seg_room(w1 - w0)
+            self._nseg = c + w1 - w0
+            np.add(seg_lo[w0:w1], delta, out=self._seg_lo[c : self._nseg])
+            ends = np.add(seg_hi[w0:w1], delta, out=self._seg_hi[c : self._nseg])
+            self._seg_groups.append(
+                (seg_lo[w0:w1], seg_hi[w0:w1], lp_arr[w0:w1], batch.weight_versions[w0:w1], lps_all, delta)
+            )
+            self._policy_count += int(lp_arr[w1]) - int(lp_arr[w0])
             # A placed call ends where its tokens end.
-            ends_l = (tok_arr[w0 + 1 : w1 + 1] + (delta - 1)).tolist()
+            ends_l = (ends - 1).tolist()
             cids = call_ids[w0:w1]
             infos = map(
                 CallInfo,
