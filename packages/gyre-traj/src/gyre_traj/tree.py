@@ -154,10 +154,8 @@ class ExecutionTree:
         # Policy tokens: each appended output is a segment of nodes [lo, hi) with its logprobs
         # (array[a:b]) and version, appended in arena order; context tokens the policy later produced
         # are promotions (nodes, logprobs, version). Nothing else is policy.
-        # Segment bounds, in arena order: [_seg_lo[i], _seg_hi[i]) for i < _nseg (arrays with spare room).
-        self._seg_lo = np.empty(64, np.int64)
-        self._seg_hi = np.empty(64, np.int64)
-        self._nseg = 0
+        self._seg_lo: list[int] = []
+        self._seg_hi: list[int] = []
         # Segments are added alone or in groups: (first node(s), end(s), logprob offset(s), version(s),
         # logprob array, shift), ints for one segment, arrays for a group (nodes: first/end + shift).
         self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray, int]] = []
@@ -224,39 +222,26 @@ class ExecutionTree:
         self.n = hi
         return hi - 1
 
-    def _seg_room(self, extra: int) -> int:
-        """Room for `extra` more segments; returns the index of the first."""
-        c = self._nseg
-        if c + extra > self._seg_lo.shape[0]:
-            cap = max(c + extra, 2 * self._seg_lo.shape[0])
-            for name in ("_seg_lo", "_seg_hi"):
-                grown = np.empty(cap, np.int64)
-                grown[:c] = getattr(self, name)[:c]
-                setattr(self, name, grown)
-        return c
-
     def _add_segment(self, lo: int, hi: int, arr: np.ndarray, a: int, version: int) -> None:
-        c = self._seg_room(1)
-        self._seg_lo[c] = lo
-        self._seg_hi[c] = hi
-        self._nseg = c + 1
+        self._seg_lo.append(lo)
+        self._seg_hi.append(hi)
         self._seg_groups.append((lo, hi, a, version, arr, 0))
         self._policy_count += hi - lo
 
     def _is_policy(self, node: int) -> bool:
-        r = int(np.searchsorted(self._seg_lo[: self._nseg], node, "right")) - 1
-        return (r >= 0 and node < int(self._seg_hi[r])) or node in self._promoted
+        r = bisect.bisect_right(self._seg_lo, node) - 1
+        return (r >= 0 and node < self._seg_hi[r]) or node in self._promoted
 
     def _policy_range(self, lo: int, hi: int) -> np.ndarray:
         """The policy flags of nodes [lo, hi)."""
         out = np.zeros(hi - lo, np.bool_)
-        seg_lo = self._seg_lo[: self._nseg]
-        r = max(0, int(np.searchsorted(seg_lo, lo, "right")) - 1)
-        e = int(np.searchsorted(seg_lo, hi, "left"))
-        for a, b in zip(seg_lo[r:e].tolist(), self._seg_hi[r:e].tolist(), strict=True):
-            a, b = max(lo, a), min(hi, b)
+        seg_lo, seg_hi = self._seg_lo, self._seg_hi
+        r = max(0, bisect.bisect_right(seg_lo, lo) - 1)
+        while r < len(seg_lo) and seg_lo[r] < hi:
+            a, b = max(lo, seg_lo[r]), min(hi, seg_hi[r])
             if a < b:
                 out[a - lo : b - lo] = True
+            r += 1
         if self._promoted:
             for nodes, _, _ in self._promos:
                 inside = nodes[(nodes >= lo) & (nodes < hi)]
@@ -264,7 +249,8 @@ class ExecutionTree:
         return out
 
     def _call_ends(self) -> set[int]:
-        """The nodes some call ends at. Kept up to date on use (rarely: `_note_drift`), not per call."""
+        """The nodes some call ends at: kept by `add` one call at a time, brought up to date on use
+        (`_note_drift`) after a batch, which does not maintain it per call."""
         if self._ends_seen < len(self.order):
             calls = self.calls
             self._ends.update([calls[cid].end for cid in self.order[self._ends_seen :]])
@@ -548,6 +534,9 @@ class ExecutionTree:
         )
         self.calls[call_id] = info
         self.order.append(call_id)
+        if self._ends_seen == len(self.order) - 1:  # the set is up to date: keep it so (cheap here)
+            self._ends.add(node)
+            self._ends_seen += 1
         st.calls += 1
         st.call_tokens += info.length
         return info
@@ -608,7 +597,6 @@ class ExecutionTree:
         # `_is_policy` reads and a group (for `_derive`) with its offset.
         seg_hi = tok_arr[1:]
         seg_lo = seg_hi - n_out_arr
-        self._seg_room(m)  # one growth for the batch's segments
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
@@ -628,16 +616,14 @@ class ExecutionTree:
                 self._pend_lo = lo
             pending.append((lo, hi, toks, delta))
             self.n = hi
-            c = self._seg_room(w1 - w0)
-            self._nseg = c + w1 - w0
-            np.add(seg_lo[w0:w1], delta, out=self._seg_lo[c : self._nseg])
-            ends = np.add(seg_hi[w0:w1], delta, out=self._seg_hi[c : self._nseg])
+            # A placed call ends where its tokens end, with its output.
+            ends_l = (seg_hi[w0:w1] + (delta - 1)).tolist()
+            self._seg_lo.extend((seg_lo[w0:w1] + delta).tolist())
+            self._seg_hi.extend((seg_hi[w0:w1] + delta).tolist())
             self._seg_groups.append(
                 (seg_lo[w0:w1], seg_hi[w0:w1], lp_arr[w0:w1], batch.weight_versions[w0:w1], lps_all, delta)
             )
             self._policy_count += int(lp_arr[w1]) - int(lp_arr[w0])
-            # A placed call ends where its tokens end.
-            ends_l = (ends - 1).tolist()
             cids = call_ids[w0:w1]
             infos = map(
                 CallInfo,
@@ -754,7 +740,7 @@ class ExecutionTree:
         return _Undo(
             self.n,
             len(self._starts),
-            self._nseg,
+            len(self._seg_lo),
             len(self._seg_groups),
             len(self._promos),
             len(self.order),
@@ -775,7 +761,7 @@ class ExecutionTree:
                 self._branches[node] = kids
             else:
                 del self._branches[node]
-        self._nseg = undo.segments
+        del self._seg_lo[undo.segments :], self._seg_hi[undo.segments :]
         del self._seg_groups[undo.groups :]
         for nodes, _, _ in self._promos[undo.promos :]:
             self._promoted.difference_update(nodes.tolist())
