@@ -546,14 +546,16 @@ class ExecutionTree:
         it and the tree is left as it was before the batch.
 
         A call that carries new tokens only (it extends the whole of its delta parent, whose last token
-        has no children yet: an agent's next call; or it starts a new branch at the root) is placed
-        without looking at its tokens. Most calls are the next call of the agent right before them (a
-        chain); those are found for the whole batch at once from its columns and not visited one by one.
-        Between two calls that must be compared against the tree (they take `add`'s path), placed calls
-        sit in the arena exactly as in the batch, shifted by one offset, so each such stretch is one
-        copy (checked for negative ids on the way, in cache-sized pieces), one vectorized update of the
-        policy segments and one bulk registration of its calls, done before the next compared call and
-        at the end."""
+        has no children yet: an agent's next call; or it starts a new branch at the root, or the tree is
+        empty) is placed without looking at its tokens. Most calls are the next call of the agent right
+        before them (a chain); those are found for the whole batch at once from its columns and not
+        visited one by one. Between two calls that must be compared against the tree (they take `add`'s
+        path), placed calls sit in the arena exactly as in the batch, shifted by one offset: such a
+        stretch gets its policy segments and CallInfos in bulk before the next compared call. Its tokens
+        are copied into the arena at the end of the batch, all stretches in one pass, each piece checked
+        for negative ids where it landed (a compared call in between reads the ones it needs from the
+        batch: `_span`). A negative id in a placed call is reported before the error of any compared
+        call after it, as if each stretch had been copied in turn."""
         if batch.execution_id != self.execution_id:
             raise RecordError(
                 f"call batch of execution {batch.execution_id!r} given to the tree of {self.execution_id!r}"
