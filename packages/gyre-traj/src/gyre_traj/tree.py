@@ -378,11 +378,15 @@ class ExecutionTree:
 
     def _child(self, node: int, tok: int) -> int:
         if node == ROOT:
-            if self.n > 0 and self._token(0) == tok:
+            if self.n > 0 and (int(self._ids[0]) if self._pend_lo > 0 else self._token(0)) == tok:
                 return 0
         else:
             c = node + 1
-            if c < self.n and c not in self._start_set and self._token(c) == tok:
+            if (
+                c < self.n
+                and c not in self._start_set
+                and (int(self._ids[c]) if c < self._pend_lo else self._token(c)) == tok
+            ):
                 return c
         b = self._branches.get(node)
         return b.get(tok, NO_NODE) if b is not None else NO_NODE
@@ -395,7 +399,8 @@ class ExecutionTree:
             if nxt == NO_NODE:
                 return node, i
             span = min(self._run_end(nxt) - nxt, n_seq - i)
-            m = _first_mismatch(self._span(nxt, span), seq[i : i + span])
+            tree = self._ids[nxt : nxt + span] if nxt + span <= self._pend_lo else self._span(nxt, span)
+            m = _first_mismatch(tree, seq[i : i + span])
             node, i = nxt + m - 1, i + m
         return node, i
 
@@ -488,21 +493,21 @@ class ExecutionTree:
         lps: np.ndarray,
         check_output: bool = False,
     ) -> CallInfo:
-        where = _where(self.execution_id, call_id)
         if call_id in self.calls:
-            raise RecordError(f"{where}: duplicate call id in this execution")
+            raise RecordError(f"{_where(self.execution_id, call_id)}: duplicate call id in this execution")
         st = self.stats
         cut_parent: CallInfo | None = None
         if parent is not None:
             cut_parent = self.calls.get(parent)
             if cut_parent is None:
                 raise RecordError(
-                    f"{where}: input_delta names unknown parent call {parent!r} "
+                    f"{_where(self.execution_id, call_id)}: input_delta names unknown parent call {parent!r} "
                     f"(parents must come before the calls that extend them)"
                 )
             if keep > cut_parent.length:
                 raise RecordError(
-                    f"{where}: input_delta.keep={keep} exceeds parent {parent!r} length {cut_parent.length}"
+                    f"{_where(self.execution_id, call_id)}: input_delta.keep={keep} exceeds parent "
+                    f"{parent!r} length {cut_parent.length}"
                 )
             start = self.node_at_depth(cut_parent.end, keep - 1)
             st.delta_calls += 1
@@ -514,7 +519,8 @@ class ExecutionTree:
             if int(rest[i:].min()) < 0:  # the part matched against the tree is known non-negative
                 pos = i + int(np.flatnonzero(rest[i:] < 0)[0])
                 raise RecordError(
-                    f"{where}: input ids contain a negative id {int(rest[pos])} at position {keep + pos}"
+                    f"{_where(self.execution_id, call_id)}: input ids contain a negative id {int(rest[pos])} "
+                    f"at position {keep + pos}"
                 )
             self._note_drift(call_id, node, int(rest[i]), keep + i, cut_parent)
             node = self._append(node, rest[i:], False, None, -1)
@@ -526,7 +532,8 @@ class ExecutionTree:
             if check_output and int(out[j:].min()) < 0:
                 pos = j + int(np.flatnonzero(out[j:] < 0)[0])
                 raise RecordError(
-                    f"{where}: output ids contain a negative id {int(out[pos])} at position {pos}"
+                    f"{_where(self.execution_id, call_id)}: output ids contain a negative id {int(out[pos])} "
+                    f"at position {pos}"
                 )
             node = self._append(node, out[j:], True, lps[j:], weight_version)
         info = CallInfo(
