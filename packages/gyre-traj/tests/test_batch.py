@@ -144,7 +144,7 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     calls = [
         call("c0", PROMPT, a1),
         call("c1", None, a2, delta=("c0", 7, ids(TOOL, 1))),  # fast: extends all of c0
-        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1))),  # c0's end has a child now
+        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1))),  # a retry of c1: a branch
         call("c2", None, ids(OUT, 4), delta=("c1", 9, ids(TOOL, 2))),  # fast again
         call("s0", ids(SYS, 50, 51), ids(OUT, 5), agent="sub"),  # a new root branch
     ]
@@ -158,8 +158,9 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     monkeypatch.setattr(ExecutionTree, "_add", counting_add)
     t = ExecutionTree("e")
     t.add_batch(CallBatch.of(calls))
-    # the others were placed without looking at the tree (c0 too: the tree was empty)
-    assert compared == ["c1-retry"]
+    # all were placed without looking at the tree (c0: the tree was empty; c1-retry: same input as
+    # the call before it, an output that starts differently)
+    assert compared == []
     monkeypatch.undo()
     ref = ExecutionTree("e")
     for c in calls:
@@ -223,6 +224,92 @@ def test_calls_without_output_in_a_batch_mark_no_policy_tokens() -> None:
     assert tree_state(t) == tree_state(ref)
     assert [d.call_id for d in t.stats.drifts] == ["c3"]
     assert t.policy_tokens == 2 + 2 + 1 + 1
+
+
+def test_retries_placed_as_branches_or_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with the same delta parent, keep and appended input as the (placed) call before it is a
+    retry: its output is placed as a branch at the end of that input when no child there starts like
+    it; otherwise (or when anything differs) it is compared. Either way the tree is per-call ingest's."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, ids(OUT, 3, 4), delta=("c0", 7, ids(TOOL, 1, 2))),
+        call("r1", None, ids(OUT, 5), delta=("c0", 7, ids(TOOL, 1, 2))),  # placed: a branch
+        call("c2", None, ids(OUT, 6), delta=("r1", 10, ids(TOOL, 3))),  # extends the retry: placed
+        call("r2", None, ids(OUT, 7), delta=("c2", 11, ids(TOOL, 3))),  # c2's output follows TOOL 3: compared
+        call("c3", None, ids(OUT, 8, 9), delta=("c2", 12, ids(TOOL, 4))),
+        call("r3", None, ids(OUT, 8, 1), delta=("c2", 12, ids(TOOL, 4))),  # starts like c3's output: compared
+        call("c4", None, ids(OUT, 2), delta=("c3", 15, ids(TOOL, 5))),
+        call("r4", None, ids(OUT, 3), delta=("c3", 15, ids(TOOL, 6))),  # another input: compared
+        call("c5", None, ids(OUT, 4), delta=("c4", 17, ids(TOOL, 7))),
+        call("r5", None, ids(OUT, 5), delta=("c4", 17, ids(TOOL, 7))),  # placed
+        call(
+            "r5b", None, ids(OUT, 5), delta=("c4", 17, ids(TOOL, 7))
+        ),  # r5 is not placed before it: compared
+        call("c6", None, ids(OUT, 6), delta=("c5", 19, ids(TOOL, 8))),
+        call("r6", None, ids(OUT, 7), delta=("c5", 18, ids(TOOL, 8))),  # another keep: compared
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    assert compared == ["r2", "r3", "r4", "r5b", "r6"]
+    monkeypatch.undo()
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    for c in calls:
+        assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
+    c1_in = t.calls["c1"].end - 2  # the retry branches where c1's input ends
+    assert t.children(c1_in) == [c1_in + 1, t.calls["r1"].end]
+
+
+def test_calls_branching_inside_their_parents_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that keeps part of its parent's input and appends to it is placed as a new branch when its
+    first appended token starts no child of the node it continues and that node is context; else it is
+    compared (a child starts the same way, the node is a policy token: drift or not). Either way the
+    tree, drifts included, is per-call ingest's."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1, 2))),
+        call("b1", None, ids(OUT, 4), delta=("c1", 3, ids(USER, 7, 8))),  # after SYS 3, context: placed
+        call("b2", None, ids(OUT, 5), delta=("c1", 3, ids(USER, 1, 9))),  # USER 1 follows SYS 3: compared
+        call("b3", None, ids(OUT, 6), delta=("c1", 3, ids(USER, 7, 9))),  # b1 branched with USER 7: compared
+        call("b4", None, ids(OUT, 7), delta=("c1", 7, ids(OUT, 9))),  # after OUT 2 (policy): compared
+        call("b5", None, ids(OUT, 8), delta=("c1", 6, ids(TOOL, 9))),  # inside c0's output: compared, drift
+        call("c2", None, ids(OUT, 1), delta=("b1", 6, ids(TOOL, 3))),  # extends b1 (in this stretch): placed
+        call(
+            "b6", None, ids(OUT, 2), delta=("c2", 5, ids(TOOL, 4))
+        ),  # inside b1's part of c2's input: placed
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    for split in (len(calls), 2):  # one batch; the branching calls in a later batch than their parents
+        monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+        compared.clear()
+        t = ExecutionTree("e")
+        for i in range(0, len(calls), split):
+            t.add_batch(CallBatch.of(calls[i : i + split]))
+        monkeypatch.undo()
+        ref = ExecutionTree("e")
+        for c in calls:
+            ref.add(c)
+        assert tree_state(t) == tree_state(ref)
+        if split == len(calls):
+            assert compared == ["b2", "b3", "b4", "b5"]
+        assert [d.call_id for d in t.stats.drifts] == [d.call_id for d in ref.stats.drifts]
+    assert [d.call_id for d in ref.stats.drifts] == ["b5"]
 
 
 def codec_frame(rec: CallBatch) -> bytes:

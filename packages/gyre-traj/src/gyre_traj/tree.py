@@ -248,6 +248,12 @@ class ExecutionTree:
                 out[inside - lo] = True
         return out
 
+    @staticmethod
+    def _placed_policy(x: int, tok_off: list[int], n_out: list[int]) -> bool:
+        """Whether token x of a batch (tokens at `tok_off`, outputs `n_out` long) is an output token."""
+        j = bisect.bisect_right(tok_off, x) - 1
+        return x >= tok_off[j + 1] - n_out[j]
+
     def _call_ends(self) -> set[int]:
         """The nodes some call ends at: kept by `add` one call at a time, brought up to date on use
         (`_note_drift`) after a batch, which does not maintain it per call."""
@@ -660,19 +666,41 @@ class ExecutionTree:
                     if par_id:
                         par = calls.get(par_id)
                         if par is not None:
-                            s, plen = par.end, par.length
+                            s, plen, pin = par.end, par.length, par.n_input
                         else:  # a parent placed in this stretch is registered with it, later
                             j = index.get(par_id, m)
-                            s, plen = (
-                                (tok_off[j + 1] - 1 + delta, int(lengths[j])) if w0 <= j < k else (ROOT, -1)
+                            s, plen, pin = (
+                                (tok_off[j + 1] - 1 + delta, int(lengths[j]), inputs_l[j])
+                                if w0 <= j < k
+                                else (ROOT, -1, -1)
                             )
-                        if (
-                            int(keep_arr[k]) == plen
-                            and s != ROOT
-                            and (s + 1 >= n or s + 1 in start_set)
-                            and s not in branches
-                        ):
-                            start = s
+                        keep = int(keep_arr[k])
+                        if s == ROOT:
+                            pass
+                        elif keep == plen:
+                            if (s + 1 >= n or s + 1 in start_set) and s not in branches:
+                                start = s
+                        elif 0 < keep < pin and tok_off[k + 1] - n_out_l[k] > a:
+                            # It keeps part of its parent's input and appends to it: when its first
+                            # appended token starts no child of the node it continues, and that node is
+                            # context (so no drift either), it all is a new branch there.
+                            s = self.node_at_depth(s, keep - 1)
+                            first, c = int(toks[a]), s + 1
+                            here = tok_off[w0] + delta  # this stretch's first node (not in the arena yet)
+                            if (
+                                (
+                                    c >= n
+                                    or c in start_set
+                                    or first != (int(toks[c - delta]) if c >= here else self._token(c))
+                                )
+                                and first not in branches.get(s, ())
+                                and not (
+                                    self._placed_policy(s - delta, tok_off, n_out_l)
+                                    if s >= here
+                                    else self._is_policy(s)
+                                )
+                            ):
+                                start = s
                     elif n > 0:
                         # A new branch at the root (a sub-agent's first call) is all new too.
                         first = int(toks[a])
@@ -688,9 +716,51 @@ class ExecutionTree:
                         self._new_run(start, n, int(toks[a]))
                     k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
                     continue
-                place(k)
                 no = n_out_l[k]
                 b = tok_off[k + 1] - no  # where its output starts
+                if par_id and w0 < k and no and parents[k - 1] == par_id and call_ids[k] not in dup:
+                    # A retry: the call before it (placed) has the same delta parent, keep and appended
+                    # input, so this input ends where that one's does; when its output starts with a
+                    # token no child there has, the output is all new: a branch, placed like the rest.
+                    p, ni = k - 1, b - a
+                    p_out = tok_off[k] - n_out_l[p]  # where the output of call p starts in the batch
+                    in_end = p_out - 1 + delta
+                    first = int(toks[b])
+                    if (
+                        ni
+                        and p_out - tok_off[p] == ni
+                        and n_out_l[p]
+                        and int(keep_arr[k]) == int(keep_arr[p])
+                        and first != int(toks[p_out])
+                        and first not in branches.get(in_end, ())
+                        and _first_mismatch(toks[a:b], toks[tok_off[p] : p_out]) == ni
+                    ):
+                        place(k)
+                        lo = self.n
+                        self._new_run(in_end, lo, first)
+                        pending.append((lo, lo + no, toks, lo - b))
+                        self.n = hi = lo + no
+                        self._seg_lo.append(lo)
+                        self._seg_hi.append(hi)
+                        self._seg_groups.append((lo, hi, int(lp_arr[k]), vers_l[k], lps_all, 0))
+                        self._policy_count += no
+                        calls[call_ids[k]] = CallInfo(
+                            call_ids[k],
+                            agents[k],
+                            roles[k],
+                            hi - 1,
+                            inputs_l[k],
+                            no,
+                            vers_l[k],
+                            fins[k],
+                            t0_l[k],
+                            t1_l[k],
+                        )
+                        self.order.append(call_ids[k])
+                        w0, delta = k + 1, hi - tok_off[k + 1]
+                        k += 1  # visited whatever it is: a chain needs its parent placed
+                        continue
+                place(k)
                 self._add(
                     call_ids[k],
                     agents[k],
