@@ -144,7 +144,7 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     calls = [
         call("c0", PROMPT, a1),
         call("c1", None, a2, delta=("c0", 7, ids(TOOL, 1))),  # fast: extends all of c0
-        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1))),  # c0's end has a child now
+        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1))),  # a retry of c1: a branch
         call("c2", None, ids(OUT, 4), delta=("c1", 9, ids(TOOL, 2))),  # fast again
         call("s0", ids(SYS, 50, 51), ids(OUT, 5), agent="sub"),  # a new root branch
     ]
@@ -158,7 +158,9 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     monkeypatch.setattr(ExecutionTree, "_add", counting_add)
     t = ExecutionTree("e")
     t.add_batch(CallBatch.of(calls))
-    assert compared == ["c0", "c1-retry"]  # the others were placed without looking at the tree
+    # all were placed without looking at the tree (c0: the tree was empty; c1-retry: same input as
+    # the call before it, an output that starts differently)
+    assert compared == []
     monkeypatch.undo()
     ref = ExecutionTree("e")
     for c in calls:
@@ -166,6 +168,148 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
     assert tree_state(t) == tree_state(ref)
     assert t.call_sequence("c2")[0].tolist() == PROMPT + a1 + ids(TOOL, 1) + a2 + ids(TOOL, 2)
     assert t.call_sequence("s0")[0].tolist() == ids(SYS, 50, 51)
+
+
+def test_first_call_of_an_empty_tree_is_placed_and_root_calls_after_it_compare_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first call of an empty tree is placed with its stretch (copied later), so the root-branch
+    test of the calls after it in the same batch must still see its first token."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1)),  # placed: the tree is empty
+        call("s0", ids(SYS, 1, 9), ids(OUT, 2), agent="sub"),  # shares c0's first token: compared
+        call("s1", ids(SYS, 60, 61), ids(OUT, 3), agent="sub1"),  # a new root branch: placed
+        call("s2", ids(SYS, 60, 62), ids(OUT, 4), agent="sub2"),  # shares s1's first token: compared
+        call("c1", None, ids(OUT, 5), delta=("c0", 6, ids(TOOL, 1))),  # c0's end has no child: placed
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    assert compared == ["s0", "s2"]
+    monkeypatch.undo()
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert len(t.children(-1)) == 2  # c0 (with s0 below its first token) and s1 (with s2)
+    for c in calls:
+        assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
+
+
+def test_calls_without_output_in_a_batch_mark_no_policy_tokens() -> None:
+    """A placed call without output adds an empty policy segment: policy flags, drift detection and
+    branch points around it are those of per-call ingest."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, [], delta=("c0", 7, ids(TOOL, 1))),  # no output
+        call("c2", None, ids(OUT, 3, 4), delta=("c1", 8, ids(TOOL, 2))),  # placed after it
+        call(
+            "c3", None, ids(OUT, 5), delta=("c2", 10, ids(OUT, 9) + ids(TOOL, 3))
+        ),  # contradicts OUT+4: drift
+        call("c4", None, ids(OUT, 6), delta=("c1", 8, ids(TOOL, 5))),  # branches after c1's context: no drift
+        call("c5", None, [], delta=("c4", 10, ids(TOOL, 6))),  # no output, then the batch ends
+    ]
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert [d.call_id for d in t.stats.drifts] == ["c3"]
+    assert t.policy_tokens == 2 + 2 + 1 + 1
+
+
+def test_retries_placed_as_branches_or_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with the same delta parent, keep and appended input as the (placed) call before it is a
+    retry: its output is placed as a branch at the end of that input when no child there starts like
+    it; otherwise (or when anything differs) it is compared. Either way the tree is per-call ingest's."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, ids(OUT, 3, 4), delta=("c0", 7, ids(TOOL, 1, 2))),
+        call("r1", None, ids(OUT, 5), delta=("c0", 7, ids(TOOL, 1, 2))),  # placed: a branch
+        call("c2", None, ids(OUT, 6), delta=("r1", 10, ids(TOOL, 3))),  # extends the retry: placed
+        call("r2", None, ids(OUT, 7), delta=("c2", 11, ids(TOOL, 3))),  # c2's output follows TOOL 3: compared
+        call("c3", None, ids(OUT, 8, 9), delta=("c2", 12, ids(TOOL, 4))),
+        call("r3", None, ids(OUT, 8, 1), delta=("c2", 12, ids(TOOL, 4))),  # starts like c3's output: compared
+        call("c4", None, ids(OUT, 2), delta=("c3", 15, ids(TOOL, 5))),
+        call("r4", None, ids(OUT, 3), delta=("c3", 15, ids(TOOL, 6))),  # another input: compared
+        call("c5", None, ids(OUT, 4), delta=("c4", 17, ids(TOOL, 7))),
+        call("r5", None, ids(OUT, 5), delta=("c4", 17, ids(TOOL, 7))),  # placed
+        call(
+            "r5b", None, ids(OUT, 5), delta=("c4", 17, ids(TOOL, 7))
+        ),  # r5 is not placed before it: compared
+        call("c6", None, ids(OUT, 6), delta=("c5", 19, ids(TOOL, 8))),
+        call("r6", None, ids(OUT, 7), delta=("c5", 18, ids(TOOL, 8))),  # another keep: compared
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(calls))
+    assert compared == ["r2", "r3", "r4", "r5b", "r6"]
+    monkeypatch.undo()
+    ref = ExecutionTree("e")
+    for c in calls:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    for c in calls:
+        assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
+    c1_in = t.calls["c1"].end - 2  # the retry branches where c1's input ends
+    assert t.children(c1_in) == [c1_in + 1, t.calls["r1"].end]
+
+
+def test_calls_branching_inside_their_parents_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that keeps part of its parent's input and appends to it is placed as a new branch when its
+    first appended token starts no child of the node it continues and that node is context; else it is
+    compared (a child starts the same way, the node is a policy token: drift or not). Either way the
+    tree, drifts included, is per-call ingest's."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1, 2)),
+        call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1, 2))),
+        call("b1", None, ids(OUT, 4), delta=("c1", 3, ids(USER, 7, 8))),  # after SYS 3, context: placed
+        call("b2", None, ids(OUT, 5), delta=("c1", 3, ids(USER, 1, 9))),  # USER 1 follows SYS 3: compared
+        call("b3", None, ids(OUT, 6), delta=("c1", 3, ids(USER, 7, 9))),  # b1 branched with USER 7: compared
+        call("b4", None, ids(OUT, 7), delta=("c1", 7, ids(OUT, 9))),  # after OUT 2 (policy): compared
+        call("b5", None, ids(OUT, 8), delta=("c1", 6, ids(TOOL, 9))),  # inside c0's output: compared, drift
+        call("c2", None, ids(OUT, 1), delta=("b1", 6, ids(TOOL, 3))),  # extends b1 (in this stretch): placed
+        call(
+            "b6", None, ids(OUT, 2), delta=("c2", 5, ids(TOOL, 4))
+        ),  # inside b1's part of c2's input: placed
+    ]
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    for split in (len(calls), 2):  # one batch; the branching calls in a later batch than their parents
+        monkeypatch.setattr(ExecutionTree, "_add", counting_add)
+        compared.clear()
+        t = ExecutionTree("e")
+        for i in range(0, len(calls), split):
+            t.add_batch(CallBatch.of(calls[i : i + split]))
+        monkeypatch.undo()
+        ref = ExecutionTree("e")
+        for c in calls:
+            ref.add(c)
+        assert tree_state(t) == tree_state(ref)
+        if split == len(calls):
+            assert compared == ["b2", "b3", "b4", "b5"]
+        assert [d.call_id for d in t.stats.drifts] == [d.call_id for d in ref.stats.drifts]
+    assert [d.call_id for d in ref.stats.drifts] == ["b5"]
 
 
 def codec_frame(rec: CallBatch) -> bytes:
@@ -219,6 +363,70 @@ def test_bad_call_in_a_batch_names_it_and_changes_nothing(bad: str, message: str
     assert f.trees["e"].call_sequence("c9")[0].tolist() == PROMPT + ids(OUT, 1, 2) + ids(TOOL, 1) + ids(
         OUT, 3
     ) + ids(TOOL, 5)
+
+
+def _with_negative_id(calls: list[Call], call_id: str) -> CallBatch:
+    """A batch of `calls` where the last output id of `call_id` is -7 (as decoded from a stream, where
+    the tree checks the sign)."""
+    ok = CallBatch.of(calls)
+    k = ok.call_ids.index(call_id)
+    toks = ok.tokens.copy()
+    toks[int(np.sum(ok.input_lens[: k + 1]) + np.sum(ok.output_lens[: k + 1])) - 1] = -7
+    with defer_input_sign_check():
+        return CallBatch(**{**msgspec.structs.asdict(ok), "tokens": toks})
+
+
+@pytest.mark.parametrize(
+    ("later", "message"),
+    [
+        # c3 is placed too: the negative id is found when the placed tokens are copied, at the end
+        (
+            call("c3", None, ids(OUT, 5), delta=("c2", 11, ids(TOOL, 3))),
+            r"call='c2'.*negative id -7 at position 1",
+        ),
+        # c3 is compared and fails: the negative id of c2, placed before it, is still the error
+        (
+            call("c3", None, ids(OUT, 5), delta=("nope", 3, ids(TOOL, 3))),
+            r"call='c2'.*negative id -7 at position 1",
+        ),
+        # c3 is compared against c2's tokens (still in the batch, not yet copied) and is fine itself
+        (
+            call("c3", None, ids(OUT, 6), delta=("c1", 9, ids(TOOL, 2))),
+            r"call='c2'.*negative id -7 at position 1",
+        ),
+    ],
+)
+def test_negative_id_of_a_placed_call_is_reported_whatever_follows(later: Call, message: str) -> None:
+    good = [call("c0", PROMPT, ids(OUT, 1, 2)), call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1)))]
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of(good))
+    before = tree_state(t)
+    batch = _with_negative_id([call("c2", None, ids(OUT, 4, 5), delta=("c1", 9, ids(TOOL, 2))), later], "c2")
+    with pytest.raises(RecordError, match=message):
+        t.add_batch(batch)
+    assert tree_state(t) == before
+
+
+def test_compared_call_matches_placed_calls_not_yet_copied() -> None:
+    """Placed calls are copied into the arena at the end of the batch; a compared call in between reads
+    their tokens from the batch, also across the boundary with tokens the tree already held."""
+    c0 = call("c0", PROMPT, ids(OUT, 1, 2))
+    c1 = call("c1", None, ids(OUT, 3), delta=("c0", 7, ids(TOOL, 1, 2, 3)))
+    # c0 and c1 are one run: c1-retry's input spans the tree's tokens (c0, from the first batch) and the
+    # pending ones (c1's appended input) in one comparison; its output differs from c1's.
+    batch = [
+        c1,
+        call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1, 2, 3))),
+        call("c2", PROMPT + ids(OUT, 1, 2) + ids(TOOL, 1, 2, 3) + ids(OUT, 3, 4), ids(OUT, 5)),  # full input
+    ]
+    t = ExecutionTree("e")
+    t.add_batch(CallBatch.of([c0]))
+    t.add_batch(CallBatch.of(batch))
+    ref = ExecutionTree("e")
+    for c in [c0, *batch]:
+        ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    assert t.n == len(PROMPT) + 2 + 3 + 1 + 1 + 1 + 1  # c1-retry and c2 added only their new tokens
 
 
 def test_malformed_batches_are_rejected_with_the_reason() -> None:

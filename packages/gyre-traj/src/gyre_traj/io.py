@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -97,6 +98,18 @@ class Codec:
 
     def decode_msgpack(self, data: bytes | memoryview) -> Record:
         return self.mp_dec.decode(data)
+
+
+_local = threading.local()
+
+
+def _mp_decoder() -> msgspec.msgpack.Decoder[Record]:
+    """This thread's msgpack record decoder, built once (building one costs more than decoding a
+    small frame)."""
+    dec: msgspec.msgpack.Decoder[Record] | None = getattr(_local, "mp_dec", None)
+    if dec is None:
+        dec = _local.mp_dec = msgspec.msgpack.Decoder(Record, dec_hook=_dec_hook, ext_hook=_mp_ext_hook)
+    return dec
 
 
 def _wrap(exc: Exception, where: str) -> RecordError:
@@ -232,7 +245,7 @@ def iter_msgpack(data: bytes | memoryview, name: str = "<stream>") -> Iterator[R
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
         raise RecordError(f"{name}: not a gyre msgpack record stream (bad magic)")
-    codec = Codec()
+    decode = _mp_decoder().decode
     pos, n, frame = len(MAGIC), len(view), 0
     while pos < n:
         if pos + 4 > n:
@@ -242,7 +255,7 @@ def iter_msgpack(data: bytes | memoryview, name: str = "<stream>") -> Iterator[R
         if pos + size > n:
             raise RecordError(f"{name}: frame {frame} truncated ({n - pos} of {size} bytes)")
         try:
-            yield codec.decode_msgpack(view[pos : pos + size])
+            yield decode(view[pos : pos + size])
         except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
             raise _wrap(exc, f"{name}: frame {frame}") from None
         pos += size

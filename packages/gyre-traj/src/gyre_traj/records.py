@@ -176,6 +176,12 @@ class Call(
 
 
 def _int_column(values: Any, what: str, n: int) -> np.ndarray:
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.shape == (n,):
+        # As decoded (the common case): only the sign to check.
+        if n and int(values.min()) < 0:
+            pos = int(np.flatnonzero(values < 0)[0])
+            raise ValueError(f"{what} must be >= 0, got {int(values[pos])} for call #{pos}")
+        return values
     arr = np.asarray(values)
     if arr.size == 0:
         arr = np.zeros(0, np.int64)
@@ -187,6 +193,17 @@ def _int_column(values: Any, what: str, n: int) -> np.ndarray:
         pos = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"{what} must be >= 0, got {int(arr[pos])} for call #{pos}")
     return arr.astype(np.int64, copy=False)
+
+
+def _indices_of_empty(items: list[str]) -> list[int]:
+    """Indices of the empty strings in `items` (one C-level scan per hit, not a Python loop per item)."""
+    out: list[int] = []
+    i = -1
+    with contextlib.suppress(ValueError):
+        while True:
+            i = items.index("", i + 1)
+            out.append(i)
+    return out
 
 
 def _offsets(n_in: np.ndarray, n_out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,15 +278,16 @@ class CallBatch(
             toks = as_ids(self.tokens, "token ids", check_sign=False)
         except ValueError as exc:
             raise RecordError(f"{where}: {exc}") from None
-        tok_off, lp_off = _offsets(n_in, n_out)
-        if int(tok_off[-1]) != toks.shape[0]:
+        n_outputs = int(n_out.sum())
+        n_tokens = int(n_in.sum()) + n_outputs
+        if n_tokens != toks.shape[0]:
             raise RecordError(
-                f"{where}: input_lens + output_lens add up to {int(tok_off[-1])} tokens, the batch holds "
+                f"{where}: input_lens + output_lens add up to {n_tokens} tokens, the batch holds "
                 f"{toks.shape[0]}"
             )
-        if int(lp_off[-1]) != lps.shape[0]:
+        if n_outputs != lps.shape[0]:
             raise RecordError(
-                f"{where}: output_lens add up to {int(lp_off[-1])} output tokens, the batch holds "
+                f"{where}: output_lens add up to {n_outputs} output tokens, the batch holds "
                 f"{lps.shape[0]} logprobs (must be equal)"
             )
         if any(map(operator.eq, self.call_ids, self.parents)):  # one C loop; the error path finds which
@@ -277,7 +295,7 @@ class CallBatch(
             raise RecordError(
                 f"{_where(self.execution_id, self.call_ids[k])}: input_delta.parent names the call itself"
             )
-        full = [i for i, p in enumerate(self.parents) if not p]  # calls with their input in full
+        full = _indices_of_empty(self.parents)  # calls with their input in full
         if full and bool(keeps[full].any()):
             k = next(i for i in full if keeps[i])
             raise RecordError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import operator
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -96,8 +97,10 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 _MEMCMP = _load_memcmp()
 _MEMCMP_MIN = 1 << 14  # below this many tokens numpy's comparison is faster than the ctypes call
 _CHUNK = 1 << 18  # tokens compared per step: a long match costs one pass, an early mismatch exits early
-_COPY_CHUNK = 1 << 16  # tokens checked then copied per step: the copy reads them back from cache
+_COPY_CHUNK = 1 << 16  # tokens copied then checked per step: the check reads them back from cache
 NO_NODE = ROOT - 1
+_NO_PENDING = 1 << 62
+_umax = np.maximum.reduce
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -154,15 +157,21 @@ class ExecutionTree:
         self._seg_lo: list[int] = []
         self._seg_hi: list[int] = []
         # Segments are added alone or in groups: (first node(s), end(s), logprob offset(s), version(s),
-        # logprob array), ints for one segment, arrays for a group.
-        self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray]] = []
+        # logprob array, shift), ints for one segment, arrays for a group (nodes: first/end + shift).
+        self._seg_groups: list[tuple[Any, Any, Any, Any, np.ndarray, int]] = []
         self._promos: list[tuple[np.ndarray, np.ndarray, int]] = []
         self._promoted: set[int] = set()
         self._policy_count = 0
+        # Inside `add_batch`: stretches of placed calls not copied into the arena yet, in arena order,
+        # as (first node, end node, source ids, offset) with node x at source[x - offset]; all are
+        # copied (and checked) at the end of the batch. `_pend_lo` is the first such node.
+        self._pending: list[tuple[int, int, np.ndarray, int]] = []
+        self._pend_lo = _NO_PENDING
         self._derived: dict[str, np.ndarray] = {}
         self._derived_key: tuple[int, int, int] = (-1, -1, -1)
         self.calls: dict[str, CallInfo] = {}
-        self._ends: set[int] = set()
+        self._ends: set[int] = set()  # where the first `_ends_seen` calls of `order` end (`_call_ends`)
+        self._ends_seen = 0
         self.order: list[str] = []
         self.stats = IngestStats()
         self.score: Score | None = None
@@ -216,18 +225,8 @@ class ExecutionTree:
     def _add_segment(self, lo: int, hi: int, arr: np.ndarray, a: int, version: int) -> None:
         self._seg_lo.append(lo)
         self._seg_hi.append(hi)
-        self._seg_groups.append((lo, hi, a, version, arr))
+        self._seg_groups.append((lo, hi, a, version, arr, 0))
         self._policy_count += hi - lo
-
-    def _add_segments(
-        self, lo: np.ndarray, hi: np.ndarray, src: np.ndarray, versions: np.ndarray, lps: np.ndarray
-    ) -> None:
-        """Policy segments [lo[i], hi[i]) (after every existing one, in order) with logprobs
-        lps[src[i] : src[i] + hi[i] - lo[i]] and weight version versions[i]."""
-        self._seg_lo.extend(lo.tolist())
-        self._seg_hi.extend(hi.tolist())
-        self._seg_groups.append((lo, hi, src, versions, lps))
-        self._policy_count += int((hi - lo).sum())
 
     def _is_policy(self, node: int) -> bool:
         r = bisect.bisect_right(self._seg_lo, node) - 1
@@ -249,6 +248,21 @@ class ExecutionTree:
                 out[inside - lo] = True
         return out
 
+    @staticmethod
+    def _placed_policy(x: int, tok_off: list[int], n_out: list[int]) -> bool:
+        """Whether token x of a batch (tokens at `tok_off`, outputs `n_out` long) is an output token."""
+        j = bisect.bisect_right(tok_off, x) - 1
+        return x >= tok_off[j + 1] - n_out[j]
+
+    def _call_ends(self) -> set[int]:
+        """The nodes some call ends at: kept by `add` one call at a time, brought up to date on use
+        (`_note_drift`) after a batch, which does not maintain it per call."""
+        if self._ends_seen < len(self.order):
+            calls = self.calls
+            self._ends.update([calls[cid].end for cid in self.order[self._ends_seen :]])
+            self._ends_seen = len(self.order)
+        return self._ends
+
     def _run_end(self, node: int) -> int:
         r = bisect.bisect_right(self._starts, node)
         return self._starts[r] if r < len(self._starts) else self.n
@@ -267,7 +281,7 @@ class ExecutionTree:
         policy = np.zeros(n, np.bool_)
         logprob = np.zeros(n, LOGPROB_DTYPE)
         version = np.full(n, -1, np.int32)
-        for lo, hi, src, vers, lps in self._seg_groups:
+        for lo, hi, src, vers, lps, shift in self._seg_groups:
             if isinstance(lo, int):
                 policy[lo:hi] = True
                 logprob[lo:hi] = lps[src : src + hi - lo]
@@ -277,7 +291,7 @@ class ExecutionTree:
             total = int(lens.sum())
             before = np.cumsum(lens) - lens  # position of each segment inside the group
             step = np.arange(total, dtype=np.int64)
-            pos = np.repeat(lo - before, lens) + step
+            pos = np.repeat(lo + (shift - before), lens) + step
             policy[pos] = True
             logprob[pos] = lps[np.repeat(src - before, lens) + step]
             version[pos] = np.repeat(vers, lens)
@@ -341,13 +355,44 @@ class ExecutionTree:
         out.extend(v for v in self._branches.get(node, {}).values() if v not in out)
         return out
 
+    def _token(self, node: int) -> int:
+        """The id at `node` (inside `add_batch`, possibly still in the batch, not yet copied)."""
+        if node < self._pend_lo:
+            return int(self._ids[node])
+        return int(self._span(node, 1)[0])
+
+    def _span(self, lo: int, k: int) -> np.ndarray:
+        """The ids of nodes [lo, lo + k): a view of the arena, or of the batch while pending there."""
+        hi = lo + k
+        if hi <= self._pend_lo:
+            return self._ids[lo:hi]
+        pieces, pos = [], lo
+        for a, b, src, d in self._pending:
+            if b <= pos:
+                continue
+            if a >= hi:
+                break
+            if pos < a:
+                pieces.append(self._ids[pos:a])
+                pos = a
+            e = min(b, hi)
+            pieces.append(src[pos - d : e - d])
+            pos = e
+        if pos < hi:
+            pieces.append(self._ids[pos:hi])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
     def _child(self, node: int, tok: int) -> int:
         if node == ROOT:
-            if self.n > 0 and int(self._ids[0]) == tok:
+            if self.n > 0 and (int(self._ids[0]) if self._pend_lo > 0 else self._token(0)) == tok:
                 return 0
         else:
             c = node + 1
-            if c < self.n and c not in self._start_set and int(self._ids[c]) == tok:
+            if (
+                c < self.n
+                and c not in self._start_set
+                and (int(self._ids[c]) if c < self._pend_lo else self._token(c)) == tok
+            ):
                 return c
         b = self._branches.get(node)
         return b.get(tok, NO_NODE) if b is not None else NO_NODE
@@ -360,7 +405,8 @@ class ExecutionTree:
             if nxt == NO_NODE:
                 return node, i
             span = min(self._run_end(nxt) - nxt, n_seq - i)
-            m = _first_mismatch(self._ids[nxt : nxt + span], seq[i : i + span])
+            tree = self._ids[nxt : nxt + span] if nxt + span <= self._pend_lo else self._span(nxt, span)
+            m = _first_mismatch(tree, seq[i : i + span])
             node, i = nxt + m - 1, i + m
         return node, i
 
@@ -453,21 +499,21 @@ class ExecutionTree:
         lps: np.ndarray,
         check_output: bool = False,
     ) -> CallInfo:
-        where = _where(self.execution_id, call_id)
         if call_id in self.calls:
-            raise RecordError(f"{where}: duplicate call id in this execution")
+            raise RecordError(f"{_where(self.execution_id, call_id)}: duplicate call id in this execution")
         st = self.stats
         cut_parent: CallInfo | None = None
         if parent is not None:
             cut_parent = self.calls.get(parent)
             if cut_parent is None:
                 raise RecordError(
-                    f"{where}: input_delta names unknown parent call {parent!r} "
+                    f"{_where(self.execution_id, call_id)}: input_delta names unknown parent call {parent!r} "
                     f"(parents must come before the calls that extend them)"
                 )
             if keep > cut_parent.length:
                 raise RecordError(
-                    f"{where}: input_delta.keep={keep} exceeds parent {parent!r} length {cut_parent.length}"
+                    f"{_where(self.execution_id, call_id)}: input_delta.keep={keep} exceeds parent "
+                    f"{parent!r} length {cut_parent.length}"
                 )
             start = self.node_at_depth(cut_parent.end, keep - 1)
             st.delta_calls += 1
@@ -479,7 +525,8 @@ class ExecutionTree:
             if int(rest[i:].min()) < 0:  # the part matched against the tree is known non-negative
                 pos = i + int(np.flatnonzero(rest[i:] < 0)[0])
                 raise RecordError(
-                    f"{where}: input ids contain a negative id {int(rest[pos])} at position {keep + pos}"
+                    f"{_where(self.execution_id, call_id)}: input ids contain a negative id {int(rest[pos])} "
+                    f"at position {keep + pos}"
                 )
             self._note_drift(call_id, node, int(rest[i]), keep + i, cut_parent)
             node = self._append(node, rest[i:], False, None, -1)
@@ -491,15 +538,18 @@ class ExecutionTree:
             if check_output and int(out[j:].min()) < 0:
                 pos = j + int(np.flatnonzero(out[j:] < 0)[0])
                 raise RecordError(
-                    f"{where}: output ids contain a negative id {int(out[pos])} at position {pos}"
+                    f"{_where(self.execution_id, call_id)}: output ids contain a negative id {int(out[pos])} "
+                    f"at position {pos}"
                 )
             node = self._append(node, out[j:], True, lps[j:], weight_version)
         info = CallInfo(
             call_id, agent_id, role, node, n_in, out.shape[0], weight_version, finish_reason, t_start, t_end
         )
         self.calls[call_id] = info
-        self._ends.add(node)
         self.order.append(call_id)
+        if self._ends_seen == len(self.order) - 1:  # the set is up to date: keep it so (cheap here)
+            self._ends.add(node)
+            self._ends_seen += 1
         st.calls += 1
         st.call_tokens += info.length
         return info
@@ -509,12 +559,16 @@ class ExecutionTree:
         it and the tree is left as it was before the batch.
 
         A call that carries new tokens only (it extends the whole of its delta parent, whose last token
-        has no children yet: an agent's next call; or it starts a new branch at the root) is placed
-        without looking at its tokens. Between two calls that must be compared against the tree (they
-        take `add`'s path), placed calls sit in the arena exactly as in the batch, shifted by one
-        offset, so each such stretch is one copy (checked for negative ids on the way, in cache-sized
-        pieces) and one vectorized update of the policy segments, done before the next compared call
-        and at the end."""
+        has no children yet: an agent's next call; or it starts a new branch at the root, or the tree is
+        empty) is placed without looking at its tokens. Most calls are the next call of the agent right
+        before them (a chain); those are found for the whole batch at once from its columns and not
+        visited one by one. Between two calls that must be compared against the tree (they take `add`'s
+        path), placed calls sit in the arena exactly as in the batch, shifted by one offset: such a
+        stretch gets its policy segments and CallInfos in bulk before the next compared call. Its tokens
+        are copied into the arena at the end of the batch, all stretches in one pass, each piece checked
+        for negative ids where it landed (a compared call in between reads the ones it needs from the
+        batch: `_span`). A negative id in a placed call is reported before the error of any compared
+        call after it, as if each stretch had been copied in turn."""
         if batch.execution_id != self.execution_id:
             raise RecordError(
                 f"call batch of execution {batch.execution_id!r} given to the tree of {self.execution_id!r}"
@@ -523,132 +577,241 @@ class ExecutionTree:
         if m == 0:
             return
         toks = batch.tokens
+        toks_u = toks.view(np.uint32)
         lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
         tok_arr, lp_arr = batch.offsets()
-        n_in_arr, n_out_arr = batch.input_lens, batch.output_lens
+        keep_arr, n_out_arr = batch.keeps, batch.output_lens
+        inputs = keep_arr + batch.input_lens  # each call's input length
+        lengths = inputs + n_out_arr  # each call's input + output
+        call_ids, parents = batch.call_ids, batch.parents
+        calls, start_set, branches = self.calls, self._start_set, self._branches
+        dup = set() if calls.keys().isdisjoint(call_ids) else calls.keys() & set(call_ids)
+        # Chains: call k extends the whole of call k-1 and carries tokens. Placed right after call k-1,
+        # it continues call k-1's run, which ends at the arena's last token: nothing to look up. Only
+        # the other calls (and a call right after a compared one) are visited in the loop below.
+        chain = np.zeros(m, np.bool_)
+        if m > 1:
+            np.equal(keep_arr[1:], lengths[:-1], out=chain[1:])
+            chain[1:] &= lengths[1:] > keep_arr[1:]  # it carries tokens
+            chain[1:] &= np.fromiter(map(operator.eq, parents[1:], call_ids[:-1]), np.bool_, m - 1)
+        if dup:  # a call id already in the tree is compared (and rejected there)
+            chain[[k for k, cid in enumerate(call_ids) if cid in dup]] = False
+        visit = np.flatnonzero(~chain).tolist()
+        visit.append(m)
         tok_off = tok_arr.tolist()
-        n_in_l = n_in_arr.tolist()
-        n_out_l = n_out_arr.tolist()
-        keeps = batch.keeps.tolist()
-        inputs_l = (batch.keeps + n_in_arr).tolist()  # each call's full input length
-        versions = batch.weight_versions.tolist()
-        parents = batch.parents
-        calls, ends, order = self.calls, self._ends, self.order
-        start_set, branches = self._start_set, self._branches
-        # The chain shortcut skips the duplicate-id check: only when no id is in the tree yet (ids
-        # inside a batch are distinct by construction).
-        chain_ok = calls.keys().isdisjoint(batch.call_ids)
+        # A placed call can only be extended without comparison while nothing follows it in the arena:
+        # when the call after it is visited (or it is the last). Those are the batch indices needed.
+        index = {call_ids[v - 1]: v - 1 for v in visit if v}
+        # Columns of the calls' CallInfo, registered a stretch at a time.
+        agents, roles, fins = batch.agent_ids, batch.roles, batch.finish_reasons
+        inputs_l = inputs.tolist()
+        n_out_l, vers_l = n_out_arr.tolist(), batch.weight_versions.tolist()
+        t0_l, t1_l = batch.t_start.tolist(), batch.t_end.tolist()
+        # Policy segments of the placed calls: each call's output, relative to the batch (a call without
+        # output has an empty one: it marks nothing). A stretch adds its bounds to the arrays that
+        # `_is_policy` reads and a group (for `_derive`) with its offset.
+        seg_hi = tok_arr[1:]
+        seg_lo = seg_hi - n_out_arr
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
         self._reserve(min(toks.shape[0], 1 << 26))
+        pending = self._pending
         w0 = 0  # first call of the stretch placed since the last compared call
         delta = self.n  # arena index = batch token index + delta, inside the stretch
 
         def place(w1: int) -> None:
-            """Copy the tokens of calls [w0, w1) (all placed) into the arena, with their segments."""
+            """Place calls [w0, w1): their tokens (copied at the end), segments and CallInfos."""
             if w1 == w0:
                 return
             a0, a1 = tok_off[w0], tok_off[w1]
             lo, hi = a0 + delta, a1 + delta
             self.n = lo
             self._reserve(hi - lo)
-            ids = self._ids
-            for off in range(0, a1 - a0, _COPY_CHUNK):
-                piece = toks[a0 + off : min(a1, a0 + off + _COPY_CHUNK)]
-                if int(piece.view(np.uint32).max()) >= 1 << 31:
-                    batch.raise_negative()
-                ids[lo + off : lo + off + piece.shape[0]] = piece
+            if not pending:
+                self._pend_lo = lo
+            pending.append((lo, hi, toks, delta))
             self.n = hi
-            outs = n_out_arr[w0:w1]
-            has = outs > 0
-            if has.any():
-                seg_hi = (tok_arr[w0 + 1 : w1 + 1] + delta)[has]
-                lens = outs[has]
-                self._add_segments(
-                    seg_hi - lens, seg_hi, lp_arr[w0:w1][has], batch.weight_versions[w0:w1][has], lps_all
-                )
+            # A placed call ends where its tokens end, with its output.
+            ends_l = (seg_hi[w0:w1] + (delta - 1)).tolist()
+            self._seg_lo.extend((seg_lo[w0:w1] + delta).tolist())
+            self._seg_hi.extend((seg_hi[w0:w1] + delta).tolist())
+            self._seg_groups.append(
+                (seg_lo[w0:w1], seg_hi[w0:w1], lp_arr[w0:w1], batch.weight_versions[w0:w1], lps_all, delta)
+            )
+            self._policy_count += int(lp_arr[w1]) - int(lp_arr[w0])
+            cids = call_ids[w0:w1]
+            infos = map(
+                CallInfo,
+                cids,
+                agents[w0:w1],
+                roles[w0:w1],
+                ends_l,
+                inputs_l[w0:w1],
+                n_out_l[w0:w1],
+                vers_l[w0:w1],
+                fins[w0:w1],
+                t0_l[w0:w1],
+                t1_l[w0:w1],
+            )
+            self.order.extend(cids)
+            calls.update(zip(cids, infos, strict=True))
 
         try:
-            cols = zip(
-                batch.call_ids,
-                parents,
-                keeps,
-                n_in_l,
-                n_out_l,
-                tok_off,
-                inputs_l,
-                versions,
-                batch.agent_ids,
-                batch.roles,
-                batch.finish_reasons,
-                batch.t_start.tolist(),
-                batch.t_end.tolist(),
-                strict=False,
-            )
-            prev_cid: str | None = None
-            prev_len = -1
-            for k, (cid, par_id, keep, ni, no, a, n_input, ver, agent, role, fin, t0, t1) in enumerate(cols):
-                total = ni + no
-                if par_id == prev_cid and keep == prev_len and total:
-                    # The next call of the same agent right after its parent was placed: it continues
-                    # the same run.
-                    end = a + total - 1 + delta
-                    calls[cid] = CallInfo(cid, agent, role, end, n_input, no, ver, fin, t0, t1)
-                    ends.add(end)
-                    order.append(cid)
-                    prev_cid, prev_len = cid, n_input + no
-                    continue
+            k = visit[0]
+            while k < m:
+                par_id, a = parents[k], tok_off[k]
                 n = a + delta  # where this call's tokens go if it is placed
                 start = NO_NODE
-                par = calls.get(par_id) if par_id else None
-                if par is not None:
-                    if keep == par.n_input + par.n_output and total and cid not in calls:
-                        s = par.end
-                        if s != ROOT and (s + 1 >= n or s + 1 in start_set) and s not in branches:
-                            start = s
-                elif total and not par_id and n > 0 and cid not in calls:
-                    # A new branch at the root (a sub-agent's first call) is all new too. ids[0] is
-                    # never pending: the tree's first run is always written by `_add`.
-                    first = int(toks[a])
-                    if first != int(self._ids[0]) and first not in branches.get(ROOT, ()):
+                if tok_off[k + 1] > a and call_ids[k] not in dup:
+                    if par_id:
+                        par = calls.get(par_id)
+                        if par is not None:
+                            s, plen, pin = par.end, par.length, par.n_input
+                        else:  # a parent placed in this stretch is registered with it, later
+                            j = index.get(par_id, m)
+                            s, plen, pin = (
+                                (tok_off[j + 1] - 1 + delta, int(lengths[j]), inputs_l[j])
+                                if w0 <= j < k
+                                else (ROOT, -1, -1)
+                            )
+                        keep = int(keep_arr[k])
+                        if s == ROOT:
+                            pass
+                        elif keep == plen:
+                            if (s + 1 >= n or s + 1 in start_set) and s not in branches:
+                                start = s
+                        elif 0 < keep < pin and tok_off[k + 1] - n_out_l[k] > a:
+                            # It keeps part of its parent's input and appends to it: when its first
+                            # appended token starts no child of the node it continues, and that node is
+                            # context (so no drift either), it all is a new branch there.
+                            s = self.node_at_depth(s, keep - 1)
+                            first, c = int(toks[a]), s + 1
+                            here = tok_off[w0] + delta  # this stretch's first node (not in the arena yet)
+                            if (
+                                (
+                                    c >= n
+                                    or c in start_set
+                                    or first != (int(toks[c - delta]) if c >= here else self._token(c))
+                                )
+                                and first not in branches.get(s, ())
+                                and not (
+                                    self._placed_policy(s - delta, tok_off, n_out_l)
+                                    if s >= here
+                                    else self._is_policy(s)
+                                )
+                            ):
+                                start = s
+                    elif n > 0:
+                        # A new branch at the root (a sub-agent's first call) is all new too.
+                        first = int(toks[a])
+                        if first != self._token(0) and first not in branches.get(ROOT, ()):
+                            start = ROOT
+                    else:
+                        # The first tokens of an empty tree. Its first token is written now, ahead of
+                        # its stretch, for the root-branch test above.
                         start = ROOT
+                        self._ids[0] = toks[a]
                 if start != NO_NODE:
                     if start != n - 1 or start == ROOT:
                         self._new_run(start, n, int(toks[a]))
-                    end = n + total - 1
-                    calls[cid] = CallInfo(cid, agent, role, end, n_input, no, ver, fin, t0, t1)
-                    ends.add(end)
-                    order.append(cid)
-                    if chain_ok:
-                        prev_cid, prev_len = cid, n_input + no
+                    k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
                     continue
-                prev_cid = None
+                no = n_out_l[k]
+                b = tok_off[k + 1] - no  # where its output starts
+                if par_id and w0 < k and no and parents[k - 1] == par_id and call_ids[k] not in dup:
+                    # A retry: the call before it (placed) has the same delta parent, keep and appended
+                    # input, so this input ends where that one's does; when its output starts with a
+                    # token no child there has, the output is all new: a branch, placed like the rest.
+                    p, ni = k - 1, b - a
+                    p_out = tok_off[k] - n_out_l[p]  # where the output of call p starts in the batch
+                    in_end = p_out - 1 + delta
+                    first = int(toks[b])
+                    if (
+                        ni
+                        and p_out - tok_off[p] == ni
+                        and n_out_l[p]
+                        and int(keep_arr[k]) == int(keep_arr[p])
+                        and first != int(toks[p_out])
+                        and first not in branches.get(in_end, ())
+                        and _first_mismatch(toks[a:b], toks[tok_off[p] : p_out]) == ni
+                    ):
+                        place(k)
+                        lo = self.n
+                        self._new_run(in_end, lo, first)
+                        pending.append((lo, lo + no, toks, lo - b))
+                        self.n = hi = lo + no
+                        self._seg_lo.append(lo)
+                        self._seg_hi.append(hi)
+                        self._seg_groups.append((lo, hi, int(lp_arr[k]), vers_l[k], lps_all, 0))
+                        self._policy_count += no
+                        calls[call_ids[k]] = CallInfo(
+                            call_ids[k],
+                            agents[k],
+                            roles[k],
+                            hi - 1,
+                            inputs_l[k],
+                            no,
+                            vers_l[k],
+                            fins[k],
+                            t0_l[k],
+                            t1_l[k],
+                        )
+                        self.order.append(call_ids[k])
+                        w0, delta = k + 1, hi - tok_off[k + 1]
+                        k += 1  # visited whatever it is: a chain needs its parent placed
+                        continue
                 place(k)
                 self._add(
-                    cid,
-                    agent,
-                    role,
-                    ver,
-                    fin,
-                    t0,
-                    t1,
+                    call_ids[k],
+                    agents[k],
+                    roles[k],
+                    vers_l[k],
+                    fins[k],
+                    t0_l[k],
+                    t1_l[k],
                     par_id or None,
-                    keep,
-                    toks[a : a + ni],
-                    toks[a + ni : a + total],
+                    int(keep_arr[k]),
+                    toks[a:b],
+                    toks[b : b + no],
                     lps_all[int(lp_arr[k]) : int(lp_arr[k]) + no],
                     check_output=True,
                 )
                 w0, delta = k + 1, self.n - tok_off[k + 1]
+                k += 1  # visited whatever it is: a chain needs its parent placed
             place(m)
-        except BaseException:
+            # The placed tokens, copied into the arena in one pass at the end (the Python work above
+            # runs with the batch's columns still in cache), each piece checked for negative ids where
+            # it landed: the arena is aligned and the piece still in cache (a decoded batch's tokens
+            # are a view into the stream, at any byte offset, where numpy's reductions are slower).
+            ids = self._ids.view(np.uint32)  # unsigned: a negative id is a maximum >= 2**31
+            for lo, hi, _, d in pending:
+                for off in range(lo, hi, _COPY_CHUNK):
+                    dst = ids[off : min(hi, off + _COPY_CHUNK)]
+                    np.copyto(dst, toks_u[off - d : off - d + dst.shape[0]])
+                    if _umax(dst) >= 1 << 31:
+                        batch.raise_negative()
+            pending.clear()
+            self._pend_lo = _NO_PENDING
+        except BaseException as exc:
+            # A negative id in a placed call comes before the compared call that failed (or is the
+            # failure): that is the error to report, as if each stretch had been checked in turn.
+            negative = isinstance(exc, RecordError) and any(
+                int(_umax(toks_u[lo - d : hi - d])) >= 1 << 31 for lo, hi, _, d in pending
+            )
+            pending.clear()
+            self._pend_lo = _NO_PENDING
             self._rollback(undo)
+            if negative:
+                try:
+                    batch.raise_negative()
+                except RecordError as neg:
+                    raise neg from None
             raise
         # Every call of the batch is in: the counters are the batch's totals (`_add` counted its own
         # calls along the way; they are part of these totals, so they are set, not added).
         st = self.stats
         st.calls = undo.counts[0] + m
-        st.call_tokens = undo.counts[1] + int((batch.keeps + n_in_arr + n_out_arr).sum())
+        st.call_tokens = undo.counts[1] + int(lengths.sum())
         st.delta_calls = undo.counts[2] + m - parents.count("")
 
     def _checkpoint(self) -> _Undo:
@@ -683,9 +846,9 @@ class ExecutionTree:
             self._promoted.difference_update(nodes.tolist())
         del self._promos[undo.promos :]
         for cid in self.order[undo.calls :]:
-            del self.calls[cid]
+            self.calls.pop(cid, None)
         del self.order[undo.calls :]
-        self._ends = {info.end for info in self.calls.values()}
+        self._ends, self._ends_seen = set(), 0
         self._policy_count = undo.policy
         st = self.stats
         st.calls, st.call_tokens, st.delta_calls, st.output_matched_existing, st.context_promoted = (
@@ -707,11 +870,11 @@ class ExecutionTree:
         ):  # still on the parent's path
             theirs = self.node_at_depth(parent.end, position)
             if pol(theirs):
-                self.stats.drifts.append(Drift(call_id, position, (int(self._ids[theirs]),), got))
+                self.stats.drifts.append(Drift(call_id, position, (self._token(theirs),), got))
                 return
-        if node == ROOT or not pol(node) or node in self._ends:
+        if node == ROOT or not pol(node) or node in self._call_ends():
             return
-        expected = tuple(int(self._ids[c]) for c in self.children(node) if pol(c))
+        expected = tuple(self._token(c) for c in self.children(node) if pol(c))
         if expected:
             self.stats.drifts.append(Drift(call_id, position, expected, got))
 

@@ -35,9 +35,9 @@ def _ingest(stream: bytes) -> ExecutionTree:
     return Forest().add_msgpack(stream).trees["bench"]
 
 
-def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, ExecutionTree]:
-    """Median ingest time of `stream` and median `np.copyto` time of as many bytes, measured
-    alternately in one loop so both see the same machine load."""
+def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, list[float], ExecutionTree]:
+    """Median ingest time of `stream`, median `np.copyto` time of as many bytes, measured alternately in
+    one loop so both see the same machine load, and the ratio of each ingest to the copy before it."""
     src = np.frombuffer(stream, np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touch the destination once: the copy is timed into warm memory
@@ -52,7 +52,8 @@ def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, Executio
         tree = _ingest(stream)
         ingest_t.append(time.perf_counter() - t0)
     assert tree is not None
-    return statistics.median(ingest_t), statistics.median(copy_t), tree
+    pairs = [i / c for i, c in zip(ingest_t, copy_t, strict=True)]
+    return statistics.median(ingest_t), statistics.median(copy_t), pairs, tree
 
 
 def _progress(msg: str) -> None:
@@ -62,7 +63,7 @@ def _progress(msg: str) -> None:
 def run_bench(quick: bool = False, out: str | None = None) -> int:
     cfg = SynthConfig(main_calls=150, max_context=100_000, seed=1) if quick else SynthConfig(seed=1)
     repeats = 3
-    delta_repeats = 5 if quick else 15
+    delta_repeats = 11 if quick else 31
     _progress(
         f"generating a synthetic execution: {cfg.main_calls} main calls, context up to "
         f"{cfg.max_context:,} tokens, {cfg.compactions} compactions, {cfg.subagents} sub-agents"
@@ -80,10 +81,11 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
     )
 
     _progress("ingesting full records")
-    full_s, full_copy_s, tree_full = _ingest_vs_copy(full_stream, repeats)
+    full_s, full_copy_s, _, tree_full = _ingest_vs_copy(full_stream, repeats)
     _progress("ingesting delta records")
-    delta_s, delta_copy_s, tree = _ingest_vs_copy(delta_stream, delta_repeats)
-    per_call_s, per_call_copy_s, tree_pc = _ingest_vs_copy(per_call_stream, delta_repeats)
+    delta_s, delta_copy_s, delta_pairs, tree = _ingest_vs_copy(delta_stream, delta_repeats)
+    per_call_s, per_call_copy_s, _, tree_pc = _ingest_vs_copy(per_call_stream, delta_repeats)
+    q1, _, q3 = statistics.quantiles(delta_pairs, n=4)
     for other in (tree_full, tree_pc):
         for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
             if not np.array_equal(getattr(tree, name), getattr(other, name)):
@@ -122,6 +124,8 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "delta_copy_s": round(delta_copy_s, 5),
         "full_over_copy": round(full_s / full_copy_s, 2),
         "delta_over_copy": round(delta_s / delta_copy_s, 2),
+        "delta_repeats": delta_repeats,
+        "delta_pair_ratio_quartiles": [round(q1, 2), round(q3, 2)],
         "delta_per_call_ingest_s": round(per_call_s, 4),
         "delta_per_call_copy_s": round(per_call_copy_s, 5),
         "delta_per_call_over_copy": round(per_call_s / per_call_copy_s, 2),
