@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from gyre_engine.bench.run import engine_run, make_model
 from gyre_engine.server.engine import Engine
+from torch.profiler import ProfilerActivity, profile
 
 
 def main() -> None:
