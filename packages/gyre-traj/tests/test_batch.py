@@ -53,6 +53,30 @@ def tree_state(t: ExecutionTree) -> dict[str, object]:
     }
 
 
+def batch_vs_per_call(*batches: list[Call]) -> tuple[ExecutionTree, list[str], ExecutionTree]:
+    """Ingest `batches` with `add_batch`, noting the calls that took `add`'s comparing path (`_add`), and
+    the same calls one by one; the two trees must be equal. Returns (batch tree, compared call ids, the
+    per-call tree)."""
+    compared: list[str] = []
+    real_add = ExecutionTree._add
+
+    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
+        compared.append(call_id)
+        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
+
+    t = ExecutionTree("e")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ExecutionTree, "_add", counting_add)
+        for b in batches:
+            t.add_batch(CallBatch.of(b))
+    ref = ExecutionTree("e")
+    for b in batches:
+        for c in b:
+            ref.add(c)
+    assert tree_state(t) == tree_state(ref)
+    return t, compared, ref
+
+
 def test_batch_round_trips_its_calls() -> None:
     calls = synth_execution(small_cfg(seed=3), "x")
     batch = CallBatch.of(calls)
@@ -137,9 +161,7 @@ def test_batch_ingest_equals_per_call_ingest(
     assert tree_state(f.trees["x"]) == tree_state(ref)
 
 
-def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it() -> None:
     a1, a2 = ids(OUT, 1, 2), ids(OUT, 3)
     calls = [
         call("c0", PROMPT, a1),
@@ -148,31 +170,15 @@ def test_batch_of_calls_placed_without_comparison_mixes_with_ones_that_need_it(
         call("c2", None, ids(OUT, 4), delta=("c1", 9, ids(TOOL, 2))),  # fast again
         call("s0", ids(SYS, 50, 51), ids(OUT, 5), agent="sub"),  # a new root branch
     ]
-    compared: list[str] = []
-    real_add = ExecutionTree._add
-
-    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
-        compared.append(call_id)
-        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
-    t = ExecutionTree("e")
-    t.add_batch(CallBatch.of(calls))
+    t, compared, _ = batch_vs_per_call(calls)
     # all were placed without looking at the tree (c0: the tree was empty; c1-retry: same input as
     # the call before it, an output that starts differently)
     assert compared == []
-    monkeypatch.undo()
-    ref = ExecutionTree("e")
-    for c in calls:
-        ref.add(c)
-    assert tree_state(t) == tree_state(ref)
     assert t.call_sequence("c2")[0].tolist() == PROMPT + a1 + ids(TOOL, 1) + a2 + ids(TOOL, 2)
     assert t.call_sequence("s0")[0].tolist() == ids(SYS, 50, 51)
 
 
-def test_first_call_of_an_empty_tree_is_placed_and_root_calls_after_it_compare_with_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_first_call_of_an_empty_tree_is_placed_and_root_calls_after_it_compare_with_it() -> None:
     """The first call of an empty tree is placed with its stretch (copied later), so the root-branch
     test of the calls after it in the same batch must still see its first token."""
     calls = [
@@ -182,22 +188,8 @@ def test_first_call_of_an_empty_tree_is_placed_and_root_calls_after_it_compare_w
         call("s2", ids(SYS, 60, 62), ids(OUT, 4), agent="sub2"),  # shares s1's first token: compared
         call("c1", None, ids(OUT, 5), delta=("c0", 6, ids(TOOL, 1))),  # c0's end has no child: placed
     ]
-    compared: list[str] = []
-    real_add = ExecutionTree._add
-
-    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
-        compared.append(call_id)
-        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
-    t = ExecutionTree("e")
-    t.add_batch(CallBatch.of(calls))
+    t, compared, _ = batch_vs_per_call(calls)
     assert compared == ["s0", "s2"]
-    monkeypatch.undo()
-    ref = ExecutionTree("e")
-    for c in calls:
-        ref.add(c)
-    assert tree_state(t) == tree_state(ref)
     assert len(t.children(-1)) == 2  # c0 (with s0 below its first token) and s1 (with s2)
     for c in calls:
         assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
@@ -216,17 +208,12 @@ def test_calls_without_output_in_a_batch_mark_no_policy_tokens() -> None:
         call("c4", None, ids(OUT, 6), delta=("c1", 8, ids(TOOL, 5))),  # branches after c1's context: no drift
         call("c5", None, [], delta=("c4", 10, ids(TOOL, 6))),  # no output, then the batch ends
     ]
-    t = ExecutionTree("e")
-    t.add_batch(CallBatch.of(calls))
-    ref = ExecutionTree("e")
-    for c in calls:
-        ref.add(c)
-    assert tree_state(t) == tree_state(ref)
+    t, _, _ = batch_vs_per_call(calls)
     assert [d.call_id for d in t.stats.drifts] == ["c3"]
     assert t.policy_tokens == 2 + 2 + 1 + 1
 
 
-def test_retries_placed_as_branches_or_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retries_placed_as_branches_or_compared() -> None:
     """A call with the same delta parent, keep and appended input as the (placed) call before it is a
     retry: its output is placed as a branch at the end of that input when no child there starts like
     it; otherwise (or when anything differs) it is compared. Either way the tree is per-call ingest's."""
@@ -248,29 +235,15 @@ def test_retries_placed_as_branches_or_compared(monkeypatch: pytest.MonkeyPatch)
         call("c6", None, ids(OUT, 6), delta=("c5", 19, ids(TOOL, 8))),
         call("r6", None, ids(OUT, 7), delta=("c5", 18, ids(TOOL, 8))),  # another keep: compared
     ]
-    compared: list[str] = []
-    real_add = ExecutionTree._add
-
-    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
-        compared.append(call_id)
-        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ExecutionTree, "_add", counting_add)
-    t = ExecutionTree("e")
-    t.add_batch(CallBatch.of(calls))
+    t, compared, _ = batch_vs_per_call(calls)
     assert compared == ["r2", "r3", "r4", "r5b", "r6"]
-    monkeypatch.undo()
-    ref = ExecutionTree("e")
-    for c in calls:
-        ref.add(c)
-    assert tree_state(t) == tree_state(ref)
     for c in calls:
         assert t.call_sequence(c.call_id)[1].tolist() == c.output_ids.tolist()
     c1_in = t.calls["c1"].end - 2  # the retry branches where c1's input ends
     assert t.children(c1_in) == [c1_in + 1, t.calls["r1"].end]
 
 
-def test_calls_branching_inside_their_parents_input(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calls_branching_inside_their_parents_input() -> None:
     """A call that keeps part of its parent's input and appends to it is placed as a new branch when its
     first appended token starts no child of the node it continues and that node is context; else it is
     compared (a child starts the same way, the node is a policy token: drift or not). Either way the
@@ -288,24 +261,8 @@ def test_calls_branching_inside_their_parents_input(monkeypatch: pytest.MonkeyPa
             "b6", None, ids(OUT, 2), delta=("c2", 5, ids(TOOL, 4))
         ),  # inside b1's part of c2's input: placed
     ]
-    compared: list[str] = []
-    real_add = ExecutionTree._add
-
-    def counting_add(self: ExecutionTree, call_id: str, *args: object, **kw: object) -> object:
-        compared.append(call_id)
-        return real_add(self, call_id, *args, **kw)  # type: ignore[arg-type]
-
     for split in (len(calls), 2):  # one batch; the branching calls in a later batch than their parents
-        monkeypatch.setattr(ExecutionTree, "_add", counting_add)
-        compared.clear()
-        t = ExecutionTree("e")
-        for i in range(0, len(calls), split):
-            t.add_batch(CallBatch.of(calls[i : i + split]))
-        monkeypatch.undo()
-        ref = ExecutionTree("e")
-        for c in calls:
-            ref.add(c)
-        assert tree_state(t) == tree_state(ref)
+        t, compared, ref = batch_vs_per_call(*(calls[i : i + split] for i in range(0, len(calls), split)))
         if split == len(calls):
             assert compared == ["b2", "b3", "b4", "b5"]
         assert [d.call_id for d in t.stats.drifts] == [d.call_id for d in ref.stats.drifts]
@@ -419,13 +376,7 @@ def test_compared_call_matches_placed_calls_not_yet_copied() -> None:
         call("c1-retry", None, ids(OUT, 9), delta=("c0", 7, ids(TOOL, 1, 2, 3))),
         call("c2", PROMPT + ids(OUT, 1, 2) + ids(TOOL, 1, 2, 3) + ids(OUT, 3, 4), ids(OUT, 5)),  # full input
     ]
-    t = ExecutionTree("e")
-    t.add_batch(CallBatch.of([c0]))
-    t.add_batch(CallBatch.of(batch))
-    ref = ExecutionTree("e")
-    for c in [c0, *batch]:
-        ref.add(c)
-    assert tree_state(t) == tree_state(ref)
+    t, _, _ = batch_vs_per_call([c0], batch)
     assert t.n == len(PROMPT) + 2 + 3 + 1 + 1 + 1 + 1  # c1-retry and c2 added only their new tokens
 
 
