@@ -23,6 +23,7 @@ chunks (ancestors scattered over the tree) gather theirs (a copy of those ancest
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -202,14 +203,13 @@ class _ChunkCache:
         c, kept, n = self.c, self.kept, self.n_ext
         if self.grad:
             self.own.append((k, v))
-        if not n and not (c.needed and not self.grad):
-            return k, v
-        kb, vb = kept.buffers(layer_idx, k)
         if not self.grad and c.needed:  # pass 1: keep this chunk's keys and values
+            kb, vb = kept.buffers(layer_idx, k)
             kb[:, :, c.lo : c.hi] = k
             vb[:, :, c.lo : c.hi] = v
         if not n:
             return k, v
+        kb, vb = kept.buffers(layer_idx, k)
         m = c.hi - c.lo
         if self.dst >= 0:
             if self.grad or self.dst != c.lo:
@@ -240,7 +240,7 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
     mask = _mask(tb, c, kidx, attention)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     # transformers >= 5.2x names the argument `cache`; earlier 5.x releases call it `past_key_values`.
-    arg = "cache" if "cache" in _params(backbone) else "past_key_values"
+    arg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
     out = backbone(
         input_ids=tb.input_ids[c.lo : c.hi][None],
         position_ids=tb.position_ids[c.lo : c.hi][None],
@@ -249,12 +249,6 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
         **{arg: cache},
     )
     return out.last_hidden_state[0]
-
-
-def _params(fn: Any) -> Any:
-    import inspect
-
-    return inspect.signature(fn.forward).parameters
 
 
 def chunked_loss_backward(
