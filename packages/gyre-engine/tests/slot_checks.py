@@ -155,7 +155,7 @@ def check_update_between_tokens(engine: Engine, new_dir: Path) -> None:
 
     def sink(ev: TokenEvent) -> None:
         got.append(ev)
-        if len(got) == 5 and not sent.is_set():
+        if sum(len(e.token_ids) for e in got) >= 5 and not sent.is_set():  # events carry runs of tokens
             sent.set()
         if ev.finish is not None:
             done.set()

@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
     s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
     s.add_argument(
+        "--greedy-run",
+        type=int,
+        default=8,
+        help="decode steps per graph replay while every slot row is greedy (1: one step per replay)",
+    )
+    s.add_argument(
         "--warmup-decode-tokens",
         type=int,
         default=1024,
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                         decode_slots=args.decode_slots,
                         compile_decode=not args.no_compile_decode,
                         slot_kv_fraction=args.slot_kv_fraction,
+                        greedy_run=args.greedy_run,
                     ),
                     warmup_decode_tokens=args.warmup_decode_tokens,
                     xfer=XferConfig(

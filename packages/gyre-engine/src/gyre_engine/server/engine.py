@@ -92,6 +92,10 @@ class Engine:
         slot_max_len: int | None = None
         """Tokens per slot at most (default: from `slot_kv_fraction` on CUDA, the context length else);
         longer rows continue in the lanes."""
+        greedy_run: int = 8
+        """Decode steps per run when every slot row is greedy without logit processing: each step's
+        tokens feed the next on the device, and the host reads them back once per run (one graph
+        replay). A row that finishes inside a run wastes the rest of it; 1 turns runs off."""
 
     def __init__(self, model: Any, tokenizer: Any, config: Engine.Config | None = None) -> None:
         self.model = model.eval()
@@ -166,7 +170,8 @@ class Engine:
         t0 = time.perf_counter()
         if self.slots is not None and self.slots.use_graphs and not self.lanes.requests():
             with torch.inference_mode():
-                self.slots.warmup(max_tokens)
+                runs = (1, self.config.greedy_run) if self.config.greedy_run > 1 else (1,)
+                self.slots.warmup(max_tokens, runs)
         return time.perf_counter() - t0
 
     def slot_stats(self) -> dict[str, Any]:
@@ -393,38 +398,71 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, lane: Lane) -> None:
-        """One decode step for the rows of one lane; finished rows leave it."""
+        """One decode step (or one greedy run of several) for the rows of one lane; finished rows leave it."""
         t0 = time.perf_counter()
         reqs = lane.reqs
-        if isinstance(lane.batch, SlotBatch) and all(
+        batch = lane.batch
+        if isinstance(batch, SlotBatch) and all(
             r.sampler.greedy and not r.sampler.needs_row_processing and not r.req.top_logprobs_num
             for r in reqs
-        ):  # the greedy head ran inside the captured step
-            toks, lps = lane.batch.step_greedy()
-            for r, tok in zip(reqs, toks, strict=True):
-                r.sampler.observe(tok)
-            s = Sampled(tokens=toks, logprobs=lps, top=None)
-        else:
-            logits = lane.batch.step(self.model)
-            s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
+        ):  # the greedy head runs inside the captured step
+            steps = self._greedy_run_length(reqs, batch)
+            old = list(batch.lengths)
+            toks, lps = batch.step_greedy(steps)
+            self._stats["decode_time_s"] += time.perf_counter() - t0
+            self._stats["decode_steps"] += steps
+            self._stats["decode_tokens"] += steps * len(reqs)
+            done: list[int] = []
+            for i, r in enumerate(reqs):
+                for k in range(steps):
+                    token = toks[k][i]
+                    r.sampler.observe(token)
+                    r.output.append(token)
+                    finish = r.finish_reason(token)
+                    if finish is not None or k + 1 == steps:
+                        break
+                got = [toks[j][i] for j in range(k + 1)]
+                got_lps = [lps[j][i] for j in range(k + 1)]
+                if finish is None:
+                    batch.next_tokens[i] = token
+                    self._emit(r, got, got_lps, None, None)
+                else:
+                    batch.set_length(i, old[i] + k + 1)
+                    self._store_prefix(r.context()[:-1], batch.row_kv(i))
+                    self._finish(r, finish, got, got_lps, None)
+                    done.append(i)
+            if done:
+                lane.drop(done)
+            return
+        logits = batch.step(self.model)
+        s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
         self._stats["decode_time_s"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
         self._stats["decode_tokens"] += len(reqs)
-        done: list[int] = []
+        done = []
         for i, r in enumerate(reqs):
             token = s.tokens[i]
             r.output.append(token)
             top = [s.top[i]] if s.top is not None else None
             finish = r.finish_reason(token)
             if finish is None:
-                lane.batch.next_tokens[i] = token
+                batch.next_tokens[i] = token
                 self._emit(r, [token], [s.logprobs[i]], top, None)
             else:
-                self._store_prefix(r.context()[:-1], lane.batch.row_kv(i))
+                self._store_prefix(r.context()[:-1], batch.row_kv(i))
                 self._finish(r, finish, [token], [s.logprobs[i]], top)
                 done.append(i)
         if done:
             lane.drop(done)
+
+    def _greedy_run_length(self, reqs: list[Running], batch: SlotBatch) -> int:
+        """Steps of the next greedy run: `greedy_run` when every row has room for them and some row
+        wants at least three quarters of them (else single steps waste less), 1 otherwise."""
+        n = self.config.greedy_run
+        if n <= 1 or not batch.can_run(n):
+            return 1
+        want = max(r.req.params.max_new_tokens - len(r.output) for r in reqs)
+        return n if 4 * want >= 3 * n else 1
 
     def _store_prefix(self, tokens: list[int], kv: RowKV) -> None:
         if self.config.enable_prefix_cache:

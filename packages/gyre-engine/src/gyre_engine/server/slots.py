@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::decode_attention)
 from gyre_engine.server.batch import RowKV, cache_kwarg
 
 log = logging.getLogger(__name__)
@@ -41,23 +42,6 @@ log = logging.getLogger(__name__)
 ATTN_NAME = "gyre_slots"
 LEN_QUANTUM = 128
 _registered = False
-
-
-def _grouped_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """query [B, H, 1, D], key/value [B, KVH, L, D] (strided views), mask [B, 1, 1, L] bool (True =
-    attend); returns [B, 1, H, D]. Grouped-query attention without repeating the KV heads."""
-    b, h, q, d = query.shape
-    kvh = key.shape[1]
-    qg = query.reshape(
-        b, kvh, (h // kvh) * q, d
-    )  # head j of kv group k is head k * g + j (repeat_kv's order)
-    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scaling  # [B, KVH, G, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, KVH, G, D]
-    return out.reshape(b, h, q, d).transpose(1, 2).contiguous()
 
 
 @torch.library.custom_op("gyre::slot_kv_write", mutates_args=("kv",))
@@ -89,11 +73,13 @@ def _slot_attention_interface(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function for a slot step. `key`/`value` are the slot buffers cut to the
-    step's rows and columns (from `SlotCache.update`, which wrote the new token's), `attention_mask` the
-    [B, 1, 1, L] bool mask (`column <= position`)."""
-    assert attention_mask is not None
+    step's rows and columns (from `SlotCache.update`, which wrote the new token's); in place of a mask,
+    `attention_mask` is the [B] count of valid columns per row (position + 1), which transformers hands
+    through untouched. Returns [B, 1, H, D]."""
+    assert attention_mask is not None and attention_mask.dim() == 1
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    return _grouped_attention(query, key, value, attention_mask, scale), None
+    out = torch.ops.gyre.decode_attention(query[:, :, 0], key, value, attention_mask, scale)
+    return out[:, None], None
 
 
 def register_attention() -> None:
@@ -204,8 +190,6 @@ class SlotBatch:
         self.io = torch.zeros((2, s), dtype=torch.long, device=dev)  # row 0: input ids, row 1: positions
         self.rows = torch.arange(s, device=dev)
         self.cols = torch.arange(0, device=dev)
-        self.logits_out: torch.Tensor | None = None
-        self.greedy_out = torch.zeros((2, s), dtype=torch.float64, device=dev)
 
     @torch.inference_mode()
     def _ensure_capacity(self, need: int) -> None:
@@ -317,87 +301,103 @@ class SlotBatch:
         """Logits [b, V] of one decode step for rows 0..b-1 (input ids and positions [b]) over `cols`
         columns. Every input is contiguous whatever the bucket, so the compiled code does not specialize
         on the largest bucket (a [2, b] slice of the [2, slots] buffer is contiguous only at b = slots)."""
-        mask = (cols[None, :] <= pos[:, None])[:, None, None, :]
+        valid = pos + 1  # what the attention function takes in place of a mask
         cache = SlotCache(kv, pos, cols.shape[0])
         out = self.model(
             input_ids=ids[:, None],
             position_ids=pos[:, None],
-            attention_mask={"full_attention": mask, "sliding_attention": mask},
+            attention_mask={"full_attention": valid, "sliding_attention": valid},
             use_cache=True,
             **{self.cache_kw: cache},
         )
         return out.logits[:, -1]
 
-    def _run(self, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, b: int, width: int, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` decode steps of rows 0..b-1 from the ids and positions in `io`; after each step but
+        the last, every row's greedy token becomes its next input (on the device: no read-back between
+        them). Returns the last step's logits [b, V] and the greedy head of each step [steps, 2, b]
+        (token id, logprob; float64 so that one read-back carries both)."""
         if self.compile_model and self._compiled is None:
             self._compiled = _compile(self._forward)
         fwd = self._compiled if self._compiled is not None else self._forward
         cfg = self.model.config
         old = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
+        heads = []
         try:
             with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
                 warnings.simplefilter("ignore")
-                logits = fwd(self.io[0, :b], self.io[1, :b], self.cols[:width], self.kv)
+                for i in range(steps):
+                    logits = fwd(self.io[0, :b], self.io[1, :b], self.cols[:width], self.kv)
+                    # the greedy head, exactly as `sampling.sample` computes it for unprocessed greedy rows
+                    logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
+                    chosen = torch.argmax(logp, dim=-1)
+                    lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
+                    heads.append(torch.stack([chosen.double(), lp.double()]))
+                    if i + 1 < steps:
+                        self.io[0, :b].copy_(chosen)
+                        self.io[1, :b].add_(1)
         finally:
             cfg._attn_implementation = old
-        # the greedy head, exactly as `sampling.sample` computes it for greedy rows without processing
-        logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
-        chosen = torch.argmax(logp, dim=-1)
-        lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
-        return logits, torch.stack([chosen.double(), lp.double()])
+        return logits, torch.stack(heads)
 
-    def _prepare(self) -> tuple[int, int]:
+    def _prepare(self, steps: int) -> tuple[int, int]:
         n = len(self.lengths)
-        self._ensure_capacity(max(self.lengths) + 1)
+        top = max(self.lengths) + steps
+        self._ensure_capacity(top)
         b = next(x for x in self.buckets if x >= n) if self.use_graphs else n
-        width = min(length_bucket(max(self.lengths) + 1), self.capacity)
+        width = min(length_bucket(top), self.capacity)
         host = torch.zeros((2, b), dtype=torch.long)
         host[0, :n] = torch.tensor(self.next_tokens, dtype=torch.long)
         host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
         self.io[:, :b].copy_(host, non_blocking=False)
         return b, width
 
-    def _graph(self, b: int, width: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        key = (b, width)
+    def _graph(self, b: int, width: int, steps: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        key = (b, width, steps)
         got = self._graphs.get(key)
         if got is not None:
             return got
         t0 = time.perf_counter()
         if not self._weights_fp:
             self._weights_fp = tuple(p.data_ptr() for p in self.model.parameters())
+        saved = self.io.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture; the step's own
             try:  # KV writes are recomputed identically by the replay
                 for _ in range(2):
-                    self._run(b, width)
+                    self.io.copy_(saved)
+                    self._run(b, width, steps)
             except Exception:
                 if not self.compile_model:
                     raise
                 log.exception("compiled decode step failed; capturing the eager forward instead")
                 self._compiled, self.compile_model = None, False
                 for _ in range(2):
-                    self._run(b, width)
+                    self.io.copy_(saved)
+                    self._run(b, width, steps)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.io.copy_(saved)  # the replay starts from the same inputs
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, greedy = self._run(b, width)
+            logits, greedy = self._run(b, width, steps)
+        self.io.copy_(saved)
         got = (graph, logits, greedy)
         self._graphs[key] = got
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
         return got
 
-    def _execute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        b, width = self._prepare()
+    def _execute(self, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        b, width = self._prepare(steps)
         n = len(self.lengths)
         got = None
         if self.use_graphs:
             try:
-                got = self._graph(b, width)
+                got = self._graph(b, width, steps)
             except Exception:
                 log.exception("capturing the decode step failed; decoding in slots without graphs")
                 self.use_graphs = False
@@ -407,10 +407,14 @@ class SlotBatch:
             graph.replay()
             self.stats["replays"] += 1
         else:
-            logits, greedy = self._run(b, width)
+            logits, greedy = self._run(b, width, steps)
             self.stats["eager_steps"] += 1
-        self.lengths = [x + 1 for x in self.lengths]
-        return logits[:n], greedy[:, :n]
+        self.lengths = [x + steps for x in self.lengths]
+        return logits[:n], greedy[:, :, :n]
+
+    def can_run(self, steps: int) -> bool:
+        """Whether every row has room for `steps` more tokens in its slot."""
+        return bool(self.lengths) and max(self.lengths) + steps <= self.max_len
 
     @torch.inference_mode()
     def step(self, model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -418,16 +422,25 @@ class SlotBatch:
         return self._execute()[0]
 
     @torch.inference_mode()
-    def step_greedy(self) -> tuple[list[int], list[float]]:
-        """One decode step where every row is greedy without logit processing: tokens and logprobs."""
-        _, greedy = self._execute()
-        toks, lps = greedy.tolist()
-        return [int(t) for t in toks], lps
+    def step_greedy(self, steps: int = 1) -> tuple[list[list[int]], list[list[float]]]:
+        """`steps` decode steps where every row is greedy without logit processing, each step's greedy
+        token feeding the next on the device (check `can_run(steps)` first). Returns per step the rows'
+        tokens and logprobs. Every row's length grows by `steps`: a row that finished inside them has
+        KV past its end, which `set_length` cuts before its KV is read."""
+        _, greedy = self._execute(steps)
+        got = greedy.tolist()
+        return [[int(t) for t in toks] for toks, _ in got], [lps for _, lps in got]
+
+    def set_length(self, row: int, n: int) -> None:
+        """Row `row` holds `n` valid tokens (cut after a multi-step run that went past its end)."""
+        if not 0 < n <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} tokens; cannot set {n}")
+        self.lengths[row] = n
 
     @torch.inference_mode()
-    def warmup(self, max_tokens: int) -> None:
+    def warmup(self, max_tokens: int, steps: tuple[int, ...] = (1,)) -> None:
         """Capture the graphs of every batch bucket and every length bucket for rows of up to
-        `max_tokens` tokens (no row may be running)."""
+        `max_tokens` tokens, for each run length in `steps` (no row may be running)."""
         if not self.use_graphs:
             return
         if self.lengths:
@@ -436,9 +449,12 @@ class SlotBatch:
         self._ensure_capacity(top)
         widths = sorted({min(length_bucket(n), self.capacity) for n in range(1, top + 1)})
         self.io.zero_()  # rows at position 0 of free slots: their writes land where no row reads
-        for width in widths:
-            for b in self.buckets:
-                self._graph(b, width)
+        for k in steps:
+            for width in widths:
+                if width < k:
+                    continue
+                for b in self.buckets:
+                    self._graph(b, width, k)
 
 
 def _compile(fn: Any) -> Any:

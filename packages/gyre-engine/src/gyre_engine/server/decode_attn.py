@@ -1,0 +1,200 @@
+"""Decode attention over the slot KV buffer: one query token per row, grouped-query heads, each row
+reading only its own valid columns.
+
+Why gyre has its own kernel here: on the H200 (torch 2.11, `bench/kernels_b64.py`, batch 64, Qwen3-0.6B
+heads) the attention one decode step needs per layer took 59 µs as a masked matmul/softmax/matmul over
+the length bucket, 63 µs with the flash-attention varlen kernel torch ships (`seqused_k`) and 43 µs with
+SDPA and a boolean mask, for 77 MB of keys and values: 1.2-1.8 TB/s of the card's 4.8. Torch 2.11 has no
+paged or split-KV entry to flash attention (`block_table`, `num_splits` came later), and 28 layers of
+that cost more than a whole step's weights.
+
+The kernel is flash decoding in Triton: the columns of each (row, KV head) are split into chunks read by
+separate programs (so a batch of 64 rows of 300 tokens still fills the GPU), each program computes the
+softmax-weighted sum of its chunk for all the query heads of its KV group at once (the group is padded
+to 16 rows for the tensor-core dot) and keeps a running max and sum; a second kernel combines the chunks
+by their log-sum-exp. Columns at or past a row's length are never read. It is registered as the custom
+op `gyre::decode_attention` (opaque to torch.compile, capturable in a CUDA graph); off CUDA, or without
+Triton, the op computes the same thing with torch matmuls (what the CPU tests run), and
+`tests/test_decode_attn.py` checks the Triton kernels on the CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+try:  # Triton comes with torch's CUDA builds; without it the op falls back to torch matmuls
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+BLOCK_N = 64
+"""Columns per tile inside a chunk."""
+TARGET_PROGRAMS = 1024
+"""Chunks are made small enough that a step launches about this many programs (the H200 has 132 SMs)."""
+
+
+def masked_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query [B, H, D], key/value [B, KVH, L, D] (strided views), valid [B] (columns [0, valid[i]) of
+    row i are attended); returns [B, H, D] in the query's dtype. Grouped-query attention without
+    repeating the KV heads; head j of KV group k is query head k * G + j (transformers' repeat_kv)."""
+    b, h, d = query.shape
+    kvh, width = key.shape[1], key.shape[2]
+    cols = torch.arange(width, device=query.device)
+    mask = (cols[None, :] < valid[:, None].to(cols.dtype))[:, None, None, :]
+    qg = query.reshape(b, kvh, h // kvh, d)
+    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, h, d)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(  # type: ignore[no-untyped-def]
+        Q, K, V, VALID, O, LSE,
+        sq_b, sq_h,
+        sk_b, sk_h, sk_n,
+        sv_b, sv_h, sv_n,
+        so_b, so_h, so_s,
+        sl_b, sl_h,
+        scale_log2,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        s = tl.program_id(2)
+        n = tl.load(VALID + b).to(tl.int32)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gm = g < G
+        heads = kh * G + g
+        q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None], other=0.0)
+        m_i = tl.full([GP], -float("inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        start = s * CHUNK
+        kbase = K + b * sk_b + kh * sk_h
+        vbase = V + b * sv_b + kh * sv_h
+        for off in range(0, CHUNK, BN):
+            cols = start + off + tl.arange(0, BN)
+            cm = cols < n
+            k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=cm[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2  # [GP, BN], log2 units
+            sc = tl.where(cm[None, :], sc, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(sc - m_safe[:, None])
+            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=cm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
+        tl.store(O + b * so_b + heads[:, None] * so_h + s * so_s + d[None, :], out, mask=gm[:, None])
+        tl.store(LSE + b * sl_b + heads * sl_h + s, lse, mask=gm)
+
+    @triton.jit
+    def _combine_kernel(  # type: ignore[no-untyped-def]
+        O, LSE, OUT,
+        so_b, so_h, so_s,
+        sl_b, sl_h,
+        sout_b, sout_h,
+        S, SP: tl.constexpr, D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        sm = sp < S
+        lse = tl.load(LSE + b * sl_b + h * sl_h + sp, mask=sm, other=-float("inf"))
+        mx = tl.max(lse, 0)
+        w = tl.exp2(lse - mx)
+        w = tl.where(sm & (lse > -float("inf")), w, 0.0)
+        o = tl.load(O + b * so_b + h * so_h + sp[:, None] * so_s + d[None, :], mask=sm[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * sout_b + h * sout_h + d, out.to(OUT.dtype.element_ty))
+
+
+def plan_splits(batch: int, kv_heads: int, width: int) -> tuple[int, int]:
+    """(splits, chunk) for a step of `batch` rows over `width` columns: chunks of whole tiles, enough of
+    them that about TARGET_PROGRAMS programs run."""
+    tiles = max(1, math.ceil(width / BLOCK_N))
+    want = max(1, math.ceil(TARGET_PROGRAMS / max(1, batch * kv_heads)))
+    splits = min(tiles, want)
+    chunk = math.ceil(tiles / splits) * BLOCK_N
+    return math.ceil(width / chunk), chunk
+
+
+def triton_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The Triton path of `decode_attention` (needs Triton; on the CPU only under TRITON_INTERPRET=1)."""
+    assert triton is not None
+    b, h, d = query.shape
+    kvh, width = key.shape[1], key.shape[2]
+    g = h // kvh
+    if query.stride(2) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
+        raise ValueError("decode_attention needs the head dimension contiguous")
+    if d & (d - 1):
+        raise ValueError(f"decode_attention needs a power-of-two head dimension, not {d}")
+    splits, chunk = plan_splits(b, kvh, width)
+    part = torch.empty((b, h, splits, d), dtype=torch.float32, device=query.device)
+    lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
+    out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
+    _split_kernel[(b, kvh, splits)](
+        query, key, value, valid, part, lse,
+        query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale * 1.4426950408889634,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=chunk, BN=BLOCK_N,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _combine_kernel[(b, h)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        splits, SP=max(2, triton.next_power_of_2(splits)), D=d,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether `decode_attention` runs the Triton kernels for tensors on `device`."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@torch.library.custom_op("gyre::decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one query token per row: query [B, H, D], key/value [B, KVH, L, D] (strided views
+    of the slot buffer, head dimension contiguous), valid [B] integer (row i attends columns
+    [0, valid[i])); returns [B, H, D]. Triton's flash-decoding kernels on CUDA, torch matmuls else."""
+    if triton_available(query.device):
+        return triton_decode_attention(query, key, value, valid, scale)
+    return masked_reference(query, key, value, valid, scale)
+
+
+@decode_attention.register_fake
+def _(query: Any, key: Any, value: Any, valid: Any, scale: float) -> Any:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
