@@ -103,7 +103,7 @@ def gemms(m: int) -> dict[str, float]:
     return res
 
 
-def attention(b: int, top: int) -> dict[str, Any]:
+def attention(b: int, top: int, sweep: bool = False) -> dict[str, Any]:
     dt, dev = torch.bfloat16, "cuda"
     torch.manual_seed(0)
     cap = 1 << max(9, (top - 1).bit_length())
@@ -194,6 +194,16 @@ def attention(b: int, top: int) -> dict[str, Any]:
         ("sdpa_bool_mask_gqa", sdpa_mask),
         ("cudnn_seqused_k", cudnn_paged),
     ]
+    if sweep:
+        for bn in (32, 64, 128):
+            for target in (512, 1024, 2048, 4096):
+                for warps, stages in ((4, 2), (4, 3), (8, 2)):
+                    variants.append((
+                        f"triton_bn{bn}_t{target}_w{warps}_s{stages}",
+                        lambda bn=bn, target=target, warps=warps, stages=stages: triton_decode_attention(
+                            q, khm[:, :, :width], vhm[:, :, :width], valid, scale, bn, target, warps, stages
+                        ),
+                    ))  # fmt: skip
     for name, fn in variants:
         try:
             got = fn().float().reshape(b, HEADS, HD)
@@ -216,7 +226,9 @@ def main() -> None:
     }
     res["gemms"] = [gemms(m) for m in (64, 16)]
     print(json.dumps(res["gemms"]), flush=True)
-    res["attention"] = [attention(64, top) for top in (384, 1024, 4096)] + [attention(16, 1024)]
+    res["attention"] = [attention(64, top, sweep=True) for top in (384, 1024, 4096)] + [
+        attention(16, 1024, sweep=True)
+    ]
     print(json.dumps(res["attention"]), flush=True)
     with open(args.out, "w") as f:
         f.write(json.dumps(res, indent=1) + "\n")

@@ -68,6 +68,7 @@ if triton is not None:
         sl_b, sl_h,
         scale_log2,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
+        PREC: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -88,14 +89,14 @@ if triton is not None:
             cols = start + off + tl.arange(0, BN)
             cm = cols < n
             k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=cm[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * scale_log2  # [GP, BN], log2 units
+            sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [GP, BN], log2 units
             sc = tl.where(cm[None, :], sc, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(sc - m_safe[:, None])
             v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=cm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         has = l_i > 0.0
@@ -126,18 +127,28 @@ if triton is not None:
         tl.store(OUT + b * sout_b + h * sout_h + d, out.to(OUT.dtype.element_ty))
 
 
-def plan_splits(batch: int, kv_heads: int, width: int) -> tuple[int, int]:
-    """(splits, chunk) for a step of `batch` rows over `width` columns: chunks of whole tiles, enough of
-    them that about TARGET_PROGRAMS programs run."""
-    tiles = max(1, math.ceil(width / BLOCK_N))
-    want = max(1, math.ceil(TARGET_PROGRAMS / max(1, batch * kv_heads)))
+def plan_splits(
+    batch: int, kv_heads: int, width: int, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS
+) -> tuple[int, int]:
+    """(splits, chunk) for a step of `batch` rows over `width` columns: chunks of whole tiles of
+    `block_n` columns, enough of them that about `target` programs run."""
+    tiles = max(1, math.ceil(width / block_n))
+    want = max(1, math.ceil(target / max(1, batch * kv_heads)))
     splits = min(tiles, want)
-    chunk = math.ceil(tiles / splits) * BLOCK_N
+    chunk = math.ceil(tiles / splits) * block_n
     return math.ceil(width / chunk), chunk
 
 
 def triton_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    block_n: int = BLOCK_N,
+    target: int = TARGET_PROGRAMS,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """The Triton path of `decode_attention` (needs Triton; on the CPU only under TRITON_INTERPRET=1)."""
     assert triton is not None
@@ -148,7 +159,7 @@ def triton_decode_attention(
         raise ValueError("decode_attention needs the head dimension contiguous")
     if d & (d - 1):
         raise ValueError(f"decode_attention needs a power-of-two head dimension, not {d}")
-    splits, chunk = plan_splits(b, kvh, width)
+    splits, chunk = plan_splits(b, kvh, width, block_n, target)
     part = torch.empty((b, h, splits, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
     out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
@@ -160,8 +171,9 @@ def triton_decode_attention(
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         scale * 1.4426950408889634,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=chunk, BN=BLOCK_N,
-        num_warps=4, num_stages=2,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=chunk, BN=block_n,
+        PREC="ieee" if query.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(b, h)](
         part, lse, out,

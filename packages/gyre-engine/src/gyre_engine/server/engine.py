@@ -25,6 +25,7 @@ import torch
 
 from gyre_engine.protocol import FinishReason, ProtocolError
 from gyre_engine.server.batch import RowKV, cache_kwarg, cache_layers
+from gyre_engine.server.fused import FusedProjections
 from gyre_engine.server.lanes import Lane, Lanes
 from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
@@ -55,6 +56,7 @@ class EngineStats:
     decode_steps: int
     decode_tokens: int
     decode_time_s: float
+    prefill_time_s: float
 
 
 @dataclass
@@ -92,6 +94,9 @@ class Engine:
         slot_max_len: int | None = None
         """Tokens per slot at most (default: from `slot_kv_fraction` on CUDA, the context length else);
         longer rows continue in the lanes."""
+        fuse_projections: bool = True
+        """Run each layer's q/k/v and gate/up projections as one GEMM each (`fused.py`; parameters and
+        their names unchanged)."""
         greedy_run: int = 8
         """Decode steps per run when every slot row is greedy without logit processing: each step's
         tokens feed the next on the device, and the host reads them back once per run (one graph
@@ -116,6 +121,7 @@ class Engine:
         self._pending_bump = False
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
+        self.fused = FusedProjections(self.model) if self.config.fuse_projections else None
         self.slots = self._make_slots()
         self.lanes = Lanes(self.device, slots=self.slots)
         self._partial: _Partial | None = None
@@ -127,6 +133,7 @@ class Engine:
             "decode_steps": 0,
             "decode_tokens": 0,
             "decode_time_s": 0.0,
+            "prefill_time_s": 0.0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
@@ -216,8 +223,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         st = self._stats
-        ints = {k: int(v) for k, v in st.items() if k != "decode_time_s"}
-        return EngineStats(**ints, decode_time_s=st["decode_time_s"])
+        times = ("decode_time_s", "prefill_time_s")
+        ints = {k: int(v) for k, v in st.items() if k not in times}
+        return EngineStats(**ints, **{k: st[k] for k in times})
 
     def counts(self) -> tuple[int, int]:
         return len(self._in_flight()), len(self._waiting)
@@ -299,6 +307,7 @@ class Engine:
     def _step(self) -> None:
         """Prefill up to `prefill_chunk` tokens (continuing a long prefill chunk by chunk across steps,
         so running requests keep decoding), then decode every lane once."""
+        t0 = time.perf_counter()
         budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
         if self._partial is not None:
@@ -328,6 +337,8 @@ class Engine:
         self._placing = [r for r, _, _ in joining]  # prefilled, not yet in a lane: aborted if placing fails
         self.lanes.place(joining)
         self._placing = []
+        if budget < self.config.prefill_chunk:  # some prefill ran (and its rows were placed)
+            self._stats["prefill_time_s"] += time.perf_counter() - t0
         self.lanes.evict_full_slots()
         for lane in self.lanes.lanes:
             self._decode(lane)
@@ -428,7 +439,8 @@ class Engine:
                     self._emit(r, got, got_lps, None, None)
                 else:
                     batch.set_length(i, old[i] + k + 1)
-                    self._store_prefix(r.context()[:-1], batch.row_kv(i))
+                    if self.config.enable_prefix_cache:
+                        self.prefix.insert(r.context()[:-1], batch.row_kv_copy(i), owned=True)
                     self._finish(r, finish, got, got_lps, None)
                     done.append(i)
             if done:
@@ -594,6 +606,8 @@ class Engine:
         if abort_all:
             self._abort_all_now("Abort for a weight update")
         n = apply()
+        if self.fused is not None:
+            self.fused.refresh()  # a no-op for updates that copy into the parameters
         if self.slots is not None:
             self.slots.check_weights()
         if flush:
@@ -616,6 +630,8 @@ class Engine:
             if self.slots is not None:
                 self.slots.drop_graphs()
             self.model.to("cpu")
+            if self.fused is not None:
+                self.fused.drop()
             torch.cuda.empty_cache()
         self.released |= set(tags)
 
@@ -623,6 +639,8 @@ class Engine:
         tags = _check_tags(tags)
         if "weights" in tags and "weights" in self.released and self.device.type == "cuda":
             self.model.to(self.device)
+            if self.fused is not None:
+                self.fused.refresh()
             if self.slots is not None:
                 self.slots.check_weights()
         self.released -= set(tags)

@@ -82,8 +82,9 @@ class PrefixCache:
         best.last_used = self._clock
         return PrefixHit(best_len, best.kv.crop(best_len))
 
-    def insert(self, tokens: list[int], kv: RowKV) -> None:
-        """Store KV covering `tokens` (cloned); entries that are a prefix of `tokens` are replaced."""
+    def insert(self, tokens: list[int], kv: RowKV, owned: bool = False) -> None:
+        """Store KV covering `tokens` (cloned, unless `owned`: a copy nothing else holds or writes, such
+        as `SlotBatch.row_kv_copy`'s); entries that are a prefix of `tokens` are replaced."""
         if len(tokens) != kv.length:
             raise ValueError(f"KV covers {kv.length} tokens but {len(tokens)} token ids were given")
         if not tokens or len(tokens) > self.max_tokens:
@@ -96,7 +97,7 @@ class PrefixCache:
                 return  # already covered by a longer entry
         self._entries = [e for e in self._entries if common_prefix_len(e.tokens, arr) < len(e.tokens)]
         self._clock += 1
-        self._entries.append(_Entry(arr, _owned(kv), self._clock))
+        self._entries.append(_Entry(arr, kv if owned else _owned(kv), self._clock))
         while self.total_tokens > self.max_tokens:
             victim = min(self._entries, key=lambda e: e.last_used)
             self._entries = [e for e in self._entries if e is not victim]

@@ -162,7 +162,7 @@ class SlotBatch:
         # a compiled forward specializes on a batch of 1, so one row runs in a bucket of 2 (same cost:
         # decode reads the weights once either way) and one compilation serves every bucket
         self.buckets = _batch_buckets(slots, 2 if compile_model and slots > 1 else 1)
-        self.stats = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager_steps": 0, "grows": 0}
+        self.stats = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager_steps": 0, "grows": 0, "run_steps": 0}
         self._alloc_io()
 
     # ------------------------------------------------------------------ support
@@ -294,6 +294,12 @@ class SlotBatch:
             [self.kv[1, layer, row : row + 1, :, :n] for layer in range(self.layers)],
         )
 
+    @torch.inference_mode()
+    def row_kv_copy(self, row: int) -> RowKV:
+        """A copy of one row's valid KV, made by one gather into one tensor (the layers are views of it)."""
+        t = self.kv[:, :, row, :, : self.lengths[row]].clone()  # [2, layers, kv_heads, n, head_dim]
+        return RowKV([t[0, i][None] for i in range(self.layers)], [t[1, i][None] for i in range(self.layers)])
+
     # ------------------------------------------------------------------ the step
     def _forward(
         self, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, kv: torch.Tensor
@@ -410,6 +416,8 @@ class SlotBatch:
             logits, greedy = self._run(b, width, steps)
             self.stats["eager_steps"] += 1
         self.lengths = [x + steps for x in self.lengths]
+        if steps > 1:
+            self.stats["run_steps"] += steps
         return logits[:n], greedy[:, :, :n]
 
     def can_run(self, steps: int) -> bool:
