@@ -151,15 +151,36 @@ def attention(b: int, top: int, sweep: bool = False) -> dict[str, Any]:
 
     def flash_seqused() -> torch.Tensor:
         return torch.ops.aten._flash_attention_forward(
-            q, ktm.view(b * cap, KVH, HD), vtm.view(b * cap, KVH, HD), cu_q, cu_k_cap, 1, width,
-            0.0, False, False, scale=scale, seqused_k=lengths,
+            q,
+            ktm.view(b * cap, KVH, HD),
+            vtm.view(b * cap, KVH, HD),
+            cu_q,
+            cu_k_cap,
+            1,
+            width,
+            0.0,
+            False,
+            False,
+            scale=scale,
+            seqused_k=lengths,
         )[0]
 
     def flash_paged(splits: int | None) -> Callable[[], torch.Tensor]:
         def f() -> torch.Tensor:
             return torch.ops.aten._flash_attention_forward(
-                q, ktm, vtm, cu_q, cu_k_len, 1, width, 0.0, False, False, scale=scale,
-                block_table=table, num_splits=splits,
+                q,
+                ktm,
+                vtm,
+                cu_q,
+                cu_k_len,
+                1,
+                width,
+                0.0,
+                False,
+                False,
+                scale=scale,
+                block_table=table,
+                num_splits=splits,
             )[0]
 
         return f
@@ -172,8 +193,17 @@ def attention(b: int, top: int, sweep: bool = False) -> dict[str, Any]:
 
     def cudnn_paged() -> torch.Tensor:
         return torch.ops.aten._cudnn_attention_forward(
-            q[:, :, None, :], ktm.transpose(1, 2), vtm.transpose(1, 2), None, None, None, 1, width,
-            False, scale=scale, seqused_k=lengths,
+            q[:, :, None, :],
+            ktm.transpose(1, 2),
+            vtm.transpose(1, 2),
+            None,
+            None,
+            None,
+            1,
+            width,
+            False,
+            scale=scale,
+            seqused_k=lengths,
         )[0][:, :, 0]
 
     from gyre_engine.server.decode_attn import triton_decode_attention

@@ -149,23 +149,24 @@ def check_update_between_tokens(engine: Engine, new_dir: Path) -> None:
     ids = SYSTEM + TOOL
     base = run_all(engine, [(ids, greedy_params(40))])[0]
     new = read_model_dir(str(new_dir))
-    sent = threading.Event()
+    old_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    update: list[Any] = []
     got: list[TokenEvent] = []
     done = threading.Event()
 
-    def sink(ev: TokenEvent) -> None:
+    def sink(ev: TokenEvent) -> None:  # on the engine thread: the update is queued before the next step
         got.append(ev)
-        if sum(len(e.token_ids) for e in got) >= 5 and not sent.is_set():  # events carry runs of tokens
-            sent.set()
+        if sum(len(e.token_ids) for e in got) >= 5 and not update:  # events carry runs of tokens
+            update.append(
+                engine.call(engine.update_weights, lambda: apply_named_tensors(engine.model, new), None)
+            )
         if ev.finish is not None:
             done.set()
 
     v0 = engine.weight_version
     engine.submit(EngineRequest("mid-update", ids, greedy_params(40)), sink).result(30)
-    assert sent.wait(120)
-    old_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-    engine.call(engine.update_weights, lambda: apply_named_tensors(engine.model, new), None).result(60)
     assert done.wait(300)
+    update[0].result(60)
     versions = [ev.weight_version for ev in got for _ in ev.token_ids]
     toks = [t for ev in got for t in ev.token_ids]
     switch = versions.index(engine.weight_version)

@@ -60,7 +60,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, VALID, O, LSE,
+        Q, K, V, VALID, PART, LSE,
         sq_b, sq_h,
         sk_b, sk_h, sk_n,
         sv_b, sv_h, sv_n,
@@ -102,12 +102,12 @@ if triton is not None:
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
-        tl.store(O + b * so_b + heads[:, None] * so_h + s * so_s + d[None, :], out, mask=gm[:, None])
+        tl.store(PART + b * so_b + heads[:, None] * so_h + s * so_s + d[None, :], out, mask=gm[:, None])
         tl.store(LSE + b * sl_b + heads * sl_h + s, lse, mask=gm)
 
     @triton.jit
     def _combine_kernel(  # type: ignore[no-untyped-def]
-        O, LSE, OUT,
+        PART, LSE, OUT,
         so_b, so_h, so_s,
         sl_b, sl_h,
         sout_b, sout_h,
@@ -122,7 +122,7 @@ if triton is not None:
         mx = tl.max(lse, 0)
         w = tl.exp2(lse - mx)
         w = tl.where(sm & (lse > -float("inf")), w, 0.0)
-        o = tl.load(O + b * so_b + h * so_h + sp[:, None] * so_s + d[None, :], mask=sm[:, None], other=0.0)
+        o = tl.load(PART + b * so_b + h * so_h + sp[:, None] * so_s + d[None, :], mask=sm[:, None], other=0.0)
         out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         tl.store(OUT + b * sout_b + h * sout_h + d, out.to(OUT.dtype.element_ty))
 

@@ -38,7 +38,7 @@ from gyre_engine.server.request import (
     as_stop_list,
     compile_stop_regex,
 )
-from gyre_engine.server.sampling import Sampled, SamplerState, sample, validate_params
+from gyre_engine.server.sampling import SamplerState, sample, validate_params
 from gyre_engine.server.slots import SlotBatch
 
 log = logging.getLogger(__name__)

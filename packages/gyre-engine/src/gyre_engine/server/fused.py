@@ -76,9 +76,15 @@ class _Group:
         row = self.weight.stride(0) * self.weight.element_size()
         for m in self.members:
             lo, _ = m._gyre_cols
-            if m.weight.device != self.weight.device or m.weight.data_ptr() != self.weight.data_ptr() + lo * row:
+            if (
+                m.weight.device != self.weight.device
+                or m.weight.data_ptr() != self.weight.data_ptr() + lo * row
+            ):
                 return False
-            if self.bias is not None and m.bias.data_ptr() != self.bias.data_ptr() + lo * self.bias.element_size():
+            if (
+                self.bias is not None
+                and m.bias.data_ptr() != self.bias.data_ptr() + lo * self.bias.element_size()
+            ):
                 return False
         return True
 

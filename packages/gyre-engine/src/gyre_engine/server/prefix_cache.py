@@ -51,28 +51,36 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """Least-recently-used store of (token ids, KV) with a budget of `max_tokens` cached tokens."""
+    """Least-recently-used store of (token ids, KV) with a budget of `max_tokens` cached tokens.
+
+    Entries are bucketed by their first token: only entries that start like the query can share a prefix
+    with it, so a lookup or insert compares against those alone (a thousand unrelated contexts cost one
+    dict lookup, not a thousand comparisons)."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._entries: list[_Entry] = []
+        self._buckets: dict[int, list[_Entry]] = {}
+        self._total = 0
         self._clock = 0
 
     @property
     def total_tokens(self) -> int:
-        return sum(len(e.tokens) for e in self._entries)
+        return self._total
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(b) for b in self._buckets.values())
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._buckets.clear()
+        self._total = 0
 
     def lookup(self, tokens: list[int], limit: int) -> PrefixHit:
         """Longest cached prefix of `tokens`, at most `limit` long."""
+        if not tokens:
+            return PrefixHit(0, None)
         query = np.asarray(tokens, dtype=np.int64)
         best, best_len = None, 0
-        for e in self._entries:
+        for e in self._buckets.get(int(query[0]), ()):
             n = min(common_prefix_len(e.tokens, query), limit)
             if n > best_len:
                 best, best_len = e, n
@@ -90,14 +98,26 @@ class PrefixCache:
         if not tokens or len(tokens) > self.max_tokens:
             return
         arr = np.asarray(tokens, dtype=np.int64)
-        for e in self._entries:
+        bucket = self._buckets.setdefault(int(arr[0]), [])
+        for e in bucket:
             if len(e.tokens) >= len(arr) and common_prefix_len(e.tokens, arr) == len(arr):
                 self._clock += 1
                 e.last_used = self._clock
                 return  # already covered by a longer entry
-        self._entries = [e for e in self._entries if common_prefix_len(e.tokens, arr) < len(e.tokens)]
+        keep = [e for e in bucket if common_prefix_len(e.tokens, arr) < len(e.tokens)]
+        self._total -= sum(len(e.tokens) for e in bucket) - sum(len(e.tokens) for e in keep)
+        bucket[:] = keep
         self._clock += 1
-        self._entries.append(_Entry(arr, kv if owned else _owned(kv), self._clock))
-        while self.total_tokens > self.max_tokens:
-            victim = min(self._entries, key=lambda e: e.last_used)
-            self._entries = [e for e in self._entries if e is not victim]
+        bucket.append(_Entry(arr, kv if owned else _owned(kv), self._clock))
+        self._total += len(arr)
+        while self._total > self.max_tokens:
+            victim = min((e for b in self._buckets.values() for e in b), key=lambda e: e.last_used)
+            self._remove(victim)
+
+    def _remove(self, e: _Entry) -> None:
+        first = int(e.tokens[0])
+        bucket = self._buckets[first]
+        bucket[:] = [x for x in bucket if x is not e]
+        if not bucket:
+            del self._buckets[first]
+        self._total -= len(e.tokens)

@@ -162,7 +162,14 @@ class SlotBatch:
         # a compiled forward specializes on a batch of 1, so one row runs in a bucket of 2 (same cost:
         # decode reads the weights once either way) and one compilation serves every bucket
         self.buckets = _batch_buckets(slots, 2 if compile_model and slots > 1 else 1)
-        self.stats = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager_steps": 0, "grows": 0, "run_steps": 0}
+        self.stats = {
+            "captures": 0,
+            "capture_s": 0.0,
+            "replays": 0,
+            "eager_steps": 0,
+            "grows": 0,
+            "run_steps": 0,
+        }
         self._alloc_io()
 
     # ------------------------------------------------------------------ support
