@@ -100,6 +100,42 @@ def gemms(m: int) -> dict[str, float]:
         res[name + "_ms"] = ms
         res[name + "_tb_s"] = wbytes / ms / 1e9
     res["lm_head_ms"] = timed(lambda: F.linear(x, lm))
+    # gyre's Triton strip kernel, per GEMM shape (28 layers of weights each), against cuBLAS
+    from gyre_engine.server.skinny_gemm import plan, triton_skinny_linear
+
+    per: dict[str, Any] = {}
+    for name, xin in (("qkv", x), ("o", xa), ("gu", x), ("down", xi)):
+        ws = [lw[name] for lw in fused]
+        n, k = ws[0].shape
+        nbytes = sum(t.numel() * 2 for t in ws)
+        row: dict[str, Any] = {"n": n, "k": k, "plan": plan(m, n, k)}
+        row["cublas_us"] = timed(lambda ws=ws, xin=xin: [F.linear(xin, t) for t in ws]) * 1000 / LAYERS
+        configs = [(None, None, None, 4)] + [
+            (bn, 128, sp, st)
+            for bn in (16, 32, 64)
+            for sp in (1, 2, 4, 8)
+            for st in (3, 4)
+            if k % (128 * sp) == 0
+        ]
+        for bn, bk, sp, st in configs:
+            key = "plan" if bn is None else f"bn{bn}_bk{bk}_s{sp}_st{st}"
+            try:
+                got = triton_skinny_linear(xin, ws[0], None, bn, bk, sp, 4, st)
+                err = float((got.float() - F.linear(xin, ws[0]).float()).abs().max())
+                us = (
+                    timed(
+                        lambda ws=ws, xin=xin, bn=bn, bk=bk, sp=sp, st=st: [
+                            triton_skinny_linear(xin, t, None, bn, bk, sp, 4, st) for t in ws
+                        ]
+                    )
+                    * 1000
+                    / LAYERS
+                )
+                row[key] = {"us": us, "tb_s": nbytes / LAYERS / us / 1e6, "max_err": err}
+            except Exception as exc:
+                row[key] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        per[name] = row
+    res["strip_kernel"] = per
     return res
 
 
@@ -248,6 +284,7 @@ def attention(b: int, top: int, sweep: bool = False) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--gemms-only", action="store_true")
     args = ap.parse_args()
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -255,6 +292,10 @@ def main() -> None:
         "flash_schema": str(torch.ops.aten._flash_attention_forward.default._schema),
     }
     res["gemms"] = [gemms(m) for m in (64, 16)]
+    if args.gemms_only:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n")
+        return
     print(json.dumps(res["gemms"]), flush=True)
     res["attention"] = [attention(64, top, sweep=True) for top in (384, 1024, 4096)] + [
         attention(16, 1024, sweep=True)
