@@ -23,7 +23,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured engine passes (the median is reported)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--greedy-run", type=int, default=8)
-    ap.add_argument("--cublas", action="store_true", help="projections through cuBLAS, not the strip kernel")
     args = ap.parse_args()
     c = Case("qwen3-0.6b", "bfloat16", 128, 256, (64,), 32768, 1024)
     model = make_model(c.shape, c.dtype, "cuda")
@@ -38,7 +37,6 @@ def main() -> None:
         decode_slots="auto",
         compile_decode=True,
         greedy_run=args.greedy_run,
-        strip_gemm=not args.cublas,
     )
     eng = Engine(model, None, cfg)
     eng.start()

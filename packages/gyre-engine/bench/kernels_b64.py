@@ -2,7 +2,9 @@
 Qwen3-0.6B-shaped layers as seven GEMMs per layer against fused q/k/v and gate/up (and with the weights
 stored transposed), and decode attention over per-row lengths as gyre's grouped matmul/softmax against
 the flash-attention varlen kernel that torch ships (`seqused_k`; paged with a block table where this
-torch has one) and cuDNN. Each variant's output is checked against a float32 reference. Device only.
+torch has one), SDPA, cuDNN and gyre's Triton kernel (with a sweep of its tile sizes), and a Triton strip
+GEMM (`strip_gemm.py`) against cuBLAS per projection shape. Each variant's output is checked against a
+reference. Device only.
 
     python packages/gyre-engine/bench/kernels_b64.py --out kernels.json
 """
@@ -101,7 +103,7 @@ def gemms(m: int) -> dict[str, float]:
         res[name + "_tb_s"] = wbytes / ms / 1e9
     res["lm_head_ms"] = timed(lambda: F.linear(x, lm))
     # gyre's Triton strip kernel, per GEMM shape (28 layers of weights each), against cuBLAS
-    from gyre_engine.server.skinny_gemm import plan, triton_skinny_linear
+    from strip_gemm import plan, triton_skinny_linear  # beside this script
 
     per: dict[str, Any] = {}
     for name, xin in (("qkv", x), ("o", xa), ("gu", x), ("down", xi)):

@@ -97,9 +97,6 @@ class Engine:
         fuse_projections: bool = True
         """Run each layer's q/k/v and gate/up projections as one GEMM each (`fused.py`; parameters and
         their names unchanged)."""
-        strip_gemm: bool = True
-        """In slot decode steps, run the projections through gyre's Triton strip kernel
-        (`skinny_gemm.py`) instead of cuBLAS; with Triton on CUDA."""
         greedy_run: int = 8
         """Decode steps per run when every slot row is greedy without logit processing: each step's
         tokens feed the next on the device, and the host reads them back once per run (one graph
@@ -175,7 +172,6 @@ class Engine:
             max_len,
             use_graphs=graphs,
             compile_model=graphs and self.config.compile_decode,
-            strip_gemm=self.config.strip_gemm,
         )
 
     def warmup_decode(self, max_tokens: int) -> float:

@@ -21,16 +21,14 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from gyre_engine.server.skinny_gemm import skinny_linear
 
 log = logging.getLogger(__name__)
 
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling linear layers fused when a module has all of them (the transformers names of Llama-style
-attention and gated MLPs); the model's forward must call each once per input, as these do. Groups of
-one member fuse nothing but take the same decode GEMM (`skinny_gemm.py`)."""
+attention and gated MLPs); the model's forward must call each once per input, as these do."""
 
 
 class FusedLinear(nn.Linear):
@@ -93,7 +91,7 @@ class _Group:
     def output(self, x: torch.Tensor, member: FusedLinear) -> torch.Tensor:
         if self.y is None or self.x is not x:
             assert self.weight is not None, "fused weights were dropped (released); refresh() first"
-            self.y = skinny_linear(x, self.weight, self.bias)
+            self.y = F.linear(x, self.weight, self.bias)
             self.x = x
             self.left = len(self.members)
         lo, hi = member._gyre_cols

@@ -36,7 +36,6 @@ import torch
 
 from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::decode_attention)
 from gyre_engine.server.batch import RowKV, cache_kwarg
-from gyre_engine.server.skinny_gemm import decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +136,8 @@ class SlotBatch:
         max_len: int,
         use_graphs: bool,
         compile_model: bool = False,
-        strip_gemm: bool = True,
     ) -> None:
         register_attention()
-        self.strip_gemm = strip_gemm
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -341,10 +338,7 @@ class SlotBatch:
         cfg._attn_implementation = ATTN_NAME
         heads = []
         try:
-            with (
-                warnings.catch_warnings(),
-                decode_rows(),
-            ):  # compilation warns (tf32 hints, ...); never an error here
+            with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
                 warnings.simplefilter("ignore")
                 for i in range(steps):
                     logits = fwd(self.io[0, :b], self.io[1, :b], self.cols[:width], self.kv)
