@@ -63,6 +63,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert self.cache.total_tokens <= BUDGET
 
     @invariant()
+    def the_running_total_is_the_sum_of_the_entries(self) -> None:
+        entries = [e for bucket in self.cache._buckets.values() for e in bucket]
+        assert self.cache.total_tokens == sum(len(e.tokens) for e in entries)
+        assert len(self.cache) == len(entries) and all(bucket for bucket in self.cache._buckets.values())
+
+    @invariant()
     def the_latest_insert_is_served_whole(self) -> None:
         if self.stored and len(self.stored[-1]) > 1:
             last = self.stored[-1]
@@ -73,3 +79,25 @@ TestPrefixCache = PrefixCacheMachine.TestCase
 TestPrefixCache.settings = __import__("hypothesis").settings(
     max_examples=60, stateful_step_count=25, deadline=None
 )
+
+
+def test_lookups_compare_only_entries_with_the_same_first_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand unrelated cached contexts cost a lookup nothing: only entries starting with the
+    query's first token are compared."""
+    import gyre_engine.server.prefix_cache as pc
+
+    cache = PrefixCache(1 << 20)
+    for first in range(1000):
+        ids = [first, 5, 6, 7]
+        cache.insert(ids, kv_of(ids))
+    calls = [0]
+    real = pc.common_prefix_len
+
+    def counting(a: np.ndarray, b: np.ndarray) -> int:
+        calls[0] += 1
+        return real(a, b)
+
+    monkeypatch.setattr(pc, "common_prefix_len", counting)
+    hit = cache.lookup([417, 5, 6, 9], 3)
+    assert hit.length == 3 and calls[0] == 1
+    assert cache.lookup([5000, 1], 1).length == 0 and calls[0] == 1

@@ -104,3 +104,68 @@ def test_length_buckets() -> None:
         1024,
         6144,
     ]
+
+
+def test_greedy_runs_end_rows_inside_a_run_and_store_exact_prefixes(model_dir: Path, hf_model: Any) -> None:
+    """Runs of 8 greedy steps per replay: a row whose budget or stop token falls inside a run stops
+    there (the rest of the run is dropped), its KV is cut to what it kept, and the next call on that
+    context reuses exactly that and equals a fresh prefill."""
+    from gyre_engine.protocol import SamplingParams
+
+    eng = _engine(model_dir, greedy_run=8)
+    try:
+        assert eng.slots is not None
+        ctx_a, ctx_b = slot_checks.SYSTEM + slot_checks.USER, [*slot_checks.TOOL, 7, 8]
+        ref_b = slot_checks.reference_greedy(hf_model, ctx_b, 40)
+        stop = next(t for t in ref_b[3:] if ref_b.index(t) >= 3)  # first stops the row at index >= 3
+        cut = ref_b.index(stop) + 1
+        stop_params = SamplingParams(
+            max_new_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]
+        )
+        long = slot_checks.greedy_params(41)  # keeps the batch in runs of 8 while the others end
+        outs = slot_checks.run_all(
+            eng, [(ctx_a, slot_checks.greedy_params(13)), (ctx_b, stop_params), (slot_checks.SYSTEM, long)]
+        )
+        assert outs[0]["ids"] == slot_checks.reference_greedy(hf_model, ctx_a, 13)
+        assert outs[2]["ids"] == slot_checks.reference_greedy(hf_model, slot_checks.SYSTEM, 41)
+        assert outs[1]["ids"] == ref_b[:cut] and outs[1]["finish"].type == "stop"
+        assert eng.slot_stats()["run_steps"] >= 32  # the long row's 40 decode tokens: five runs of 8
+        # the stored prefixes are exactly the kept tokens (all but the last output token)
+        for ctx, out in ((ctx_a, outs[0]["ids"]), (ctx_b, outs[1]["ids"])):
+            follow = ctx + out + [9, 10, 11]
+            got = slot_checks.run_all(eng, [(follow, slot_checks.greedy_params(12))])[0]
+            assert got["cached"] == len(ctx) + len(out) - 1
+            assert got["ids"] == slot_checks.reference_greedy(hf_model, follow, 12)
+    finally:
+        eng.shutdown()
+
+
+def test_greedy_run_length_rule(model_dir: Path) -> None:
+    """A run of `greedy_run` steps only when some row wants at least three quarters of it and every
+    row's slot has room; single steps otherwise."""
+    from gyre_engine.server.request import EngineRequest, Running
+
+    eng = _engine(model_dir, greedy_run=8, slot_max_len=48)
+    try:
+        sb = eng.slots
+        assert sb is not None
+
+        def running(budget: int, made: int) -> Running:
+            r = Running.__new__(Running)
+            r.req = EngineRequest("x", [1, 2], slot_checks.greedy_params(budget))
+            r.output = [0] * made
+            return r
+
+        sb.lengths = [10, 20]
+        assert eng._greedy_run_length([running(20, 5), running(9, 4)], sb) == 8  # 15 left
+        assert eng._greedy_run_length([running(10, 5), running(9, 4)], sb) == 1  # 5 left at most
+        assert eng._greedy_run_length([running(10, 4), running(9, 4)], sb) == 8  # 6 = 3/4 of 8
+        sb.lengths = [10, 41]  # 41 + 8 > 48: no room for a run
+        assert eng._greedy_run_length([running(100, 0), running(100, 0)], sb) == 1
+        sb.lengths = []
+        eng.config.greedy_run = 1
+        sb.lengths = [10]
+        assert eng._greedy_run_length([running(100, 0)], sb) == 1
+        sb.lengths = []
+    finally:
+        eng.shutdown()

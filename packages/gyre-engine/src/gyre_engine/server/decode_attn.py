@@ -50,7 +50,8 @@ def masked_reference(
     cols = torch.arange(width, device=query.device)
     mask = (cols[None, :] < valid[:, None].to(cols.dtype))[:, None, None, :]
     qg = query.reshape(b, kvh, h // kvh, d)
-    scores = torch.matmul(qg, key.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+    scores = torch.matmul(qg, key.transpose(-1, -2))  # [B, KVH, G, L]
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     return torch.matmul(probs, value).reshape(b, h, d)

@@ -227,9 +227,14 @@ class Engine:
 
     def stats(self) -> EngineStats:
         st = self._stats
-        times = ("decode_time_s", "prefill_time_s")
-        ints = {k: int(v) for k, v in st.items() if k not in times}
-        return EngineStats(**ints, **{k: st[k] for k in times})
+        return EngineStats(
+            prefill_tokens_computed=int(st["prefill_tokens_computed"]),
+            prefill_tokens_cached=int(st["prefill_tokens_cached"]),
+            decode_steps=int(st["decode_steps"]),
+            decode_tokens=int(st["decode_tokens"]),
+            decode_time_s=st["decode_time_s"],
+            prefill_time_s=st["prefill_time_s"],
+        )
 
     def counts(self) -> tuple[int, int]:
         return len(self._in_flight()), len(self._waiting)

@@ -42,7 +42,7 @@ class FusedLinear(nn.Linear):
 
 
 class _Group:
-    def __init__(self, members: list[nn.Linear]) -> None:
+    def __init__(self, members: list[Any]) -> None:
         self.members = members
         self.classes = [type(m) for m in members]
         self.weight: torch.Tensor | None = None
@@ -63,9 +63,9 @@ class _Group:
             m.weight = nn.Parameter(self.weight[lo:hi], requires_grad=m.weight.requires_grad)
             if self.bias is not None:
                 m.bias = nn.Parameter(self.bias[lo:hi], requires_grad=m.bias.requires_grad)
-            m._gyre_cols = (lo, hi)
-            m._gyre_group = self
             m.__class__ = FusedLinear
+            setattr(m, "_gyre_cols", (lo, hi))  # noqa: B010  (plain attributes, not submodules)
+            setattr(m, "_gyre_group", self)  # noqa: B010
             lo = hi
         self.x = self.y = None
 
@@ -111,7 +111,7 @@ class FusedProjections:
             for names in GROUPS:
                 ms = [getattr(mod, n, None) for n in names]
                 if all(_fusable(m) for m in ms) and _compatible(ms):
-                    self.groups.append(_Group(ms))  # type: ignore[arg-type]
+                    self.groups.append(_Group(ms))
         log.info("fused %d projection groups", len(self.groups))
 
     def __len__(self) -> int:
@@ -136,7 +136,7 @@ def _fusable(m: Any) -> bool:
     return type(m) is nn.Linear
 
 
-def _compatible(ms: list[nn.Linear]) -> bool:
+def _compatible(ms: list[Any]) -> bool:
     first = ms[0]
     return all(
         m.in_features == first.in_features

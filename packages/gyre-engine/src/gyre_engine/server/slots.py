@@ -155,7 +155,7 @@ class SlotBatch:
         self.next_tokens: list[int] = []
         self.capacity = 0
         self.kv = torch.zeros(0, device=self.device)
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
         self._weights_fp: tuple[int, ...] = ()
         self._compiled: Any = None

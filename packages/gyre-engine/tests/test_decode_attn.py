@@ -1,0 +1,134 @@
+"""Decode attention (`server/decode_attn.py`): the torch reference against transformers-style attention
+(KV heads repeated, boolean mask), the split plan, and the Triton kernels themselves run on the CPU
+through Triton's interpreter (a subprocess with TRITON_INTERPRET=1), alone and inside the slot engine.
+The interpreter computes float32 (its bf16 dot is not usable); the GPU runs them in bf16
+(`tests/test_cuda_graphs.py` on CUDA, `bench/kernels_b64.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+from gyre_engine.server.decode_attn import masked_reference, plan_splits  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batch=st.integers(1, 128),
+    kv_heads=st.integers(1, 16),
+    width=st.integers(1, 16384),
+    block_n=st.sampled_from([32, 64, 128]),
+    target=st.sampled_from([256, 1024, 4096]),
+)
+def test_plan_splits_cover_the_width_in_whole_tiles(
+    batch: int, kv_heads: int, width: int, block_n: int, target: int
+) -> None:
+    splits, chunk = plan_splits(batch, kv_heads, width, block_n, target)
+    assert splits >= 1 and chunk % block_n == 0
+    assert splits * chunk >= width and (splits - 1) * chunk < width  # every column, no empty split
+    tiles = -(-width // block_n)
+    want = -(-target // (batch * kv_heads))  # splits that would launch `target` programs
+    assert splits <= tiles
+    assert 2 * splits >= min(tiles, want)  # whole tiles per chunk cost at most half of the splits
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_reference_equals_repeated_kv_attention(groups: int) -> None:
+    torch.manual_seed(groups)
+    b, kvh, d, width = 5, 2, 16, 37
+    h = kvh * groups
+    q = torch.randn(b, h, d, dtype=torch.float64)
+    kv = torch.randn(2, b + 3, kvh, 64, d, dtype=torch.float64)  # a slot buffer: rows, heads, columns
+    k, v = kv[0, :b, :, :width], kv[1, :b, :, :width]
+    valid = torch.tensor([1, 37, 20, 5, 36])
+    got = masked_reference(q, k, v, valid, d**-0.5)
+    mask = torch.arange(width)[None, :] < valid[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None],
+        k.repeat_interleave(groups, dim=1),  # transformers' repeat_kv order: head k*G + j uses KV head k
+        v.repeat_interleave(groups, dim=1),
+        attn_mask=mask[:, None, None, :],
+        scale=d**-0.5,
+    )[:, :, 0]
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def _interpret(code: str, timeout: float) -> str:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(Path(__file__).parent),
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
+    """Several splits or one, a width that is not a whole number of tiles, rows attending one column or
+    all of them, one to four query heads per KV head, a strided query as transformers hands it over."""
+    out = _interpret(
+        """
+        import torch
+        from gyre_engine.server.decode_attn import decode_attention, masked_reference, plan_splits, triton_available
+        assert triton_available(torch.device("cpu"))
+        torch.manual_seed(0)
+        cases = [  # batch, heads, kv heads, head dim, capacity, width, target programs
+            (3, 4, 2, 32, 256, 200, 1024), (4, 8, 2, 64, 128, 128, 8), (2, 2, 2, 16, 64, 50, 1024),
+            (5, 4, 4, 32, 512, 300, 64),
+        ]
+        for b, h, kvh, d, cap, width, target in cases:
+            q = torch.randn(b, 1, h, d).transpose(1, 2)[:, :, 0]  # strided, head dim contiguous
+            kv = torch.randn(2, 3, b + 2, kvh, cap, d)
+            k, v = kv[0, 1, :b, :, :width], kv[1, 1, :b, :, :width]
+            valid = torch.randint(1, width + 1, (b,))
+            valid[0], valid[-1] = 1, width
+            from gyre_engine.server.decode_attn import triton_decode_attention
+            got = triton_decode_attention(q, k, v, valid, d ** -0.5, target=target)
+            op = decode_attention(q, k, v, valid, d ** -0.5)
+            want = masked_reference(q, k, v, valid, d ** -0.5)
+            err = max(float((got - want).abs().max()), float((op - want).abs().max()))
+            print(b, h, kvh, width, plan_splits(b, kvh, width, target=target), err)
+            assert err < 1e-5, err
+        print("ok")
+        """,
+        timeout=300,
+    )
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.slow
+def test_slot_engine_with_the_triton_kernel_equals_generate(model_dir: Path) -> None:
+    """The slot engine on the CPU with the Triton attention kernel (interpreted): concurrent rows of
+    different lengths and budgets, greedy runs and single steps, each equal to transformers' generate."""
+    out = _interpret(
+        f"""
+        import slot_checks
+        from gyre_engine.server.engine import Engine
+        from gyre_engine.server.serve import ServeConfig, load_engine
+        cfg = Engine.Config(max_running_requests=8, decode_slots="eager")
+        eng = load_engine(ServeConfig(model={str(model_dir)!r}, device="cpu", engine=cfg))
+        try:
+            slot_checks.check_concurrent_greedy(eng, slot_checks.load_hf({str(model_dir)!r}))
+            st = eng.slot_stats()
+            assert st["eager_steps"] > 0 and st["run_steps"] > 0, st
+        finally:
+            eng.shutdown()
+        print("ok")
+        """,
+        timeout=400,
+    )
+    assert out.strip().endswith("ok")
