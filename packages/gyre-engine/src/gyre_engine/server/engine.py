@@ -5,8 +5,9 @@ and returns a future; so a weight update, pause, abort or cache export never lan
 token is computed with two weight versions. Each step admits waiting requests (chunked prefill that
 reuses the longest cached prefix), then one batched decode step per lane of running requests
 (`lanes.py`: rows of similar length share a left-padded batch). On CUDA, rows decode first in fixed slots of
-a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`); the lanes take what does not
-fit there.
+a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`), several greedy steps per
+replay when every row is greedy; the lanes take what does not fit there. Each layer's q/k/v and gate/up
+projections run as one GEMM each (`fused.py`).
 """
 
 from __future__ import annotations

@@ -2,21 +2,24 @@
 
 The eager decode batch (`batch.py`) rebuilds a transformers `DynamicCache` and launches every kernel of
 every layer from Python each step; on a GPU that, not memory bandwidth, bounds decode. Here each running
-request owns a slot: row `i` of a static KV buffer per layer (`[slots, kv_heads, capacity, head_dim]`),
+request owns a slot: row `i` of a static KV buffer (`[2, layers, slots, kv_heads, capacity, head_dim]`),
 with its own length. One decode step is the transformers model's own forward, given
 
 - `SlotCache`, a duck-typed cache whose `update` writes each row's new key/value at that row's position
   (an `index_put_` with per-row positions) and returns the buffers cut to a length bucket, and
-- the attention function `gyre_slots` (registered through transformers' `AttentionInterface`), grouped
-  query attention over each row's valid prefix (columns at or before its position) without repeating
-  the KV heads.
+- the attention function `gyre_slots` (registered through transformers' `AttentionInterface`), which
+  passes the query and the buffers to `gyre::decode_attention` (`decode_attn.py`: grouped-query
+  attention over each row's valid columns, a Triton flash-decoding kernel on CUDA); in place of a mask
+  the model is handed each row's count of valid columns.
 
-On CUDA the step for a (batch bucket, length bucket) pair is captured once as a `torch.cuda.CUDAGraph`
-(optionally over a `torch.compile`d forward, which fuses the norms, rotary and MLP elementwise work) and
-replayed; the inputs (token ids, positions) are copied into static buffers before each replay. Padding
-rows of a bucket sit in free slots at position 0, so they never touch a running row's KV. The greedy
-head (the same float log-softmax / argmax / gather that `sampling.sample` runs for greedy rows) is
-captured too, so an all-greedy step costs one replay and one read-back.
+On CUDA the step for a (batch bucket, length bucket, run length) is captured once as a
+`torch.cuda.CUDAGraph` (optionally over a `torch.compile`d forward, which fuses the norms, rotary and
+MLP elementwise work) and replayed; the inputs (token ids, positions) are copied into static buffers
+before each replay. Padding rows of a bucket sit in free slots at position 0, so they never touch a
+running row's KV. The greedy head (the same float log-softmax / argmax / gather that `sampling.sample`
+runs for greedy rows) is captured too, and an all-greedy batch runs several steps per replay, each
+step's tokens feeding the next on the device (`step_greedy(steps)`): one replay and one read-back per
+run.
 
 Graphs read parameter storage in place: a weight update that copies into the parameters (all of
 gyre-engine's do) needs no re-capture and lands between two replays, so no token mixes two versions;
