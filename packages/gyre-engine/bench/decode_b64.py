@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--repeats", type=int, default=3, help="measured engine passes (the median is reported)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
-    ap.add_argument("--greedy-run", type=int, default=8)
+    ap.add_argument("--run-steps", type=int, default=8)
     args = ap.parse_args()
     c = Case("qwen3-0.6b", "bfloat16", 128, 256, (64,), 32768, 1024)
     model = make_model(c.shape, c.dtype, "cuda")
@@ -36,7 +36,7 @@ def main() -> None:
         prefill_chunk=args.prefill_chunk,
         decode_slots="auto",
         compile_decode=True,
-        greedy_run=args.greedy_run,
+        run_steps=args.run_steps,
     )
     eng = Engine(model, None, cfg)
     eng.start()

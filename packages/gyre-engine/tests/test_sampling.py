@@ -17,8 +17,7 @@ V = 32
 
 def state(seed: int | None = None, prompt: list[int] | None = None, **kw: object) -> SamplerState:
     p = SamplingParams(**kw)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplerState(p, V, frozenset({0}), prompt or [], gen)
+    return SamplerState(p, V, frozenset({0}), prompt or [], -1 if seed is None else seed)
 
 
 @settings(max_examples=60, deadline=None)
@@ -100,3 +99,52 @@ def test_penalties_bias_and_min_new_tokens() -> None:
 def test_unsupported_or_invalid_values_are_named(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ProtocolError, match=needle):
         validate_params(SamplingParams(**kw), V)  # type: ignore[arg-type]
+
+
+def test_gumbel_noise_is_a_pure_function_of_seed_index_and_id() -> None:
+    from gyre_engine.server.sampling import gumbel_noise
+
+    seeds = torch.tensor([5, 5, 6, (1 << 61) + 5])
+    index = torch.tensor([10, 11, 10, 10])
+    a, b = gumbel_noise(seeds, index, 1000), gumbel_noise(seeds.clone(), index.clone(), 1000)
+    assert torch.equal(a, b) and a.shape == (4, 1000) and bool(torch.isfinite(a).all())
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2]) and not torch.equal(a[0], a[3])
+    assert torch.equal(gumbel_noise(seeds[2:3], index[2:3], 1000)[0], a[2])  # batch-independent
+    # Gumbel(0, 1): mean Euler-Mascheroni 0.5772, variance pi^2 / 6
+    big = gumbel_noise(torch.arange(64), torch.arange(64) * 3, 4096)
+    assert abs(float(big.mean()) - 0.5772) < 0.01 and abs(float(big.var()) - math.pi**2 / 6) < 0.03
+
+
+def test_gumbel_max_draws_follow_the_distribution() -> None:
+    """Draws of `pick` over many (seed, index) keys have the frequencies of the softmax."""
+    from gyre_engine.server.sampling import pick
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
+    logp = torch.log_softmax(logits / 0.7, -1)
+    n = 40000
+    rows = logp.expand(n, -1)
+    toks = pick(rows, torch.ones(n, dtype=torch.bool), torch.arange(n) % 97, torch.arange(n) // 97)
+    freq = torch.bincount(toks, minlength=8).double() / n
+    assert float((freq - logp.exp().double()).abs().max()) < 0.01
+    greedy = pick(rows[:5], torch.zeros(5, dtype=torch.bool), torch.arange(5), torch.arange(5))
+    assert greedy.tolist() == [0] * 5
+
+
+def test_the_captured_head_samples_what_sample_samples() -> None:
+    """The head a captured decode step runs (`slots._sampled_head`) equals `sample` on rows without
+    truncation or processing: greedy rows and rows at their temperature, token and logprob."""
+    from gyre_engine.server.slots import _sampled_head
+
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3)) * 2
+    states = [state(11, temperature=0.7), state(temperature=0.0), state(12, temperature=1.3), state(11)]
+    for st_, made in zip(states, [0, 3, 5, 2], strict=True):
+        for _ in range(made):
+            st_.observe(1)
+    temps = torch.tensor([0.7, 1.0, 1.3, 1.0])
+    mask = torch.tensor([1, 0, 1, 1])
+    seeds = torch.tensor([s.seed for s in states])
+    index = torch.tensor([s.next_index for s in states])
+    chosen, lp = _sampled_head(logits.clone(), temps, mask, seeds, index)
+    out = sample(logits.clone(), states, [0] * 4)
+    assert chosen.tolist() == out.tokens
+    assert torch.allclose(lp, torch.tensor(out.logprobs), atol=1e-6)

@@ -112,7 +112,7 @@ def test_greedy_runs_end_rows_inside_a_run_and_store_exact_prefixes(model_dir: P
     context reuses exactly that and equals a fresh prefill."""
     from gyre_engine.protocol import SamplingParams
 
-    eng = _engine(model_dir, greedy_run=8)
+    eng = _engine(model_dir, run_steps=8)
     try:
         assert eng.slots is not None
         ctx_a, ctx_b = slot_checks.SYSTEM + slot_checks.USER, [*slot_checks.TOOL, 7, 8]
@@ -140,12 +140,12 @@ def test_greedy_runs_end_rows_inside_a_run_and_store_exact_prefixes(model_dir: P
         eng.shutdown()
 
 
-def test_greedy_run_length_rule(model_dir: Path) -> None:
-    """A run of `greedy_run` steps only when some row wants at least three quarters of it and every
+def test_run_length_rule(model_dir: Path) -> None:
+    """A run of `run_steps` steps only when some row wants at least three quarters of it and every
     row's slot has room; single steps otherwise."""
     from gyre_engine.server.request import EngineRequest, Running
 
-    eng = _engine(model_dir, greedy_run=8, slot_max_len=48)
+    eng = _engine(model_dir, run_steps=8, slot_max_len=48)
     try:
         sb = eng.slots
         assert sb is not None
@@ -157,15 +157,45 @@ def test_greedy_run_length_rule(model_dir: Path) -> None:
             return r
 
         sb.lengths = [10, 20]
-        assert eng._greedy_run_length([running(20, 5), running(9, 4)], sb) == 8  # 15 left
-        assert eng._greedy_run_length([running(10, 5), running(9, 4)], sb) == 1  # 5 left at most
-        assert eng._greedy_run_length([running(10, 4), running(9, 4)], sb) == 8  # 6 = 3/4 of 8
+        assert eng._run_length([running(20, 5), running(9, 4)], sb) == 8  # 15 left
+        assert eng._run_length([running(10, 5), running(9, 4)], sb) == 1  # 5 left at most
+        assert eng._run_length([running(10, 4), running(9, 4)], sb) == 8  # 6 = 3/4 of 8
         sb.lengths = [10, 41]  # 41 + 8 > 48: no room for a run
-        assert eng._greedy_run_length([running(100, 0), running(100, 0)], sb) == 1
+        assert eng._run_length([running(100, 0), running(100, 0)], sb) == 1
         sb.lengths = []
-        eng.config.greedy_run = 1
+        eng.config.run_steps = 1
         sb.lengths = [10]
-        assert eng._greedy_run_length([running(100, 0)], sb) == 1
+        assert eng._run_length([running(100, 0)], sb) == 1
         sb.lengths = []
     finally:
         eng.shutdown()
+
+
+def test_sampled_rows_run_on_the_device_and_draw_what_the_host_draws(model_dir: Path, hf_model: Any) -> None:
+    """Rows sampled at their temperature (seeded) decode in runs of 8 like greedy ones; their tokens
+    equal those of single steps and of the host's `sample` (a top-p neighbour sends the batch there),
+    and their logprobs are those of the tempered distribution."""
+    from gyre_engine.protocol import SamplingParams
+
+    runs, single = _engine(model_dir, run_steps=8), _engine(model_dir, run_steps=1)
+    try:
+        p = SamplingParams(max_new_tokens=30, temperature=0.8, sampling_seed=21, ignore_eos=True)
+        q = SamplingParams(max_new_tokens=30, temperature=1.0, sampling_seed=5, ignore_eos=True)
+        reqs = [(slot_checks.SYSTEM + slot_checks.USER, p), (slot_checks.TOOL, q)]
+        a = slot_checks.run_all(runs, reqs, logprob=True)
+        b = slot_checks.run_all(single, reqs, logprob=True)
+        assert [o["ids"] for o in a] == [o["ids"] for o in b]
+        assert runs.slot_stats()["run_steps"] >= 24 and single.slot_stats()["run_steps"] == 0
+        trunc = SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9, ignore_eos=True)
+        c = slot_checks.run_all(runs, [*reqs, (slot_checks.USER, trunc)])
+        assert [o["ids"] for o in c[:2]] == [o["ids"] for o in a]
+        for (ids, sp), o in zip(reqs, a, strict=True):
+            full = torch.tensor([ids + o["ids"]])
+            with torch.no_grad():
+                logits = hf_model(full).logits[0, len(ids) - 1 : -1].float()
+            want = torch.log_softmax(logits / sp.temperature, -1).gather(-1, torch.tensor(o["ids"])[:, None])
+            assert torch.allclose(torch.tensor(o["lps"]), want.squeeze(-1), atol=1e-4)
+        assert len({tuple(o["ids"]) for o in a}) == 2 and len(set(a[0]["ids"])) > 5  # they do sample
+    finally:
+        runs.shutdown()
+        single.shutdown()

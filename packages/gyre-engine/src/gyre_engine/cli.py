@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
     s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
     s.add_argument(
-        "--greedy-run",
+        "--run-steps",
         type=int,
         default=8,
-        help="decode steps per graph replay while every slot row is greedy (1: one step per replay)",
+        help="decode steps per graph replay while no slot row needs truncation or logit processing "
+        "(greedy or sampled at its temperature; 1: one step per replay)",
     )
     s.add_argument(
         "--warmup-decode-tokens",
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                         decode_slots=args.decode_slots,
                         compile_decode=not args.no_compile_decode,
                         slot_kv_fraction=args.slot_kv_fraction,
-                        greedy_run=args.greedy_run,
+                        run_steps=args.run_steps,
                     ),
                     warmup_decode_tokens=args.warmup_decode_tokens,
                     xfer=XferConfig(

@@ -98,10 +98,11 @@ class Engine:
         fuse_projections: bool = True
         """Run each layer's q/k/v and gate/up projections as one GEMM each (`fused.py`; parameters and
         their names unchanged)."""
-        greedy_run: int = 8
-        """Decode steps per run when every slot row is greedy without logit processing: each step's
-        tokens feed the next on the device, and the host reads them back once per run (one graph
-        replay). A row that finishes inside a run wastes the rest of it; 1 turns runs off."""
+        run_steps: int = 8
+        """Decode steps per graph replay when no slot row needs logit processing, truncation (top-k/p,
+        min-p) or top logprobs: greedy rows and rows sampled at their temperature. Each step's tokens
+        feed the next on the device and the host reads them back once per run. A row that finishes
+        inside a run wastes the rest of it; 1 turns runs off."""
 
     def __init__(self, model: Any, tokenizer: Any, config: Engine.Config | None = None) -> None:
         self.model = model.eval()
@@ -182,7 +183,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.slots is not None and self.slots.use_graphs and not self.lanes.requests():
             with torch.inference_mode():
-                runs = (1, self.config.greedy_run) if self.config.greedy_run > 1 else (1,)
+                runs = (1, self.config.run_steps) if self.config.run_steps > 1 else (1,)
                 self.slots.warmup(max_tokens, runs)
         return time.perf_counter() - t0
 
@@ -273,10 +274,14 @@ class Engine:
             )
         if any(r.rid == req.rid for r in (*self._in_flight(), *self._waiting)):
             raise ProtocolError(f"a request with rid {req.rid!r} is already running")
-        gen = None
-        if req.params.sampling_seed is not None:
-            gen = torch.Generator().manual_seed(req.params.sampling_seed)
-        sampler = SamplerState(req.params, self.vocab_size, self.eos_ids, req.input_ids, gen)
+        seed = req.params.sampling_seed
+        sampler = SamplerState(
+            req.params,
+            self.vocab_size,
+            self.eos_ids,
+            req.input_ids,
+            -1 if seed is None else seed & ((1 << 62) - 1),
+        )
         stops, regex = as_stop_list(req.params.stop), compile_stop_regex(req.params.stop_regex)
         self._waiting.append(Running(req, sink, sampler, self.context_len, stops, self._decode_ids, regex))
 
@@ -424,12 +429,16 @@ class Engine:
         reqs = lane.reqs
         batch = lane.batch
         if isinstance(batch, SlotBatch) and all(
-            r.sampler.greedy and not r.sampler.needs_row_processing and not r.req.top_logprobs_num
+            r.sampler.untruncated and not r.sampler.needs_row_processing and not r.req.top_logprobs_num
             for r in reqs
-        ):  # the greedy head runs inside the captured step
-            steps = self._greedy_run_length(reqs, batch)
+        ):  # the head (argmax, or a draw at the row's temperature) runs inside the captured step
+            steps = self._run_length(reqs, batch)
             old = list(batch.lengths)
-            toks, lps = batch.step_greedy(steps)
+            toks, lps = batch.step_run(
+                steps,
+                [0.0 if r.sampler.greedy else r.req.params.temperature for r in reqs],
+                [r.sampler.seed for r in reqs],
+            )
             self._stats["decode_time_s"] += time.perf_counter() - t0
             self._stats["decode_steps"] += steps
             self._stats["decode_tokens"] += steps * len(reqs)
@@ -477,10 +486,10 @@ class Engine:
         if done:
             lane.drop(done)
 
-    def _greedy_run_length(self, reqs: list[Running], batch: SlotBatch) -> int:
-        """Steps of the next greedy run: `greedy_run` when every row has room for them and some row
-        wants at least three quarters of them (else single steps waste less), 1 otherwise."""
-        n = self.config.greedy_run
+    def _run_length(self, reqs: list[Running], batch: SlotBatch) -> int:
+        """Steps of the next run: `run_steps` when every row has room for them and some row wants at
+        least three quarters of them (else single steps waste less), 1 otherwise."""
+        n = self.config.run_steps
         if n <= 1 or not batch.can_run(n):
             return 1
         want = max(r.req.params.max_new_tokens - len(r.output) for r in reqs)

@@ -3,10 +3,19 @@
 The logprob reported for a token is taken from the distribution it was drawn from: logits after penalties,
 logit bias, temperature and top-k/top-p/min-p truncation, renormalized. Greedy rows (temperature ~0)
 report the plain log-softmax of the processed logits at temperature 1 (a point mass would say 0).
+
+A sampled token is the argmax of those log-probabilities plus Gumbel noise (the Gumbel-max trick: a
+draw from exactly that distribution). The noise is a counter-based hash of the request's seed
+(`sampling_seed`, or a random one), the token's index in the sequence and the vocabulary id, computed
+with integer tensor ops: no generator state. So a request's draws depend on its seed and its logits
+alone, never on its batch neighbours or on which path sampled the step, and the same function runs on
+the host (`sample`) and inside a captured CUDA graph (`slots.py`), where a run of several steps samples
+without a read-back.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -18,19 +27,38 @@ GREEDY_EPS = 1e-6
 
 @dataclass
 class SamplerState:
-    """Per-request sampling state: parameters, seeded generator, tokens seen (for penalties)."""
+    """Per-request sampling state: parameters, seed of the noise, tokens seen (for penalties)."""
 
     params: SamplingParams
     vocab_size: int
     eos_ids: frozenset[int]
     prompt_ids: list[int]
-    generator: torch.Generator | None = None
+    seed: int = -1
+    """The noise's seed: `sampling_seed` when given; -1 draws a random one."""
     output_counts: dict[int, int] = field(default_factory=dict)
     n_generated: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            self.seed = random.getrandbits(62)
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_EPS or self.params.top_k == 1
+
+    @property
+    def untruncated(self) -> bool:
+        """Greedy, or sampled from the whole distribution at its temperature (no top-k/p, min-p): what a
+        captured decode step samples on the device."""
+        p = self.params
+        return self.greedy or (
+            (p.top_k < 0 or p.top_k >= self.vocab_size) and p.top_p >= 1.0 and p.min_p <= 0
+        )
+
+    @property
+    def next_index(self) -> int:
+        """The sequence index of the next token (the noise's counter)."""
+        return len(self.prompt_ids) + self.n_generated
 
     @property
     def needs_row_processing(self) -> bool:
@@ -113,6 +141,34 @@ def _process_row(logits: torch.Tensor, st: SamplerState) -> None:
         logits[torch.tensor(sorted(stops), dtype=torch.long, device=logits.device)] = float("-inf")
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2^32) (products stay below 2^63)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab] (float32) for rows with `seeds` [B] and token indices `index` [B]
+    (int64): a pure function of (seed, index, vocabulary id)."""
+    seeds, index = seeds.long(), index.long()
+    key = _mix32(_mix32((seeds & _M32) ^ _mix32(index & _M32)) ^ ((seeds >> 32) & _M32))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    x = _mix32(key[:, None] ^ (ids[None, :] * 0x9E3779B1 & _M32))
+    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def pick(logp: torch.Tensor, sampled: torch.Tensor, seeds: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Token per row of `logp` [B, V]: argmax where `sampled` [B] (bool) is false, a draw from the row's
+    distribution (Gumbel-max) where it is true."""
+    noise = gumbel_noise(seeds, index, logp.shape[-1])
+    return torch.argmax(logp + noise * sampled[:, None].to(noise.dtype), dim=-1)
+
+
 @dataclass(frozen=True)
 class Sampled:
     """Result of one sampling call: per row, token, its logprob, and optional top-k (logprob, id) pairs."""
@@ -155,16 +211,12 @@ def sample(logits: torch.Tensor, states: list[SamplerState], top_n: list[int]) -
             probs < minps[:, None] * probs.max(-1, keepdim=True).values, float("-inf")
         )
     logp = torch.log_softmax(scaled, dim=-1)
-    chosen = torch.argmax(logp, dim=-1)
-    if not bool(greedy.all()):
-        probs = logp.exp()
-        unseeded = [i for i, st in enumerate(states) if not st.greedy and st.generator is None]
-        if unseeded:
-            rows = torch.tensor(unseeded, device=device)
-            chosen[rows] = torch.multinomial(probs[rows], 1).squeeze(-1)
-        for i, st in enumerate(states):
-            if not st.greedy and st.generator is not None:
-                chosen[i] = torch.multinomial(probs[i].cpu(), 1, generator=st.generator).to(device)[0]
+    if bool(greedy.all()):
+        chosen = torch.argmax(logp, dim=-1)
+    else:
+        seeds = torch.tensor([st.seed for st in states], device=device)
+        index = torch.tensor([st.next_index for st in states], device=device)
+        chosen = pick(logp, ~greedy, seeds, index)
     chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
     top: list[list[tuple[float, int]]] | None = None
     if any(n > 0 for n in top_n):

@@ -17,9 +17,9 @@ On CUDA the step for a (batch bucket, length bucket, run length) is captured onc
 MLP elementwise work) and replayed; the inputs (token ids, positions) are copied into static buffers
 before each replay. Padding rows of a bucket sit in free slots at position 0, so they never touch a
 running row's KV. The greedy head (the same float log-softmax / argmax / gather that `sampling.sample`
-runs for greedy rows) is captured too, and an all-greedy batch runs several steps per replay, each
-step's tokens feeding the next on the device (`step_greedy(steps)`): one replay and one read-back per
-run.
+runs for greedy rows) is captured too, with the same Gumbel-max draw for rows sampled at their
+temperature, and such a batch runs several steps per replay, each step's tokens feeding the next on the
+device (`step_run(steps, ...)`): one replay and one read-back per run.
 
 Graphs read parameter storage in place: a weight update that copies into the parameters (all of
 gyre-engine's do) needs no re-capture and lands between two replays, so no token mixes two versions;
@@ -39,6 +39,7 @@ import torch
 
 from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::decode_attention)
 from gyre_engine.server.batch import RowKV, cache_kwarg
+from gyre_engine.server.sampling import pick
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class SlotBatch:
         self.next_tokens: list[int] = []
         self.capacity = 0
         self.kv = torch.zeros(0, device=self.device)
-        self._graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
         self._weights_fp: tuple[int, ...] = ()
         self._compiled: Any = None
@@ -197,7 +198,10 @@ class SlotBatch:
     # ------------------------------------------------------------------ buffers
     def _alloc_io(self) -> None:
         s, dev = self.slots, self.device
-        self.io = torch.zeros((2, s), dtype=torch.long, device=dev)  # row 0: input ids, row 1: positions
+        # rows: input ids, positions, noise seeds, sampled (0/1); temperatures apart (float)
+        self.io = torch.zeros((4, s), dtype=torch.long, device=dev)
+        self.temps = torch.ones(s, dtype=torch.float32, device=dev)
+        self._head: Any = None
         self.rows = torch.arange(s, device=dev)
         self.cols = torch.arange(0, device=dev)
 
@@ -328,14 +332,20 @@ class SlotBatch:
         )
         return out.logits[:, -1]
 
-    def _run(self, b: int, width: int, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """`steps` decode steps of rows 0..b-1 from the ids and positions in `io`; after each step but
-        the last, every row's greedy token becomes its next input (on the device: no read-back between
-        them). Returns the last step's logits [b, V] and the greedy head of each step [steps, 2, b]
-        (token id, logprob; float64 so that one read-back carries both)."""
+    def _run(
+        self, b: int, width: int, steps: int = 1, sampled: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` decode steps of rows 0..b-1 from the inputs in `io` and `temps`; after each step but
+        the last, every row's token becomes its next input (on the device: no read-back between them).
+        Each step's token is the head's: the argmax for greedy rows, a Gumbel-max draw at the row's
+        temperature for sampled rows (only when `sampled`, else every row is greedy). Returns the last
+        step's logits [b, V] and per step [steps, 2, b] (token id, logprob; float64 so that one read-back
+        carries both)."""
         if self.compile_model and self._compiled is None:
             self._compiled = _compile(self._forward)
+            self._head = _compile(_sampled_head)
         fwd = self._compiled if self._compiled is not None else self._forward
+        head = self._head if self._head is not None else _sampled_head
         cfg = self.model.config
         old = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
@@ -343,48 +353,61 @@ class SlotBatch:
         try:
             with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
                 warnings.simplefilter("ignore")
+                ids, pos, seeds, mask = self.io[0, :b], self.io[1, :b], self.io[2, :b], self.io[3, :b]
                 for i in range(steps):
-                    logits = fwd(self.io[0, :b], self.io[1, :b], self.cols[:width], self.kv)
-                    # the greedy head, exactly as `sampling.sample` computes it for unprocessed greedy rows
-                    logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
-                    chosen = torch.argmax(logp, dim=-1)
-                    lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
+                    logits = fwd(ids, pos, self.cols[:width], self.kv)
+                    if sampled:
+                        chosen, lp = head(logits[:, : self.vocab], self.temps[:b], mask, seeds, pos + 1)
+                    else:  # exactly what `sampling.sample` computes for a greedy row without processing
+                        logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
+                        chosen = torch.argmax(logp, dim=-1)
+                        lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
                     heads.append(torch.stack([chosen.double(), lp.double()]))
                     if i + 1 < steps:
-                        self.io[0, :b].copy_(chosen)
-                        self.io[1, :b].add_(1)
+                        ids.copy_(chosen)
+                        pos.add_(1)
         finally:
             cfg._attn_implementation = old
         return logits, torch.stack(heads)
 
-    def _prepare(self, steps: int) -> tuple[int, int]:
+    def _prepare(
+        self, steps: int, temps: list[float] | None = None, seeds: list[int] | None = None
+    ) -> tuple[int, int]:
         n = len(self.lengths)
         top = max(self.lengths) + steps
         self._ensure_capacity(top)
         b = next(x for x in self.buckets if x >= n) if self.use_graphs else n
         width = min(length_bucket(top), self.capacity)
-        host = torch.zeros((2, b), dtype=torch.long)
+        host = torch.zeros((4, b), dtype=torch.long)
         host[0, :n] = torch.tensor(self.next_tokens, dtype=torch.long)
         host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
+        t = torch.ones(b, dtype=torch.float32)
+        if temps is not None and seeds is not None:
+            host[2, :n] = torch.tensor(seeds, dtype=torch.long)
+            host[3, :n] = torch.tensor([1 if x > 0 else 0 for x in temps], dtype=torch.long)
+            t[:n] = torch.tensor([x if x > 0 else 1.0 for x in temps], dtype=torch.float32)
         self.io[:, :b].copy_(host, non_blocking=False)
+        self.temps[:b].copy_(t, non_blocking=False)
         return b, width
 
-    def _graph(self, b: int, width: int, steps: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        key = (b, width, steps)
+    def _graph(
+        self, b: int, width: int, steps: int, sampled: bool = False
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        key = (b, width, steps, sampled)
         got = self._graphs.get(key)
         if got is not None:
             return got
         t0 = time.perf_counter()
         if not self._weights_fp:
             self._weights_fp = tuple(p.data_ptr() for p in self.model.parameters())
-        saved = self.io.clone()
+        saved, saved_t = self.io.clone(), self.temps.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture; the step's own
             try:  # KV writes are recomputed identically by the replay
                 for _ in range(2):
                     self.io.copy_(saved)
-                    self._run(b, width, steps)
+                    self._run(b, width, steps, sampled)
             except Exception:
                 if not self.compile_model:
                     raise
@@ -392,14 +415,15 @@ class SlotBatch:
                 self._compiled, self.compile_model = None, False
                 for _ in range(2):
                     self.io.copy_(saved)
-                    self._run(b, width, steps)
+                    self._run(b, width, steps, sampled)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.io.copy_(saved)  # the replay starts from the same inputs
+        self.temps.copy_(saved_t)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, greedy = self._run(b, width, steps)
+            logits, greedy = self._run(b, width, steps, sampled)
         self.io.copy_(saved)
         got = (graph, logits, greedy)
         self._graphs[key] = got
@@ -407,13 +431,16 @@ class SlotBatch:
         self.stats["capture_s"] += time.perf_counter() - t0
         return got
 
-    def _execute(self, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        b, width = self._prepare(steps)
+    def _execute(
+        self, steps: int = 1, temps: list[float] | None = None, seeds: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sampled = temps is not None and any(x > 0 for x in temps)
+        b, width = self._prepare(steps, temps, seeds)
         n = len(self.lengths)
         got = None
         if self.use_graphs:
             try:
-                got = self._graph(b, width, steps)
+                got = self._graph(b, width, steps, sampled)
             except Exception:
                 log.exception("capturing the decode step failed; decoding in slots without graphs")
                 self.use_graphs = False
@@ -423,7 +450,7 @@ class SlotBatch:
             graph.replay()
             self.stats["replays"] += 1
         else:
-            logits, greedy = self._run(b, width, steps)
+            logits, greedy = self._run(b, width, steps, sampled)
             self.stats["eager_steps"] += 1
         self.lengths = [x + steps for x in self.lengths]
         if steps > 1:
@@ -440,12 +467,16 @@ class SlotBatch:
         return self._execute()[0]
 
     @torch.inference_mode()
-    def step_greedy(self, steps: int = 1) -> tuple[list[list[int]], list[list[float]]]:
-        """`steps` decode steps where every row is greedy without logit processing, each step's greedy
-        token feeding the next on the device (check `can_run(steps)` first). Returns per step the rows'
-        tokens and logprobs. Every row's length grows by `steps`: a row that finished inside them has
-        KV past its end, which `set_length` cuts before its KV is read."""
-        _, greedy = self._execute(steps)
+    def step_run(
+        self, steps: int = 1, temps: list[float] | None = None, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """`steps` decode steps where no row needs logit processing or truncation, each step's tokens
+        feeding the next on the device (check `can_run(steps)` first). Row i is greedy when `temps` is
+        None or `temps[i]` is 0, else drawn at temperature `temps[i]` with noise seed `seeds[i]`
+        (`sampling.pick`, indexed by the token's position). Returns per step the rows' tokens and
+        logprobs. Every row's length grows by `steps`: a row that finished inside them has KV past its
+        end, which `set_length` cuts before its KV is read."""
+        _, greedy = self._execute(steps, temps, seeds)
         got = greedy.tolist()
         return [[int(t) for t in toks] for toks, _ in got], [lps for _, lps in got]
 
@@ -473,6 +504,17 @@ class SlotBatch:
                     continue
                 for b in self.buckets:
                     self._graph(b, width, k)
+
+
+def _sampled_head(
+    logits: torch.Tensor, temps: torch.Tensor, mask: torch.Tensor, seeds: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `sampling.sample` computes for rows without processing or truncation: the log-softmax at each
+    row's temperature (1 for greedy rows), the argmax (greedy rows, mask 0) or a Gumbel-max draw (mask
+    1) keyed by the row's seed and the token's index, and the token's logprob."""
+    logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+    chosen = pick(logp, mask.bool(), seeds, index)
+    return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
 
 
 def _compile(fn: Any) -> Any:
