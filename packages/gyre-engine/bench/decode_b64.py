@@ -1,7 +1,8 @@
 """Batch 64 only, on CUDA: the engine's slot/CUDA-graph decode path on 64 prompts (128 tokens each, 256
 new tokens), in one process, plus the bandwidth fraction: a warm-up pass at the measured shapes, then the median of `--repeats` passes on fresh prompts. The baseline is
 `generate_alone.py`, plain `generate` in a fresh process (in the engine's process it runs slower: see the
-README). `--prefill-chunk` defaults to 8192, so the 64 prompts are prefilled in one pass.
+README). `--prefill-chunk` defaults to 8192, so the 64 prompts are prefilled in one pass;
+`--temperature 1` measures sampled rows (drawn on the device in runs) instead of greedy ones.
 
     PYTHONPATH=packages/gyre-engine/src python packages/gyre-engine/bench/decode_b64.py --out b64.json
 """
@@ -23,6 +24,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measured engine passes (the median is reported)")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--run-steps", type=int, default=8)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled rows (RL rollouts)"
+    )
     args = ap.parse_args()
     c = Case("qwen3-0.6b", "bfloat16", 128, 256, (64,), 32768, 1024)
     model = make_model(c.shape, c.dtype, "cuda")
@@ -46,12 +50,12 @@ def main() -> None:
         print(f"graph warm-up {warm:.1f} s ({time.time() - t0:.1f} s wall)", flush=True)
         # warm-up at the measured shapes: 64 fresh prompts prefilled and decoded (allocator segments,
         # kernels loaded on first use); then `repeats` measured passes, each on fresh prompts
-        engine_run(eng, [prompt(c.prompt_len) for _ in range(64)], 16)
+        engine_run(eng, [prompt(c.prompt_len) for _ in range(64)], 16, temperature=args.temperature)
         passes = []
         for _ in range(args.repeats):
             prompts = [prompt(c.prompt_len) for _ in range(64)]
             s0 = eng.stats()
-            wall = engine_run(eng, prompts, c.new_tokens)[0]
+            wall = engine_run(eng, prompts, c.new_tokens, temperature=args.temperature)[0]
             s1 = eng.stats()
             passes.append(
                 {

@@ -72,9 +72,14 @@ def _sync(device: str) -> None:
 
 
 def engine_run(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, timeout: float = 3600.0
+    engine: Engine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    timeout: float = 3600.0,
+    temperature: float = 0.0,
 ) -> tuple[float, int]:
-    """Submit all prompts at once; returns (wall seconds until all finished, cached tokens of the last)."""
+    """Submit all prompts at once (greedy, or sampled at `temperature`); returns (wall seconds until all
+    finished, cached tokens of the last)."""
     done = threading.Semaphore(0)
     cached = [0]
 
@@ -83,7 +88,7 @@ def engine_run(
             cached[0] = ev.cached_tokens
             done.release()
 
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
     t0 = time.perf_counter()
     futs = [
         engine.submit(EngineRequest(f"b{i}-{time.monotonic_ns()}", p, sp), sink)

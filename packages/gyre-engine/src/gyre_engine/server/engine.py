@@ -5,8 +5,8 @@ and returns a future; so a weight update, pause, abort or cache export never lan
 token is computed with two weight versions. Each step admits waiting requests (chunked prefill that
 reuses the longest cached prefix), then one batched decode step per lane of running requests
 (`lanes.py`: rows of similar length share a left-padded batch). On CUDA, rows decode first in fixed slots of
-a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`), several greedy steps per
-replay when every row is greedy; the lanes take what does not fit there. Each layer's q/k/v and gate/up
+a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`), several steps per replay
+when no row needs truncation or logit processing; the lanes take what does not fit there. Each layer's q/k/v and gate/up
 projections run as one GEMM each (`fused.py`).
 """
 
@@ -424,12 +424,14 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, lane: Lane) -> None:
-        """One decode step (or one greedy run of several) for the rows of one lane; finished rows leave it."""
+        """One decode step (or one run of several) for the rows of one lane; finished rows leave it."""
         t0 = time.perf_counter()
         reqs = lane.reqs
         batch = lane.batch
         if isinstance(batch, SlotBatch) and all(
-            r.sampler.untruncated and not r.sampler.needs_row_processing and not r.req.top_logprobs_num
+            (r.sampler.greedy or (r.sampler.untruncated and batch.device_sampling))
+            and not r.sampler.needs_row_processing
+            and not r.req.top_logprobs_num
             for r in reqs
         ):  # the head (argmax, or a draw at the row's temperature) runs inside the captured step
             steps = self._run_length(reqs, batch)

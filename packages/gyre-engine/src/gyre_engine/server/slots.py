@@ -202,6 +202,8 @@ class SlotBatch:
         self.io = torch.zeros((4, s), dtype=torch.long, device=dev)
         self.temps = torch.ones(s, dtype=torch.float32, device=dev)
         self._head: Any = None
+        self.device_sampling = True
+        """Whether rows sampled at their temperature may run here (false after a failed capture)."""
         self.rows = torch.arange(s, device=dev)
         self.cols = torch.arange(0, device=dev)
 
@@ -412,7 +414,7 @@ class SlotBatch:
                 if not self.compile_model:
                     raise
                 log.exception("compiled decode step failed; capturing the eager forward instead")
-                self._compiled, self.compile_model = None, False
+                self._compiled, self._head, self.compile_model = None, None, False
                 for _ in range(2):
                     self.io.copy_(saved)
                     self._run(b, width, steps, sampled)
@@ -442,9 +444,13 @@ class SlotBatch:
             try:
                 got = self._graph(b, width, steps, sampled)
             except Exception:
-                log.exception("capturing the decode step failed; decoding in slots without graphs")
-                self.use_graphs = False
-                self.drop_graphs()
+                if sampled:  # keep the greedy graphs; sampled rows go back to the host's `sample`
+                    log.exception("capturing a sampling decode step failed; sampling on the host")
+                    self.device_sampling = False
+                else:
+                    log.exception("capturing the decode step failed; decoding in slots without graphs")
+                    self.use_graphs = False
+                    self.drop_graphs()
         if got is not None:
             graph, logits, greedy = got
             graph.replay()
