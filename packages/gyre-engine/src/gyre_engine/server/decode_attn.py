@@ -1,12 +1,12 @@
 """Decode attention over the slot KV buffer: one query token per row, grouped-query heads, each row
 reading only its own valid columns.
 
-Why gyre has its own kernel here: on the H200 (torch 2.11, `bench/kernels_b64.py`, batch 64, Qwen3-0.6B
-heads) the attention one decode step needs per layer took 59 µs as a masked matmul/softmax/matmul over
-the length bucket, 63 µs with the flash-attention varlen kernel torch ships (`seqused_k`) and 43 µs with
-SDPA and a boolean mask, for 77 MB of keys and values: 1.2-1.8 TB/s of the card's 4.8. Torch 2.11 has no
-paged or split-KV entry to flash attention (`block_table`, `num_splits` came later), and 28 layers of
-that cost more than a whole step's weights.
+Why gyre has its own kernel here: on the H200 (torch 2.11, `bench/kernels_b64.py`, batch 64 rows of
+192-384 tokens, Qwen3-0.6B heads) the attention one decode step needs per layer took 57 µs as a masked
+matmul/softmax/matmul over the length bucket, 61 µs with the flash-attention varlen kernel torch ships
+(`seqused_k`) and 43 µs with SDPA and a boolean mask, for 77 MB of keys and values: 1.2-1.8 TB/s of the
+card's 4.8; this kernel took 34 µs. Torch 2.11 has no paged or split-KV entry to flash attention
+(`block_table`, `num_splits` came later), and 28 layers of attention cost more than a step's weights.
 
 The kernel is flash decoding in Triton: the columns of each (row, KV head) are split into chunks read by
 separate programs (so a batch of 64 rows of 300 tokens still fills the GPU), each program computes the

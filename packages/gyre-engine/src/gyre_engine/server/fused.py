@@ -44,7 +44,6 @@ class FusedLinear(nn.Linear):
 class _Group:
     def __init__(self, members: list[Any]) -> None:
         self.members = members
-        self.classes = [type(m) for m in members]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.x: torch.Tensor | None = None
