@@ -81,19 +81,18 @@ def gemms(m: int) -> dict[str, float]:
             F.linear(xa, lw["o"])
             F.linear(xi, lw["down"])
 
-    def fus() -> None:
-        for lw in fused:
-            F.linear(x, lw["qkv"])
-            F.linear(xa, lw["o"])
-            F.linear(x, lw["gu"])
-            F.linear(xi, lw["down"])
+    def four_gemms(layers: list[dict[str, torch.Tensor]], op: Callable[..., Any]) -> Callable[[], None]:
+        def run() -> None:
+            for lw in layers:
+                op(x, lw["qkv"])
+                op(xa, lw["o"])
+                op(x, lw["gu"])
+                op(xi, lw["down"])
 
-    def fus_t() -> None:
-        for lw in fused_t:
-            torch.mm(x, lw["qkv"])
-            torch.mm(xa, lw["o"])
-            torch.mm(x, lw["gu"])
-            torch.mm(xi, lw["down"])
+        return run
+
+    fus = four_gemms(fused, F.linear)  # weights [N, K]
+    fus_t = four_gemms(fused_t, torch.mm)  # the same stored transposed, [K, N]
 
     wbytes = sum(t.numel() * 2 for lw in w for t in lw.values())
     res = {"m": m, "weight_bytes": wbytes}
