@@ -117,7 +117,8 @@ def test_greedy_runs_end_rows_inside_a_run_and_store_exact_prefixes(model_dir: P
         assert eng.slots is not None
         ctx_a, ctx_b = slot_checks.SYSTEM + slot_checks.USER, [*slot_checks.TOOL, 7, 8]
         ref_b = slot_checks.reference_greedy(hf_model, ctx_b, 40)
-        stop = next(t for t in ref_b[3:] if ref_b.index(t) >= 3)  # first stops the row at index >= 3
+        # a token first appearing at index >= 3: as a stop token it ends the row there, mid-run
+        stop = next(t for t in ref_b[3:] if ref_b.index(t) >= 3)
         cut = ref_b.index(stop) + 1
         stop_params = SamplingParams(
             max_new_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]
