@@ -13,6 +13,7 @@ from gyre_train.chunked import chunked_loss_backward, plan
 from gyre_train.data import synthetic_minibatch
 from gyre_train.model import ModelConfig, build_model
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs
+from gyre_traj.pack import PackedBatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,25 @@ def test_plan_covers_each_token_once_and_gathers_ancestors(budget: int) -> None:
     assert sorted(np.concatenate([c.targets for c in chunks]).tolist()) == list(range(BIG.num_loss_tokens))
 
 
+def _one_microbatch_grads(
+    model: torch.nn.Module, batch: PackedBatch, cfg: LossConfig
+) -> tuple[float, dict[str, torch.Tensor], float]:
+    """The loss, per-parameter gradients and largest gradient magnitude of `batch` as one micro-batch."""
+    tb = TorchBatch.from_packed(batch)
+    model.zero_grad()
+    loss, _ = policy_loss(target_logprobs(model, tb), tb, cfg)
+    loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    scale = max(float(g.abs().max()) for g in ref.values())
+    assert scale > 0
+    return float(loss.detach()), ref, scale
+
+
+def _assert_grads(model: torch.nn.Module, ref: dict[str, torch.Tensor], scale: float) -> None:
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], atol=1e-6 * scale, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("mode", ["ppo", "tis"])
 def test_chunked_gradient_equals_one_microbatch(mode: str) -> None:
     model = build_model(ModelConfig())
@@ -50,22 +70,15 @@ def test_chunked_gradient_equals_one_microbatch(mode: str) -> None:
             torch.arange(BIG.num_loss_tokens, dtype=torch.float32)
         )
     big = type(BIG)(**{**BIG.__dict__, "old_logprobs": old.numpy().astype(np.float32)})
-    tb = TorchBatch.from_packed(big)
-    model.zero_grad()
-    loss, _ = policy_loss(target_logprobs(model, tb), tb, cfg)
-    loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    scale = max(float(g.abs().max()) for g in ref.values())
-    assert scale > 0
+    loss, ref, scale = _one_microbatch_grads(model, big, cfg)
     for budget, loss_slice in ((64, 2048), (300, 7)):  # the loss in one slice per chunk / in many
         model.zero_grad()
         m = chunked_loss_backward(model, big, budget, cfg, loss_slice=loss_slice)
         assert m["shared_chunks"] >= 1
         with_ancestors = sum(1 for c in plan(big, budget) if c.ext.shape[0])
         assert m["joined_in_place"] + m["joined_gathered"] == with_ancestors
-        assert abs(m["loss"] - float(loss.detach())) <= 1e-5 * max(1.0, abs(float(loss.detach())))
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref[n], atol=1e-6 * scale, rtol=1e-4, msg=n)
+        assert abs(m["loss"] - loss) <= 1e-5 * max(1.0, abs(loss))
+        _assert_grads(model, ref, scale)
 
 
 @pytest.mark.parametrize("branches", [0, 3])
@@ -78,18 +91,12 @@ def test_trunk_and_branches_join_in_place_with_the_same_gradient(branches: int) 
     b = packs(tree, max(branches, 1))[0][0]
     model = build_model(ModelConfig())
     cfg = LossConfig(mode="tis")
-    tb = TorchBatch.from_packed(b)
-    model.zero_grad()
-    loss, _ = policy_loss(target_logprobs(model, tb), tb, cfg)
-    loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    scale = max(float(g.abs().max()) for g in ref.values())
+    _, ref, scale = _one_microbatch_grads(model, b, cfg)
     model.zero_grad()
     m = chunked_loss_backward(model, b, 256, cfg)
     assert m["chunks"] >= 5 and m["joined_gathered"] == 0
     assert m["joined_in_place"] == m["chunks"] - 1
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n], atol=1e-6 * scale, rtol=1e-4, msg=n)
+    _assert_grads(model, ref, scale)
 
 
 @pytest.mark.slow
