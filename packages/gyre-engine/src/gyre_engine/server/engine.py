@@ -428,63 +428,55 @@ class Engine:
         t0 = time.perf_counter()
         reqs = lane.reqs
         batch = lane.batch
+        old = list(batch.lengths)
+        tops: list[list[tuple[float, int]]] | None = None
         if isinstance(batch, SlotBatch) and all(
             (r.sampler.greedy or (r.sampler.untruncated and batch.device_sampling))
             and not r.sampler.needs_row_processing
             and not r.req.top_logprobs_num
             for r in reqs
         ):  # the head (argmax, or a draw at the row's temperature) runs inside the captured step
-            steps = self._run_length(reqs, batch)
-            old = list(batch.lengths)
             toks, lps = batch.step_run(
-                steps,
+                self._run_length(reqs, batch),
                 [0.0 if r.sampler.greedy else r.req.params.temperature for r in reqs],
                 [r.sampler.seed for r in reqs],
             )
-            self._stats["decode_time_s"] += time.perf_counter() - t0
-            self._stats["decode_steps"] += steps
-            self._stats["decode_tokens"] += steps * len(reqs)
-            done: list[int] = []
-            for i, r in enumerate(reqs):
-                for k in range(steps):
-                    token = toks[k][i]
+            for step in toks:  # tokens past a row's finish are dropped with the row
+                for r, token in zip(reqs, step, strict=True):
                     r.sampler.observe(token)
-                    r.output.append(token)
-                    finish = r.finish_reason(token)
-                    if finish is not None or k + 1 == steps:
-                        break
-                got = [toks[j][i] for j in range(k + 1)]
-                got_lps = [lps[j][i] for j in range(k + 1)]
-                if finish is None:
-                    batch.next_tokens[i] = token
-                    self._emit(r, got, got_lps, None, None)
-                else:
-                    batch.set_length(i, old[i] + k + 1)
-                    if self.config.enable_prefix_cache:
-                        self.prefix.insert(r.context()[:-1], batch.row_kv_copy(i), owned=True)
-                    self._finish(r, finish, got, got_lps, None)
-                    done.append(i)
-            if done:
-                lane.drop(done)
-            return
-        logits = batch.step(self.model)
-        s = sample(logits, [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs])
+        else:  # `sample` observes its tokens
+            s = sample(
+                batch.step(self.model), [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs]
+            )
+            toks, lps, tops = [s.tokens], [s.logprobs], s.top
+        steps = len(toks)
         self._stats["decode_time_s"] += time.perf_counter() - t0
-        self._stats["decode_steps"] += 1
-        self._stats["decode_tokens"] += len(reqs)
-        done = []
+        self._stats["decode_steps"] += steps
+        self._stats["decode_tokens"] += steps * len(reqs)
+        done: list[int] = []
         for i, r in enumerate(reqs):
-            token = s.tokens[i]
-            r.output.append(token)
-            top = [s.top[i]] if s.top is not None else None
-            finish = r.finish_reason(token)
+            for k in range(steps):
+                token = toks[k][i]
+                r.output.append(token)
+                finish = r.finish_reason(token)
+                if finish is not None or k + 1 == steps:
+                    break
+            got = [toks[j][i] for j in range(k + 1)]
+            got_lps = [lps[j][i] for j in range(k + 1)]
+            top = [tops[i]] if tops is not None else None
             if finish is None:
                 batch.next_tokens[i] = token
-                self._emit(r, [token], [s.logprobs[i]], top, None)
+                self._emit(r, got, got_lps, top, None)
+                continue
+            if isinstance(batch, SlotBatch):
+                if k + 1 < steps:  # finished inside a run: its KV past the finish is dropped
+                    batch.set_length(i, old[i] + k + 1)
+                if self.config.enable_prefix_cache:
+                    self.prefix.insert(r.context()[:-1], batch.row_kv_copy(i), owned=True)
             else:
                 self._store_prefix(r.context()[:-1], batch.row_kv(i))
-                self._finish(r, finish, [token], [s.logprobs[i]], top)
-                done.append(i)
+            self._finish(r, finish, got, got_lps, top)
+            done.append(i)
         if done:
             lane.drop(done)
 
