@@ -15,6 +15,7 @@ import random
 import time
 
 from gyre_engine.bench.run import Case, bandwidth, engine_run, make_model
+from gyre_engine.server import decode_attn
 from gyre_engine.server.engine import Engine
 
 
@@ -27,7 +28,16 @@ def main() -> None:
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled rows (RL rollouts)"
     )
+    ap.add_argument(
+        "--warm-all",
+        action="store_true",
+        help="capture every batch and length bucket first (as `gyre-engine serve` does); else only the "
+        "graphs the warm-up pass needs",
+    )
+    ap.add_argument("--attn-target", type=int, default=None, help="decode attention's target programs")
     args = ap.parse_args()
+    if args.attn_target is not None:
+        decode_attn.TARGET_PROGRAMS = args.attn_target
     c = Case("qwen3-0.6b", "bfloat16", 128, 256, (64,), 32768, 1024)
     model = make_model(c.shape, c.dtype, "cuda")
     rng = random.Random(0)
@@ -46,11 +56,14 @@ def main() -> None:
     eng.start()
     try:
         t0 = time.time()
-        warm = eng.call(eng.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
-        print(f"graph warm-up {warm:.1f} s ({time.time() - t0:.1f} s wall)", flush=True)
-        # warm-up at the measured shapes: 64 fresh prompts prefilled and decoded (allocator segments,
-        # kernels loaded on first use); then `repeats` measured passes, each on fresh prompts
-        engine_run(eng, [prompt(c.prompt_len) for _ in range(64)], 16, temperature=args.temperature)
+        if args.warm_all:
+            warm = eng.call(eng.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
+            print(f"graph warm-up {warm:.1f} s ({time.time() - t0:.1f} s wall)", flush=True)
+        # warm-up at the measured shapes: 64 fresh prompts prefilled and decoded (compilation, the
+        # graphs these shapes need, allocator segments, kernels loaded on first use); then `repeats`
+        # measured passes, each on fresh prompts
+        engine_run(eng, [prompt(c.prompt_len) for _ in range(64)], c.new_tokens, temperature=args.temperature)
+        print(f"warm-up pass done {time.time() - t0:.1f} s", flush=True)
         passes = []
         for _ in range(args.repeats):
             prompts = [prompt(c.prompt_len) for _ in range(64)]
@@ -79,6 +92,7 @@ def main() -> None:
             },
             "bandwidth": bandwidth(model, c, rate),
             "decode_path": eng.slot_stats(),
+            "attention_target_programs": decode_attn.TARGET_PROGRAMS,
         }
     finally:
         eng.shutdown()

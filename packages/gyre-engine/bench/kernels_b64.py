@@ -261,6 +261,22 @@ def attention(b: int, top: int, sweep: bool = False) -> dict[str, Any]:
         ("sdpa_bool_mask_gqa", sdpa_mask),
         ("cudnn_seqused_k", cudnn_paged),
     ]
+    # the engine's kernel as the slot step calls it: the step's own key/value handed over (here equal to
+    # what the buffer holds at column n - 1, so the reference stands) and written by the kernel; one
+    # split per row (no combine kernel) where `target` allows
+    rows = torch.arange(b, device=dev)
+    new_k = khm[rows, :, lengths.long() - 1]  # [b, kvh, hd]
+    new_v = vhm[rows, :, lengths.long() - 1]
+    for bn in (64, 128):
+        for target in (256, 512, 1024, 2048):
+            for warps, stages in ((4, 2), (4, 3), (8, 3)):
+                variants.append((
+                    f"write_bn{bn}_t{target}_w{warps}_s{stages}",
+                    lambda bn=bn, target=target, warps=warps, stages=stages: triton_decode_attention(
+                        q, khm[:, :, :width], vhm[:, :, :width], valid, scale, bn, target, warps, stages,
+                        new_key=new_k, new_value=new_v,
+                    ),
+                ))  # fmt: skip
     if sweep:
         for bn in (32, 64, 128):
             for target in (512, 1024, 2048, 4096):
@@ -286,12 +302,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--gemms-only", action="store_true")
+    ap.add_argument(
+        "--attention-only", action="store_true", help="attention variants only, without the old tile sweep"
+    )
     args = ap.parse_args()
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "flash_schema": str(torch.ops.aten._flash_attention_forward.default._schema),
     }
+    if args.attention_only:
+        res["attention"] = [attention(64, top) for top in (384, 1024, 4096)] + [attention(16, 1024)]
+        with open(args.out, "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n")
+        return
     res["gemms"] = [gemms(m) for m in (64, 16)]
     if args.gemms_only:
         with open(args.out, "w") as f:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -79,7 +80,9 @@ def _interpret(code: str, timeout: float) -> str:
 @pytest.mark.slow
 def test_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
     """Several splits or one, a width that is not a whole number of tiles, rows attending one column or
-    all of them, one to four query heads per KV head, a strided query as transformers hands it over."""
+    all of them, one to four query heads per KV head, a strided query as transformers hands it over;
+    and with the step's own key/value (slices of one fused projection, as the model hands them over),
+    which the kernel attends and writes into the buffer."""
     out = _interpret(
         """
         import torch
@@ -103,11 +106,66 @@ def test_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
             err = max(float((got - want).abs().max()), float((op - want).abs().max()))
             print(b, h, kvh, width, plan_splits(b, kvh, width, target=target), err)
             assert err < 1e-5, err
+        import test_decode_attn as t
+        for seed, (b, h, kvh, d, cap, width, target) in enumerate(cases):
+            for tgt in (target, 1 << 20):  # several splits (where the width allows), and one
+                c = t._slot_case(seed, b, h, kvh, d, cap, width)
+                want, want_kv = t._slot_reference(c)
+                key, value = c["kv"][0, 1, :b, :, :width], c["kv"][1, 1, :b, :, :width]
+                got = triton_decode_attention(
+                    c["query"], key, value, c["valid"], c["scale"], target=tgt,
+                    new_key=c["new_key"], new_value=c["new_value"],
+                )
+                err = float((got - want).abs().max())
+                print("slot", b, width, plan_splits(b, kvh, width, target=tgt), err)
+                assert err < 1e-5 and torch.equal(c["kv"], want_kv), err
+                c = t._slot_case(seed, b, h, kvh, d, cap, width)
+                got = torch.ops.gyre.slot_decode_attention(**c)  # the op takes the Triton path here
+                assert float((got - want).abs().max()) < 1e-5 and torch.equal(c["kv"], want_kv)
         print("ok")
         """,
         timeout=300,
     )
     assert out.strip().endswith("ok")
+
+
+def _slot_case(seed: int, b: int, h: int, kvh: int, d: int, cap: int, width: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 3, b + 2, kvh, cap, d, generator=g)
+    valid = torch.randint(1, width + 1, (b,), generator=g)
+    valid[0], valid[-1] = 1, width
+    qkv = torch.randn(b, h + 2 * kvh, d, generator=g)  # one fused projection, as the model hands it
+    return {
+        "query": qkv[:, :h],
+        "new_key": qkv[:, h : h + kvh],
+        "new_value": qkv[:, h + kvh :],
+        "kv": kv,
+        "layer": 1,
+        "valid": valid,
+        "width": width,
+        "scale": d**-0.5,
+    }
+
+
+def _slot_reference(c: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new key/value written by hand, then attention over the buffer: what the op must equal."""
+    kv = c["kv"].clone()
+    for i, n in enumerate(c["valid"].tolist()):
+        kv[0, c["layer"], i, :, n - 1] = c["new_key"][i]
+        kv[1, c["layer"], i, :, n - 1] = c["new_value"][i]
+    b, w = c["query"].shape[0], c["width"]
+    k, v = kv[0, c["layer"], :b, :, :w], kv[1, c["layer"], :b, :, :w]
+    return masked_reference(c["query"], k, v, c["valid"], c["scale"]), kv
+
+
+def test_slot_decode_attention_writes_the_new_key_value_and_attends() -> None:
+    """The op off Triton (what the CPU engine runs): each row's new key/value land at its last valid
+    column of its slot at that layer, nothing else in the buffer changes, and the output attends them."""
+    c = _slot_case(0, 4, 4, 2, 16, 64, 40)
+    want, want_kv = _slot_reference(c)
+    got = torch.ops.gyre.slot_decode_attention(**c)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(c["kv"], want_kv)
 
 
 @pytest.mark.slow

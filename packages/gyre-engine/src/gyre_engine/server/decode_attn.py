@@ -35,8 +35,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 BLOCK_N = 64
 """Columns per tile inside a chunk."""
-TARGET_PROGRAMS = 1024
-"""Chunks are made small enough that a step launches about this many programs (the H200 has 132 SMs)."""
+TARGET_PROGRAMS = 512
+"""Chunks are made small enough that a step launches about this many programs (the H200 has 132 SMs).
+At batch 64 with 8 KV heads that is one chunk per row (no combine kernel) up to long contexts."""
 
 
 def masked_reference(
@@ -61,15 +62,17 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, VALID, PART, LSE,
+        Q, K, V, VALID, PART, LSE, KNEW, VNEW, OUT,
         sq_b, sq_h,
         sk_b, sk_h, sk_n,
         sv_b, sv_h, sv_n,
         so_b, so_h, so_s,
         sl_b, sl_h,
+        skn_b, skn_h, svn_b, svn_h,
+        sout_b, sout_h,
         scale_log2,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, NEW: tl.constexpr, ONE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kh = tl.program_id(1)
@@ -86,25 +89,43 @@ if triton is not None:
         start = s * CHUNK
         kbase = K + b * sk_b + kh * sk_h
         vbase = V + b * sv_b + kh * sv_h
+        # with NEW, column n - 1 is the step's own key/value (KNEW/VNEW): it is read from there, never
+        # from the buffer, and the program whose chunk holds it writes it into the buffer
+        last = n - 1 if NEW else n
+        if NEW:
+            knew = tl.load(KNEW + b * skn_b + kh * skn_h + d)
+            vnew = tl.load(VNEW + b * svn_b + kh * svn_h + d)
+            if (start <= n - 1) & (n - 1 < start + CHUNK):
+                tl.store(kbase + (n - 1) * sk_n + d, knew)
+                tl.store(vbase + (n - 1) * sv_n + d, vnew)
         for off in range(0, CHUNK, BN):
             cols = start + off + tl.arange(0, BN)
             cm = cols < n
-            k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=cm[:, None], other=0.0)
+            k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=(cols < last)[:, None], other=0.0)
+            if NEW:
+                k = tl.where((cols == n - 1)[:, None], knew[None, :], k)
             sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [GP, BN], log2 units
             sc = tl.where(cm[None, :], sc, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(sc - m_safe[:, None])
-            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=cm[:, None], other=0.0)
+            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=(cols < last)[:, None], other=0.0)
+            if NEW:
+                v = tl.where((cols == n - 1)[:, None], vnew[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
-        tl.store(PART + b * so_b + heads[:, None] * so_h + s * so_s + d[None, :], out, mask=gm[:, None])
-        tl.store(LSE + b * sl_b + heads * sl_h + s, lse, mask=gm)
+        if ONE:  # one chunk covers the row: this is the output (no combine kernel)
+            optr = OUT + b * sout_b + heads[:, None] * sout_h + d[None, :]
+            tl.store(optr, out.to(OUT.dtype.element_ty), mask=gm[:, None])
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
+            pptr = PART + b * so_b + heads[:, None] * so_h + s * so_s + d[None, :]
+            tl.store(pptr, out, mask=gm[:, None])
+            tl.store(LSE + b * sl_b + heads * sl_h + s, lse, mask=gm)
 
     @triton.jit
     def _combine_kernel(  # type: ignore[no-untyped-def]
@@ -147,11 +168,15 @@ def triton_decode_attention(
     valid: torch.Tensor,
     scale: float,
     block_n: int = BLOCK_N,
-    target: int = TARGET_PROGRAMS,
+    target: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton path of `decode_attention` (needs Triton; on the CPU only under TRITON_INTERPRET=1)."""
+    """The Triton path of `decode_attention` (needs Triton; on the CPU only under TRITON_INTERPRET=1).
+    With `new_key`/`new_value` ([B, KVH, D]), column valid[i] - 1 of row i is the step's own key/value:
+    the kernel attends to them and writes them into `key`/`value` (views of the slot buffer)."""
     assert triton is not None
     b, h, d = query.shape
     kvh, width = key.shape[1], key.shape[2]
@@ -160,30 +185,45 @@ def triton_decode_attention(
         raise ValueError("decode_attention needs the head dimension contiguous")
     if d & (d - 1):
         raise ValueError(f"decode_attention needs a power-of-two head dimension, not {d}")
-    splits, chunk = plan_splits(b, kvh, width, block_n, target)
-    part = torch.empty((b, h, splits, d), dtype=torch.float32, device=query.device)
-    lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
+    new = new_key is not None and new_value is not None
+    if new:
+        assert new_key is not None and new_value is not None
+        if new_key.stride(2) != 1 or new_value.stride(2) != 1:
+            raise ValueError("the new key and value need the head dimension contiguous")
+        kn, vn = new_key.to(key.dtype), new_value.to(value.dtype)
+    else:
+        kn, vn = key, value  # not read
+    splits, chunk = plan_splits(b, kvh, width, block_n, TARGET_PROGRAMS if target is None else target)
     out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
+    if splits == 1:  # the split kernel writes the output itself
+        part, lse = out, out
+    else:
+        part = torch.empty((b, h, splits, d), dtype=torch.float32, device=query.device)
+        lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
     _split_kernel[(b, kvh, splits)](
-        query, key, value, valid, part, lse,
+        query, key, value, valid, part, lse, kn, vn, out,
         query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
-        part.stride(0), part.stride(1), part.stride(2),
+        part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        out.stride(0), out.stride(1),
         scale * 1.4426950408889634,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=chunk, BN=block_n,
         PREC="ieee" if query.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
+        NEW=new, ONE=splits == 1,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _combine_kernel[(b, h)](
-        part, lse, out,
-        part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        splits, SP=max(2, triton.next_power_of_2(splits)), D=d,
-        num_warps=4,
-    )  # fmt: skip
+    if splits > 1:
+        _combine_kernel[(b, h)](
+            part, lse, out,
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            splits, SP=max(2, triton.next_power_of_2(splits)), D=d,
+            num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -210,4 +250,36 @@ def decode_attention(
 
 @decode_attention.register_fake
 def _(query: Any, key: Any, value: Any, valid: Any, scale: float) -> Any:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("gyre::slot_decode_attention", mutates_args=("kv",))
+def slot_decode_attention(
+    query: torch.Tensor,
+    new_key: torch.Tensor,
+    new_value: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    valid: torch.Tensor,
+    width: int,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step's attention for rows 0..B-1 of the slot buffer `kv` ([2, layers, slots, KVH,
+    capacity, D]) at layer `layer`: row i's new key/value (new_key/new_value [B, KVH, D]) go to column
+    valid[i] - 1 of its slot, and its query [B, H, D] attends columns [0, valid[i]) of the first `width`.
+    On CUDA one Triton kernel does both (the write costs no kernel of its own); else an indexed write,
+    then `masked_reference`. Declared as mutating `kv`, so torch.compile keeps the write in place."""
+    b = query.shape[0]
+    key, value = kv[0, layer, :b, :, :width], kv[1, layer, :b, :, :width]
+    if triton_available(query.device):
+        return triton_decode_attention(query, key, value, valid, scale, new_key=new_key, new_value=new_value)
+    rows = torch.arange(b, device=query.device)
+    kv[:, layer, rows, :, valid - 1] = torch.stack([new_key, new_value], dim=1).to(kv.dtype)
+    return masked_reference(query, key, value, valid, scale)
+
+
+@slot_decode_attention.register_fake
+def _(
+    query: Any, new_key: Any, new_value: Any, kv: Any, layer: int, valid: Any, width: int, scale: float
+) -> Any:
     return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -5,12 +5,13 @@ every layer from Python each step; on a GPU that, not memory bandwidth, bounds d
 request owns a slot: row `i` of a static KV buffer (`[2, layers, slots, kv_heads, capacity, head_dim]`),
 with its own length. One decode step is the transformers model's own forward, given
 
-- `SlotCache`, a duck-typed cache whose `update` writes each row's new key/value at that row's position
-  (an `index_put_` with per-row positions) and returns the buffers cut to a length bucket, and
+- `SlotCache`, a duck-typed cache whose `update` hands the step's new key/value through, and
 - the attention function `gyre_slots` (registered through transformers' `AttentionInterface`), which
-  passes the query and the buffers to `gyre::decode_attention` (`decode_attn.py`: grouped-query
-  attention over each row's valid columns, a Triton flash-decoding kernel on CUDA); in place of a mask
-  the model is handed each row's count of valid columns.
+  passes the query, the new key/value and the buffer (a keyword argument of the model call, which
+  transformers hands on to attention functions) to `gyre::slot_decode_attention` (`decode_attn.py`):
+  it writes each row's new key/value at that row's position and computes grouped-query attention over
+  each row's valid columns, in one Triton flash-decoding kernel on CUDA; in place of a mask the model
+  is handed each row's count of valid columns.
 
 On CUDA the step for a (batch bucket, length bucket, run length) is captured once as a
 `torch.cuda.CUDAGraph` (optionally over a `torch.compile`d forward, which fuses the norms, rotary and
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::decode_attention)
+from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::slot_decode_attention)
 from gyre_engine.server.batch import RowKV, cache_kwarg
 from gyre_engine.server.sampling import pick
 
@@ -46,24 +47,6 @@ log = logging.getLogger(__name__)
 ATTN_NAME = "gyre_slots"
 LEN_QUANTUM = 128
 _registered = False
-
-
-@torch.library.custom_op("gyre::slot_kv_write", mutates_args=("kv",))
-def slot_kv_write(
-    kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pos: torch.Tensor, layer: int
-) -> None:
-    """Write row i's new key/value (key/value [B, KVH, 1, D]) at column pos[i] of slot i of layer
-    `layer` of `kv` ([2, layers, slots, KVH, capacity, D]). A custom op that declares its mutation, so
-    torch.compile keeps the write in place (an `index_put_` on a view of a graph input is functionalized
-    into a copy of the whole buffer)."""
-    b = key.shape[0]
-    rows = torch.arange(b, device=key.device)
-    kv[:, layer, rows, :, pos] = torch.stack([key[:, :, 0], value[:, :, 0]], dim=1).to(kv.dtype)
-
-
-@slot_kv_write.register_fake
-def _(kv, key, value, pos, layer):  # type: ignore[no-untyped-def]
-    return None
 
 
 def _slot_attention_interface(
@@ -76,13 +59,27 @@ def _slot_attention_interface(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function for a slot step. `key`/`value` are the slot buffers cut to the
-    step's rows and columns (from `SlotCache.update`, which wrote the new token's); in place of a mask,
-    `attention_mask` is the [B] count of valid columns per row (position + 1), which transformers hands
-    through untouched. Returns [B, 1, H, D]."""
+    """transformers attention function for a slot step. `key`/`value` are the step's own [B, KVH, 1, D]
+    (`SlotCache.update` hands them through); the slot buffer and the step's column count come as the
+    model call's keyword arguments `gyre_kv` and `gyre_width` (transformers passes a forward's extra
+    keyword arguments on to the attention function), and in place of a mask `attention_mask` is the [B]
+    count of valid columns per row (position + 1), which transformers hands through untouched.
+    `gyre::slot_decode_attention` writes the new key/value into the buffer and attends. Returns
+    [B, 1, H, D]."""
     assert attention_mask is not None and attention_mask.dim() == 1
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.gyre.decode_attention(query[:, :, 0], key, value, attention_mask, scale)
+    layer = module.layer_idx
+    assert isinstance(layer, int)
+    out = torch.ops.gyre.slot_decode_attention(
+        query[:, :, 0],
+        key[:, :, 0],
+        value[:, :, 0],
+        kwargs["gyre_kv"],
+        layer,
+        attention_mask,
+        kwargs["gyre_width"],
+        scale,
+    )
     return out[:, None], None
 
 
@@ -96,19 +93,14 @@ def register_attention() -> None:
 
 
 class SlotCache:
-    """What the model's attention layers see as their cache during a slot step: `update` writes row i's
-    new key/value at column pos[i] of slot i and returns the buffers cut to the step's rows and columns.
+    """What the model's attention layers see as their cache during a slot step: `update` hands the new
+    key/value through (the attention function writes them into the slot buffer, inside its kernel).
     Duck-typed (transformers 5.17 and 5.2x call `update(k, v, layer_idx, ...)`)."""
-
-    def __init__(self, kv: torch.Tensor, pos: torch.Tensor, width: int) -> None:
-        self.kv, self.pos, self.width = kv, pos, width
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        torch.ops.gyre.slot_kv_write(self.kv, k, v, self.pos, layer_idx)
-        b = k.shape[0]
-        return self.kv[0, layer_idx, :b, :, : self.width], self.kv[1, layer_idx, :b, :, : self.width]
+        return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -202,6 +194,7 @@ class SlotBatch:
         self.io = torch.zeros((4, s), dtype=torch.long, device=dev)
         self.temps = torch.ones(s, dtype=torch.float32, device=dev)
         self._head: Any = None
+        self._greedy: Any = None
         self.device_sampling = True
         """Whether rows sampled at their temperature may run here (false after a failed capture)."""
         self.rows = torch.arange(s, device=dev)
@@ -324,13 +317,14 @@ class SlotBatch:
         columns. Every input is contiguous whatever the bucket, so the compiled code does not specialize
         on the largest bucket (a [2, b] slice of the [2, slots] buffer is contiguous only at b = slots)."""
         valid = pos + 1  # what the attention function takes in place of a mask
-        cache = SlotCache(kv, pos, cols.shape[0])
         out = self.model(
             input_ids=ids[:, None],
             position_ids=pos[:, None],
             attention_mask={"full_attention": valid, "sliding_attention": valid},
             use_cache=True,
-            **{self.cache_kw: cache},
+            gyre_kv=kv,
+            gyre_width=cols.shape[0],
+            **{self.cache_kw: SlotCache()},
         )
         return out.logits[:, -1]
 
@@ -346,8 +340,10 @@ class SlotBatch:
         if self.compile_model and self._compiled is None:
             self._compiled = _compile(self._forward)
             self._head = _compile(_sampled_head)
+            self._greedy = _compile(_greedy_head)
         fwd = self._compiled if self._compiled is not None else self._forward
         head = self._head if self._head is not None else _sampled_head
+        greedy = self._greedy if self._greedy is not None else _greedy_head
         cfg = self.model.config
         old = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
@@ -360,10 +356,8 @@ class SlotBatch:
                     logits = fwd(ids, pos, self.cols[:width], self.kv)
                     if sampled:
                         chosen, lp = head(logits[:, : self.vocab], self.temps[:b], mask, seeds, pos + 1)
-                    else:  # exactly what `sampling.sample` computes for a greedy row without processing
-                        logp = torch.log_softmax(logits.float()[:, : self.vocab] / 1.0, dim=-1)
-                        chosen = torch.argmax(logp, dim=-1)
-                        lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
+                    else:
+                        chosen, lp = greedy(logits[:, : self.vocab])
                     heads.append(torch.stack([chosen.double(), lp.double()]))
                     if i + 1 < steps:
                         ids.copy_(chosen)
@@ -414,7 +408,7 @@ class SlotBatch:
                 if not self.compile_model:
                     raise
                 log.exception("compiled decode step failed; capturing the eager forward instead")
-                self._compiled, self._head, self.compile_model = None, None, False
+                self._compiled, self._head, self._greedy, self.compile_model = None, None, None, False
                 for _ in range(2):
                     self.io.copy_(saved)
                     self._run(b, width, steps, sampled)
@@ -510,6 +504,14 @@ class SlotBatch:
                     continue
                 for b in self.buckets:
                     self._graph(b, width, k)
+
+
+def _greedy_head(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `sampling.sample` computes for a greedy row without processing: the argmax of the float
+    log-softmax and its logprob."""
+    logp = torch.log_softmax(logits.float() / 1.0, dim=-1)
+    chosen = torch.argmax(logp, dim=-1)
+    return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
 
 
 def _sampled_head(
