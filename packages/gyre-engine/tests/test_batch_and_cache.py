@@ -86,6 +86,28 @@ def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_mode
     assert cached.length == 5  # the cached prefix itself was not written to
 
 
+@pytest.mark.slow
+def test_the_compiled_group_prefill_equals_the_eager_one(hf_model: Any) -> None:
+    """What the engine runs on CUDA (`compile_prefill`): `group_forward` through torch.compile, with
+    dynamic shapes (groups of other sizes and widths reuse the compilation), gives each prompt the
+    eager pass's logits and KV."""
+    from gyre_engine.server.prefill import group_forward
+    from gyre_engine.server.slots import compile_fn
+
+    fn = compile_fn(group_forward)
+    kw, cpu = cache_kwarg(hf_model), torch.device("cpu")
+    for sizes in ((3, 11, 1, 7), (5, 9), (12, 12, 30)):
+        ctxs = [[500 + 3 * i + n for i in range(n)] for n in sizes]
+        with torch.inference_mode():
+            want_rows, want = prefill_group(hf_model, kw, ctxs, cpu)
+            rows, got = prefill_group(hf_model, kw, ctxs, cpu, fn)
+        assert torch.allclose(got, want, atol=1e-4)
+        for row, want_row, c in zip(rows, want_rows, ctxs, strict=True):
+            assert row.length == len(c)
+            for a, b in zip(row.keys + row.values, want_row.keys + want_row.values, strict=True):
+                assert torch.allclose(a, b, atol=1e-4)
+
+
 def test_lanes_bound_padding_and_keep_rows_in_order() -> None:
     lanes = Lanes(torch.device("cpu"), slack=4)
     reqs = [SimpleNamespace(rid=f"r{n}") for n in (10, 12, 500, 24, 30)]

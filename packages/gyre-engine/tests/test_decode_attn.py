@@ -1,6 +1,7 @@
 """Decode attention (`server/decode_attn.py`): the torch reference against transformers-style attention
 (KV heads repeated, boolean mask), the split plan, and the Triton kernels themselves run on the CPU
 through Triton's interpreter (a subprocess with TRITON_INTERPRET=1), alone and inside the slot engine.
+The decode head's Triton kernels (`server/head.py`) against the torch head, in the interpreter too.
 The interpreter computes float32 (its bf16 dot is not usable); the GPU runs them in bf16
 (`tests/test_cuda_graphs.py` on CUDA, `bench/kernels_b64.py`)."""
 
@@ -188,5 +189,41 @@ def test_slot_engine_with_the_triton_kernel_equals_generate(model_dir: Path) -> 
         print("ok")
         """,
         timeout=400,
+    )
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.slow
+def test_the_triton_head_equals_the_torch_head_in_the_interpreter() -> None:
+    """Each row's token and logprob equal the torch head's (what `sampling.sample` computes): the argmax
+    for greedy rows, the same seeded Gumbel-max draw for sampled rows, ties to the first index across
+    chunks, a vocabulary that is not a whole number of chunks; the tokens also land in the next inputs."""
+    out = _interpret(
+        """
+        import torch
+        from gyre_engine.server.head import decode_head
+        from gyre_engine.server.slots import _greedy_head, _sampled_head
+        torch.manual_seed(0)
+        for vocab, chunk, block in ((5000, 1024, 256), (2048, 2048, 512), (700, 256, 256)):
+            b = 6
+            logits = torch.randn(b, vocab + 3)[:, :vocab] * 3  # a padded vocabulary, as the lm head gives it
+            logits[1, 17] = logits[1, vocab - 5] = logits[1].max() + 1.0  # a tie across chunks: first wins
+            temps = torch.tensor([1.0, 1.0, 0.7, 1.0, 1.3, 1.0])
+            mask = torch.tensor([0, 0, 1, 1, 1, 0])
+            seeds = torch.tensor([5, 9, 2**61 + 3, 11, 12, 4])
+            pos = torch.tensor([0, 4, 100, 7, 7, 2**20])
+            ids = torch.zeros(b, dtype=torch.long)
+            got = decode_head(logits, temps, mask, seeds, pos, next_ids=ids, chunk=chunk, block=block)
+            tok, lp = _sampled_head(logits, temps, mask, seeds, pos + 1)
+            assert got[0].long().tolist() == tok.tolist(), (got[0], tok)
+            assert torch.equal(ids, tok)
+            assert float((got[1] - lp.double()).abs().max()) < 1e-5, (got[1], lp)
+            assert got[0, 1] == 17
+            g_tok, g_lp = _greedy_head(logits[mask == 0])
+            assert got[0][mask == 0].long().tolist() == g_tok.tolist()
+            print(vocab, chunk, got[0].long().tolist())
+        print("ok")
+        """,
+        timeout=300,
     )
     assert out.strip().endswith("ok")

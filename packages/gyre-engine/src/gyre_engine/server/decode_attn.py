@@ -89,33 +89,42 @@ if triton is not None:
         start = s * CHUNK
         kbase = K + b * sk_b + kh * sk_h
         vbase = V + b * sv_b + kh * sv_h
-        # with NEW, column n - 1 is the step's own key/value (KNEW/VNEW): it is read from there, never
-        # from the buffer, and the program whose chunk holds it writes it into the buffer
+        # with NEW, column n - 1 is the step's own key/value (KNEW/VNEW): the tiles never read it from the
+        # buffer (a select inside a tile would stop Triton from streaming tiles straight into shared
+        # memory); the program whose chunk holds it adds it to the running softmax after its tiles and
+        # writes it into the buffer
         last = n - 1 if NEW else n
-        if NEW:
-            knew = tl.load(KNEW + b * skn_b + kh * skn_h + d)
-            vnew = tl.load(VNEW + b * svn_b + kh * svn_h + d)
-            if (start <= n - 1) & (n - 1 < start + CHUNK):
-                tl.store(kbase + (n - 1) * sk_n + d, knew)
-                tl.store(vbase + (n - 1) * sv_n + d, vnew)
-        for off in range(0, CHUNK, BN):
-            cols = start + off + tl.arange(0, BN)
-            cm = cols < n
-            k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=(cols < last)[:, None], other=0.0)
-            if NEW:
-                k = tl.where((cols == n - 1)[:, None], knew[None, :], k)
+        end = tl.minimum(start + CHUNK, last)  # tiles past the row's end are not visited
+        for lo in range(start, end, BN):
+            cols = lo + tl.arange(0, BN)
+            cm = cols < last
+            k = tl.load(kbase + cols[:, None] * sk_n + d[None, :], mask=cm[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [GP, BN], log2 units
             sc = tl.where(cm[None, :], sc, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(sc, 1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(sc - m_safe[:, None])
-            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=(cols < last)[:, None], other=0.0)
-            if NEW:
-                v = tl.where((cols == n - 1)[:, None], vnew[None, :], v)
+            v = tl.load(vbase + cols[:, None] * sv_n + d[None, :], mask=cm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
+        if NEW:
+            own = (start <= n - 1) & (n - 1 < start + CHUNK)
+            knew = tl.load(KNEW + b * skn_b + kh * skn_h + d)
+            vnew = tl.load(VNEW + b * svn_b + kh * svn_h + d)
+            sn = tl.sum(q.to(tl.float32) * knew.to(tl.float32)[None, :], 1) * scale_log2  # [GP]
+            sn = tl.where(own, sn, -float("inf"))
+            m_new = tl.maximum(m_i, sn)
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(sn - m_safe)
+            acc = acc * alpha[:, None] + p[:, None] * vnew.to(tl.float32)[None, :]
+            l_i = l_i * alpha + p
+            m_i = m_new
+            if own:
+                tl.store(kbase + (n - 1) * sk_n + d, knew)
+                tl.store(vbase + (n - 1) * sv_n + d, vnew)
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if ONE:  # one chunk covers the row: this is the output (no combine kernel)

@@ -28,7 +28,7 @@ from gyre_engine.protocol import FinishReason, ProtocolError
 from gyre_engine.server.batch import RowKV, cache_kwarg, cache_layers
 from gyre_engine.server.fused import FusedProjections
 from gyre_engine.server.lanes import Lane, Lanes
-from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache
+from gyre_engine.server.prefill import group_forward, prefill_chunk, prefill_group, start_cache
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
     EngineRequest,
@@ -40,7 +40,7 @@ from gyre_engine.server.request import (
     compile_stop_regex,
 )
 from gyre_engine.server.sampling import SamplerState, sample, validate_params
-from gyre_engine.server.slots import SlotBatch
+from gyre_engine.server.slots import SlotBatch, compile_fn
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,6 +90,9 @@ class Engine:
         CUDA, off elsewhere)."""
         compile_decode: bool = True
         """Capture the slot step over a `torch.compile`d forward (fused elementwise kernels); on CUDA."""
+        compile_prefill: bool = True
+        """Run fresh prompts' left-padded prefill pass through torch.compile (dynamic shapes, compiled on
+        first use); on CUDA. If compilation fails, prefill runs eagerly from then on."""
         slot_kv_fraction: float = 0.2
         """Bound of the slots' KV buffer, as a fraction of the device's memory (CUDA)."""
         slot_max_len: int | None = None
@@ -129,6 +132,9 @@ class Engine:
         self._partial: _Partial | None = None
         self._placing: list[Running] = []
         self.prefix = PrefixCache(self.config.max_cached_tokens)
+        self.compiled_prefill: Any = None
+        """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
+        self._compile_prefill = self.config.compile_prefill and self.device.type == "cuda"
         self._stats: dict[str, float] = {
             "prefill_tokens_computed": 0,
             "prefill_tokens_cached": 0,
@@ -194,6 +200,7 @@ class Engine:
             "enabled": True,
             "graphs": self.slots.use_graphs,
             "compiled": self.slots.compile_model,
+            "prefill_compiled": self.compiled_prefill is not None,
             "slots": self.slots.slots,
             "max_len": self.slots.max_len,
             "capacity": self.slots.capacity,
@@ -384,7 +391,16 @@ class Engine:
     @torch.inference_mode()
     def _prefill_group(self, group: list[Running], joining: list[tuple[Running, RowKV, int]]) -> None:
         ctxs = [r.context() for r in group]
-        rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
+        if self._compile_prefill and self.compiled_prefill is None:
+            self.compiled_prefill = compile_fn(group_forward)
+        try:
+            rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device, self.compiled_prefill)
+        except Exception:
+            if self.compiled_prefill is None:
+                raise
+            log.exception("compiled prefill failed; prefilling eagerly from now on")
+            self.compiled_prefill, self._compile_prefill = None, False
+            rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
         first = sample(logits, [r.sampler for r in group], [r.req.top_logprobs_num for r in group])
         for i, (r, ctx, row) in enumerate(zip(group, ctxs, rows, strict=True)):
             self._count_prefill(r, len(ctx), 0)

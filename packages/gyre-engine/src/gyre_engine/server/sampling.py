@@ -142,6 +142,7 @@ def _process_row(logits: torch.Tensor, st: SamplerState) -> None:
 
 
 _M32 = 0xFFFFFFFF
+_GOLDEN_I32 = 0x9E3779B1 - (1 << 32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +158,10 @@ def gumbel_noise(seeds: torch.Tensor, index: torch.Tensor, vocab: int) -> torch.
     seeds, index = seeds.long(), index.long()
     key = _mix32(_mix32((seeds & _M32) ^ _mix32(index & _M32)) ^ ((seeds >> 32) & _M32))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
-    x = _mix32(key[:, None] ^ (ids[None, :] * 0x9E3779B1 & _M32))
+    # ids * 0x9E3779B1 mod 2^32, written with the multiplier's int32 twin (0x9E3779B1 - 2^32): the same
+    # low 32 bits, and a constant that fits the 32-bit index arithmetic torch.compile generates for
+    # `arange * c` (Inductor cannot compile the unsigned constant there)
+    x = _mix32(key[:, None] ^ (ids[None, :] * _GOLDEN_I32 & _M32))
     u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
     return -torch.log(-torch.log(u))
 

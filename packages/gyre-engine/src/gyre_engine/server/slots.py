@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::slot_decode_attention)
+from gyre_engine.server import head as head_kernels
 from gyre_engine.server.batch import RowKV, cache_kwarg
 from gyre_engine.server.sampling import pick
 
@@ -337,34 +338,50 @@ class SlotBatch:
         temperature for sampled rows (only when `sampled`, else every row is greedy). Returns the last
         step's logits [b, V] and per step [steps, 2, b] (token id, logprob; float64 so that one read-back
         carries both)."""
+        kernel_head = head_kernels.available(self.device)
         if self.compile_model and self._compiled is None:
-            self._compiled = _compile(self._forward)
-            self._head = _compile(_sampled_head)
-            self._greedy = _compile(_greedy_head)
+            self._compiled = compile_fn(self._forward)
+            if not kernel_head:
+                self._head = compile_fn(_sampled_head)
+                self._greedy = compile_fn(_greedy_head)
         fwd = self._compiled if self._compiled is not None else self._forward
         head = self._head if self._head is not None else _sampled_head
         greedy = self._greedy if self._greedy is not None else _greedy_head
         cfg = self.model.config
         old = cfg._attn_implementation
         cfg._attn_implementation = ATTN_NAME
-        heads = []
+        record = torch.empty((steps, 2, b), dtype=torch.float64, device=self.device)
         try:
             with warnings.catch_warnings():  # compilation warns (tf32 hints, ...); never an error here
                 warnings.simplefilter("ignore")
                 ids, pos, seeds, mask = self.io[0, :b], self.io[1, :b], self.io[2, :b], self.io[3, :b]
                 for i in range(steps):
                     logits = fwd(ids, pos, self.cols[:width], self.kv)
-                    if sampled:
-                        chosen, lp = head(logits[:, : self.vocab], self.temps[:b], mask, seeds, pos + 1)
+                    more = i + 1 < steps
+                    if kernel_head:  # greedy rows have mask 0 and temperature 1; the kernel writes the
+                        head_kernels.decode_head(  # record and (between steps) the next inputs
+                            logits[:, : self.vocab],
+                            self.temps[:b],
+                            mask,
+                            seeds,
+                            pos,
+                            out=record[i],
+                            next_ids=ids if more else None,
+                        )
                     else:
-                        chosen, lp = greedy(logits[:, : self.vocab])
-                    heads.append(torch.stack([chosen.double(), lp.double()]))
-                    if i + 1 < steps:
-                        ids.copy_(chosen)
+                        if sampled:
+                            chosen, lp = head(logits[:, : self.vocab], self.temps[:b], mask, seeds, pos + 1)
+                        else:
+                            chosen, lp = greedy(logits[:, : self.vocab])
+                        record[i, 0].copy_(chosen)
+                        record[i, 1].copy_(lp)
+                        if more:
+                            ids.copy_(chosen)
+                    if more:
                         pos.add_(1)
         finally:
             cfg._attn_implementation = old
-        return logits, torch.stack(heads)
+        return logits, record
 
     def _prepare(
         self, steps: int, temps: list[float] | None = None, seeds: list[int] | None = None
@@ -525,7 +542,7 @@ def _sampled_head(
     return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
 
 
-def _compile(fn: Any) -> Any:
+def compile_fn(fn: Any) -> Any:
     with warnings.catch_warnings():  # importing Inductor warns (deprecations); a pytest "error" filter
         warnings.simplefilter("ignore")  # must not turn that into a failed compilation
         import torch._dynamo
