@@ -35,6 +35,9 @@ def main() -> None:
         "graphs the warm-up pass needs",
     )
     ap.add_argument("--attn-target", type=int, default=None, help="decode attention's target programs")
+    ap.add_argument(
+        "--compile-prefill", action="store_true", help="prefill through torch.compile (compile_prefill)"
+    )
     args = ap.parse_args()
     if args.attn_target is not None:
         decode_attn.TARGET_PROGRAMS = args.attn_target
@@ -51,6 +54,7 @@ def main() -> None:
         decode_slots="auto",
         compile_decode=True,
         run_steps=args.run_steps,
+        compile_prefill=args.compile_prefill,
     )
     eng = Engine(model, None, cfg)
     eng.start()
@@ -93,6 +97,7 @@ def main() -> None:
             "bandwidth": bandwidth(model, c, rate),
             "decode_path": eng.slot_stats(),
             "attention_target_programs": decode_attn.TARGET_PROGRAMS,
+            "compile_prefill": args.compile_prefill,
         }
     finally:
         eng.shutdown()

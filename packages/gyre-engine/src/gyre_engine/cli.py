@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> None:
         help="decode in fixed slots of a static KV cache, captured as CUDA graphs (auto: on CUDA)",
     )
     s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
+    s.add_argument(
+        "--compile-prefill",
+        action="store_true",
+        help="on CUDA, run fresh prompts' prefill through torch.compile (the first requests wait minutes "
+        "for the compilation)",
+    )
     s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
     s.add_argument(
         "--run-steps",
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                         prefill_chunk=args.prefill_chunk,
                         decode_slots=args.decode_slots,
                         compile_decode=not args.no_compile_decode,
+                        compile_prefill=args.compile_prefill,
                         slot_kv_fraction=args.slot_kv_fraction,
                         run_steps=args.run_steps,
                     ),

@@ -90,9 +90,11 @@ class Engine:
         CUDA, off elsewhere)."""
         compile_decode: bool = True
         """Capture the slot step over a `torch.compile`d forward (fused elementwise kernels); on CUDA."""
-        compile_prefill: bool = True
+        compile_prefill: bool = False
         """Run fresh prompts' left-padded prefill pass through torch.compile (dynamic shapes, compiled on
-        first use); on CUDA. If compilation fails, prefill runs eagerly from then on."""
+        first use); on CUDA. Off by default: compiling the whole model takes minutes for a 0.6B model
+        (about 90 s per compilation on this project's CPU, and a group of one prompt compiles again), and
+        the first requests wait for it. If compilation fails, prefill runs eagerly from then on."""
         slot_kv_fraction: float = 0.2
         """Bound of the slots' KV buffer, as a fraction of the device's memory (CUDA)."""
         slot_max_len: int | None = None

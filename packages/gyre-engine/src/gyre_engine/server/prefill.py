@@ -1,9 +1,10 @@
 """Prefill forward passes: one chunk of a context on top of its cache (long or prefix-cached prompts are
 prefilled chunk by chunk, one chunk budget per engine step), or several fresh prompts at once in one
 left-padded pass (each with its own position ids, so each row's logits are its own, with its own KV).
-On CUDA the engine runs the left-padded pass through torch.compile (`Engine.Config.compile_prefill`):
-eagerly, a prefill of 64 prompts of 128 tokens spends more time in unfused elementwise kernels (norms,
-rotary, residual adds, the cache's concatenations) than in its GEMMs.
+On CUDA the engine can run the left-padded pass through torch.compile (`Engine.Config.compile_prefill`,
+off by default: the compilation takes minutes): eagerly, a prefill of 64 prompts of 128 tokens spends
+more time in unfused elementwise kernels (norms, rotary, residual adds, the cache's concatenations) than
+in its GEMMs (`bench/profile_b64.py`).
 """
 
 from __future__ import annotations
