@@ -2,7 +2,8 @@
 new tokens), in one process, plus the bandwidth fraction: a warm-up pass at the measured shapes, then the median of `--repeats` passes on fresh prompts. The baseline is
 `generate_alone.py`, plain `generate` in a fresh process (in the engine's process it runs slower: see the
 README). `--prefill-chunk` defaults to 8192, so the 64 prompts are prefilled in one pass;
-`--temperature 1` measures sampled rows (drawn on the device in runs) instead of greedy ones.
+`--temperature 0,1` measures greedy rows, then rows sampled at temperature 1 (drawn on the device in
+runs), in one process.
 
     PYTHONPATH=packages/gyre-engine/src python packages/gyre-engine/bench/decode_b64.py --out b64.json
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import random
 import time
+from typing import Any
 
 from gyre_engine.bench.run import Case, bandwidth, engine_run, make_model
 from gyre_engine.server import decode_attn
@@ -26,7 +28,10 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--run-steps", type=int, default=8)
     ap.add_argument(
-        "--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled rows (RL rollouts)"
+        "--temperature",
+        default="0",
+        help="comma-separated temperatures measured in turn in one process (one compilation): 0 is "
+        "greedy, > 0 sampled rows (RL rollouts); the first is reported as `b64`",
     )
     ap.add_argument(
         "--warm-all",
@@ -38,41 +43,48 @@ def main() -> None:
     ap.add_argument(
         "--compile-prefill", action="store_true", help="prefill through torch.compile (compile_prefill)"
     )
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement); cpu only checks the script")
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--new-tokens", type=int, default=256)
     args = ap.parse_args()
     if args.attn_target is not None:
         decode_attn.TARGET_PROGRAMS = args.attn_target
-    c = Case("qwen3-0.6b", "bfloat16", 128, 256, (64,), 32768, 1024)
-    model = make_model(c.shape, c.dtype, "cuda")
+    temps = [float(x) for x in args.temperature.split(",")]
+    cuda = args.device == "cuda"
+    c = Case(args.shape, "bfloat16" if cuda else "float32", 128, args.new_tokens, (64,), 32768, 1024)
+    t0 = time.time()
+    model = make_model(c.shape, c.dtype, args.device)
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1, model.config.vocab_size) for _ in range(n)]
 
+    def say(what: str) -> None:
+        print(f"{time.time() - t0:7.1f} s  {what}", flush=True)
+
     cfg = Engine.Config(
         max_running_requests=64,
         prefill_chunk=args.prefill_chunk,
-        decode_slots="auto",
+        decode_slots="auto" if cuda else "eager",
         compile_decode=True,
         run_steps=args.run_steps,
         compile_prefill=args.compile_prefill,
     )
     eng = Engine(model, None, cfg)
     eng.start()
-    try:
-        t0 = time.time()
-        if args.warm_all:
-            warm = eng.call(eng.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
-            print(f"graph warm-up {warm:.1f} s ({time.time() - t0:.1f} s wall)", flush=True)
+    say("model built, engine started")
+
+    def measure(temperature: float) -> dict[str, Any]:
         # warm-up at the measured shapes: 64 fresh prompts prefilled and decoded (compilation, the
         # graphs these shapes need, allocator segments, kernels loaded on first use); then `repeats`
         # measured passes, each on fresh prompts
-        engine_run(eng, [prompt(c.prompt_len) for _ in range(64)], c.new_tokens, temperature=args.temperature)
-        print(f"warm-up pass done {time.time() - t0:.1f} s", flush=True)
+        engine_run(eng, [prompt(c.prompt_len) for _ in range(64)], c.new_tokens, temperature=temperature)
+        say(f"temperature {temperature}: warm-up pass done")
         passes = []
         for _ in range(args.repeats):
             prompts = [prompt(c.prompt_len) for _ in range(64)]
             s0 = eng.stats()
-            wall = engine_run(eng, prompts, c.new_tokens, temperature=args.temperature)[0]
+            wall = engine_run(eng, prompts, c.new_tokens, temperature=temperature)[0]
             s1 = eng.stats()
             passes.append(
                 {
@@ -83,17 +95,27 @@ def main() -> None:
                     "decode_tokens": s1.decode_tokens - s0.decode_tokens,
                 }
             )
-            print(json.dumps(passes[-1]), flush=True)
+            say(json.dumps(passes[-1]))
         mid = sorted(passes, key=lambda p: p["engine_wall_s"])[len(passes) // 2]
         rate = mid["decode_tokens"] / max(mid["decode_s"], 1e-9)
-        work = 64 * c.new_tokens
+        return {
+            "temperature": temperature,
+            "engine_tokens_per_s": 64 * c.new_tokens / mid["engine_wall_s"],
+            "engine_decode_step_tokens_per_s": rate,
+            "bandwidth_fraction_b64": bandwidth(model, c, rate)["bandwidth_fraction_b64"],
+            "median_pass": mid,
+            "passes": passes,
+        }
+
+    try:
+        if args.warm_all:
+            warm = eng.call(eng.warmup_decode, c.prompt_len + c.new_tokens).result(3600)
+            say(f"graph warm-up {warm:.1f} s")
+        runs = [measure(t) for t in temps]
+        rate = runs[0]["engine_decode_step_tokens_per_s"]
         result = {
-            "b64": {
-                "engine_tokens_per_s": work / mid["engine_wall_s"],
-                "engine_decode_step_tokens_per_s": rate,
-                "median_pass": mid,
-                "passes": passes,
-            },
+            "b64": runs[0],
+            "by_temperature": {str(r["temperature"]): r for r in runs},
             "bandwidth": bandwidth(model, c, rate),
             "decode_path": eng.slot_stats(),
             "attention_target_programs": decode_attn.TARGET_PROGRAMS,

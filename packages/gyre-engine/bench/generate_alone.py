@@ -20,6 +20,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
     args = ap.parse_args()
     model = make_model("qwen3-0.6b", args.dtype, args.device)
     rng = random.Random(0)
@@ -29,7 +30,7 @@ def main() -> None:
 
     generate_run(model, [prompt(128)] * 2, 8, args.device)
     result = {}
-    for b in (1, 16, 64):
+    for b in [int(x) for x in args.batches.split(",")]:
         runs = [generate_run(model, [prompt(128) for _ in range(b)], 256, args.device) for _ in range(2)]
         result[f"b{b}"] = {"generate_tokens_per_s": b * 256 / min(runs), "runs_s": runs}
         print(b, result[f"b{b}"], flush=True)
