@@ -1,21 +1,29 @@
 """Decode attention over the slot KV buffer: one query token per row, grouped-query heads, each row
-reading only its own valid columns.
+reading only its own valid columns; in the slot step the same kernel also writes the step's own key and
+value into the buffer.
 
 Why gyre has its own kernel here: on the H200 (torch 2.11, `bench/kernels_b64.py`, batch 64 rows of
 192-384 tokens, Qwen3-0.6B heads) the attention one decode step needs per layer took 57 µs as a masked
 matmul/softmax/matmul over the length bucket, 61 µs with the flash-attention varlen kernel torch ships
-(`seqused_k`) and 43 µs with SDPA and a boolean mask, for 77 MB of keys and values: 1.2-1.8 TB/s of the
-card's 4.8; this kernel took 34 µs. Torch 2.11 has no paged or split-KV entry to flash attention
-(`block_table`, `num_splits` came later), and 28 layers of attention cost more than a step's weights.
+(`seqused_k`) and 42 µs with SDPA and a boolean mask, for 77 MB of keys and values; this kernel takes
+28-29 µs (with the write). Torch 2.11 has no paged or split-KV entry to flash attention (`block_table`,
+`num_splits` came later), and 28 layers of attention cost about as much as a step's weights.
 
 The kernel is flash decoding in Triton: the columns of each (row, KV head) are split into chunks read by
-separate programs (so a batch of 64 rows of 300 tokens still fills the GPU), each program computes the
-softmax-weighted sum of its chunk for all the query heads of its KV group at once (the group is padded
-to 16 rows for the tensor-core dot) and keeps a running max and sum; a second kernel combines the chunks
-by their log-sum-exp. Columns at or past a row's length are never read. It is registered as the custom
-op `gyre::decode_attention` (opaque to torch.compile, capturable in a CUDA graph); off CUDA, or without
-Triton, the op computes the same thing with torch matmuls (what the CPU tests run), and
-`tests/test_decode_attn.py` checks the Triton kernels on the CPU through Triton's interpreter.
+separate programs (enough of them that a step launches about `TARGET_PROGRAMS` programs: at batch 64
+with 8 KV heads that is one chunk per row), each program computes the softmax-weighted sum of its chunk
+for all the query heads of its KV group at once (the group is padded to 16 rows for the tensor-core dot)
+and keeps a running max and sum; with several chunks a second kernel combines them by their
+log-sum-exp, with one the program writes the output itself. Tiles past a row's length are not visited.
+The slot step's op `gyre::slot_decode_attention` hands over the step's new key/value: the tiles never
+read that column from the buffer (a select inside a tile stops Triton from streaming the tiles into shared
+memory: that first version took 38-42 µs in the microbenchmark above, against 29 µs now), the
+program whose chunk holds it adds it to its running softmax after its tiles and stores it into the
+buffer. That replaces the stack and indexed write per layer the step used to run before attention. Both
+ops are opaque to torch.compile (the slot op declares that it mutates the buffer, so the write stays in
+place) and capturable in a CUDA graph; off CUDA, or without Triton, they compute the same with torch
+ops (what the CPU tests run), and `tests/test_decode_attn.py` checks the Triton kernels on the CPU
+through Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ On CUDA the step for a (batch bucket, length bucket, run length) is captured onc
 `torch.cuda.CUDAGraph` (optionally over a `torch.compile`d forward, which fuses the norms, rotary and
 MLP elementwise work) and replayed; the inputs (token ids, positions) are copied into static buffers
 before each replay. Padding rows of a bucket sit in free slots at position 0, so they never touch a
-running row's KV. The greedy head (the same float log-softmax / argmax / gather that `sampling.sample`
-runs for greedy rows) is captured too, with the same Gumbel-max draw for rows sampled at their
-temperature, and such a batch runs several steps per replay, each step's tokens feeding the next on the
-device (`step_run(steps, ...)`): one replay and one read-back per run.
+running row's KV. The head is captured too: what `sampling.sample` computes for a row without processing
+or truncation (the float log-softmax at the row's temperature, the argmax for greedy rows, the same
+seeded Gumbel-max draw for rows sampled at their temperature), as Triton kernels over vocabulary chunks
+on CUDA (`head.py`) and torch ops elsewhere; such a batch runs several steps per replay, each step's
+tokens feeding the next on the device (`step_run(steps, ...)`): one replay and one read-back per run.
 
 Graphs read parameter storage in place: a weight update that copies into the parameters (all of
 gyre-engine's do) needs no re-capture and lands between two replays, so no token mixes two versions;
