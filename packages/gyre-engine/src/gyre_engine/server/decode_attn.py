@@ -19,11 +19,11 @@ The slot step's op `gyre::slot_decode_attention` hands over the step's new key/v
 read that column from the buffer (a select inside a tile stops Triton from streaming the tiles into shared
 memory: that first version took 38-42 µs in the microbenchmark above, against 29 µs now), the
 program whose chunk holds it adds it to its running softmax after its tiles and stores it into the
-buffer. That replaces the stack and indexed write per layer the step used to run before attention. Both
-ops are opaque to torch.compile (the slot op declares that it mutates the buffer, so the write stays in
-place) and capturable in a CUDA graph; off CUDA, or without Triton, they compute the same with torch
-ops (what the CPU tests run), and `tests/test_decode_attn.py` checks the Triton kernels on the CPU
-through Triton's interpreter.
+buffer. That replaces the stack and indexed write per layer the step used to run before attention. The op
+is opaque to torch.compile (it declares that it mutates the buffer, so the write stays in place) and
+capturable in a CUDA graph; off CUDA, or without Triton, it computes the same with torch ops (what the
+CPU tests run), and `tests/test_decode_attn.py` checks the Triton kernels on the CPU through Triton's
+interpreter.
 """
 
 from __future__ import annotations
@@ -191,7 +191,10 @@ def triton_decode_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton path of `decode_attention` (needs Triton; on the CPU only under TRITON_INTERPRET=1).
+    """Attention of one query token per row on Triton (needs Triton; on the CPU only under
+    TRITON_INTERPRET=1): query [B, H, D], key/value [B, KVH, L, D] (strided views of the slot buffer,
+    head dimension contiguous), valid [B] integer (row i attends columns [0, valid[i])); returns
+    [B, H, D].
     With `new_key`/`new_value` ([B, KVH, D]), column valid[i] - 1 of row i is the step's own key/value:
     the kernel attends to them and writes them into `key`/`value` (views of the slot buffer)."""
     assert triton is not None
@@ -245,29 +248,12 @@ def triton_decode_attention(
 
 
 def triton_available(device: torch.device) -> bool:
-    """Whether `decode_attention` runs the Triton kernels for tensors on `device`."""
+    """Whether the decode attention runs the Triton kernels for tensors on `device`."""
     if triton is None:
         return False
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@torch.library.custom_op("gyre::decode_attention", mutates_args=())
-def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of one query token per row: query [B, H, D], key/value [B, KVH, L, D] (strided views
-    of the slot buffer, head dimension contiguous), valid [B] integer (row i attends columns
-    [0, valid[i])); returns [B, H, D]. Triton's flash-decoding kernels on CUDA, torch matmuls else."""
-    if triton_available(query.device):
-        return triton_decode_attention(query, key, value, valid, scale)
-    return masked_reference(query, key, value, valid, scale)
-
-
-@decode_attention.register_fake
-def _(query: Any, key: Any, value: Any, valid: Any, scale: float) -> Any:
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("gyre::slot_decode_attention", mutates_args=("kv",))
