@@ -6,8 +6,8 @@ log-softmax of the logits at the row's temperature (1 for greedy rows), then the
 the Gumbel-max draw `sampling.pick` makes (sampled rows: the same counter-based noise of (seed, token
 index, vocabulary id), the same integer hash, the logarithms through libdevice as torch's CUDA kernels
 use them), and the chosen token's logprob. A batch of 64 rows over a 151,936-token vocabulary is 64
-reductions of 152k columns; torch (and Inductor's fused kernel) give each row one program, so 64 of the
-H200's 132 SMs read 19 MB, which took 72 µs a step in three kernels (`bench/profile_b64.py`). Here each
+reductions of 152k columns; Inductor's fused head gave each row one program, so 64 programs read the
+19 MB of logits, in three kernels that took 72 µs a step on the H200 (`bench/profile_b64.py`). Here each
 row's vocabulary is cut into chunks read by separate programs:
 
 1. `_chunk_lse`: each chunk's max and sum of exponentials (of logits / temperature);
@@ -17,8 +17,8 @@ row's vocabulary is cut into chunks read by separate programs:
 
 Rounding differs from torch's log-softmax in the last bits (another summation order), so a token can
 differ from the host's only where two candidates are within float rounding of each other; logprobs agree
-to ~1e-6. Off CUDA the slot step uses the torch head. Tested on the CPU through Triton's interpreter, alone and
-inside the slot engine.
+to ~1e-6. Off CUDA the slot step uses the torch head (but under TRITON_INTERPRET=1 these kernels, which
+is how they are tested on the CPU, alone and inside the slot engine).
 """
 
 from __future__ import annotations
