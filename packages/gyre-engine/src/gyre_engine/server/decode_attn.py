@@ -202,12 +202,13 @@ def triton_decode_attention(
     kvh, width = key.shape[1], key.shape[2]
     g = h // kvh
     if query.stride(2) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
-        raise ValueError("decode_attention needs the head dimension contiguous")
+        raise ValueError("decode attention needs the head dimension contiguous")
     if d & (d - 1):
-        raise ValueError(f"decode_attention needs a power-of-two head dimension, not {d}")
+        raise ValueError(f"decode attention needs a power-of-two head dimension, not {d}")
+    if (new_key is None) != (new_value is None):
+        raise ValueError("give both the new key and the new value, or neither")
     new = new_key is not None and new_value is not None
-    if new:
-        assert new_key is not None and new_value is not None
+    if new_key is not None and new_value is not None:
         if new_key.stride(2) != 1 or new_value.stride(2) != 1:
             raise ValueError("the new key and value need the head dimension contiguous")
         kn, vn = new_key.to(key.dtype), new_value.to(value.dtype)

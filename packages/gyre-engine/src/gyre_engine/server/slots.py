@@ -199,7 +199,6 @@ class SlotBatch:
         self._greedy: Any = None
         self.device_sampling = True
         """Whether rows sampled at their temperature may run here (false after a failed capture)."""
-        self.rows = torch.arange(s, device=dev)
         self.cols = torch.arange(0, device=dev)
 
     @torch.inference_mode()
