@@ -2,27 +2,35 @@
 
 It registers, heartbeats, and answers each SwitchCommand with SwitchDone after `switch_s`; it runs no
 engine and no trainer (gyre-engine and gyre-train cells implement the same messages for real). It is what
-the service tests start as real processes, and a dry-run stand-in for a cluster's cells.
+the service tests start as real processes, and a dry-run stand-in for a cluster's cells. Frames that are
+not one valid message are logged and dropped; only a Reject, another protocol version or silence end it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import zmq
 
 from gyre_sched.protocol import (
+    PROTOCOL_VERSION,
     CellLost,
     Codec,
     Heartbeat,
     Hello,
+    Message,
     PeerKind,
+    ProtocolError,
     Reject,
+    Role,
     SwitchCommand,
     SwitchDone,
     Welcome,
 )
+
+log = logging.getLogger("gyre_sched.cellproc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,41 @@ class SchedulerGone(RuntimeError):
     pass
 
 
+def _recv(sock: zmq.Socket[bytes], codec: Codec, timeout_s: float) -> Message | None:
+    """The next valid message from the scheduler within `timeout_s`, or None. A frame sequence that is
+    not one valid message (several frames, garbage, a wrong type or value) is logged and dropped."""
+    if not sock.poll(int(timeout_s * 1000)):
+        return None
+    frames = sock.recv_multipart()
+    if len(frames) != 1:
+        log.warning("dropped a message of %d frames from the scheduler (expected 1)", len(frames))
+        return None
+    try:
+        return codec.decode(frames[0])
+    except ProtocolError as exc:
+        log.warning("dropped a bad frame from the scheduler: %s", exc)
+        return None
+
+
+def _welcome(sock: zmq.Socket[bytes], codec: Codec, cfg: CellConfig) -> Welcome:
+    """Wait for the scheduler's Welcome, ignoring anything else; a Reject, a Welcome of another protocol
+    version or no Welcome within `hello_timeout_s` is SchedulerGone."""
+    deadline = time.monotonic() + cfg.hello_timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        reply = _recv(sock, codec, left)
+        if isinstance(reply, Reject):
+            raise SchedulerGone(f"scheduler rejected cell {cfg.cell_id}: {reply.reason}")
+        if isinstance(reply, Welcome):
+            if reply.protocol != PROTOCOL_VERSION:
+                raise SchedulerGone(
+                    f"scheduler speaks protocol {reply.protocol}; this cell speaks {PROTOCOL_VERSION}"
+                )
+            return reply
+        if reply is not None:
+            log.warning("expected Welcome, got %s: ignored", type(reply).__name__)
+    raise SchedulerGone(f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s")
+
+
 def run_cell(cfg: CellConfig) -> int:
     """Run the cell loop; returns 0 on a clean stop. Raises SchedulerGone if the scheduler goes silent."""
     codec = Codec()
@@ -65,13 +108,7 @@ def run_cell(cfg: CellConfig) -> int:
                 )
             )
         )
-        if not sock.poll(int(cfg.hello_timeout_s * 1000)):
-            raise SchedulerGone(f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s")
-        reply = codec.decode(sock.recv())
-        if isinstance(reply, Reject):
-            raise SchedulerGone(f"scheduler rejected cell {cfg.cell_id}: {reply.reason}")
-        if not isinstance(reply, Welcome):
-            raise SchedulerGone(f"expected Welcome, got {type(reply).__name__}")
+        reply = _welcome(sock, codec, cfg)
         role = reply.role
         hb = reply.heartbeat_s
         start = last_heard = last_sent = time.monotonic()
@@ -91,13 +128,19 @@ def run_cell(cfg: CellConfig) -> int:
             if now - last_sent >= hb / 2:
                 sock.send(codec.encode(Heartbeat(cfg.cell_id, role)))
                 last_sent = now
-            if sock.poll(int(min(hb / 4, 0.05) * 1000)):
-                msg = codec.decode(sock.recv())
-                last_heard = time.monotonic()
-                if isinstance(msg, SwitchCommand):
+            msg = _recv(sock, codec, min(hb / 4, 0.05))
+            if msg is None:
+                continue
+            last_heard = time.monotonic()
+            if isinstance(msg, SwitchCommand):
+                if msg.role in (Role.TRAINING, Role.ROLLOUT):
                     pending.append((last_heard + cfg.switch_s, msg))
-                elif isinstance(msg, CellLost | Reject):
-                    pass  # a trainer would re-queue the lost satellite's micro-batches here
+                else:
+                    log.warning(
+                        "ignored a switch to %s (only TRAINING and ROLLOUT are targets)", msg.role.name
+                    )
+            elif isinstance(msg, CellLost | Reject):
+                pass  # a trainer would re-queue the lost satellite's micro-batches here
     finally:
         sock.close(0)
         ctx.term()

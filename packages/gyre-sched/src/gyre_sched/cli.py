@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import signal
 import sys
 from dataclasses import replace
 from typing import Any
@@ -16,7 +14,7 @@ from gyre_sched.workload import ConfigError
 
 def _serve(a: argparse.Namespace) -> int:
     from gyre_sched.policy import WaterLevelConfig
-    from gyre_sched.service import Scheduler, ServiceConfig
+    from gyre_sched.service import Scheduler, ServiceConfig, serve_main
     from gyre_sched.sim import make_policy
     from gyre_sched.workload import AsyncConfig, Workload
 
@@ -36,11 +34,8 @@ def _serve(a: argparse.Namespace) -> int:
         max_concurrent_switches=n_sw,
     )
     sched = Scheduler(policy, cfg, allow_remote=a.allow_remote)
-    signal.signal(signal.SIGTERM, lambda *_: sched.stop())
     print(f"gyre-sched listening on {sched.endpoint} (policy {policy.name})", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        sched.serve_forever()
-    return 0
+    return serve_main(sched)
 
 
 def _cell(a: argparse.Namespace) -> int:

@@ -9,10 +9,20 @@ appended with defaults, so older and newer peers keep talking.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Annotated
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+# Value bounds checked by the decoder, so a well-formed frame with impossible numbers (a negative count,
+# a NaN or infinite time) is a ProtocolError like any other bad frame, before anything acts on it.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+"""A finite, non-negative duration or age (NaN and infinities are refused)."""
+Load = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+Lag = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]
+"""A finite policy-version lag (a report, not a count: negative is odd but not impossible)."""
 
 
 class Role(IntEnum):
@@ -74,9 +84,9 @@ class Hello(msgspec.Struct, tag="hello", **_S):
 
     kind: PeerKind
     protocol: int = PROTOCOL_VERSION
-    cell_id: int = -1
+    cell_id: Annotated[int, msgspec.Meta(ge=-1)] = -1  # -1: not a cell
     is_core: bool = False
-    capacity: int = 0  # concurrent executions the cell serves at full speed when in rollout
+    capacity: Count = 0  # concurrent executions the cell serves at full speed when in rollout
     endpoint: str = ""  # the cell's engine URL, handed to the proxy on EngineAdd
 
 
@@ -100,28 +110,28 @@ class Reject(msgspec.Struct, tag="reject", **_S):
 class Heartbeat(msgspec.Struct, tag="hb", **_S):
     cell_id: int = -1
     role: Role = Role.ROLLOUT
-    utilization: float = 0.0
+    utilization: Load = 0.0
 
 
 class WaterLevel(msgspec.Struct, tag="water", **_S):
     """From the rollout driver: unfinished executions, their ages, and durations that just ended."""
 
-    unfinished: int
-    elapsed_s: tuple[float, ...] = ()  # ages of unfinished executions, bucketed: bucket start times
-    elapsed_count: tuple[int, ...] = ()  # ... and how many executions in each bucket
-    finished_s: tuple[float, ...] = ()  # wall durations of executions that ended since the last report
+    unfinished: Count
+    elapsed_s: tuple[Seconds, ...] = ()  # ages of unfinished executions, bucketed: bucket start times
+    elapsed_count: tuple[Count, ...] = ()  # ... and how many executions in each bucket
+    finished_s: tuple[Seconds, ...] = ()  # wall durations of executions that ended since the last report
     finished_timeout: tuple[bool, ...] = ()  # ... and whether each ended at the hard timeout
-    paused: int = 0
+    paused: Count = 0
 
 
 class ReadyGroups(msgspec.Struct, tag="ready", **_S):
     """From the trajectory service: groups ready for the step in progress, and that step's state."""
 
-    ready: int
-    batch_groups: int
-    version: int = 0
+    ready: Count
+    batch_groups: Annotated[int, msgspec.Meta(ge=1)]
+    version: Count = 0
     step_open: bool = False  # the trainer has begun accumulating this step and not yet applied it
-    mean_staleness: float = 0.0
+    mean_staleness: Lag = 0.0
 
 
 class SwitchDone(msgspec.Struct, tag="switched", **_S):

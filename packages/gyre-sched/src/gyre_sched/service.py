@@ -10,6 +10,7 @@ SwitchDone, and back: SwitchCommand -> SwitchDone -> EngineAdd.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -158,13 +159,30 @@ class Scheduler:
                 if self._sock in events:
                     for _ in range(1000):
                         try:
-                            ident, data = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle(ident, data)
+                        self.receive(frames)
                 self.step()
         finally:
             self.close()
+
+    def _refuse(self, ident: bytes, reason: str) -> None:
+        log.warning("refused a message from %r: %s", ident, reason)
+        self._send(ident, Reject(reason))
+
+    def receive(self, frames: list[bytes]) -> None:
+        """Apply one ROUTER message (identity frame + the peer's frames). Anything but exactly one frame
+        holding a valid message is refused with a `Reject` and changes nothing."""
+        ident = frames[0]
+        if len(frames) != 2:
+            self._refuse(ident, f"expected one frame per message, got {len(frames) - 1}")
+            return
+        try:
+            self._handle(ident, frames[1])
+        except InvariantError as exc:  # the table refused a change and is as it was
+            log.error("refused a message from %r (the cell table is unchanged): %s", ident, exc)
+            self._send(ident, Reject(str(exc)))
 
     # ---- one round -----------------------------------------------------------------------------------
     def observation(self) -> Observation:
@@ -288,14 +306,14 @@ class Scheduler:
         try:
             msg = self._codec.decode(data)
         except ProtocolError as exc:
-            self._send(ident, Reject(str(exc)))
+            self._refuse(ident, str(exc))
             return
         peer = self._peers.get(ident)
         if isinstance(msg, Hello):
             self._hello(ident, msg)
             return
         if peer is None:
-            self._send(ident, Reject("say Hello first"))
+            self._refuse(ident, "say Hello first")
             return
         peer.last_seen = self.now()
         if isinstance(msg, Heartbeat):
@@ -304,16 +322,13 @@ class Scheduler:
             if len(msg.elapsed_s) != len(msg.elapsed_count) or len(msg.finished_s) != len(
                 msg.finished_timeout
             ):
-                self._send(ident, Reject("WaterLevel: paired fields differ in length"))
+                self._refuse(ident, "WaterLevel: paired fields differ in length")
                 return
             self._water = msg
             if isinstance(self.policy, PredictivePolicy) and self.policy.model is not None:
                 for dur, to in zip(msg.finished_s, msg.finished_timeout, strict=True):
                     self.policy.model.observe(dur, to)
-        elif isinstance(msg, ReadyGroups):
-            if msg.batch_groups < 1 or msg.ready < 0:
-                self._send(ident, Reject("ReadyGroups: batch_groups must be >= 1 and ready >= 0"))
-                return
+        elif isinstance(msg, ReadyGroups):  # the decoder checked batch_groups >= 1 and ready >= 0
             self._ready = msg
         elif isinstance(msg, SwitchDone):
             self._switch_done(ident, msg)
@@ -325,21 +340,31 @@ class Scheduler:
                 State(self.table.views(), self._water.unfinished, self._ready.ready, tuple(self.decisions)),
             )
         else:
-            self._send(ident, Reject(f"{type(msg).__name__} is not sent to the scheduler"))
+            self._refuse(ident, f"{type(msg).__name__} is not sent to the scheduler")
 
     def _hello(self, ident: bytes, msg: Hello) -> None:
         if msg.protocol != PROTOCOL_VERSION:
-            self._send(
-                ident,
-                Reject(f"protocol {msg.protocol} unsupported; this scheduler speaks {PROTOCOL_VERSION}"),
+            self._refuse(
+                ident, f"protocol {msg.protocol} unsupported; this scheduler speaks {PROTOCOL_VERSION}"
             )
+            return
+        if msg.kind is PeerKind.CELL and msg.cell_id < 0:
+            self._refuse(ident, f"a cell needs an id >= 0, got {msg.cell_id}")
+            return
+        known = self._peers.get(ident)
+        if (
+            known is not None
+            and known.kind is PeerKind.CELL
+            and (msg.kind is not PeerKind.CELL or msg.cell_id != known.cell_id)
+        ):  # its commands and liveness are tied to that cell: one peer, one cell
+            self._refuse(ident, f"this peer is cell {known.cell_id}; it cannot say Hello as another")
             return
         peer = _Peer(ident, msg.kind, msg.cell_id, msg.endpoint, self.now())
         if msg.kind is PeerKind.CELL:
             try:
                 self.table.add(msg.cell_id, is_core=msg.is_core, capacity=msg.capacity, now=self.now())
             except InvariantError as exc:
-                self._send(ident, Reject(str(exc)))
+                self._refuse(ident, str(exc))
                 return
             self._cells[msg.cell_id] = peer
             self._to_proxy(EngineAdd(msg.cell_id, msg.endpoint))
@@ -354,8 +379,14 @@ class Scheduler:
     def _switch_done(self, ident: bytes, msg: SwitchDone) -> None:
         pend = self._pending.get(msg.cell_id)
         peer = self._cells.get(msg.cell_id)
-        if pend is None or peer is None or peer.ident != ident or pend.decision != msg.decision:
-            self._send(ident, Reject(f"no switch {msg.decision} pending for cell {msg.cell_id}"))
+        if (
+            pend is None
+            or peer is None
+            or peer.ident != ident
+            or pend.decision != msg.decision
+            or pend.draining  # the cell has not been told to switch yet
+        ):
+            self._refuse(ident, f"no switch {msg.decision} commanded to cell {msg.cell_id}")
             return
         if msg.role is not pend.target:
             self._fail(msg.cell_id, f"reported {msg.role.name} for a switch to {pend.target.name}")
@@ -380,3 +411,18 @@ class Scheduler:
         del self._pending[cid]
         if pend.target is Role.ROLLOUT:
             self._to_proxy(EngineAdd(cid, self._cells[cid].endpoint))
+
+
+def serve_main(sched: Scheduler) -> int:
+    """Run `sched` as a process's main loop: SIGTERM or Ctrl-C stop it cleanly (0). If the loop dies of
+    anything else, the process must not linger with a socket nobody reads: the traceback is logged and
+    the exit status is 1."""
+    signal.signal(signal.SIGTERM, lambda *_: sched.stop())
+    try:
+        sched.serve_forever()
+    except KeyboardInterrupt:
+        return 0
+    except Exception:
+        log.critical("the scheduler loop died; exiting", exc_info=True)
+        return 1
+    return 0
