@@ -4,12 +4,17 @@ policy on 2 cores."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 from gyre.cli import main
+from gyre.config import load_config
+from gyre.run import RunError, run
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 
@@ -111,3 +116,77 @@ timeout_s = 6.0
 
     # No process of the run is left.
     assert _processes_mentioning(str(out)) == []
+
+
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def _config(tmp_path: Path, model_dir: Path, extra: str, deadline_s: float = 300.0) -> Path:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        f"""
+[run]
+model_dir = "{model_dir}"
+cells = 2
+steps = 2
+out_dir = "{tmp_path / "run"}"
+deadline_s = {deadline_s}
+[batch]
+queries = 2
+group_size = 2
+[agent]
+turns = 2
+max_tokens = 8
+{extra}
+"""
+    )
+    return cfg
+
+
+@pytest.mark.slow
+def test_steps_with_nothing_to_train_are_skipped(tmp_path: Path, model_dir: Path) -> None:
+    # Every execution times out before its first call (the harness sleeps its tool time, about 25 s here,
+    # before it): each step is an empty mini-batch. The core's train thread used to die on it and the run
+    # to print progress until its deadline.
+    cfg = _config(tmp_path, model_dir, "median_s = 100.0\nsigma = 0.1\nexec_sigma = 0.1\ntimeout_s = 0.3")
+    said: list[str] = []
+    m = run(load_config(cfg), say=said.append)
+    assert m == json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert m["records"] == 0 and m["timeouts"] == m["executions"] == 8
+    assert m["steps_applied"] == 2 and m["steps_skipped"] == 2 and m["final_version"] == 0
+    for k, s in enumerate(m["steps"]):
+        assert (s["step"], s["skipped"], s["version"], s["microbatches"]) == (k, True, 0, 0)
+        assert s["trained_executions"] == [] and s["by_replica"] == {}
+    assert any("2 skipped: nothing to train" in line for line in said)
+    assert _processes_mentioning(str(tmp_path / "run")) == []
+
+
+@pytest.mark.slow
+def test_a_cell_marked_failed_ends_the_run_at_once(tmp_path: Path, model_dir: Path) -> None:
+    # The core cell stops answering (SIGSTOP) once rollout has started: gyre-sched marks it failed after
+    # failure_timeout_s, and the run ends with that reason instead of printing progress until its deadline.
+    cfg_path = _config(
+        tmp_path, model_dir, "median_s = 20.0\ntimeout_s = 30.0\n[sched]\nfailure_timeout_s = 5.0", 240.0
+    )
+    stopped: list[int] = []
+
+    def say(line: str) -> None:
+        if "rollout starts" in line:
+            pids = [int(p.split(":")[0]) for p in _processes_mentioning('"cell_id": 0')]
+            pids = [p for p in pids if str(tmp_path / "run") in Path(f"/proc/{p}/cmdline").read_text()]
+            assert len(pids) == 1, pids
+            os.kill(pids[0], signal.SIGSTOP)
+            stopped.append(pids[0])
+            # Let it run again well after the scheduler's verdict, so that shutting it down is quick.
+            threading.Timer(15.0, _resume, (pids[0],)).start()
+
+    try:
+        with pytest.raises(RunError, match=r"gyre-sched marked cell 0 \(the trainer core\) failed: .*silent"):
+            run(load_config(cfg_path), say=say)
+    finally:
+        for p in stopped:
+            _resume(p)
+    assert stopped
+    assert _processes_mentioning(str(tmp_path / "run")) == []

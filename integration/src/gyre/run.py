@@ -4,8 +4,11 @@ Started here, in order: gyre-sched's service (the configured policy), cell 0 (en
 the other cells (engine + satellite), gyre-proxy (engines come from the scheduler, records PUSHed to the
 trajectory service); in this process: the trajectory service, the rollout driver and a sampler. The run
 ends when the core has applied `steps` updates and every rollout engine serves the last version; then
-every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. Any
-child that dies, or a run past its deadline, stops everything and is an error.
+every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. A step
+with nothing to train is skipped by the core (its queue position taken with no update) and reported as
+skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
+cell whose trainer or serving thread dies exits loudly), the trajectory service or the rollout driver
+fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from gyre.cell import CellArgs
 from gyre.config import Config
 from gyre.driver import Driver
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
-from gyre.procs import ProcessGroup, free_port, python_argv
+from gyre.procs import ProcessGroup, free_port, python_argv, tail
 from gyre.trajsvc import TrajectoryService
 
 log = logging.getLogger("gyre.run")
@@ -65,10 +68,10 @@ def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
     return p
 
 
-def _wait(what: str, ok: Callable[[], bool], procs: ProcessGroup, timeout_s: float) -> None:
+def _wait(what: str, ok: Callable[[], bool], check: Callable[[], None], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():
-        procs.check()
+        check()
         if time.monotonic() > deadline:
             raise RunError(f"{what} not ready within {timeout_s:.0f} s")
         time.sleep(0.2)
@@ -134,7 +137,7 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
 
         say(f"gyre run: policy {c.policy}, {c.cells} cells, {c.steps} steps -> {out}")
         cell(0)
-        _wait("the core cell", (out / "core.json").exists, procs, c.startup_timeout_s)
+        _wait("the core cell", (out / "core.json").exists, procs.check, c.startup_timeout_s)
         info = json.loads((out / "core.json").read_text())
         for i in range(1, c.cells):
             cell(i, info["core"], info["publisher"])
@@ -158,8 +161,11 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
             st = sampler.last_state if sampler else None
             return st is not None and len(st.cells) == c.cells
 
-        _wait("the cells (engines up, registered with gyre-sched)", registered, procs, c.startup_timeout_s)
-        _wait("gyre-proxy", lambda: _proxy_up(proxy_url), procs, c.startup_timeout_s)
+        def healthy() -> None:
+            _check_health(procs, traj, driver, sampler)
+
+        _wait("the cells (engines up, registered with gyre-sched)", registered, healthy, c.startup_timeout_s)
+        _wait("gyre-proxy", lambda: _proxy_up(proxy_url), healthy, c.startup_timeout_s)
         say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
         traj.start()
         driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
@@ -168,27 +174,24 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
         deadline = time.monotonic() + c.deadline_s
         last_say = 0.0
         while True:
-            procs.check()
-            if traj.error is not None:
-                raise RunError(f"trajectory service failed: {traj.error}") from traj.error
-            if driver.error is not None:
-                raise RunError(f"rollout driver failed: {driver.error}") from driver.error
+            healthy()
             if traj.applied >= c.steps and driver.done.is_set():
                 break
             if time.monotonic() > deadline:
                 raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
             if time.monotonic() - last_say > 5.0:
                 last_say = time.monotonic()
-                say(_progress(t_start, driver, traj, sampler))
+                say(_progress(t_start, driver, traj, sampler, out))
             time.sleep(0.1)
         t_end = _last_step_end(out)
+        final = traj.version  # from the same core status as `applied`; below `steps` if any was skipped
         _wait(
             "the last weight version on every rollout engine",
-            lambda: _engines_at(sampler, c.steps),
-            procs,
+            lambda: _engines_at(sampler, final),
+            healthy,
             60.0,
         )
-        say(_progress(t_start, driver, traj, sampler))
+        say(_progress(t_start, driver, traj, sampler, out))
     finally:
         for part in (driver, traj, sampler):
             if part is not None:
@@ -209,7 +212,30 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
     return metrics
 
 
-def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampler | None) -> str:
+def _check_health(
+    procs: ProcessGroup, traj: TrajectoryService | None, driver: Driver | None, sampler: Sampler | None
+) -> None:
+    """Raise (ChildDied or RunError, naming the part and why) if any part of the run has failed."""
+    procs.check()
+    why = traj.failure() if traj is not None else None
+    if traj is not None and why is not None:
+        raise RunError(f"the trajectory service failed: {why}") from traj.error
+    if driver is not None and driver.error is not None:
+        raise RunError(f"the rollout driver failed: {driver.error}") from driver.error
+    st = sampler.last_state if sampler is not None else None
+    failed = [v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED]
+    if failed:
+        sched = next((ch.log for ch in procs.children if ch.name == "sched"), None)
+        said = [ln for ln in tail(sched, 200).splitlines() if " failed (" in ln] if sched else []
+        names = ", ".join(f"cell {v.cell_id}" + (" (the trainer core)" if v.is_core else "") for v in failed)
+        raise RunError(
+            f"gyre-sched marked {names} failed"
+            + (f": {said[-1].strip()}" if said else "")
+            + "; a run cannot survive a failed cell yet"
+        )
+
+
+def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampler | None, out: Path) -> str:
     with driver.lock:
         running = len(driver.state.running)
         finished = len(driver.state.outcomes)
@@ -217,9 +243,12 @@ def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampl
     if sampler is not None and sampler.samples:
         last = sampler.samples[-1]
         roles = " ".join(f"{cid}:{Role(r).name.lower()}" for cid, r in sorted(last.roles.items()))
+    skipped = sum(bool(r.get("skipped")) for r in _steps(out))
     return (
         f"[{time.time() - t0:6.1f}s] executions running {running}, finished {finished}; records {traj.records}; "
-        f"steps submitted {traj.next_submit}, applied {traj.applied}; cells {roles}"
+        f"steps submitted {traj.next_submit}, applied {traj.applied}"
+        + (f" ({skipped} skipped: nothing to train)" if skipped else "")
+        + f"; cells {roles}"
     )
 
 
@@ -283,7 +312,7 @@ def collect(
     intervals = [(float(r["t_start"]), float(r["t_end"])) for r in rows]
     steps: list[dict[str, Any]] = []
     for r in rows:
-        k = int(r["step"]) - 1
+        k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
         summary = traj.steps[k].summary if k in traj.steps else {}
         v = int(r["version"])
         reached = [
@@ -298,6 +327,7 @@ def collect(
                 "t_start": r["t_start"],
                 "t_end": r["t_end"],
                 "elapsed_s": r["elapsed_s"],
+                "skipped": bool(r.get("skipped", False)),
                 "push_s": round(reached[0] - r["t_end"], 3) if reached else None,
                 "groups": cfg.batch.queries,
                 "training_cells": len(r["by_replica"]),
@@ -332,6 +362,7 @@ def collect(
         "t0": t0,
         "end_to_end_s": round(t1 - t0, 3),
         "steps_applied": len(steps),
+        "steps_skipped": sum(s["skipped"] for s in steps),
         "final_version": steps[-1]["version"] if steps else 0,
         "final_cells": {
             str(cid): {"role": Role(r).name.lower(), "engine_version": samples[-1].engine_version.get(cid)}

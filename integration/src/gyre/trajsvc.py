@@ -4,7 +4,8 @@ It PULLs the proxy's TITO records (ZeroMQ, msgpack) into a gyre-traj `Forest`, t
 `Score` from the driver, and when every group of step k is scored (and every call the harness saw
 answered has arrived as a record) it selects (J_max), weights, tree-packs the step's executions and
 submits them to the core as mini-batch k (`CoreClient.submit`, in queue order). Each execution goes into
-exactly one mini-batch. It reports `ReadyGroups` to gyre-sched: the groups ready and not yet applied, in step order
+exactly one mini-batch; a step with nothing trainable (every execution timed out before a call, say) is
+submitted empty, and the core skips it. It reports `ReadyGroups` to gyre-sched: the groups ready and not yet applied, in step order
 (with streaming, complete groups count as they finish; without, a step's groups count only once its
 whole batch is complete; nothing after the first step still running counts, since steps are trained in
 order), the trainer's version and whether a step is open.
@@ -23,7 +24,7 @@ import numpy as np
 import zmq
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
-from gyre_train.control import ControlError, CoreClient
+from gyre_train.control import CoreClient, InboxFull
 from gyre_traj.io import Codec
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Call, EvalStatus, Score
@@ -97,6 +98,14 @@ class TrajectoryService:
 
     def start(self) -> None:
         self._thread.start()
+
+    def failure(self) -> str | None:
+        """Why the service stopped working, once started (its error, or a thread that is gone), else None."""
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop.is_set():
+            return "its thread ended"
+        return None
 
     def stop(self) -> None:
         """Stop the service thread (it closes the sockets); closes them itself if it never started."""
@@ -222,11 +231,9 @@ class TrajectoryService:
             return
         mbs, summary = self.build_minibatch(sd)
         try:
-            core.submit(sd.step, mbs)
-        except ControlError as exc:
-            if "inbox full" in str(exc):
-                return  # the next round tries again
-            raise
+            core.submit(sd.step, mbs)  # an empty one too: the core skips it (no update) and reports so
+        except InboxFull:
+            return  # the next round tries again
         sd.submitted = True
         sd.summary = summary
         self.next_submit += 1

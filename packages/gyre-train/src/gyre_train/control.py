@@ -1,6 +1,7 @@
 """A client of the core's ROUTER socket for the other services: the scheduler admits and dismisses
 satellites and reads the status; the trajectory service submits mini-batches in queue order (a refusal
-names the reason and nothing is queued). Every call has a deadline."""
+is a `SubmitRefused` carrying the core's `Refusal` and reason, and nothing is queued; `InboxFull` is the
+retryable one). Every call has a deadline."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gyre_train.protocol import (
     Admit,
     Dismiss,
     ErrorReply,
+    Refusal,
     Reply,
     Status,
     StatusReply,
@@ -29,6 +31,18 @@ from gyre_train.wire import microbatch_arrays, to_frames
 
 class ControlError(RuntimeError):
     """The core refused the request or did not answer in time."""
+
+
+class SubmitRefused(ControlError):
+    """The core did not queue the mini-batch; `refusal` says why (nothing was queued)."""
+
+    def __init__(self, refusal: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
+class InboxFull(SubmitRefused):
+    """The core's inbox is full: submit the same mini-batch again later."""
 
 
 class CoreClient:
@@ -66,8 +80,9 @@ class CoreClient:
             raise ControlError("expected an ack")
 
     def submit(self, seq: int, microbatches: Sequence[PackedBatch]) -> None:
-        """Hand mini-batch `seq` (the core's next queue position) to the core; ControlError with the
-        core's reason if it is refused (out of order, inbox full, a malformed micro-batch)."""
+        """Hand mini-batch `seq` (the core's next queue position) to the core. An empty one is queued and
+        skipped (no update) when its turn comes. Raises `InboxFull` (retry later) or `SubmitRefused`
+        (out of order, a malformed micro-batch) with the core's reason; ControlError on no answer."""
         specs, frames = [], []
         for b in microbatches:
             sp, fr = to_frames(microbatch_arrays(b))
@@ -80,7 +95,8 @@ class CoreClient:
         if not isinstance(rep, Ack):
             raise ControlError(f"expected an ack, got {type(rep).__name__}")
         if not rep.accepted:
-            raise ControlError(f"mini-batch {seq} refused: {rep.reason}")
+            kind = InboxFull if rep.refusal is Refusal.INBOX_FULL else SubmitRefused
+            raise kind(rep.refusal, f"mini-batch {seq} refused: {rep.reason}")
 
     def status(self) -> StatusReply:
         rep = self._ask(Status(PROTOCOL))

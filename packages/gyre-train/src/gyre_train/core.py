@@ -4,11 +4,14 @@
 core itself and every admitted satellite draw from (satellites over a ZeroMQ ROUTER socket served by a
 helper thread), sums the returned gradients in micro-batch order, applies one AdamW update and publishes
 the new weights as a gyre-xfer snapshot. Satellites connect once at start and stay connected; admitting
-or dismissing one only changes which replicas the queue answers, so joining rebuilds nothing.
+or dismissing one only changes which replicas the queue answers, so joining rebuilds nothing. A
+mini-batch with no micro-batches (nothing trainable in the step) is skipped: its queue position is
+taken, no update is made, and the report says `skipped`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -34,11 +37,12 @@ from gyre_train.engine_sync import (
     engine_tensors,
 )
 from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
-from gyre_train.protocol import ArraySpec
+from gyre_train.protocol import ArraySpec, Refusal
 from gyre_train.server import ReplicaServer
 from gyre_train.wire import MicroBatchError, check_microbatch, microbatch_arrays, to_frames
 
 CORE = "core"
+log = logging.getLogger("gyre_train.core")
 
 
 class StepTimeoutError(TimeoutError):
@@ -114,6 +118,9 @@ class StepReport:
     elapsed_s: float
     engine_push: PushReport | None = None
     """The push of this version to the SGLang-protocol engines (`CoreConfig.engines`)."""
+    skipped: bool = False
+    """The mini-batch had no micro-batches: its queue position was taken with no update (step, version
+    and snapshot are unchanged)."""
 
 
 class Core:
@@ -168,25 +175,26 @@ class Core:
     def replicas(self) -> dict[str, dict[str, float | bool | int]]:
         return self._server.describe()
 
-    def offer(self, seq: int, microbatches: list[PackedBatch]) -> tuple[bool, str]:
-        """Queue mini-batch `seq` from the trajectory service. It must be the next queue position (so a
-        resumed core tells the feeder where to restart, and a repeat or a gap is refused), fit the inbox,
-        and pass the micro-batch checks; a refusal says why and queues nothing."""
+    def offer(self, seq: int, microbatches: list[PackedBatch]) -> tuple[Refusal, str]:
+        """Queue mini-batch `seq` from the trajectory service (an empty one is queued too, and skipped
+        when its turn comes). It must be the next queue position (so a resumed core tells the feeder
+        where to restart, and a repeat or a gap is refused), fit the inbox, and pass the micro-batch
+        checks (else MicroBatchError); a refusal says which and why, and queues nothing."""
         with self._lock:
             # Positions already accepted (waiting, being trained or trained) are not offered again.
             want = max(self._next_seq, self.queue_position + (self._state is not None))
             if seq != want:
-                return False, f"mini-batch {seq} out of order: the core expects {want}"
+                return Refusal.OUT_OF_ORDER, f"mini-batch {seq} out of order: the core expects {want}"
             if len(self._inbox) >= self.cfg.inbox:
-                return False, f"inbox full ({self.cfg.inbox} mini-batches): submit again later"
+                return Refusal.INBOX_FULL, f"inbox full ({self.cfg.inbox} mini-batches): submit again later"
         self.check(microbatches)
         with self._lock:
             if max(self._next_seq, self.queue_position) != want:
-                return False, f"mini-batch {seq} was offered twice at once"
+                return Refusal.OUT_OF_ORDER, f"mini-batch {seq} was offered twice at once"
             self._inbox.append(microbatches)
             self._next_seq = want + 1
             self._lock.notify_all()
-        return True, ""
+        return Refusal.NONE, ""
 
     def next_minibatch(self, timeout_s: float) -> list[PackedBatch] | None:
         """The oldest submitted mini-batch, or None if none arrives within `timeout_s`."""
@@ -262,9 +270,12 @@ class Core:
     def train_step(
         self, microbatches: Sequence[PackedBatch], on_progress: Callable[[int], None] | None = None
     ) -> StepReport:
-        """One optimizer update over one mini-batch; `on_progress(k)` after each core micro-batch."""
+        """One optimizer update over one mini-batch; `on_progress(k)` after each core micro-batch. An
+        empty mini-batch takes its queue position with no update (`StepReport.skipped`)."""
         t0 = time.perf_counter()
         self.check(microbatches)
+        if not microbatches:
+            return self._skip(t0)
         frames = []
         for b in microbatches:
             specs, bufs = to_frames(microbatch_arrays(b))
@@ -335,6 +346,25 @@ class Core:
             staleness=staleness(microbatches, st.version),
             elapsed_s=time.perf_counter() - t0,
             engine_push=push,
+        )
+
+    def _skip(self, t0: float) -> StepReport:
+        with self._lock:
+            self.queue_position += 1
+        log.warning("mini-batch %d has no micro-batches: skipped (no update)", self.queue_position - 1)
+        return StepReport(
+            step=self.step,
+            version=self.version,
+            snapshot=self.snapshot,
+            queue_position=self.queue_position,
+            microbatches=0,
+            by_replica={},
+            requeued=0,
+            loss=0.0,
+            grad_norm=0.0,
+            staleness=Staleness(0, 0.0, {}),
+            elapsed_s=time.perf_counter() - t0,
+            skipped=True,
         )
 
     def _apply(self, grad: torch.Tensor) -> float:

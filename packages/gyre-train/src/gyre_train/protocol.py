@@ -22,6 +22,20 @@ class ErrorCode(enum.IntEnum):
     """A request from a replica that never said hello (or was declared dead)."""
     BAD_GRADIENT = 4
     """A gradient whose frames do not match its header."""
+    BAD_REQUEST = 5
+    """A request that decoded but could not be served (the core logged why and carries on)."""
+
+
+class Refusal(enum.IntEnum):
+    """Why a `Submit` was not queued (in `Ack.refusal`); nothing was queued in every case."""
+
+    NONE = 0
+    OUT_OF_ORDER = 1
+    """Not the queue position the core expects next (a repeat or a gap)."""
+    INBOX_FULL = 2
+    """The core holds `CoreConfig.inbox` mini-batches already: submit again later (retryable)."""
+    MALFORMED = 3
+    """A micro-batch or its frames failed the checks (`wire.MicroBatchError`)."""
 
 
 class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
@@ -153,6 +167,8 @@ class Idle(msgspec.Struct, frozen=True, array_like=True, tag="idle"):
 class Ack(msgspec.Struct, frozen=True, array_like=True, tag="ack"):
     accepted: bool
     reason: str = ""
+    refusal: Refusal = Refusal.NONE
+    """For a refused `Submit`: which refusal (`reason` says it in words)."""
 
 
 class Shutdown(msgspec.Struct, frozen=True, array_like=True, tag="shutdown"):

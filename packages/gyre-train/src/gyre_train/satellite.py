@@ -50,6 +50,7 @@ from gyre_train.protocol import (
     Welcome,
     reply_decoder,
 )
+from gyre_train.threads import start_thread
 from gyre_train.wire import from_frames, microbatch_from_arrays
 
 
@@ -106,8 +107,7 @@ class Satellite:
             raise CoreGoneError(f"core refused hello: {w}")
         self.welcome = w
         self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name="gyre-train-heartbeat", daemon=True)
-        self._beat.start()
+        self._beat = start_thread(self._heartbeat, "gyre-train-heartbeat")  # its death ends the process
         self.loss = msgspec.json.decode(w.loss, type=LossConfig)
         self.model_cfg = ModelConfig.from_json(w.model_config)
         if w.attention not in ("dense", "flex"):

@@ -6,10 +6,15 @@ to `idle_hold_s` and answers `Idle`. Gradients arrive as one raw float32 frame. 
 nothing (no claim, gradient or heartbeat) for `dead_after_s` is declared dead and its claims go back to
 the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
 groups are created or torn down.
+
+The server survives any frame sequence from any peer: a request that cannot be decoded or served is
+answered with an `ErrorReply` (or a refusing `Ack` for a `Submit`), logged, and the server carries on.
+Should the serving thread die anyway, the process exits loudly (`threads.start_thread`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -41,6 +46,7 @@ from gyre_train.protocol import (
     Heartbeat,
     Hello,
     Idle,
+    Refusal,
     ReplicaInfo,
     Reply,
     Shutdown,
@@ -50,10 +56,13 @@ from gyre_train.protocol import (
     Welcome,
     request_decoder,
 )
+from gyre_train.threads import start_thread
 from gyre_train.wire import MicroBatchError, from_frames, microbatch_from_arrays
 
 if TYPE_CHECKING:
     from gyre_train.core import Core
+
+log = logging.getLogger("gyre_train.server")
 
 
 @dataclass
@@ -92,8 +101,7 @@ class ReplicaServer:
         self.dead: list[str] = []
         self._stop = threading.Event()
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="gyre-train-core", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._serve, "gyre-train-core")
 
     # ---- called from other threads -------------------------------------------------------------------
 
@@ -159,7 +167,7 @@ class ReplicaServer:
                         msg = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._handle(dec, msg)
+                    self._handle_safely(dec, msg)
             self._reap()
             self._unpark()
             if self._closing.is_set():
@@ -170,13 +178,24 @@ class ReplicaServer:
                 if quiet or now - closing_since > 2.0:
                     return
 
-    def _handle(self, dec: msgspec.msgpack.Decoder[Any], msg: list[Any]) -> None:
+    def _handle_safely(self, dec: msgspec.msgpack.Decoder[Any], msg: list[Any]) -> None:
+        """Serve one message; whatever it holds, answer and carry on (a fault is logged, not raised)."""
         ident = bytes(msg[0].buffer)
         try:
             req = dec.decode(msg[1].buffer)
         except (msgspec.DecodeError, IndexError) as exc:
+            log.warning("undecodable request (%d frames) from %r: %s", len(msg) - 1, ident, exc)
             self._send(ident, ErrorReply(ErrorCode.PROTOCOL, f"undecodable request: {exc}"))
             return
+        try:
+            self._handle(ident, req, msg[2:])
+        except zmq.ZMQError:
+            raise  # the socket itself failed: nothing more can be served
+        except Exception as exc:
+            log.exception("could not serve %s from %r", type(req).__name__, ident)
+            self._send(ident, ErrorReply(ErrorCode.BAD_REQUEST, f"{type(req).__name__}: {exc}"))
+
+    def _handle(self, ident: bytes, req: Any, frames: list[Any]) -> None:
         now = time.monotonic()
         if isinstance(req, Hello):
             if self._closing.is_set():
@@ -215,7 +234,7 @@ class ReplicaServer:
             self._control(ident, req)
             return
         if isinstance(req, Submit):
-            self._submit(ident, req, msg[2:])
+            self._submit(ident, req, frames)
             return
         with self._mu:
             rep = self._reps.get(req.replica)
@@ -237,7 +256,7 @@ class ReplicaServer:
             elif not self._try_assign(ident, req.replica):
                 self._parked.append((ident, req.replica, now))
         elif isinstance(req, Gradient):
-            self._gradient(ident, rep, req, msg[2:])
+            self._gradient(ident, rep, req, frames)
         elif isinstance(req, GradientBuffer):
             self._gradient_buffer(ident, rep, req)
         elif isinstance(req, Goodbye):
@@ -291,10 +310,12 @@ class ReplicaServer:
                 at += len(specs)
             if at != len(frames):
                 raise MicroBatchError(f"{len(frames)} frames for {at} arrays")
-            ok, why = self.core.offer(req.seq, mbs)
-        except (MicroBatchError, ValueError) as exc:
-            ok, why = False, str(exc)
-        self._send(ident, Ack(ok, why))
+            refusal, why = self.core.offer(req.seq, mbs)
+        except MicroBatchError as exc:
+            refusal, why = Refusal.MALFORMED, str(exc)
+        if refusal is not Refusal.NONE:
+            log.warning("mini-batch %d refused: %s", req.seq, why)
+        self._send(ident, Ack(refusal is Refusal.NONE, why, refusal))
 
     def _drop_buffer(self, name: str) -> None:
         """Forget `name`'s gradient buffer (caller holds `_mu`)."""

@@ -2,13 +2,16 @@
 
 `to_frames`/`from_frames` move numpy arrays without copies on the send side and with one `np.frombuffer`
 view on the receive side; a frame whose size disagrees with its spec is an error, never a silent reshape.
-`check_microbatch` is what the core runs on every micro-batch before it enters the claim queue: a batch
+Only plain little-endian numbers cross the wire (`WIRE_DTYPES`): any other dtype string in a spec is a
+`MicroBatchError`, as is a frame whose size disagrees with its spec, so a malformed header from a peer is
+refused rather than raised from deep inside numpy. `check_microbatch` is what the core runs on every micro-batch before it enters the claim queue: a batch
 that does not fit the token budget, names tokens outside the vocabulary or carries a malformed ancestor
 mask is refused with a `MicroBatchError` that says what is wrong.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,8 +36,16 @@ MICROBATCH_FIELDS = (
 )
 
 
+WIRE_DTYPES = frozenset({"|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8"})
+"""The dtype strings an `ArraySpec` may name (numpy's `dtype.str`): booleans, integers and floats,
+little-endian. Anything else (objects, strings, records, big-endian, unknown names) is refused."""
+
+INTEGER_FIELDS = frozenset(MICROBATCH_FIELDS) - {"old_logprobs", "advantages", "weights"}
+
+
 class MicroBatchError(ValueError):
-    """A micro-batch that cannot be trained: too large, out-of-vocabulary ids or a malformed mask."""
+    """A micro-batch that cannot be trained: too large, out-of-vocabulary ids, a malformed mask, or
+    arrays whose frames do not match their specs."""
 
 
 def to_frames(arrays: Mapping[str, np.ndarray]) -> tuple[tuple[ArraySpec, ...], list[Any]]:
@@ -48,15 +59,25 @@ def to_frames(arrays: Mapping[str, np.ndarray]) -> tuple[tuple[ArraySpec, ...], 
 
 
 def from_frames(specs: Sequence[ArraySpec], frames: Sequence[Any]) -> dict[str, np.ndarray]:
+    """Views of `frames` as the arrays `specs` describe; MicroBatchError for a spec that names a dtype
+    outside `WIRE_DTYPES`, a negative dimension, a repeated name, or a frame of the wrong size."""
     if len(specs) != len(frames):
-        raise ValueError(f"{len(specs)} array specs but {len(frames)} frames")
+        raise MicroBatchError(f"{len(specs)} array specs but {len(frames)} frames")
     out = {}
     for s, f in zip(specs, frames, strict=True):
+        if s.dtype not in WIRE_DTYPES:
+            raise MicroBatchError(f"array {s.name!r}: dtype {s.dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+        if any(d < 0 for d in s.shape):
+            raise MicroBatchError(f"array {s.name!r}: negative dimension in shape {s.shape}")
+        if s.name in out:
+            raise MicroBatchError(f"array {s.name!r} appears twice")
         dt = np.dtype(s.dtype)
         buf = f.buffer if hasattr(f, "buffer") else f
-        n = int(np.prod(s.shape, dtype=np.int64)) * dt.itemsize
+        n = math.prod(s.shape) * dt.itemsize  # Python ints: no overflow for absurd shapes
         if memoryview(buf).nbytes != n:
-            raise ValueError(f"array {s.name!r}: frame has {memoryview(buf).nbytes} bytes, spec needs {n}")
+            raise MicroBatchError(
+                f"array {s.name!r}: frame has {memoryview(buf).nbytes} bytes, spec needs {n}"
+            )
         out[s.name] = np.frombuffer(buf, dtype=dt).reshape(s.shape) if n else np.zeros(s.shape, dt)
     return out
 
@@ -69,6 +90,13 @@ def microbatch_from_arrays(arrays: Mapping[str, np.ndarray]) -> PackedBatch:
     missing = [k for k in MICROBATCH_FIELDS if k not in arrays]
     if missing:
         raise MicroBatchError(f"micro-batch is missing arrays {missing}")
+    for k in MICROBATCH_FIELDS:
+        kind = arrays[k].dtype.kind
+        if kind not in ("iu" if k in INTEGER_FIELDS else "f") or arrays[k].ndim != 1:
+            raise MicroBatchError(
+                f"micro-batch array {k!r} is {arrays[k].dtype} of shape {arrays[k].shape}: expected a "
+                f"one-dimensional {'integer' if k in INTEGER_FIELDS else 'float'} array"
+            )
     a = arrays
     return PackedBatch(
         mode="tree",
