@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from gyre_sched.cells import CellTable, TableConfig
-from gyre_sched.policy import AsyncPolicy, ColocatePolicy, Observation, WaterLevelConfig, WaterLevelPolicy
+from gyre_sched.policy import (
+    AsyncPolicy,
+    ColocatePolicy,
+    Observation,
+    RunAheadColocatePolicy,
+    WaterLevelConfig,
+    WaterLevelPolicy,
+    batches_to_start,
+)
 from gyre_sched.predict import DurationModel, PredictConfig
-from gyre_sched.protocol import Action, Role
+from gyre_sched.protocol import Action, Admission, Role
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def table(n: int = 4, cap: int = 10, switches: int = 1) -> CellTable:
@@ -79,6 +89,34 @@ def test_colocate_switches_whole_pool() -> None:
     assert p.decide(obs(0, 50, 10, batch_complete=False), t) == []
     ds = p.decide(obs(0, 50, 16, batch_complete=True), t)
     assert [d.cell_id for d in ds] == [0, 1, 2, 3] and all(d.action is Action.TO_TRAINING for d in ds)
+
+
+def test_colocate_trains_whole_batches_and_returns_when_the_next_is_incomplete() -> None:
+    """Both Colocate variants make the same whole-pool switches; they differ only in admission."""
+    for p in (ColocatePolicy(), RunAheadColocatePolicy()):
+        t = table(switches=4)
+        for cid in range(4):
+            _train(t, cid)
+        # Updating, or the next step's batch already complete: the pool keeps training.
+        assert p.decide(obs(0, 30, 16, batch_complete=True, step_open=True), t) == []
+        assert p.decide(obs(0, 30, 0, updating=True), t) == []
+        # The next batch is incomplete (even with some of its groups ready): the whole pool rolls out.
+        ds = p.decide(obs(0, 30, 5, batch_complete=False), t)
+        assert sorted(d.cell_id for d in ds) == [0, 1, 2, 3]
+        assert all(d.action is Action.TO_ROLLOUT for d in ds)
+    assert ColocatePolicy().admission is Admission.COHORT
+    assert RunAheadColocatePolicy().admission is Admission.ROLLING
+    assert ColocatePolicy().moves_together and not WaterLevelPolicy().moves_together
+
+
+@given(st.integers(0, 50), st.integers(0, 50), st.integers(0, 5))
+def test_batches_to_start(started: int, behind: int, max_ahead: int) -> None:
+    trained = max(0, started - behind)
+    rolling = batches_to_start(Admission.ROLLING, started=started, trained=trained, max_ahead=max_ahead)
+    cohort = batches_to_start(Admission.COHORT, started=started, trained=trained, max_ahead=max_ahead)
+    assert rolling == max(0, trained + max_ahead + 1 - started)  # batch b starts once b <= trained + ahead
+    assert cohort == (max_ahead + 1 if trained == started else 0)  # a whole cohort, only when all trained
+    assert cohort <= rolling
 
 
 def test_async_fixed_split() -> None:

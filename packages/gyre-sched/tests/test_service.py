@@ -13,6 +13,7 @@ import pytest
 import zmq
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import (
+    Admission,
     Codec,
     EngineAdd,
     EngineDrain,
@@ -200,6 +201,40 @@ def test_colocate_satellite_drained_before_the_core() -> None:
         for p in procs:
             p.kill()
             p.wait(5.0)
+        s.stop()
+        th.join(5.0)
+        ctx.destroy(0)
+
+
+@pytest.mark.parametrize(
+    ("name", "admission"),
+    [
+        ("colocate", Admission.COHORT),
+        ("colocate-runahead", Admission.ROLLING),
+        ("elastic", Admission.ROLLING),
+    ],
+)
+def test_welcome_tells_the_driver_when_batches_may_start(name: str, admission: Admission) -> None:
+    """The live driver learns the policy's admission from Welcome, so `gyre run` and the simulator mean
+    the same thing by each name (the driver applies `batches_to_start` with it)."""
+    from gyre_sched.sim import make_policy
+    from gyre_sched.workload import Workload
+
+    s = Scheduler(make_policy(name, Workload()), ServiceConfig(bind="tcp://127.0.0.1:0"))
+    th = threading.Thread(target=s.serve_forever, daemon=True)
+    th.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(s.endpoint)
+        codec = Codec()
+        sock.send(codec.encode(Hello(PeerKind.DRIVER)))
+        assert sock.poll(5000)
+        w = codec.decode(sock.recv())
+        assert isinstance(w, Welcome) and w.admission is admission
+        sock.close(0)
+    finally:
         s.stop()
         th.join(5.0)
         ctx.destroy(0)

@@ -9,7 +9,10 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from gyre_sched.policy import POLICY_NAMES
 from gyre_sched.workload import ConfigError
+
+POLICY_HELP = "; ".join(f"{k}: {v}" for k, v in POLICY_NAMES.items())
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -24,7 +27,7 @@ def _serve(a: argparse.Namespace) -> int:
     )
     w = replace(w, run=replace(w.run, cells=max(2, a.async_train_cells + 1), timeout_h=a.timeout_h))
     policy = make_policy(a.policy, w)
-    n_sw = a.max_concurrent_switches or (1000 if a.policy in ("colocate", "async") else 1)
+    n_sw = a.max_concurrent_switches or (1000 if policy.moves_together else 1)
     cfg = ServiceConfig(
         bind=a.bind,
         heartbeat_s=a.heartbeat_s,
@@ -60,7 +63,7 @@ def _cell(a: argparse.Namespace) -> int:
 
 def _fmt(r: dict[str, Any]) -> str:
     return (
-        f"{r['policy']:<11} {'yes' if r['streaming'] else 'no ':<4} {r['end_to_end_h']:8.2f} "
+        f"{r['policy']:<17} {'yes' if r['streaming'] else 'no ':<4} {r['end_to_end_h']:8.2f} "
         f"{r['idle_total']:6.1%} {r['idle_rollout']:7.1%} {r['idle_training']:7.1%} "
         f"{r['staleness_mean']:6.2f} {r['staleness_max']:4.0f} {r['switches']:6d} {r['timeouts']:6d} {r['extra_timeouts']:6d}"
     )
@@ -89,7 +92,7 @@ def _simulate(a: argparse.Namespace) -> int:
     print(
         f"workload {w.name}: {w.run.steps} steps, {w.run.cells} cells, {w.batch.queries}x{w.batch.group_size} executions/step"
     )
-    print("policy      str.  hours    idle  rollout training stale  max  switch timeout extraTO")
+    print(f"{'policy':<17} str.  hours    idle  rollout training stale  max  switch timeout extraTO")
     for r in rows:
         print(_fmt(r))
     for k, v in summary.items():
@@ -136,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the scheduler service on a ZeroMQ socket")
     s.add_argument("--bind", default="tcp://127.0.0.1:5557", help="ROUTER address (port 0: pick a free one)")
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback bind")
-    s.add_argument("--policy", default="elastic", choices=["elastic", "predictive", "colocate", "async"])
+    s.add_argument("--policy", default="elastic", choices=list(POLICY_NAMES), help=POLICY_HELP)
     s.add_argument("--async-train-cells", type=int, default=1)
     s.add_argument("--ready-fraction", type=float, default=0.25)
     s.add_argument("--hold-s", type=float, default=120.0)
@@ -148,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--switch-timeout-s", type=float, default=120.0)
     s.add_argument("--drain-timeout-s", type=float, default=30.0)
     s.add_argument(
-        "--max-concurrent-switches", type=int, default=0, help="0: 1 for elastic, all for the baselines"
+        "--max-concurrent-switches",
+        type=int,
+        default=0,
+        help="0: 1 for elastic, all for whole-pool/split policies",
     )
     s.set_defaults(fn=_serve)
 
@@ -164,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_cell)
 
     m = sub.add_parser("simulate", help="simulate a whole RL run")
-    m.add_argument("config", help="workload .toml/.json, or a preset name (2p4t)")
+    m.add_argument("config", help="workload .toml/.json, or a preset name (2p4t, tb122b)")
     m.add_argument(
-        "--policy", default="compare", choices=["elastic", "predictive", "colocate", "async", "compare"]
+        "--policy",
+        default="compare",
+        choices=[*POLICY_NAMES, "compare"],
+        help=POLICY_HELP + "; compare: all of them",
     )
     m.add_argument("--streaming", default="config", choices=["config", "on", "off", "both"])
     m.add_argument("--seed", type=int)

@@ -4,6 +4,25 @@ A policy reads one `Observation` (aggregate counts only, so a decision costs the
 executions as with 10) and the `CellTable`, and returns the switches to start now, each a `Decision`
 with the rule that fired and the quantities behind it. Policies never change the table themselves: the
 simulator and the service apply decisions through `CellTable.transition`, which checks the invariants.
+Each policy also names its `Admission` (when a new batch may start; `batches_to_start` is the rule the
+simulator applies, and the scheduler tells the live driver its policy's admission in `Welcome`) and
+whether its cells move together.
+
+Every policy runs under the same bounds: a batch starts at most `max_ahead` steps ahead of the trainer,
+and none starts while the measured mean staleness is above the target E[d]. The names mean:
+
+- `elastic`: cells move one at a time by the water level (below); ROLLING admission.
+- `colocate` (the report's Colocate): the whole pool is either in rollout or in training, never split.
+  A *cohort* of batches (as many as the bounds allow) starts together, and no execution starts while
+  any execution of the cohort is still running, nor before all its batches are trained (COHORT
+  admission). The pool moves to training, all together, when the oldest untrained batch is complete,
+  freezing whatever else runs, trains whole batches only (never part of one), and moves back when the
+  next batch is not complete. So while a cohort's slowest executions finish, only they run: every other
+  slot of the pool waits idle and nothing trains. That wait is the cost the report attributes to
+  Colocate.
+- `colocate-runahead` (not the report's; what gyre called Colocate before): the same whole-pool
+  switches, but ROLLING admission, so the next batches roll out under a batch's tail and hide that wait.
+- `async`: a fixed split, `train_cells` cells train for the whole run and the rest roll out; ROLLING.
 """
 
 from __future__ import annotations
@@ -13,7 +32,18 @@ from typing import Protocol
 
 from gyre_sched.cells import SWITCHING, CellTable
 from gyre_sched.predict import DurationModel, PredictConfig
-from gyre_sched.protocol import Action, Decision, Role, Why
+from gyre_sched.protocol import Action, Admission, Decision, Role, Why
+
+POLICY_NAMES: dict[str, str] = {
+    "elastic": "cells move one at a time by the water level",
+    "predictive": "elastic, counting executions predicted to time out as a fraction of a slot",
+    "colocate": "the report's Colocate: the whole pool switches; a cohort of batches starts only once "
+    "every earlier batch is trained",
+    "colocate-runahead": "whole-pool switches, but batches start under earlier batches' tails (what "
+    "colocate meant before issue 17)",
+    "async": "a fixed split of training and rollout cells",
+}
+"""Every policy name the service, the simulator and `gyre run` accept, with what it means."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +74,24 @@ class Observation:
 
 class Policy(Protocol):
     name: str
+    admission: Admission
+    """When the driver may start a batch (see `batches_to_start`)."""
+    moves_together: bool
+    """Many cells may switch at once (whole-pool or fixed-split policies); else one at a time."""
 
     def decide(self, obs: Observation, cells: CellTable) -> list[Decision]: ...
+
+
+def batches_to_start(admission: Admission, *, started: int, trained: int, max_ahead: int) -> int:
+    """How many batches may start now, given `started` batches so far, `trained` steps applied and the
+    shared `max_ahead` bound (a batch b may start once b <= trained + max_ahead). Whoever measures
+    staleness narrows `max_ahead` on top of this (the simulator does; see `sim.Simulator._launch`).
+
+    ROLLING: every batch the bound allows, whatever is still running. COHORT: none until every started
+    batch is trained (so no execution runs); then all the bound allows, at once."""
+    if admission is Admission.COHORT and trained < started:
+        return 0
+    return max(0, trained + max_ahead + 1 - started)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +128,8 @@ class WaterLevelPolicy:
 
     config: WaterLevelConfig = field(default_factory=WaterLevelConfig)
     name: str = "elastic"
+    admission: Admission = Admission.ROLLING
+    moves_together: bool = False
     _above_since: float | None = None
 
     def demand(self, obs: Observation) -> tuple[float, float]:
@@ -174,32 +222,48 @@ class PredictivePolicy(WaterLevelPolicy):
         return obs.unfinished - (1.0 - self.predict.timeout_weight) * pred, pred
 
 
+def _whole_pool(obs: Observation, cells: CellTable) -> list[Decision]:
+    """The whole-pool switches of both Colocate variants: all of rollout to training when the oldest
+    untrained batch is complete (freezing anything else that runs), all back once the next batch is not
+    complete and the update is done. Whole batches only: partial batches are never trained."""
+    if cells.n(*SWITCHING):
+        return []
+    rollout = sorted(cells.in_role(Role.ROLLOUT), key=lambda c: (not c.is_core, c.cell_id))
+    training = sorted(cells.in_role(Role.TRAINING), key=lambda c: (c.is_core, c.cell_id))
+    if not training and rollout and obs.batch_complete:
+        why = _why(obs, cells, 0, 0.0)
+        rule = "batch complete: whole pool trains"
+        return [Decision(obs.now, c.cell_id, Action.TO_TRAINING, rule, why) for c in rollout]
+    if training and not rollout and not obs.updating and not obs.batch_complete:
+        why = _why(obs, cells, sum(c.capacity for c in cells.cells.values()), 0.0)
+        rule = "step applied, next batch incomplete: whole pool rolls out"
+        return [Decision(obs.now, c.cell_id, Action.TO_ROLLOUT, rule, why) for c in training]
+    return []
+
+
 @dataclass(slots=True)
 class ColocatePolicy:
-    """The whole pool switches together: to training when the batch's executions have all finished
-    (pausing any later executions), back to rollout when the step is applied."""
+    """The report's Colocate: whole-pool switches and COHORT admission (module docstring)."""
 
     name: str = "colocate"
+    admission: Admission = Admission.COHORT
+    moves_together: bool = True
 
     def decide(self, obs: Observation, cells: CellTable) -> list[Decision]:
-        out: list[Decision] = []
-        if cells.n(*SWITCHING):
-            return out
-        rollout = sorted(cells.in_role(Role.ROLLOUT), key=lambda c: (not c.is_core, c.cell_id))
-        training = sorted(cells.in_role(Role.TRAINING), key=lambda c: (c.is_core, c.cell_id))
-        if not training and rollout and obs.batch_complete and obs.trainable > 0:
-            why = _why(obs, cells, 0, 0.0)
-            for c in rollout:
-                out.append(
-                    Decision(obs.now, c.cell_id, Action.TO_TRAINING, "batch finished: whole pool trains", why)
-                )
-        elif training and not rollout and not obs.updating and obs.trainable == 0:
-            why = _why(obs, cells, sum(c.capacity for c in cells.cells.values()), 0.0)
-            for c in training:
-                out.append(
-                    Decision(obs.now, c.cell_id, Action.TO_ROLLOUT, "step applied: whole pool rolls out", why)
-                )
-        return out
+        return _whole_pool(obs, cells)
+
+
+@dataclass(slots=True)
+class RunAheadColocatePolicy:
+    """Colocate's whole-pool switches with ROLLING admission: later batches roll out under a batch's
+    tail. Not the report's Colocate (module docstring); kept to show what that overlap hides."""
+
+    name: str = "colocate-runahead"
+    admission: Admission = Admission.ROLLING
+    moves_together: bool = True
+
+    def decide(self, obs: Observation, cells: CellTable) -> list[Decision]:
+        return _whole_pool(obs, cells)
 
 
 @dataclass(slots=True)
@@ -208,6 +272,8 @@ class AsyncPolicy:
 
     train_cells: int = 1
     name: str = "async"
+    admission: Admission = Admission.ROLLING
+    moves_together: bool = True
 
     def decide(self, obs: Observation, cells: CellTable) -> list[Decision]:
         """Fill the training side up to `train_cells` (at start, and again after a failure)."""

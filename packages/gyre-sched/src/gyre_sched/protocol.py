@@ -49,6 +49,15 @@ class Action(IntEnum):
     TO_ROLLOUT = 1
 
 
+class Admission(IntEnum):
+    """When the rollout driver may start a new batch, besides the bounds every policy shares (at most
+    `max_ahead` batches ahead of the trainer; the staleness target). `gyre_sched.policy.batches_to_start`
+    is the rule; the scheduler tells the driver its policy's admission in `Welcome`."""
+
+    ROLLING = 0  # whenever the shared bounds allow, whatever is still running
+    COHORT = 1  # only when nothing runs and every started batch is trained; then all the bounds allow
+
+
 _S = {"frozen": True, "tag_field": "t", "omit_defaults": True, "array_like": True}
 
 
@@ -96,6 +105,7 @@ class Welcome(msgspec.Struct, tag="welcome", **_S):
     protocol: int = PROTOCOL_VERSION
     role: Role = Role.ROLLOUT
     heartbeat_s: float = 1.0  # peers send a Heartbeat (or any message) at least this often
+    admission: Admission = Admission.ROLLING  # for the driver: when the policy lets a batch start
 
 
 class Reject(msgspec.Struct, tag="reject", **_S):

@@ -374,7 +374,9 @@ class Scheduler:
             for cell in self.table.in_role(Role.ROLLOUT):
                 self._send(ident, EngineAdd(cell.cell_id, self._cells[cell.cell_id].endpoint))
         self._peers[ident] = peer
-        self._send(ident, Welcome(PROTOCOL_VERSION, Role.ROLLOUT, self.config.heartbeat_s))
+        self._send(
+            ident, Welcome(PROTOCOL_VERSION, Role.ROLLOUT, self.config.heartbeat_s, self.policy.admission)
+        )
 
     def _switch_done(self, ident: bytes, msg: SwitchDone) -> None:
         pend = self._pending.get(msg.cell_id)
