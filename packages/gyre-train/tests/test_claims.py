@@ -100,3 +100,51 @@ def test_read_only_gradients_are_copied_not_wrapped() -> None:
     s = StepState(batch=0, n=1, numel=5, version=0)
     assert s.claim("s1") == 0 and s.deliver("s1", 0, ro)
     np.testing.assert_array_equal(s.gradient().numpy(), g)
+
+
+def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
+    # Four replica threads claim and deliver at once (one of them "dies" now and then, returning its
+    # claims), while the training thread waits: the sum is still the in-order one, bit for bit.
+    import threading
+
+    import torch
+    from gyre_train.claimqueue import ClaimQueue
+    from gyre_train.data import synthetic_minibatch
+
+    mbs = synthetic_minibatch(1, seed=3)[:1] * 40  # the queue does not look inside micro-batches
+    n = len(mbs)
+    grads = _grads(n, 257, 9)
+    q = ClaimQueue(257, torch.device("cpu"), check=lambda _: None, inbox=1)
+    batch = q.begin(mbs)
+
+    def replica(name: str, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not q.wait_complete(0.0):
+            a = q.claim(name)
+            if a is None:
+                continue
+            assert a.batch == batch and a.microbatch is mbs[a.index] and len(a.frames) == len(a.specs)
+            if rng.random() < 0.2:
+                q.release(name)  # died holding it: back to the front
+                continue
+            q.deliver(name, a.batch, a.index, a.version, grads[a.index])
+
+    threads = [threading.Thread(target=replica, args=(f"r{k}", k)) for k in range(4)]
+    for t in threads:
+        t.start()
+    while not q.wait_complete(0.05):
+        pass
+    for t in threads:
+        t.join(timeout=30)
+    res = q.finish()
+    assert res.microbatches == n and sorted(res.done) == list(range(n))
+    np.testing.assert_array_equal(res.gradient.numpy(), _reference(grads))
+    assert q.applied(snapshot=7).queue_position == 1 and q.state_dict() == {
+        "step": 1,
+        "version": 1,
+        "queue_position": 1,
+    }
+    assert q.claim("r0") is None and q.deliver("r0", batch, 0, 0, grads[0]) == (
+        False,
+        f"mini-batch {batch} is not in progress",
+    )

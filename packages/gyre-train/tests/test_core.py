@@ -353,3 +353,28 @@ def test_a_satellite_presumed_dead_rejoins_and_the_step_is_unchanged(
         core.close()
         th.join(timeout=30)
         sat.close()
+
+
+def test_state_dict_round_trips_in_memory(reference: dict[str, torch.Tensor]) -> None:
+    import copy
+
+    first = new_core()
+    try:
+        first.train_step(A)
+        state = copy.deepcopy(first.state_dict())
+        assert state["position"] == {"step": 1, "version": 1, "queue_position": 1}
+        assert set(state["optimizer"]["state"]) == set(state["model"])  # by parameter name
+    finally:
+        first.close()
+    resumed = new_core()
+    try:
+        resumed.load_state_dict(state)
+        assert (resumed.step, resumed.version, resumed.queue_position) == (1, 1, 1)
+        resumed.train_step(B)
+        assert_same(weights(resumed), reference)
+        bad = copy.deepcopy(state)
+        bad["layout"] = "0" * 16
+        with pytest.raises(CheckpointError, match="layout"):
+            resumed.load_state_dict(bad)
+    finally:
+        resumed.close()

@@ -151,7 +151,9 @@ def test_satellite_killed_mid_batch_is_requeued(cluster: Cluster, reference: dic
     def progress(k: int) -> None:
         if k == 1:
             wait_for(
-                lambda: CRASHER in core._server.dead or core.replicas().get(CRASHER, {}).get("claims", 0) > 0,
+                lambda: (
+                    CRASHER in core.presumed_dead() or core.replicas().get(CRASHER, {}).get("claims", 0) > 0
+                ),
                 120.0,
                 "crasher",
             )
@@ -159,7 +161,7 @@ def test_satellite_killed_mid_batch_is_requeued(cluster: Cluster, reference: dic
     first = core.train_step(A, on_progress=progress)
     assert CRASHER not in first.by_replica  # it died holding its claim and never delivered
     assert first.requeued >= 1
-    assert CRASHER in core._server.dead
+    assert CRASHER in core.presumed_dead()
     cluster.procs[CRASHER].wait(timeout=30)
     assert cluster.procs[CRASHER].returncode == -9  # really killed, not a clean exit
     core.admit(SATS[0])

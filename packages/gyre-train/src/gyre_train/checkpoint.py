@@ -1,10 +1,13 @@
-"""Checkpoints of the core: weights, AdamW state, step, version and queue position, so a resumed core
+"""Checkpoints: a trainer's state dict (`Core.state_dict()`) to a directory and back, so a resumed core
 gives the same next update as one that never stopped.
 
-Layout of a checkpoint directory: `model.safetensors` (parameters by name), `optimizer.safetensors`
-(`<param>::exp_avg`, `<param>::exp_avg_sq`, `<param>::step`), `state.json` (step, version,
-queue_position, parameter digest, configs). Written to a temporary directory and renamed into place, so a
-crash leaves the previous checkpoint whole. No pickle anywhere.
+The state dict this module writes and reads (`TrainerState`): `model` (parameters by name), `optimizer`
+(`{"state": {param: {key: tensor}}, "param_groups": [hyper-parameters]}`, by parameter name), `position`
+(step, version, queue_position), `layout` (the parameter layout's digest) and `model_config`. On disk:
+`model.safetensors`, `optimizer.safetensors` (`<param>::exp_avg`, `<param>::exp_avg_sq`,
+`<param>::step`) and `state.json` (the rest). Written to a temporary directory and renamed into place, so
+a crash leaves the previous checkpoint whole. No pickle anywhere. This module knows nothing of the core:
+the core builds and loads the state dict, and checks it matches its model.
 """
 
 from __future__ import annotations
@@ -12,15 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, TypedDict
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-
-if TYPE_CHECKING:
-    from gyre_train.core import Core
 
 FORMAT = 1
 
@@ -29,32 +29,44 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model it is loaded into, or is incomplete."""
 
 
-def save(core: Core, path: Path) -> Path:
+class OptimizerState(TypedDict):
+    state: dict[str, dict[str, torch.Tensor]]
+    """Per parameter name, its optimizer tensors (AdamW: exp_avg, exp_avg_sq, step)."""
+    param_groups: list[dict[str, Any]]
+    """Hyper-parameters of each parameter group (without the parameters)."""
+
+
+class TrainerState(TypedDict):
+    model: dict[str, torch.Tensor]
+    optimizer: OptimizerState
+    position: dict[str, int]
+    """step, version, queue_position."""
+    layout: str
+    model_config: dict[str, Any]
+
+
+def save(state: TrainerState, path: Path) -> Path:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    names = {id(p): n for n, p in core.model.named_parameters()}
     save_file(
-        {n: p.detach().cpu().contiguous() for n, p in core.model.named_parameters()},
-        str(tmp / "model.safetensors"),
+        {n: t.detach().cpu().contiguous() for n, t in state["model"].items()}, str(tmp / "model.safetensors")
     )
-    opt: dict[str, torch.Tensor] = {}
-    for p, st in core.optimizer.state.items():
-        n = names[id(p)]
-        for k, v in st.items():
-            opt[f"{n}::{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
-    save_file(opt, str(tmp / "optimizer.safetensors"))
-    state = {
-        "format": FORMAT,
-        "step": core.step,
-        "version": core.version,
-        "queue_position": core.queue_position,
-        "layout": core.layout.digest,
-        "model": asdict(core.model_cfg),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in core.optimizer.param_groups],
+    opt = {
+        f"{n}::{k}": torch.as_tensor(v).detach().cpu().contiguous()
+        for n, st in state["optimizer"]["state"].items()
+        for k, v in st.items()
     }
-    (tmp / "state.json").write_text(json.dumps(state, indent=1, default=list) + "\n")
+    save_file(opt, str(tmp / "optimizer.safetensors"))
+    meta = {
+        "format": FORMAT,
+        **{k: int(state["position"][k]) for k in ("step", "version", "queue_position")},
+        "layout": state["layout"],
+        "model": state["model_config"],
+        "param_groups": state["optimizer"]["param_groups"],
+    }
+    (tmp / "state.json").write_text(json.dumps(meta, indent=1, default=list) + "\n")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -67,37 +79,28 @@ def save(core: Core, path: Path) -> Path:
     return path
 
 
-def load(core: Core, path: Path) -> None:
+def load(path: Path) -> TrainerState:
     path = Path(path)
     try:
-        state = json.loads((path / "state.json").read_text())
+        meta = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: no readable state.json ({exc})") from exc
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {state.get('format')}, expected {FORMAT}")
-    if state["layout"] != core.layout.digest:
-        raise CheckpointError(
-            f"{path}: parameter layout {state['layout']} differs from the model's {core.layout.digest}"
-        )
-    weights = load_file(str(path / "model.safetensors"))
-    opt = load_file(str(path / "optimizer.safetensors"))
-    ps = dict(core.model.named_parameters())
-    with torch.no_grad():
-        for n, p in ps.items():
-            p.copy_(weights[n])
-    sd = core.optimizer.state_dict()
-    index = {n: i for i, n in enumerate(ps)}
-    new_state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, v in opt.items():
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')}, expected {FORMAT}")
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+        flat = load_file(str(path / "optimizer.safetensors"))
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"{path}: unreadable tensors ({exc})") from exc
+    opt: dict[str, dict[str, torch.Tensor]] = {}
+    for key, v in flat.items():
         n, k = key.rsplit("::", 1)
-        if n not in index:
-            raise CheckpointError(f"{path}: optimizer state for unknown parameter {n!r}")
-        new_state.setdefault(index[n], {})[k] = v
-    for g, saved in zip(sd["param_groups"], state["param_groups"], strict=True):
-        g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-    core.optimizer.load_state_dict({"state": new_state, "param_groups": sd["param_groups"]})
-    core.step = int(state["step"])
-    core.version = int(state["version"])
-    core.queue_position = int(state["queue_position"])
-    core._next_seq = core.queue_position
-    core.republish()
+        opt.setdefault(n, {})[k] = v
+    groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"]]
+    return TrainerState(
+        model=weights,
+        optimizer=OptimizerState(state=opt, param_groups=groups),
+        position={k: int(meta[k]) for k in ("step", "version", "queue_position")},
+        layout=str(meta["layout"]),
+        model_config=dict(meta.get("model", {})),
+    )

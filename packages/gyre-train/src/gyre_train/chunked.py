@@ -33,7 +33,7 @@ import torch
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss
 from gyre_traj.pack import PackedBatch
 
-from gyre_train.model import Attention
+from gyre_train.modelconfig import Attention
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The core replica: authoritative weights, the only optimizer state (AdamW), step and version.
 
-`Core.train_step` takes one mini-batch of checked micro-batches, puts them in a claim queue that the
-core itself and every admitted satellite draw from (satellites over a ZeroMQ ROUTER socket served by a
-helper thread), sums the returned gradients in micro-batch order, applies one AdamW update and publishes
+`Core.train_step` takes one mini-batch of checked micro-batches, puts them in the claim queue
+(`claimqueue.py`) that the core itself and every admitted satellite draw from (satellites over a ZeroMQ
+ROUTER socket served by a helper thread, `server.py`), sums the returned gradients in micro-batch order, applies one AdamW update and publishes
 the new weights as a gyre-xfer snapshot. Satellites connect once at start and stay connected; admitting
 or dismissing one only changes which replicas the queue answers, so joining rebuilds nothing. A
 mini-batch with no micro-batches (nothing trainable in the step) is skipped: its queue position is
@@ -12,14 +12,12 @@ taken, no update is made, and the report says `skipped`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from gyre_traj.loss import LossConfig
@@ -28,7 +26,9 @@ from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import open_transport
 
-from gyre_train.claims import StepState
+from gyre_train import checkpoint
+from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
+from gyre_train.claimqueue import ClaimQueue
 from gyre_train.engine_sync import (
     PushReport,
     SGLangSyncConfig,
@@ -37,9 +37,9 @@ from gyre_train.engine_sync import (
     engine_tensors,
 )
 from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
-from gyre_train.protocol import ArraySpec, Refusal
-from gyre_train.server import ReplicaServer
-from gyre_train.wire import MicroBatchError, check_microbatch, microbatch_arrays, to_frames
+from gyre_train.protocol import PROTOCOL, Refusal, Welcome
+from gyre_train.server import ReplicaServer, ServerConfig
+from gyre_train.wire import MicroBatchError, check_microbatch
 
 CORE = "core"
 log = logging.getLogger("gyre_train.core")
@@ -124,6 +124,10 @@ class StepReport:
 
 
 class Core:
+    """The core replica. Its shared state (queued mini-batches, the claims of the step in progress, the
+    trainer's position) lives in a `ClaimQueue` that its server thread uses too; checkpoints go through
+    `state_dict()` / `load_state_dict()`."""
+
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, cfg: CoreConfig | None = None) -> None:
         self.cfg = cfg or CoreConfig()
         self.model = model
@@ -135,20 +139,22 @@ class Core:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
-        self.step = 0
-        self.version = 0
-        self.queue_position = 0
-        self._batch_seq = 0
-        self._inbox: deque[list[PackedBatch]] = deque()
-        self._next_seq = 0
         self._transport = open_transport(XferConfig(kind=self.cfg.transport))
         self.publisher = Publisher(self._transport, PublisherConfig())
-        self.snapshot = self.publisher.publish(params(model))
-        self._lock = threading.Condition()
-        self._state: StepState | None = None
-        self._frames: list[tuple[tuple[ArraySpec, ...], list[Any]]] = []
-        self._metrics: dict[int, dict[str, float]] = {}
-        self._server = ReplicaServer(self)
+        self._queue = ClaimQueue(self.layout.numel, self.device, self.check, self.cfg.inbox)
+        self._queue.published(self.publisher.publish(params(model)))
+        self._server = ReplicaServer(
+            ServerConfig(
+                bind=self.cfg.bind,
+                numel=self.layout.numel,
+                admit_on_hello=self.cfg.admit_on_hello,
+                dead_after_s=self.cfg.dead_after_s,
+                idle_hold_s=self.cfg.idle_hold_s,
+                pin_gradient_buffers=self.device.type == "cuda",
+            ),
+            self._queue,
+            self._welcome(),
+        )
         self.address = self._server.address
         self.engine_sync: SGLangWeightSync | None = None
         self.last_push: PushReport | None = None
@@ -161,6 +167,41 @@ class Core:
             except BaseException:
                 self.close()
                 raise
+
+    def _welcome(self) -> Welcome:
+        c = self.cfg
+        return Welcome(
+            PROTOCOL,
+            self.publisher.address,
+            c.transport,
+            c.heartbeat_s,
+            self.model_cfg.to_json(),
+            msgspec.json.encode(c.loss).decode(),
+            c.attention,
+            c.chunk_budget,
+        )
+
+    # ---- the trainer's position (read from the claim queue, which the server reads too) ------------
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied."""
+        return self._queue.position().step
+
+    @property
+    def version(self) -> int:
+        """Weight version (one per update)."""
+        return self._queue.position().version
+
+    @property
+    def snapshot(self) -> int:
+        """gyre-xfer snapshot holding the current weights."""
+        return self._queue.position().snapshot
+
+    @property
+    def queue_position(self) -> int:
+        """Mini-batches taken (trained or skipped): the next one to train has this number."""
+        return self._queue.position().queue_position
 
     # ---- membership (what the scheduler calls) ----------------------------------------------------
 
@@ -175,96 +216,40 @@ class Core:
     def replicas(self) -> dict[str, dict[str, float | bool | int]]:
         return self._server.describe()
 
+    def presumed_dead(self) -> list[str]:
+        """Satellites declared dead so far (silent for `dead_after_s`; their claims were re-queued)."""
+        return self._server.presumed_dead()
+
+    # ---- mini-batches from the trajectory service ---------------------------------------------------
+
     def offer(self, seq: int, microbatches: list[PackedBatch]) -> tuple[Refusal, str]:
-        """Queue mini-batch `seq` from the trajectory service (an empty one is queued too, and skipped
-        when its turn comes). It must be the next queue position (so a resumed core tells the feeder
-        where to restart, and a repeat or a gap is refused), fit the inbox, and pass the micro-batch
-        checks (else MicroBatchError); a refusal says which and why, and queues nothing."""
-        with self._lock:
-            # Positions already accepted (waiting, being trained or trained) are not offered again.
-            want = max(self._next_seq, self.queue_position + (self._state is not None))
-            if seq != want:
-                return Refusal.OUT_OF_ORDER, f"mini-batch {seq} out of order: the core expects {want}"
-            if len(self._inbox) >= self.cfg.inbox:
-                return Refusal.INBOX_FULL, f"inbox full ({self.cfg.inbox} mini-batches): submit again later"
-        self.check(microbatches)
-        with self._lock:
-            if max(self._next_seq, self.queue_position) != want:
-                return Refusal.OUT_OF_ORDER, f"mini-batch {seq} was offered twice at once"
-            self._inbox.append(microbatches)
-            self._next_seq = want + 1
-            self._lock.notify_all()
-        return Refusal.NONE, ""
+        """Queue mini-batch `seq` (what a `Submit` does; an empty one is queued too and skipped when its
+        turn comes). It must be the next queue position (so a resumed core tells the feeder where to
+        restart, and a repeat or a gap is refused), fit the inbox, and pass the micro-batch checks (else
+        MicroBatchError); a refusal says which and why, and queues nothing."""
+        return self._queue.offer(seq, microbatches)
 
     def next_minibatch(self, timeout_s: float) -> list[PackedBatch] | None:
         """The oldest submitted mini-batch, or None if none arrives within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while not self._inbox:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._lock.wait(timeout=min(left, 0.1))
-            return self._inbox.popleft()
+        return self._queue.next_minibatch(timeout_s)
 
     def pending(self) -> int:
         """Micro-batches of the step in progress that nobody has claimed yet (0 between steps)."""
-        with self._lock:
-            return 0 if self._state is None else len(self._state.pending)
-
-    # ---- the claim queue, shared with the server thread --------------------------------------------
-
-    def _claim(self, replica: str) -> tuple[StepState, int] | None:
-        with self._lock:
-            st = self._state
-            if st is None:
-                return None
-            i = st.claim(replica)
-            return None if i is None else (st, i)
-
-    def _deliver(
-        self,
-        replica: str,
-        batch: int,
-        index: int,
-        version: int,
-        grad: np.ndarray | torch.Tensor,
-        metrics: dict[str, float] | None = None,
-    ) -> tuple[bool, str]:
-        with self._lock:
-            st = self._state
-            if st is None or st.batch != batch:
-                return False, f"mini-batch {batch} is not in progress"
-            if version != st.version:
-                return False, f"gradient at version {version}, the step is at {st.version}"
-            ok = st.deliver(replica, index, grad)
-            if ok:
-                self._metrics[index] = dict(metrics or {})
-            self._lock.notify_all()
-            return ok, "" if ok else f"micro-batch {index} already done"
-
-    def _release(self, replica: str, indices: list[int] | None = None) -> int:
-        with self._lock:
-            st = self._state
-            n = 0 if st is None else st.release(replica, indices)
-            self._lock.notify_all()
-            return n
-
-    def assignment(self, index: int) -> tuple[tuple[ArraySpec, ...], list[Any]]:
-        return self._frames[index]
+        return self._queue.pending()
 
     # ---- training ----------------------------------------------------------------------------------
 
     def check(self, microbatches: Sequence[PackedBatch]) -> None:
         """Refuse the whole mini-batch (nothing enqueued) if any micro-batch is malformed."""
+        version = self.version
         for i, b in enumerate(microbatches):
             check_microbatch(
                 b, token_budget=self.cfg.token_budget, vocab_size=self.model_cfg.vocab_size, where=str(i)
             )
-            if b.num_loss_tokens and int(b.versions.max()) > self.version:
+            if b.num_loss_tokens and int(b.versions.max()) > version:
                 raise MicroBatchError(
                     f"micro-batch {i}: tokens sampled at version {int(b.versions.max())}, "
-                    f"newer than the trainer's {self.version}"
+                    f"newer than the trainer's {version}"
                 )
 
     def train_step(
@@ -276,87 +261,65 @@ class Core:
         self.check(microbatches)
         if not microbatches:
             return self._skip(t0)
-        frames = []
-        for b in microbatches:
-            specs, bufs = to_frames(microbatch_arrays(b))
-            frames.append((specs, bufs))
-        with self._lock:
-            self._frames = frames
-            self._metrics = {}
-            self._batch_seq += 1  # unique for this process's life, so no late gradient can match a later step
-            self._state = StepState(
-                self._batch_seq, len(microbatches), self.layout.numel, self.version, device=self.device
-            )
-            st = self._state
-        scratch = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
-        deadline = time.monotonic() + self.cfg.step_timeout_s
+        version = self.version
+        self._queue.begin(microbatches)
         try:
-            while True:
-                got = self._claim(CORE) if self.cfg.core_computes else None
-                if got is not None:
-                    _, i = got
-                    g, m = micro_gradient(
-                        self.model,
-                        self.layout,
-                        microbatches[i],
-                        self.cfg.loss,
-                        self.cfg.attention,
-                        scratch,
-                        self.cfg.chunk_budget,
-                    )
-                    self._deliver(CORE, st.batch, i, st.version, g, m)  # copied into the sum
-                    if on_progress is not None:
-                        on_progress(len(st.done))
-                    continue
-                with self._lock:
-                    if st.complete:
-                        break
-                    if time.monotonic() > deadline:
-                        raise StepTimeoutError(
-                            f"mini-batch {st.batch}: {len(st.done)} of {st.n} micro-batches after "
-                            f"{self.cfg.step_timeout_s} s"
-                        )
-                    self._lock.wait(timeout=0.05)
-            grad = st.gradient()
-            metrics = dict(self._metrics)
-        finally:
-            with self._lock:
-                self._state = None
-                self._frames = []
-        grad_norm = self._apply(grad)
-        loss = float(sum(metrics[i].get("loss", 0.0) for i in sorted(metrics)))
-        self.step += 1
-        self.version += 1
-        self.queue_position += 1
-        self.snapshot = self.publisher.publish(params(self.model))
+            self._compute_until_complete(on_progress)
+            res = self._queue.finish()
+        except BaseException:
+            self._queue.abort()
+            raise
+        grad_norm = self._apply(res.gradient)
+        pos = self._queue.applied(self.publisher.publish(params(self.model)))
         push = self.push_to_engines() if self.engine_sync is not None else None
         by_replica: dict[str, int] = {}
-        for r in st.done.values():
+        for r in res.done.values():
             by_replica[r] = by_replica.get(r, 0) + 1
         return StepReport(
-            step=self.step,
-            version=self.version,
-            snapshot=self.snapshot,
-            queue_position=self.queue_position,
-            microbatches=st.n,
+            step=pos.step,
+            version=pos.version,
+            snapshot=pos.snapshot,
+            queue_position=pos.queue_position,
+            microbatches=res.microbatches,
             by_replica=by_replica,
-            requeued=st.requeued,
-            loss=loss,
+            requeued=res.requeued,
+            loss=float(sum(res.metrics[i].get("loss", 0.0) for i in sorted(res.metrics))),
             grad_norm=grad_norm,
-            staleness=staleness(microbatches, st.version),
+            staleness=staleness(microbatches, version),
             elapsed_s=time.perf_counter() - t0,
             engine_push=push,
         )
 
+    def _compute_until_complete(self, on_progress: Callable[[int], None] | None) -> None:
+        """Claim and compute micro-batches of the step in progress (unless `core_computes` is off) until
+        every one is in, satellites' included."""
+        scratch = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        while True:
+            a = self._queue.claim(CORE) if self.cfg.core_computes else None
+            if a is not None:
+                c = self.cfg
+                g, m = micro_gradient(
+                    self.model, self.layout, a.microbatch, c.loss, c.attention, scratch, c.chunk_budget
+                )
+                self._queue.deliver(CORE, a.batch, a.index, a.version, g, m)  # copied into the sum
+                if on_progress is not None:
+                    on_progress(self._queue.progress()[0])
+                continue
+            if self._queue.wait_complete(0.05):
+                return
+            if time.monotonic() > deadline:
+                done, n = self._queue.progress()
+                raise StepTimeoutError(f"{done} of {n} micro-batches after {self.cfg.step_timeout_s} s")
+
     def _skip(self, t0: float) -> StepReport:
-        with self._lock:
-            self.queue_position += 1
-        log.warning("mini-batch %d has no micro-batches: skipped (no update)", self.queue_position - 1)
+        pos = self._queue.skipped()
+        log.warning("mini-batch %d has no micro-batches: skipped (no update)", pos.queue_position - 1)
         return StepReport(
-            step=self.step,
-            version=self.version,
-            snapshot=self.snapshot,
-            queue_position=self.queue_position,
+            step=pos.step,
+            version=pos.version,
+            snapshot=pos.snapshot,
+            queue_position=pos.queue_position,
             microbatches=0,
             by_replica={},
             requeued=0,
@@ -387,10 +350,11 @@ class Core:
     def republish(self) -> int:
         """Publish the current weights as a new snapshot (after loading a checkpoint), and push them to
         the SGLang-protocol engines if there are any."""
-        self.snapshot = self.publisher.publish(params(self.model))
+        snapshot = self.publisher.publish(params(self.model))
+        self._queue.published(snapshot)
         if self.engine_sync is not None:
             self.push_to_engines()
-        return self.snapshot
+        return snapshot
 
     def push_to_engines(self) -> PushReport:
         """Push the current weights (transformers layout) to the engines of `CoreConfig.engines`, labelled
@@ -407,20 +371,68 @@ class Core:
             ) from exc
         return self.last_push
 
-    def save(self, path: Path) -> Path:
-        """Checkpoint weights, optimizer state, step, version and queue position (between steps)."""
-        from gyre_train.checkpoint import save
+    # ---- state -------------------------------------------------------------------------------------
 
-        with self._lock:
-            if self._state is not None:
-                raise RuntimeError("checkpoint between steps, not during one")
-        return save(self, path)
+    def state_dict(self) -> TrainerState:
+        """Everything a resumed core needs (between steps): weights and AdamW state by parameter name,
+        step, version and queue position, the layout digest and the model configuration. Tensors are
+        the live ones (detached): copy them before training on if you keep them."""
+        if self._queue.in_progress:
+            raise RuntimeError("a core's state is taken between steps, not during one")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        opt = self.optimizer.state_dict()
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+        by_name = {
+            names[id(p)]: {k: torch.as_tensor(v).detach() for k, v in st.items()}
+            for p, st in self.optimizer.state.items()
+        }
+        return TrainerState(
+            model={n: p.detach() for n, p in self.model.named_parameters()},
+            optimizer=OptimizerState(state=by_name, param_groups=groups),
+            position=self._queue.state_dict(),
+            layout=self.layout.digest,
+            model_config=asdict(self.model_cfg),
+        )
+
+    def load_state_dict(self, state: TrainerState) -> None:
+        """Resume from `state_dict()`'s output (same architecture and optimizer; CheckpointError if the
+        layout differs), then publish the loaded weights as a new snapshot."""
+        if state["layout"] != self.layout.digest:
+            raise CheckpointError(
+                f"parameter layout {state['layout']} differs from the model's {self.layout.digest}"
+            )
+        ps = dict(self.model.named_parameters())
+        unknown = set(state["optimizer"]["state"]) - set(ps)
+        if set(state["model"]) != set(ps) or unknown:
+            raise CheckpointError(
+                f"parameter names differ: {sorted(set(state['model']) ^ set(ps) | unknown)[:5]}"
+            )
+        index = {n: i for i, n in enumerate(ps)}
+        sd = self.optimizer.state_dict()
+        for g, saved in zip(sd["param_groups"], state["optimizer"]["param_groups"], strict=True):
+            g.update(saved)
+        self._queue.load_state_dict(state["position"])
+        with torch.no_grad():
+            for n, p in ps.items():
+                p.copy_(state["model"][n])
+        self.optimizer.load_state_dict(
+            {
+                "state": {index[n]: dict(st) for n, st in state["optimizer"]["state"].items()},
+                "param_groups": sd["param_groups"],
+            }
+        )
+        self.republish()
+
+    def save(self, path: Path) -> Path:
+        """Checkpoint `state_dict()` to directory `path` (between steps)."""
+        return checkpoint.save(self.state_dict(), path)
 
     def load(self, path: Path) -> None:
         """Resume from a checkpoint written by `save` (same model architecture and optimizer)."""
-        from gyre_train.checkpoint import load
-
-        load(self, path)
+        try:
+            self.load_state_dict(checkpoint.load(path))
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
 
     def close(self) -> None:
         if getattr(self, "engine_sync", None) is not None:

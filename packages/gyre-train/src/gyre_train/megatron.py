@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from gyre_traj.loss import TorchBatch
 
-from gyre_train.model import ModelConfig
+from gyre_train.modelconfig import ModelConfig
 
 with warnings.catch_warnings():  # megatron-core warns at import about optional TransformerEngine/Apex/absl
     warnings.simplefilter("ignore")

@@ -2,7 +2,8 @@
 
 Satellites say hello when their process starts and then long-poll with `Claim`; the server answers with
 a micro-batch only while the satellite is admitted and the claim queue has work, else holds the claim up
-to `idle_hold_s` and answers `Idle`. Gradients arrive as one raw float32 frame. A satellite that sends
+to `idle_hold_s` and answers `Idle`. It knows the core only through the `ClaimQueue` (claims, gradients,
+submitted mini-batches, the trainer's position) and the `Welcome` it hands every satellite. Gradients arrive as one raw float32 frame. A satellite that sends
 nothing (no claim, gradient or heartbeat) for `dead_after_s` is declared dead and its claims go back to
 the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
 groups are created or torn down.
@@ -20,7 +21,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -30,6 +31,7 @@ from gyre_xfer.shm import SHM_DIR
 from gyre_xfer.sockets import check_bind, make_socket
 
 from gyre_train import hostmem
+from gyre_train.claimqueue import ClaimQueue
 from gyre_train.claims import ClaimError
 from gyre_train.protocol import (
     PROTOCOL,
@@ -59,9 +61,6 @@ from gyre_train.protocol import (
 from gyre_train.threads import start_thread
 from gyre_train.wire import MicroBatchError, from_frames, microbatch_from_arrays
 
-if TYPE_CHECKING:
-    from gyre_train.core import Core
-
 log = logging.getLogger("gyre_train.server")
 
 
@@ -81,10 +80,24 @@ class _Replica:
 _SEGMENT = re.compile(r"gyre-\d+-[0-9a-f]+-\d+")
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    bind: str
+    """ROUTER address (loopback unless you mean otherwise)."""
+    numel: int
+    """Flat gradient length (the core's parameter layout)."""
+    admit_on_hello: bool = False
+    dead_after_s: float = 5.0
+    idle_hold_s: float = 1.0
+    pin_gradient_buffers: bool = False
+    """Page-lock satellites' shared-memory gradient buffers (the core's gradient sum is on a GPU)."""
+
+
 class ReplicaServer:
-    def __init__(self, core: Core) -> None:
-        self.core = core
-        cfg = core.cfg
+    def __init__(self, cfg: ServerConfig, queue: ClaimQueue, welcome: Welcome) -> None:
+        self.cfg = cfg
+        self.queue = queue
+        self.welcome = welcome
         check_bind(cfg.bind, allow_remote=False)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
@@ -98,7 +111,7 @@ class ReplicaServer:
         # Satellites' shared-memory gradient buffers by replica name, mapped (and page-locked on a GPU
         # core) when the satellite starts; kept while a satellite presumed dead says hello again.
         self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}
-        self.dead: list[str] = []
+        self._dead: list[str] = []
         self._stop = threading.Event()
         self._closing = threading.Event()
         self._thread = start_thread(self._serve, "gyre-train-core")
@@ -117,6 +130,11 @@ class ReplicaServer:
     def dismiss(self, replica: str) -> None:
         with self._mu:
             self._admitted.discard(replica)
+
+    def presumed_dead(self) -> list[str]:
+        """Names of satellites declared dead so far (silent for `dead_after_s`), oldest first."""
+        with self._mu:
+            return list(self._dead)
 
     def describe(self) -> dict[str, dict[str, float | bool | int]]:
         with self._mu:
@@ -207,28 +225,15 @@ class ReplicaServer:
                 )
                 return
             with self._mu:
-                if self.core.cfg.admit_on_hello:
+                if self.cfg.admit_on_hello:
                     self._admitted.add(req.replica)
                 old = self._reps.get(req.replica)
                 self._reps[req.replica] = _Replica(req.replica, now)
                 if req.replica in self._admitted:
                     self._reps[req.replica].admitted_at = now
             if old is not None:  # the same name again: a restarted process; its old claims are void
-                self.core._release(req.replica)
-            c = self.core
-            self._send(
-                ident,
-                Welcome(
-                    PROTOCOL,
-                    c.publisher.address,
-                    c.cfg.transport,
-                    c.cfg.heartbeat_s,
-                    c.model_cfg.to_json(),
-                    msgspec.json.encode(c.cfg.loss).decode(),
-                    c.cfg.attention,
-                    c.cfg.chunk_budget,
-                ),
-            )
+                self.queue.release(req.replica)
+            self._send(ident, self.welcome)
             return
         if isinstance(req, Admit | Dismiss | Status):
             self._control(ident, req)
@@ -260,7 +265,7 @@ class ReplicaServer:
         elif isinstance(req, GradientBuffer):
             self._gradient_buffer(ident, rep, req)
         elif isinstance(req, Goodbye):
-            self.core._release(req.replica, [i for _, i in req.returned] if req.returned else None)
+            self.queue.release(req.replica, [i for _, i in req.returned] if req.returned else None)
             with self._mu:
                 self._reps.pop(req.replica, None)
                 self._admitted.discard(req.replica)
@@ -280,7 +285,6 @@ class ReplicaServer:
             self.dismiss(req.replica)
             self._send(ident, Ack(True))
         else:
-            c = self.core
             reps = tuple(
                 ReplicaInfo(
                     name,
@@ -292,7 +296,11 @@ class ReplicaServer:
                 )
                 for name, d in sorted(self.describe().items())
             )
-            self._send(ident, StatusReply(c.step, c.version, c.snapshot, c.queue_position, c.pending(), reps))
+            p = self.queue.position()
+            self._send(
+                ident,
+                StatusReply(p.step, p.version, p.snapshot, p.queue_position, self.queue.pending(), reps),
+            )
 
     def _submit(self, ident: bytes, req: Submit, frames: list[Any]) -> None:
         if req.protocol != PROTOCOL:
@@ -310,7 +318,7 @@ class ReplicaServer:
                 at += len(specs)
             if at != len(frames):
                 raise MicroBatchError(f"{len(frames)} frames for {at} arrays")
-            refusal, why = self.core.offer(req.seq, mbs)
+            refusal, why = self.queue.offer(req.seq, mbs)
         except MicroBatchError as exc:
             refusal, why = Refusal.MALFORMED, str(exc)
         if refusal is not Refusal.NONE:
@@ -326,7 +334,7 @@ class ReplicaServer:
     def _gradient_buffer(self, ident: bytes, rep: _Replica, req: GradientBuffer) -> None:
         """Map a satellite's shared-memory gradient segment once (at its start), page-locked when the
         core's sum lives on a GPU, so each gradient is one fast host-to-device copy."""
-        numel = self.core.layout.numel
+        numel = self.cfg.numel
         if req.numel != numel or not _SEGMENT.fullmatch(req.shm_name):
             self._send(
                 ident,
@@ -348,7 +356,7 @@ class ReplicaServer:
             return
         t = torch.from_numpy(arr[: 4 * numel].view(np.float32))
         try:
-            pinned = self.core.device.type == "cuda" and hostmem.pin(t)
+            pinned = self.cfg.pin_gradient_buffers and hostmem.pin(t)
         except RuntimeError:  # the driver refused: copies from pageable memory, only slower
             pinned = False
         with self._mu:
@@ -361,7 +369,7 @@ class ReplicaServer:
             with self._mu:
                 got = self._buffers.get(rep.name)
             buf = None if got is None else got[0]
-            if buf is None or frames or req.numel != self.core.layout.numel:
+            if buf is None or frames or req.numel != self.cfg.numel:
                 self._send(
                     ident,
                     ErrorReply(
@@ -372,10 +380,9 @@ class ReplicaServer:
                 return
             self._accept(ident, rep, req, buf)
             return
-        if len(frames) != 1 or req.numel != self.core.layout.numel:
+        if len(frames) != 1 or req.numel != self.cfg.numel:
             self._send(
-                ident,
-                ErrorReply(ErrorCode.BAD_GRADIENT, f"expected one frame of {self.core.layout.numel} float32"),
+                ident, ErrorReply(ErrorCode.BAD_GRADIENT, f"expected one frame of {self.cfg.numel} float32")
             )
             return
         buf = frames[0].buffer
@@ -390,9 +397,9 @@ class ReplicaServer:
         self._accept(ident, rep, req, np.frombuffer(buf, dtype="<f4"))
 
     def _accept(self, ident: bytes, rep: _Replica, req: Gradient, grad: np.ndarray | torch.Tensor) -> None:
-        """Hand the gradient to the core (which copies it into the sum before returning), then ack."""
+        """Hand the gradient to the queue (which copies it into the sum before returning), then ack."""
         try:
-            ok, why = self.core._deliver(req.replica, req.batch, req.index, req.version, grad, req.metrics)
+            ok, why = self.queue.deliver(req.replica, req.batch, req.index, req.version, grad, req.metrics)
         except ClaimError as exc:
             self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, str(exc)))
             return
@@ -409,17 +416,15 @@ class ReplicaServer:
         with self._mu:
             if replica not in self._admitted or replica not in self._reps:
                 return False
-        got = self.core._claim(replica)
-        if got is None:
+        a = self.queue.claim(replica)
+        if a is None:
             return False
-        st, i = got
         with self._mu:
             rep = self._reps.get(replica)
             if rep is not None:
                 rep.claims += 1
-        specs, bufs = self.core.assignment(i)
-        a = Assign(st.batch, i, st.version, self.core.snapshot, specs, self.core.cfg.attention)
-        self._send(ident, a, bufs)
+        msg = Assign(a.batch, a.index, a.version, a.snapshot, a.specs, self.welcome.attention)
+        self._send(ident, msg, a.frames)
         return True
 
     def _unpark(self) -> None:
@@ -432,7 +437,7 @@ class ReplicaServer:
                 self._send(ident, Shutdown("core is closing"))
             elif self._try_assign(ident, replica):
                 continue
-            elif now - since > self.core.cfg.idle_hold_s:
+            elif now - since > self.cfg.idle_hold_s:
                 self._send(ident, Idle("not admitted" if replica not in self._admitted else "no work"))
             else:
                 keep.append((ident, replica, since))
@@ -440,14 +445,14 @@ class ReplicaServer:
 
     def _reap(self) -> None:
         now = time.monotonic()
-        limit = self.core.cfg.dead_after_s
+        limit = self.cfg.dead_after_s
         with self._mu:
             gone = [r.name for r in self._reps.values() if now - r.last_seen > limit]
             for name in gone:
                 del self._reps[name]  # admission stays: a satellite that was only slow says hello again
-                self.dead.append(name)
+                self._dead.append(name)
         for name in gone:
-            self.core._release(name)
+            self.queue.release(name)
             for ident, _, _ in (p for p in self._parked if p[1] == name):
                 self._send(
                     ident, ErrorReply(ErrorCode.UNKNOWN_REPLICA, f"{name!r}: presumed dead, say hello again")
