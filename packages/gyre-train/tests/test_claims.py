@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gyre_train.claims import ClaimError, StepState
+from gyre_train.data import synthetic_minibatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,18 +29,27 @@ def _reference(grads: list[np.ndarray]) -> np.ndarray:
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 12),
+    at_start=st.integers(0, 12),
     seed=st.integers(0, 2**16),
     script=st.lists(
-        st.tuples(st.sampled_from(["core", "s1", "s2"]), st.sampled_from(["claim", "finish", "die"])),
+        st.tuples(st.sampled_from(["core", "s1", "s2"]), st.sampled_from(["claim", "finish", "die", "add"])),
         max_size=80,
     ),
 )
-def test_sum_is_order_independent(n: int, seed: int, script: list[tuple[str, str]]) -> None:
+def test_sum_is_order_independent(n: int, at_start: int, seed: int, script: list[tuple[str, str]]) -> None:
+    # An open step that starts with some micro-batches and is given the rest one by one as it trains.
     grads = _grads(n, 33, seed)
-    s = StepState(batch=0, n=n, numel=33, version=0)
+    given_ = min(at_start, n)
+    s = StepState(batch=0, n=given_, numel=33, version=0, closed=given_ == n)
     held: dict[str, list[int]] = {"core": [], "s1": [], "s2": []}
     for who, what in script:
-        if what == "claim":
+        if what == "add":
+            if given_ < n:
+                s.add(1)
+                given_ += 1
+                if given_ == n:
+                    s.close()
+        elif what == "claim":
             i = s.claim(who)
             if i is not None:
                 held[who].append(i)
@@ -49,7 +59,11 @@ def test_sum_is_order_independent(n: int, seed: int, script: list[tuple[str, str
         elif what == "die":
             assert s.release(who) == len(held[who])
             held[who] = []
-    # Whatever happened, the core finishes the rest.
+    # Whatever happened, the rest arrives and the core finishes it.
+    if not s.closed:
+        assert not s.complete
+        s.add(n - given_)
+        s.close()
     for who in held:
         for i in held[who]:
             s.deliver(who, i, grads[i])
@@ -89,8 +103,10 @@ def test_incomplete_step_has_no_gradient() -> None:
     s = StepState(batch=0, n=2, numel=1, version=0)
     with pytest.raises(RuntimeError, match="0 of 2"):
         s.gradient()
-    with pytest.raises(ValueError, match="at least one"):
-        StepState(batch=0, n=0, numel=1, version=0)
+    empty = StepState(batch=0, n=0, numel=1, version=0)  # a step with nothing to train
+    assert empty.complete and empty.claim("core") is None
+    with pytest.raises(RuntimeError, match="0 of 0"):
+        empty.gradient()
 
 
 def test_read_only_gradients_are_copied_not_wrapped() -> None:
@@ -103,19 +119,28 @@ def test_read_only_gradients_are_copied_not_wrapped() -> None:
 
 
 def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
-    # Four replica threads claim and deliver at once (one of them "dies" now and then, returning its
-    # claims), while the training thread waits: the sum is still the in-order one, bit for bit.
+    # An open step fed in chunks by a feeder thread while four replica threads claim and deliver (one
+    # "dies" now and then, returning its claims) and the training thread waits: the sum is still the
+    # in-order one, bit for bit, and the step completes only once closed.
     import threading
 
     import torch
-    from gyre_train.claimqueue import ClaimQueue
-    from gyre_train.data import synthetic_minibatch
+    from gyre_train.claimqueue import ClaimQueue, QueuedStep
+    from gyre_train.protocol import Refusal
 
     mbs = synthetic_minibatch(1, seed=3)[:1] * 40  # the queue does not look inside micro-batches
     n = len(mbs)
     grads = _grads(n, 257, 9)
-    q = ClaimQueue(257, torch.device("cpu"), check=lambda _: None, inbox=1)
-    batch = q.begin(mbs)
+    q = ClaimQueue(257, torch.device("cpu"), check=lambda _: None, inbox=2)
+    assert q.open(0) == (Refusal.NONE, "") and q.next_step(0.0) == QueuedStep(0)
+    batch = q.begin(QueuedStep(0))
+
+    def feeder() -> None:
+        for lo in range(0, n, 7):
+            assert q.add(0, mbs[lo : lo + 7])[0] is Refusal.NONE
+        assert q.close(0, n + 1)[0] is Refusal.COUNT_MISMATCH
+        assert q.close(0, n, executions=4)[0] is Refusal.NONE
+        assert q.add(0, mbs[:1])[0] is Refusal.NOT_OPEN
 
     def replica(name: str, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -129,7 +154,8 @@ def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
                 continue
             q.deliver(name, a.batch, a.index, a.version, grads[a.index])
 
-    threads = [threading.Thread(target=replica, args=(f"r{k}", k)) for k in range(4)]
+    threads = [threading.Thread(target=feeder)]
+    threads += [threading.Thread(target=replica, args=(f"r{k}", k)) for k in range(4)]
     for t in threads:
         t.start()
     while not q.wait_complete(0.05):
@@ -137,14 +163,10 @@ def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
     for t in threads:
         t.join(timeout=30)
     res = q.finish()
-    assert res.microbatches == n and sorted(res.done) == list(range(n))
-    np.testing.assert_array_equal(res.gradient.numpy(), _reference(grads))
-    assert q.applied(snapshot=7).queue_position == 1 and q.state_dict() == {
-        "step": 1,
-        "version": 1,
-        "queue_position": 1,
-    }
-    assert q.claim("r0") is None and q.deliver("r0", batch, 0, 0, grads[0]) == (
-        False,
-        f"mini-batch {batch} is not in progress",
-    )
+    assert len(res.microbatches) == n and sorted(res.done) == list(range(n)) and res.executions == 4
+    assert res.gradient is not None
+    np.testing.assert_array_equal(res.gradient.numpy(), _reference(grads) / np.float32(4))
+    assert q.applied(snapshot=7).queue_position == 1
+    assert q.state_dict() == {"step": 1, "version": 1, "queue_position": 1}
+    assert q.claim("r0") is None
+    assert q.deliver("r0", batch, 0, 0, grads[0]) == (False, f"mini-batch {batch} is not in progress")

@@ -324,10 +324,10 @@ def test_the_trajectory_service_feeds_minibatches_in_order(reference: dict[str, 
         with pytest.raises(ControlError, match="inbox full"):
             feeder.submit(2, A)
         for _ in range(2):
-            mb = core.next_minibatch(timeout_s=5)
+            mb = core.next_step(timeout_s=5)
             assert mb is not None
             core.train_step(mb)
-        assert core.next_minibatch(timeout_s=0.05) is None
+        assert core.next_step(timeout_s=0.05) is None
         assert core.queue_position == 2
         assert_same(weights(core), reference)  # the fed arrays trained exactly like the originals
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,27 +144,58 @@ def test_satellites_joining_at_random_points_change_nothing(
     assert_close(cluster.weights(), reference)
 
 
-def test_satellite_killed_mid_batch_is_requeued(cluster: Cluster, reference: dict[str, torch.Tensor]) -> None:
+def test_satellite_killed_mid_micro_batch_of_a_streamed_step_is_requeued(
+    cluster: Cluster, reference: dict[str, torch.Tensor]
+) -> None:
+    # Step 0 is opened and given its micro-batches two at a time over the socket while it trains; a
+    # satellite process admitted from the start is SIGKILLed holding its first micro-batch, another
+    # joins mid-step. The claim is re-queued and the weights are those of the whole mini-batch.
+    from gyre_train.control import CoreClient
+
     core = cluster.core
     cluster.reset()
     core.admit(CRASHER)
+    core.set_computing(False)  # the crasher gets the first micro-batch
+    seq = core.queue_position
+    feeder = CoreClient(core.address)
+    errors: list[BaseException] = []
 
-    def progress(k: int) -> None:
-        if k == 1:
-            wait_for(
-                lambda: (
-                    CRASHER in core.presumed_dead() or core.replicas().get(CRASHER, {}).get("claims", 0) > 0
-                ),
-                120.0,
-                "crasher",
-            )
+    def feed() -> None:
+        try:
+            feeder.open_step(seq)
+            for lo in range(0, len(A), 2):
+                if lo == 2:
+                    wait_for(
+                        lambda: (
+                            core.replicas().get(CRASHER, {}).get("claims", 0) > 0
+                            or CRASHER in core.presumed_dead()
+                        ),
+                        120.0,
+                        "the crasher to claim",
+                    )
+                    core.set_computing(True)
+                    core.admit(SATS[0])
+                feeder.add(seq, A[lo : lo + 2])
+                time.sleep(0.05)
+            feeder.close_step(seq, len(A))
+        except BaseException as exc:
+            errors.append(exc)
 
-    first = core.train_step(A, on_progress=progress)
+    th = threading.Thread(target=feed)
+    th.start()
+    try:
+        step = core.next_step(60.0)
+        assert step is not None
+        first = core.train_step(step)
+    finally:
+        th.join(timeout=120)
+        feeder.close()
+        core.set_computing(True)
+    assert not errors, errors
     assert CRASHER not in first.by_replica  # it died holding its claim and never delivered
-    assert first.requeued >= 1
+    assert first.requeued >= 1 and first.microbatches == len(A)
     assert CRASHER in core.presumed_dead()
     cluster.procs[CRASHER].wait(timeout=30)
     assert cluster.procs[CRASHER].returncode == -9  # really killed, not a clean exit
-    core.admit(SATS[0])
     core.train_step(B)
     assert_close(cluster.weights(), reference)

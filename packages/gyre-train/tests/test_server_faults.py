@@ -38,7 +38,10 @@ from hypothesis import strategies as st
 
 MC = ModelConfig()
 A = synthetic_minibatch(4, seed=1)
-TAGS = ("hello", "claim", "grad", "gradbuf", "beat", "bye", "admit", "dismiss", "submit", "status", "nope")
+TAGS = (
+    "hello", "claim", "grad", "gradbuf", "beat", "bye", "admit", "dismiss", "submit", "status", "open", "add", "close",
+    "nope",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +125,11 @@ def test_bad_submits_are_refused_and_the_server_carries_on(core: Core) -> None:
             (rep,) = peer.replies_until_status()
             assert isinstance(rep, ErrorReply) and rep.code == ErrorCode.PROTOCOL
         # Nothing was queued, and a good mini-batch is taken afterwards.
-        assert core.queue_position == 0 and core.next_minibatch(0.0) is None
+        assert core.queue_position == 0 and core.next_step(0.0) is None
         feeder = CoreClient(core.address)
         try:
             feeder.submit(0, A)
-            assert core.next_minibatch(5.0) is not None
+            assert core.next_step(5.0) is not None
         finally:
             feeder.close()
     finally:
@@ -152,8 +155,8 @@ _spec = st.tuples(
 @st.composite
 def _message(draw: st.DrawFn) -> list[bytes]:
     tag = draw(st.sampled_from(TAGS))
-    if tag == "submit":
-        head = ["submit", draw(st.sampled_from([PROTOCOL, 0])), draw(st.integers(-1, 2))]
+    if tag in ("submit", "add"):
+        head = [tag, draw(st.sampled_from([PROTOCOL, 0])), draw(st.integers(-1, 2))]
         head.append(draw(st.lists(st.lists(_spec, max_size=4), max_size=2)))
     else:
         head = [tag, *draw(st.lists(_field, max_size=7))]
@@ -209,16 +212,16 @@ def test_an_empty_minibatch_is_skipped_not_fatal() -> None:
         with pytest.raises(InboxFull) as full:
             feeder.submit(1, A)
         assert full.value.refusal is Refusal.INBOX_FULL
-        mbs = core.next_minibatch(5.0)
-        assert mbs == []
-        r = core.train_step(mbs)
+        step = core.next_step(5.0)
+        assert step is not None and core.steps()[0].closed and core.steps()[0].microbatches == 0
+        r = core.train_step(step)
         assert r.skipped and r.microbatches == 0 and r.by_replica == {}
         assert (r.step, r.version, r.snapshot, r.queue_position) == (0, 0, core.snapshot, 1)
         with pytest.raises(SubmitRefused, match="out of order: the core expects 1") as late:
             feeder.submit(0, A)
         assert late.value.refusal is Refusal.OUT_OF_ORDER
         feeder.submit(1, A)  # the next step trains as usual
-        nxt = core.next_minibatch(5.0)
+        nxt = core.next_step(5.0)
         assert nxt is not None
         r = core.train_step(nxt)
         assert not r.skipped and (r.step, r.version, r.queue_position) == (1, 1, 2)

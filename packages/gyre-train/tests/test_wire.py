@@ -12,9 +12,11 @@ from gyre_train.data import synthetic_minibatch
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
+    AddMicrobatches,
     ArraySpec,
     Assign,
     Claim,
+    CloseStep,
     ErrorCode,
     ErrorReply,
     Goodbye,
@@ -23,7 +25,13 @@ from gyre_train.protocol import (
     Heartbeat,
     Hello,
     Idle,
+    OpenStep,
+    Refusal,
+    ReplicaInfo,
     Shutdown,
+    StatusReply,
+    StepInfo,
+    Submit,
     Welcome,
     reply_decoder,
     request_decoder,
@@ -48,6 +56,10 @@ def test_messages_round_trip() -> None:
         GradientBuffer("sat-0", "gyre-123-abcdef01-4", 10),
         Heartbeat("sat-0"),
         Goodbye("sat-0", ((3, 1), (3, 4))),
+        Submit(PROTOCOL, 4, ((ArraySpec("x", "<i4", (4,)),),), 6),
+        OpenStep(PROTOCOL, 5),
+        AddMicrobatches(PROTOCOL, 5, ((ArraySpec("x", "<i4", (4,)), ArraySpec("w", "<f4", (0,))),)),
+        CloseStep(PROTOCOL, 5, 12, 8),
     ]
     dec = request_decoder()
     for r in reqs:
@@ -57,6 +69,16 @@ def test_messages_round_trip() -> None:
         Assign(0, 1, 2, 3, (ArraySpec("x", "<i4", (4,)),)),
         Idle("no work"),
         Ack(False, "dup"),
+        Ack(False, "full", Refusal.INBOX_FULL),
+        StatusReply(
+            3,
+            3,
+            7,
+            4,
+            2,
+            (ReplicaInfo("sat-0", True, True, 5, 4, 0.25),),
+            (StepInfo(4, False, True, 6, 2, 1, 3),),
+        ),
         Shutdown(),
         ErrorReply(ErrorCode.PROTOCOL, "bad"),
     ]

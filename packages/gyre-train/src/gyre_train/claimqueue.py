@@ -1,11 +1,13 @@
 """The claim queue: the state the core's training thread shares with its server thread and its feeders.
 
-It holds the mini-batches submitted ahead (`offer`, in queue order, into a bounded inbox), the one step
-in progress (`begin` ... `finish`: its micro-batches as wire frames, who claimed and delivered which, the
-in-order gradient sum of `claims.StepState`) and the trainer's position (step, weight version, snapshot,
-queue position) that assignments and status replies carry. Every method is thread-safe (one condition
-variable); any replica, the core included, claims and delivers through the same calls, and a caller
-never holds a reference into the queue's state.
+It holds the steps accepted and not yet applied, in queue order, each open (`open`, then `add` any number
+of times) or closed (`close` with its final micro-batch and execution counts; `submit` does all three at
+once). Only the oldest step trains: the training thread `begin`s it, and from then on the core and every
+admitted satellite `claim` its micro-batches as they arrive and `deliver` their gradients (summed in
+micro-batch order by `claims.StepState`); it is complete once closed with every gradient in, and
+`finish` hands back the sum divided by the step's execution count. The queue also owns the trainer's
+position (step, weight version, snapshot, queue position) that assignments and status replies carry.
+Every method is thread-safe (one condition variable); a caller never holds a reference into its state.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,18 +24,30 @@ import torch
 from gyre_traj.pack import PackedBatch
 
 from gyre_train.claims import StepState
-from gyre_train.protocol import ArraySpec, Refusal
+from gyre_train.protocol import ArraySpec, Refusal, StepInfo
 from gyre_train.wire import microbatch_arrays, to_frames
+
+Verdict = tuple[Refusal, str]
+"""(Refusal.NONE, "") when accepted; else which refusal and why (nothing changed)."""
+ACCEPTED: Verdict = (Refusal.NONE, "")
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where the trainer is: updates applied, weight version, its snapshot, mini-batches taken."""
+    """Where the trainer is: updates applied, weight version, its snapshot, steps taken."""
 
     step: int = 0
     version: int = 0
     snapshot: int = 0
     queue_position: int = 0
+    """Steps trained or skipped: the next step to train has this number."""
+
+
+@dataclass(frozen=True)
+class QueuedStep:
+    """A handle on an accepted step (what `next_step` returns and `Core.train_step` takes)."""
+
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -52,16 +66,32 @@ class Assignment:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a finished step leaves: the in-order gradient sum and who computed what."""
+    """What a finished step leaves: its gradient and who computed what."""
 
+    seq: int
     batch: int
-    microbatches: int
-    gradient: torch.Tensor
+    microbatches: list[PackedBatch]
+    executions: int
+    gradient: torch.Tensor | None
+    """The in-order sum of the micro-batches' gradients divided by `executions` (None: no micro-batch)."""
     metrics: dict[int, dict[str, float]]
     """Per micro-batch index, the metrics its replica reported."""
     done: dict[int, str]
     """Micro-batch index -> replica whose gradient was accepted."""
     requeued: int
+
+
+@dataclass
+class _Step:
+    seq: int
+    microbatches: list[PackedBatch] = field(default_factory=list)
+    frames: list[tuple[tuple[ArraySpec, ...], list[Any]]] = field(default_factory=list)
+    closed: bool = False
+    executions: int = 1
+
+
+def _frames(microbatches: Sequence[PackedBatch]) -> list[tuple[tuple[ArraySpec, ...], list[Any]]]:
+    return [to_frames(microbatch_arrays(b)) for b in microbatches]
 
 
 class ClaimQueue:
@@ -73,22 +103,20 @@ class ClaimQueue:
         inbox: int,
     ) -> None:
         """`numel`: flat gradient length; `device`: where the sum is kept; `check`: raises
-        `MicroBatchError` for an untrainable mini-batch (run on every offer, outside the lock); `inbox`:
-        mini-batches that may wait ahead of training."""
+        `MicroBatchError` for untrainable micro-batches (run on every add, outside the lock); `inbox`:
+        steps that may be accepted ahead of the one training (open or closed)."""
         self._numel = numel
         self._device = device
         self._check = check
-        self._inbox_size = inbox
+        self._inbox = inbox
         self._cv = threading.Condition()
-        self._inbox: deque[list[PackedBatch]] = deque()
-        self._next_seq = 0
+        self._steps: deque[_Step] = deque()
+        """Accepted and not yet finished, oldest first; the oldest may be training (`_state`)."""
+        self._state: StepState | None = None
+        self._snapshot_of_step = 0
+        self._metrics: dict[int, dict[str, float]] = {}
         self._pos = Position()
         self._batch_seq = 0
-        self._state: StepState | None = None
-        self._microbatches: list[PackedBatch] = []
-        self._frames: list[tuple[tuple[ArraySpec, ...], list[Any]]] = []
-        self._metrics: dict[int, dict[str, float]] = {}
-        self._snapshot_of_step = 0
 
     # ---- the trainer's position ----------------------------------------------------------------------
 
@@ -99,118 +127,221 @@ class ClaimQueue:
     def published(self, snapshot: int) -> None:
         """The current weights are now also snapshot `snapshot` (a republish)."""
         with self._cv:
-            self._pos = Position(self._pos.step, self._pos.version, snapshot, self._pos.queue_position)
+            p = self._pos
+            self._pos = Position(p.step, p.version, snapshot, p.queue_position)
 
     def state_dict(self) -> dict[str, int]:
-        """The position a checkpoint keeps (the snapshot number is this process's own)."""
+        """The position a checkpoint keeps: the last applied update. Steps accepted and not yet applied
+        (open, closed, or training) are not kept: the feeder gives them again from `queue_position`."""
         p = self.position()
         return {"step": p.step, "version": p.version, "queue_position": p.queue_position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at a checkpoint's position; refused while a step is in progress or mini-batches wait."""
+        """Resume at a checkpoint's position; refused while any step is accepted."""
         with self._cv:
-            if self._state is not None or self._inbox:
-                raise RuntimeError("load a position between steps, with nothing queued")
+            if self._steps:
+                raise RuntimeError("load a position with no step accepted")
             self._pos = Position(
                 int(state["step"]), int(state["version"]), self._pos.snapshot, int(state["queue_position"])
             )
-            self._next_seq = self._pos.queue_position
 
     # ---- feeders -------------------------------------------------------------------------------------
 
-    def offer(self, seq: int, microbatches: list[PackedBatch]) -> tuple[Refusal, str]:
-        """Queue mini-batch `seq` (an empty one too: it is skipped when its turn comes). It must be the
-        next queue position (a repeat or a gap is refused), fit the inbox and pass `check` (else
-        MicroBatchError); a refusal says which and why, and queues nothing."""
+    def open(self, seq: int) -> Verdict:
+        """Accept step `seq` (the next queue position) open, with no micro-batch yet."""
         with self._cv:
-            want = self._expected()
-            if seq != want:
-                return Refusal.OUT_OF_ORDER, f"mini-batch {seq} out of order: the core expects {want}"
-            if len(self._inbox) >= self._inbox_size:
-                return Refusal.INBOX_FULL, f"inbox full ({self._inbox_size} mini-batches): submit again later"
+            why = self._admissible(seq)
+            if why[0] is Refusal.NONE:
+                self._steps.append(_Step(seq))
+                self._cv.notify_all()
+            return why
+
+    def add(self, seq: int, microbatches: Sequence[PackedBatch]) -> Verdict:
+        """Append micro-batches to open step `seq` (claimable at once if it trains). MicroBatchError if
+        any fails the checks (none is added)."""
+        with self._cv:
+            if self._open_step(seq) is None:
+                return self._not_open(seq)
         self._check(microbatches)
+        frames = _frames(microbatches)
         with self._cv:
-            if self._expected() != want:
-                return Refusal.OUT_OF_ORDER, f"mini-batch {seq} was offered twice at once"
-            self._inbox.append(microbatches)
-            self._next_seq = want + 1
+            st = self._open_step(seq)
+            if st is None:
+                return self._not_open(seq)
+            st.microbatches += microbatches
+            st.frames += frames
+            if self._state is not None and st is self._steps[0]:
+                self._state.add(len(microbatches))
             self._cv.notify_all()
-        return Refusal.NONE, ""
+            return ACCEPTED
 
-    def _expected(self) -> int:
-        # Positions already accepted (waiting, being trained or trained) are not offered again.
-        return max(self._next_seq, self._pos.queue_position + (self._state is not None))
+    def close(self, seq: int, microbatches: int, executions: int = 1) -> Verdict:
+        """Close open step `seq`: `microbatches` must be the number it was given; its summed gradient
+        will be divided by `executions` (>= 1)."""
+        with self._cv:
+            st = self._open_step(seq)
+            if st is None:
+                return self._not_open(seq)
+            if microbatches != len(st.microbatches):
+                return (
+                    Refusal.COUNT_MISMATCH,
+                    f"step {seq} was given {len(st.microbatches)} micro-batches, not {microbatches}",
+                )
+            if executions < 1:
+                return Refusal.MALFORMED, f"step {seq}: executions must be >= 1, got {executions}"
+            st.closed, st.executions = True, executions
+            if self._state is not None and st is self._steps[0]:
+                self._state.close()
+            self._cv.notify_all()
+            return ACCEPTED
 
-    def next_minibatch(self, timeout_s: float) -> list[PackedBatch] | None:
-        """The oldest offered mini-batch, or None if none arrives within `timeout_s`."""
+    def submit(self, seq: int, microbatches: Sequence[PackedBatch], executions: int = 1) -> Verdict:
+        """`open`, `add` and `close` in one: all or nothing (an empty step is skipped in its turn)."""
+        if executions < 1:
+            return Refusal.MALFORMED, f"step {seq}: executions must be >= 1, got {executions}"
+        with self._cv:
+            why = self._admissible(seq)
+            if why[0] is not Refusal.NONE:
+                return why
+        self._check(microbatches)
+        frames = _frames(microbatches)
+        with self._cv:
+            why = self._admissible(seq)
+            if why[0] is Refusal.NONE:
+                self._steps.append(_Step(seq, list(microbatches), frames, True, executions))
+                self._cv.notify_all()
+            return why
+
+    def _admissible(self, seq: int) -> Verdict:
+        want = self._pos.queue_position + len(self._steps)
+        if seq != want:
+            return Refusal.OUT_OF_ORDER, f"step {seq} out of order: the core expects {want}"
+        if len(self._steps) - (self._state is not None) >= self._inbox:
+            return Refusal.INBOX_FULL, f"inbox full ({self._inbox} steps waiting): submit again later"
+        return ACCEPTED
+
+    def _open_step(self, seq: int) -> _Step | None:
+        return next((st for st in self._steps if st.seq == seq and not st.closed), None)
+
+    def _not_open(self, seq: int) -> Verdict:
+        closed = any(st.seq == seq for st in self._steps) or seq < self._pos.queue_position
+        return Refusal.NOT_OPEN, f"step {seq} is {'closed' if closed else 'not open'}"
+
+    def steps(self) -> tuple[StepInfo, ...]:
+        """Every accepted step not yet applied, oldest first: what it holds and how far it is."""
+        with self._cv:
+            return tuple(self._info(st) for st in self._steps)
+
+    def _info(self, st: _Step) -> StepInfo:
+        n = len(st.microbatches)
+        state = self._state if st is self._steps[0] else None
+        if state is None:
+            return StepInfo(st.seq, st.closed, False, n, n, 0, 0, st.executions)
+        q, c, d = len(state.pending), len(state.claimed), len(state.done)
+        return StepInfo(st.seq, st.closed, True, n, q, c, d, st.executions)
+
+    # ---- the training thread -------------------------------------------------------------------------
+
+    def next_step(self, timeout_s: float) -> QueuedStep | None:
+        """The oldest accepted step not training yet (open or closed), or None if none is accepted
+        within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while not self._inbox:
+            while not self._steps or self._state is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cv.wait(timeout=min(left, 0.1))
-            return self._inbox.popleft()
+            return QueuedStep(self._steps[0].seq)
 
-    # ---- the training thread -------------------------------------------------------------------------
-
-    def begin(self, microbatches: Sequence[PackedBatch]) -> int:
-        """Make `microbatches` (checked, at least one) the step in progress at the current version;
-        returns its batch id, unique for this queue's life (so no late gradient lands in a later step)."""
-        frames = [to_frames(microbatch_arrays(b)) for b in microbatches]
+    def begin(self, step: QueuedStep) -> int:
+        """Start training `step` (the oldest accepted) at the current version: its micro-batches, and
+        every one added later, may be claimed. Returns its batch id, unique for this queue's life (so no
+        late gradient lands in a later step)."""
         with self._cv:
             if self._state is not None:
-                raise RuntimeError(f"mini-batch {self._state.batch} is still in progress")
+                raise RuntimeError(f"step {self._steps[0].seq} is training already")
+            if not self._steps or self._steps[0].seq != step.seq:
+                raise RuntimeError(f"step {step.seq} is not the oldest accepted step")
+            head = self._steps[0]
             self._batch_seq += 1
             self._state = StepState(
-                self._batch_seq, len(frames), self._numel, self._pos.version, device=self._device
+                self._batch_seq,
+                len(head.microbatches),
+                self._numel,
+                self._pos.version,
+                device=self._device,
+                closed=head.closed,
             )
-            self._microbatches = list(microbatches)
-            self._frames = frames
-            self._metrics = {}
             self._snapshot_of_step = self._pos.snapshot
+            self._metrics = {}
             self._cv.notify_all()
             return self._batch_seq
 
-    def wait_complete(self, timeout_s: float) -> bool:
-        """True once every micro-batch of the step in progress is in; else waits up to `timeout_s` for a
-        change (a delivery, a release) and returns False."""
+    def begin_local(self, microbatches: Sequence[PackedBatch], executions: int = 1) -> int:
+        """Accept `microbatches` (checked already) as the next step, closed, and start training it; for a
+        core without feeders (RuntimeError if any step is accepted)."""
+        frames = _frames(microbatches)
         with self._cv:
-            st = self._active()
+            if self._steps:
+                raise RuntimeError("steps from feeders are accepted: train those (next_step) first")
+            seq = self._pos.queue_position
+            self._steps.append(_Step(seq, list(microbatches), frames, True, executions))
+        return self.begin(QueuedStep(seq))
+
+    def wait_complete(self, timeout_s: float) -> bool:
+        """True once the step training is closed with every gradient in; else waits up to `timeout_s`
+        for a change (a delivery, an add, a close, a release) and returns False."""
+        with self._cv:
+            st = self._training()
             if st.complete:
                 return True
             self._cv.wait(timeout=timeout_s)
             return st.complete
 
-    def progress(self) -> tuple[int, int]:
-        """(micro-batches done, micro-batches in all) of the step in progress."""
+    def progress(self) -> StepInfo:
+        """How far the step training is."""
         with self._cv:
-            st = self._active()
-            return len(st.done), st.n
+            self._training()
+            return self._info(self._steps[0])
 
     def finish(self) -> StepResult:
-        """End the complete step in progress; the caller applies its gradient and then `applied`."""
+        """End the complete step training; the caller applies its gradient, then `applied` (or
+        `skipped` for a step of no micro-batch)."""
         with self._cv:
-            st = self._active()
-            res = StepResult(st.batch, st.n, st.gradient(), dict(self._metrics), dict(st.done), st.requeued)
-            self._end()
+            st = self._training()
+            head = self._steps.popleft()
+            grad = None
+            if st.n:
+                grad = st.gradient()
+                if head.executions != 1:
+                    grad = grad / head.executions  # float32, once, after the in-order sum
+            res = StepResult(
+                head.seq,
+                st.batch,
+                head.microbatches,
+                head.executions,
+                grad,
+                dict(self._metrics),
+                dict(st.done),
+                st.requeued,
+            )
+            self._state = None
+            self._metrics = {}
+            self._cv.notify_all()
             return res
 
     def abort(self) -> None:
-        """Drop the step in progress unapplied (late gradients for it are refused)."""
+        """Stop training the step unapplied: its claims are void (late gradients are refused) and it
+        stays the oldest accepted step, to be begun again from scratch."""
         with self._cv:
-            self._end()
+            self._state = None
+            self._metrics = {}
+            self._cv.notify_all()
 
-    def _end(self) -> None:
-        self._state = None
-        self._microbatches = []
-        self._frames = []
-        self._metrics = {}
-        self._cv.notify_all()
-
-    def _active(self) -> StepState:
+    def _training(self) -> StepState:
         if self._state is None:
-            raise RuntimeError("no step in progress")
+            raise RuntimeError("no step is training")
         return self._state
 
     def applied(self, snapshot: int) -> Position:
@@ -218,24 +349,21 @@ class ClaimQueue:
         with self._cv:
             p = self._pos
             self._pos = Position(p.step + 1, p.version + 1, snapshot, p.queue_position + 1)
+            self._cv.notify_all()
             return self._pos
 
     def skipped(self) -> Position:
-        """A mini-batch with nothing to train took its queue position with no update."""
+        """A step with nothing to train took its queue position with no update."""
         with self._cv:
             p = self._pos
             self._pos = Position(p.step, p.version, p.snapshot, p.queue_position + 1)
+            self._cv.notify_all()
             return self._pos
-
-    @property
-    def in_progress(self) -> bool:
-        with self._cv:
-            return self._state is not None
 
     # ---- every replica (the core's training thread and the server thread) -----------------------------
 
     def claim(self, replica: str) -> Assignment | None:
-        """The next unclaimed micro-batch of the step in progress for `replica`, or None."""
+        """The next unclaimed micro-batch of the step training, for `replica`, or None."""
         with self._cv:
             st = self._state
             if st is None:
@@ -243,9 +371,11 @@ class ClaimQueue:
             i = st.claim(replica)
             if i is None:
                 return None
-            specs, frames = self._frames[i]
-            mb = self._microbatches[i]
-            return Assignment(st.batch, i, st.version, self._snapshot_of_step, mb, specs, frames)
+            head = self._steps[0]
+            specs, frames = head.frames[i]
+            return Assignment(
+                st.batch, i, st.version, self._snapshot_of_step, head.microbatches[i], specs, frames
+            )
 
     def deliver(
         self,
@@ -280,6 +410,6 @@ class ClaimQueue:
             return n
 
     def pending(self) -> int:
-        """Micro-batches of the step in progress that nobody has claimed (0 between steps)."""
+        """Micro-batches of the step training that nobody has claimed (0 when none trains)."""
         with self._cv:
             return 0 if self._state is None else len(self._state.pending)

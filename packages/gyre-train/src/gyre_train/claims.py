@@ -1,12 +1,13 @@
-"""The claim queue of one mini-batch and its order-fixed gradient sum.
+"""The claims of one step and its order-fixed gradient sum.
 
-Micro-batches are claimed one at a time by any replica; a replica that dies or leaves returns its claims
+A step may be open: micro-batches are appended (`add`) while it trains, and `close` fixes their number;
+it is complete once closed with every gradient in. Micro-batches are claimed one at a time by any replica; a replica that dies or leaves returns its claims
 to the front of the queue. Gradients are added in micro-batch index order whatever order they arrive in
 (later ones wait in a reorder buffer), so the sum is the same float for float whichever replicas
 computed which micro-batches. The sum lives on the core's device (float32 additions are correctly
 rounded on a CPU and a GPU alike, so the bits do not depend on where it is kept); every accepted gradient
-is copied there before `deliver` returns, so the sender may reuse its buffer at once. Not thread-safe: the
-core guards it with its lock.
+is copied there before `deliver` returns, so the sender may reuse its buffer at once. Not thread-safe:
+`claimqueue.ClaimQueue` guards it with its lock.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class StepState:
     batch: int
     """Mini-batch id, unique for the core process's life (assignments and gradients carry it)."""
     n: int
+    """Micro-batches so far (the final count once closed)."""
     numel: int
     version: int
     pending: deque[int] = field(default_factory=deque)
@@ -36,14 +38,27 @@ class StepState:
     requeued: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where the sum (and gradients waiting for their turn) are kept."""
+    closed: bool = True
+    """No micro-batch will be added (a closed step of none is complete at once, with no gradient)."""
     _acc: torch.Tensor | None = None
     _next: int = 0
     _waiting: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError("a mini-batch needs at least one micro-batch")
+        if self.n < 0:
+            raise ValueError(f"a step cannot have {self.n} micro-batches")
         self.pending.extend(range(self.n))
+
+    def add(self, k: int) -> None:
+        """Append `k` micro-batches (indices n .. n+k-1) to an open step, behind every pending one."""
+        if self.closed:
+            raise ClaimError(f"mini-batch {self.batch} is closed")
+        self.pending.extend(range(self.n, self.n + k))
+        self.n += k
+
+    def close(self) -> None:
+        """No more micro-batches: the step is complete once the `n` it has are in."""
+        self.closed = True
 
     def claim(self, replica: str) -> int | None:
         if not self.pending:
@@ -103,9 +118,10 @@ class StepState:
 
     @property
     def complete(self) -> bool:
-        return self._next == self.n
+        return self.closed and self._next == self.n
 
     def gradient(self) -> torch.Tensor:
+        """The in-order sum of the complete step's gradients (a step of no micro-batch has none)."""
         if not self.complete or self._acc is None:
             raise RuntimeError(f"mini-batch {self.batch}: {len(self.done)} of {self.n} micro-batches done")
         return self._acc

@@ -46,13 +46,13 @@ def _core(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.wait_satellites_s
         while len(core.replicas()) < args.wait_satellites and time.monotonic() < deadline:
             time.sleep(0.05)
-        if args.feed:  # mini-batches submitted by the trajectory service (CoreClient.submit)
+        if args.feed:  # steps from the trajectory service (CoreClient: submit, or open_step/add/close_step)
             trained = 0
             while args.steps == 0 or trained < args.steps:
-                mbs = core.next_minibatch(args.feed_idle_s)
-                if mbs is None:
+                step = core.next_step(args.feed_idle_s)
+                if step is None:
                     break
-                rep = core.train_step(mbs)
+                rep = core.train_step(step)
                 trained += 1
                 if ckpt is not None:
                     core.save(ckpt)

@@ -1,7 +1,17 @@
 """A client of the core's ROUTER socket for the other services: the scheduler admits and dismisses
-satellites and reads the status; the trajectory service submits mini-batches in queue order (a refusal
-is a `SubmitRefused` carrying the core's `Refusal` and reason, and nothing is queued; `InboxFull` is the
-retryable one). Every call has a deadline."""
+satellites and reads the status; the trajectory service gives the core its steps in queue order, whole
+(`submit`) or streamed (`open_step`, `add` as groups become ready, `close_step`). Every call sends the
+`protocol.py` struct the server decodes and has a deadline; a refusal is a `SubmitRefused` carrying the
+core's `Refusal` and reason (nothing changed; `InboxFull` is the retryable one).
+
+Streaming one step, as the trajectory service does:
+
+    client.open_step(k)                          # k = the core's next queue position
+    for group in groups_as_they_become_ready:    # each group's executions packed together
+        mbs, n_exec = execution_means(pack(...)) # gyre_train.normalize: weights not divided by E
+        client.add(k, mbs); total += len(mbs); executions += n_exec
+    client.close_step(k, total, executions)      # the core divides the summed gradient by `executions`
+"""
 
 from __future__ import annotations
 
@@ -16,9 +26,13 @@ from gyre_xfer.sockets import make_socket
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
+    AddMicrobatches,
     Admit,
+    ArraySpec,
+    CloseStep,
     Dismiss,
     ErrorReply,
+    OpenStep,
     Refusal,
     Reply,
     Status,
@@ -29,12 +43,22 @@ from gyre_train.protocol import (
 from gyre_train.wire import microbatch_arrays, to_frames
 
 
+def _frames(microbatches: Sequence[PackedBatch]) -> tuple[tuple[tuple[ArraySpec, ...], ...], list[Any]]:
+    specs, frames = [], []
+    for b in microbatches:
+        sp, fr = to_frames(microbatch_arrays(b))
+        specs.append(sp)
+        frames += fr
+    return tuple(specs), frames
+
+
 class ControlError(RuntimeError):
     """The core refused the request or did not answer in time."""
 
 
 class SubmitRefused(ControlError):
-    """The core did not queue the mini-batch; `refusal` says why (nothing was queued)."""
+    """The core refused a step request (`submit`, `open_step`, `add`, `close_step`); `refusal` says
+    why, and nothing changed."""
 
     def __init__(self, refusal: Refusal, message: str) -> None:
         super().__init__(message)
@@ -79,26 +103,52 @@ class CoreClient:
         if not isinstance(self._ask(Dismiss(PROTOCOL, replica)), Ack):
             raise ControlError("expected an ack")
 
-    def submit(self, seq: int, microbatches: Sequence[PackedBatch]) -> None:
-        """Hand mini-batch `seq` (the core's next queue position) to the core. An empty one is queued and
-        skipped (no update) when its turn comes. Raises `InboxFull` (retry later) or `SubmitRefused`
-        (out of order, a malformed micro-batch) with the core's reason; ControlError on no answer."""
-        specs, frames = [], []
-        for b in microbatches:
-            sp, fr = to_frames(microbatch_arrays(b))
-            specs.append(sp)
-            frames += fr
-        self._sock.send_multipart(
-            [self._enc.encode(Submit(PROTOCOL, seq, tuple(specs))), *frames], copy=False
-        )
+    def submit(self, seq: int, microbatches: Sequence[PackedBatch], executions: int = 1) -> None:
+        """Hand step `seq` (the core's next queue position) to the core whole: `open_step`, `add` and
+        `close_step` in one message, all or nothing. An empty one is accepted and skipped (no update) in
+        its turn. `executions`: as in `close_step` (1: gyre-traj's whole-batch weights, divided already).
+        Raises `InboxFull` (retry later) or `SubmitRefused` (out of order, a malformed micro-batch) with
+        the core's reason; ControlError on no answer."""
+        specs, frames = _frames(microbatches)
+        self._feed(Submit(PROTOCOL, seq, specs, executions), frames)
+
+    def open_step(self, seq: int) -> None:
+        """Open step `seq` (the core's next queue position) before any of its groups is ready; it counts
+        against the core's inbox like a whole one. The core starts training it as soon as it is the
+        oldest step (and its turn comes), claiming micro-batches as they arrive. `SubmitRefused`:
+        `OUT_OF_ORDER` (a repeat or a gap), `InboxFull`."""
+        self._feed(OpenStep(PROTOCOL, seq))
+
+    def add(self, seq: int, microbatches: Sequence[PackedBatch]) -> None:
+        """Give open step `seq` more micro-batches (call it any number of times, e.g. once per group as
+        it becomes ready); they are claimed at once if the step is training. Their loss weights must be
+        per-execution token means, not yet divided by the step's execution count
+        (`normalize.execution_means`), so that `close_step` can divide by the final count.
+        `SubmitRefused`: `NOT_OPEN` (never opened, or closed), `MALFORMED` (nothing of this call is
+        added)."""
+        specs, frames = _frames(microbatches)
+        self._feed(AddMicrobatches(PROTOCOL, seq, specs), frames)
+
+    def close_step(self, seq: int, microbatches: int, executions: int = 1) -> None:
+        """Close step `seq`: `microbatches` = how many it was given in all (a check that none was lost),
+        `executions` = its executions with loss tokens (>= 1), by which the core divides the summed
+        gradient (and loss) once every micro-batch is in; the update is then applied. A step closed with
+        no micro-batch is skipped. `SubmitRefused`: `NOT_OPEN`, `COUNT_MISMATCH`, `MALFORMED`."""
+        self._feed(CloseStep(PROTOCOL, seq, microbatches, executions))
+
+    def _feed(self, req: Submit | OpenStep | AddMicrobatches | CloseStep, frames: Sequence[Any] = ()) -> None:
+        self._sock.send_multipart([self._enc.encode(req), *frames], copy=False)
         rep = self._reply()
         if not isinstance(rep, Ack):
             raise ControlError(f"expected an ack, got {type(rep).__name__}")
         if not rep.accepted:
             kind = InboxFull if rep.refusal is Refusal.INBOX_FULL else SubmitRefused
-            raise kind(rep.refusal, f"mini-batch {seq} refused: {rep.reason}")
+            raise kind(rep.refusal, f"{type(req).__name__} of step {req.seq} refused: {rep.reason}")
 
     def status(self) -> StatusReply:
+        """The core's position (step, version, snapshot, queue position), its satellites, and every
+        accepted step not yet applied (`StatusReply.steps`: open or closed, micro-batches given, queued,
+        claimed, done)."""
         rep = self._ask(Status(PROTOCOL))
         if not isinstance(rep, StatusReply):
             raise ControlError(f"expected a status, got {type(rep).__name__}")

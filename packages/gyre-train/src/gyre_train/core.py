@@ -1,17 +1,19 @@
 """The core replica: authoritative weights, the only optimizer state (AdamW), step and version.
 
-`Core.train_step` takes one mini-batch of checked micro-batches, puts them in the claim queue
-(`claimqueue.py`) that the core itself and every admitted satellite draw from (satellites over a ZeroMQ
-ROUTER socket served by a helper thread, `server.py`), sums the returned gradients in micro-batch order, applies one AdamW update and publishes
-the new weights as a gyre-xfer snapshot. Satellites connect once at start and stay connected; admitting
-or dismissing one only changes which replicas the queue answers, so joining rebuilds nothing. A
-mini-batch with no micro-batches (nothing trainable in the step) is skipped: its queue position is
-taken, no update is made, and the report says `skipped`.
+`Core.train_step` trains one step of the claim queue (`claimqueue.py`): a whole mini-batch, or a step
+the trajectory service opened and feeds as its groups become ready. The core itself and every admitted
+satellite (over a ZeroMQ ROUTER socket served by a helper thread, `server.py`) claim its micro-batches as
+they arrive; once the step is closed and every gradient is in, the in-order sum divided by the step's
+execution count becomes one AdamW update, published as a gyre-xfer snapshot. Satellites connect once at
+start and stay connected; admitting or dismissing one only changes which replicas the queue answers, so
+joining rebuilds nothing. A step with no micro-batches is skipped: its queue position is taken, no update
+is made, and the report says `skipped`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,7 +30,7 @@ from gyre_xfer.transport import open_transport
 
 from gyre_train import checkpoint
 from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
-from gyre_train.claimqueue import ClaimQueue
+from gyre_train.claimqueue import ClaimQueue, QueuedStep, Verdict
 from gyre_train.engine_sync import (
     PushReport,
     SGLangSyncConfig,
@@ -37,7 +39,7 @@ from gyre_train.engine_sync import (
     engine_tensors,
 )
 from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
-from gyre_train.protocol import PROTOCOL, Refusal, Welcome
+from gyre_train.protocol import PROTOCOL, StepInfo, Welcome
 from gyre_train.server import ReplicaServer, ServerConfig
 from gyre_train.wire import MicroBatchError, check_microbatch
 
@@ -46,7 +48,7 @@ log = logging.getLogger("gyre_train.core")
 
 
 class StepTimeoutError(TimeoutError):
-    """The mini-batch did not complete within `step_timeout_s`."""
+    """A step did not complete within `step_timeout_s` of its close, or stayed open `open_timeout_s`."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ class CoreConfig:
     """Train a micro-batch with more tokens than this in chunks with the shared prefix computed once
     (activation memory of one chunk; `token_budget` may then be far larger). 0 = off."""
     core_computes: bool = True
-    """The core claims micro-batches too (False: it only aggregates)."""
+    """The core claims micro-batches too (False: it only aggregates); `Core.set_computing` changes it
+    while running."""
     heartbeat_s: float = 0.5
     """How often satellites send a heartbeat."""
     dead_after_s: float = 5.0
@@ -83,8 +86,13 @@ class CoreConfig:
     idle_hold_s: float = 1.0
     """How long a claim with no work is held before answering Idle (long poll)."""
     step_timeout_s: float = 3600.0
+    """A closed step must complete within this long of its close (or of its start, if it came closed)."""
+    open_timeout_s: float = 86400.0
+    """A training step still open this long after it started is abandoned (`StepTimeoutError`): its
+    feeder is presumed gone."""
     inbox: int = 4
-    """Mini-batches the trajectory service may queue ahead (`Submit`); more are refused until one is taken."""
+    """Steps the trajectory service may have accepted ahead of the one training (open or closed); more
+    are refused (`Refusal.INBOX_FULL`) until one is taken."""
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engines: SGLangSyncConfig | None = None
@@ -118,6 +126,8 @@ class StepReport:
     elapsed_s: float
     engine_push: PushReport | None = None
     """The push of this version to the SGLang-protocol engines (`CoreConfig.engines`)."""
+    executions: int = 1
+    """What the summed gradient (and `loss`) was divided by (`CloseStep.executions`)."""
     skipped: bool = False
     """The mini-batch had no micro-batches: its queue position was taken with no update (step, version
     and snapshot are unchanged)."""
@@ -139,6 +149,11 @@ class Core:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
+        self._computing = threading.Event()
+        if self.cfg.core_computes:
+            self._computing.set()
+        self._updating = threading.Lock()
+        """Held while an update is applied and published, and while `state_dict` reads the state."""
         self._transport = open_transport(XferConfig(kind=self.cfg.transport))
         self.publisher = Publisher(self._transport, PublisherConfig())
         self._queue = ClaimQueue(self.layout.numel, self.device, self.check, self.cfg.inbox)
@@ -220,21 +235,29 @@ class Core:
         """Satellites declared dead so far (silent for `dead_after_s`; their claims were re-queued)."""
         return self._server.presumed_dead()
 
-    # ---- mini-batches from the trajectory service ---------------------------------------------------
+    # ---- steps from the trajectory service (over the socket: `control.CoreClient`) -------------------
 
-    def offer(self, seq: int, microbatches: list[PackedBatch]) -> tuple[Refusal, str]:
-        """Queue mini-batch `seq` (what a `Submit` does; an empty one is queued too and skipped when its
-        turn comes). It must be the next queue position (so a resumed core tells the feeder where to
-        restart, and a repeat or a gap is refused), fit the inbox, and pass the micro-batch checks (else
-        MicroBatchError); a refusal says which and why, and queues nothing."""
-        return self._queue.offer(seq, microbatches)
+    def offer(self, seq: int, microbatches: list[PackedBatch], executions: int = 1) -> Verdict:
+        """Accept step `seq` whole and closed (what a `Submit` does; an empty one is skipped in its
+        turn). It must be the next queue position (so a resumed core tells the feeder where to restart,
+        and a repeat or a gap is refused), fit the inbox, and pass the micro-batch checks (else
+        MicroBatchError); a refusal says which and why, and accepts nothing."""
+        return self._queue.submit(seq, microbatches, executions)
 
-    def next_minibatch(self, timeout_s: float) -> list[PackedBatch] | None:
-        """The oldest submitted mini-batch, or None if none arrives within `timeout_s`."""
-        return self._queue.next_minibatch(timeout_s)
+    def next_step(self, timeout_s: float) -> QueuedStep | None:
+        """The oldest accepted step not training yet (open or closed: `train_step` takes it as it is and
+        trains what arrives), or None if none is accepted within `timeout_s`."""
+        return self._queue.next_step(timeout_s)
+
+    next_minibatch = next_step
+    """The former name of `next_step` (callers pass its result to `train_step` either way)."""
+
+    def steps(self) -> tuple[StepInfo, ...]:
+        """Every accepted step not yet applied, oldest first, with what it holds (as `Status` reports)."""
+        return self._queue.steps()
 
     def pending(self) -> int:
-        """Micro-batches of the step in progress that nobody has claimed yet (0 between steps)."""
+        """Micro-batches of the step training that nobody has claimed yet (0 between steps)."""
         return self._queue.pending()
 
     # ---- training ----------------------------------------------------------------------------------
@@ -252,51 +275,71 @@ class Core:
                     f"newer than the trainer's {version}"
                 )
 
+    def set_computing(self, on: bool) -> None:
+        """Let the core claim micro-batches itself (True) or only aggregate and apply (False), from its
+        next claim on; the micro-batch it is computing still counts."""
+        if on:
+            self._computing.set()
+        else:
+            self._computing.clear()
+
     def train_step(
-        self, microbatches: Sequence[PackedBatch], on_progress: Callable[[int], None] | None = None
+        self,
+        step: QueuedStep | Sequence[PackedBatch],
+        on_progress: Callable[[int], None] | None = None,
     ) -> StepReport:
-        """One optimizer update over one mini-batch; `on_progress(k)` after each core micro-batch. An
-        empty mini-batch takes its queue position with no update (`StepReport.skipped`)."""
+        """One optimizer update over one step: an accepted step (`next_step`, possibly still open: its
+        micro-batches are claimed as they arrive, and the update is applied once it is closed and every
+        gradient is in), or a whole mini-batch given here (for a core without feeders). `on_progress(k)`
+        after each micro-batch the core computes (k = gradients in so far). A step of no micro-batch
+        takes its queue position with no update (`StepReport.skipped`)."""
         t0 = time.perf_counter()
-        self.check(microbatches)
-        if not microbatches:
-            return self._skip(t0)
         version = self.version
-        self._queue.begin(microbatches)
+        if isinstance(step, QueuedStep):
+            self._queue.begin(step)
+        else:
+            self.check(step)
+            self._queue.begin_local(step)
         try:
             self._compute_until_complete(on_progress)
             res = self._queue.finish()
         except BaseException:
             self._queue.abort()
             raise
-        grad_norm = self._apply(res.gradient)
-        pos = self._queue.applied(self.publisher.publish(params(self.model)))
+        if res.gradient is None:
+            return self._skip(t0)
+        with self._updating:
+            grad_norm = self._apply(res.gradient)
+            pos = self._queue.applied(self.publisher.publish(params(self.model)))
         push = self.push_to_engines() if self.engine_sync is not None else None
         by_replica: dict[str, int] = {}
         for r in res.done.values():
             by_replica[r] = by_replica.get(r, 0) + 1
+        loss = float(sum(res.metrics[i].get("loss", 0.0) for i in sorted(res.metrics)))
         return StepReport(
             step=pos.step,
             version=pos.version,
             snapshot=pos.snapshot,
             queue_position=pos.queue_position,
-            microbatches=res.microbatches,
+            microbatches=len(res.microbatches),
             by_replica=by_replica,
             requeued=res.requeued,
-            loss=float(sum(res.metrics[i].get("loss", 0.0) for i in sorted(res.metrics))),
+            loss=loss / res.executions,
             grad_norm=grad_norm,
-            staleness=staleness(microbatches, version),
+            staleness=staleness(res.microbatches, version),
             elapsed_s=time.perf_counter() - t0,
             engine_push=push,
+            executions=res.executions,
         )
 
     def _compute_until_complete(self, on_progress: Callable[[int], None] | None) -> None:
-        """Claim and compute micro-batches of the step in progress (unless `core_computes` is off) until
-        every one is in, satellites' included."""
+        """Claim and compute micro-batches of the step training (while computing is on) until it is
+        closed and every one is in, satellites' included; StepTimeoutError past the deadlines."""
         scratch = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
-        deadline = time.monotonic() + self.cfg.step_timeout_s
+        started = time.monotonic()
+        closed_at: float | None = None
         while True:
-            a = self._queue.claim(CORE) if self.cfg.core_computes else None
+            a = self._queue.claim(CORE) if self._computing.is_set() else None
             if a is not None:
                 c = self.cfg
                 g, m = micro_gradient(
@@ -304,17 +347,30 @@ class Core:
                 )
                 self._queue.deliver(CORE, a.batch, a.index, a.version, g, m)  # copied into the sum
                 if on_progress is not None:
-                    on_progress(self._queue.progress()[0])
+                    on_progress(self._queue.progress().done)
                 continue
             if self._queue.wait_complete(0.05):
                 return
-            if time.monotonic() > deadline:
-                done, n = self._queue.progress()
-                raise StepTimeoutError(f"{done} of {n} micro-batches after {self.cfg.step_timeout_s} s")
+            info = self._queue.progress()
+            now = time.monotonic()
+            if info.closed and closed_at is None:
+                closed_at = now
+            late = (closed_at is not None and now - closed_at > self.cfg.step_timeout_s) or (
+                closed_at is None and now - started > self.cfg.open_timeout_s
+            )
+            if late:
+                raise StepTimeoutError(
+                    f"step {info.seq}: {info.done} of {info.microbatches} micro-batches in after "
+                    + (
+                        f"{self.cfg.step_timeout_s} s closed"
+                        if closed_at
+                        else f"{self.cfg.open_timeout_s} s open"
+                    )
+                )
 
     def _skip(self, t0: float) -> StepReport:
         pos = self._queue.skipped()
-        log.warning("mini-batch %d has no micro-batches: skipped (no update)", pos.queue_position - 1)
+        log.warning("step %d has no micro-batches: skipped (no update)", pos.queue_position - 1)
         return StepReport(
             step=pos.step,
             version=pos.version,
@@ -374,11 +430,16 @@ class Core:
     # ---- state -------------------------------------------------------------------------------------
 
     def state_dict(self) -> TrainerState:
-        """Everything a resumed core needs (between steps): weights and AdamW state by parameter name,
-        step, version and queue position, the layout digest and the model configuration. Tensors are
-        the live ones (detached): copy them before training on if you keep them."""
-        if self._queue.in_progress:
-            raise RuntimeError("a core's state is taken between steps, not during one")
+        """Everything a resumed core needs: weights and AdamW state by parameter name, step, version and
+        queue position, the layout digest and the model configuration, as of the last applied update. It
+        may be taken while a step trains or is open: such steps are not in it (their micro-batches and
+        partial gradient are dropped; the resumed core expects the feeder to give them again from
+        `queue_position`). Tensors are the live ones (detached): copy them before training on if you
+        keep them."""
+        with self._updating:
+            return self._state_dict()
+
+    def _state_dict(self) -> TrainerState:
         names = {id(p): n for n, p in self.model.named_parameters()}
         opt = self.optimizer.state_dict()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
@@ -396,7 +457,8 @@ class Core:
 
     def load_state_dict(self, state: TrainerState) -> None:
         """Resume from `state_dict()`'s output (same architecture and optimizer; CheckpointError if the
-        layout differs), then publish the loaded weights as a new snapshot."""
+        layout differs; RuntimeError while any step is accepted), then publish the loaded weights as a
+        new snapshot."""
         if state["layout"] != self.layout.digest:
             raise CheckpointError(
                 f"parameter layout {state['layout']} differs from the model's {self.layout.digest}"
@@ -424,7 +486,7 @@ class Core:
         self.republish()
 
     def save(self, path: Path) -> Path:
-        """Checkpoint `state_dict()` to directory `path` (between steps)."""
+        """Checkpoint `state_dict()` to directory `path` (at any time; see `state_dict`)."""
         return checkpoint.save(self.state_dict(), path)
 
     def load(self, path: Path) -> None:

@@ -27,7 +27,8 @@ class ErrorCode(enum.IntEnum):
 
 
 class Refusal(enum.IntEnum):
-    """Why a `Submit` was not queued (in `Ack.refusal`); nothing was queued in every case."""
+    """Why a `Submit`, `OpenStep`, `AddMicrobatches` or `CloseStep` was refused (in `Ack.refusal`);
+    nothing changed in every case."""
 
     NONE = 0
     OUT_OF_ORDER = 1
@@ -35,7 +36,11 @@ class Refusal(enum.IntEnum):
     INBOX_FULL = 2
     """The core holds `CoreConfig.inbox` mini-batches already: submit again later (retryable)."""
     MALFORMED = 3
-    """A micro-batch or its frames failed the checks (`wire.MicroBatchError`)."""
+    """A micro-batch or its frames failed the checks (`wire.MicroBatchError`), or a count is invalid."""
+    NOT_OPEN = 4
+    """No open step has this number (never opened, closed already, or trained)."""
+    COUNT_MISMATCH = 5
+    """`CloseStep.microbatches` differs from the number of micro-batches the step was given."""
 
 
 class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
@@ -111,19 +116,64 @@ class Dismiss(msgspec.Struct, frozen=True, array_like=True, tag="dismiss"):
 
 
 class Submit(msgspec.Struct, frozen=True, array_like=True, tag="submit"):
-    """From the trajectory service: mini-batch number `seq` (the core's queue position it must take),
-    followed by the raw frames of every micro-batch's arrays, in order."""
+    """From the trajectory service: mini-batch number `seq` (the core's queue position it must take)
+    whole, followed by the raw frames of every micro-batch's arrays, in order: `OpenStep`,
+    `AddMicrobatches` and `CloseStep` in one message (all or nothing)."""
+
+    protocol: int
+    seq: int
+    microbatches: tuple[tuple[ArraySpec, ...], ...]
+    executions: int = 1
+    """Divide the summed gradient by this (1: the weights are normalized over the whole batch already)."""
+
+
+class OpenStep(msgspec.Struct, frozen=True, array_like=True, tag="open"):
+    """From the trajectory service: open step `seq` (the core's next queue position) before its groups
+    are ready; give it micro-batches with `AddMicrobatches` and end it with `CloseStep`."""
+
+    protocol: int
+    seq: int
+
+
+class AddMicrobatches(msgspec.Struct, frozen=True, array_like=True, tag="add"):
+    """More micro-batches for open step `seq`, claimed as soon as the step trains; followed by the raw
+    frames of every micro-batch's arrays, in order. Their loss weights must not yet be divided by the
+    step's execution count (`CloseStep.executions` does that)."""
 
     protocol: int
     seq: int
     microbatches: tuple[tuple[ArraySpec, ...], ...]
 
 
+class CloseStep(msgspec.Struct, frozen=True, array_like=True, tag="close"):
+    """Step `seq` is whole: `microbatches` in all (as added), and its summed gradient is divided by
+    `executions` (the step's executions with loss tokens; 1 = the weights are normalized already)."""
+
+    protocol: int
+    seq: int
+    microbatches: int
+    executions: int = 1
+
+
 class Status(msgspec.Struct, frozen=True, array_like=True, tag="status"):
     protocol: int
 
 
-Request = Hello | Claim | Gradient | Heartbeat | Goodbye | Admit | Dismiss | Status | Submit | GradientBuffer
+Request = (
+    Hello
+    | Claim
+    | Gradient
+    | Heartbeat
+    | Goodbye
+    | Admit
+    | Dismiss
+    | Status
+    | Submit
+    | GradientBuffer
+    | OpenStep
+    | AddMicrobatches
+    | CloseStep
+)
 
 
 # ---- replies (core -> satellite) --------------------------------------------------------------------
@@ -190,6 +240,26 @@ class ReplicaInfo(msgspec.Struct, frozen=True, array_like=True):
     """Admission to first accepted gradient (-1 until it has one)."""
 
 
+class StepInfo(msgspec.Struct, frozen=True, array_like=True):
+    """One step the core has accepted and not yet applied."""
+
+    seq: int
+    closed: bool
+    """No more micro-batches will come (`CloseStep`, or a whole `Submit`)."""
+    training: bool
+    """The step in progress: its micro-batches are being claimed (only the oldest step trains)."""
+    microbatches: int
+    """Given so far (the final count once closed)."""
+    queued: int
+    """Not claimed by any replica yet (all of them while the step waits its turn)."""
+    claimed: int
+    """Being computed."""
+    done: int
+    """Gradients in."""
+    executions: int = 1
+    """The divisor given at close (1 while open)."""
+
+
 class StatusReply(msgspec.Struct, frozen=True, array_like=True, tag="status_reply"):
     step: int
     version: int
@@ -198,6 +268,8 @@ class StatusReply(msgspec.Struct, frozen=True, array_like=True, tag="status_repl
     pending: int
     """Unclaimed micro-batches of the step in progress."""
     replicas: tuple[ReplicaInfo, ...]
+    steps: tuple[StepInfo, ...] = ()
+    """Every accepted step not yet applied, oldest (the one training, if any) first."""
 
 
 Reply = Welcome | Assign | Idle | Ack | Shutdown | ErrorReply | StatusReply

@@ -92,6 +92,10 @@ class SatelliteConfig:
     crash_after_claims: int = 0
     """Fault injection for tests: SIGKILL this process right after receiving its N-th micro-batch
     (0 = never), so the core sees a real death mid-batch."""
+    vanish_after_claims: int = 0
+    """Fault injection for tests with satellites as threads: right after receiving its N-th micro-batch,
+    go silent as a dead process would (no gradient, no goodbye, heartbeats stop) and return from `run`
+    (0 = never)."""
 
 
 class Satellite:
@@ -251,6 +255,9 @@ class Satellite:
             self.claims += 1
             if self.cfg.crash_after_claims and self.claims >= self.cfg.crash_after_claims:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.cfg.vanish_after_claims and self.claims >= self.cfg.vanish_after_claims:
+                self._stop.set()  # the heartbeat thread ends: the core will presume this replica dead
+                return done
             pull_s = 0.0
             if self.snapshot != a.snapshot:
                 pull_s = self.pull(a.snapshot)

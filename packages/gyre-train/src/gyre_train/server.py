@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 import torch
 import zmq
+from gyre_traj.pack import PackedBatch
 from gyre_xfer.shm import SHM_DIR
 from gyre_xfer.sockets import check_bind, make_socket
 
@@ -36,9 +37,12 @@ from gyre_train.claims import ClaimError
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
+    AddMicrobatches,
     Admit,
+    ArraySpec,
     Assign,
     Claim,
+    CloseStep,
     Dismiss,
     ErrorCode,
     ErrorReply,
@@ -48,6 +52,7 @@ from gyre_train.protocol import (
     Heartbeat,
     Hello,
     Idle,
+    OpenStep,
     Refusal,
     ReplicaInfo,
     Reply,
@@ -62,6 +67,20 @@ from gyre_train.threads import start_thread
 from gyre_train.wire import MicroBatchError, from_frames, microbatch_from_arrays
 
 log = logging.getLogger("gyre_train.server")
+
+
+def _microbatches(specs: tuple[tuple[ArraySpec, ...], ...], frames: list[Any]) -> list[PackedBatch]:
+    """The micro-batches a feeder's frames carry, copied out of the ZeroMQ frames (they may wait in the
+    queue for a while); MicroBatchError if the frames do not match the specs."""
+    mbs = []
+    at = 0
+    for sp in specs:
+        arrays = from_frames(sp, [f.buffer for f in frames[at : at + len(sp)]])
+        mbs.append(microbatch_from_arrays({k: v.copy() for k, v in arrays.items()}))
+        at += len(sp)
+    if at != len(frames):
+        raise MicroBatchError(f"{len(frames)} frames for {at} arrays")
+    return mbs
 
 
 @dataclass
@@ -238,8 +257,8 @@ class ReplicaServer:
         if isinstance(req, Admit | Dismiss | Status):
             self._control(ident, req)
             return
-        if isinstance(req, Submit):
-            self._submit(ident, req, frames)
+        if isinstance(req, Submit | OpenStep | AddMicrobatches | CloseStep):
+            self._feed(ident, req, frames)
             return
         with self._mu:
             rep = self._reps.get(req.replica)
@@ -299,30 +318,41 @@ class ReplicaServer:
             p = self.queue.position()
             self._send(
                 ident,
-                StatusReply(p.step, p.version, p.snapshot, p.queue_position, self.queue.pending(), reps),
+                StatusReply(
+                    p.step,
+                    p.version,
+                    p.snapshot,
+                    p.queue_position,
+                    self.queue.pending(),
+                    reps,
+                    self.queue.steps(),
+                ),
             )
 
-    def _submit(self, ident: bytes, req: Submit, frames: list[Any]) -> None:
+    def _feed(
+        self, ident: bytes, req: Submit | OpenStep | AddMicrobatches | CloseStep, frames: list[Any]
+    ) -> None:
+        """A step from the trajectory service: whole (`Submit`) or open, added to and closed."""
         if req.protocol != PROTOCOL:
             self._send(
                 ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
             )
             return
+        q = self.queue
         try:
-            mbs = []
-            at = 0
-            for specs in req.microbatches:
-                arrays = from_frames(specs, [f.buffer for f in frames[at : at + len(specs)]])
-                # Copy out of the ZeroMQ frames: the mini-batch may wait in the inbox for a while.
-                mbs.append(microbatch_from_arrays({k: v.copy() for k, v in arrays.items()}))
-                at += len(specs)
-            if at != len(frames):
-                raise MicroBatchError(f"{len(frames)} frames for {at} arrays")
-            refusal, why = self.queue.offer(req.seq, mbs)
+            if isinstance(req, OpenStep):
+                verdict = q.open(req.seq)
+            elif isinstance(req, CloseStep):
+                verdict = q.close(req.seq, req.microbatches, req.executions)
+            elif isinstance(req, AddMicrobatches):
+                verdict = q.add(req.seq, _microbatches(req.microbatches, frames))
+            else:
+                verdict = q.submit(req.seq, _microbatches(req.microbatches, frames), req.executions)
         except MicroBatchError as exc:
-            refusal, why = Refusal.MALFORMED, str(exc)
+            verdict = Refusal.MALFORMED, str(exc)
+        refusal, why = verdict
         if refusal is not Refusal.NONE:
-            log.warning("mini-batch %d refused: %s", req.seq, why)
+            log.warning("%s of step %d refused: %s", type(req).__name__, req.seq, why)
         self._send(ident, Ack(refusal is Refusal.NONE, why, refusal))
 
     def _drop_buffer(self, name: str) -> None:
