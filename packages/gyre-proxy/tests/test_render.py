@@ -253,13 +253,20 @@ def test_same_text_twice_maps_to_each_own_output(tokenizer: Tokenizer) -> None:
     ok = tokenizer.encode("OK", add_special_tokens=False).ids
     turns: list[Turn] = [Turn(Kind.USER, "a")]
     first, _ = r.render(Conversation("", (), tuple(turns)), ex)
-    r.record_output(ex, "c1", first.gen_prompt, np.asarray([*ok, 207, 2], np.int32), [], "", "OK")
+    out1 = np.asarray([*ok, 207, 2], np.int32)
+    r.record_output(ex, "c1", first.gen_prompt, out1, [], "", "OK", context=first.context, position=1)
     turns += [Turn(Kind.ASSISTANT, "OK"), Turn(Kind.USER, "b")]
     second, _ = r.render(Conversation("", (), tuple(turns)), ex)
-    r.record_output(ex, "c2", second.gen_prompt, np.asarray([*ok, 2], np.int32), [], "", "OK")
+    out2 = np.asarray([*ok, 2], np.int32)
+    r.record_output(ex, "c2", second.gen_prompt, out2, [], "", "OK", context=second.context, position=3)
     turns += [Turn(Kind.ASSISTANT, "OK"), Turn(Kind.USER, "c")]
-    # a fresh cache for this agent (say, after its tools changed): both turns are looked up again
+    # the same conversation: each turn is found as the output of exactly the conversation before it
+    same, _ = r.render(Conversation("", (), tuple(turns)), ex)
+    assert same.ambiguous == 0
+    # a fresh cache for this agent (say, after its system prompt changed): both turns are looked up again,
+    # each at its own conversation position
     third, _ = r.render(Conversation("other system", (), tuple(turns)), ex)
+    assert third.ambiguous == 0
     ids = third.ids().tolist()
     seg1 = [*first.gen_prompt.tolist(), *ok, 207, 2, *r.newline.tolist()]
     seg2 = [*second.gen_prompt.tolist(), *ok, 2, *r.newline.tolist()]
