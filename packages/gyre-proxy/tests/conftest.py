@@ -77,6 +77,7 @@ class Seen:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
+    sampling_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class ScriptedEngine:
             sp = body.get("sampling_params", {})
             rid = body.get("rid", f"r{len(self.seen)}")
             max_new = int(sp.get("max_new_tokens", 128))
-            self.seen.append(Seen(rid, ids, max_new))
+            self.seen.append(Seen(rid, ids, max_new, sp))
             item = self.script.pop(0) if self.script else (self.default or "ok")
             if self.reject_next:
                 self.reject_next = False

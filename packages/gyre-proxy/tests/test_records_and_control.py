@@ -78,8 +78,13 @@ def test_classifiers() -> None:
     assert other != agent  # parallel sub-agents stay apart
     assert classify_claude_code(Conversation(sub, (), summary), {})[0] is Role.SUBAGENT_SUMMARY
     names = ProxyConfig(tokenizer="").agent_headers
-    assert classify(Conversation("", (), user), {"x-gyre-agent": "helper"}, names) == (Role.SUBAGENT, "helper")
-    assert classify(Conversation("", (), user), {"x-gyre-role": "main_summary"}, names)[0] is Role.MAIN_SUMMARY
+    assert classify(Conversation("", (), user), {"x-gyre-agent": "helper"}, names) == (
+        Role.SUBAGENT,
+        "helper",
+    )
+    assert (
+        classify(Conversation("", (), user), {"x-gyre-role": "main_summary"}, names)[0] is Role.MAIN_SUMMARY
+    )
 
 
 def test_harness_given_agent_ids() -> None:
@@ -87,7 +92,9 @@ def test_harness_given_agent_ids() -> None:
     one agent id; Claude Code's `x-claude-code-agent-id` (sent on every sub-agent call, never on the main
     loop's) keeps them apart, and other harnesses' header names are configurable."""
     main_system = "You are a Claude agent, built on Anthropic's Claude Agent SDK."
-    billing = "x-anthropic-billing-header: cc_version=2.1.328.d9f; cc_entrypoint=sdk-cli; cc_is_subagent=true;"
+    billing = (
+        "x-anthropic-billing-header: cc_version=2.1.328.d9f; cc_entrypoint=sdk-cli; cc_is_subagent=true;"
+    )
     fork = Conversation(main_system, (), (Turn(Kind.USER, "fix the bug"),), stripped=(("b", billing),))
     cc = {"x-claude-code-session-id": "s", "user-agent": "claude-cli/2.1.328 (external, sdk-cli)"}
     names = ProxyConfig(tokenizer="").agent_headers

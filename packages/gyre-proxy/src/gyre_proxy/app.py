@@ -101,7 +101,7 @@ def openai_errors(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except RequestError as exc:
-            return _o_error(400, "invalid_request_error", exc.message, exc.field)
+            return _o_error(400, "invalid_request_error", f"{exc.field}: {exc.message}", exc.field)
         except EngineRejected as exc:
             return _o_error(400, "invalid_request_error", f"the engine refused the request: {exc}")
         except Unauthorized as exc:

@@ -123,7 +123,7 @@ def decode(body: bytes) -> ORequest:
     except msgspec.ValidationError as exc:
         field = _field_of(exc)
         if str(exc).startswith(_UNKNOWN):
-            raise RequestError(field, f"unknown or unsupported field `{field}`") from None
+            raise RequestError(field, "unknown or unsupported field") from None
         raise RequestError(field, str(exc)) from None
     except msgspec.DecodeError as exc:
         raise json_error(exc, body) from None
