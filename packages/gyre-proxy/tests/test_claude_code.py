@@ -165,11 +165,11 @@ def test_claude_code_with_a_subagent(
     assert roles == {Role.MAIN, Role.SUBAGENT, Role.MAIN_SUMMARY}
 
 
-FORK_CALLS = "\n".join(
-    '<tool_call>\n{"name": "Agent", "arguments": {"description": "fork %d", "prompt": "say done (%d)", '
-    '"subagent_type": "fork", "run_in_background": false}}\n</tool_call>' % (k, k)
-    for k in (1, 2)
+FORK_CALL = (
+    '<tool_call>\n{"name": "Agent", "arguments": {"description": "fork K", "prompt": "say done (K)", '
+    '"subagent_type": "fork", "run_in_background": false}}\n</tool_call>'
 )
+FORK_CALLS = "\n".join(FORK_CALL.replace("K", str(k)) for k in (1, 2))
 
 
 def _spelled_out(tokenizer: Tokenizer, text: str) -> list[int]:
