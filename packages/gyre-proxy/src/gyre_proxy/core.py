@@ -26,7 +26,7 @@ import numpy as np
 from gyre_traj.records import Call, Delta, Role
 from tokenizers import Tokenizer
 
-from gyre_proxy.chat import Conversation, Sampling
+from gyre_proxy.chat import Conversation, Sampling, Turn
 from gyre_proxy.classify import classify
 from gyre_proxy.engines import EnginePool
 from gyre_proxy.exactness import LastCall
@@ -202,11 +202,10 @@ class Proxy:
         ex = self.execution(ex_id)
         role, agent = classify(conv, headers, self.cfg.agent_headers)
         last = ex.last_calls.get(agent)
+        sent = conv.turns
         if last is not None:
-            restored = last.restore_empty_reply(conv)
-            if restored is not None:
-                conv = restored
-                self.stats.restored_empty_replies += 1
+            conv, restored = last.restore(conv)
+            self.stats.restored_empty_replies += restored
         extends = last if last is not None and last.only_appended(conv) else None
         if self.cfg.incremental:
             rendered, ac = self.renderer.render(conv, ex, agent)
@@ -226,9 +225,8 @@ class Proxy:
         self.stats.recorded_tokens += rendered.recorded_tokens
         self.stats.tokenized_tokens += rendered.tokenized_tokens
         self.stats.ambiguous_turns += rendered.ambiguous
-        return CallRun(
-            self, conv, sampling, ex_id, ex, ac, rendered, CallIdentity(role, agent, call_id, extends), t0
-        )
+        ident = CallIdentity(role, agent, call_id, extends, sent)
+        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, ident, t0)
 
 
 @dataclass(frozen=True)
@@ -237,6 +235,7 @@ class CallIdentity:
     agent: str
     call_id: str
     extends: LastCall | None  # the agent's last call, when the harness only appended to it
+    sent: tuple[Turn, ...]  # the turns as the harness sent them (before empty replies were put back)
 
 
 class IncrementalText:
@@ -283,6 +282,7 @@ class CallRun:
         self.agent = ident.agent
         self.call_id = ident.call_id
         self.extends = ident.extends
+        self.sent = ident.sent
         self.t0 = t0
         self.t_wall = time.time()
         self.input_ids = rendered.ids()
@@ -369,7 +369,11 @@ class CallRun:
         await p.sink.write(rec)
         full = np.concatenate([self.input_ids, out])
         self.ac.last_call_id, self.ac.last_full = self.call_id, full
-        self.ex.last_calls[self.agent] = LastCall.of(self.call_id, self.conv, full, not self.final_blocks)
+        c = self.conv
+        empty = not self.final_blocks
+        self.ex.last_calls[self.agent] = LastCall(
+            self.call_id, c.system, c.tools_json, self.sent, c.turns, full, empty
+        )
         added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
         p.stats.added_ms.append(added)
         return rec

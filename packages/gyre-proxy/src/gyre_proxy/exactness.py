@@ -4,9 +4,10 @@ When the harness only appended to an agent's last request (the same system and t
 unchanged, then an assistant turn: the reply it got), the new input must start with that call's exact
 input + output. Such a call is marked `extends` in its record, and a call whose input does not extend is
 counted (a non-extension: a reuse the proxy missed). An empty reply cannot be sent back through
-Anthropic's API (it refuses empty content), so harnesses drop it; when the agent's last output was empty
-and the new request continues that conversation with no assistant turn in its place, the empty turn is
-put back where the policy produced it.
+Anthropic's API (it refuses empty content), so harnesses leave it out; when the agent's last output was
+empty and the new request continues that conversation with no assistant turn in its place, the empty
+turn is put back where the policy produced it, and again in every later request that keeps the same
+history.
 """
 
 from __future__ import annotations
@@ -23,34 +24,42 @@ class LastCall:
     call_id: str
     system: str
     tools_json: tuple[str, ...]
-    turns: tuple[Turn, ...]
+    sent: tuple[Turn, ...]  # the turns as the harness sent them
+    turns: tuple[Turn, ...]  # as rendered: `sent` with the empty replies it left out put back
     full: np.ndarray  # input + output ids
     empty: bool  # the reply had no content at all
 
-    @classmethod
-    def of(cls, call_id: str, conv: Conversation, full: np.ndarray, empty: bool) -> LastCall:
-        return cls(call_id, conv.system, conv.tools_json, conv.turns, full, empty)
+    def restore(self, conv: Conversation) -> tuple[Conversation, int]:
+        """`conv` as this agent's conversation really went (the empty replies the harness left out put
+        back), and how many of them are new in this request. Unchanged if it does not continue it."""
+        n = len(self.sent)
+        if not (
+            len(conv.turns) > n
+            and conv.system == self.system
+            and conv.tools_json == self.tools_json
+            and conv.turns[:n] == self.sent
+        ):
+            return conv, 0
+        rest = conv.turns[n:]
+        new = 0
+        if self.empty and rest[0].kind is not Kind.ASSISTANT:
+            rest = (Turn(Kind.ASSISTANT), *rest)
+            new = 1
+        if not new and len(self.turns) == n:
+            return conv, 0
+        turns = (*self.turns, *rest)
+        return Conversation(conv.system, conv.tools_json, turns, conv.thinking, conv.stripped), new
 
-    def _continues(self, conv: Conversation) -> bool:
+    def only_appended(self, conv: Conversation) -> bool:
+        """Whether `conv` (restored) is this call's conversation, its reply, and more."""
         n = len(self.turns)
         return (
             len(conv.turns) > n
+            and conv.turns[n].kind is Kind.ASSISTANT
             and conv.system == self.system
             and conv.tools_json == self.tools_json
             and conv.turns[:n] == self.turns
         )
-
-    def restore_empty_reply(self, conv: Conversation) -> Conversation | None:
-        """`conv` with the dropped empty reply put back, if that is what happened (else None)."""
-        n = len(self.turns)
-        if not self.empty or not self._continues(conv) or conv.turns[n].kind is Kind.ASSISTANT:
-            return None
-        turns = (*conv.turns[:n], Turn(Kind.ASSISTANT), *conv.turns[n:])
-        return Conversation(conv.system, conv.tools_json, turns, conv.thinking, conv.stripped)
-
-    def only_appended(self, conv: Conversation) -> bool:
-        """Whether `conv` is this call's conversation, its reply, and more."""
-        return self._continues(conv) and conv.turns[len(self.turns)].kind is Kind.ASSISTANT
 
     def extended_by(self, input_ids: np.ndarray) -> bool:
         """Whether `input_ids` starts with this call's input + output."""
