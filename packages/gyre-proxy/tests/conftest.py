@@ -105,7 +105,7 @@ class ScriptedEngine:
     def logprob(self, i: int, tid: int) -> float:
         return -0.01 - ((tid * 7 + i) % 13) / 10.0
 
-    def start(self) -> ScriptedEngine:
+    def start(self, port: int | None = None) -> ScriptedEngine:
         im_end = self.tokenizer.token_to_id("<|im_end|>")
 
         async def generate(request: Request) -> Response:
@@ -205,7 +205,7 @@ class ScriptedEngine:
                 Route("/ready", ok),
             ]
         )
-        self.server = UvicornThread(app)
+        self.server = UvicornThread(app, port)
         return self
 
     def stop(self) -> None:
