@@ -45,10 +45,9 @@ class LastCall:
         if self.empty and rest[0].kind is not Kind.ASSISTANT:
             rest = (Turn(Kind.ASSISTANT), *rest)
             new = 1
-        if not new and len(self.turns) == n:
-            return conv, 0
+        # the earlier turns are this call's own objects: later comparisons of them stop at identity
         turns = (*self.turns, *rest)
-        return Conversation(conv.system, conv.tools_json, turns, conv.thinking, conv.stripped), new
+        return Conversation(self.system, self.tools_json, turns, conv.thinking, conv.stripped), new
 
     def only_appended(self, conv: Conversation) -> bool:
         """Whether `conv` (restored) is this call's conversation, its reply, and more."""
