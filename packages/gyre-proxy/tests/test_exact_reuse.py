@@ -2,7 +2,8 @@
 client sends it, is reused exactly: each call's input starts with the previous call's exact input and
 output (no re-rendered assistant turn), the proxy counts 0 non-extensions and gyre-traj finds 0 drift
 and 0 non-extensions in the log. Shapes: text; text, a tool call, text; text, a malformed tool call,
-text; text then a tool call cut by max_tokens; an empty output; thinking only. Thinking is off, so the
+text; text then a tool call cut by max_tokens; an empty output; thinking only; whitespace only. Thinking
+is off, so the
 prompt opens each reply with an empty think block: a re-rendered turn would diverge there, at a context
 token (a branch, not drift), which only the non-extension count sees."""
 
@@ -39,7 +40,7 @@ def _script(tokenizer: Tokenizer) -> tuple[list[Any], int, str]:
     cut_ids = tokenizer.encode(CUT_FULL, add_special_tokens=False).ids[:-6]
     empty = [tokenizer.token_to_id("<|im_end|>")]
     cut = tokenizer.decode(cut_ids, skip_special_tokens=False)
-    return [TEXT, TOOL, MALFORMED, CUT_FULL, empty, THINKING, empty, "Done."], len(cut_ids), cut
+    return [TEXT, TOOL, MALFORMED, CUT_FULL, empty, THINKING, " \n\n", "Done."], len(cut_ids), cut
 
 
 def _check_extends(ps: Any, engine: Any, n: int) -> None:
@@ -86,7 +87,7 @@ def test_anthropic_client_sends_every_shape_back(
         got.append(content)
         if content:
             msgs = [*msgs, {"role": "assistant", "content": content}]
-        elif k == 6:  # an empty reply sent back as an empty text block (gyre's built-in agent does this)
+        elif k == 6:  # a blank reply sent back as an empty text block (gyre's built-in agent does this)
             msgs = [*msgs, {"role": "assistant", "content": [{"type": "text", "text": ""}]}]
         # else: Anthropic's API refuses an empty assistant message, so a client leaves the turn out
         uses = [b for b in content if b["type"] == "tool_use"]
@@ -95,7 +96,7 @@ def test_anthropic_client_sends_every_shape_back(
     assert [b["text"] for b in got[2]] == [MALFORMED]  # as the model wrote it, in one text block
     assert [b["text"] for b in got[3]] == [cut_text]
     assert [b["type"] for b in got[1]] == ["text", "tool_use", "text"]
-    assert got[4] == [] and [b["type"] for b in got[5]] == ["thinking"]
+    assert got[4] == got[6] == [] and [b["type"] for b in got[5]] == ["thinking"]
     _check_extends(ps, engine, len(script))
     assert httpx.get(f"{ps.url}/gyre/stats").json()["restored_empty_replies"] == 1
 
