@@ -125,7 +125,8 @@ def test_claude_code_with_a_subagent(
     subs = [r for r in recs if r.role is Role.SUBAGENT]
     assert len(mains) == 2 and all(r.agent_id == "main" for r in mains)
     # the sub-agent's id is the one Claude Code gave it (`x-claude-code-agent-id`), the same on each call
-    assert len(subs) >= 2 and len({r.agent_id for r in subs}) == 1 and subs[0].agent_id != "main"
+    assert len(subs) >= 2 and len({r.agent_id for r in subs}) == 1
+    assert subs[0].agent_id != "main" and not subs[0].agent_id.startswith("sub-")  # not the hash fallback
     assert all("cc_is_subagent=true" in r.metadata["stripped.claude-code-billing"] for r in subs)
     # no drift: the main loop's second input carries its first input and output unchanged
     first = seq[mains[0].call_id].tolist()
