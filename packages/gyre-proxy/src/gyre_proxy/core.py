@@ -367,38 +367,44 @@ class CallRun:
         rec = self._record(out)
         assert p.sink is not None
         await p.sink.write(rec)
+        self._count_extension()
         full = np.concatenate([self.input_ids, out])
         self.ac.last_call_id, self.ac.last_full = self.call_id, full
         c = self.conv
         empty = not self.final_blocks
-        self.ex.last_calls[self.agent] = LastCall(
-            self.call_id, c.system, c.tools_json, self.sent, c.turns, full, empty
-        )
+        last = LastCall(self.call_id, c.system, c.tools_json, self.sent, c.turns, full, empty)
+        self.ex.remember(self.agent, last, p.renderer.max_agents)
         added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
         p.stats.added_ms.append(added)
         return rec
 
     def _metadata(self) -> dict[str, str]:
+        """The record's metadata: harness metadata stripped from the prompt, the call this one extends."""
         meta: dict[str, str] = {}
         for name, text in self.conv.stripped:
             key = f"stripped.{name}"
             meta[key] = f"{meta[key]}\n\n{text}" if key in meta else text
-        prev = self.extends
-        if prev is not None:
-            meta[EXTENDS] = prev.call_id
-            stats = self.proxy.stats
-            stats.appended_calls += 1
-            if not prev.extended_by(self.input_ids):
-                stats.non_extensions += 1
-                self.ex.non_extensions += 1
-                log.warning(
-                    "call %s of %s/%s does not extend call %s although the harness only appended to it",
-                    self.call_id,
-                    self.ex_id,
-                    self.agent,
-                    prev.call_id,
-                )
+        if self.extends is not None:
+            meta[EXTENDS] = self.extends.call_id
         return meta
+
+    def _count_extension(self) -> None:
+        """Where the harness only appended, count (and log) an input that does not extend the last call."""
+        prev = self.extends
+        if prev is None:
+            return
+        stats = self.proxy.stats
+        stats.appended_calls += 1
+        if not prev.extended_by(self.input_ids):
+            stats.non_extensions += 1
+            self.ex.non_extensions += 1
+            log.warning(
+                "call %s of %s/%s does not extend call %s although the harness only appended to it",
+                self.call_id,
+                self.ex_id,
+                self.agent,
+                prev.call_id,
+            )
 
     def _record(self, out: np.ndarray) -> Call:
         """The TITO record, its input delta-encoded against the agent's last call (else the last call

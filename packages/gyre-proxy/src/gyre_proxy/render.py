@@ -119,8 +119,16 @@ class ExecutionCache:
     by_tool_id: dict[str, RecordedOutput] = field(default_factory=dict)
     by_signature: dict[str, RecordedOutput] = field(default_factory=dict)
     by_text: dict[str, list[RecordedOutput]] = field(default_factory=dict)  # in call order
-    last_calls: dict[str, LastCall] = field(default_factory=dict)  # by agent id
+    last_calls: OrderedDict[str, LastCall] = field(default_factory=OrderedDict)  # by agent id
     non_extensions: int = 0
+
+    def remember(self, agent: str, last: LastCall, max_agents: int) -> None:
+        """Keep `last` as `agent`'s last call; the `max_agents` most recent agents keep theirs (each
+        holds its call's input + output ids: a fork holds its parent's whole context)."""
+        self.last_calls[agent] = last
+        self.last_calls.move_to_end(agent)
+        while len(self.last_calls) > max_agents:
+            self.last_calls.popitem(last=False)
 
     def forget_renders(self) -> None:
         """Drop what grows with the context (render caches, last calls); keep the recorded outputs."""
