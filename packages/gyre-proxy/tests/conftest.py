@@ -77,6 +77,7 @@ class Seen:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
+    sampling_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,7 +105,7 @@ class ScriptedEngine:
     def logprob(self, i: int, tid: int) -> float:
         return -0.01 - ((tid * 7 + i) % 13) / 10.0
 
-    def start(self) -> ScriptedEngine:
+    def start(self, port: int | None = None) -> ScriptedEngine:
         im_end = self.tokenizer.token_to_id("<|im_end|>")
 
         async def generate(request: Request) -> Response:
@@ -113,7 +114,7 @@ class ScriptedEngine:
             sp = body.get("sampling_params", {})
             rid = body.get("rid", f"r{len(self.seen)}")
             max_new = int(sp.get("max_new_tokens", 128))
-            self.seen.append(Seen(rid, ids, max_new))
+            self.seen.append(Seen(rid, ids, max_new, sp))
             item = self.script.pop(0) if self.script else (self.default or "ok")
             if self.reject_next:
                 self.reject_next = False
@@ -204,7 +205,7 @@ class ScriptedEngine:
                 Route("/ready", ok),
             ]
         )
-        self.server = UvicornThread(app)
+        self.server = UvicornThread(app, port)
         return self
 
     def stop(self) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anthropic
 import httpx
@@ -24,11 +24,14 @@ from gyre_traj.records import Call
 pytestmark = pytest.mark.slow
 
 
-def _start_engine(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str, Any]:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = int(sk.getsockname()[1])
-    log = open(log_path, "wb")  # noqa: SIM115 - closed by _stop
+def _start_engine(
+    model: Path, log_path: Path, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str, Any]:
+    if port is None:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = int(sk.getsockname()[1])
+    log = open(log_path, "ab")  # noqa: SIM115 - closed by _stop
     cmd = [
         sys.executable,
         "-m",
@@ -72,8 +75,15 @@ def _stop(proc: subprocess.Popen[bytes], log: Any) -> None:
     log.close()
 
 
+class TinyEngines(NamedTuple):
+    urls: list[str]
+    model: Path
+    procs: list[tuple[subprocess.Popen[bytes], str, Any]]  # (process, url, log), replaceable by a test
+    logs: Path
+
+
 @pytest.fixture(scope="module")
-def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str], Path]]:
+def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyEngines]:
     """Two gyre-engine servers with the same embedded tiny model."""
     from gyre_engine.server.model_factory import create_model
 
@@ -83,7 +93,7 @@ def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lis
     try:
         for proc, url, _ in procs:
             _wait_ready(proc, url)
-        yield [url for _, url, _ in procs], model
+        yield TinyEngines([url for _, url, _ in procs], model, procs, logs)
     finally:
         for proc, _, log in procs:
             _stop(proc, log)
@@ -103,10 +113,8 @@ def _full(recs: list[Call]) -> list[np.ndarray]:
     return out
 
 
-def test_tiny_model_behind_the_proxy(
-    tiny_engines: tuple[list[str], Path], make_proxy: Any, request: Any
-) -> None:
-    urls, model = tiny_engines
+def test_tiny_model_behind_the_proxy(tiny_engines: TinyEngines, make_proxy: Any, request: Any) -> None:
+    urls, model = tiny_engines.urls, tiny_engines.model
     ps = make_proxy(urls[:1], tokenizer=str(model))
     client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
     request.addfinalizer(client.close)
@@ -136,14 +144,14 @@ def test_tiny_model_behind_the_proxy(
 
 
 def test_drain_moves_the_cached_prefix_between_gyre_engines(
-    tiny_engines: tuple[list[str], Path], make_proxy: Any, sched_stub: Any, request: Any
+    tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any
 ) -> None:
     """A call drained off engine 0 mid-generation continues on engine 1: its prompt's KV is exported from
     engine 0 and imported into engine 1 (counted), the tokens already sampled are kept, and the harness
     gets one response of the full length."""
     from gyre_sched.protocol import EngineAdd, EngineDrain, EngineDrained, Hello, Welcome
 
-    urls, model = tiny_engines
+    urls, model = tiny_engines.urls, tiny_engines.model
     ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint)
     sched_stub.expect(Hello)
     sched_stub.send(Welcome())
@@ -186,3 +194,57 @@ def test_drain_moves_the_cached_prefix_between_gyre_engines(
         stats["prefix_moved_tokens"] >= n_in - 1
     )  # the prompt's KV went along (its last token is recomputed)
     assert stats["prefix_moved_tokens"] + stats["reprefilled_tokens"] > n_in  # + the partial output
+
+
+def test_top_logprobs_from_a_real_engine(tiny_engines: TinyEngines, make_proxy: Any, request: Any) -> None:
+    """OpenAI `top_logprobs` asks gyre-engine for `top_logprobs_num`: each sampled token comes with that
+    many alternatives, its own logprob among them when it is one of the most likely."""
+    ps = make_proxy(tiny_engines.urls[:1], tokenizer=str(tiny_engines.model))
+    oa = openai.OpenAI(base_url=f"{ps.url}/v1", api_key="k", max_retries=0)
+    request.addfinalizer(oa.close)
+    r = oa.chat.completions.create(
+        model="tiny",
+        max_tokens=6,
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
+    assert content is not None and len(content) == rec.output_ids.size
+    assert np.allclose([e.logprob for e in content], rec.output_logprobs, atol=1e-6)
+    for e in content:
+        assert len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and e.logprob <= tops[0] + 1e-6
+
+
+def test_an_engine_that_goes_away_and_comes_back(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """A real gyre-engine, the proxy's only engine, is stopped: calls get 529 while nothing answers and the
+    engine stays in the pool, set aside. Started again on the same address, it passes the proxy's health
+    check and takes calls again, with no scheduler involved. (Runs last: it restarts engine 1.)"""
+    url = tiny_engines.urls[1]
+    ps = make_proxy([url], tokenizer=str(tiny_engines.model), pick_wait_s=1.0, engine_retry_max_s=0.5)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    ask: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert client.messages.create(**ask).usage.output_tokens >= 1
+    proc, _, log = tiny_engines.procs[1]
+    _stop(proc, log)  # the engine goes away
+    with pytest.raises(anthropic.APIStatusError) as e:
+        client.messages.create(**ask)
+    assert e.value.status_code == 529
+    stats = httpx.get(f"{ps.url}/gyre/stats").json()
+    assert [(x["url"], x["state"]) for x in stats["engines"]] == [(url, "failed")]
+    port = int(url.rsplit(":", 1)[1])
+    tiny_engines.procs[1] = again = _start_engine(tiny_engines.model, tiny_engines.logs / "engine1.log", port)
+    _wait_ready(again[0], url)  # and comes back
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{ps.url}/gyre/stats").json()["engines"][0]["state"] != "active":
+        assert time.monotonic() < deadline, "the proxy did not take the engine back"
+        time.sleep(0.05)
+    assert client.messages.create(**ask).usage.output_tokens >= 1
+    e0 = httpx.get(f"{ps.url}/gyre/stats").json()["engines"][0]
+    assert (e0["failures"], e0["revived"]) == (1, 1)

@@ -11,7 +11,8 @@ import anthropic
 import numpy as np
 import zmq
 from gyre_proxy.chat import Conversation, Kind, Turn
-from gyre_proxy.classify import classify_claude_code, classify_generic
+from gyre_proxy.classify import classify, classify_claude_code
+from gyre_proxy.core import ProxyConfig
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, Welcome
@@ -76,13 +77,36 @@ def test_classifiers() -> None:
     other = classify_claude_code(Conversation(sub, (), (Turn(Kind.USER, "another task"),)), {})[1]
     assert other != agent  # parallel sub-agents stay apart
     assert classify_claude_code(Conversation(sub, (), summary), {})[0] is Role.SUBAGENT_SUMMARY
-    assert classify_generic(Conversation("", (), user), {"x-gyre-agent": "helper"}) == (
+    names = ProxyConfig(tokenizer="").agent_headers
+    assert classify(Conversation("", (), user), {"x-gyre-agent": "helper"}, names) == (
         Role.SUBAGENT,
         "helper",
     )
     assert (
-        classify_generic(Conversation("", (), user), {"x-gyre-role": "main_summary"})[0] is Role.MAIN_SUMMARY
+        classify(Conversation("", (), user), {"x-gyre-role": "main_summary"}, names)[0] is Role.MAIN_SUMMARY
     )
+
+
+def test_harness_given_agent_ids() -> None:
+    """Forks of one state share their system prompt and first user turn, so the hash fallback gives them
+    one agent id; Claude Code's `x-claude-code-agent-id` (sent on every sub-agent call, never on the main
+    loop's) keeps them apart, and other harnesses' header names are configurable."""
+    main_system = "You are a Claude agent, built on Anthropic's Claude Agent SDK."
+    billing = (
+        "x-anthropic-billing-header: cc_version=2.1.328.d9f; cc_entrypoint=sdk-cli; cc_is_subagent=true;"
+    )
+    fork = Conversation(main_system, (), (Turn(Kind.USER, "fix the bug"),), stripped=(("b", billing),))
+    cc = {"x-claude-code-session-id": "s", "user-agent": "claude-cli/2.1.328 (external, sdk-cli)"}
+    names = ProxyConfig(tokenizer="").agent_headers
+    one = classify(fork, {**cc, "x-claude-code-agent-id": "a2269319c7e0c3615"}, names)
+    two = classify(fork, {**cc, "x-claude-code-agent-id": "a8643955418f4e7fa"}, names)
+    assert one == (Role.SUBAGENT, "a2269319c7e0c3615") and two == (Role.SUBAGENT, "a8643955418f4e7fa")
+    fallback = classify(fork, cc, names)  # no header: the hash, the same for both forks
+    assert fallback[0] is Role.SUBAGENT and fallback[1].startswith("sub-")
+    main = Conversation(main_system, (), (Turn(Kind.USER, "fix the bug"),))
+    assert classify(main, cc, names) == (Role.MAIN, "main")
+    other = {"x-my-harness-agent": "worker-3"}
+    assert classify(main, other, ("x-my-harness-agent",)) == (Role.SUBAGENT, "worker-3")
 
 
 def test_real_scheduler_adds_a_cells_engine(engine: Any, make_proxy: Any, request: Any) -> None:

@@ -253,13 +253,20 @@ def test_same_text_twice_maps_to_each_own_output(tokenizer: Tokenizer) -> None:
     ok = tokenizer.encode("OK", add_special_tokens=False).ids
     turns: list[Turn] = [Turn(Kind.USER, "a")]
     first, _ = r.render(Conversation("", (), tuple(turns)), ex)
-    r.record_output(ex, "c1", first.gen_prompt, np.asarray([*ok, 207, 2], np.int32), [], "", "OK")
+    out1 = np.asarray([*ok, 207, 2], np.int32)
+    r.record_output(ex, "c1", first.gen_prompt, out1, [], "", "OK", context=first.context, position=1)
     turns += [Turn(Kind.ASSISTANT, "OK"), Turn(Kind.USER, "b")]
     second, _ = r.render(Conversation("", (), tuple(turns)), ex)
-    r.record_output(ex, "c2", second.gen_prompt, np.asarray([*ok, 2], np.int32), [], "", "OK")
+    out2 = np.asarray([*ok, 2], np.int32)
+    r.record_output(ex, "c2", second.gen_prompt, out2, [], "", "OK", context=second.context, position=3)
     turns += [Turn(Kind.ASSISTANT, "OK"), Turn(Kind.USER, "c")]
-    # a fresh cache for this agent (say, after its tools changed): both turns are looked up again
+    # the same conversation: each turn is found as the output of exactly the conversation before it
+    same, _ = r.render(Conversation("", (), tuple(turns)), ex)
+    assert same.ambiguous == 0
+    # a fresh cache for this agent (say, after its system prompt changed): both turns are looked up again,
+    # each at its own conversation position
     third, _ = r.render(Conversation("other system", (), tuple(turns)), ex)
+    assert third.ambiguous == 0
     ids = third.ids().tolist()
     seg1 = [*first.gen_prompt.tolist(), *ok, 207, 2, *r.newline.tolist()]
     seg2 = [*second.gen_prompt.tolist(), *ok, 2, *r.newline.tolist()]
@@ -290,3 +297,67 @@ def test_evicted_render_cache_keeps_recorded_outputs(tokenizer_dir: Path, tokeni
         6,
         2,
     ]
+
+
+def test_same_text_from_two_agents_keeps_each_agents_ids(tokenizer: Tokenizer) -> None:
+    """A fork and the main loop answer the same text with other ids. The main loop's next request (no
+    thinking block to find it by) gets the main loop's ids: the output generated from exactly the
+    conversation before the turn, else the agent's own. Two outputs with different ids from one and the
+    same conversation (a retried call) are an ambiguity: counted, and the turn is tokenized from its text
+    instead of taking either call's ids."""
+    r = Renderer(tokenizer)
+    ex = ExecutionCache()
+    done = tokenizer.encode("All done.", add_special_tokens=False).ids
+    spelled = [i for ch in "All done." for i in tokenizer.encode(ch, add_special_tokens=False).ids]
+    main_conv = Conversation("sys", (), (Turn(Kind.USER, "task"),))
+    fork_conv = Conversation("sys", (), (Turn(Kind.USER, "task"), Turn(Kind.USER, "you are a fork")))
+    fork, _ = r.render(fork_conv, ex, "fork-1")  # the fork answers first
+    r.record_output(
+        ex,
+        "f1",
+        fork.gen_prompt,
+        np.asarray([*spelled, 2]),
+        [],
+        "",
+        "All done.",
+        agent="fork-1",
+        context=fork.context,
+        position=2,
+    )
+    main, _ = r.render(main_conv, ex, "main")
+    r.record_output(
+        ex,
+        "m1",
+        main.gen_prompt,
+        np.asarray([*done, 2]),
+        [],
+        "",
+        "All done.",
+        agent="main",
+        context=main.context,
+        position=1,
+    )
+    later = (*main_conv.turns, Turn(Kind.ASSISTANT, "All done."), Turn(Kind.USER, "again"))
+    for agent in ("main", "fork-1"):  # exact context first: whoever asks, the turn is the main loop's
+        again, _ = r.render(Conversation("sys", (), later), ex, agent)
+        assert again.ambiguous == 0
+        assert " ".join(map(str, [*done, 2])) in " ".join(map(str, again.ids().tolist()))
+    # the system prompt changed since (no exact context): the agent's own output
+    moved, _ = r.render(Conversation("new sys", (), later), ex, "main")
+    assert moved.ambiguous == 0 and " ".join(map(str, [*done, 2])) in " ".join(map(str, moved.ids().tolist()))
+    # a retry of the main call in the same conversation sampled other ids: ambiguous
+    r.record_output(
+        ex,
+        "m2",
+        main.gen_prompt,
+        np.asarray([*spelled, 2]),
+        [],
+        "",
+        "All done.",
+        agent="main",
+        context=main.context,
+        position=1,
+    )
+    ex.agents.clear()  # no render cache to reuse: the turn is looked up again
+    unsure, _ = r.render(Conversation("sys", (), later), ex, "main")
+    assert unsure.ambiguous == 1 and unsure.recorded_tokens == 0

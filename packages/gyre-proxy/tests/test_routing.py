@@ -10,6 +10,7 @@ from typing import Any
 
 import anthropic
 import numpy as np
+import pytest
 from gyre_sched.protocol import (
     EngineAdd,
     EngineDrain,
@@ -174,4 +175,49 @@ def test_dead_engine_call_continues(
     rec = _records(ps.log_path)[-1]
     assert rec.output_ids.tolist() == full
     assert b.seen[0].input_ids[: len(a.seen[0].input_ids)] == a.seen[0].input_ids
-    assert [e["id"] for e in _stats(ps.url)["engines"]] == [1]  # the dead engine is out of rotation
+    # the connection failure set engine 0 aside; it still answers its health check, so it is back
+    deadline = time.monotonic() + 10
+    while _stats(ps.url)["engines"][0]["state"] != "active" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    e0 = _stats(ps.url)["engines"][0]
+    assert (e0["id"], e0["state"], e0["failures"], e0["revived"]) == (0, "active", 1, 1)
+
+
+def test_an_engine_that_fails_comes_back(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engine: Any
+) -> None:
+    """The only, statically configured engine: a connection failure mid-call sets it aside, its health
+    check brings it back at once and the call continues on it; then the engine goes away (its server
+    stops: calls get 529 while none answers) and comes back on the same address (a new server), and it
+    takes calls again without anyone adding it: only the scheduler removes an engine for good."""
+    full, rest = _continuation(tokenizer, LONG)
+    engine.script = [LONG, rest]
+    engine.die_after = 4
+    ps = make_proxy([engine.url], pick_wait_s=1.0, engine_retry_s=0.05, engine_retry_max_s=0.2)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    ask: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": "count"}],
+    }
+    r = client.messages.create(**ask)
+    assert r.content[0].type == "text" and r.content[0].text == LONG
+    assert _records(ps.log_path)[-1].output_ids.tolist() == full
+    e0 = _stats(ps.url)["engines"][0]
+    assert (e0["state"], e0["failures"], e0["revived"]) == ("active", 1, 1)
+
+    port = int(engine.url.rsplit(":", 1)[1])
+    engine.stop()  # the engine goes away
+    with pytest.raises(anthropic.APIStatusError) as e:
+        client.messages.create(**ask)
+    assert e.value.status_code == 529 and _stats(ps.url)["engines"][0]["state"] == "failed"
+    back = type(engine)(tokenizer, script=["back again"]).start(port)  # and comes back
+    request.addfinalizer(back.stop)
+    deadline = time.monotonic() + 10
+    while _stats(ps.url)["engines"][0]["state"] != "active" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = client.messages.create(**ask)
+    assert r.content[0].type == "text" and r.content[0].text == "back again"
+    e0 = _stats(ps.url)["engines"][0]
+    assert (e0["id"], e0["state"], e0["failures"], e0["revived"]) == (0, "active", 2, 2)

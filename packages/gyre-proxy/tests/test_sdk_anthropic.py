@@ -275,3 +275,78 @@ def test_sse_event_sequence(engine: Any, make_proxy: Any) -> None:
     assert final["delta"]["stop_reason"] == "tool_use" and final["usage"]["output_tokens"] == len(
         engine.outputs[0]
     )
+
+
+def _fork_pair(url: str, main_out: list[Any]) -> tuple[Any, Any]:
+    """A main call and a fork's first call, shaped as Claude Code 2.1.328 sends them (captured): the same
+    system blocks but the billing block, the fork sees the main loop's tool_use of its own fork only, and
+    names itself in `x-claude-code-agent-id`."""
+    head = {"user-agent": "claude-cli/2.1.328 (external, sdk-cli)", "x-claude-code-session-id": "cc-s"}
+    billing = "x-anthropic-billing-header: cc_version=2.1.328.d9f; cc_entrypoint=sdk-cli;"
+    system = [
+        {"type": "text", "text": "You are a Claude agent, built on Anthropic's Claude Agent SDK."},
+        {"type": "text", "text": "Harness rules. " * 40, "cache_control": {"type": "ephemeral"}},
+    ]
+    user = {"role": "user", "content": [{"type": "text", "text": "use two forks"}]}
+    body = {"model": "m", "max_tokens": 200, "tools": TOOLS, "stream": True, "messages": [user]}
+    main = httpx.post(
+        f"{url}/v1/messages?beta=true",
+        json={**body, "system": [{"type": "text", "text": billing}, *system]},
+        headers=head,
+    )
+    assert main.status_code == 200
+    tid = next(
+        json.loads(line[6:])["content_block"]["id"] for line in main.text.splitlines() if '"tool_use"' in line
+    )
+    tu = {"type": "tool_use", "id": tid, "name": "bash", "input": {"command": "fork one"}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": tid,
+        "content": [{"type": "text", "text": "Fork started"}],
+    }
+    fork_msgs = [
+        user,
+        {"role": "assistant", "content": [tu]},
+        {"role": "user", "content": [result, {"type": "text", "text": "<fork-boilerplate>say done"}]},
+    ]
+    sub_billing = billing + " cc_is_subagent=true;"
+    fork = httpx.post(
+        f"{url}/v1/messages?beta=true",
+        json={**body, "messages": fork_msgs, "system": [{"type": "text", "text": sub_billing}, *system]},
+        headers={**head, "x-claude-code-agent-id": "a2269319c7e0c3615"},
+    )
+    assert fork.status_code == 200
+    return main, fork
+
+
+def test_a_forks_first_call_shares_the_main_loops_whole_prefix(
+    engine: Any, make_proxy: Any, tokenizer: Any
+) -> None:
+    """Claude Code's billing block differs between the main loop and its forks; stripped from what the
+    policy sees (kept in the record's metadata), a fork's first input is the main loop's input + output
+    and more. With no strip rules, the two part at the billing block's first differing token."""
+    calls = '<tool_call>\n{"name": "bash", "arguments": {"command": "fork one"}}\n</tool_call>'
+    for rules, shared_all in ((None, True), ((), False)):
+        engine.script = [f"{calls}\n{calls.replace('one', 'two')}", "All done."]
+        kw = {} if rules is None else {"strip_rules": rules}
+        ps = make_proxy([engine.url], **kw)
+        _fork_pair(ps.url, [])
+        main, fork = _records_of(ps)
+        main_full = engine.seen[-2].input_ids + engine.outputs[-2]
+        fork_in = engine.seen[-1].input_ids
+        assert (fork_in[: len(main_full)] == main_full) is shared_all
+        assert (main.agent_id, fork.agent_id) == ("main", "a2269319c7e0c3615")
+        if shared_all:
+            assert fork.input_delta is not None and fork.input_delta.parent == main.call_id
+            assert fork.input_delta.keep == len(main_full)
+            assert main.metadata["stripped.claude-code-billing"].endswith("cc_entrypoint=sdk-cli;")
+            assert fork.metadata["stripped.claude-code-billing"].endswith("cc_is_subagent=true;")
+        else:  # they part inside the billing line, the first block of the system prompt
+            assert not main.metadata
+            part = next(i for i, (a, b) in enumerate(zip(fork_in, main_full, strict=False)) if a != b)
+            head = "<|im_start|>system\nx-anthropic-billing-header: cc_version=2.1.328.d9f; cc_entrypoint=sdk-cli;"
+            assert 0 < part <= len(tokenizer.encode(head, add_special_tokens=False).ids)
+
+
+def _records_of(ps: Any) -> list[Call]:
+    return [r for r in read_records(ps.log_path) if isinstance(r, Call)]

@@ -104,3 +104,62 @@ def test_bench_quick_prints_json_last() -> None:
     for key in ("dedup_ratio", "delta_ingest_s", "full_ingest_s", "copy_s", "peak_rss_mb"):
         assert key in result
     assert result["dedup_ratio"] > 1 and result["tree_packed_tokens_j5"] < result["path_expanded_tokens_j5"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".msgpack"])
+def test_inspect_counts_non_extensions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    """A call marked `extends` whose input re-renders the earlier output (here: the template's turn
+    opening without the think block the policy's output followed) is a branch, not drift; inspect counts
+    it as a non-extension. A call that extends exactly, and one not marked, count nothing."""
+    from gyre_traj.io import write_records
+    from gyre_traj.records import Call, Delta, Role
+
+    def call(cid: str, out: list[int], **kw: object) -> Call:
+        return Call(
+            execution_id="e",
+            call_id=cid,
+            agent_id="main",
+            role=Role.MAIN,
+            output_ids=np.array(out),
+            output_logprobs=np.full(len(out), -0.5),
+            weight_version=0,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    sys_user, gen, out1 = [1001, 2001, 2002], [5001, 5002], [6001, 6002, 9]
+    c1 = call("c1", out1, input_ids=np.array(sys_user + gen))
+    # c2 only appended and carries c1's input + output exactly
+    c2 = call("c2", [6003, 9], input_delta=Delta("c1", 8, np.array([2003, *gen])), metadata={"extends": "c1"})
+    # c3 only appended, but its input re-rendered c2's turn without the think block (5002) that c2's
+    # generation prompt held: it diverges at a context token, inside c2's input
+    c3 = call(
+        "c3",
+        [6004, 9],
+        input_delta=Delta("c2", 10, np.array([6003, 9, 2004, *gen])),
+        metadata={"extends": "c2", "stripped.billing": "x-anthropic-billing-header: cc_version=1"},
+    )
+    c4 = call("c4", [6005, 9], input_ids=np.array(sys_user))  # a fresh start (compaction): not marked
+    path = tmp_path / f"log{suffix}"
+    write_records(path, [c1, c2, c3, c4])
+    assert main(["inspect", str(path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["appended_calls"], row["non_extensions"], row["drifts"]) == (2, 1, 0)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 of 2 calls that only appended" in out and "1 non-extensions" in out
+
+
+def test_a_record_without_metadata_reads(tmp_path: Path) -> None:
+    """Logs written before `Call.metadata` existed read as they are (empty metadata)."""
+    from gyre_traj.io import read_records
+    from gyre_traj.records import Call
+
+    old = tmp_path / "old.jsonl"
+    old.write_text(
+        '{"kind":"call","execution_id":"e","call_id":"c1","agent_id":"a","role":"main",'
+        '"input_ids":[1,2],"output_ids":[3],"output_logprobs":[-0.1],"weight_version":0}\n'
+    )
+    (rec,) = read_records(old)
+    assert isinstance(rec, Call) and rec.metadata == {}

@@ -2,8 +2,9 @@
 
 The execution a call belongs to comes from, in order: the path prefix, a per-execution API key, the
 `X-Claude-Code-Session-Id` header, an `X-Gyre-Execution` header, else "default". Errors come back in each
-API's own shape: 400 naming the field, 401 for an unknown key (when keys are configured), 413 when the
-prompt exceeds the model, 529 (Anthropic) / 503 (OpenAI) when no engine takes the request.
+API's own shape: 400 naming the field (a request is checked whole before anything is rendered, run or
+recorded), 401 for an unknown key (when keys are configured), 413 when the prompt exceeds the model, 529
+(Anthropic) / 503 (OpenAI) when no engine takes the request.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from gyre_proxy import anthropic_api as A
+from gyre_proxy import anthropic_request as AR
 from gyre_proxy import openai_api as O
+from gyre_proxy import openai_request as OR
 from gyre_proxy.chat import RequestError
 from gyre_proxy.control import ControlLink
 from gyre_proxy.core import ContextTooLong, Proxy
@@ -98,7 +101,7 @@ def openai_errors(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except RequestError as exc:
-            return _o_error(400, "invalid_request_error", exc.message, exc.field)
+            return _o_error(400, "invalid_request_error", f"{exc.field}: {exc.message}", exc.field)
         except EngineRejected as exc:
             return _o_error(400, "invalid_request_error", f"the engine refused the request: {exc}")
         except Unauthorized as exc:
@@ -146,10 +149,10 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
         ex = execution_of(proxy, request)
         body = await request.body()
         t0 = time.perf_counter()
-        req = A.decode(body)
-        assert isinstance(req, A.ARequest)
-        conv = A.to_conversation(req)
-        run = proxy.start_call(conv, A.to_sampling(req), ex, request.headers, t0)
+        req = AR.decode(body)
+        assert isinstance(req, AR.ARequest)
+        conv = AR.to_conversation(req, proxy.stripper)
+        run = proxy.start_call(conv, AR.to_sampling(req), ex, request.headers, t0)
         await ensure_engine(ex)
         if req.stream:
 
@@ -167,8 +170,8 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
     @anthropic_errors
     async def count_tokens(request: Request) -> Response:
         ex = execution_of(proxy, request)
-        req = A.decode(await request.body(), count=True)
-        n = proxy.count_tokens(A.to_conversation(req), ex)
+        req = AR.decode(await request.body(), count=True)
+        n = proxy.count_tokens(AR.to_conversation(req, proxy.stripper), ex)
         return Response(_enc.encode({"input_tokens": n}), media_type=JSON)
 
     async def models(request: Request) -> Response:
@@ -192,10 +195,12 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
         ex = execution_of(proxy, request)
         body = await request.body()
         t0 = time.perf_counter()
-        req = O.decode(body)
-        conv = O.to_conversation(req)
-        run = proxy.start_call(conv, O.to_sampling(req, 4096), ex, request.headers, t0)
+        req = OR.decode(body)
+        conv = OR.to_conversation(req, proxy.stripper)
+        sampling = OR.to_sampling(req, 4096, proxy.tokenizer.get_vocab_size(with_added_tokens=True))
+        run = proxy.start_call(conv, sampling, ex, request.headers, t0)
         await ensure_engine(ex)
+        lps = bool(req.logprobs)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -203,11 +208,11 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
                 return b"data: " + O.error_body("server_error", str(exc)) + b"\n\n"
 
             return StreamingResponse(
-                _guarded(O.stream_chunks(run, req.model, usage), err), media_type="text/event-stream"
+                _guarded(O.stream_chunks(run, req.model, usage, lps), err), media_type="text/event-stream"
             )
         await run.run()
         await run.finish()
-        return Response(O.completion_json(run, req.model), media_type=JSON)
+        return Response(O.completion_json(run, req.model, lps), media_type=JSON)
 
     async def stats(request: Request) -> Response:
         pool = proxy.pool
@@ -222,6 +227,8 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
                     "in_flight": len(e.in_flight),
                     "outstanding": e.outstanding,
                     "served": e.served,
+                    "failures": e.failures,
+                    "revived": e.revived,
                 }
                 for e in pool.engines.values()
             ]
@@ -233,6 +240,13 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
             "reused_tokens": proxy.stats.reused_tokens,
             "recorded_tokens": proxy.stats.recorded_tokens,
             "tokenized_tokens": proxy.stats.tokenized_tokens,
+            "ambiguous_turns": proxy.stats.ambiguous_turns,
+            "appended_calls": proxy.stats.appended_calls,
+            "non_extensions": proxy.stats.non_extensions,
+            "non_extensions_by_execution": {
+                k: v.non_extensions for k, v in proxy.executions.items() if v.non_extensions
+            },
+            "restored_empty_replies": proxy.stats.restored_empty_replies,
             "moved_calls": proxy.counters.moved_calls,
             "prefix_moved_tokens": proxy.counters.prefix_moved_tokens,
             "reprefilled_tokens": proxy.counters.reprefilled_tokens,

@@ -9,6 +9,7 @@ signature, text) by which the proxy finds the exact output ids it recorded for i
 from __future__ import annotations
 
 import enum
+import re
 
 import msgspec
 
@@ -43,6 +44,8 @@ class Conversation(msgspec.Struct, frozen=True):
     tools_json: tuple[str, ...]  # each tool as the chat template's `tool | tojson` would print it
     turns: tuple[Turn, ...]
     thinking: bool = False  # the request asked for reasoning (else the prompt opens an empty think block)
+    stripped: tuple[tuple[str, str], ...] = ()
+    """Harness metadata removed from what the policy sees: (rule name, text), in request order."""
 
 
 class Sampling(msgspec.Struct, frozen=True):
@@ -53,6 +56,11 @@ class Sampling(msgspec.Struct, frozen=True):
     top_p: float = 1.0
     top_k: int = -1
     stop: tuple[str, ...] = ()
+    seed: int | None = None  # SGLang `sampling_seed`
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    top_logprobs: int = 0  # alternatives per output token (SGLang `top_logprobs_num`)
 
 
 class RequestError(ValueError):
@@ -62,3 +70,39 @@ class RequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+_ESCAPE = re.compile(rb"(\\+)u([0-9a-fA-F]{4})")
+
+
+def lone_surrogate(body: bytes) -> tuple[int, str] | None:
+    """(byte offset, escape) of the first `\\uD800`-`\\uDFFF` escape that is not half of a pair, if any.
+    Such a string escape is valid JSON syntax but names no Unicode character."""
+    pending: tuple[int, str] | None = None  # a high surrogate waiting for its low half
+    end_of_pending = -1
+    for m in _ESCAPE.finditer(body):
+        if len(m.group(1)) % 2 == 0:  # an escaped backslash followed by a literal "u"
+            continue
+        at = m.start() + len(m.group(1)) - 1
+        unit = int(m.group(2), 16)
+        if pending is not None and (at != end_of_pending or not 0xDC00 <= unit <= 0xDFFF):
+            return pending
+        if pending is not None:
+            pending = None
+            continue
+        if 0xD800 <= unit <= 0xDBFF:
+            pending, end_of_pending = (at, f"\\u{m.group(2).decode()}"), m.end()
+        elif 0xDC00 <= unit <= 0xDFFF:
+            return at, f"\\u{m.group(2).decode()}"
+    return pending
+
+
+def json_error(exc: msgspec.DecodeError, body: bytes) -> RequestError:
+    """The 400 for a body that is not JSON, naming the real problem where msgspec's message does not."""
+    lone = lone_surrogate(body)
+    if lone is not None:
+        at, esc = lone
+        return RequestError(
+            "body", f"invalid JSON: lone UTF-16 surrogate {esc} at byte {at} (half of a surrogate pair)"
+        )
+    return RequestError("body", f"invalid JSON: {exc}")

@@ -1,10 +1,11 @@
 """The API-neutral heart of the proxy: render a conversation exactly, run it on an engine, record it.
 
-`Proxy.start_call` renders (incrementally, reusing recorded output ids), checks the context size and
-classifies the call; `CallRun.blocks` streams the parsed output (thinking, text, tool calls) as tokens
-arrive; `CallRun.finish` remembers the output for later renders and writes the call's TITO record
-(delta-encoded against the same agent's previous call) to the fsynced log before the API layer completes
-its response.
+`Proxy.start_call` classifies the call (role, agent id), renders it (incrementally, reusing recorded
+output ids, the agent's own first) and checks the context size; `CallRun.blocks` streams the parsed output
+(thinking, text, tool calls) as tokens arrive; `CallRun.finish` remembers the output for later renders and
+writes the call's TITO record (delta-encoded against the same agent's previous call, else the last call
+with the same system and tools; metadata: the call it `extends` when the harness only appended, and the
+harness metadata stripped from the prompt) to the fsynced log before the API layer completes its response.
 """
 
 from __future__ import annotations
@@ -20,19 +21,24 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 import numpy as np
 from gyre_traj.records import Call, Delta, Role
 from tokenizers import Tokenizer
 
-from gyre_proxy.chat import Conversation, Sampling
-from gyre_proxy.classify import pick_classifier
+from gyre_proxy.chat import Conversation, Sampling, Turn
+from gyre_proxy.classify import classify
 from gyre_proxy.engines import EnginePool
+from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
 from gyre_proxy.render import AgentCache, ExecutionCache, Rendered, Renderer
 from gyre_proxy.sink import RecordSink
+from gyre_proxy.strip import CLAUDE_CODE_BILLING, Stripper, StripRule
 from gyre_proxy.toolparse import Block, BlockKind, parse
 
 log = logging.getLogger("gyre_proxy")
+EXTENDS = "extends"
+"""Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
 
 
 @dataclass
@@ -68,6 +74,16 @@ class ProxyConfig:
     incremental: bool = True
     """Reuse earlier segments and recorded ids. False re-renders and re-tokenizes the whole prompt each
     call (the naive way, for comparison in the benchmark; earlier outputs are then NOT kept exact)."""
+    agent_headers: tuple[str, ...] = ("x-claude-code-agent-id", "x-gyre-agent")
+    """Request headers (lower case) that carry the harness's own agent id, first present wins; without
+    one the agent id is guessed (Claude Code: "main" or a hash of the system prompt and first user turn)."""
+    strip_rules: tuple[StripRule, ...] = (CLAUDE_CODE_BILLING,)
+    """System text blocks removed from what the policy sees (harness metadata), kept in the record's
+    metadata as `stripped.<rule name>`."""
+    engine_retry_s: float = 0.2
+    """First wait before the health check of an engine a connection to failed (doubling each time)."""
+    engine_retry_max_s: float = 5.0
+    """Longest wait between health checks of a failed engine."""
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -103,6 +119,10 @@ class CallStats:
     reused_tokens: int = 0
     recorded_tokens: int = 0
     tokenized_tokens: int = 0
+    ambiguous_turns: int = 0  # assistant turns with several recorded candidates (tokenized instead)
+    appended_calls: int = 0  # recorded calls whose harness only appended to the agent's last call
+    non_extensions: int = 0  # of those, calls whose input did not extend that call's input + output
+    restored_empty_replies: int = 0  # empty replies the harness dropped, put back
 
 
 class Proxy:
@@ -116,13 +136,19 @@ class Proxy:
         self.stats = CallStats()
         self._seq = itertools.count()
         self._salt = secrets.token_hex(3)
+        self.stripper = Stripper(cfg.strip_rules)
         self.pool: EnginePool | None = None
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
         self.sink: RecordSink | None = None
 
     async def start(self) -> None:
-        self.pool = EnginePool(self.cfg.drain_grace_s, self.cfg.request_timeout_s)
+        self.pool = EnginePool(
+            self.cfg.drain_grace_s,
+            self.cfg.request_timeout_s,
+            retry_s=self.cfg.engine_retry_s,
+            retry_max_s=self.cfg.engine_retry_max_s,
+        )
         # several small connection pools: httpx's pool scans its connections on every request, so one
         # pool of hundreds of connections costs more CPU than the proxy itself under load
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
@@ -156,7 +182,7 @@ class Proxy:
         while len(self._hot) > self.cfg.max_executions:
             cold, _ = self._hot.popitem(last=False)
             if cold in self.executions:
-                self.executions[cold].agents.clear()
+                self.executions[cold].forget_renders()
         return ex
 
     def count_tokens(self, conv: Conversation, ex_id: str) -> int:
@@ -174,8 +200,15 @@ class Proxy:
         """`t0`: when the request body was in hand (perf_counter), for the added-latency figure."""
         t0 = time.perf_counter() if t0 is None else t0
         ex = self.execution(ex_id)
+        role, agent = classify(conv, headers, self.cfg.agent_headers)
+        last = ex.last_calls.get(agent)
+        sent = conv.turns
+        if last is not None:
+            conv, restored = last.restore(conv)
+            self.stats.restored_empty_replies += restored
+        extends = last if last is not None and last.only_appended(conv) else None
         if self.cfg.incremental:
-            rendered, ac = self.renderer.render(conv, ex)
+            rendered, ac = self.renderer.render(conv, ex, agent)
         else:
             rendered, ac = self.renderer.render_full(conv), ex.agent(self.renderer.agent_key(conv), 16)
         n = rendered.n_tokens
@@ -185,14 +218,24 @@ class Proxy:
             1, min(sampling.max_new_tokens, self.cfg.max_new_tokens_cap, self.cfg.max_context_tokens - n)
         )
         if max_new != sampling.max_new_tokens:
-            sampling = Sampling(max_new, sampling.temperature, sampling.top_p, sampling.top_k, sampling.stop)
-        role, agent = pick_classifier(headers, conv)(conv, headers)
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=max_new)
         call_id = f"c{next(self._seq):07d}{self._salt}"
         self.stats.calls += 1
         self.stats.reused_tokens += rendered.reused_tokens
         self.stats.recorded_tokens += rendered.recorded_tokens
         self.stats.tokenized_tokens += rendered.tokenized_tokens
-        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, role, agent, call_id, t0)
+        self.stats.ambiguous_turns += rendered.ambiguous
+        ident = CallIdentity(role, agent, call_id, extends, sent)
+        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, ident, t0)
+
+
+@dataclass(frozen=True)
+class CallIdentity:
+    role: Role
+    agent: str
+    call_id: str
+    extends: LastCall | None  # the agent's last call, when the harness only appended to it
+    sent: tuple[Turn, ...]  # the turns as the harness sent them (before empty replies were put back)
 
 
 class IncrementalText:
@@ -225,9 +268,7 @@ class CallRun:
         ex: ExecutionCache,
         ac: AgentCache,
         rendered: Rendered,
-        role: Role,
-        agent: str,
-        call_id: str,
+        ident: CallIdentity,
         t0: float,
     ) -> None:
         self.proxy = proxy
@@ -237,9 +278,11 @@ class CallRun:
         self.ex = ex
         self.ac = ac
         self.rendered = rendered
-        self.role = role
-        self.agent = agent
-        self.call_id = call_id
+        self.role = ident.role
+        self.agent = ident.agent
+        self.call_id = ident.call_id
+        self.extends = ident.extends
+        self.sent = ident.sent
         self.t0 = t0
         self.t_wall = time.time()
         self.input_ids = rendered.ids()
@@ -317,8 +360,60 @@ class CallRun:
             tools,
             self.signature if has_thinking else "",
             text,
+            agent=self.agent,
+            context=self.rendered.context,
+            position=len(self.conv.turns),
         )
-        keep = lcp(self.input_ids, self.ac.last_full) if self.ac.last_call_id else 0
+        rec = self._record(out)
+        assert p.sink is not None
+        await p.sink.write(rec)
+        self._count_extension()
+        full = np.concatenate([self.input_ids, out])
+        self.ac.last_call_id, self.ac.last_full = self.call_id, full
+        c = self.conv
+        empty = not self.final_blocks
+        last = LastCall(self.call_id, c.system, c.tools_json, self.sent, c.turns, full, empty)
+        self.ex.remember(self.agent, last, p.renderer.max_agents)
+        added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
+        p.stats.added_ms.append(added)
+        return rec
+
+    def _metadata(self) -> dict[str, str]:
+        """The record's metadata: harness metadata stripped from the prompt, the call this one extends."""
+        meta: dict[str, str] = {}
+        for name, text in self.conv.stripped:
+            key = f"stripped.{name}"
+            meta[key] = f"{meta[key]}\n\n{text}" if key in meta else text
+        if self.extends is not None:
+            meta[EXTENDS] = self.extends.call_id
+        return meta
+
+    def _count_extension(self) -> None:
+        """Where the harness only appended, count (and log) an input that does not extend the last call."""
+        prev = self.extends
+        if prev is None:
+            return
+        stats = self.proxy.stats
+        stats.appended_calls += 1
+        if not prev.extended_by(self.input_ids):
+            stats.non_extensions += 1
+            self.ex.non_extensions += 1
+            log.warning(
+                "call %s of %s/%s does not extend call %s although the harness only appended to it",
+                self.call_id,
+                self.ex_id,
+                self.agent,
+                prev.call_id,
+            )
+
+    def _record(self, out: np.ndarray) -> Call:
+        """The TITO record, its input delta-encoded against the agent's last call (else the last call
+        with the same system and tools)."""
+        last = self.ex.last_calls.get(self.agent)
+        parent, base = (
+            (last.call_id, last.full) if last is not None else (self.ac.last_call_id, self.ac.last_full)
+        )
+        keep = lcp(self.input_ids, base) if parent else 0
         common = dict(
             execution_id=self.ex_id,
             call_id=self.call_id,
@@ -330,15 +425,8 @@ class CallRun:
             finish_reason=self.result.finish,
             t_start=self.t_wall,
             t_end=time.time(),
+            metadata=self._metadata(),
         )
         if keep > 0:
-            rec = Call(input_delta=Delta(self.ac.last_call_id, keep, self.input_ids[keep:]), **common)  # type: ignore[arg-type]
-        else:
-            rec = Call(input_ids=self.input_ids, **common)  # type: ignore[arg-type]
-        assert p.sink is not None
-        await p.sink.write(rec)
-        self.ac.last_call_id = self.call_id
-        self.ac.last_full = np.concatenate([self.input_ids, out])
-        added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
-        p.stats.added_ms.append(added)
-        return rec
+            return Call(input_delta=Delta(parent, keep, self.input_ids[keep:]), **common)  # type: ignore[arg-type]
+        return Call(input_ids=self.input_ids, **common)  # type: ignore[arg-type]

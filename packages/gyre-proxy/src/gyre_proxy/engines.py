@@ -4,7 +4,9 @@ An execution stays on the engine it first went to (its prefix cache lives there)
 requests; otherwise the active engine with the least outstanding work (tokens of in-flight calls) gets it.
 Draining an engine stops new calls; after `drain_grace_s` its in-flight calls are aborted and continued on
 another engine by their owners (`Generation`), and `on_drained` fires once none is left. Removing an engine
-(or finding it dead) makes its in-flight calls continue elsewhere at once.
+makes its in-flight calls continue elsewhere at once; only the scheduler removes one (`EngineRemove`). An
+engine a connection to failed is only set aside (FAILED): its `/health` is polled with exponential backoff
+and it takes requests again as soon as it answers 200.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ log = logging.getLogger("gyre_proxy.engines")
 class EngineState(enum.StrEnum):
     ACTIVE = "active"
     DRAINING = "draining"
+    FAILED = "failed"  # a connection failed: not routed to until its health check answers
     REMOVED = "removed"
 
 
@@ -46,7 +49,8 @@ class Engine:
     in_flight: set[InFlight] = field(default_factory=set)
     outstanding: int = 0  # tokens of in-flight calls (input not yet cached + max new tokens)
     served: int = 0
-    failures: int = 0
+    failures: int = 0  # times it was set aside after a connection failure
+    revived: int = 0  # times it came back after one
     supports_prefix_export: bool | None = None  # learnt on first try
 
 
@@ -62,12 +66,17 @@ class EnginePool:
         drain_grace_s: float = 0.0,
         request_timeout_s: float = 600.0,
         on_drained: Callable[[int], Awaitable[None]] | None = None,
+        retry_s: float = 0.2,
+        retry_max_s: float = 5.0,
     ) -> None:
+        """`retry_s`: first wait before a failed engine's health check, doubling up to `retry_max_s`."""
         self.engines: dict[int, Engine] = {}
         self.affinity: dict[str, int] = {}
         self.drain_grace_s = drain_grace_s
         self.request_timeout_s = request_timeout_s
         self.on_drained = on_drained
+        self.retry_s = retry_s
+        self.retry_max_s = retry_max_s
         self.changed = asyncio.Event()  # set whenever an engine is added (callers waiting for capacity)
         self.moved_calls = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -81,17 +90,21 @@ class EnginePool:
             self._retire(old)
         eng = Engine(engine_id, url, EngineClient(url, timeout_s=self.request_timeout_s))
         self.engines[engine_id] = eng
-        self.changed.set()
-        self.changed = asyncio.Event()
+        self._wake()
         log.info("engine %d added at %s", engine_id, url)
         return eng
+
+    def _wake(self) -> None:
+        """Tell callers waiting for an engine that one may take requests now."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     def drain(self, engine_id: int) -> None:
         eng = self.engines.get(engine_id)
         if eng is None:
             self._spawn(self._notify_drained(engine_id))
             return
-        if eng.state is EngineState.ACTIVE:
+        if eng.state in (EngineState.ACTIVE, EngineState.FAILED):
             eng.state = EngineState.DRAINING
             log.info("engine %d draining (%d in flight)", engine_id, len(eng.in_flight))
             self._drop_affinity(engine_id)
@@ -111,10 +124,34 @@ class EnginePool:
         self._spawn(eng.client.aclose())
 
     def mark_dead(self, eng: Engine) -> None:
-        """A connection to the engine failed: stop routing to it (the scheduler may remove it later)."""
-        if self.engines.get(eng.engine_id) is eng:
-            eng.failures += 1
-            self.remove(eng.engine_id, failed=True)
+        """A connection to the engine failed: route around it until its health check answers (only the
+        scheduler removes an engine for good)."""
+        if self.engines.get(eng.engine_id) is not eng or eng.state is not EngineState.ACTIVE:
+            return
+        eng.failures += 1
+        eng.state = EngineState.FAILED
+        self._drop_affinity(eng.engine_id)
+        log.warning("engine %d set aside after a connection failure; checking its health", eng.engine_id)
+        self._spawn(self._revive(eng))
+
+    async def _revive(self, eng: Engine) -> None:
+        delay = self.retry_s
+        while self.engines.get(eng.engine_id) is eng and eng.state is EngineState.FAILED:
+            await asyncio.sleep(delay)
+            if eng.state is not EngineState.FAILED:
+                return
+            try:
+                ok = await eng.client.health(timeout=min(10.0, max(1.0, delay)))
+            except RuntimeError:  # its client was closed: the engine was removed meanwhile
+                return
+            if ok:
+                if self.engines.get(eng.engine_id) is eng and eng.state is EngineState.FAILED:
+                    eng.state = EngineState.ACTIVE
+                    eng.revived += 1
+                    log.info("engine %d answers its health check again: taking requests", eng.engine_id)
+                    self._wake()
+                return
+            delay = min(delay * 2, self.retry_max_s)
 
     def _drop_affinity(self, engine_id: int) -> None:
         for ex in [k for k, v in self.affinity.items() if v == engine_id]:

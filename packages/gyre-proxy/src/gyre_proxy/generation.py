@@ -46,6 +46,7 @@ class Counters:
 class GenResult:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)  # when asked: per token
     finish: str = "stop"  # "stop" | "length"
     weight_version: int = 0
     engines: list[int] = field(default_factory=list)
@@ -72,6 +73,14 @@ def sampling_params(s: Sampling, max_new: int) -> dict[str, Any]:
         sp["top_k"] = s.top_k
     if s.stop:
         sp["stop"] = list(s.stop)
+    if s.seed is not None:
+        sp["sampling_seed"] = s.seed
+    if s.presence_penalty:
+        sp["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        sp["frequency_penalty"] = s.frequency_penalty
+    if s.logit_bias:
+        sp["logit_bias"] = {str(t): b for t, b in s.logit_bias}
     sp["skip_special_tokens"] = False
     sp["no_stop_trim"] = True
     return sp
@@ -135,7 +144,9 @@ class Generation:
             + ids
             + b'],"sampling_params":'
             + _enc.encode(sp)
-            + b',"return_logprob":true,"stream":true}'
+            + b',"return_logprob":true'
+            + (b',"top_logprobs_num":%d' % self.sampling.top_logprobs if self.sampling.top_logprobs else b"")
+            + b',"stream":true}'
         )
 
     async def stream(self) -> AsyncIterator[list[int]]:
@@ -231,6 +242,8 @@ class Generation:
                             True,
                         )
                     self.result.logprobs.extend(float(e[0]) for e in got)
+                    if self.sampling.top_logprobs:
+                        self._take_top(eng, item, seen, len(new))
                     seen += len(new)
                     yield list(new)
                 fin = item.meta_info.finish_reason
@@ -253,6 +266,14 @@ class Generation:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+
+    def _take_top(self, eng: Engine, item: GenerateResponse, seen: int, n: int) -> None:
+        tops = (item.meta_info.output_top_logprobs or [])[seen : seen + n]
+        if len(tops) != n:
+            raise EngineError(
+                502, f"engine {eng.engine_id} sent {len(tops)} top-logprob lists for {n} tokens", True
+            )
+        self.result.top_logprobs.extend([(float(e[0]), int(e[1])) for e in t or []] for t in tops)
 
     async def _read(
         self, eng: Engine, attempt_rid: str, q: asyncio.Queue[GenerateResponse | BaseException | None]

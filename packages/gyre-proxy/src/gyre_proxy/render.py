@@ -4,9 +4,15 @@ The rendered input is a list of segments (system+tools header, one per turn, the
 tokenized on its own: ChatML puts a special token at every segment boundary, so the concatenation equals
 tokenizing the whole text (tested against the model's own Jinja chat template). Each (execution, agent)
 keeps the segments of its last render; a new request reuses the segments of its unchanged leading turns,
-replaces every assistant turn the proxy produced by the exact ids it recorded (found by tool-call id,
-thinking signature or text) and tokenizes only what is new, so a call's cost grows with the new content,
-not with the context.
+replaces every assistant turn the proxy produced by the exact ids it recorded and tokenizes only what is
+new, so a call's cost grows with the new content, not with the context.
+
+A recorded turn is found by tool-call id or thinking signature (both name the call), else by its text:
+first among outputs generated from exactly the conversation that precedes the turn (the same system,
+tools and earlier turns, compared by a chained hash), then among the same agent's outputs, then among the
+execution's; at each step several candidates with different ids narrow to those at the same conversation
+position. Candidates that still differ are an ambiguity: counted, and the turn is tokenized from its text
+rather than given another call's ids.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from gyre_proxy.chat import Conversation, Kind, Turn
+from gyre_proxy.exactness import LastCall
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -65,6 +72,8 @@ class Rendered:
     tokenized_tokens: int
     tokenized_chars: int
     gen_prompt: np.ndarray
+    context: int = 0  # chained hash of the system, tools and every turn (names the exact conversation)
+    ambiguous: int = 0  # assistant turns with several recorded candidates (tokenized from text instead)
 
     def ids(self) -> np.ndarray:
         return np.concatenate([s.ids for s in self.segments]) if self.segments else np.zeros(0, np.int32)
@@ -79,30 +88,52 @@ class Rendered:
 
 @dataclass
 class RecordedOutput:
-    """The assistant turn of one call as it will appear in later inputs: gen prompt + output + close."""
+    """The assistant turn of one call as it will appear in later inputs: gen prompt + output + close,
+    with where it came from (its agent, the conversation it answered and that conversation's length)."""
 
     call_id: str
     segment: Segment
+    agent: str = ""
+    context: int = 0
+    position: int = -1
 
 
 @dataclass
 class AgentCache:
-    """Per (execution, system+tools header): the last render's keys and segments, and its last call."""
+    """Per (execution, system+tools header): the last render's keys, segments and context hashes
+    (`chain[k]`: the system, tools and first k turns), and its last call."""
 
     keys: list[Any] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)
     last_call_id: str = ""
     last_full: np.ndarray | None = None  # last call's input + output
 
 
 @dataclass
 class ExecutionCache:
-    """Everything the renderer keeps for one execution."""
+    """Everything the proxy keeps for one execution: render caches (per system+tools header), the recorded
+    outputs, and each agent's last call (`exactness`)."""
 
     agents: OrderedDict[str, AgentCache] = field(default_factory=OrderedDict)
     by_tool_id: dict[str, RecordedOutput] = field(default_factory=dict)
     by_signature: dict[str, RecordedOutput] = field(default_factory=dict)
     by_text: dict[str, list[RecordedOutput]] = field(default_factory=dict)  # in call order
+    last_calls: OrderedDict[str, LastCall] = field(default_factory=OrderedDict)  # by agent id
+    non_extensions: int = 0
+
+    def remember(self, agent: str, last: LastCall, max_agents: int) -> None:
+        """Keep `last` as `agent`'s last call; the `max_agents` most recent agents keep theirs (each
+        holds its call's input + output ids: a fork holds its parent's whole context)."""
+        self.last_calls[agent] = last
+        self.last_calls.move_to_end(agent)
+        while len(self.last_calls) > max_agents:
+            self.last_calls.popitem(last=False)
+
+    def forget_renders(self) -> None:
+        """Drop what grows with the context (render caches, last calls); keep the recorded outputs."""
+        self.agents.clear()
+        self.last_calls.clear()
 
     def agent(self, key: str, max_agents: int) -> AgentCache:
         ac = self.agents.get(key)
@@ -117,6 +148,26 @@ class ExecutionCache:
 
 def text_key(text: str) -> str:
     return hashlib.blake2b(text.strip().encode(), digest_size=16).hexdigest()
+
+
+def _distinct(cands: list[RecordedOutput]) -> list[RecordedOutput]:
+    """Candidates with different ids (outputs with the same ids are the same tokens, whichever call)."""
+    out: list[RecordedOutput] = []
+    for c in cands:
+        if not any(np.array_equal(c.segment.ids, o.segment.ids) for o in out):
+            out.append(c)
+    return out
+
+
+def _narrow(cands: list[RecordedOutput], position: int) -> tuple[RecordedOutput | None, bool]:
+    """(the one candidate, ambiguous): one distinct candidate, or one at `position`."""
+    distinct = _distinct(cands)
+    if len(distinct) == 1:
+        return distinct[0], False
+    at = _distinct([c for c in cands if c.position == position])
+    if len(at) == 1:
+        return at[0], False
+    return None, len(distinct) > 1
 
 
 class Renderer:
@@ -183,33 +234,31 @@ class Renderer:
 
     # ------------------------------------------------------------------ incremental, exact render
     def find_recorded(
-        self, ex: ExecutionCache, t: Turn, before: tuple[Turn, ...] = ()
-    ) -> RecordedOutput | None:
-        """The recorded output of assistant turn `t`: by tool-call id, thinking signature, else by text; the
-        n-th turn with the same text (among the `before` turns) is the n-th output that had that text."""
+        self, ex: ExecutionCache, t: Turn, position: int, context: int, agent: str
+    ) -> tuple[RecordedOutput | None, bool]:
+        """(the recorded output of assistant turn `t`, ambiguous). `position`: how many turns precede
+        it; `context`: the chained hash of what precedes it; `agent`: who is asking."""
         for c in t.tool_calls:
             rec = ex.by_tool_id.get(c.id)
             if rec is not None:
-                return rec
+                return rec, False
         if t.signature:
             rec = ex.by_signature.get(t.signature)
             if rec is not None:
-                return rec
-        if t.text.strip() and not t.tool_calls:
-            key = text_key(t.text)
-            outs = ex.by_text.get(key)
-            if not outs:
-                return None
-            nth = sum(
-                1
-                for b in before
-                if b.kind is Kind.ASSISTANT
-                and not b.tool_calls
-                and b.text.strip()
-                and text_key(b.text) == key
-            )
-            return outs[min(nth, len(outs) - 1)]
-        return None
+                return rec, False
+        if t.tool_calls:
+            return None, False
+        outs = ex.by_text.get(text_key(t.text))
+        if not outs:
+            return None, False
+        for group in (
+            [o for o in outs if o.context == context],
+            [o for o in outs if o.agent == agent],
+            outs,
+        ):
+            if group:
+                return _narrow(group, position)
+        return None, False
 
     def agent_key(self, conv: Conversation) -> str:
         h = hashlib.blake2b(conv.system.encode(), digest_size=12)
@@ -217,7 +266,17 @@ class Renderer:
             h.update(t.encode())
         return h.hexdigest()
 
-    def render(self, conv: Conversation, ex: ExecutionCache) -> tuple[Rendered, AgentCache]:
+    @staticmethod
+    def _chain(conv: Conversation, ac: AgentCache, same: int) -> list[int]:
+        """Context hashes of `conv` (chain[k]: system, tools and the first k turns), reusing the first
+        `same` of the agent's last render (its keys agreed that far: header and turns[:same - 1])."""
+        chain = ac.chain[:same] if same else [hash((conv.system, conv.tools_json))]
+        for k in range(len(chain), len(conv.turns) + 1):
+            chain.append(hash((chain[k - 1], conv.turns[k - 1])))
+        return chain
+
+    def render(self, conv: Conversation, ex: ExecutionCache, agent: str = "") -> tuple[Rendered, AgentCache]:
+        """The exact ids of `conv` for `agent` (whose recorded outputs are preferred for its turns)."""
         ac = ex.agent(self.agent_key(conv), self.max_agents)
         turns = conv.turns
         n = len(turns)
@@ -235,9 +294,10 @@ class Renderer:
         while same < limit and old[same] == keys[same]:
             same += 1
         segs = ac.segments[:same]
+        chain = self._chain(conv, ac, same)
         known: dict[Any, Segment] | None = None  # old segments by key, built only if a turn diverged
         reused = sum(int(s.ids.size) for s in segs)
-        recorded = tokenized = chars = 0
+        recorded = tokenized = chars = ambiguous = 0
         for j in range(same, len(keys)):
             if j == 0:
                 text = self.header_text(conv)
@@ -246,7 +306,8 @@ class Renderer:
             else:
                 t, prev_tool, next_tool, after = keys[j]
                 if t.kind is Kind.ASSISTANT:
-                    rec = self.find_recorded(ex, t, turns[: j - 1])
+                    rec, unsure = self.find_recorded(ex, t, j - 1, chain[j - 1], agent)
+                    ambiguous += unsure
                     if rec is not None:
                         segs.append(rec.segment)
                         recorded += int(rec.segment.ids.size)
@@ -267,7 +328,8 @@ class Renderer:
             segs.append(seg)
         ac.keys = keys
         ac.segments = segs
-        return Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids), ac
+        ac.chain = chain
+        return Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids, chain[-1], ambiguous), ac
 
     def render_full(self, conv: Conversation) -> Rendered:
         """Render and tokenize the whole prompt from scratch (what a proxy without a cache does)."""
@@ -285,8 +347,14 @@ class Renderer:
         tool_ids: list[str],
         signature: str,
         text: str,
+        *,
+        agent: str = "",
+        context: int = 0,
+        position: int = -1,
     ) -> RecordedOutput:
-        """Remember a call's output as the exact ids of its assistant turn in later inputs."""
+        """Remember a call's output as the exact ids of its assistant turn in later inputs. `text` is its
+        text blocks joined as the APIs return them; an output without tool calls is also found by it
+        (an empty one too). `context` / `position`: the rendered conversation it answered (`Rendered`)."""
         close: list[np.ndarray] = []
         if (
             not (output_ids.size and int(output_ids[-1]) in self.stop_ids)
@@ -294,11 +362,11 @@ class Renderer:
         ):
             close.append(np.asarray([self.im_end], np.int32))
         ids = np.concatenate([gen_prompt, output_ids.astype(np.int32), *close, self.newline])
-        rec = RecordedOutput(call_id, Segment(ids, call_id))
+        rec = RecordedOutput(call_id, Segment(ids, call_id), agent, context, position)
         for tid in tool_ids:
             ex.by_tool_id[tid] = rec
         if signature:
             ex.by_signature[signature] = rec
-        if text.strip() and not tool_ids:
+        if not tool_ids:
             ex.by_text.setdefault(text_key(text), []).append(rec)
         return rec

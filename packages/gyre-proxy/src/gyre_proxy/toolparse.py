@@ -1,7 +1,8 @@
 """Splits the model's output text into thinking, text and tool-call blocks (Qwen style).
 
 `<think>...</think>` becomes a thinking block; each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-with valid JSON becomes a tool call; a malformed one comes back verbatim as text, never an error. With
+with valid JSON becomes a tool call; a malformed or unterminated one stays verbatim in the text around it
+(one text block, exactly as the model wrote it), never an error. With
 `final=False` (streaming) anything that might still grow into a tag or an unfinished tool call is held
 back, so the blocks returned only ever grow: earlier blocks never change kind or shrink.
 """
@@ -91,25 +92,30 @@ def parse(text: str, final: bool = True, thinking_open: bool = False) -> list[Bl
         pos = end + len(THINK_CLOSE)
         while pos < len(text) and text[pos] == "\n":
             pos += 1
-    while pos < len(text):
+    run = pos  # start of the current text run: text, and any malformed or cut tool calls in it
+    while True:
         at = text.find(CALL_OPEN, pos)
         if at < 0:
-            rest = text[pos:]
+            rest = text[run:]
             if not final:
                 rest = rest[: len(rest) - _partial_tag_len(rest, (CALL_OPEN,))]
-            if rest.strip():
-                blocks.append(Block(BlockKind.TEXT, rest.rstrip("\n")))
+            _add_text(blocks, rest.rstrip("\n"))
             break
-        lead = text[pos:at]
-        if lead.strip():
-            blocks.append(Block(BlockKind.TEXT, lead.rstrip("\n")))
         close = text.find(CALL_CLOSE, at)
         if close < 0:
-            if final:  # an unterminated tool call: give it back as text
-                blocks.append(Block(BlockKind.TEXT, text[at:]))
+            # unterminated: while streaming it may still become a tool call; at the end it is text
+            _add_text(blocks, text[run:] if final else text[run:at].rstrip("\n"))
             break
-        body = text[at + len(CALL_OPEN) : close]
-        tool = _tool(body.strip())
-        blocks.append(tool if tool is not None else Block(BlockKind.TEXT, text[at : close + len(CALL_CLOSE)]))
+        tool = _tool(text[at + len(CALL_OPEN) : close].strip())
         pos = close + len(CALL_CLOSE)
+        if tool is None:  # malformed: stays in the text run, verbatim
+            continue
+        _add_text(blocks, text[run:at].rstrip("\n"))
+        blocks.append(tool)
+        run = pos
     return blocks
+
+
+def _add_text(blocks: list[Block], text: str) -> None:
+    if text.strip():
+        blocks.append(Block(BlockKind.TEXT, text))

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from gyre_traj import __version__
-from gyre_traj.io import Record, batch_calls, read_records, sniff_format, write_records
+from gyre_traj.io import Record, batch_calls, iter_msgpack, read_records, sniff_format, write_records
 from gyre_traj.pack import PackConfig, PackError, PackItem, pack
-from gyre_traj.records import CallBatch, RecordError, Role, Score
+from gyre_traj.records import Call, CallBatch, RecordError, Role, Score, defer_input_sign_check
 from gyre_traj.select import SelectionConfig, select
-from gyre_traj.summary import ExecutionSummary, summarize
+from gyre_traj.summary import EXTENDS, ExecutionSummary, summarize
 from gyre_traj.tree import Forest
 from gyre_traj.weights import AdvantageConfig, group_advantages
 
@@ -48,9 +48,26 @@ def _selection_cfg(args: argparse.Namespace) -> SelectionConfig:
 
 
 def _load(path: str, fmt: str | None) -> Forest:
+    return _load_with_extends(path, fmt)[0]
+
+
+def _load_with_extends(path: str, fmt: str | None) -> tuple[Forest, dict[str, dict[str, str]]]:
+    """The forest, and per execution the calls whose metadata names a call they extend."""
+    forest = Forest()
+    extends: dict[str, dict[str, str]] = {}
+
+    def add(recs: Iterator[Record]) -> None:
+        for rec in recs:
+            forest.add(rec)
+            if isinstance(rec, Call) and EXTENDS in rec.metadata:
+                extends.setdefault(rec.execution_id, {})[rec.call_id] = rec.metadata[EXTENDS]
+
     if (fmt or sniff_format(path)) == "msgpack":
-        return Forest().add_msgpack(Path(path).read_bytes(), path)
-    return Forest().add_all(read_records(path, fmt))  # type: ignore[arg-type]
+        with defer_input_sign_check():  # as Forest.add_msgpack: the tree checks what it stores
+            add(iter_msgpack(Path(path).read_bytes(), path))
+    else:
+        add(read_records(path, fmt))  # type: ignore[arg-type]
+    return forest, extends
 
 
 def _fmt_int(n: int) -> str:
@@ -73,6 +90,10 @@ def _print_summary(s: ExecutionSummary) -> None:
         ("branches (leaves) by role", ", ".join(f"{k} {v}" for k, v in sorted(s.leaves_by_role.items()))),
         ("drift (context contradicts policy)", str(s.drifts)),
         (
+            "non-extensions (reuse missed)",
+            f"{s.non_extensions} of {s.appended_calls} calls that only appended",
+        ),
+        (
             "selected: unique / path tokens",
             f"{_fmt_int(s.selected_unique_tokens)} / {_fmt_int(s.selected_path_tokens)}",
         ),
@@ -92,9 +113,9 @@ def _print_summary(s: ExecutionSummary) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    forest = _load(args.file, args.format)
+    forest, extends = _load_with_extends(args.file, args.format)
     cfg = _selection_cfg(args)
-    summaries = [summarize(tree, cfg) for tree in forest]
+    summaries = [summarize(tree, cfg, extends=extends.get(tree.execution_id)) for tree in forest]
     for tree in forest:
         for d in tree.stats.drifts[: args.show_drift]:
             print(
@@ -112,7 +133,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"{len(summaries)} executions, {sum(s.calls for s in summaries)} calls, "
         f"{_fmt_int(unique)} unique tokens of {_fmt_int(expanded)} call-expanded "
-        f"(dedup {expanded / max(1, unique):.2f}x), {sum(s.drifts for s in summaries)} drift events"
+        f"(dedup {expanded / max(1, unique):.2f}x), {sum(s.drifts for s in summaries)} drift events, "
+        f"{sum(s.non_extensions for s in summaries)} non-extensions"
     )
     return 0
 

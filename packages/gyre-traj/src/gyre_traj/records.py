@@ -128,6 +128,12 @@ class Call(
     t_start: float = 0.0
     t_end: float = 0.0
     v: int = SCHEMA_VERSION
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    """What the writer knows about the call beyond its tokens (empty by default, so older logs read as
+    they are; `CallBatch` does not carry it). gyre-proxy writes `extends` (the call id of the same agent's
+    previous call when the harness's request only appended to that call's conversation and output: this
+    call's input should then start with that call's input + output) and `stripped.<rule>` (harness
+    metadata text the proxy removed from what the policy saw)."""
 
     def __post_init__(self) -> None:
         where = _where(self.execution_id, self.call_id)
