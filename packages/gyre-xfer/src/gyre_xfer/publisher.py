@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from . import auth
 from .buffers import BufferView, view_of
 from .errors import XferError
 from .manifest import layout
@@ -39,7 +40,7 @@ from .protocol import (
     Welcome,
     request_decoder,
 )
-from .sockets import check_bind, make_socket
+from .sockets import make_socket
 from .transport import Region, Transport
 
 
@@ -50,9 +51,10 @@ class PublishBusyError(XferError):
 @dataclass(frozen=True)
 class PublisherConfig:
     control: str = "tcp://127.0.0.1:0"
-    """ZeroMQ address the control socket binds (port 0 picks a free port; see `Publisher.address`)."""
-    allow_remote: bool = False
-    """Allow a non-loopback control address (put it on a private network or behind a firewall)."""
+    """ZeroMQ address the control socket binds (port 0 picks a free port; see `Publisher.address`).
+    Beyond loopback it needs a token."""
+    token: str = field(default="", repr=False)
+    """The run token (CURVE; subscribers need the same); empty: $GYRE_TOKEN, or none (loopback only)."""
     slots: int = 2
     """Snapshot buffers; the newest version's slot is never rewritten, so 2 lets one write proceed."""
     lease_s: float = 120.0
@@ -82,7 +84,6 @@ class Publisher:
         self.config = config or PublisherConfig()
         if self.config.slots < 2:
             raise ValueError("a publisher needs at least 2 slots (one being read, one being written)")
-        check_bind(self.config.control, self.config.allow_remote)
         self.incarnation = transport.incarnation
         self._slots = [_Slot() for _ in range(self.config.slots)]
         self._latest: int | None = None  # slot index of the newest version
@@ -93,8 +94,15 @@ class Publisher:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
-        self._sock.bind(self.config.control)
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.address: str = auth.bind(
+                self._sock, self.config.control, self.config.token, "PublisherConfig.token"
+            )
+        except BaseException:
+            self._sock.close(0)
+            self._ctx.term()
+            self._hasher.shutdown()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="gyre-xfer-publisher", daemon=True)
         self._thread.start()
