@@ -30,8 +30,10 @@ from gyre_xfer.protocol import (
     Released,
     TensorEntry,
     TransportKind,
+    reply_decoder,
     request_decoder,
 )
+from gyre_xfer.publisher import Publisher
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, Transport, open_transport
 
@@ -296,8 +298,6 @@ def test_no_version_yet_and_wrong_transport_are_errors(
 
 
 def test_empty_and_non_contiguous_tensors(kind: str) -> None:
-    from gyre_xfer.publisher import Publisher
-
     pub_tr, sub_tr = open_transport(Config(kind=kind)), open_transport(Config(kind=kind))
     pub = Publisher(pub_tr)
     try:
@@ -315,3 +315,35 @@ def test_empty_and_non_contiguous_tensors(kind: str) -> None:
         pub.close()
         pub_tr.close()
         sub_tr.close()
+
+
+def test_only_the_holder_releases_a_lease() -> None:
+    """Lease ids are small consecutive numbers: another connection releasing them used to end the
+    holder's protection (its pull then failed as overwritten). Now only the acquiring connection can."""
+    from gyre_xfer.protocol import Acquire
+
+    pub_tr = open_transport(Config(kind="shm"))
+    pub = Publisher(pub_tr)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    enc, dec = msgspec.msgpack.Encoder(), reply_decoder()
+
+    def ask(sock: zmq.Socket[bytes], req: Acquire | Release) -> object:
+        sock.send_multipart([b"1", enc.encode(req)])
+        assert sock.poll(5000)
+        return dec.decode(sock.recv_multipart()[1])
+
+    try:
+        pub.publish({"w": np.zeros(4, np.uint8)})
+        holder, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (holder, other):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(pub.address)
+        lease = ask(holder, Acquire())
+        assert isinstance(lease, Lease)
+        refused = ask(other, Release(lease.lease_id))
+        assert isinstance(refused, ErrorReply) and "not held by this peer" in refused.message
+        assert ask(holder, Release(lease.lease_id)) == Released(lease.lease_id, True)
+    finally:
+        ctx.destroy(0)
+        pub.close()
+        pub_tr.close()

@@ -61,6 +61,7 @@ def _cell(a: argparse.Namespace) -> int:
         a.capacity,
         a.endpoint,
         a.switch_s,
+        hello_timeout_s=a.hello_timeout_s,
         run_s=a.run_s,
         peer_timeout_s=a.peer_timeout_s,
         token=_token(a),
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--capacity", type=int, default=64)
     c.add_argument("--endpoint", default="")
     c.add_argument("--switch-s", type=float, default=0.05)
+    c.add_argument("--hello-timeout-s", type=float, default=10.0, help="give up without a Welcome after this")
     c.add_argument("--run-s", type=float, default=0.0)
     c.add_argument("--peer-timeout-s", type=float, default=30.0)
     _token_flag(c, "the scheduler's")

@@ -89,7 +89,7 @@ class Publisher:
         self._latest: int | None = None  # slot index of the newest version
         self._version = 0
         self._lease_ids = itertools.count(1)
-        self._lease_gen: dict[int, tuple[int, int]] = {}  # lease id -> (slot, generation)
+        self._lease_gen: dict[int, tuple[int, int, bytes]] = {}  # lease id -> (slot, generation, holder)
         self._cond = threading.Condition()
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -182,7 +182,9 @@ class Publisher:
 
     # ---- serving ----------------------------------------------------------------------------------
 
-    def _answer(self, req: Request) -> Reply:
+    def _answer(self, req: Request, peer: bytes) -> Reply:
+        """The reply to `req` from the connection `peer` (its ROUTER identity): a lease can be released
+        only by the connection that acquired it."""
         if isinstance(req, Hello):
             if req.protocol != PROTOCOL_VERSION:
                 return ErrorReply(
@@ -207,17 +209,20 @@ class Publisher:
                 assert slot.manifest is not None
                 lease_id = next(self._lease_ids)
                 slot.leases[lease_id] = time.monotonic() + self.config.lease_s
-                self._lease_gen[lease_id] = (self._latest, slot.generation)
+                self._lease_gen[lease_id] = (self._latest, slot.generation, peer)
                 if len(self._lease_gen) > 4096:  # forget the oldest unreleased leases
                     for k in list(self._lease_gen)[:1024]:
                         del self._lease_gen[k]
                 return Lease(lease_id, self.config.lease_s, slot.manifest)
         if isinstance(req, Release):
             with self._cond:
-                held = self._lease_gen.pop(req.lease_id, None)
-                if held is None:
-                    return ErrorReply(ErrorCode.UNKNOWN_LEASE, f"lease {req.lease_id} is unknown")
-                idx, gen = held
+                held = self._lease_gen.get(req.lease_id)
+                if held is None or held[2] != peer:
+                    return ErrorReply(
+                        ErrorCode.UNKNOWN_LEASE, f"lease {req.lease_id} is not held by this peer"
+                    )
+                del self._lease_gen[req.lease_id]
+                idx, gen, _ = held
                 slot = self._slots[idx]
                 slot.leases.pop(req.lease_id, None)
                 self._cond.notify_all()
@@ -238,7 +243,7 @@ class Publisher:
             ident, rid, payload = frames
             reply: Reply
             try:
-                reply = self._answer(decoder.decode(payload))
+                reply = self._answer(decoder.decode(payload), ident)
             except msgspec.ValidationError as e:
                 reply = ErrorReply(ErrorCode.BAD_REQUEST, f"undecodable request: {e}")
             except msgspec.DecodeError as e:
