@@ -347,3 +347,29 @@ def test_only_the_holder_releases_a_lease() -> None:
         ctx.destroy(0)
         pub.close()
         pub_tr.close()
+
+
+def test_a_manifest_reaching_past_max_bytes_is_refused_before_any_allocation() -> None:
+    """A publisher's manifest decides how much staging a pull maps: a tensor declared 2 MiB into the
+    slot, against `max_bytes` of 1 MiB, is a ManifestError before anything is allocated; staging is sized
+    by where the tensors end, not by the region's declared size (1 GiB here, for a 64-byte tensor)."""
+    tr, peer = open_transport(Config(kind="shm")), open_transport(Config(kind="shm"))
+    live = peer.alloc(4096).desc
+    region = RegionDesc(live.region_id, 1 << 30, live.addr, live.shm_name)
+    far = (TensorEntry("w", "uint8", (64,), 2 << 20, 64, -1),)
+    near = (TensorEntry("w", "uint8", (64,), 0, 64, -1),)
+    try:
+        for tensors, err, words in (
+            (far, ManifestError, "over this subscriber's max_bytes"),
+            (near, XferError, "descriptor says 1073741824"),  # got as far as reading: no staging of 1 GiB
+        ):
+            fake = FakePublisher(Manifest(1, "x", TransportKind.SHM, tr.endpoint, region, tensors))
+            cfg = SubscriberConfig(f"tcp://127.0.0.1:{fake.port}", control_timeout_s=5.0, max_bytes=1 << 20)
+            try:
+                with Subscriber(tr, cfg) as sub, pytest.raises(err, match=words):
+                    sub.pull()
+            finally:
+                fake.close()
+    finally:
+        tr.close()
+        peer.close()

@@ -234,6 +234,29 @@ def test_region_desc_for_unallocated_memory_is_refused_by_shm_peers() -> None:
         a.close()
 
 
+def test_shm_peers_map_only_gyre_segments() -> None:
+    """A descriptor naming the segment directory itself, a name outside gyre's, or a gyre name that is
+    not a file is a FAILED entry with the reason; mapping it used to raise IsADirectoryError out of the
+    transfer (and mapped any file in /dev/shm the process could open)."""
+    import os
+
+    from gyre_xfer.shm import SHM_DIR
+
+    a = open_transport(Config(kind="shm"))
+    folder = os.path.join(SHM_DIR, f"gyre-{os.getpid()}-dirtest-1")
+    os.mkdir(folder)
+    try:
+        dst = a.alloc(16)
+        for name, why in ((".", "not a gyre"), ("..", "not a gyre"), ("other-app", "not a gyre")):
+            res = a.read(a.endpoint, [Op(dst, 0, RegionDesc(5, 16, 0, name), 0, 16)])
+            assert res.statuses == (EntryStatus.FAILED,) and why in res.detail, name
+        res = a.read(a.endpoint, [Op(dst, 0, RegionDesc(5, 16, 0, os.path.basename(folder)), 0, 16)])
+        assert res.statuses == (EntryStatus.FAILED,) and "cannot map peer segment" in res.detail
+    finally:
+        os.rmdir(folder)
+        a.close()
+
+
 def test_sweep_removes_segments_of_dead_processes(tmp_path: object) -> None:
     import os
     from pathlib import Path

@@ -72,6 +72,9 @@ class SubscriberConfig:
     """Bytes per batched read; large tensors are cut into pieces of at most this size."""
     verify_checksums: bool = True
     """Recompute each tensor's crc32 after the pull and compare with the manifest."""
+    max_bytes: int = 1 << 40
+    """A manifest whose tensors reach further into the slot than this is refused (ManifestError) before
+    anything is allocated: a publisher's word never makes a subscriber map unbounded memory."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ class Subscriber:
         try:
             m = reply.manifest
             validate(m)
+            _check_extent(m, self.config.max_bytes)
             if m.transport != self.transport.kind:
                 raise ManifestError(
                     f"manifest is for transport {m.transport.name}, not {self.transport.kind.name}"
@@ -229,7 +233,7 @@ class Subscriber:
         """name -> (uint8 view of its destination, registered region holding it, offset in region)."""
         out: dict[str, tuple[np.ndarray, Region, int]] = {}
         if into is None:
-            need = m.region.nbytes
+            need = _extent(m)
             if self._staging is None or self._staging.nbytes < need:
                 if self._staging is not None:
                     self.transport.unregister(self._staging)
@@ -328,6 +332,19 @@ def _buckets(
                 bucket, finished, size = [], [], 0
     if bucket:
         yield bucket, finished
+
+
+def _extent(m: Manifest) -> int:
+    """Bytes of the slot the tensors reach (the staging a pull without `into` needs)."""
+    return max((t.offset + t.nbytes for t in m.tensors), default=0)
+
+
+def _check_extent(m: Manifest, max_bytes: int) -> None:
+    if _extent(m) > max_bytes:
+        raise ManifestError(
+            f"version {m.version} reaches {_extent(m)} bytes into its slot, over this subscriber's "
+            f"max_bytes ({max_bytes})"
+        )
 
 
 def _verify(m: Manifest, sums: Mapping[str, Future[int]]) -> None:
