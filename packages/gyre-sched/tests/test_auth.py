@@ -197,3 +197,20 @@ def test_cell_processes_with_and_without_the_token(host: str, tmp_path: Path) ->
             p.kill()
             p.communicate(timeout=30)
         ctx.destroy(0)
+
+
+def test_default_binds_are_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gyre_sched.cli import build_parser
+    from gyre_xfer.auth import is_loopback
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert is_loopback(ServiceConfig().bind)
+    assert is_loopback(build_parser().parse_args(["serve"]).bind)
+    with serving("tcp://127.0.0.1:0", "") as s:  # no token: as before, any local peer is served
+        ctx: Ctx = zmq.Context()
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(s.endpoint)
+        assert s.endpoint.startswith("tcp://127.0.0.1:")
+        assert isinstance(ask(plain, Hello(PeerKind.OBSERVER)), Welcome)
+        ctx.destroy(0)

@@ -5,7 +5,10 @@ works as before; the ZAP handler lives and ends with its context."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 import threading
 from pathlib import Path
 
@@ -208,3 +211,99 @@ def test_one_context_one_token_and_the_zap_handler_ends_with_it() -> None:
             break
         threading.Event().wait(0.02)
     assert zap_threads() == before
+
+
+def test_default_listeners_bind_loopback() -> None:
+    assert auth.is_loopback(PublisherConfig().control)
+    tr = open_transport(Config(kind="shm"))
+    pub = Publisher(tr)
+    try:
+        assert pub.address.startswith("tcp://127.0.0.1:")
+    finally:
+        pub.close()
+        tr.close()
+
+
+class Relay:
+    """A plain TCP relay on loopback that keeps a copy of every byte it carries, both ways."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self.seen = bytearray()
+        self.lock = threading.Lock()
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                a, _ = self.server.accept()
+                b = socket.create_connection(self.target)
+                for src, dst in ((a, b), (b, a)):
+                    threading.Thread(target=self.pump, args=(src, dst), daemon=True).start()
+
+    def pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError), src, dst:
+            while data := src.recv(65536):
+                with self.lock:
+                    self.seen += data
+                dst.sendall(data)
+
+
+def test_frames_are_encrypted_on_the_wire() -> None:
+    """What crosses the wire between a subscriber and a publisher holding a token is CURVE ciphertext: a
+    marker sent in a Hello is not in the bytes a relay in the middle saw (without a token, it is)."""
+    marker = "gyre-plaintext-marker-7f3a"
+    for token, visible in (("", True), (TOKEN, False)):
+        tr = open_transport(Config(kind="shm"))
+        pub = Publisher(tr, PublisherConfig(token=token))
+        relay = Relay(pub.address)
+        ctx: Ctx = zmq.Context()
+        try:
+            client = ctx.socket(zmq.DEALER)
+            client.setsockopt(zmq.LINGER, 0)
+            auth.connect(client, relay.address, token)
+            client.send_multipart([b"1", msgspec.msgpack.encode(Hello(PROTOCOL_VERSION, marker))])
+            assert client.poll(10_000)
+            assert isinstance(reply_decoder().decode(client.recv_multipart()[1]), Welcome)
+            with relay.lock:
+                assert (marker.encode() in relay.seen) is visible, token
+        finally:
+            ctx.destroy(0)
+            relay.server.close()
+            pub.close()
+            tr.close()
+
+
+def _listening_here() -> set[tuple[str, int]]:
+    """(hex address, port) of every TCP socket this process listens on (from /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # state LISTEN, our socket
+                addr, port = f[1].rsplit(":", 1)
+                out.add((addr, int(port, 16)))
+    return out
+
+
+def test_mooncake_ports_listen_on_every_interface() -> None:
+    """The fact SECURITY.md warns about, checked so a change in Mooncake is noticed: asked for
+    127.0.0.1, Mooncake's handshake and data ports listen on 0.0.0.0 / [::], and take no token."""
+    before = _listening_here()
+    tr = open_transport(Config(kind="mooncake", hostname="127.0.0.1"))
+    try:
+        new = _listening_here() - before
+        rpc_port = int(tr.endpoint.rsplit(":", 1)[1])
+        assert rpc_port in {port for _, port in new}
+        assert new and all(set(addr) == {"0"} for addr, _ in new), new  # every one on all interfaces
+    finally:
+        tr.close()
