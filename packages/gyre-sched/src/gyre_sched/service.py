@@ -57,8 +57,6 @@ log = logging.getLogger("gyre_sched.service")
 class ServiceConfig:
     bind: str = "tcp://127.0.0.1:5557"
     """Where the ROUTER listens; port 0 picks a free port. Beyond loopback it needs a token."""
-    token: str = field(default="", repr=False)
-    """The run token: peers must hold it (CURVE + ZAP); empty: $GYRE_TOKEN, or none (loopback only)."""
     heartbeat_s: float = 1.0
     """Peers send something at least this often (told to them in Welcome)."""
     failure_timeout_s: float = 5.0
@@ -72,6 +70,8 @@ class ServiceConfig:
     max_concurrent_switches: int = 1
     keep_decisions: int = 1000
     """Decisions kept for GetState (all are logged)."""
+    token: str = field(default="", repr=False)
+    """The run token: peers must hold it (CURVE + ZAP); empty: $GYRE_TOKEN, or none (loopback only)."""
 
 
 @dataclass(slots=True)

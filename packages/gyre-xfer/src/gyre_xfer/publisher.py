@@ -53,8 +53,6 @@ class PublisherConfig:
     control: str = "tcp://127.0.0.1:0"
     """ZeroMQ address the control socket binds (port 0 picks a free port; see `Publisher.address`).
     Beyond loopback it needs a token."""
-    token: str = field(default="", repr=False)
-    """The run token (CURVE; subscribers need the same); empty: $GYRE_TOKEN, or none (loopback only)."""
     slots: int = 2
     """Snapshot buffers; the newest version's slot is never rewritten, so 2 lets one write proceed."""
     lease_s: float = 120.0
@@ -65,6 +63,8 @@ class PublisherConfig:
     """Compute a crc32 of each tensor (about 2 GB/s on one core) so subscribers can verify."""
     align: int = 256
     """Byte alignment of each tensor inside a slot."""
+    token: str = field(default="", repr=False)
+    """The run token (CURVE; subscribers need the same); empty: $GYRE_TOKEN, or none (loopback only)."""
 
 
 @dataclass

@@ -62,8 +62,6 @@ Megatron fused QKV into transformers' q/k/v projections; see gyre_xfer.convert).
 class SubscriberConfig:
     publisher: str
     """The publisher's control address (`Publisher.address`), e.g. tcp://127.0.0.1:5555."""
-    token: str = field(default="", repr=False)
-    """The run token, when the publisher has one; empty: $GYRE_TOKEN, or none."""
     control_timeout_s: float = 10.0
     """Deadline for one control request (lease, release)."""
     pull_timeout_s: float = 600.0
@@ -75,6 +73,8 @@ class SubscriberConfig:
     max_bytes: int = 1 << 40
     """A manifest whose tensors reach further into the slot than this is refused (ManifestError) before
     anything is allocated: a publisher's word never makes a subscriber map unbounded memory."""
+    token: str = field(default="", repr=False)
+    """The run token, when the publisher has one; empty: $GYRE_TOKEN, or none."""
 
 
 @dataclass(frozen=True)
