@@ -14,7 +14,6 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import msgspec
 import pytest
@@ -41,6 +40,8 @@ from gyre_sched.protocol import (
 from gyre_sched.service import Scheduler, ServiceConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from .frames import frames
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
@@ -190,60 +191,7 @@ def test_one_peer_is_one_cell() -> None:
 
 # ---- any frame sequence ------------------------------------------------------------------------------------
 
-_TAGS = [
-    "hello", "welcome", "reject", "hb", "water", "ready", "switched", "drained", "get_state",
-    "switch", "engine_add", "engine_drain", "engine_remove", "cell_lost", "state",
-]  # fmt: skip
-
-_scalar = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**63), 2**64 - 1),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8),
-    st.binary(max_size=8),
-)
-_value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4), max_leaves=8)
-
-# Well-formed messages with small ids, so sequences can register cells, start switches and answer them.
-_ids = st.integers(0, 2)
-_valid: st.SearchStrategy[Message] = st.one_of(
-    st.builds(
-        Hello,
-        st.sampled_from(PeerKind),
-        protocol=st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION + 1, 0]),
-        cell_id=_ids,
-        is_core=st.booleans(),
-        capacity=st.integers(0, 20),
-    ),
-    st.builds(WaterLevel, st.integers(0, 40)),
-    st.builds(ReadyGroups, st.integers(0, 20), st.integers(1, 8), step_open=st.booleans()),
-    st.builds(SwitchDone, _ids, st.sampled_from(Role), st.integers(0, 4)),
-    st.builds(EngineDrained, _ids),
-    st.builds(Heartbeat, _ids),
-    st.just(GetState()),
-    st.builds(SwitchCommand, st.integers(0, 4), st.sampled_from(Role)),
-    st.builds(Welcome),
-)
-_codec = Codec()
-
-
-@st.composite
-def _frame(draw: Any) -> bytes:
-    kind = draw(st.sampled_from(["valid", "truncated", "tagged", "garbage", "empty"]))
-    if kind == "valid":
-        return _codec.encode(draw(_valid))
-    if kind == "truncated":
-        data = _codec.encode(draw(_valid))
-        return data[: draw(st.integers(0, max(0, len(data) - 1)))]
-    if kind == "tagged":  # a real tag followed by values of any type
-        return msgspec.msgpack.encode([draw(st.sampled_from(_TAGS)), *draw(st.lists(_value, max_size=6))])
-    if kind == "garbage":
-        return bytes(draw(st.binary(min_size=1, max_size=40)))
-    return b""
-
-
-_send = st.tuples(st.integers(0, 2), st.lists(_frame(), min_size=1, max_size=3))
+_send = st.tuples(st.integers(0, 2), frames)
 _batches = st.lists(st.lists(_send, min_size=1, max_size=8), min_size=1, max_size=3)
 
 

@@ -22,3 +22,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.strip() == "gyre-xfer 0.1.0"
+
+
+def test_token_prints_a_new_random_token(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["token"])
+    main(["token"])
+    first, second = capsys.readouterr().out.split()
+    assert len(first) == 43 and first != second

@@ -30,8 +30,10 @@ from gyre_xfer.protocol import (
     Released,
     TensorEntry,
     TransportKind,
+    reply_decoder,
     request_decoder,
 )
+from gyre_xfer.publisher import Publisher
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, Transport, open_transport
 
@@ -296,8 +298,6 @@ def test_no_version_yet_and_wrong_transport_are_errors(
 
 
 def test_empty_and_non_contiguous_tensors(kind: str) -> None:
-    from gyre_xfer.publisher import Publisher
-
     pub_tr, sub_tr = open_transport(Config(kind=kind)), open_transport(Config(kind=kind))
     pub = Publisher(pub_tr)
     try:
@@ -315,3 +315,61 @@ def test_empty_and_non_contiguous_tensors(kind: str) -> None:
         pub.close()
         pub_tr.close()
         sub_tr.close()
+
+
+def test_only_the_holder_releases_a_lease() -> None:
+    """Lease ids are small consecutive numbers: another connection releasing them used to end the
+    holder's protection (its pull then failed as overwritten). Now only the acquiring connection can."""
+    from gyre_xfer.protocol import Acquire
+
+    pub_tr = open_transport(Config(kind="shm"))
+    pub = Publisher(pub_tr)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    enc, dec = msgspec.msgpack.Encoder(), reply_decoder()
+
+    def ask(sock: zmq.Socket[bytes], req: Acquire | Release) -> object:
+        sock.send_multipart([b"1", enc.encode(req)])
+        assert sock.poll(5000)
+        return dec.decode(sock.recv_multipart()[1])
+
+    try:
+        pub.publish({"w": np.zeros(4, np.uint8)})
+        holder, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (holder, other):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(pub.address)
+        lease = ask(holder, Acquire())
+        assert isinstance(lease, Lease)
+        refused = ask(other, Release(lease.lease_id))
+        assert isinstance(refused, ErrorReply) and "not held by this peer" in refused.message
+        assert ask(holder, Release(lease.lease_id)) == Released(lease.lease_id, True)
+    finally:
+        ctx.destroy(0)
+        pub.close()
+        pub_tr.close()
+
+
+def test_a_manifest_reaching_past_max_bytes_is_refused_before_any_allocation() -> None:
+    """A publisher's manifest decides how much staging a pull maps: a tensor declared 2 MiB into the
+    slot, against `max_bytes` of 1 MiB, is a ManifestError before anything is allocated; staging is sized
+    by where the tensors end, not by the region's declared size (1 GiB here, for a 64-byte tensor)."""
+    tr, peer = open_transport(Config(kind="shm")), open_transport(Config(kind="shm"))
+    live = peer.alloc(4096).desc
+    region = RegionDesc(live.region_id, 1 << 30, live.addr, live.shm_name)
+    far = (TensorEntry("w", "uint8", (64,), 2 << 20, 64, -1),)
+    near = (TensorEntry("w", "uint8", (64,), 0, 64, -1),)
+    try:
+        for tensors, err, words in (
+            (far, ManifestError, "over this subscriber's max_bytes"),
+            (near, XferError, "descriptor says 1073741824"),  # got as far as reading: no staging of 1 GiB
+        ):
+            fake = FakePublisher(Manifest(1, "x", TransportKind.SHM, tr.endpoint, region, tensors))
+            cfg = SubscriberConfig(f"tcp://127.0.0.1:{fake.port}", control_timeout_s=5.0, max_bytes=1 << 20)
+            try:
+                with Subscriber(tr, cfg) as sub, pytest.raises(err, match=words):
+                    sub.pull()
+            finally:
+                fake.close()
+    finally:
+        tr.close()
+        peer.close()

@@ -19,7 +19,6 @@ from gyre_xfer import mooncake as mc_mod
 from gyre_xfer.errors import OutOfRangeError, TransportUnavailableError
 from gyre_xfer.kv import KvPool
 from gyre_xfer.protocol import KvPoolDesc, RegionDesc
-from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config, EntryStatus, Op, open_transport
 
 from .conftest import Peer
@@ -220,17 +219,9 @@ def test_wheel_is_reported() -> None:
     assert mc_mod.installed_wheel() == "mooncake-transfer-engine-non-cuda"
 
 
-def test_control_socket_stays_on_loopback() -> None:
-    tr = open_transport(Config(kind="shm"))
-    try:
-        with pytest.raises(ValueError, match=r"refusing to bind control socket tcp://0\.0\.0\.0"):
-            Publisher(tr, PublisherConfig(control="tcp://0.0.0.0:0"))
-        pub = Publisher(tr, PublisherConfig(control="tcp://0.0.0.0:0", allow_remote=True))
-        pub.close()
-        with pytest.raises(ValueError, match="unknown transport kind"):
-            open_transport(Config(kind="carrier-pigeon"))
-    finally:
-        tr.close()
+def test_unknown_transport_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown transport kind"):
+        open_transport(Config(kind="carrier-pigeon"))
 
 
 def test_region_desc_for_unallocated_memory_is_refused_by_shm_peers() -> None:
@@ -240,6 +231,29 @@ def test_region_desc_for_unallocated_memory_is_refused_by_shm_peers() -> None:
         res = a.read(a.endpoint, [Op(dst, 0, RegionDesc(5, 16, 0, ""), 0, 16)])
         assert res.statuses == (EntryStatus.FAILED,) and "not in shared memory" in res.detail
     finally:
+        a.close()
+
+
+def test_shm_peers_map_only_gyre_segments() -> None:
+    """A descriptor naming the segment directory itself, a name outside gyre's, or a gyre name that is
+    not a file is a FAILED entry with the reason; mapping it used to raise IsADirectoryError out of the
+    transfer (and mapped any file in /dev/shm the process could open)."""
+    import os
+
+    from gyre_xfer.shm import SHM_DIR
+
+    a = open_transport(Config(kind="shm"))
+    folder = os.path.join(SHM_DIR, f"gyre-{os.getpid()}-dirtest-1")
+    os.mkdir(folder)
+    try:
+        dst = a.alloc(16)
+        for name, why in ((".", "not a gyre"), ("..", "not a gyre"), ("other-app", "not a gyre")):
+            res = a.read(a.endpoint, [Op(dst, 0, RegionDesc(5, 16, 0, name), 0, 16)])
+            assert res.statuses == (EntryStatus.FAILED,) and why in res.detail, name
+        res = a.read(a.endpoint, [Op(dst, 0, RegionDesc(5, 16, 0, os.path.basename(folder)), 0, 16)])
+        assert res.statuses == (EntryStatus.FAILED,) and "cannot map peer segment" in res.detail
+    finally:
+        os.rmdir(folder)
         a.close()
 
 

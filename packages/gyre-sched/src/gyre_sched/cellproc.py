@@ -4,16 +4,19 @@ It registers, heartbeats, and answers each SwitchCommand with SwitchDone after `
 engine and no trainer (gyre-engine and gyre-train cells implement the same messages for real). It is what
 the service tests start as real processes, and a dry-run stand-in for a cluster's cells. Frames that are
 not one valid message are logged and dropped; only a Reject, another protocol version or silence end it.
+It connects through `gyre_sched.client.dealer`, so with a run token it speaks CURVE.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
+from gyre_xfer import auth
 
+from gyre_sched.client import dealer
 from gyre_sched.protocol import (
     PROTOCOL_VERSION,
     CellLost,
@@ -47,6 +50,8 @@ class CellConfig:
     run_s: float = 0.0
     """Stop after this long (0: until the scheduler goes silent for `peer_timeout_s`)."""
     peer_timeout_s: float = 30.0
+    token: str = field(default="", repr=False)
+    """The scheduler's run token; empty: $GYRE_TOKEN, or none."""
 
 
 class SchedulerGone(RuntimeError):
@@ -69,6 +74,15 @@ def _recv(sock: zmq.Socket[bytes], codec: Codec, timeout_s: float) -> Message | 
         return None
 
 
+def _send(sock: zmq.Socket[bytes], codec: Codec, msg: Message) -> None:
+    """Send without blocking: with no connection (a refused handshake) or a full queue the message is
+    dropped and logged; the scheduler's timeouts and this cell's `peer_timeout_s` deal with the rest."""
+    try:
+        sock.send(codec.encode(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        log.warning("could not send %s to the scheduler (no connection or queue full)", type(msg).__name__)
+
+
 def _welcome(sock: zmq.Socket[bytes], codec: Codec, cfg: CellConfig) -> Welcome:
     """Wait for the scheduler's Welcome, ignoring anything else; a Reject, a Welcome of another protocol
     version or no Welcome within `hello_timeout_s` is SchedulerGone."""
@@ -85,29 +99,30 @@ def _welcome(sock: zmq.Socket[bytes], codec: Codec, cfg: CellConfig) -> Welcome:
             return reply
         if reply is not None:
             log.warning("expected Welcome, got %s: ignored", type(reply).__name__)
-    raise SchedulerGone(f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s")
+    raise SchedulerGone(
+        f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s (a scheduler with a run token "
+        f"answers only cells holding the same one: {auth.TOKEN_ENV} or --token-file)"
+    )
 
 
 def run_cell(cfg: CellConfig) -> int:
     """Run the cell loop; returns 0 on a clean stop. Raises SchedulerGone if the scheduler goes silent."""
     codec = Codec()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.connect(cfg.connect)
     try:
-        sock.send(
-            codec.encode(
-                Hello(
-                    PeerKind.CELL,
-                    cell_id=cfg.cell_id,
-                    is_core=cfg.is_core,
-                    capacity=cfg.capacity,
-                    endpoint=cfg.endpoint,
-                )
-            )
+        sock = dealer(ctx, cfg.connect, cfg.token)
+    except BaseException:
+        ctx.term()
+        raise
+    try:
+        hello = Hello(
+            PeerKind.CELL,
+            cell_id=cfg.cell_id,
+            is_core=cfg.is_core,
+            capacity=cfg.capacity,
+            endpoint=cfg.endpoint,
         )
+        _send(sock, codec, hello)
         reply = _welcome(sock, codec, cfg)
         role = reply.role
         hb = reply.heartbeat_s
@@ -123,10 +138,10 @@ def run_cell(cfg: CellConfig) -> int:
                 if due <= now:
                     pending.remove((due, cmd))
                     role = cmd.role
-                    sock.send(codec.encode(SwitchDone(cfg.cell_id, role, cmd.decision)))
+                    _send(sock, codec, SwitchDone(cfg.cell_id, role, cmd.decision))
                     last_sent = now
             if now - last_sent >= hb / 2:
-                sock.send(codec.encode(Heartbeat(cfg.cell_id, role)))
+                _send(sock, codec, Heartbeat(cfg.cell_id, role))
                 last_sent = now
             msg = _recv(sock, codec, min(hb / 4, 0.05))
             if msg is None:

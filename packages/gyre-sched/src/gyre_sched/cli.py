@@ -9,10 +9,19 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from gyre_xfer.auth import AuthError
+
 from gyre_sched.policy import POLICY_NAMES
 from gyre_sched.workload import ConfigError
 
 POLICY_HELP = "; ".join(f"{k}: {v}" for k, v in POLICY_NAMES.items())
+
+
+def _token(a: argparse.Namespace) -> str:
+    """The run token of `--token-file`, or "" (then $GYRE_TOKEN, or none)."""
+    from gyre_xfer.auth import read_token_file
+
+    return read_token_file(a.token_file) if a.token_file else ""
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -35,8 +44,9 @@ def _serve(a: argparse.Namespace) -> int:
         switch_timeout_s=a.switch_timeout_s,
         drain_timeout_s=a.drain_timeout_s,
         max_concurrent_switches=n_sw,
+        token=_token(a),
     )
-    sched = Scheduler(policy, cfg, allow_remote=a.allow_remote)
+    sched = Scheduler(policy, cfg)
     print(f"gyre-sched listening on {sched.endpoint} (policy {policy.name})", flush=True)
     return serve_main(sched)
 
@@ -51,8 +61,10 @@ def _cell(a: argparse.Namespace) -> int:
         a.capacity,
         a.endpoint,
         a.switch_s,
+        hello_timeout_s=a.hello_timeout_s,
         run_s=a.run_s,
         peer_timeout_s=a.peer_timeout_s,
+        token=_token(a),
     )
     try:
         return run_cell(cfg)
@@ -130,6 +142,14 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _token_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--token-file",
+        default="",
+        help=f"file whose first line is the run token ({what}); without it, $GYRE_TOKEN, or none",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gyre-sched", description="Elastic rollout/training scheduler and its simulator."
@@ -138,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the scheduler service on a ZeroMQ socket")
     s.add_argument("--bind", default="tcp://127.0.0.1:5557", help="ROUTER address (port 0: pick a free one)")
-    s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback bind")
+    _token_flag(s, "needed to bind beyond loopback; peers must hold the same token")
     s.add_argument("--policy", default="elastic", choices=list(POLICY_NAMES), help=POLICY_HELP)
     s.add_argument("--async-train-cells", type=int, default=1)
     s.add_argument("--ready-fraction", type=float, default=0.25)
@@ -165,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--capacity", type=int, default=64)
     c.add_argument("--endpoint", default="")
     c.add_argument("--switch-s", type=float, default=0.05)
+    c.add_argument("--hello-timeout-s", type=float, default=10.0, help="give up without a Welcome after this")
     c.add_argument("--run-s", type=float, default=0.0)
     c.add_argument("--peer-timeout-s", type=float, default=30.0)
+    _token_flag(c, "the scheduler's")
     c.set_defaults(fn=_cell)
 
     m = sub.add_parser("simulate", help="simulate a whole RL run")
@@ -197,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         rc: int = a.fn(a)
-    except ConfigError as exc:
+    except (ConfigError, AuthError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return rc

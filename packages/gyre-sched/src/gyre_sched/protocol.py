@@ -21,6 +21,8 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
 """A finite, non-negative duration or age (NaN and infinities are refused)."""
 Load = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+Interval = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+"""A finite, positive period (a heartbeat of 0, NaN or infinity would spin or silence a peer)."""
 Lag = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]
 """A finite policy-version lag (a report, not a count: negative is odd but not impossible)."""
 
@@ -104,7 +106,7 @@ class Welcome(msgspec.Struct, tag="welcome", **_S):
 
     protocol: int = PROTOCOL_VERSION
     role: Role = Role.ROLLOUT
-    heartbeat_s: float = 1.0  # peers send a Heartbeat (or any message) at least this often
+    heartbeat_s: Interval = 1.0  # peers send a Heartbeat (or any message) at least this often
     admission: Admission = Admission.ROLLING  # for the driver: when the policy lets a batch start
 
 

@@ -5,6 +5,9 @@ polls for at most `tick_s`, applies what arrived, fails cells silent for `failur
 a switch past `switch_timeout_s`), asks the policy, and carries out its decisions as the switch protocol
 in protocol.py: EngineDrain -> (EngineDrained or drain timeout) -> EngineRemove + SwitchCommand ->
 SwitchDone, and back: SwitchCommand -> SwitchDone -> EngineAdd.
+
+The ROUTER binds through `gyre_xfer.auth.bind`: beyond loopback only with a run token, and then only
+peers holding it (CURVE, checked by ZAP) get a frame to the decoder.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from gyre_xfer import auth
 
 from gyre_sched.cells import TRAINING_SIDE, CellTable, InvariantError, TableConfig
 from gyre_sched.policy import Observation, Policy, PredictivePolicy
@@ -52,7 +56,7 @@ log = logging.getLogger("gyre_sched.service")
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     bind: str = "tcp://127.0.0.1:5557"
-    """Where the ROUTER listens; port 0 picks a free port. Non-loopback binds must be asked for."""
+    """Where the ROUTER listens; port 0 picks a free port. Beyond loopback it needs a token."""
     heartbeat_s: float = 1.0
     """Peers send something at least this often (told to them in Welcome)."""
     failure_timeout_s: float = 5.0
@@ -66,6 +70,8 @@ class ServiceConfig:
     max_concurrent_switches: int = 1
     keep_decisions: int = 1000
     """Decisions kept for GetState (all are logged)."""
+    token: str = field(default="", repr=False)
+    """The run token: peers must hold it (CURVE + ZAP); empty: $GYRE_TOKEN, or none (loopback only)."""
 
 
 @dataclass(slots=True)
@@ -87,22 +93,15 @@ class _Pending:
     arrived: bool = False  # the cell reported TRAINING before the core did
 
 
-def _loopback(addr: str) -> bool:
-    return any(h in addr for h in ("127.0.0.1", "localhost", "[::1]", "ipc://", "inproc://"))
-
-
 @dataclass
 class Scheduler:
     """Owns the socket and the cell table; `serve_forever` runs the loop until `stop()`."""
 
     policy: Policy
     config: ServiceConfig = field(default_factory=ServiceConfig)
-    allow_remote: bool = False
     endpoint: str = ""
 
     def __post_init__(self) -> None:
-        if not _loopback(self.config.bind) and not self.allow_remote:
-            raise ValueError(f"refusing to bind {self.config.bind}: not loopback (pass allow_remote)")
         self.table = CellTable(TableConfig(max_concurrent_switches=self.config.max_concurrent_switches))
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -110,13 +109,13 @@ class Scheduler:
         self._sock.setsockopt(zmq.SNDHWM, 10000)
         self._sock.setsockopt(zmq.RCVHWM, 10000)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        host, _, port = self.config.bind.rpartition(":")
-        if self.config.bind.startswith("tcp://") and port == "0":
-            p = self._sock.bind_to_random_port(host)
-            self.endpoint = f"{host}:{p}"
-        else:
-            self._sock.bind(self.config.bind)
-            self.endpoint = self.config.bind
+        try:
+            self.endpoint = auth.bind(
+                self._sock, self.config.bind, self.config.token, "ServiceConfig.token, --token-file"
+            )
+        except BaseException:
+            self.close()
+            raise
         self._codec = Codec()
         self._peers: dict[bytes, _Peer] = {}
         self._cells: dict[int, _Peer] = {}

@@ -1,5 +1,5 @@
-"""The `gyre-xfer` command: `bench [--quick]` (one JSON object as the last line) and `doctor`
-(can this machine run Mooncake, and does a loopback transfer move bytes exactly)."""
+"""The `gyre-xfer` command: `bench [--quick]` (one JSON object as the last line), `doctor` (can this
+machine run Mooncake, and does a loopback transfer move bytes exactly) and `token` (a new run token)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute)")
     b.add_argument("--out", help="also write the JSON result, indented, to this file")
     sub.add_parser("doctor", help="check that Mooncake imports and moves bytes over loopback")
+    sub.add_parser("token", help="print a new random run token (for GYRE_TOKEN or a --token-file)")
     args = parser.parse_args(argv)
     if args.cmd == "bench":
         from .bench.run import main as bench_main
@@ -53,3 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_main(args.quick, args.out)
     elif args.cmd == "doctor":
         sys.exit(_doctor())
+    elif args.cmd == "token":
+        from .auth import new_token
+
+        print(new_token())

@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from . import auth
 from .buffers import BufferView, view_of
 from .errors import XferError
 from .manifest import layout
@@ -39,7 +40,7 @@ from .protocol import (
     Welcome,
     request_decoder,
 )
-from .sockets import check_bind, make_socket
+from .sockets import make_socket
 from .transport import Region, Transport
 
 
@@ -50,9 +51,8 @@ class PublishBusyError(XferError):
 @dataclass(frozen=True)
 class PublisherConfig:
     control: str = "tcp://127.0.0.1:0"
-    """ZeroMQ address the control socket binds (port 0 picks a free port; see `Publisher.address`)."""
-    allow_remote: bool = False
-    """Allow a non-loopback control address (put it on a private network or behind a firewall)."""
+    """ZeroMQ address the control socket binds (port 0 picks a free port; see `Publisher.address`).
+    Beyond loopback it needs a token."""
     slots: int = 2
     """Snapshot buffers; the newest version's slot is never rewritten, so 2 lets one write proceed."""
     lease_s: float = 120.0
@@ -63,6 +63,8 @@ class PublisherConfig:
     """Compute a crc32 of each tensor (about 2 GB/s on one core) so subscribers can verify."""
     align: int = 256
     """Byte alignment of each tensor inside a slot."""
+    token: str = field(default="", repr=False)
+    """The run token (CURVE; subscribers need the same); empty: $GYRE_TOKEN, or none (loopback only)."""
 
 
 @dataclass
@@ -82,19 +84,25 @@ class Publisher:
         self.config = config or PublisherConfig()
         if self.config.slots < 2:
             raise ValueError("a publisher needs at least 2 slots (one being read, one being written)")
-        check_bind(self.config.control, self.config.allow_remote)
         self.incarnation = transport.incarnation
         self._slots = [_Slot() for _ in range(self.config.slots)]
         self._latest: int | None = None  # slot index of the newest version
         self._version = 0
         self._lease_ids = itertools.count(1)
-        self._lease_gen: dict[int, tuple[int, int]] = {}  # lease id -> (slot, generation)
+        self._lease_gen: dict[int, tuple[int, int, bytes]] = {}  # lease id -> (slot, generation, holder)
         self._cond = threading.Condition()
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gyre-xfer-crc")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
-        self._sock.bind(self.config.control)
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.address: str = auth.bind(
+                self._sock, self.config.control, self.config.token, "PublisherConfig.token"
+            )
+        except BaseException:
+            self._sock.close(0)
+            self._ctx.term()
+            self._hasher.shutdown()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="gyre-xfer-publisher", daemon=True)
         self._thread.start()
@@ -174,7 +182,9 @@ class Publisher:
 
     # ---- serving ----------------------------------------------------------------------------------
 
-    def _answer(self, req: Request) -> Reply:
+    def _answer(self, req: Request, peer: bytes) -> Reply:
+        """The reply to `req` from the connection `peer` (its ROUTER identity): a lease can be released
+        only by the connection that acquired it."""
         if isinstance(req, Hello):
             if req.protocol != PROTOCOL_VERSION:
                 return ErrorReply(
@@ -199,17 +209,20 @@ class Publisher:
                 assert slot.manifest is not None
                 lease_id = next(self._lease_ids)
                 slot.leases[lease_id] = time.monotonic() + self.config.lease_s
-                self._lease_gen[lease_id] = (self._latest, slot.generation)
+                self._lease_gen[lease_id] = (self._latest, slot.generation, peer)
                 if len(self._lease_gen) > 4096:  # forget the oldest unreleased leases
                     for k in list(self._lease_gen)[:1024]:
                         del self._lease_gen[k]
                 return Lease(lease_id, self.config.lease_s, slot.manifest)
         if isinstance(req, Release):
             with self._cond:
-                held = self._lease_gen.pop(req.lease_id, None)
-                if held is None:
-                    return ErrorReply(ErrorCode.UNKNOWN_LEASE, f"lease {req.lease_id} is unknown")
-                idx, gen = held
+                held = self._lease_gen.get(req.lease_id)
+                if held is None or held[2] != peer:
+                    return ErrorReply(
+                        ErrorCode.UNKNOWN_LEASE, f"lease {req.lease_id} is not held by this peer"
+                    )
+                del self._lease_gen[req.lease_id]
+                idx, gen, _ = held
                 slot = self._slots[idx]
                 slot.leases.pop(req.lease_id, None)
                 self._cond.notify_all()
@@ -230,7 +243,7 @@ class Publisher:
             ident, rid, payload = frames
             reply: Reply
             try:
-                reply = self._answer(decoder.decode(payload))
+                reply = self._answer(decoder.decode(payload), ident)
             except msgspec.ValidationError as e:
                 reply = ErrorReply(ErrorCode.BAD_REQUEST, f"undecodable request: {e}")
             except msgspec.DecodeError as e:

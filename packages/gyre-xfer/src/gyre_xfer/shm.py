@@ -101,12 +101,17 @@ class ShmTransport:
             raise XferError(
                 f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)"
             )
-        if "/" in desc.shm_name:
-            raise XferError(f"bad shared-memory segment name {desc.shm_name!r}")
+        if "/" in desc.shm_name or not desc.shm_name.startswith("gyre-"):
+            raise XferError(f"{desc.shm_name!r} is not a gyre shared-memory segment")
         with self._lock:
             arr = self._peers.get(desc.shm_name)
             if arr is None:
-                arr = np.memmap(os.path.join(SHM_DIR, desc.shm_name), dtype=np.uint8, mode="r+")
+                try:
+                    arr = np.memmap(os.path.join(SHM_DIR, desc.shm_name), dtype=np.uint8, mode="r+")
+                except FileNotFoundError:
+                    raise
+                except (OSError, ValueError) as e:  # empty, unreadable, not a file
+                    raise XferError(f"cannot map peer segment {desc.shm_name}: {e}") from e
                 self._peers[desc.shm_name] = arr
         if arr.nbytes < desc.nbytes:
             raise XferError(

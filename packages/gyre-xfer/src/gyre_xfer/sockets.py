@@ -1,15 +1,17 @@
 """The one place gyre-xfer makes ZeroMQ sockets: finite high-water marks, no linger, loopback by default.
 
-`check_bind` refuses a non-loopback control address unless the caller opts in explicitly.
+Listeners bind through `gyre_xfer.auth.bind` (a token beyond loopback). `check_bind` is the older,
+token-less check kept for listeners that have not moved to `auth.bind` yet.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from urllib.parse import urlsplit
 
 import zmq
+
+from .auth import is_loopback
 
 HWM = 1000
 
@@ -23,15 +25,9 @@ def make_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int) -> zmq.Socket[by
 
 
 def check_bind(address: str, allow_remote: bool) -> None:
-    """Control sockets bind loopback (tcp://127.0.0.1, ::1) or ipc:// unless `allow_remote`."""
-    if address.startswith(("ipc://", "inproc://")) or allow_remote:
-        return
-    host = urlsplit(address).hostname or ""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+    """Control sockets bind loopback (tcp://127.0.0.1, ::1) or ipc:// unless `allow_remote`. Superseded
+    by `gyre_xfer.auth.bind`, which allows a non-loopback bind only with a token."""
+    if not allow_remote and not is_loopback(address):
         raise ValueError(
             f"refusing to bind control socket {address}: gyre-xfer binds loopback unless "
             "allow_remote=True (and then put it behind a firewall or a private network)"

@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from . import auth
 from .buffers import BufferView, numpy_view, torch_view, view_of
 from .errors import (
     ChecksumError,
@@ -50,6 +51,8 @@ from .protocol import (
 from .sockets import make_socket, tcp_port_refuses
 from .transport import Op, Region, Transport
 
+_TOKEN_HINT = f"a publisher with a token answers only subscribers with the same one (${auth.TOKEN_ENV})"
+
 Converter = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 """A layout hook: takes the pulled tensors by name, returns the tensors the consumer wants (e.g. split a
 Megatron fused QKV into transformers' q/k/v projections; see gyre_xfer.convert)."""
@@ -67,6 +70,11 @@ class SubscriberConfig:
     """Bytes per batched read; large tensors are cut into pieces of at most this size."""
     verify_checksums: bool = True
     """Recompute each tensor's crc32 after the pull and compare with the manifest."""
+    max_bytes: int = 1 << 40
+    """A manifest whose tensors reach further into the slot than this is refused (ManifestError) before
+    anything is allocated: a publisher's word never makes a subscriber map unbounded memory."""
+    token: str = field(default="", repr=False)
+    """The run token, when the publisher has one; empty: $GYRE_TOKEN, or none."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class Subscriber:
         self.config = config
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER)
-        self._sock.connect(config.publisher)
+        auth.connect(self._sock, config.publisher, config.token)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = reply_decoder()
         self._rids = itertools.count(1)
@@ -117,27 +125,30 @@ class Subscriber:
     # ---- control ----------------------------------------------------------------------------------
 
     def _request(self, req: Request) -> Reply:
+        """Send `req` and return its reply; one deadline (`control_timeout_s`) covers the whole wait, so a
+        peer that keeps sending frames that are not the reply cannot stretch it."""
         rid = str(next(self._rids)).encode()
         try:
             self._sock.send_multipart([rid, self._encoder.encode(req)], flags=zmq.NOBLOCK)
         except zmq.Again:
             raise PeerTimeoutError(
-                f"publisher {self.config.publisher} is not taking requests (send queue full)"
+                f"publisher {self.config.publisher} is not taking requests (send queue full, or no "
+                f"connection: {_TOKEN_HINT})"
             ) from None
-        timeout_ms = int(self.config.control_timeout_s * 1000)
-        while self._sock.poll(timeout_ms, zmq.POLLIN):
+        deadline = time.monotonic() + self.config.control_timeout_s
+        while (left := deadline - time.monotonic()) > 0 and self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
             frames = self._sock.recv_multipart()
             if len(frames) == 2 and frames[0] == rid:
                 try:
                     return self._decoder.decode(frames[1])
                 except msgspec.DecodeError as e:
                     raise ProtocolError(f"undecodable reply from {self.config.publisher}: {e}") from e
-            # a late reply to an earlier request that timed out: drop it and keep waiting
+            # a late reply to an earlier request that timed out, or not a reply at all: drop it
         if tcp_port_refuses(self.config.publisher):
             raise PeerGoneError(f"publisher {self.config.publisher} is gone (connection refused)")
         raise PeerTimeoutError(
             f"publisher {self.config.publisher} did not answer {type(req).__name__} "
-            f"within {self.config.control_timeout_s} s"
+            f"within {self.config.control_timeout_s} s ({_TOKEN_HINT})"
         )
 
     def hello(self) -> Welcome:
@@ -177,6 +188,7 @@ class Subscriber:
         try:
             m = reply.manifest
             validate(m)
+            _check_extent(m, self.config.max_bytes)
             if m.transport != self.transport.kind:
                 raise ManifestError(
                     f"manifest is for transport {m.transport.name}, not {self.transport.kind.name}"
@@ -221,7 +233,7 @@ class Subscriber:
         """name -> (uint8 view of its destination, registered region holding it, offset in region)."""
         out: dict[str, tuple[np.ndarray, Region, int]] = {}
         if into is None:
-            need = m.region.nbytes
+            need = _extent(m)
             if self._staging is None or self._staging.nbytes < need:
                 if self._staging is not None:
                     self.transport.unregister(self._staging)
@@ -320,6 +332,19 @@ def _buckets(
                 bucket, finished, size = [], [], 0
     if bucket:
         yield bucket, finished
+
+
+def _extent(m: Manifest) -> int:
+    """Bytes of the slot the tensors reach (the staging a pull without `into` needs)."""
+    return max((t.offset + t.nbytes for t in m.tensors), default=0)
+
+
+def _check_extent(m: Manifest, max_bytes: int) -> None:
+    if _extent(m) > max_bytes:
+        raise ManifestError(
+            f"version {m.version} reaches {_extent(m)} bytes into its slot, over this subscriber's "
+            f"max_bytes ({max_bytes})"
+        )
 
 
 def _verify(m: Manifest, sums: Mapping[str, Future[int]]) -> None:
