@@ -39,9 +39,10 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 SGLANG_VERSION = "0.5.23"
-CONTEXT = 64
+CONTEXT = 128
 SERVER_ARGS = ["--context-length", str(CONTEXT)]
-"""sglang server arguments: a short context keeps the too-long-input cases small."""
+"""sglang server arguments: a short context keeps the too-long-input cases small. (SGLang refuses a request
+whose input plus `max_new_tokens` exceeds the context, so every case asks for less.)"""
 PROMPT = [101, 102, 103, 104, 105, 106, 107, 108]
 """Input ids of most cases (the stand-in's output does not depend on them)."""
 
@@ -101,7 +102,7 @@ def _abort_after(n: int) -> Callable[[httpx.Client, list[Any]], None]:
     return then
 
 
-LONG = {"max_new_tokens": 2000, "ignore_eos": True}
+LONG = {"max_new_tokens": 100, "ignore_eos": True}
 PROXY_SP = {"max_new_tokens": 48, "temperature": 1.0, "top_p": 1.0, "skip_special_tokens": False,
             "no_stop_trim": True, "stream_interval": 4}  # fmt: skip
 
@@ -239,7 +240,7 @@ def load_while_running(c: httpx.Client) -> Recorded:
             body = _gen(
                 stream=True,
                 rid="gyre-load-probe",
-                sampling_params={"max_new_tokens": 300, "ignore_eos": True},
+                sampling_params={"max_new_tokens": 100, "ignore_eos": True},
             )
             with c2.stream("POST", "/generate", json=body) as r:
                 for line in r.iter_lines():

@@ -125,6 +125,14 @@ def test_token_ids_logprob_gives_those_ids_logprobs_at_each_position(
     assert all(len(e) == 3 for row in sg for e in row)  # SGLang's entries: [logprob, id, text or null]
 
 
+def test_refusals_use_sglangs_words(server: Any) -> None:
+    ctx = httpx.get(f"{server.url}/model_info", timeout=30).json()["max_context_length"]
+    r = post(server.url, {"input_ids": [7] * ctx, "sampling_params": {"max_new_tokens": 1}})
+    theirs = fixture("error_too_long")["body"]["error"]["message"]  # recorded with a 128-token context
+    n = len(fixture("error_too_long")["request"]["body"]["input_ids"])
+    assert r.status_code == 400 and r.json()["error"]["message"] == theirs.replace(str(n), str(ctx))
+
+
 def test_model_info_has_sglangs_fields(server: Any) -> None:
     info = httpx.get(f"{server.url}/model_info", timeout=30).json()
     assert info["is_generation"] is True and info["architectures"] == ["Qwen3ForCausalLM"]

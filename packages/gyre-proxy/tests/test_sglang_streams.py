@@ -112,6 +112,12 @@ CASES = [
 ]
 
 
+def same_text(streamed: str, whole: str, stop: Any) -> bool:
+    """The streamed text is the non-streamed one; with a stop sequence, it may also carry the stop text
+    (a proxy defect, pinned by test_a_stop_sequence_is_not_streamed_as_text)."""
+    return streamed == whole or (bool(stop) and streamed == whole + stop[0])
+
+
 def check_record(ps: Any, replay: ReplayEngine, case: str, finish: str) -> None:
     """The proxy asked for what the fixture was recorded with, and recorded exactly what SGLang sent."""
     sent = replay.bodies[-1]
@@ -141,7 +147,7 @@ def test_anthropic_front_streaming_and_not(
     ps = make_proxy([replay.url])
     client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
     request.addfinalizer(client.close)
-    kw: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "temperature": 1.0, "top_p": 1.0}
+    kw: dict[str, Any] = {"model": "m", "max_tokens": max_tokens}
     if stop:
         kw["stop_sequences"] = stop
     msgs = [{"role": "user", "content": "What is the answer?"}]
@@ -153,7 +159,7 @@ def test_anthropic_front_streaming_and_not(
     with client.messages.stream(messages=msgs, **kw) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
-    assert streamed == text and final.stop_reason == reasons[0]
+    assert final.stop_reason == reasons[0] and same_text(streamed, text, stop)
     check_record(ps, replay, case, finish)
 
 
@@ -183,5 +189,23 @@ def test_openai_front_streaming_and_not(
         for c in ch.choices:
             pieces.append(c.delta.content or "")
             finishes.append(c.finish_reason)
-    assert "".join(pieces) == text and [f for f in finishes if f] == [reasons[1]]
+    assert same_text("".join(pieces), text, stop) and [f for f in finishes if f] == [reasons[1]]
     check_record(ps, replay, case, finish)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="gyre-proxy streams the stop sequence's text when SGLang sends it with the finished chunk "
+    "(a chunk held back while its tail could start the stop string); the non-streamed reply cuts it",
+)
+def test_a_stop_sequence_is_not_streamed_as_text(replay: ReplayEngine, make_proxy: Any, request: Any) -> None:
+    replay.case = "stream_proxy_stop"
+    ps = make_proxy([replay.url])
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    kw: dict[str, Any] = {"model": "m", "max_tokens": 48, "stop_sequences": ["thanks"]}
+    msgs = [{"role": "user", "content": "What is the answer?"}]
+    whole = "".join(b.text for b in client.messages.create(messages=msgs, **kw).content if b.type == "text")
+    with client.messages.stream(messages=msgs, **kw) as s:
+        streamed = "".join(s.text_stream)
+    assert streamed == whole

@@ -260,7 +260,7 @@ class Engine:
             raise ProtocolError(f"input_ids has {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if len(req.input_ids) >= self.context_len:
             raise ProtocolError(
-                f"the input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len})"
+                f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
         if not 0 <= req.top_logprobs_num <= 64:
             raise ProtocolError("top_logprobs_num must be in [0, 64]")
