@@ -29,7 +29,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-FIXTURES = Path(__file__).resolve().parents[2] / "packages" / "gyre-engine" / "tests" / "fixtures" / "sglang-0.5.23"
+FIXTURES = (
+    Path(__file__).resolve().parents[2] / "packages" / "gyre-engine" / "tests" / "fixtures" / "sglang-0.5.23"
+)
 
 
 def recorded(name: str) -> Any:
