@@ -11,8 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from gyre_engine.protocol import GenerateRequest
-from gyre_engine.server.parse import parse_generate
 
 torch = pytest.importorskip("torch")
 
@@ -72,6 +70,9 @@ def test_nulls_sglang_accepts_mean_the_defaults(server: Any, greedy: Any) -> Non
 
 def test_a_null_length_limit_is_bounded_by_the_context_as_in_sglang() -> None:
     """SGLang caps every request at `context_len - len(input_ids) - 1` new tokens (init_req_max_new_tokens)."""
+    from gyre_engine.protocol import GenerateRequest
+    from gyre_engine.server.parse import parse_generate
+
     req = GenerateRequest(input_ids=[1] * 10, sampling_params={"max_new_tokens": None})
     (er,) = parse_generate(req, lambda s: [], context_len=64)
     assert er.max_new_tokens == 64 - 10 - 1
