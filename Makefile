@@ -4,8 +4,8 @@ export UV_PYTHON_DOWNLOADS ?= never
 
 .PHONY: install lint typecheck test bench wheels-check example
 
-install:            ## the whole workspace, every extra (but the CUDA Mooncake wheel), dev and lint tools, as locked
-	$(UV) sync --frozen --all-packages --all-extras --no-extra mooncake-cuda13
+install:            ## the whole workspace, every extra (but the CUDA Mooncake wheel and sglang), dev and lint tools, as locked
+	$(UV) sync --frozen --all-packages --all-extras --no-extra mooncake-cuda13 --no-extra sglang
 
 lint:               ## ruff: lint and format check
 	$(UV) run --frozen ruff check .

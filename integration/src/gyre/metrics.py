@@ -1,7 +1,8 @@
 """What a run measured: a sampler of cell roles and engine activity, the metrics JSON and the timeline plot.
 
 The sampler asks gyre-sched for its state (`GetState`: every cell's role, the decision log) and each
-engine for `/server_info` every `interval_s`. Afterwards, per cell: time in each role; rollout time is
+engine for its load every `interval_s` (`EngineClient.load`: gyre-engine's counters from its
+`/server_info`; for SGLang, whose `/server_info` is its configuration, `/v1/loads` and `/model_info`). Afterwards, per cell: time in each role; rollout time is
 busy while its engine runs or queues a request; training time is busy while a training step is in
 progress at the core (from the core's `steps.jsonl`); the rest is idle; draining and switching count as
 switching. Plus end-to-end time, switches (the scheduler's decisions), staleness and loss per step.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from gyre_engine.client import EngineClient
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 
 log = logging.getLogger("gyre.metrics")
@@ -65,8 +67,6 @@ class Sampler:
         return None
 
     async def _run(self) -> None:
-        from gyre_engine.client import EngineClient
-
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -80,19 +80,7 @@ class Sampler:
                 st = self.state(sock, codec)
                 if st is not None:
                     self.last_state = st
-                    busy: dict[int, bool] = {}
-                    ver: dict[int, str] = {}
-                    for cid, c in clients.items():
-                        try:
-                            info = await c.server_info()
-                        except Exception:  # a busy or restarting engine: this sample says idle
-                            continue
-                        done = info.decode_steps + info.prefill_tokens_computed
-                        busy[cid] = info.running_requests + info.waiting_requests > 0 or done != work.get(
-                            cid, done
-                        )
-                        work[cid] = done
-                        ver[cid] = info.weight_version
+                    busy, ver = await engine_activity(clients, work)
                     self.samples.append(
                         Sample(time.time(), {v.cell_id: int(v.role) for v in st.cells}, busy, ver)
                     )
@@ -102,6 +90,24 @@ class Sampler:
                 await c.aclose()
             sock.close(0)
             ctx.term()
+
+
+async def engine_activity(
+    clients: dict[int, EngineClient], work: dict[int, int]
+) -> tuple[dict[int, bool], dict[int, str]]:
+    """Per engine: busy (a request running or queued, or its work counter moved since the last reading,
+    kept in `work`) and its weight version. An engine that does not answer is left out: idle."""
+    busy: dict[int, bool] = {}
+    ver: dict[int, str] = {}
+    for cid, c in clients.items():
+        try:
+            load = await c.load()
+        except Exception:  # a busy or restarting engine: this sample says idle
+            continue
+        busy[cid] = load.running + load.waiting > 0 or load.work != work.get(cid, load.work)
+        work[cid] = load.work
+        ver[cid] = load.weight_version
+    return busy, ver
 
 
 SWITCHING = {int(Role.DRAINING), int(Role.TO_TRAINING), int(Role.TO_ROLLOUT)}

@@ -15,8 +15,13 @@ from gyre_engine.client import EngineClient, EngineError
 from gyre_engine.protocol import SamplingParams
 
 torch = pytest.importorskip("torch")
+import sys  # noqa: E402
+
 from gyre_engine.server.batch import cache_from_layers, cache_kwarg  # noqa: E402
 from safetensors.torch import save  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
+from sglang_shapes import fixture as sglang_fixture  # noqa: E402
 
 Greedy = Callable[[list[int], int], list[int]]
 USER = [1200 + i * 7 for i in range(9)]
@@ -168,9 +173,11 @@ def test_a_weight_update_lands_between_two_tokens_of_a_running_request(
             async for ch in c.stream(USER, sp, rid="long"):
                 chunks.append(ch)
                 if len(chunks) == 5:
+                    await c.begin_weight_update()
                     await c.update_weights_from_tensor(
                         [payload], load_format="safetensors", weight_version="mid"
                     )
+                    await c.end_weight_update()
                 if ch.meta_info.weight_version == "mid" and len(chunks[-1].output_ids) > 40:
                     await c.abort("long")
             await c.update_weights_from_disk(str(model_dir))
@@ -213,14 +220,45 @@ def test_bad_weight_updates_are_400_and_change_nothing(
     async def go() -> None:
         async with EngineClient(server.url, timeout_s=60) as c:
             v0 = (await c.model_info()).weight_version
+            await c.begin_weight_update()
             with pytest.raises(EngineError, match=needle):
                 await c.update_weights_from_tensor([payload], load_format="safetensors")
             with pytest.raises(EngineError, match="never unpickles"):
                 await c.update_weights_from_tensor([payload])
             with pytest.raises(EngineError, match="not base64 safetensors"):
                 await c.update_weights_from_tensor(["!!!"], load_format="safetensors")
+            await c.end_weight_update()
             with pytest.raises(EngineError, match=r"no \*\.safetensors"):
                 await c.update_weights_from_disk("/nonexistent")
+            assert (await c.model_info()).weight_version == v0
+            assert (await c.generate(USER, GREEDY)).output_ids == greedy(USER, 16)
+
+    run(go())
+
+
+def test_tensor_updates_outside_a_session_are_refused_as_sglang_refuses_them(
+    server: Any, hf_model: Any, greedy: Greedy
+) -> None:
+    """SGLang 0.5.23 loads tensors only between /begin_weight_update and /end_weight_update, and refuses a
+    second begin or an end without a begin; gyre-engine answers each with SGLang's status, body shape and
+    message (tests/fixtures/sglang-0.5.23: update_tensor_outside_session, begin_weight_update_twice,
+    end_weight_update_without_begin)."""
+    payload = base64.b64encode(save({k: v.contiguous() for k, v in _perturbed(hf_model, 3).items()})).decode()
+
+    async def go() -> None:
+        async with EngineClient(server.url, timeout_s=60) as c:
+            v0 = (await c.model_info()).weight_version
+            for path, body, fixture in (
+                ("/update_weights_from_tensor", {"serialized_named_tensors": [payload], "load_format": "safetensors"},
+                 "update_tensor_outside_session"),
+                ("/end_weight_update", {}, "end_weight_update_without_begin"),
+            ):  # fmt: skip
+                r = await c._http.post(path, json=body)
+                assert (r.status_code, r.json()) == (400, sglang_fixture(fixture)["body"])
+            assert (await c.begin_weight_update()).success
+            r = await c._http.post("/begin_weight_update", json={})
+            assert (r.status_code, r.json()) == (400, sglang_fixture("begin_weight_update_twice")["body"])
+            assert (await c.end_weight_update()).success
             assert (await c.model_info()).weight_version == v0
             assert (await c.generate(USER, GREEDY)).output_ids == greedy(USER, 16)
 

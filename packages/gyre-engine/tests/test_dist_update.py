@@ -46,15 +46,19 @@ def form(url: str, name: str, timeout_s: float = 30.0) -> WeightGroup:
 
 
 def send(url: str, group: WeightGroup, tensors: dict[str, torch.Tensor], body: dict[str, Any]) -> Any:
-    """POST the update and broadcast `tensors` in order, as a trainer does; the reply or EngineError."""
+    """POST the update inside a weight-update session and broadcast `tensors` in order, as a trainer
+    does (SGLang 0.5.23 loads only inside a session); the reply or EngineError."""
     out: dict[str, Any] = {}
 
     async def post() -> None:
         async with EngineClient(url, timeout_s=60) as c:
+            await c.begin_weight_update()
             try:
                 out["r"] = await c._post("/update_weights_from_distributed", body)
             except EngineError as exc:
                 out["r"] = exc
+            finally:
+                await c.end_weight_update()
 
     th = threading.Thread(target=lambda: run(post()))
     th.start()
@@ -94,13 +98,19 @@ def test_distributed_update(
                 await c.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "gloo")
             with pytest.raises(EngineError, match="rank_offset 0 must be in"):
                 await c.init_weights_update_group("127.0.0.1", 1, 0, 2, "h", "gloo")
+            # outside a session SGLang refuses at once (nothing is received), with this reply
+            with pytest.raises(EngineError, match=r"must run between begin_weight_update\(\) and") as err:
+                await c.update_weights_from_distributed(["a"], ["float32"], [[1]], "g")
+            assert err.value.status == 400
             # malformed requests are refused before any broadcast is consumed
+            await c.begin_weight_update()
             with pytest.raises(EngineError, match="differ in length"):
                 await c.update_weights_from_distributed(["a", "b"], ["float32"], [[1]], "g")
             with pytest.raises(EngineError, match=r"'torch\.float32' is not a torch dtype name"):
                 await c.update_weights_from_distributed(["a"], ["torch.float32"], [[1]], "g")
             with pytest.raises(EngineError, match="no weight update group 'nope'"):
                 await c.update_weights_from_distributed(["a"], ["float32"], [[1]], "nope")
+            await c.end_weight_update()
             with pytest.raises(EngineError, match="no weight update group 'nope'"):
                 await c.destroy_weights_update_group("nope")
 
@@ -133,8 +143,10 @@ def test_distributed_update(
     async def destroy() -> None:
         async with EngineClient(url, timeout_s=60) as c:
             assert (await c.destroy_weights_update_group("g")).success
+            await c.begin_weight_update()
             with pytest.raises(EngineError, match="no weight update group 'g'"):
                 await c.update_weights_from_distributed(["a"], ["float32"], [[1]], "g")
+            await c.end_weight_update()
 
     run(destroy())
     group.close()

@@ -167,7 +167,7 @@ def test_stop_token_and_stop_string(server: Any, tokenizer: Any) -> None:
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "not supported"),
         ({"input_ids": [1], "sampling_params": {"stop_regex": "("}}, "stop_regex"),
-        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}, "Expected `int`"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}, "Expected `int"),
         ({"sampling_params": {}}, "input_ids"),
     ],
 )

@@ -33,12 +33,15 @@ def test_logprob_is_of_the_truncated_renormalized_distribution(
 ) -> None:
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed)) * 3
     st_ = state(seed, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
-    out = sample(logits.clone(), [st_], [V])
+    want = (0, 5, V - 1)
+    out = sample(logits.clone(), [st_], [V], [want])
     assert out.top is not None
-    support = [(lp, t) for lp, t in out.top[0] if lp > -math.inf]
+    support = [(lp, t) for lp, t in out.top[0].top if lp > -math.inf]
     assert math.isclose(sum(math.exp(lp) for lp, _ in support), 1.0, rel_tol=1e-4)  # renormalized
     assert out.tokens[0] in {t for _, t in support}  # sampled inside the kept set
     chosen = dict((t, lp) for lp, t in support)[out.tokens[0]]
+    every = {t: lp for lp, t in out.top[0].top}  # top-V: the whole distribution
+    assert out.top[0].ids == [every[t] for t in want]  # token_ids_logprob: the same distribution
     assert math.isclose(out.logprobs[0], chosen, rel_tol=1e-5, abs_tol=1e-6)
     if top_k == 1:  # greedy: the plain log-softmax of the logits
         assert out.tokens[0] == int(logits.argmax())

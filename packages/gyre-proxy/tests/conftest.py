@@ -2,8 +2,9 @@
 
 `ScriptedEngine` is a TEST FIXTURE, not an engine: a real HTTP server on loopback that speaks SGLang's
 native /generate (streaming and not, logprobs, abort) and replays scripted outputs, so tool use through the
-real clients is deterministic. Its outputs are tokenized with the policy's tokenizer; every input it
-receives is kept for the tests' assertions.
+real clients is deterministic. Its responses are shaped as SGLang 0.5.23's (fields, which chunk carries
+which, `stream_interval`, chunks held back at a possible stop string; see `sglang_chunk`). Its outputs are
+tokenized with the policy's tokenizer; every input it receives is kept for the tests' assertions.
 """
 
 from __future__ import annotations
@@ -72,6 +73,57 @@ class UvicornThread:
         self.thread.join(15)
 
 
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def sglang_chunk(
+    rid: str,
+    prompt: list[int],
+    out: list[int],
+    text: str,
+    fin: dict[str, Any] | None,
+    weight_version: str,
+    logprobs: list[list[Any]],
+    started: float,
+    first: bool,
+) -> dict[str, Any]:
+    """A /generate response or stream chunk with the fields SGLang 0.5.23 sends, where it sends them
+    (recorded in gyre-engine's tests/fixtures/sglang-0.5.23): `response_sent_to_client_ts` on the first
+    chunk, `weight_versions` and `e2e_latency` only once finished, SGLang's bookkeeping fields throughout."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": fin,
+        "prompt_tokens": len(prompt),
+        "weight_version": weight_version,
+        "num_retractions": 0,
+        "input_token_logprobs": [],
+        "output_token_logprobs": logprobs,
+        "output_token_logprobs_length": len(out),
+        "reasoning_tokens": 0,
+        "completion_tokens": len(out),
+        "cached_tokens": 0,
+    }
+    if fin is not None:
+        meta["weight_versions"] = [{"version": weight_version, "start": 0, "end": len(out)}]
+    meta |= {"cached_tokens_details": None, "dp_rank": None}
+    if fin is not None:
+        meta["e2e_latency"] = time.monotonic() - started
+    if first:
+        meta["response_sent_to_client_ts"] = time.time()
+    return {"text": text, "output_ids": list(out), "meta_info": meta}
+
+
+def sglang_sends(n: int, sent: int, interval: int, text: str, stops: list[str]) -> bool:
+    """SGLang's rule for an unfinished stream chunk (its SchedulerOutputStreamer): every token at interval
+    1, else the first at once and then whenever `interval` tokens are unsent; never while the text's tail
+    could be the start of a stop string."""
+    unsent = n - sent
+    if not (interval == 1 or unsent >= interval or (sent == 0 and unsent > 0)):
+        return False
+    tail = text[-(max((len(x) for x in stops), default=0) + 1) :]
+    return not any(x in tail or any(tail.endswith(x[:i]) for i in range(1, len(x) + 1)) for x in stops)
+
+
 @dataclass
 class Seen:
     rid: str
@@ -118,8 +170,8 @@ class ScriptedEngine:
             item = self.script.pop(0) if self.script else (self.default or "ok")
             if self.reject_next:
                 self.reject_next = False
-                err = {"error": {"message": "unknown field `bogus`", "type": "BadRequestError", "code": 400}}
-                return JSONResponse(err, status_code=400)
+                # SGLang's schema error: the text alone under "error"
+                return JSONResponse({"error": "unknown field `bogus`, expected one of `max_new_tokens`"}, 400)
             made = item(ids) if callable(item) else item
             stop_hit = ""
             if isinstance(made, str):
@@ -141,26 +193,23 @@ class ScriptedEngine:
             die = self.die_after
             self.die_after = None
 
-            def resp(n: int, fin: dict[str, Any] | None) -> dict[str, Any]:
-                lps = [[self.logprob(i, t), t, None] for i, t in enumerate(out[:n])]
-                meta = {
-                    "id": rid,
-                    "finish_reason": fin,
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": n,
-                    "cached_tokens": 0,
-                    "weight_version": self.weight_version,
-                    "e2e_latency": 0.0,
-                    "output_token_logprobs": lps,
-                }
-                return {"text": self.tokenizer.decode(out[:n]), "output_ids": out[:n], "meta_info": meta}
+            interval = int(sp.get("stream_interval") or 1)
+            stops = [x for x in (sp.get("stop") or []) if x]
+            started = time.monotonic()
+
+            def resp(n: int, fin: dict[str, Any] | None, first: bool = False) -> dict[str, Any]:
+                return sglang_chunk(
+                    rid, ids, out[:n], self.tokenizer.decode(out[:n]), fin, self.weight_version,
+                    [[self.logprob(i, t), t, None] for i, t in enumerate(out[:n])], started, first,
+                )  # fmt: skip
 
             if not body.get("stream"):
                 self.outputs.append(out)
                 self.by_rid[rid] = out
-                return JSONResponse(resp(len(out), finish))
+                return JSONResponse(resp(len(out), finish, first=True))
 
             async def sse() -> Any:
+                sent = 0
                 for n in range(1, len(out) + 1):
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)
@@ -169,16 +218,17 @@ class ScriptedEngine:
                     if rid in self.aborted:
                         self.outputs.append(out[: n - 1])
                         self.by_rid[rid] = out[: n - 1]
-                        yield (
-                            b"data: "
-                            + msgspec.json.encode(resp(n - 1, {"type": "abort", "message": "aborted"}))
-                            + b"\n\n"
-                        )
+                        yield b"data: " + msgspec.json.encode(resp(n - 1, ABORTED, sent == 0)) + b"\n\n"
                         yield b"data: [DONE]\n\n"
                         return
-                    yield (
-                        b"data: " + msgspec.json.encode(resp(n, finish if n == len(out) else None)) + b"\n\n"
-                    )
+                    done = n == len(out)
+                    if done or sglang_sends(n, sent, interval, self.tokenizer.decode(out[:n]), stops):
+                        yield (
+                            b"data: "
+                            + msgspec.json.encode(resp(n, finish if done else None, sent == 0))
+                            + b"\n\n"
+                        )
+                        sent = n
                 self.outputs.append(out)
                 self.by_rid[rid] = out
                 yield b"data: [DONE]\n\n"

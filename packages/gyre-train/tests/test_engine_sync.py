@@ -212,6 +212,7 @@ def test_a_trainer_that_never_broadcasts_is_a_timeout(core: Core, engine: str, m
 
         async def update_without_broadcast() -> None:
             async with EngineClient(engine, timeout_s=60) as c:
+                await c.begin_weight_update()
                 with pytest.raises(EngineError) as err:
                     await c.update_weights_from_distributed(
                         ["model.norm.weight"], ["float32"], [[64]], "silent", weight_version="never"
@@ -223,10 +224,38 @@ def test_a_trainer_that_never_broadcasts_is_a_timeout(core: Core, engine: str, m
                     await c.update_weights_from_distributed(
                         ["model.norm.weight"], ["float32"], [[64]], "silent"
                     )
+                await c.end_weight_update()
 
         asyncio.run(update_without_broadcast())
     finally:
         sync.close()
+    assert_serves(engine, model_dir, snapshot(core), str(core.version))
+
+
+@pytest.mark.timeout(150)  # the old push waited for the broadcast's 300 s deadline
+def test_a_push_an_engine_refuses_fails_at_once_with_its_reply(
+    core: Core, engine: str, model_dir: Path
+) -> None:
+    """Without a session (`session=False`, for SGLang builds without /begin_weight_update), an engine that
+    needs one (SGLang 0.5.23, and gyre-engine answering as it does) refuses the update with a 400 before
+    receiving anything: the push fails at once with that reply, instead of broadcasting into a group
+    nobody receives from until the deadline. After reconnect() the group works again."""
+    sync = SGLangWeightSync(
+        SGLangSyncConfig((engine,), group_name="nosession", timeout_s=300.0, session=False)
+    )
+    try:
+        sync.connect()
+        weights = snapshot(core)
+        with pytest.raises(WeightSyncError) as err:
+            sync.push(weights, "refused")
+        msg = str(err.value)
+        assert "HTTP 400: update_weights_from_distributed must run between begin_weight_update()" in msg
+        assert "reconnect()" in msg
+        assert_serves(engine, model_dir, weights, str(core.version))  # nothing changed on the engine
+        sync.reconnect()
+    finally:
+        sync.close()
+    core.push_to_engines()  # the core's own group still works
     assert_serves(engine, model_dir, snapshot(core), str(core.version))
 
 

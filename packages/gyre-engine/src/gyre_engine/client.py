@@ -1,8 +1,10 @@
 """Typed async client for SGLang's native HTTP protocol; works against SGLang and gyre-engine alike.
 
 It sends only keys SGLang accepts (sampling parameters are a closed `SamplingParams` record, encoded
-without defaults) and parses responses into the records of `protocol.py`. Every call has a timeout;
-an HTTP error becomes `EngineError` with the server's message, status and whether a retry may help.
+without defaults) and parses responses into the records of `protocol.py`, which read what SGLang 0.5.23
+sends (tested against fixtures recorded from sglang's own HTTP layer, `tests/fixtures/sglang-0.5.23`).
+Every call has a timeout; an HTTP error, or an error event inside a stream, becomes `EngineError` with
+the server's message, status and whether a retry may help, whichever of SGLang's error shapes it came in.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import msgspec
 from gyre_engine.protocol import (
     KV_PREFIX_DECODER,
     KV_PREFIX_ENCODER,
+    EngineLoad,
     GenerateResponse,
     KvPrefix,
+    Loads,
     ModelInfo,
     PrefixImportReply,
     PrefixOffer,
@@ -48,6 +52,9 @@ class EngineError(RuntimeError):
 
 
 def _error_from(status: int, body: bytes) -> EngineError:
+    """SGLang's error bodies: `{"error": "text"}` (schema), `{"error": {"message", ...}}` (a refused
+    request), `{"object": "error", "message", "code"}` (FastAPI validation), `{"success": false,
+    "message"}` (control calls), or plain text. Retryable: the body's `retryable`, else 5xx and 409."""
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError:
@@ -58,6 +65,19 @@ def _error_from(status: int, body: bytes) -> EngineError:
             status, str(err.get("message", err)), bool(err.get("retryable", status >= 500 or status == 409))
         )
     return EngineError(status, str(err), status >= 500 or status == 409)
+
+
+def stream_error(data: bytes) -> EngineError | None:
+    """The error of an SSE `data:` event that carries one (SGLang: `{"error": {"message", "type", "code",
+    "retryable"}}` once the stream has begun), with the status in its `code` (500 if none); else None."""
+    if not data.lstrip().startswith(b'{"error"'):
+        return None
+    try:
+        err = msgspec.json.decode(data).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return EngineError(502, data.decode(errors="replace"), True)
+    code = err.get("code") if isinstance(err, dict) else None
+    return _error_from(code if isinstance(code, int) and code >= 400 else 500, data)
 
 
 def encode_safetensors_payload(tensors: Mapping[str, Any]) -> str:
@@ -76,6 +96,7 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s)
         )
+        self._sglang: bool | None = None  # SGLang or gyre-engine, once `load` has asked
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -173,13 +194,13 @@ class EngineClient:
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = line[5:].strip().encode()
+                if data == b"[DONE]":
                     return
-                obj = msgspec.json.decode(data)
-                if isinstance(obj, dict) and "error" in obj:
-                    raise _error_from(500, data.encode())
-                yield msgspec.convert(obj, GenerateResponse)
+                err = stream_error(data)
+                if err is not None:
+                    raise err
+                yield _gen_dec.decode(data)
 
     # ----------------------------------------------------------------- control
     async def abort(self, rid: str) -> None:
@@ -326,8 +347,39 @@ class EngineClient:
         return msgspec.json.decode((await self._get("/model_info")).content, type=ModelInfo)
 
     async def server_info(self) -> ServerInfo:
-        """gyre-engine only (its counters)."""
+        """gyre-engine only (its counters); SGLang's /server_info is its configuration (see `load`)."""
         return msgspec.json.decode((await self._get("/server_info")).content, type=ServerInfo)
+
+    async def loads(self) -> Loads:
+        """SGLang only: GET /v1/loads, the load of each data-parallel rank."""
+        return msgspec.json.decode((await self._get("/v1/loads")).content, type=Loads)
+
+    async def load(self) -> EngineLoad:
+        """Running and waiting requests, a work counter and the weight version, from either server:
+        gyre-engine's counters in its /server_info, or SGLang's /v1/loads (summed over its ranks) and
+        /model_info. Which one this server is, is found on the first call."""
+        if self._sglang is None:
+            r = await self._get("/server_info")
+            try:
+                info = msgspec.json.decode(r.content, type=ServerInfo)
+            except msgspec.ValidationError:
+                self._sglang = True
+            else:
+                self._sglang = False
+                return _gyre_load(info)
+        if not self._sglang:
+            return _gyre_load(await self.server_info())
+        loads, model = await self.loads(), await self.model_info()
+        return EngineLoad(
+            running=sum(x.num_running_reqs for x in loads.loads),
+            waiting=sum(x.num_waiting_reqs for x in loads.loads),
+            work=sum(
+                x.total_prefill_uncached_tokens + int(x.decode_moments[0] if x.decode_moments else 0)
+                for x in loads.loads
+            ),
+            weight_version=model.weight_version,
+            source="sglang",
+        )
 
     async def health(self, timeout: float = 30.0) -> bool:
         return await self._ok("/health", timeout)
@@ -431,6 +483,16 @@ class EngineClient:
         return msgspec.json.decode(
             (await self._post("/release_prefix_offer", body)).content, type=SuccessReply
         )
+
+
+def _gyre_load(info: ServerInfo) -> EngineLoad:
+    return EngineLoad(
+        running=info.running_requests,
+        waiting=info.waiting_requests,
+        work=info.decode_steps + info.prefill_tokens_computed,
+        weight_version=info.weight_version,
+        source="gyre-engine",
+    )
 
 
 async def handoff_prefix(

@@ -16,7 +16,8 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 
-# Every key SGLang's SamplingParams accepts, in its order; anything else is HTTP 400.
+# Every key SGLang's SamplingParams accepts, in the order its error message lists them (recorded from
+# sglang 0.5.23, tests/fixtures/sglang-0.5.23/error_unknown_sampling_key.json); anything else is HTTP 400.
 SAMPLING_KEYS: tuple[str, ...] = (
     "max_new_tokens",
     "stop",
@@ -35,7 +36,6 @@ SAMPLING_KEYS: tuple[str, ...] = (
     "regex",
     "ebnf",
     "structural_tag",
-    "choice",
     "ignore_eos",
     "skip_special_tokens",
     "spaces_between_special_tokens",
@@ -46,6 +46,7 @@ SAMPLING_KEYS: tuple[str, ...] = (
     "custom_params",
     "beam_width",
     "watermark",
+    "choice",
 )
 
 
@@ -62,9 +63,11 @@ def check_sampling_keys(params: dict[str, Any]) -> None:
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
-    """SGLang's sampling parameters (defaults as SGLang's); `None` means 'not set'."""
+    """SGLang's sampling parameters (defaults as SGLang's); `None` means 'not set'. `max_new_tokens=None`
+    is SGLang's 'no limit': generation ends at a stop or at the context length. (`null` for any other key
+    means its default; `sampling_params_from` applies that.)"""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stop_regex: str | list[str] | None = None
@@ -94,55 +97,93 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     watermark: dict[str, Any] | None = None
 
 
+def sampling_params_from(params: dict[str, Any]) -> SamplingParams:
+    """SGLang's reading of a `sampling_params` object: unknown keys are refused (ProtocolError), `null`
+    stands for the key's default (for `max_new_tokens`: no limit), the rest must have the right type."""
+    check_sampling_keys(params)
+    given = {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
+    try:
+        return msgspec.convert(given, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"sampling_params: {exc}") from exc
+
+
 class GenerateRequest(msgspec.Struct, omit_defaults=True):
-    """Body of POST /generate (one request; SGLang's list form is accepted by the server too)."""
+    """Body of POST /generate (one request; SGLang's list form is accepted by the server too).
+
+    As in SGLang, `null` means the default, and in a batch the logprob fields may be one value for all
+    inputs or a list with one per input; `token_ids_logprob` is one list of ids for all, or one per input."""
 
     input_ids: list[int | list[int]] | None = None
     text: str | list[str] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
+    return_logprob: bool | list[bool] | None = False
+    logprob_start_len: int | list[int] | None = -1
+    top_logprobs_num: int | list[int] | None = 0
+    token_ids_logprob: list[int | list[int]] | None = None
+    return_text_in_logprobs: bool | None = False
+    stream: bool | None = False
 
 
-# One logprob entry, positional as SGLang sends it: [logprob, token_id, text or null].
+# One logprob entry, positional as SGLang sends it: [logprob, token_id, text or null]. The sampled token's
+# logprob is a number; rows of top / token-id logprobs may hold null (a non-finite value, as orjson writes
+# it), as SGLang's own schema (`sglang.api.v1.LogprobEntry`) allows.
 LogprobEntry = tuple[float, int, str | None]
+RowEntry = tuple[float | None, int, str | None]
 
 
 class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
-    """`{"type": "stop", "matched": ...}`, `{"type": "length", "length": N}` or an abort with its message."""
+    """`{"type": "stop", "matched": ...}`, `{"type": "length", "length": N}` or an abort with its message.
 
-    type: Literal["stop", "length", "abort"]
-    matched: int | str | None = None
+    `matched` is what ended the request: a stop string, a stop token id, or (SGLang's `MatchedTokens`) a
+    list of ids. `type` is kept as sent: SGLang's schema admits other finish objects besides these three."""
+
+    type: str
+    matched: int | str | list[int] | None = None
     length: int | None = None
     message: str | None = None
     status_code: int | None = None
     err_type: str | None = None
 
 
-class MetaInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    """`meta_info` of a /generate response; extra keys from a real SGLang are ignored when decoding."""
+class WeightVersionSpan(msgspec.Struct, frozen=True):
+    """Output tokens `[start, end)` were sampled with weights `version` (SGLang's `weight_versions`)."""
 
-    id: str
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    weight_version: str
-    e2e_latency: float
+    version: str = ""
+    start: int = 0
+    end: int = 0
+
+
+class MetaInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`meta_info` of a /generate response or stream chunk, read as SGLang 0.5.23 sends it.
+
+    Only `id` is always there. SGLang puts `e2e_latency` and `weight_versions` on the finished chunk only;
+    `cached_tokens` and `weight_version` may be absent (SGLang's schema defaults: 0 and, for the label,
+    the server's default "default"); every other key SGLang adds (`num_retractions`, `reasoning_tokens`,
+    `input_token_logprobs`, `output_token_logprobs_length`, `cached_tokens_details`, `dp_rank`,
+    `response_sent_to_client_ts`, ...) is ignored."""
+
+    id: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str = "default"
+    e2e_latency: float | None = None
     output_token_logprobs: list[LogprobEntry] | None = None
-    output_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    output_top_logprobs: list[list[RowEntry] | None] | None = None
+    output_token_ids_logprobs: list[list[RowEntry] | None] | None = None
+    """With `token_ids_logprob`: per output position, the logprobs of the requested ids, in their order."""
+    weight_versions: list[WeightVersionSpan] | None = None
 
 
 class GenerateResponse(msgspec.Struct, frozen=True):
-    """One /generate response (or one cumulative streaming chunk)."""
+    """One /generate response (or one cumulative streaming chunk); unknown keys (`index`, ...) ignored."""
 
-    text: str
-    output_ids: list[int]
-    meta_info: MetaInfo
+    text: str = ""
+    output_ids: list[int] = msgspec.field(default_factory=list)
+    meta_info: MetaInfo = msgspec.field(default_factory=MetaInfo)
 
 
 class SuccessReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -160,14 +201,24 @@ class StatusReply(msgspec.Struct, frozen=True):
     status: str = "ok"
 
 
-class ModelInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    """GET /model_info."""
+class ModelInfo(msgspec.Struct, frozen=True):
+    """GET /model_info: SGLang 0.5.23's fields (other keys it sends, such as `embedding`, are ignored),
+    then gyre-engine's own (`max_context_length`, `device`, `dtype`; absent from SGLang's reply)."""
 
     model_path: str
-    weight_version: str = "default"
-    is_generation: bool = True
     served_model_name: str | None = None
     tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: str | None = None
+    weight_version: str = "default"
+    load_format: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    disaggregation_mode: str | None = None
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+    model_type: str | None = None
+    architectures: list[str] | None = None
     max_context_length: int | None = None
     device: str | None = None
     dtype: str | None = None
@@ -188,6 +239,50 @@ class ServerInfo(msgspec.Struct, frozen=True):
     cached_prefix_tokens: int
     open_prefix_offers: int = 0
     """KV prefix offers (/offer_prefix) not yet released or expired."""
+
+
+class LoadSnapshot(msgspec.Struct, frozen=True):
+    """One data-parallel rank in SGLang's GET /v1/loads (its `LoadSnapshot`; the optional sections
+    `memory`, `queues`, ... are ignored). `total_prefill_uncached_tokens` and `decode_moments[0]`
+    (decode steps) are cumulative: they grow while the engine computes."""
+
+    dp_rank: int = 0
+    timestamp: float = 0.0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_used_tokens: int = 0
+    num_total_tokens: int = 0
+    max_total_num_tokens: int = 0
+    max_running_requests: int = 0
+    token_usage: float = 0.0
+    gen_throughput: float = 0.0
+    cache_hit_rate: float = 0.0
+    utilization: float = 0.0
+    total_prefill_uncached_tokens: int = 0
+    total_prefill_busy_us: int = 0
+    decode_moments: list[float] | None = None
+    """Sums over decode steps: [steps, batch sizes, step us, squared sizes, size * us, tokens]."""
+
+
+class Loads(msgspec.Struct, frozen=True):
+    """GET /v1/loads of SGLang (load per data-parallel rank); gyre-engine does not serve it."""
+
+    loads: list[LoadSnapshot] = msgspec.field(default_factory=list)
+    version: str | None = None
+    timestamp: str | None = None
+
+
+class EngineLoad(msgspec.Struct, frozen=True):
+    """What an engine is doing now, read the same way from gyre-engine and SGLang (`EngineClient.load`).
+
+    `work` is a counter that grows whenever the engine computes (prefill tokens plus decode steps), so two
+    readings tell whether it computed in between. `source` says which endpoint it came from."""
+
+    running: int
+    waiting: int
+    work: int
+    weight_version: str
+    source: Literal["gyre-engine", "sglang"]
 
 
 class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):

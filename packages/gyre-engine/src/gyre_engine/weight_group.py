@@ -15,7 +15,9 @@ and the trainers driving it use): the TCPStore, wrapped in `PrefixStore(group_na
 Unlike the helper, every listening socket binds one address: rank 0's store binds `master_address`
 (loopback by default), and each gloo rank listens on the local address that routes to the master.
 Every wait has a deadline: forming the group (a rank that never comes), and each broadcast (a trainer
-that never sends) raise `WeightGroupTimeout` instead of hanging. No object ever crosses the group: only
+that never sends) raise `WeightGroupTimeout` instead of hanging; a broadcast can also be given up at once
+(`give_up`, polled while it waits: rank 0 learns that an engine refused the update and will never
+receive), raising `WeightGroupAborted`. No object ever crosses the group: only
 raw tensor bytes, so nothing is unpickled.
 """
 
@@ -25,6 +27,9 @@ import contextlib
 import datetime as dt
 import socket
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +43,10 @@ class WeightGroupError(RuntimeError):
 
 class WeightGroupTimeout(WeightGroupError, TimeoutError):
     """A peer did not come, or rank 0 did not broadcast, within the group's timeout."""
+
+
+class WeightGroupAborted(WeightGroupError):
+    """A broadcast given up before it completed (its `give_up` said why); the group is out of step."""
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -64,6 +73,19 @@ def bind_master(address: str, port: int = 0) -> socket.socket:
         s.close()
         raise
     return s
+
+
+def _poll(work: Any, give_up: Callable[[], str | None], wait: dt.timedelta, what: str) -> None:
+    """Wait for `work` until it completes, `give_up` returns a reason (WeightGroupAborted), or `wait`
+    passes (then `work.wait` reports the timeout). Polls every 0.5 ms at first, backing off to 20 ms."""
+    deadline = time.monotonic() + wait.total_seconds()
+    pause = 0.0005
+    while not work.is_completed() and time.monotonic() < deadline:
+        why = give_up()
+        if why is not None:
+            raise WeightGroupAborted(f"{what}: given up: {why}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -180,9 +202,17 @@ class WeightGroup:
     def closed(self) -> bool:
         return self._pg is None
 
-    def broadcast(self, tensor: torch.Tensor, what: str = "tensor", timeout_s: float | None = None) -> None:
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        what: str = "tensor",
+        timeout_s: float | None = None,
+        give_up: Callable[[], str | None] | None = None,
+    ) -> None:
         """Rank 0: send `tensor` to every rank. Others: receive rank 0's tensor into `tensor` (same shape
-        and dtype, on `self.device`). Raises WeightGroupTimeout after `timeout_s` (default: the group's)."""
+        and dtype, on `self.device`). Raises WeightGroupTimeout after `timeout_s` (default: the group's).
+        `give_up`, polled while the broadcast is pending, returns a reason to stop waiting now
+        (WeightGroupAborted; the group is then out of step) or None to go on."""
         pg = self._pg
         if pg is None:
             raise WeightGroupError(f"weight group {self.name!r} is closed")
@@ -195,7 +225,11 @@ class WeightGroup:
         with self._lock:
             try:
                 work = pg.broadcast([tensor], opts)  # type: ignore[attr-defined]
+                if give_up is not None:
+                    _poll(work, give_up, wait, f"weight group {self.name!r}: {what}")
                 work.wait(wait)
+            except WeightGroupAborted:
+                raise
             except Exception as exc:
                 if _is_timeout(exc):
                     side = "send to the other ranks" if self.rank == 0 else "receive it from rank 0"

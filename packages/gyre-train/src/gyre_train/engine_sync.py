@@ -16,12 +16,16 @@
 
 Tensors go as raw bytes over the group's backend (gloo on the CPU, NCCL between GPUs); no object is
 pickled. Every wait has a deadline (`timeout_s`): an engine that does not join or does not receive is a
-`WeightSyncError`, never a hang. After a failed push the group may be out of step: `reconnect()`.
+`WeightSyncError`, never a hang. An engine that refuses an update (SGLang answers 400 at once, for
+example to an update outside a session with `session=False`) fails the push at once with its reply,
+without waiting for the broadcast's deadline. After a failed push the group may be out of step:
+`reconnect()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Coroutine, Mapping
@@ -32,7 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 from gyre_engine.client import EngineClient
-from gyre_engine.weight_group import WeightGroup, WeightGroupError, bind_master
+from gyre_engine.weight_group import WeightGroup, WeightGroupAborted, WeightGroupError, bind_master
 
 T = TypeVar("T")
 
@@ -238,28 +242,28 @@ class SGLangWeightSync:
                     http_timeout_s=cfg.timeout_s * 2 + 60.0,
                 )
 
-            async def all_update() -> list[Any]:
-                return await asyncio.gather(
-                    *(update(c, i) for i, c in enumerate(self._clients)), return_exceptions=True
-                )
-
-            pending = self._submit(all_update())
+            # one future per engine, so an engine that refuses (SGLang answers 400 at once, e.g. outside a
+            # session) stops the broadcast now instead of after its timeout
+            futures = [self._submit(update(c, i)) for i, c in enumerate(self._clients)]
             tb = time.perf_counter()
             sent_error: WeightGroupError | None = None
+            refusal = functools.partial(self._refusal, futures)
             for name, t in bucket:
                 try:
-                    group.broadcast(t, name)
+                    group.broadcast(t, name, give_up=refusal)
                 except WeightGroupError as exc:
                     sent_error = exc
                     break
             broadcast_s += time.perf_counter() - tb
-            try:
-                results = pending.result(cfg.timeout_s * 2 + 120.0)
-            except FutureTimeout as exc:
-                raise WeightSyncError(f"pushing version {label}: engines did not answer") from exc
+            results = self._results(futures, cfg.timeout_s * 2 + 120.0, label)
             failed = self._failures(results)
             if sent_error is not None or failed:
-                why = "; ".join(([str(sent_error)] if sent_error is not None else []) + failed)
+                lost = (
+                    []
+                    if sent_error is None or isinstance(sent_error, WeightGroupAborted)
+                    else [str(sent_error)]
+                )
+                why = "; ".join(lost + failed)
                 if sent_error is not None:
                     why += "; the group is out of step: reconnect()"
                 if cfg.session and k == 0:
@@ -283,6 +287,31 @@ class SGLangWeightSync:
             broadcast_s=broadcast_s,
             replies=tuple(replies),
         )
+
+    def _refusal(self, futures: list[Future[Any]]) -> str | None:
+        """An engine's error reply, if one came while the others may still be receiving."""
+        for i, f in enumerate(futures):
+            if f.done() and f.exception() is not None:
+                return f"{self.cfg.engines[i]}: {f.exception()}"
+        return None
+
+    def _results(self, futures: list[Future[Any]], timeout_s: float, label: str) -> list[Any]:
+        """Each engine's reply or exception, in engine order. Once one engine has refused, the others are
+        not waited for (an engine still receiving gives up on its own deadline, as the group is now out
+        of step); they count as failed."""
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        refused = self._refusal(futures) is not None
+        for f in futures:
+            try:
+                out.append(f.result(0 if refused and not f.done() else max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                if not refused:
+                    raise WeightSyncError(f"pushing version {label}: engines did not answer") from None
+                out.append(WeightSyncError("did not answer before the push was given up"))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def _all_ok(self, what: str, fn: Any, timeout_s: float) -> None:
         failed = self._failures(self._gather(fn, timeout_s))

@@ -48,7 +48,6 @@ from gyre_engine.protocol import (
     UpdateFromTensorRequest,
     UpdateFromXferRequest,
     XferWeightsReply,
-    check_sampling_keys,
 )
 from gyre_engine.server.dist_update import (
     DestroyWeightsUpdateGroupRequest,
@@ -67,6 +66,7 @@ from gyre_engine.server.kv_transfer import (
     import_prefix,
     install_prefix,
 )
+from gyre_engine.server.parse import is_single, parse_generate
 from gyre_engine.server.request import EngineRequest, TokenEvent
 from gyre_engine.server.response import ResponseBuilder
 from gyre_engine.server.weights import (
@@ -114,6 +114,11 @@ def error_response(
     message: str, status: int = 400, err_type: str = "BadRequestError", retryable: bool = False
 ) -> Response:
     return _json_response(ErrorReply(ErrorBody(message, err_type, status, retryable)), status)
+
+
+def refused(message: str) -> Response:
+    """A control call SGLang refuses answers 400 `{"success": false, "message"}`."""
+    return _json_response(SuccessReply(False, message), 400)
 
 
 def _error_for(exc: Exception) -> Response:
@@ -173,53 +178,6 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         return wrapped
 
     # ------------------------------------------------------------------ generate
-    def parse_generate(req: GenerateRequest) -> list[EngineRequest]:
-        if req.input_ids is not None and req.text is not None:
-            raise ProtocolError("give either input_ids or text, not both")
-        if req.input_ids is None and req.text is None:
-            raise ProtocolError("input_ids (or text) is required")
-        if req.logprob_start_len >= 0:
-            raise ProtocolError(
-                "input token logprobs (logprob_start_len >= 0) are not supported by gyre-engine"
-            )
-        if req.text is not None:
-            texts = [req.text] if isinstance(req.text, str) else req.text
-            ids_list: list[list[int]] = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
-            single = isinstance(req.text, str)
-        else:
-            assert req.input_ids is not None
-            single = _single(req)
-            kinds = {isinstance(x, int) for x in req.input_ids}
-            if len(kinds) > 1:
-                raise ProtocolError(
-                    "input_ids must be a list of token ids or a list of such lists, not a mix"
-                )
-            ids_list = [req.input_ids] if single else req.input_ids  # type: ignore[assignment,list-item]
-        n = len(ids_list)
-        sp = req.sampling_params if req.sampling_params is not None else {}
-        sps = [sp] * n if isinstance(sp, dict) else sp
-        rids: list[str | None] = [req.rid] if isinstance(req.rid, str) else list(req.rid or [None] * n)  # type: ignore[list-item]
-        if len(sps) != n or len(rids) != n:
-            raise ProtocolError("sampling_params and rid lists must match the number of inputs")
-        out = []
-        for ids, params, rid in zip(ids_list, sps, rids, strict=True):
-            check_sampling_keys(params)
-            out.append(
-                EngineRequest(
-                    rid=rid or uuid.uuid4().hex,
-                    input_ids=list(ids),
-                    params=msgspec.convert(params, SamplingParams),
-                    return_logprob=req.return_logprob,
-                    top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
-                    return_text_in_logprobs=req.return_text_in_logprobs,
-                )
-            )
-        if not single and req.stream:
-            raise ProtocolError(
-                "streaming a batch of inputs is not supported by gyre-engine; send them one by one"
-            )
-        return out if not single else out[:1]
-
     async def start(er: EngineRequest) -> asyncio.Queue[TokenEvent]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -249,22 +207,24 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             rb.add(ev)
         return rb.response()
 
+    def tokenize(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
     async def generate(request: Request) -> Response:
         req = await body_as(request, GenerateRequest)
-        ers = parse_generate(req)
+        ers = parse_generate(req, tokenize, engine.context_len)
         for er in ers:
             engine.check_request(er)
         if req.stream:
             er = ers[0]
             q = await start(er)
-            interval = er.params.stream_interval or 1
 
             async def sse() -> AsyncIterator[bytes]:
                 rb = ResponseBuilder(er, tok)
                 try:
                     async for ev in events(er, q):
                         rb.add(ev)
-                        if ev.finish is not None or len(rb.output_ids) % interval == 0:
+                        if rb.chunk_due():
                             yield b"data: " + _json.encode(rb.response()) + b"\n\n"
                 except Exception as exc:  # the stream already started: report in-band, SGLang-style
                     body = ErrorBody(str(exc), type(exc).__name__, 500, retryable=True)
@@ -273,7 +233,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         results = await asyncio.gather(*(complete(er) for er in ers))
-        return _json_response(results[0] if _single(req) else results)
+        return _json_response(results[0] if is_single(req) else results)
 
     # ------------------------------------------------------------------ control
     async def abort_request(request: Request) -> Response:
@@ -298,17 +258,28 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
 
     async def begin_weight_update(request: Request) -> Response:
         await body_as(request, BeginWeightUpdateRequest)
-        await run(engine.begin_weight_update)
+        if not await run(engine.begin_weight_update):
+            return refused("a weight-update session is already open; call end_weight_update() first")
         return _json_response(
             SuccessReply(True, "weight update begun; generation holds until end_weight_update")
         )
 
     async def end_weight_update(request: Request) -> Response:
         version = await run(engine.end_weight_update)
+        if version is None:
+            return refused("no weight-update session is open; call begin_weight_update() first")
         return _json_response(SuccessReply(True, f"weight update ended; weight_version={version}"))
+
+    def outside_session(what: str) -> Response | None:
+        """SGLang 0.5.23 loads tensors and distributed updates only inside a weight-update session."""
+        if engine.updating:
+            return None
+        return refused(f"{what} must run between begin_weight_update() and end_weight_update()")
 
     async def update_from_tensor(request: Request) -> Response:
         body = await body_as(request, UpdateFromTensorRequest)
+        if (no := outside_session("update_weights_from_tensor")) is not None:
+            return no
         if body.load_format != "safetensors":
             return error_response(
                 f"load_format {body.load_format!r} is not accepted: gyre-engine never unpickles; send "
@@ -350,6 +321,8 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
 
     async def update_from_distributed(request: Request) -> Response:
         body = await body_as(request, UpdateFromDistributedRequest)
+        if (no := outside_session("update_weights_from_distributed")) is not None:
+            return no
         t0 = time.monotonic()
         tensors = await groups.receive(body)
         n = await run(
@@ -389,12 +362,18 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
 
     async def model_info(request: Request) -> Response:
         p = next(engine.model.parameters())
+        hf = getattr(engine.model, "config", None)
         return _json_response(
             ModelInfo(
                 model_path=config.model_path,
-                weight_version=engine.weight_version,
                 served_model_name=config.served_model_name or config.model_path,
                 tokenizer_path=config.model_path,
+                is_generation=True,
+                weight_version=engine.weight_version,
+                load_format="auto",
+                disaggregation_mode="null",
+                model_type=getattr(hf, "model_type", None),
+                architectures=getattr(hf, "architectures", None),
                 max_context_length=engine.context_len,
                 device=str(engine.device),
                 dtype=str(p.dtype).removeprefix("torch."),
@@ -537,12 +516,6 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
 
 class _ExportBody(msgspec.Struct, frozen=True):
     input_ids: list[int]
-
-
-def _single(req: GenerateRequest) -> bool:
-    if req.text is not None:
-        return isinstance(req.text, str)
-    return not req.input_ids or isinstance(req.input_ids[0], int)
 
 
 def _empty_device_cache(engine: Engine) -> None:

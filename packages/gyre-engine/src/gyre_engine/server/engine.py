@@ -39,7 +39,7 @@ from gyre_engine.server.request import (
     as_stop_list,
     compile_stop_regex,
 )
-from gyre_engine.server.sampling import SamplerState, sample, validate_params
+from gyre_engine.server.sampling import RowLogprobs, SamplerState, sample, validate_params
 from gyre_engine.server.slots import SlotBatch, compile_fn
 
 log = logging.getLogger(__name__)
@@ -260,10 +260,15 @@ class Engine:
             raise ProtocolError(f"input_ids has {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if len(req.input_ids) >= self.context_len:
             raise ProtocolError(
-                f"the input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len})"
+                f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
         if not 0 <= req.top_logprobs_num <= 64:
             raise ProtocolError("top_logprobs_num must be in [0, 64]")
+        for t in req.token_ids_logprob or ():
+            if not 0 <= t < self.vocab_size:
+                raise ProtocolError(
+                    f"token_ids_logprob contains out-of-vocabulary token id {t}; valid range is [0, {self.vocab_size})"
+                )
         validate_params(req.params, self.vocab_size)
         compile_stop_regex(req.params.stop_regex)
         if (req.params.stop or req.params.stop_regex) and self.tokenizer is None:
@@ -384,7 +389,7 @@ class Engine:
         if p.pos == len(p.ctx):
             self._partial = None
             self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
-            first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num])
+            first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num], [p.r.req.token_ids_logprob])
             top = first.top[0] if first.top else None
             row = RowKV(*cache_layers(p.cache))
             self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
@@ -403,7 +408,12 @@ class Engine:
             log.exception("compiled prefill failed; prefilling eagerly from now on")
             self.compiled_prefill, self._compile_prefill = None, False
             rows, logits = prefill_group(self.model, self._cache_kw, ctxs, self.device)
-        first = sample(logits, [r.sampler for r in group], [r.req.top_logprobs_num for r in group])
+        first = sample(
+            logits,
+            [r.sampler for r in group],
+            [r.req.top_logprobs_num for r in group],
+            [r.req.token_ids_logprob for r in group],
+        )
         for i, (r, ctx, row) in enumerate(zip(group, ctxs, rows, strict=True)):
             self._count_prefill(r, len(ctx), 0)
             top = first.top[i] if first.top else None
@@ -422,12 +432,12 @@ class Engine:
         row: RowKV,
         token: int,
         logprob: float,
-        top: list[tuple[float, int]] | None,
+        top: RowLogprobs | None,
         joining: list[tuple[Running, RowKV, int]],
     ) -> None:
         """After prefill: finish at once, or go to `joining` (placed into a decode lane after the prefills)."""
         tops = [top] if top is not None else None
-        if r.req.params.max_new_tokens == 0:
+        if r.req.max_new_tokens == 0:
             self._store_prefix(ctx, row)
             self._finish(r, FinishReason(type="length", length=0), [], [], None)
             return
@@ -447,11 +457,11 @@ class Engine:
         reqs = lane.reqs
         batch = lane.batch
         old = list(batch.lengths)
-        tops: list[list[tuple[float, int]]] | None = None
+        tops: list[RowLogprobs] | None = None
         if isinstance(batch, SlotBatch) and all(
             (r.sampler.greedy or (r.sampler.untruncated and batch.device_sampling))
             and not r.sampler.needs_row_processing
-            and not r.req.top_logprobs_num
+            and not r.req.wants_row_logprobs
             for r in reqs
         ):  # the head (argmax, or a draw at the row's temperature) runs inside the captured step
             toks, lps = batch.step_run(
@@ -464,7 +474,10 @@ class Engine:
                     r.sampler.observe(token)
         else:  # `sample` observes its tokens
             s = sample(
-                batch.step(self.model), [r.sampler for r in reqs], [r.req.top_logprobs_num for r in reqs]
+                batch.step(self.model),
+                [r.sampler for r in reqs],
+                [r.req.top_logprobs_num for r in reqs],
+                [r.req.token_ids_logprob for r in reqs],
             )
             toks, lps, tops = [s.tokens], [s.logprobs], s.top
         steps = len(toks)
@@ -504,7 +517,7 @@ class Engine:
         n = self.config.run_steps
         if n <= 1 or not batch.can_run(n):
             return 1
-        want = max(r.req.params.max_new_tokens - len(r.output) for r in reqs)
+        want = max(r.req.max_new_tokens - len(r.output) for r in reqs)
         return n if 4 * want >= 3 * n else 1
 
     def _store_prefix(self, tokens: list[int], kv: RowKV) -> None:
@@ -516,7 +529,7 @@ class Engine:
         r: Running,
         tokens: list[int],
         lps: list[float],
-        top: list[list[tuple[float, int]]] | None,
+        top: list[RowLogprobs] | None,
         finish: FinishReason | None,
     ) -> None:
         ev = TokenEvent(
@@ -540,7 +553,7 @@ class Engine:
         finish: FinishReason,
         tokens: list[int],
         lps: list[float],
-        top: list[list[tuple[float, int]]] | None,
+        top: list[RowLogprobs] | None,
     ) -> None:
         self._emit(r, tokens, lps, top, finish)
 
@@ -610,10 +623,17 @@ class Engine:
             raise EngineUnavailable("Cache not flushed: there are running or waiting requests")
         self.prefix.clear()
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self) -> bool:
+        """Open the weight-update session (no step runs until it ends); False if one is open."""
+        if self.updating:
+            return False
         self.updating = True
+        return True
 
-    def end_weight_update(self) -> str:
+    def end_weight_update(self) -> str | None:
+        """Close the session; the new weight version, or None if no session was open."""
+        if not self.updating:
+            return None
         self.updating = False
         if self._pending_bump:
             self._bump_version(None)

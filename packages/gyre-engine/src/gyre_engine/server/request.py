@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_engine.protocol import FinishReason, ProtocolError, SamplingParams
-from gyre_engine.server.sampling import SamplerState
+from gyre_engine.server.sampling import RowLogprobs, SamplerState
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,21 @@ class EngineRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    token_ids_logprob: tuple[int, ...] | None = None
+    """With `return_logprob`: at each output position, the logprobs of these ids (SGLang's feature)."""
+
+    def __post_init__(self) -> None:
+        if self.params.max_new_tokens is None:
+            raise ProtocolError("max_new_tokens must be a number here (parse.py bounds null by the context)")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens or 0
+
+    @property
+    def wants_row_logprobs(self) -> bool:
+        """Top or token-id logprobs: the host head computes them (no device-side runs)."""
+        return bool(self.top_logprobs_num or self.token_ids_logprob)
 
 
 @dataclass(frozen=True)
@@ -36,7 +51,8 @@ class TokenEvent:
     rid: str
     token_ids: list[int]
     logprobs: list[float]
-    top: list[list[tuple[float, int]]] | None
+    top: list[RowLogprobs] | None
+    """Per new token, when the request asked for top or token-id logprobs."""
     finish: FinishReason | None
     prompt_tokens: int
     cached_tokens: int
@@ -71,8 +87,8 @@ class Running:
     def finish_reason(self, token: int) -> FinishReason | None:
         """The reason to stop after `token` was appended to `output`, or None to go on."""
         p = self.req.params
-        if len(self.output) >= p.max_new_tokens:
-            return FinishReason(type="length", length=p.max_new_tokens)
+        if len(self.output) >= self.req.max_new_tokens:
+            return FinishReason(type="length", length=self.req.max_new_tokens)
         if len(self.req.input_ids) + len(self.output) >= self.context_len:
             return FinishReason(type="length", length=len(self.output))
         if len(self.output) >= p.min_new_tokens:

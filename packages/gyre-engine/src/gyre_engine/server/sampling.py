@@ -96,7 +96,7 @@ def validate_params(params: SamplingParams, vocab_size: int) -> None:
         raise ProtocolError("sampling_params.beam_width > 1 is not supported by gyre-engine")
     if params.n != 1:
         raise ProtocolError("sampling_params.n must be 1 in gyre-engine (send n requests instead)")
-    if params.max_new_tokens < 0:
+    if params.max_new_tokens is None or params.max_new_tokens < 0:
         raise ProtocolError("sampling_params.max_new_tokens must be >= 0")
     if params.temperature < 0:
         raise ProtocolError("sampling_params.temperature must be >= 0")
@@ -174,16 +174,31 @@ def pick(logp: torch.Tensor, sampled: torch.Tensor, seeds: torch.Tensor, index: 
 
 
 @dataclass(frozen=True)
+class RowLogprobs:
+    """What a row asked for besides its token's logprob, at one position, from the same distribution:
+    its top-k (logprob, id) pairs and the logprobs of the ids it named (`token_ids_logprob`)."""
+
+    top: list[tuple[float, int]]
+    ids: list[float]
+
+
+@dataclass(frozen=True)
 class Sampled:
-    """Result of one sampling call: per row, token, its logprob, and optional top-k (logprob, id) pairs."""
+    """Result of one sampling call: per row, token, its logprob, and (when any row asked) RowLogprobs."""
 
     tokens: list[int]
     logprobs: list[float]
-    top: list[list[tuple[float, int]]] | None
+    top: list[RowLogprobs] | None
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState], top_n: list[int]) -> Sampled:
-    """Sample one token per row of `logits` ([B, V]); `top_n[i]` > 0 asks row i for its top logprobs."""
+def sample(
+    logits: torch.Tensor,
+    states: list[SamplerState],
+    top_n: list[int],
+    want_ids: list[tuple[int, ...] | None] | None = None,
+) -> Sampled:
+    """Sample one token per row of `logits` ([B, V]); `top_n[i]` > 0 asks row i for its top logprobs,
+    `want_ids[i]` for the logprobs of those token ids."""
     logits = logits.float()
     if logits.shape[-1] > states[0].vocab_size:
         logits = logits[:, : states[0].vocab_size]
@@ -222,15 +237,22 @@ def sample(logits: torch.Tensor, states: list[SamplerState], top_n: list[int]) -
         index = torch.tensor([st.next_index for st in states], device=device)
         chosen = pick(logp, ~greedy, seeds, index)
     chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
-    top: list[list[tuple[float, int]]] | None = None
-    if any(n > 0 for n in top_n):
-        k = max(top_n)
-        vals, idx = torch.topk(logp, k, dim=-1)
-        vals_l, idx_l = vals.tolist(), idx.tolist()
-        top = [
-            list(zip(vals_l[i][: top_n[i]], idx_l[i][: top_n[i]], strict=True)) for i in range(len(states))
-        ]
+    top = _row_logprobs(logp, top_n, want_ids or [None] * len(states))
     tokens = chosen.tolist()
     for st, tok in zip(states, tokens, strict=True):
         st.observe(tok)
     return Sampled(tokens=tokens, logprobs=chosen_lp.tolist(), top=top)
+
+
+def _row_logprobs(
+    logp: torch.Tensor, top_n: list[int], want_ids: list[tuple[int, ...] | None]
+) -> list[RowLogprobs] | None:
+    if not any(top_n) and not any(want_ids):
+        return None
+    top: list[list[tuple[float, int]]] = [[] for _ in top_n]
+    if any(n > 0 for n in top_n):
+        vals, idx = torch.topk(logp, max(top_n), dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+        top = [list(zip(vals_l[i][:n], idx_l[i][:n], strict=True)) for i, n in enumerate(top_n)]
+    ids = [logp[i, list(w)].tolist() if w else [] for i, w in enumerate(want_ids)]
+    return [RowLogprobs(t, v) for t, v in zip(top, ids, strict=True)]
