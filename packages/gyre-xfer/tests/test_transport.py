@@ -172,8 +172,8 @@ def test_shm_peer_that_went_away_is_peer_gone() -> None:
 
 def test_torch_tensors_register_without_copies() -> None:
     torch = pytest.importorskip("torch")
-    a = open_transport(Config())
-    b = open_transport(Config())
+    a = open_transport(Config(kind="mooncake"))
+    b = open_transport(Config(kind="mooncake"))
     try:
         src_t = torch.arange(1024, dtype=torch.float32).to(torch.bfloat16)
         src = b.register(src_t)
@@ -214,6 +214,25 @@ def test_missing_wheel_names_the_extras(monkeypatch: pytest.MonkeyPatch) -> None
         TransportUnavailableError, match=r"gyre-xfer\[mooncake\]'.*gyre-xfer\[mooncake-cuda13\]"
     ):
         mc_mod.load_engine_class()
+
+
+def test_default_transport_is_shared_memory_and_needs_no_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if no Mooncake wheel (or libibverbs1) were here
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    assert Config().kind == "shm"
+    a, b = open_transport(), open_transport()
+    try:
+        src = b.alloc(64)
+        assert src.array is not None
+        src.array[:] = 7
+        dst = a.alloc(64)
+        assert a.read(b.endpoint, [Op(dst, 0, src.desc, 0, 64)]).ok and dst.array is not None
+        assert (dst.array == 7).all()
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(TransportUnavailableError, match=r"gyre-xfer\[mooncake\]"):
+        open_transport(Config(kind="mooncake"))  # asked for by name: an error that says what to install
 
 
 def test_wheel_is_reported() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gyre_traj.loss import LossConfig
+from gyre_traj.loss import LossConfig, combine_metrics
 from gyre_traj.pack import PackedBatch
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config as XferConfig
@@ -114,6 +114,9 @@ class StepReport:
     elapsed_s: float
     engine_push: PushReport | None = None
     """The push of this version to the SGLang-protocol engines (`CoreConfig.engines`)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The loss's metrics over the mini-batch (gyre-traj `combine_metrics`: approx_kl, clip_frac,
+    ratio_mean, entropy where the backend reports it, loss tokens)."""
 
 
 class Core:
@@ -335,6 +338,7 @@ class Core:
             staleness=staleness(microbatches, st.version),
             elapsed_s=time.perf_counter() - t0,
             engine_push=push,
+            metrics=combine_metrics([metrics[i] for i in sorted(metrics)]),
         )
 
     def _apply(self, grad: torch.Tensor) -> float:
