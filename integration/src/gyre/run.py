@@ -14,7 +14,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,10 @@ from gyre import predict as sim
 from gyre.cell import CellArgs
 from gyre.config import Config
 from gyre.driver import Driver
+from gyre.evalset import Evaluator
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
 from gyre.procs import ProcessGroup, free_port, python_argv
+from gyre.runparts import RunContext, RunPart
 from gyre.trajsvc import TrajectoryService
 
 log = logging.getLogger("gyre.run")
@@ -81,8 +83,11 @@ def _proxy_up(url: str) -> bool:
         return False
 
 
-def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json)."""
+def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart] = ()) -> dict[str, Any]:
+    """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json). `parts` ride
+    along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them."""
+    if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
+        parts = [Evaluator(cfg), *parts]
     out = Path(cfg.run.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for stale in (
@@ -163,6 +168,9 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
         say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
         traj.start()
         driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
+        ctx = RunContext(cfg, out, proxy_url, driver, traj, sampler, info["publisher"])
+        for part in parts:
+            part.start(ctx)
         t_start = time.time()
         driver.start()
         deadline = time.monotonic() + c.deadline_s
@@ -173,7 +181,9 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
                 raise RunError(f"trajectory service failed: {traj.error}") from traj.error
             if driver.error is not None:
                 raise RunError(f"rollout driver failed: {driver.error}") from driver.error
-            if traj.applied >= c.steps and driver.done.is_set():
+            for part in parts:
+                part.tick(ctx)
+            if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in parts):
                 break
             if time.monotonic() > deadline:
                 raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
@@ -190,6 +200,8 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
         )
         say(_progress(t_start, driver, traj, sampler))
     finally:
+        for extra in parts:
+            extra.stop()
         for part in (driver, traj, sampler):
             if part is not None:
                 part.stop()
@@ -305,6 +317,7 @@ def collect(
                 "microbatches": r["microbatches"],
                 "loss": r["loss"],
                 "grad_norm": r["grad_norm"],
+                "loss_metrics": r.get("metrics", {}),
                 "staleness_mean": r["staleness"]["mean"],
                 "staleness_max": r["staleness"]["max"],
                 **{
@@ -352,6 +365,9 @@ def collect(
         "executions": len(outcomes),
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": traj.records,
+        "evals": [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+        if (out / "evals.jsonl").exists()
+        else [],
         "steps": steps,
         "outcomes": outcomes,
     }
