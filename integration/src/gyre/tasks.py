@@ -50,15 +50,16 @@ class Task:
     and the answer it leads to: what the warm start's imperfect teacher sometimes demonstrates."""
 
 
-def _schema(arg: str, what: str) -> dict[str, object]:
-    return {"type": "object", "properties": {arg: {"type": "string", "description": what}}, "required": [arg]}
+def _tool(name: str, description: str, arg: str) -> dict[str, object]:
+    schema = {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}
+    return {"name": name, "description": description, "input_schema": schema}
 
 
 TOOLS = [
-    {"name": "calculator", "description": "Evaluate + - * on integers.", "input_schema": _schema("expression", "")},
-    {"name": "weather", "description": "Report of a city.", "input_schema": _schema("city", "")},
-    {"name": "count", "description": "Letters and vowels of a word.", "input_schema": _schema("text", "")},
-    {"name": "reverse", "description": "A word backwards.", "input_schema": _schema("text", "")},
+    _tool("calculator", "+ - * of integers", "expression"),
+    _tool("weather", "a city's report", "city"),
+    _tool("count", "letters, vowels", "text"),
+    _tool("reverse", "a word backwards", "text"),
 ]
 """What the built-in harness offers the model (Anthropic `tools`), short so prompts stay short."""
 
