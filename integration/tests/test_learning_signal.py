@@ -109,6 +109,7 @@ def _mean_lp(model: Any, calls: list[tuple[Call, np.ndarray]]) -> float:
     return float(np.concatenate([_output_logprob(model, c, inp) for c, inp in calls]).mean())
 
 
+@pytest.mark.slow
 def test_one_step_moves_the_rewarded_tokens_and_the_engine_serves_it(system: dict[str, Any]) -> None:
     from gyre_engine.client import EngineClient
     from gyre_engine.protocol import SamplingParams

@@ -32,7 +32,9 @@ class DemoConfig:
     out: str = "gyre-demo"
     """Output directory (created)."""
     seed: int = 0
-    """Seeds the warm start, the tasks and the sampling."""
+    """Seeds the RL run: its training tasks and the sampling (the held-out tasks are the same for all)."""
+    warmstart_seed: int = 0
+    """Seeds the warm start (model init, transcripts); seeds of the RL run share it and its cache."""
     control: bool = False
     """Learning rate 0: the same run with no learning (the control)."""
     quick: bool = False
@@ -45,14 +47,14 @@ class DemoConfig:
 
 def warmstart_config(d: DemoConfig) -> WarmStartConfig:
     if d.quick:
-        return WarmStartConfig(seed=d.seed, steps=24, batch=4, warmup=4)
-    return WarmStartConfig(seed=d.seed)
+        return WarmStartConfig(seed=d.warmstart_seed, steps=24, batch=4, warmup=4)
+    return WarmStartConfig(seed=d.warmstart_seed)
 
 
 def run_config(d: DemoConfig, model_dir: Path) -> Config:
     """The `gyre run` configuration of the demo (an ordinary Config: `gyre run` accepts the same)."""
     steps = d.steps or (2 if d.quick else 16)
-    lr = 0.0 if d.control else (d.lr or 3e-4)
+    lr = 0.0 if d.control else (d.lr or 1e-3)
     return Config(
         run=RunSection(
             policy="elastic", cells=2, steps=steps, seed=d.seed, out_dir=d.out, model_dir=str(model_dir),
@@ -64,7 +66,7 @@ def run_config(d: DemoConfig, model_dir: Path) -> Config:
             model_fraction=1.0, timeout_s=120.0, request_timeout_s=120.0,
         ),
         train=TrainSection(lr=lr, token_budget=2048, loss="ppo", j_max=5),
-        eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 4, seed=d.seed, max_tokens=32),
+        eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 4, seed=0, max_tokens=32),
         sched=SchedSection(ready_fraction=0.5, hold_s=0.3),
     )  # fmt: skip
 

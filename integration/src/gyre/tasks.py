@@ -133,7 +133,7 @@ def _make_weather(rng: random.Random, tid: str) -> tuple[str, Task]:
     city = _word(rng).capitalize()
     field = rng.choice(_FIELDS)
     w = _weather(city)
-    other = _FIELDS[(_FIELDS.index(field) + rng.randint(1, 2)) % 3]
+    other = _FIELDS[(_FIELDS.index(field) + 1) % 3]  # one mistake per field, so it is the teacher's mode
     step = ToolStep("weather", city)
     task = Task(tid, "weather", f"What is the {field} in {city}?", str(w[field]), (step,), (step, str(w[other])))
     return f"weather:{city}", task
