@@ -4,10 +4,10 @@ import random
 from pathlib import Path
 
 import pytest
+from gyre import tasks as tasks_mod
 from gyre.cli import main
 from gyre.config import Config, ConfigError, config_from_dict, load_config
 from gyre.predict import durations, sim_workload
-from gyre import tasks as tasks_mod
 from gyre.tasks import FAMILIES, eval_set, evaluate, make_task, run_tool
 from gyre_traj.records import EvalStatus
 

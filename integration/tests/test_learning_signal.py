@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -65,7 +64,9 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     try:
         procs.start(
             "engine",
-            python_argv("gyre_engine", "serve", "--model", str(model_dir), "--port", engine.rsplit(":", 1)[1]),
+            python_argv(
+                "gyre_engine", "serve", "--model", str(model_dir), "--port", engine.rsplit(":", 1)[1]
+            ),
             env={"OMP_NUM_THREADS": "1"},
         )
         procs.start(
@@ -90,7 +91,14 @@ async def _two_executions(proxy: str) -> list[Execution]:
     async with httpx.AsyncClient(timeout=60.0) as http:
         for ex in exs:  # call 1, the tool's output as a user turn (scripted fallback), call 2
             await run_execution(
-                http, proxy, ex, turns=2, max_tokens=10, temperature=1.0, retry_for_s=30.0, scripted_fallback=True
+                http,
+                proxy,
+                ex,
+                turns=2,
+                max_tokens=10,
+                temperature=1.0,
+                retry_for_s=30.0,
+                scripted_fallback=True,
             )
     return exs
 
@@ -134,10 +142,16 @@ def test_one_step_moves_the_rewarded_tokens_and_the_engine_serves_it(system: dic
         inputs[r.call_id] = np.concatenate([full, r.output_ids])
         calls[r.execution_id].append((r, full))
     good, bad = exs[0].execution_id, exs[1].execution_id
-    scores = [Score(execution_id=good, group_id="g0", value=1.0), Score(execution_id=bad, group_id="g0", value=0.0)]
+    scores = [
+        Score(execution_id=good, group_id="g0", value=1.0),
+        Score(execution_id=bad, group_id="g0", value=0.0),
+    ]
     adv, _ = group_advantages(scores)
     assert adv == {good: 0.5, bad: -0.5}
-    items = [PackItem(forest.trees[e], select(forest.trees[e], SelectionConfig(j_max=5)), adv[e]) for e in (good, bad)]
+    items = [
+        PackItem(forest.trees[e], select(forest.trees[e], SelectionConfig(j_max=5)), adv[e])
+        for e in (good, bad)
+    ]
     mbs = pack(items, PackConfig(token_budget=4096, mode="tree"))
 
     # Loss mask: each execution's targets are exactly its recorded output tokens (no prompt, no tool output).
@@ -172,7 +186,7 @@ def test_one_step_moves_the_rewarded_tokens_and_the_engine_serves_it(system: dic
         assert after[bad] < before[bad] - 1e-3, (before, after)
 
         # The engine pulls the new version and serves it: its version label and its logprobs.
-        first, first_in = calls[good][0]
+        first_in = calls[good][0][1]
 
         async def engine_side() -> Any:
             async with EngineClient(system["engine"], timeout_s=60.0) as c:
@@ -181,7 +195,9 @@ def test_one_step_moves_the_rewarded_tokens_and_the_engine_serves_it(system: dic
                 )
                 assert rep.success, rep.message
                 return await c.generate(
-                    [int(x) for x in first_in], SamplingParams(max_new_tokens=1, temperature=0.0), return_logprob=True
+                    [int(x) for x in first_in],
+                    SamplingParams(max_new_tokens=1, temperature=0.0),
+                    return_logprob=True,
                 )
 
         out = asyncio.run(engine_side())

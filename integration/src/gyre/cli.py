@@ -77,9 +77,14 @@ def _field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for a, b in itertools.pairwise(body):
-        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr):
-            if isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
-                docs[a.target.id] = " ".join(b.value.value.split())
+        named = isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+        if (
+            named
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
+        ):
+            docs[a.target.id] = " ".join(b.value.value.split())
     return docs
 
 

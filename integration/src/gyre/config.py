@@ -179,7 +179,9 @@ class Config:
         _check(a.timeout_s > 0 and a.request_timeout_s > 0, "[agent] timeouts must be > 0")
         _check(self.driver.max_ahead >= 0, "[driver] max_ahead must be >= 0")
         _check(self.driver.report_s > 0, "[driver] report_s must be > 0")
-        _check(t.lr >= 0 and t.token_budget >= 64, "[train] lr >= 0 (0: a control run) and token_budget >= 64")
+        _check(
+            t.lr >= 0 and t.token_budget >= 64, "[train] lr >= 0 (0: a control run) and token_budget >= 64"
+        )
         _check(self.eval.tasks >= 0 and self.eval.every >= 1, "[eval] tasks must be >= 0 and every >= 1")
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre.config import AgentSection, BatchSection, Config, EvalSection, RunSection, SchedSection, TrainSection
+from gyre.config import (
+    AgentSection,
+    BatchSection,
+    Config,
+    EvalSection,
+    RunSection,
+    SchedSection,
+    TrainSection,
+)
 from gyre.evalset import Evaluator, engines_serve, eval_points
 from gyre.runparts import RunContext
 from gyre.warmstart import WarmStartConfig, warm_start
@@ -38,7 +46,7 @@ class DemoConfig:
     control: bool = False
     """Learning rate 0: the same run with no learning (the control)."""
     quick: bool = False
-    """A small run (CI): a short warm start and 2 steps."""
+    """A small run for CI: a few warm-start steps of the tiny shape, 2 RL steps (it learns nothing)."""
     steps: int = 0
     """RL steps (0: the preset's)."""
     lr: float = 0.0
@@ -47,7 +55,7 @@ class DemoConfig:
 
 def warmstart_config(d: DemoConfig) -> WarmStartConfig:
     if d.quick:
-        return WarmStartConfig(seed=d.warmstart_seed, steps=24, batch=4, warmup=4)
+        return WarmStartConfig(shape="tiny", seed=d.warmstart_seed, steps=12, batch=4, warmup=2)
     return WarmStartConfig(seed=d.warmstart_seed)
 
 
@@ -112,12 +120,15 @@ class StepReporter:
             if sd is None or not sd.summary or (r["version"] in self.points and r["version"] not in evals):
                 return  # wait for its summary, and for the evaluation at its version
             self._step_line(r, sd.summary, evals)
-        if self.exported is None and ctx.traj.applied >= self.cfg.run.steps and len(self.rows) == self.cfg.run.steps:
-            if engines_serve(ctx, self.cfg.run.steps):
-                self.exported = export_policy(ctx, Path(self.cfg.run.model_dir), ctx.out / "policy")
-                self.say(f"trained policy exported to {self.exported}")
+        last = self.cfg.run.steps
+        finished = ctx.traj.applied >= last and len(self.rows) == last and engines_serve(ctx, last)
+        if self.exported is None and finished:
+            self.exported = export_policy(ctx, Path(self.cfg.run.model_dir), ctx.out / "policy")
+            self.say(f"trained policy exported to {self.exported}")
 
-    def _step_line(self, r: dict[str, Any], summary: dict[str, Any], evals: dict[int, dict[str, Any]]) -> None:
+    def _step_line(
+        self, r: dict[str, Any], summary: dict[str, Any], evals: dict[int, dict[str, Any]]
+    ) -> None:
         m = r.get("metrics", {})
         prev_end = self.rows[-1]["t_end"] if self.rows else r["t_start"]
         tok_s = summary.get("tokens", 0) / max(1e-6, r["t_end"] - prev_end)
@@ -152,7 +163,16 @@ class StepReporter:
             f"{row['loss']:8.4f} {f(row['approx_kl'], '7.4f')} {f(row['clip_frac'], '5.3f')} "
             f"{f(ent, '7.3f')} {row['staleness']:5.2f} {row['tokens_per_s']:6.0f}{warn}"
         )
-        for name in ("train_score", "eval_score", "loss", "approx_kl", "clip_frac", "entropy", "staleness", "tokens_per_s"):
+        for name in (
+            "train_score",
+            "eval_score",
+            "loss",
+            "approx_kl",
+            "clip_frac",
+            "entropy",
+            "staleness",
+            "tokens_per_s",
+        ):
             if row[name] is not None:
                 self.tb.add_scalar(f"demo/{name}", row[name], v)
         if ev:
@@ -271,7 +291,9 @@ def plot_rewards(result: dict[str, Any], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = result["per_step"]
     xs = [r["version"] for r in rows if r["train_score"] is not None]
-    ax.plot(xs, [r["train_score"] for r in rows if r["train_score"] is not None], "o-", label="train (sampled)")
+    ax.plot(
+        xs, [r["train_score"] for r in rows if r["train_score"] is not None], "o-", label="train (sampled)"
+    )
     ev = [(e["version"], e["score"]) for e in result["evals"] if e["score"] is not None]
     if ev:
         ax.plot(*zip(*ev, strict=True), "s-", label="held-out eval (greedy)")
@@ -286,4 +308,3 @@ def plot_rewards(result: dict[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-

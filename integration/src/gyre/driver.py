@@ -165,9 +165,17 @@ class Driver:
             self.state.finished.append((dur, timed_out))
             self.state.outcomes.append(
                 Outcome(
-                    ex.execution_id, k, start, time.time(), ex.calls, timed_out, score.value, ex.tool_s, error,
+                    ex.execution_id,
+                    k,
+                    start,
+                    time.time(),
+                    ex.calls,
+                    timed_out,
+                    score.value,
+                    ex.tool_s,
+                    error,
                     ex.tool_calls(),
-                )  # fmt: skip
+                )
             )
 
     def track(self, execution_id: str) -> None:

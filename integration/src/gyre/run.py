@@ -169,8 +169,8 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         traj.start()
         driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
         ctx = RunContext(cfg, out, proxy_url, driver, traj, sampler, info["publisher"])
-        for part in parts:
-            part.start(ctx)
+        for rider in parts:
+            rider.start(ctx)
         t_start = time.time()
         driver.start()
         deadline = time.monotonic() + c.deadline_s
@@ -181,8 +181,8 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 raise RunError(f"trajectory service failed: {traj.error}") from traj.error
             if driver.error is not None:
                 raise RunError(f"rollout driver failed: {driver.error}") from driver.error
-            for part in parts:
-                part.tick(ctx)
+            for rider in parts:
+                rider.tick(ctx)
             if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in parts):
                 break
             if time.monotonic() > deadline:
@@ -200,8 +200,8 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         )
         say(_progress(t_start, driver, traj, sampler))
     finally:
-        for extra in parts:
-            extra.stop()
+        for rider in parts:
+            rider.stop()
         for part in (driver, traj, sampler):
             if part is not None:
                 part.stop()

@@ -135,7 +135,9 @@ def _make_weather(rng: random.Random, tid: str) -> tuple[str, Task]:
     w = _weather(city)
     other = _FIELDS[(_FIELDS.index(field) + 1) % 3]  # one mistake per field, so it is the teacher's mode
     step = ToolStep("weather", city)
-    task = Task(tid, "weather", f"What is the {field} in {city}?", str(w[field]), (step,), (step, str(w[other])))
+    task = Task(
+        tid, "weather", f"What is the {field} in {city}?", str(w[field]), (step,), (step, str(w[other]))
+    )
     return f"weather:{city}", task
 
 
@@ -145,14 +147,18 @@ def _make_letters(rng: random.Random, tid: str) -> tuple[str, Task]:
     n = {"letters": len(word), "vowels": _vowels(word)}
     other = "vowels" if field == "letters" else "letters"
     step = ToolStep("count", word)
-    task = Task(tid, "letters", f"How many {field} are in {word}?", str(n[field]), (step,), (step, str(n[other])))
+    task = Task(
+        tid, "letters", f"How many {field} are in {word}?", str(n[field]), (step,), (step, str(n[other]))
+    )
     return f"letters:{word}", task
 
 
 def _make_reverse(rng: random.Random, tid: str) -> tuple[str, Task]:
     word = _word(rng)
     step = ToolStep("reverse", word)
-    return f"reverse:{word}", Task(tid, "reverse", f"Reverse the word {word}.", word[::-1], (step,), (step, word))
+    return f"reverse:{word}", Task(
+        tid, "reverse", f"Reverse the word {word}.", word[::-1], (step,), (step, word)
+    )
 
 
 _MAKERS: dict[str, Callable[[random.Random, str], tuple[str, Task]]] = {
@@ -193,7 +199,10 @@ def _unit_tests(task: Task) -> list[tuple[str, Callable[[str], bool]]]:
     """(name, check of the stripped final answer) for each unit test of the task."""
     if task.family == "reverse":
         return [
-            ("one word of the same letters", lambda t: bool(_WORD.fullmatch(t)) and sorted(t) == sorted(task.answer)),
+            (
+                "one word of the same letters",
+                lambda t: bool(_WORD.fullmatch(t)) and sorted(t) == sorted(task.answer),
+            ),
             ("the word backwards", lambda t: t == task.answer),
         ]
     return [

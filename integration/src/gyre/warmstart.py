@@ -17,6 +17,7 @@ configuration and the code that made it, so a second run finds it at once.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -74,12 +75,27 @@ def cache_root() -> Path:
     return Path(base) / "gyre"
 
 
+def _code_of(path: Path) -> str:
+    """A module's code without its formatting, comments and docstrings (its syntax tree)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined,index]
+    return ast.dump(tree)
+
+
 def code_version() -> str:
-    """What the warm start's result depends on besides its config: these modules' sources and the
-    versions of the packages that make the model, render the prompts and train."""
+    """What the warm start's result depends on besides its config: the code of these modules (not their
+    formatting or docs) and the versions of the packages that make the model, render and train."""
     h = hashlib.sha256()
     for mod in (sys.modules[__name__], tasks, agent):
-        h.update(Path(str(mod.__file__)).read_bytes())
+        h.update(_code_of(Path(str(mod.__file__))).encode())
     for dist in ("gyre-engine", "gyre-proxy", "gyre-traj", "torch", "transformers", "tokenizers"):
         h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
     h.update(f"python={platform.python_version()};format={FORMAT}".encode())
@@ -319,7 +335,7 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     maker = TranscriptMaker(model_dir, max_tokens)
     r = maker.renderer
-    pad = r.tok.token_to_id("<|endoftext|>")
+    pad = int(r.tok.token_to_id("<|endoftext|>") or r.im_end)
     todo = tasks.eval_set(n)
     exs = [ExecutionCache() for _ in todo]
     msgs: list[list[dict[str, Any]]] = [[{"role": "user", "content": t.prompt}] for t in todo]
@@ -346,7 +362,9 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
         follow.append(i)
     if follow:
         second = [maker._render(msgs[i], exs[i]) for i in follow]
-        for i, out in zip(follow, _generate(model, [s.ids() for s in second], max_tokens, r.im_end, pad), strict=True):
+        for i, out in zip(
+            follow, _generate(model, [s.ids() for s in second], max_tokens, r.im_end, pad), strict=True
+        ):
             blocks = parse(str(r.tok.decode(out.tolist(), skip_special_tokens=False)))
             finals[i] = "".join(b.text for b in blocks if b.kind is BlockKind.TEXT)
     scores: dict[str, list[float]] = {f: [] for f in tasks.FAMILIES}

@@ -41,14 +41,18 @@ def test_checkpoint_exports_to_a_model_directory(tmp_path: Path) -> None:
         core.close()
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--tokenizer", str(src)]) == 0
     out = tmp_path / "out"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in out.iterdir()
+    }
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=1e-6)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eos_token_id"] == c["eos_token_id"] and cfg["pad_token_id"] == c["pad_token_id"]
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>user")
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
+        "<|im_start|>user"
+    )
     assert json.loads((out / "gyre_export.json").read_text())["version"] == 0
 
     # gyre-engine serves it: its engine loads the directory and greedy-decodes with the same logits

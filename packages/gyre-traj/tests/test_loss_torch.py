@@ -182,7 +182,9 @@ def test_entropy_kl_and_metrics_over_micro_batches() -> None:
 
     model = _model("qwen3")
     trees = _trees((3, 4))
-    items = [PackItem(t, select(t, SelectionConfig(j_max=2)), a) for t, a in zip(trees, (0.5, -0.5), strict=True)]
+    items = [
+        PackItem(t, select(t, SelectionConfig(j_max=2)), a) for t, a in zip(trees, (0.5, -0.5), strict=True)
+    ]
     one = max(b.num_tokens for it in items for b in pack([it], PackConfig(token_budget=100_000)))
     mbs = pack(items, PackConfig(token_budget=one, mode="tree"))  # one execution per micro-batch
     assert len(mbs) >= 2
@@ -195,7 +197,9 @@ def test_entropy_kl_and_metrics_over_micro_batches() -> None:
         backbone = model.get_decoder()  # type: ignore[attr-defined]
         from gyre_traj.loss import dense_mask
 
-        h = backbone(input_ids=tb.input_ids[None], attention_mask=dense_mask(tb), position_ids=tb.position_ids[None])
+        h = backbone(
+            input_ids=tb.input_ids[None], attention_mask=dense_mask(tb), position_ids=tb.position_ids[None]
+        )
         p = torch.softmax(model.lm_head(h.last_hidden_state[0][tb.target_pos]).float(), -1)  # type: ignore[attr-defined]
         torch.testing.assert_close(ent, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
         old = dataclasses.replace(tb, old_logprobs=lp.detach() + 0.1)  # every log-ratio is -0.1

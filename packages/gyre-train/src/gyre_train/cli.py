@@ -158,11 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         help="warm-up micro-batches at start (default: 2 on a GPU, 0 on the CPU)",
     )
     s.set_defaults(fn=_satellite)
-    e = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory (transformers, engines)")
+    e = sub.add_parser(
+        "export", help="a checkpoint as a Hugging Face model directory (transformers, engines)"
+    )
     e.add_argument("checkpoint", help="a checkpoint directory (`--checkpoint` of `core`, Core.save)")
     e.add_argument("out", help="the model directory to write")
     e.add_argument(
-        "--tokenizer", required=True, help="model directory with the tokenizer (the one training started from)"
+        "--tokenizer",
+        required=True,
+        help="model directory with the tokenizer (the one training started from)",
     )
     e.set_defaults(fn=_export)
     b = sub.add_parser("bench", help="tree-packed vs path-expanded training and satellite join time")

@@ -43,7 +43,9 @@ def read_checkpoint(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
         state = json.loads((ckpt / "state.json").read_text())
         weights = load_file(str(ckpt / "model.safetensors"))
     except (OSError, ValueError) as exc:
-        raise ExportError(f"{ckpt} is not a gyre-train checkpoint (state.json, model.safetensors): {exc}") from exc
+        raise ExportError(
+            f"{ckpt} is not a gyre-train checkpoint (state.json, model.safetensors): {exc}"
+        ) from exc
     mc = ModelConfig(**state["model"])
     if mc.backend == "megatron":
         weights = _from_megatron(weights, mc)
@@ -80,13 +82,19 @@ def export_model(
 
     tokenizer, out = Path(tokenizer), Path(out)
     if not (tokenizer / "tokenizer.json").exists():
-        raise ExportError(f"{tokenizer} has no tokenizer.json: give the model directory training started from")
-    model = AutoModelForCausalLM.from_config(_hf_config(model_cfg, tokenizer), dtype=getattr(torch, model_cfg.dtype))
+        raise ExportError(
+            f"{tokenizer} has no tokenizer.json: give the model directory training started from"
+        )
+    model = AutoModelForCausalLM.from_config(
+        _hf_config(model_cfg, tokenizer), dtype=getattr(torch, model_cfg.dtype)
+    )
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - set(weights)
     extra = set(weights) - {n for n, _ in model.named_parameters(remove_duplicate=False)} - {"lm_head.weight"}
     if missing or extra:
-        raise ExportError(f"weights do not fit the model: missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}")
+        raise ExportError(
+            f"weights do not fit the model: missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}"
+        )
     model.load_state_dict(dict(weights), strict=False)
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)

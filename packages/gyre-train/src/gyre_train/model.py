@@ -190,7 +190,9 @@ def _loss_backward(
 
         lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
     else:
-        lp, entropy = target_logprobs_entropy(model, tb, attention=attention, temperature=loss_cfg.temperature)
+        lp, entropy = target_logprobs_entropy(
+            model, tb, attention=attention, temperature=loss_cfg.temperature
+        )
     loss, metrics = policy_loss(lp, tb, loss_cfg, entropy)
     loss.backward()
     return metrics
