@@ -75,29 +75,36 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_tools() -> None:
-    assert run_tool("calculator", "(12+30)*2") == ("84", False)
-    out, err = run_tool("calculator", "__import__('os')")
-    assert err and out.startswith("error")
-    assert run_tool("reverse", "gyre") == ("eryg", False)
-    assert run_tool("count", "gradient") == ("letters 8, vowels 3", False)
-    w, err = run_tool("weather", "Tarimo")
-    assert not err and w == run_tool("weather", "tarimo")[0] and w.startswith("temp ")
-    assert run_tool("weather", "x; rm")[1] and run_tool("nope", "x")[1]
+    assert run_tool("calc", {"a": "3", "b": "7", "mode": "max"}) == ("7", False)
+    assert run_tool("calc", {"a": "3", "b": "7", "mode": "low"}) == ("3", False)
+    assert run_tool("count", {"word": "gradient", "field": "len"}) == ("8", False)
+    assert run_tool("count", {"word": "gradient", "field": "count"}) == ("3", False)
+    v, err = run_tool("lookup", {"item": "action", "key": "size"})
+    assert not err and v.isdigit() and v == run_tool("lookup", {"item": " action", "key": "size"})[0]
+    for bad in ({"a": "x", "b": "1", "mode": "max"}, {"a": "1", "b": "2", "mode": "mean"}, {}):
+        out, err = run_tool("calc", bad)
+        assert err and out.startswith("error")
+    assert run_tool("lookup", {"item": "a;b", "key": "size"})[1] and run_tool("nope", {})[1]
+    assert all(len(e) >= 4 and e.isalpha() for e in tasks_mod.entities()) and len(tasks_mod.entities()) > 300
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_families_score_right_slipped_and_broken_answers(family: str) -> None:
     rng = random.Random(1)
-    for i in range(20):
+    seen = set()
+    for i in range(30):
         t = make_task(rng, f"t{i}", family=family)
+        seen.add(t.prompt)
         step = t.script[0]
-        assert run_tool(step.name, step.argument)[0] in (t.answer, run_tool(step.name, step.argument)[0])
+        assert run_tool(step.name, step.arguments) == (t.answer, False)
+        assert all(
+            v in t.prompt for v in step.arguments.values()
+        )  # the call's arguments come from the question
         assert evaluate(t, "e", "g", f" {t.answer}.\n", timed_out=False).value == 1.0
         slip = evaluate(t, "e", "g", t.slip[1], timed_out=True)
-        assert slip.value == 0.5 and slip.timed_out and t.slip[1] != t.answer
+        assert slip.timed_out and slip.value == (1.0 if t.slip[1] == t.answer else 0.5)
         assert evaluate(t, "e", "g", "I think it is", timed_out=False).value == 0.0
-        # the tool's output holds the answer (arith, reverse) or names it among others (weather, letters)
-        assert t.answer in run_tool(step.name, step.argument)[0]
+    assert len(seen) > 20
 
 
 def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,11 +122,11 @@ def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_held_out_split_never_reaches_training() -> None:
     held = {(t.family, t.prompt) for t in eval_set(200)}
-    assert len(held) > 150  # many instances, not a few fixed words
+    assert len(held) > 100  # many instances, not a few fixed words
     rng = random.Random(5)
     train = {(t.family, t.prompt) for t in (make_task(rng, f"x{i}") for i in range(3000))}
-    assert len(train) > 2500 and not held & train
-    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(4)] == list(FAMILIES)
+    assert len(train) > 1000 and not held & train
+    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(3)] == list(FAMILIES)
 
 
 def test_run_and_simulator_share_one_duration_sample() -> None:

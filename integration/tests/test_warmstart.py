@@ -46,10 +46,10 @@ def test_transcripts_are_what_the_proxy_renders_and_parses(model_dir: Path) -> N
             step, answer = (task.script[0], task.answer) if correct else task.slip
             blocks = parse(tok.decode(tr.ids[s1:e1].tolist(), skip_special_tokens=False))
             assert [(b.kind, b.name) for b in blocks] == [(BlockKind.TOOL, step.name)]
-            assert step.argument in json.loads(blocks[0].text).values()
+            assert json.loads(blocks[0].text) == step.arguments
             assert tok.decode(tr.ids[s2:e2].tolist(), skip_special_tokens=False) == answer + "<|im_end|>"
             between = tok.decode(tr.ids[e1:s2].tolist(), skip_special_tokens=False)
-            assert tasks.run_tool(step.name, step.argument)[0] in between  # the tool's output: context only
+            assert tasks.run_tool(step.name, step.arguments)[0] in between  # the tool's output: context only
     # the whole prompt of the first call is the model's own chat template (what the proxy is tested on)
     from transformers import AutoTokenizer
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ class ToolSource(enum.StrEnum):
 class TurnLog:
     source: ToolSource
     tools: tuple[tuple[str, str, str], ...] = ()
-    """(name, argument, output) of each tool run after this turn."""
+    """(name, arguments as JSON, output) of each tool run after this turn."""
 
 
 @dataclass
@@ -105,10 +106,9 @@ def request_body(messages: list[dict[str, Any]], max_tokens: int, temperature: f
 def _run_tools(uses: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
     results, ran = [], []
     for u in uses:
-        args = u.get("input") or {}
-        arg = next((v for v in args.values() if isinstance(v, str)), "")
-        out, err = run_tool(str(u.get("name", "")), arg)
-        ran.append((str(u.get("name", "")), arg, out))
+        args = u.get("input") if isinstance(u.get("input"), dict) else {}
+        out, err = run_tool(str(u.get("name", "")), args)
+        ran.append((str(u.get("name", "")), json.dumps(args), out))
         results.append({"type": "tool_result", "tool_use_id": u["id"], "content": out, "is_error": err})
     return results, ran
 
@@ -148,9 +148,10 @@ async def run_execution(
             ex.messages.append({"role": "user", "content": results})
         elif scripted_fallback and script:
             step = script.pop(0)
-            out, _ = run_tool(step.name, step.argument)
-            ex.turns.append(TurnLog(ToolSource.SCRIPT, ((step.name, step.argument, out),)))
-            ex.messages.append({"role": "user", "content": f"[{step.name}({step.argument})] -> {out}"})
+            out, _ = run_tool(step.name, step.arguments)
+            call = json.dumps(step.arguments)
+            ex.turns.append(TurnLog(ToolSource.SCRIPT, ((step.name, call, out),)))
+            ex.messages.append({"role": "user", "content": f"[{step.name}({call})] -> {out}"})
         elif scripted_fallback:
             ex.turns.append(TurnLog(ToolSource.NONE))
             ex.messages.append({"role": "user", "content": "Give the final answer now."})

@@ -70,11 +70,11 @@ def run_config(d: DemoConfig, model_dir: Path) -> Config:
         ),
         batch=BatchSection(queries=2 if d.quick else 8, group_size=2 if d.quick else 4),
         agent=AgentSection(
-            turns=3, max_tokens=32, temperature=1.0, median_s=0.05, sigma=0.0, exec_sigma=0.0,
+            turns=3, max_tokens=48, temperature=1.0, median_s=0.05, sigma=0.0, exec_sigma=0.0,
             model_fraction=1.0, timeout_s=120.0, request_timeout_s=120.0,
         ),
         train=TrainSection(lr=lr, token_budget=2048, loss="ppo", j_max=5),
-        eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 4, seed=0, max_tokens=32),
+        eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 4, seed=0, max_tokens=48),
         sched=SchedSection(ready_fraction=0.5, hold_s=0.3),
     )  # fmt: skip
 

@@ -1,9 +1,10 @@
 """Built-in task families, their tools, and unit-test scoring with partial scores.
 
-Four families, each with many instances drawn from a seed: `arith` (What is A*B+C? -> calculator),
-`weather` (one field of a city's report -> weather), `letters` (letters or vowels of a word -> count) and
-`reverse` (a word backwards -> reverse). Every task needs one tool call and then a short answer that
-depends on the tool's output. Instances are split by a hash of their arguments into a training split
+Three families, each with many instances drawn from a seed: `lookup` (a field of a record -> lookup),
+`minmax` (the max or the low of two digits -> calc) and `count` (the length or the vowel count of a word
+-> count). Every task needs one tool call whose arguments come from the question (an item or word, a
+key or mode), then an answer copied from the tool's output; the family's plausible mistake is the call
+with the other key or mode. Instances are split by a hash of their arguments into a training split
 (rollouts and the warm start's transcripts) and a held-out evaluation split that neither ever sees.
 
 A task's score is the share of its unit tests that pass on the final answer (a bare value in the
@@ -14,17 +15,16 @@ evaluate, or whose evaluation itself failed, is an evaluation failure: no value,
 
 from __future__ import annotations
 
-import ast
+import functools
 import hashlib
-import operator
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gyre_traj.records import EvalStatus, Score
 
-FAMILIES = ("arith", "weather", "letters", "reverse")
+FAMILIES = ("lookup", "minmax", "count")
 SPLITS = ("train", "eval")
 EVAL_SHARE = 5
 """One instance in EVAL_SHARE (by hash of its arguments) belongs to the held-out evaluation split."""
@@ -33,8 +33,13 @@ EVAL_SHARE = 5
 @dataclass(frozen=True)
 class ToolStep:
     name: str
-    """calculator | weather | count | reverse"""
-    argument: str
+    """lookup | calc | count"""
+    args: tuple[tuple[str, str], ...]
+    """The call's arguments, in order (JSON object keys and string values)."""
+
+    @property
+    def arguments(self) -> dict[str, str]:
+        return dict(self.args)
 
 
 @dataclass(frozen=True)
@@ -45,68 +50,66 @@ class Task:
     answer: str
     script: tuple[ToolStep, ...]
     """The tool calls the task needs, in order (what the scripted fallback runs for a random model)."""
-    slip: tuple[ToolStep, str] = (ToolStep("", ""), "")
-    """A plausible mistake of the family (another call or another value copied from the tool's output)
-    and the answer it leads to: what the warm start's imperfect teacher sometimes demonstrates."""
+    slip: tuple[ToolStep, str]
+    """A plausible mistake of the family (the call with the other key or mode) and the answer it leads
+    to: what the warm start's imperfect teacher sometimes demonstrates."""
 
 
-def _tool(name: str, description: str, arg: str) -> dict[str, object]:
-    schema = {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]}
+def _tool(name: str, description: str, *args: str) -> dict[str, object]:
+    schema = {"type": "object", "properties": {a: {"type": "string"} for a in args}, "required": list(args)}
     return {"name": name, "description": description, "input_schema": schema}
 
 
 TOOLS = [
-    _tool("calculator", "+ - * of integers", "expression"),
-    _tool("weather", "a city's report", "city"),
-    _tool("count", "letters, vowels", "text"),
-    _tool("reverse", "a word backwards", "text"),
+    _tool("lookup", "a record's field", "item", "key"),
+    _tool("calc", "max or low of two digits", "a", "b", "mode"),
+    _tool("count", "len or vowel count of a word", "word", "field"),
 ]
 """What the built-in harness offers the model (Anthropic `tools`), short so prompts stay short."""
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
-_FIELDS = ("temp", "wind", "rain")
+_KEYS = ("size", "age", "value")
+_MODES = ("max", "low")
+_FIELDS = ("len", "count")
 
 
-def _arith(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return int(_OPS[type(node.op)](_arith(node.left), _arith(node.right)))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_arith(node.operand)
-    raise ValueError("only integers with + - * are allowed")
+@functools.cache
+def entities() -> tuple[str, ...]:
+    """Item names and words: lowercase words of 4-8 letters that are one token of the embedded model's
+    tokenizer (gyre-engine's, trained locally), so a model of a million parameters can copy them."""
+    from gyre_engine.tokenizer import train_bpe
+
+    vocab = train_bpe(2048).get_vocab()
+    return tuple(sorted(w for w in vocab if w.isalpha() and w.islower() and 4 <= len(w) <= 8))
 
 
-def _weather(city: str) -> dict[str, int]:
-    h = hashlib.blake2b(city.lower().encode(), digest_size=6).digest()
-    return {"temp": 5 + h[0] % 30, "wind": 1 + h[1] % 30, "rain": h[2] % 30}
+def _lookup(item: str, key: str) -> int:
+    return hashlib.blake2b(f"{item}/{key}".encode(), digest_size=2).digest()[0] % 10
 
 
 def _vowels(word: str) -> int:
-    return sum(ch in _VOWELS for ch in word.lower())
+    return sum(ch in "aeiou" for ch in word)
 
 
-def run_tool(name: str, argument: str) -> tuple[str, bool]:
+def run_tool(name: str, args: Mapping[str, object]) -> tuple[str, bool]:
     """(output, is_error) of one built-in tool; bad input is an error result, never an exception."""
+    a = {k: str(v).strip() for k, v in args.items()}
     try:
-        if name == "calculator":
-            if len(argument) > 200:
-                raise ValueError("expression too long")
-            return str(_arith(ast.parse(argument, mode="eval").body)), False
-        if name == "weather":
-            if not argument.strip().isalpha():
-                raise ValueError("a city name is letters only")
-            w = _weather(argument.strip())
-            return ", ".join(f"{k} {w[k]}" for k in _FIELDS), False
+        if name == "lookup":
+            if a.get("key") not in _KEYS or not a.get("item", "").isalpha():
+                raise ValueError(f"key is one of {', '.join(_KEYS)}; item is a word")
+            return str(_lookup(a["item"], a["key"])), False
+        if name == "calc":
+            x, y = int(a.get("a", "")), int(a.get("b", ""))
+            if a.get("mode") not in _MODES:
+                raise ValueError(f"mode is one of {', '.join(_MODES)}")
+            return str(max(x, y) if a["mode"] == "max" else min(x, y)), False
         if name == "count":
-            word = argument.strip()
-            return f"letters {len(word)}, vowels {_vowels(word)}", False
-        if name == "reverse":
-            return argument[::-1], False
+            word, field = a.get("word", ""), a.get("field")
+            if field not in _FIELDS or not word.isalpha():
+                raise ValueError(f"field is one of {', '.join(_FIELDS)}; word is a word")
+            return str(len(word) if field == "len" else _vowels(word)), False
         return f"unknown tool {name!r}", True
-    except (ValueError, SyntaxError) as exc:
+    except ValueError as exc:
         return f"error: {exc}", True
 
 
@@ -115,57 +118,42 @@ def _in_split(key: str, split: str) -> bool:
     return held_out == (split == "eval")
 
 
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
+def _task(tid: str, fam: str, prompt: str, name: str, right: dict[str, str], wrong: dict[str, str]) -> Task:
+    good, bad = ToolStep(name, tuple(right.items())), ToolStep(name, tuple(wrong.items()))
+    return Task(tid, fam, prompt, run_tool(name, right)[0], (good,), (bad, run_tool(name, wrong)[0]))
 
 
-def _make_arith(rng: random.Random, tid: str) -> tuple[str, Task]:
-    a, b, c = rng.randint(11, 99), rng.randint(2, 9), rng.randint(11, 99)
-    full, part = f"{a}*{b}+{c}", f"{a}*{b}"
-    task = Task(
-        tid, "arith", f"What is {full}?", str(a * b + c),
-        (ToolStep("calculator", full),), (ToolStep("calculator", part), str(a * b)),
-    )  # fmt: skip
-    return f"arith:{a}:{b}:{c}", task
-
-
-def _make_weather(rng: random.Random, tid: str) -> tuple[str, Task]:
-    city = _word(rng).capitalize()
-    field = rng.choice(_FIELDS)
-    w = _weather(city)
-    other = _FIELDS[(_FIELDS.index(field) + 1) % 3]  # one mistake per field, so it is the teacher's mode
-    step = ToolStep("weather", city)
-    task = Task(
-        tid, "weather", f"What is the {field} in {city}?", str(w[field]), (step,), (step, str(w[other]))
+def _make_lookup(rng: random.Random, tid: str) -> tuple[str, Task]:
+    item, k = rng.choice(entities()), rng.randrange(3)
+    key, other = _KEYS[k], _KEYS[(k + 1) % 3]  # one mistake per key, so it is the teacher's mode
+    prompt = f'What is the "{key}" of "{item}"?'
+    return f"lookup:{item}", _task(
+        tid, "lookup", prompt, "lookup", {"item": item, "key": key}, {"item": item, "key": other}
     )
-    return f"weather:{city}", task
 
 
-def _make_letters(rng: random.Random, tid: str) -> tuple[str, Task]:
-    word = _word(rng)
-    field = rng.choice(("letters", "vowels"))
-    n = {"letters": len(word), "vowels": _vowels(word)}
-    other = "vowels" if field == "letters" else "letters"
-    step = ToolStep("count", word)
-    task = Task(
-        tid, "letters", f"How many {field} are in {word}?", str(n[field]), (step,), (step, str(n[other]))
-    )
-    return f"letters:{word}", task
+def _make_minmax(rng: random.Random, tid: str) -> tuple[str, Task]:
+    x, y = rng.sample(range(10), 2)
+    m = rng.randrange(2)
+    mode, other = _MODES[m], _MODES[1 - m]
+    prompt = f'What is the "{mode}" of "{x}" and "{y}"?'
+    right, wrong = {"a": str(x), "b": str(y), "mode": mode}, {"a": str(x), "b": str(y), "mode": other}
+    return f"minmax:{x}:{y}", _task(tid, "minmax", prompt, "calc", right, wrong)
 
 
-def _make_reverse(rng: random.Random, tid: str) -> tuple[str, Task]:
-    word = _word(rng)
-    step = ToolStep("reverse", word)
-    return f"reverse:{word}", Task(
-        tid, "reverse", f"Reverse the word {word}.", word[::-1], (step,), (step, word)
+def _make_count(rng: random.Random, tid: str) -> tuple[str, Task]:
+    word, f = rng.choice(entities()), rng.randrange(2)
+    field, other = _FIELDS[f], _FIELDS[1 - f]
+    prompt = f'What is the "{field}" of "{word}"?'
+    return f"count:{word}", _task(
+        tid, "count", prompt, "count", {"word": word, "field": field}, {"word": word, "field": other}
     )
 
 
 _MAKERS: dict[str, Callable[[random.Random, str], tuple[str, Task]]] = {
-    "arith": _make_arith,
-    "weather": _make_weather,
-    "letters": _make_letters,
-    "reverse": _make_reverse,
+    "lookup": _make_lookup,
+    "minmax": _make_minmax,
+    "count": _make_count,
 }
 
 
@@ -192,19 +180,10 @@ def eval_set(n: int, seed: int = 0) -> list[Task]:
 # ---- scoring -------------------------------------------------------------------------------------
 
 _INT = re.compile(r"-?\d+")
-_WORD = re.compile(r"[A-Za-z]+")
 
 
 def _unit_tests(task: Task) -> list[tuple[str, Callable[[str], bool]]]:
     """(name, check of the stripped final answer) for each unit test of the task."""
-    if task.family == "reverse":
-        return [
-            (
-                "one word of the same letters",
-                lambda t: bool(_WORD.fullmatch(t)) and sorted(t) == sorted(task.answer),
-            ),
-            ("the word backwards", lambda t: t == task.answer),
-        ]
     return [
         ("a bare integer", lambda t: bool(_INT.fullmatch(t))),
         ("the expected value", lambda t: t == task.answer),

@@ -58,7 +58,7 @@ class WarmStartConfig:
     teacher_accuracy: float = 0.35
     """Share of transcripts whose final step is the task's right one (the rest show the family's
     plausible mistake): the room RL has to improve."""
-    max_tokens: int = 32
+    max_tokens: int = 48
     """The harness's max_tokens (part of the request, so of the rendered prompt's key)."""
 
 
@@ -141,8 +141,7 @@ class TranscriptMaker:
         from gyre_proxy.toolparse import BlockKind, parse
 
         step, answer = (task.script[0], task.answer) if correct else task.slip
-        arg_name = next(t for t in tasks.TOOLS if t["name"] == step.name)["input_schema"]["required"][0]  # type: ignore[index]
-        args = {arg_name: step.argument}
+        args = step.arguments
         call_text = "<tool_call>\n" + json.dumps({"name": step.name, "arguments": args}) + "\n</tool_call>"
         blocks = parse(call_text)
         if [(b.kind, b.name, json.loads(b.text)) for b in blocks] != [(BlockKind.TOOL, step.name, args)]:
@@ -153,7 +152,7 @@ class TranscriptMaker:
         out1 = self._output(call_text)
         tool_id = "toolu_warm_0"
         self.renderer.record_output(ex, "warm", first.gen_prompt, out1, [tool_id], "", "")
-        result, err = tasks.run_tool(step.name, step.argument)
+        result, err = tasks.run_tool(step.name, args)
         messages += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tool_id, "name": step.name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": result, "is_error": err}]},
@@ -354,7 +353,7 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
         tid = f"toolu_check_{i}"
         r.record_output(exs[i], f"check{i}", f.gen_prompt, out, [tid], "", "")
         args = json.loads(uses[0].text)
-        result, err = tasks.run_tool(uses[0].name, next((v for v in args.values() if isinstance(v, str)), ""))
+        result, err = tasks.run_tool(uses[0].name, args)
         msgs[i] += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": uses[0].name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": result, "is_error": err}]},
