@@ -106,7 +106,8 @@ def request_body(messages: list[dict[str, Any]], max_tokens: int, temperature: f
 def _run_tools(uses: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
     results, ran = [], []
     for u in uses:
-        args = u.get("input") if isinstance(u.get("input"), dict) else {}
+        given = u.get("input")
+        args: dict[str, Any] = given if isinstance(given, dict) else {}
         out, err = run_tool(str(u.get("name", "")), args)
         ran.append((str(u.get("name", "")), json.dumps(args), out))
         results.append({"type": "tool_result", "tool_use_id": u["id"], "content": out, "is_error": err})
