@@ -61,7 +61,7 @@ def warmstart_config(d: DemoConfig) -> WarmStartConfig:
 
 def run_config(d: DemoConfig, model_dir: Path) -> Config:
     """The `gyre run` configuration of the demo (an ordinary Config: `gyre run` accepts the same)."""
-    steps = d.steps or (2 if d.quick else 16)
+    steps = d.steps or (2 if d.quick else 12)
     lr = 0.0 if d.control else (d.lr or 1e-3)
     return Config(
         run=RunSection(

@@ -238,6 +238,9 @@ def train(cfg: WarmStartConfig, out_dir: Path, progress: bool = True) -> dict[st
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
+    # One thread: on cores shared with other processes, OpenMP threads that spin-wait for each other made
+    # each step about 7x slower on the 2-core machine (measured); one thread also fixes the sum order.
+    torch.set_num_threads(1)
     create_model(out_dir, cfg.shape, cfg.seed)
     maker = TranscriptMaker(out_dir, cfg.max_tokens)
     data = transcripts(maker, cfg.steps * cfg.batch, cfg)
