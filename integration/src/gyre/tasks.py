@@ -26,8 +26,10 @@ from gyre_traj.records import EvalStatus, Score
 
 FAMILIES = ("lookup", "minmax", "count")
 SPLITS = ("train", "eval")
-EVAL_SHARE = 5
-"""One instance in EVAL_SHARE (by hash of its arguments) belongs to the held-out evaluation split."""
+EVAL_SHARE = 4
+"""One instance in EVAL_SHARE (by hash of its whole question: item or digits, and key or mode) belongs to
+the held-out evaluation split: a held-out question was never trained on, though its item and its key
+each appear in training in other questions."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +74,19 @@ _MODES = ("max", "low")
 _FIELDS = ("len", "count")
 
 
+ENTITIES = 40
+"""Items and words in use: each is seen often enough in training for a 1M-parameter model to copy it."""
+
+
 @functools.cache
 def entities() -> tuple[str, ...]:
-    """Item names and words: lowercase words of 4-8 letters that are one token of the embedded model's
-    tokenizer (gyre-engine's, trained locally), so a model of a million parameters can copy them."""
+    """Item names and words: `ENTITIES` lowercase words of 4-8 letters, spread over those that are one
+    token of the embedded model's tokenizer (gyre-engine's, trained locally)."""
     from gyre_engine.tokenizer import train_bpe
 
     vocab = train_bpe(2048).get_vocab()
-    return tuple(sorted(w for w in vocab if w.isalpha() and w.islower() and 4 <= len(w) <= 8))
+    words = sorted(w for w in vocab if w.isalpha() and w.islower() and 4 <= len(w) <= 8)
+    return tuple(words[:: max(1, len(words) // ENTITIES)][:ENTITIES])
 
 
 def _lookup(item: str, key: str) -> int:
@@ -127,7 +134,7 @@ def _make_lookup(rng: random.Random, tid: str) -> tuple[str, Task]:
     item, k = rng.choice(entities()), rng.randrange(3)
     key, other = _KEYS[k], _KEYS[(k + 1) % 3]  # one mistake per key, so it is the teacher's mode
     prompt = f'What is the "{key}" of "{item}"?'
-    return f"lookup:{item}", _task(
+    return f"lookup:{item}:{key}", _task(
         tid, "lookup", prompt, "lookup", {"item": item, "key": key}, {"item": item, "key": other}
     )
 
@@ -138,14 +145,14 @@ def _make_minmax(rng: random.Random, tid: str) -> tuple[str, Task]:
     mode, other = _MODES[m], _MODES[1 - m]
     prompt = f'What is the "{mode}" of "{x}" and "{y}"?'
     right, wrong = {"a": str(x), "b": str(y), "mode": mode}, {"a": str(x), "b": str(y), "mode": other}
-    return f"minmax:{x}:{y}", _task(tid, "minmax", prompt, "calc", right, wrong)
+    return f"minmax:{x}:{y}:{mode}", _task(tid, "minmax", prompt, "calc", right, wrong)
 
 
 def _make_count(rng: random.Random, tid: str) -> tuple[str, Task]:
     word, f = rng.choice(entities()), rng.randrange(2)
     field, other = _FIELDS[f], _FIELDS[1 - f]
     prompt = f'What is the "{field}" of "{word}"?'
-    return f"count:{word}", _task(
+    return f"count:{word}:{field}", _task(
         tid, "count", prompt, "count", {"word": word, "field": field}, {"word": word, "field": other}
     )
 
@@ -174,7 +181,16 @@ def make_task(rng: random.Random, task_id: str, split: str = "train", family: st
 def eval_set(n: int, seed: int = 0) -> list[Task]:
     """`n` held-out tasks, the families in turn, the same for a given seed."""
     rng = random.Random(f"gyre-eval-{seed}")
-    return [make_task(rng, f"eval-{i:03d}", "eval", FAMILIES[i % len(FAMILIES)]) for i in range(n)]
+    out: list[Task] = []
+    seen: set[str] = set()
+    for i in range(n):
+        for _ in range(1000):  # distinct questions while the family has unused ones
+            t = make_task(rng, f"eval-{i:03d}", "eval", FAMILIES[i % len(FAMILIES)])
+            if t.prompt not in seen:
+                break
+        seen.add(t.prompt)
+        out.append(t)
+    return out
 
 
 # ---- scoring -------------------------------------------------------------------------------------

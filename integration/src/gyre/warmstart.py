@@ -48,7 +48,7 @@ class WarmStartConfig:
     (2 x 64, initialised for random outputs) is for plumbing tests."""
     seed: int = 0
     """Seeds the random init, the transcripts and their order."""
-    steps: int = 240
+    steps: int = 480
     """Optimizer steps."""
     batch: int = 8
     """Transcripts per step, tree-packed on their shared prefix."""
