@@ -26,7 +26,21 @@ import httpx
 from gyre.tasks import TOOLS, Task, run_tool
 
 RETRYABLE = (409, 429, 503, 529)
-SYSTEM = "Use a tool, then answer with the value only."
+
+
+def _system() -> str:
+    tools = "; ".join(
+        f"{t['name']}({', '.join(t['input_schema']['required'])}): {t['description']}"  # type: ignore[index]
+        for t in TOOLS
+    )
+    return f"Tools: {tools}. Call one as <tool_call>, then answer with the value only."
+
+
+SYSTEM = _system()
+"""The harness's system prompt: its tools in one line. It sends no `tools` field: the Qwen template's
+tools block is 400 tokens of JSON schema in front of every question, which a model of a million
+parameters must learn to look past (its warm start did not, in 480 steps); the calls it makes are the
+same `<tool_call>` JSON the proxy parses into `tool_use` blocks either way."""
 
 
 class HarnessError(RuntimeError):
@@ -98,7 +112,6 @@ def request_body(messages: list[dict[str, Any]], max_tokens: int, temperature: f
         "max_tokens": max_tokens,
         "temperature": temperature,
         "system": SYSTEM,
-        "tools": TOOLS,
         "messages": messages,
     }
 

@@ -48,9 +48,9 @@ class WarmStartConfig:
     (2 x 64, initialised for random outputs) is for plumbing tests."""
     seed: int = 0
     """Seeds the random init, the transcripts and their order."""
-    steps: int = 480
+    steps: int = 400
     """Optimizer steps."""
-    batch: int = 8
+    batch: int = 16
     """Transcripts per step, tree-packed on their shared prefix."""
     lr: float = 3e-3
     """AdamW peak learning rate (linear warm-up, cosine decay to 10%)."""
