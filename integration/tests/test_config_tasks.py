@@ -85,7 +85,10 @@ def test_tools() -> None:
         out, err = run_tool("calc", bad)
         assert err and out.startswith("error")
     assert run_tool("lookup", {"item": "a;b", "key": "size"})[1] and run_tool("nope", {})[1]
-    assert all(len(e) >= 4 and e.isalpha() for e in tasks_mod.entities()) and len(tasks_mod.entities()) == tasks_mod.ENTITIES
+    assert (
+        all(len(e) >= 4 and e.isalpha() for e in tasks_mod.entities())
+        and len(tasks_mod.entities()) == tasks_mod.ENTITIES
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

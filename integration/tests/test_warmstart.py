@@ -51,21 +51,13 @@ def test_transcripts_are_what_the_proxy_renders_and_parses(model_dir: Path) -> N
             between = tok.decode(tr.ids[e1:s2].tolist(), skip_special_tokens=False)
             assert tasks.run_tool(step.name, step.arguments)[0] in between  # the tool's output: context only
     # the whole prompt of the first call is the model's own chat template (what the proxy is tested on)
+    from gyre.agent import SYSTEM
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(model_dir)
-    body_tools = [
-        {
-            "type": "function",
-            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
-        }
-        for t in tasks.TOOLS
-    ]
-    from gyre.agent import SYSTEM
-
     text = hf.apply_chat_template(
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.prompt}],
-        tools=body_tools, tokenize=False, add_generation_prompt=True, enable_thinking=False,
+        tokenize=False, add_generation_prompt=True, enable_thinking=False,
     )  # fmt: skip
     assert tok.decode(tr.ids[:s1].tolist(), skip_special_tokens=False) == text
 
