@@ -61,8 +61,8 @@ def warmstart_config(d: DemoConfig) -> WarmStartConfig:
 
 def run_config(d: DemoConfig, model_dir: Path) -> Config:
     """The `gyre run` configuration of the demo (an ordinary Config: `gyre run` accepts the same)."""
-    steps = d.steps or (2 if d.quick else 12)
-    lr = 0.0 if d.control else (d.lr or 1e-3)
+    steps = d.steps or (2 if d.quick else 20)
+    lr = 0.0 if d.control else (d.lr or 2e-4)
     return Config(
         run=RunSection(
             policy="elastic", cells=2, steps=steps, seed=d.seed, out_dir=d.out, model_dir=str(model_dir),
@@ -74,7 +74,7 @@ def run_config(d: DemoConfig, model_dir: Path) -> Config:
             model_fraction=1.0, timeout_s=120.0, request_timeout_s=120.0,
         ),
         train=TrainSection(lr=lr, token_budget=2048, loss="ppo", j_max=5),
-        eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 4, seed=0, max_tokens=48),
+        eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 5, seed=0, max_tokens=48),
         sched=SchedSection(ready_fraction=0.5, hold_s=0.3),
     )  # fmt: skip
 
