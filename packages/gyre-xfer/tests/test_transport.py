@@ -65,8 +65,12 @@ def metadata_server() -> Iterator[str]:
 
 
 def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
-    a = open_transport(Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server))
-    b = open_transport(Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server))
+    a = open_transport(
+        Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
+    )
+    b = open_transport(
+        Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
+    )
     try:
         src = b.alloc(1 << 20)
         assert src.array is not None
@@ -95,7 +99,12 @@ def test_peer_restarted_under_the_same_name_is_reached_again(
         "metadata_server": metadata_server,
     }
     reader = open_transport(
-        Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server, progress_timeout_s=2)
+        Config(
+            kind="mooncake",
+            hostname=f"127.0.0.1:{_free_port()}",
+            metadata_server=metadata_server,
+            progress_timeout_s=2,
+        )
     )
     try:
         pool = KvPool.allocate(reader, 1, 4, 4096)
