@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
+from gyre import tasks as tasks_mod
 from gyre.cli import main
 from gyre.config import Config, ConfigError, config_from_dict, load_config
 from gyre.predict import durations, sim_workload
-from gyre.tasks import Task, ToolStep, evaluate, partial_score, run_tool
+from gyre.tasks import FAMILIES, eval_set, evaluate, make_task, run_tool
 from gyre_traj.records import EvalStatus
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -72,21 +74,62 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["run", str(tmp_path / "c.ini")]) == 2
 
 
-def test_tools_and_partial_scores() -> None:
-    assert run_tool("calculator", "(12+30)*2") == ("84", False)
-    out, err = run_tool("calculator", "__import__('os')")
-    assert err and out.startswith("error")
-    assert run_tool("reverse", "gyre") == ("eryg", False)
-    assert run_tool("count", "gradient") == ("3", False)
-    assert run_tool("nope", "x")[1]
-    assert partial_score("84", "the answer is 84") == 1.0
-    assert partial_score("84", "8") == 0.5
-    assert partial_score("84", "") == 0.0
-    task = Task("t", "p", "eryg", (ToolStep("reverse", "gyre"),))
-    s = evaluate(task, "e", "g", "eryX", timed_out=True)
-    assert s.value == 0.75 and s.timed_out
-    failed = evaluate(task, "e", "g", None, timed_out=False, error="HarnessError: 400")
-    assert failed.status is EvalStatus.EVAL_FAILED and failed.value is None  # not a 0
+def test_tools() -> None:
+    assert run_tool("calc", {"a": "3", "b": "7", "mode": "max"}) == ("7", False)
+    assert run_tool("calc", {"a": "3", "b": "7", "mode": "low"}) == ("3", False)
+    assert run_tool("count", {"word": "gradient", "field": "len"}) == ("8", False)
+    assert run_tool("count", {"word": "gradient", "field": "count"}) == ("3", False)
+    v, err = run_tool("lookup", {"item": "action", "key": "size"})
+    assert not err and v.isdigit() and v == run_tool("lookup", {"item": " action", "key": "size"})[0]
+    for bad in ({"a": "x", "b": "1", "mode": "max"}, {"a": "1", "b": "2", "mode": "mean"}, {}):
+        out, err = run_tool("calc", bad)
+        assert err and out.startswith("error")
+    assert run_tool("lookup", {"item": "a;b", "key": "size"})[1] and run_tool("nope", {})[1]
+    assert (
+        all(len(e) >= 4 and e.isalpha() for e in tasks_mod.entities())
+        and len(tasks_mod.entities()) == tasks_mod.ENTITIES
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_score_right_slipped_and_broken_answers(family: str) -> None:
+    rng = random.Random(1)
+    seen = set()
+    for i in range(30):
+        t = make_task(rng, f"t{i}", family=family)
+        seen.add(t.prompt)
+        step = t.script[0]
+        assert run_tool(step.name, step.arguments) == (t.answer, False)
+        assert all(
+            v in t.prompt for v in step.arguments.values()
+        )  # the call's arguments come from the question
+        assert evaluate(t, "e", "g", f" {t.answer}.\n", timed_out=False).value == 1.0
+        slip = evaluate(t, "e", "g", t.slip[1], timed_out=True)
+        assert slip.timed_out and slip.value == (1.0 if t.slip[1] == t.answer else 0.5)
+        assert evaluate(t, "e", "g", "I think it is", timed_out=False).value == 0.0
+    assert len(seen) > 20
+
+
+def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_task(random.Random(0), "t")
+    failed = evaluate(t, "e", "g", None, timed_out=False, error="HarnessError: 400")
+    assert failed.status is EvalStatus.EVAL_FAILED and failed.value is None
+
+    def broken(task: object) -> list[tuple[str, object]]:
+        raise KeyError("no such test")
+
+    monkeypatch.setattr(tasks_mod, "_unit_tests", broken)
+    s = evaluate(t, "e", "g", t.answer, timed_out=False)
+    assert s.status is EvalStatus.EVAL_FAILED and s.value is None and "no such test" in s.detail
+
+
+def test_held_out_split_never_reaches_training() -> None:
+    held = {(t.family, t.prompt) for t in eval_set(48)}
+    assert len(held) == 48  # distinct questions
+    rng = random.Random(5)
+    train = {(t.family, t.prompt) for t in (make_task(rng, f"x{i}") for i in range(3000))}
+    assert len(train) > 250 and not held & train  # many instances, not a few fixed words
+    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(3)] == list(FAMILIES)
 
 
 def test_run_and_simulator_share_one_duration_sample() -> None:

@@ -1,17 +1,22 @@
-"""The built-in harness: a scripted, tool-using agent that talks to the policy over the Anthropic API.
+"""The built-in harness: a tool-using agent that talks to the policy over the Anthropic Messages API.
 
-One execution is `turns` model calls to gyre-proxy's `/e/{execution}/v1/messages` with the built-in
-tools. When the model emits a `tool_use`, the harness runs that tool and answers with a `tool_result`;
-otherwise it runs the next call of the task's script itself and hands the output over as a user turn
-(the tiny random model rarely produces a well-formed call). Tool time is a sleep before each call, so an
-execution's length follows the configured heavy-tailed profile. The harness keeps its progress in an
-`Execution` record, so a run cut by the driver's timeout can still be scored on what it produced.
-Overloaded answers (529/503: no rollout engine while the pool trains) are retried.
+One execution is a loop of model calls to gyre-proxy's `/e/{execution}/v1/messages` with the built-in
+tools, at most `turns` of them. When the model emits `tool_use` blocks the harness runs those tools and
+answers with `tool_result`s; when it answers without one, the execution ends with that answer. With
+`scripted_fallback` (for a random model, which rarely emits a well-formed call) a turn without a tool
+call instead runs the task's next scripted tool itself and passes the output on as a user turn, as
+before. Every turn records where its tool call came from (`model`, `script`, or `missed`: the model
+answered while the task still needed a tool and no fallback ran), so the share of the needed tool calls
+that the model made itself can be reported. Tool time is a sleep before each call, so an execution's
+length follows the configured profile; the `Execution` record keeps the progress, so a run cut by the
+driver's timeout can still be scored. Overloaded answers (529/503: no engine while the pool trains) are
+retried.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +28,41 @@ from gyre.tasks import TOOLS, Task, run_tool
 RETRYABLE = (409, 429, 503, 529)
 
 
+def _system() -> str:
+    tools = "; ".join(
+        f"{t['name']}({', '.join(t['input_schema']['required'])}): {t['description']}"  # type: ignore[index]
+        for t in TOOLS
+    )
+    return f"Tools: {tools}. Call one as <tool_call>, then answer with the value only."
+
+
+SYSTEM = _system()
+"""The harness's system prompt: its tools in one line. It sends no `tools` field: the Qwen template's
+tools block is 400 tokens of JSON schema in front of every question, which a model of a million
+parameters must learn to look past (its warm start did not, in 480 steps); the calls it makes are the
+same `<tool_call>` JSON the proxy parses into `tool_use` blocks either way."""
+
+
 class HarnessError(RuntimeError):
     """The proxy refused a call in a way a retry cannot fix."""
+
+
+class ToolSource(enum.StrEnum):
+    MODEL = "model"
+    """The model's own tool_use block, parsed by the proxy and run by the harness."""
+    SCRIPT = "script"
+    """The scripted fallback ran the task's next tool (the model made no call)."""
+    MISSED = "missed"
+    """The model answered without the tool call the task still needed; no fallback ran."""
+    NONE = "none"
+    """No tool call and none needed (the final answer)."""
+
+
+@dataclass(frozen=True)
+class TurnLog:
+    source: ToolSource
+    tools: tuple[tuple[str, str, str], ...] = ()
+    """(name, arguments as JSON, output) of each tool run after this turn."""
 
 
 @dataclass
@@ -40,6 +78,15 @@ class Execution:
     """Text of the latest assistant turn; None until one call completed."""
     retries: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[TurnLog] = field(default_factory=list)
+
+    def tool_calls(self) -> dict[str, int]:
+        """Tool calls the task needed, by who made them (model / script / missed)."""
+        out = {s.value: 0 for s in (ToolSource.MODEL, ToolSource.SCRIPT, ToolSource.MISSED)}
+        for t in self.turns:
+            if t.source is not ToolSource.NONE:
+                out[t.source.value] += 1
+        return out
 
 
 async def _call(
@@ -58,6 +105,28 @@ async def _call(
         raise HarnessError(f"{ex.execution_id}: proxy answered {r.status_code}: {r.text[:300]}")
 
 
+def request_body(messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> dict[str, Any]:
+    """The Anthropic Messages request the harness sends (the warm start renders the same bodies)."""
+    return {
+        "model": "gyre-policy",
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "system": SYSTEM,
+        "messages": messages,
+    }
+
+
+def _run_tools(uses: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
+    results, ran = [], []
+    for u in uses:
+        given = u.get("input")
+        args: dict[str, Any] = given if isinstance(given, dict) else {}
+        out, err = run_tool(str(u.get("name", "")), args)
+        ran.append((str(u.get("name", "")), json.dumps(args), out))
+        results.append({"type": "tool_result", "tool_use_id": u["id"], "content": out, "is_error": err})
+    return results, ran
+
+
 async def run_execution(
     http: httpx.AsyncClient,
     proxy_url: str,
@@ -67,6 +136,7 @@ async def run_execution(
     max_tokens: int,
     temperature: float,
     retry_for_s: float,
+    scripted_fallback: bool = False,
 ) -> Execution:
     """Run one execution to its end (the caller applies the hard timeout by cancelling)."""
     url = f"{proxy_url}/e/{ex.execution_id}/v1/messages"
@@ -75,37 +145,35 @@ async def run_execution(
     ex.messages = [{"role": "user", "content": ex.task.prompt}]
     for turn in range(turns):
         await asyncio.sleep(ex.tool_s / turns)
-        body = {
-            "model": "gyre-policy",
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "system": "You are a careful assistant. Use the tools, then answer briefly.",
-            "tools": TOOLS,
-            "messages": ex.messages,
-        }
+        body = request_body(ex.messages, max_tokens, temperature)
         resp = await _call(http, url, body, ex, loop.time() + retry_for_s)
         ex.calls += 1
         content = resp.get("content") or []
-        texts = [b.get("text", "") for b in content if b.get("type") == "text"]
-        ex.final_text = "".join(texts)
+        ex.final_text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
+        uses = [b for b in content if b.get("type") == "tool_use"]
         if turn == turns - 1:
+            ex.turns.append(TurnLog(ToolSource.MODEL if uses else _missed(script)))
             break
         ex.messages.append({"role": "assistant", "content": content or [{"type": "text", "text": ""}]})
-        uses = [b for b in content if b.get("type") == "tool_use"]
         if uses:
-            results = []
-            for u in uses:
-                args = u.get("input") or {}
-                arg = next((v for v in args.values() if isinstance(v, str)), json.dumps(args))
-                out, err = run_tool(str(u.get("name", "")), arg)
-                results.append(
-                    {"type": "tool_result", "tool_use_id": u["id"], "content": out, "is_error": err}
-                )
+            results, ran = _run_tools(uses)
+            del script[: len(uses)]
+            ex.turns.append(TurnLog(ToolSource.MODEL, tuple(ran)))
             ex.messages.append({"role": "user", "content": results})
-        elif script:
+        elif scripted_fallback and script:
             step = script.pop(0)
-            out, _ = run_tool(step.name, step.argument)
-            ex.messages.append({"role": "user", "content": f"[{step.name}({step.argument})] -> {out}"})
-        else:
+            out, _ = run_tool(step.name, step.arguments)
+            call = json.dumps(step.arguments)
+            ex.turns.append(TurnLog(ToolSource.SCRIPT, ((step.name, call, out),)))
+            ex.messages.append({"role": "user", "content": f"[{step.name}({call})] -> {out}"})
+        elif scripted_fallback:
+            ex.turns.append(TurnLog(ToolSource.NONE))
             ex.messages.append({"role": "user", "content": "Give the final answer now."})
+        else:  # the model answered: the execution ends here
+            ex.turns.append(TurnLog(_missed(script)))
+            break
     return ex
+
+
+def _missed(script: list[Any]) -> ToolSource:
+    return ToolSource.MISSED if script else ToolSource.NONE

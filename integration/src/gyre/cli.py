@@ -1,13 +1,20 @@
 """The `gyre` command: `run` the whole system from a config, `compare` the three scheduling policies on
-one workload (with the gyre-sched simulator's prediction beside each), `cell` (one cell process, started
-by `gyre run`), and `version`."""
+one workload (with the gyre-sched simulator's prediction beside each), `demo` (warm start, then RL that
+learns the built-in tasks), `warmstart` (the warm start alone), `cell` (one cell process, started by
+`gyre run`), and `version`."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import importlib.metadata
+import inspect
+import itertools
 import logging
 import sys
+import textwrap
+from typing import Any
 
 # Distributions that make up gyre; those not installed are shown as such.
 _COMPONENTS = ("gyre", "gyre-traj", "gyre-proxy", "gyre-engine", "gyre-sched", "gyre-xfer", "gyre-train")
@@ -49,9 +56,80 @@ def _build_parser() -> argparse.ArgumentParser:
         help="do not run: read out_dir/<policy>/metrics.json of earlier runs (e.g. made on a GPU machine)",
     )
     c.add_argument("-v", "--verbose", action="store_true")
+    from gyre.demo import DemoConfig
+    from gyre.warmstart import WarmStartConfig
+
+    d = sub.add_parser(
+        "demo", help="warm start, then RL that measurably learns the built-in tasks (minutes on 2 CPU cores)"
+    )
+    _dataclass_args(d, DemoConfig)
+    w = sub.add_parser("warmstart", help="the supervised warm start alone (cached; prints its directory)")
+    _dataclass_args(w, WarmStartConfig)
+    w.add_argument("--check", type=int, default=0, help="then score it greedily on this many held-out tasks")
     cell = sub.add_parser("cell", help="one cell process (started by `gyre run`)")
     cell.add_argument("--args", required=True)
     return parser
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (the configuration's reference), by field name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for a, b in itertools.pairwise(body):
+        named = isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+        if (
+            named
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
+        ):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def _dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """One option per field of the config dataclass `cls`, its default and docstring as the help."""
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        doc = docs.get(f.name, "")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action="store_true", help=doc)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+            p.add_argument(flag, type=kind, default=f.default, help=f"{doc} (default: {f.default})")
+
+
+def _fields(ns: argparse.Namespace, cls: type) -> Any:
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gyre.demo import DemoConfig, demo
+    from gyre.procs import ChildDied
+    from gyre.run import RunError
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        demo(_fields(args, DemoConfig), say=lambda m: print(m, flush=True))
+    except (RunError, ChildDied) as exc:
+        print(f"gyre demo: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _warmstart(args: argparse.Namespace) -> int:
+    import json
+
+    from gyre.warmstart import WarmStartConfig, check, warm_start
+
+    path, meta = warm_start(_fields(args, WarmStartConfig), say=lambda m: print(m, file=sys.stderr))
+    print(path)
+    if args.check:
+        print(json.dumps(check(path, args.check, meta["config"]["max_tokens"])))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return cell_main(["--args", args.args, *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "warmstart":
+        return _warmstart(args)
     if args.version or args.command == "version":
         for dist, version in _versions():
             print(f"{dist:<12} {version if version is not None else '(not installed)'}")

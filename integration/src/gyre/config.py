@@ -39,7 +39,7 @@ class RunSection:
     model_dir: str = ""
     """A gyre-engine model directory; empty: a random-init model of `model_shape`, created under out_dir."""
     model_shape: str = "tiny"
-    """`gyre-engine create-model --shape`: tiny (the embedded default), small or qwen3-0.6b."""
+    """`gyre-engine create-model --shape`: tiny (the embedded default), mini, small or qwen3-0.6b."""
     model_dtype: str = "float32"
     """dtype of a created model (float32 or bfloat16)."""
     deadline_s: float = 900.0
@@ -76,6 +76,9 @@ class AgentSection:
     """Hard timeout of one execution; a timed-out one is scored on what it produced (flagged)."""
     request_timeout_s: float = 60.0
     """Give up one HTTP call after this long (inside the execution's timeout)."""
+    scripted_fallback: bool = False
+    """When the model makes no tool call, run the task's next scripted tool itself (for a random model,
+    which rarely emits a parseable call); off: the model's answer ends the execution."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,19 @@ class TrainSection:
     """ppo or tis (gyre-traj's policy loss)."""
     j_max: int = 5
     """Trajectories selected per execution."""
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    tasks: int = 0
+    """Held-out tasks scored at each evaluation (greedy, through the proxy and engines); 0 = none."""
+    every: int = 5
+    """Evaluate at weight versions 0, every, 2 x every, ... and the last; the step after an evaluation
+    point is held until it is done, so every evaluation sees one weight version."""
+    seed: int = 0
+    """Which held-out tasks (the same set at every evaluation)."""
+    max_tokens: int = 48
+    """max_tokens of each evaluation call."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,7 @@ class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     driver: DriverSection = field(default_factory=DriverSection)
     train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     cell: CellSection = field(default_factory=CellSection)
     sched: SchedSection = field(default_factory=SchedSection)
     proxy: ProxySection = field(default_factory=ProxySection)
@@ -162,7 +179,10 @@ class Config:
         _check(a.timeout_s > 0 and a.request_timeout_s > 0, "[agent] timeouts must be > 0")
         _check(self.driver.max_ahead >= 0, "[driver] max_ahead must be >= 0")
         _check(self.driver.report_s > 0, "[driver] report_s must be > 0")
-        _check(t.lr > 0 and t.token_budget >= 64, "[train] lr > 0 and token_budget >= 64")
+        _check(
+            t.lr >= 0 and t.token_budget >= 64, "[train] lr >= 0 (0: a control run) and token_budget >= 64"
+        )
+        _check(self.eval.tasks >= 0 and self.eval.every >= 1, "[eval] tasks must be >= 0 and every >= 1")
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")
         _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
@@ -171,8 +191,8 @@ class Config:
             f"[cell] device must be cpu or cuda, got {self.cell.device!r}",
         )
         _check(
-            r.model_shape in ("tiny", "small", "qwen3-0.6b"),
-            "[run] model_shape must be tiny, small or qwen3-0.6b",
+            r.model_shape in ("tiny", "mini", "small", "qwen3-0.6b"),
+            "[run] model_shape must be tiny, mini, small or qwen3-0.6b",
         )
         _check(r.model_dtype in ("float32", "bfloat16"), "[run] model_dtype must be float32 or bfloat16")
         s = self.sched

@@ -45,6 +45,8 @@ class Outcome:
     tool_s: float = 0.0
     """Tool time the harness slept (the rest of the wall time went to model calls and waiting)."""
     error: str = ""
+    tools: dict[str, int] = field(default_factory=dict)
+    """Tool calls the task needed, by who made them: model, script (fallback) or missed."""
 
 
 @dataclass
@@ -146,6 +148,7 @@ class Driver:
                     max_tokens=c.agent.max_tokens,
                     temperature=c.agent.temperature,
                     retry_for_s=c.agent.timeout_s,
+                    scripted_fallback=c.agent.scripted_fallback,
                 ),
                 timeout=c.agent.timeout_s,
             )
@@ -162,9 +165,29 @@ class Driver:
             self.state.finished.append((dur, timed_out))
             self.state.outcomes.append(
                 Outcome(
-                    ex.execution_id, k, start, time.time(), ex.calls, timed_out, score.value, ex.tool_s, error
+                    ex.execution_id,
+                    k,
+                    start,
+                    time.time(),
+                    ex.calls,
+                    timed_out,
+                    score.value,
+                    ex.tool_s,
+                    error,
+                    ex.tool_calls(),
                 )
             )
+
+    def track(self, execution_id: str) -> None:
+        """Count an execution run outside the driver (an evaluation) in the water level until `untrack`."""
+        with self.lock:
+            self.state.running[execution_id] = time.monotonic()
+
+    def untrack(self, execution_id: str, timed_out: bool = False) -> None:
+        with self.lock:
+            t0 = self.state.running.pop(execution_id, None)
+            if t0 is not None:
+                self.state.finished.append((time.monotonic() - t0, timed_out))
 
     def _report(self) -> None:
         codec = Codec()

@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,10 @@ from gyre import predict as sim
 from gyre.cell import CellArgs
 from gyre.config import Config
 from gyre.driver import Driver
+from gyre.evalset import Evaluator
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
 from gyre.procs import ProcessGroup, free_port, python_argv, tail
+from gyre.runparts import RunContext, RunPart
 from gyre.trajsvc import TrajectoryService
 
 log = logging.getLogger("gyre.run")
@@ -84,8 +86,11 @@ def _proxy_up(url: str) -> bool:
         return False
 
 
-def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json)."""
+def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart] = ()) -> dict[str, Any]:
+    """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json). `parts` ride
+    along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them."""
+    if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
+        parts = [Evaluator(cfg), *parts]
     out = Path(cfg.run.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for stale in (
@@ -169,13 +174,18 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
         say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
         traj.start()
         driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
+        ctx = RunContext(cfg, out, proxy_url, driver, traj, sampler, info["publisher"])
+        for rider in parts:
+            rider.start(ctx)
         t_start = time.time()
         driver.start()
         deadline = time.monotonic() + c.deadline_s
         last_say = 0.0
         while True:
             healthy()
-            if traj.applied >= c.steps and driver.done.is_set():
+            for rider in parts:
+                rider.tick(ctx)
+            if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in parts):
                 break
             if time.monotonic() > deadline:
                 raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
@@ -193,6 +203,8 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
         )
         say(_progress(t_start, driver, traj, sampler, out))
     finally:
+        for rider in parts:
+            rider.stop()
         for part in (driver, traj, sampler):
             if part is not None:
                 part.stop()
@@ -335,6 +347,7 @@ def collect(
                 "microbatches": r["microbatches"],
                 "loss": r["loss"],
                 "grad_norm": r["grad_norm"],
+                "loss_metrics": r.get("metrics", {}),
                 "staleness_mean": r["staleness"]["mean"],
                 "staleness_max": r["staleness"]["max"],
                 **{
@@ -383,6 +396,9 @@ def collect(
         "executions": len(outcomes),
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": traj.records,
+        "evals": [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+        if (out / "evals.jsonl").exists()
+        else [],
         "steps": steps,
         "outcomes": outcomes,
     }

@@ -86,6 +86,8 @@ class TrajectoryService:
         self.version = 0
         self.records = 0
         self.error: BaseException | None = None
+        self.hold_at: int | None = None
+        """Steps from this one on are not submitted (an evaluation needs the version to stay put)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trajectory-service", daemon=True)
 
@@ -227,7 +229,8 @@ class TrajectoryService:
 
     def _submit_ready(self, core: CoreClient) -> None:
         sd = self.steps.get(self.next_submit)
-        if sd is None or sd.submitted or not self._complete(sd):
+        hold = self.hold_at
+        if sd is None or sd.submitted or (hold is not None and sd.step >= hold) or not self._complete(sd):
             return
         mbs, summary = self.build_minibatch(sd)
         try:

@@ -3,6 +3,8 @@ logprobs as running each path alone, and the same gradients as path-expanded tra
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -173,3 +175,39 @@ def test_malformed_batch_is_rejected() -> None:
         TorchBatch.from_packed(bad)
     with pytest.raises(ValueError, match="logprobs for"):
         policy_loss(torch.zeros(1), TorchBatch.from_packed(b))
+
+
+def test_entropy_kl_and_metrics_over_micro_batches() -> None:
+    from gyre_traj.loss import combine_metrics, target_logprobs_entropy
+
+    model = _model("qwen3")
+    trees = _trees((3, 4))
+    items = [
+        PackItem(t, select(t, SelectionConfig(j_max=2)), a) for t, a in zip(trees, (0.5, -0.5), strict=True)
+    ]
+    one = max(b.num_tokens for it in items for b in pack([it], PackConfig(token_budget=100_000)))
+    mbs = pack(items, PackConfig(token_budget=one, mode="tree"))  # one execution per micro-batch
+    assert len(mbs) >= 2
+    parts = []
+    for b in mbs:
+        tb = TorchBatch.from_packed(b)
+        lp, ent = target_logprobs_entropy(model, tb)
+        torch.testing.assert_close(lp, target_logprobs(model, tb))
+        # the entropy of each target's distribution, by hand from the plain logits
+        backbone = model.get_decoder()  # type: ignore[attr-defined]
+        from gyre_traj.loss import dense_mask
+
+        h = backbone(
+            input_ids=tb.input_ids[None], attention_mask=dense_mask(tb), position_ids=tb.position_ids[None]
+        )
+        p = torch.softmax(model.lm_head(h.last_hidden_state[0][tb.target_pos]).float(), -1)  # type: ignore[attr-defined]
+        torch.testing.assert_close(ent, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
+        old = dataclasses.replace(tb, old_logprobs=lp.detach() + 0.1)  # every log-ratio is -0.1
+        _, m = policy_loss(lp, old, None, ent)
+        assert m["approx_kl"] == pytest.approx(0.005, rel=1e-4) and m["weight"] > 0
+        parts.append(m)
+    total = combine_metrics(parts)
+    w = np.array([m["weight"] for m in parts])
+    assert total["entropy"] == pytest.approx(float(np.dot(w, [m["entropy"] for m in parts]) / w.sum()))
+    assert total["loss"] == pytest.approx(sum(m["loss"] for m in parts))
+    assert "entropy" not in combine_metrics([{"loss": 1.0, "weight": 1.0}])

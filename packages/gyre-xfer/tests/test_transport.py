@@ -64,8 +64,12 @@ def metadata_server() -> Iterator[str]:
 
 
 def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
-    a = open_transport(Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server))
-    b = open_transport(Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server))
+    a = open_transport(
+        Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
+    )
+    b = open_transport(
+        Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
+    )
     try:
         src = b.alloc(1 << 20)
         assert src.array is not None
@@ -94,7 +98,12 @@ def test_peer_restarted_under_the_same_name_is_reached_again(
         "metadata_server": metadata_server,
     }
     reader = open_transport(
-        Config(hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server, progress_timeout_s=2)
+        Config(
+            kind="mooncake",
+            hostname=f"127.0.0.1:{_free_port()}",
+            metadata_server=metadata_server,
+            progress_timeout_s=2,
+        )
     )
     try:
         pool = KvPool.allocate(reader, 1, 4, 4096)
@@ -171,8 +180,8 @@ def test_shm_peer_that_went_away_is_peer_gone() -> None:
 
 def test_torch_tensors_register_without_copies() -> None:
     torch = pytest.importorskip("torch")
-    a = open_transport(Config())
-    b = open_transport(Config())
+    a = open_transport(Config(kind="mooncake"))
+    b = open_transport(Config(kind="mooncake"))
     try:
         src_t = torch.arange(1024, dtype=torch.float32).to(torch.bfloat16)
         src = b.register(src_t)
@@ -213,6 +222,25 @@ def test_missing_wheel_names_the_extras(monkeypatch: pytest.MonkeyPatch) -> None
         TransportUnavailableError, match=r"gyre-xfer\[mooncake\]'.*gyre-xfer\[mooncake-cuda13\]"
     ):
         mc_mod.load_engine_class()
+
+
+def test_default_transport_is_shared_memory_and_needs_no_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if no Mooncake wheel (or libibverbs1) were here
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    assert Config().kind == "shm"
+    a, b = open_transport(), open_transport()
+    try:
+        src = b.alloc(64)
+        assert src.array is not None
+        src.array[:] = 7
+        dst = a.alloc(64)
+        assert a.read(b.endpoint, [Op(dst, 0, src.desc, 0, 64)]).ok and dst.array is not None
+        assert (dst.array == 7).all()
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(TransportUnavailableError, match=r"gyre-xfer\[mooncake\]"):
+        open_transport(Config(kind="mooncake"))  # asked for by name: an error that says what to install
 
 
 def test_wheel_is_reported() -> None:

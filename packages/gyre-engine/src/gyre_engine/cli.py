@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
     c = sub.add_parser("create-model", help="write the embedded default model (random init, local tokenizer)")
     c.add_argument("out_dir")
-    c.add_argument("--shape", default="tiny", help="tiny (default), small or qwen3-0.6b")
+    c.add_argument("--shape", default="tiny", help="tiny (default), mini, small or qwen3-0.6b")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--dtype", default="float32")
 

@@ -273,7 +273,9 @@ class Generation:
             raise EngineError(
                 502, f"engine {eng.engine_id} sent {len(tops)} top-logprob lists for {n} tokens", True
             )
-        self.result.top_logprobs.extend([(float(e[0]), int(e[1])) for e in t or []] for t in tops)
+        self.result.top_logprobs.extend(
+            [(float("-inf") if e[0] is None else float(e[0]), int(e[1])) for e in t or []] for t in tops
+        )
 
     async def _read(
         self, eng: Engine, attempt_rid: str, q: asyncio.Queue[GenerateResponse | BaseException | None]

@@ -2,6 +2,7 @@
 
 gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its address, then a JSON line per step
 gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
+gyre-train export ckpt/ model-out/ --tokenizer model-in/     # a checkpoint as a Hugging Face model directory
 gyre-train bench [--quick] [--device cuda]
 """
 
@@ -100,6 +101,17 @@ def _satellite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from gyre_train.export import ExportError, export_checkpoint
+
+    try:
+        print(export_checkpoint(Path(args.checkpoint), Path(args.out), Path(args.tokenizer)))
+    except ExportError as exc:
+        print(f"gyre-train export: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gyre_train.bench.run import main as bench_main
 
@@ -146,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         help="warm-up micro-batches at start (default: 2 on a GPU, 0 on the CPU)",
     )
     s.set_defaults(fn=_satellite)
+    e = sub.add_parser(
+        "export", help="a checkpoint as a Hugging Face model directory (transformers, engines)"
+    )
+    e.add_argument("checkpoint", help="a checkpoint directory (`--checkpoint` of `core`, Core.save)")
+    e.add_argument("out", help="the model directory to write")
+    e.add_argument(
+        "--tokenizer",
+        required=True,
+        help="model directory with the tokenizer (the one training started from)",
+    )
+    e.set_defaults(fn=_export)
     b = sub.add_parser("bench", help="tree-packed vs path-expanded training and satellite join time")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--device", default="cpu")

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import torch
-from gyre_traj.loss import LossConfig
+from gyre_traj.loss import LossConfig, combine_metrics
 from gyre_traj.pack import PackedBatch
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config as XferConfig
@@ -131,6 +131,9 @@ class StepReport:
     skipped: bool = False
     """The mini-batch had no micro-batches: its queue position was taken with no update (step, version
     and snapshot are unchanged)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The loss's metrics over the mini-batch (gyre-traj `combine_metrics`: approx_kl, clip_frac,
+    ratio_mean, entropy where the backend reports it, loss tokens)."""
 
 
 class Core:
@@ -330,6 +333,7 @@ class Core:
             elapsed_s=time.perf_counter() - t0,
             engine_push=push,
             executions=res.executions,
+            metrics=combine_metrics([res.metrics[i] for i in sorted(res.metrics)]),
         )
 
     def _compute_until_complete(self, on_progress: Callable[[int], None] | None) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs
+from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs_entropy
 from gyre_traj.pack import PackedBatch
 
 from gyre_train.modelconfig import Attention, ModelConfig
@@ -151,13 +151,16 @@ def _loss_backward(
 
         return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
     tb = TorchBatch.from_packed(batch, device=device)
+    entropy = None
     if megatron:
         from gyre_train.megatron import tree_target_logprobs
 
         lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
     else:
-        lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
-    loss, metrics = policy_loss(lp, tb, loss_cfg)
+        lp, entropy = target_logprobs_entropy(
+            model, tb, attention=attention, temperature=loss_cfg.temperature
+        )
+    loss, metrics = policy_loss(lp, tb, loss_cfg, entropy)
     loss.backward()
     return metrics
 

@@ -120,6 +120,19 @@ def target_logprobs(
     chunk: int = 2048,
 ) -> torch.Tensor:
     """Log-probabilities [L] of the batch's loss targets under `model` (a transformers causal LM)."""
+    return target_logprobs_entropy(model, tb, attention=attention, temperature=temperature, chunk=chunk)[0]
+
+
+def target_logprobs_entropy(
+    model: Any,
+    tb: TorchBatch,
+    *,
+    attention: Literal["dense", "flex"] = "dense",
+    temperature: float = 1.0,
+    chunk: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_logprobs` and, detached, the entropy [L] of the policy's distribution (at `temperature`)
+    at each target's position: the figure that shows a policy collapsing onto a few tokens."""
     mask = dense_mask(tb) if attention == "dense" else flex_block_mask(tb)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     out = backbone(
@@ -128,23 +141,34 @@ def target_logprobs(
     hidden = out.last_hidden_state[0]
     head = model.get_output_embeddings()
     h = hidden.index_select(0, tb.target_pos)
-    parts = []
+    parts, ents = [], []
     for lo in range(0, h.shape[0], chunk):
         logits = head(h[lo : lo + chunk]).float()
         if temperature != 1.0:
             logits = logits / temperature
         lp = torch.log_softmax(logits, dim=-1)
         parts.append(lp.gather(1, tb.target_ids[lo : lo + chunk, None])[:, 0])
+        with torch.no_grad():  # in row slices: the temporaries stay small on a 150k vocabulary
+            ents += [-(sl.exp() * sl).sum(-1) for sl in lp.split(256)]
     if not parts:
-        return hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(parts)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty.detach()
+    return torch.cat(parts), torch.cat(ents)
 
 
 def policy_loss(
-    new_logprobs: torch.Tensor, tb: TorchBatch, cfg: LossConfig | None = None
+    new_logprobs: torch.Tensor,
+    tb: TorchBatch,
+    cfg: LossConfig | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted token-level policy loss and its metrics. Summing this over the micro-batches of a
-    mini-batch gives the mini-batch loss (weights already include the per-execution normalization)."""
+    mini-batch gives the mini-batch loss (weights already include the per-execution normalization).
+
+    Metrics are means over the loss tokens under the loss weights: `ratio_mean`, `clip_frac` (share
+    clipped), `approx_kl` (0.5 (log pi - log mu)^2, an estimate of KL(mu || pi) to the behaviour policy)
+    and, with `entropy` given, `entropy`; `weight` is the weight sum they are taken over, so the means
+    of several micro-batches combine (`combine_metrics`)."""
     cfg = cfg or LossConfig()
     if new_logprobs.shape != tb.old_logprobs.shape:
         raise ValueError(f"{tuple(new_logprobs.shape)} logprobs for {tuple(tb.old_logprobs.shape)} targets")
@@ -169,5 +193,24 @@ def policy_loss(
             "ratio_mean": float((ratio * w).sum()) / wsum,
             "clip_frac": float((clip_frac * w).sum()) / wsum,
             "approx_kl": float((0.5 * log_ratio.pow(2) * w).sum()) / wsum,
+            "weight": float(w.sum()),
         }
+        if entropy is not None:
+            metrics["entropy"] = float((entropy * w).sum()) / wsum
     return loss, metrics
+
+
+MEAN_METRICS = ("ratio_mean", "clip_frac", "approx_kl", "entropy")
+"""`policy_loss` metrics that are weighted means over loss tokens."""
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One mini-batch's metrics from its micro-batches': `loss` and `tokens` summed, the weighted means
+    (`MEAN_METRICS`) averaged under each micro-batch's `weight`. A mean none of them reports is left out."""
+    out = {"loss": sum(p.get("loss", 0.0) for p in parts), "tokens": sum(p.get("tokens", 0.0) for p in parts)}
+    for name in MEAN_METRICS:
+        have = [p for p in parts if name in p and "weight" in p]
+        wsum = sum(p["weight"] for p in have)
+        if have and wsum > 0:
+            out[name] = sum(p[name] * p["weight"] for p in have) / wsum
+    return out

@@ -151,8 +151,9 @@ def check_ranges(ops: Sequence[Op]) -> list[str | None]:
 class Config:
     """How to open a transport. Field docs are the command-line help."""
 
-    kind: str = "mooncake"
-    """"mooncake" (Transfer Engine) or "shm" (same-host shared memory)."""
+    kind: str = "shm"
+    """"shm" (same-host shared memory, the default: needs no system library) or "mooncake" (Transfer
+    Engine: across hosts; needs a Mooncake wheel and the system library libibverbs1, even over TCP)."""
     hostname: str = "127.0.0.1"
     """Mooncake: the address peers use to reach this process (its ports still listen on all interfaces)."""
     protocol: str = "tcp"

@@ -64,7 +64,8 @@ For each function call, return a json object with function name and arguments wi
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Qwen3 dimensions; `tiny` is the embedded default, `qwen3_0_6b` the benchmark's larger shape."""
+    """Qwen3 dimensions; `tiny` is the embedded default (random outputs for plumbing tests), `mini` the
+    one `gyre demo` warm-starts (1M parameters), `qwen3_0_6b` the benchmark's larger shape."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -79,6 +80,7 @@ class ModelShape:
 
 SHAPES = {
     "tiny": ModelShape(64, 2, 4, 2, 16, 128, initializer_range=0.5),
+    "mini": ModelShape(128, 4, 4, 2, 32, 384),
     "small": ModelShape(256, 4, 8, 4, 32, 768),
     "qwen3-0.6b": ModelShape(1024, 28, 16, 8, 128, 3072, vocab_size=151936),
 }

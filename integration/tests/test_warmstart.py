@@ -1,0 +1,109 @@
+"""The warm start: transcripts rendered by gyre-proxy's own renderer and parsed back by its parser,
+tree-packed training on them with the right targets, determinism from the seed, and the cache."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gyre import tasks
+from gyre.warmstart import (
+    TranscriptMaker,
+    WarmStartConfig,
+    _torch_batch,
+    cache_key,
+    cached_dir,
+    pack_shared,
+    transcripts,
+    warm_start,
+)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gyre_engine.server.model_factory import create_model
+
+    return create_model(tmp_path_factory.mktemp("ws") / "tiny", "tiny", seed=0)
+
+
+def test_transcripts_are_what_the_proxy_renders_and_parses(model_dir: Path) -> None:
+    from gyre_proxy.toolparse import BlockKind, parse
+
+    maker = TranscriptMaker(model_dir, 32)
+    tok = maker.renderer.tok
+    rng = random.Random(0)
+    for fam in tasks.FAMILIES:
+        task = tasks.make_task(rng, "t", family=fam)
+        for correct in (True, False):
+            tr = maker.make(task, correct)
+            (s1, e1), (s2, e2) = tr.targets
+            assert e2 == tr.ids.size and e1 < s2
+            step, answer = (task.script[0], task.answer) if correct else task.slip
+            blocks = parse(tok.decode(tr.ids[s1:e1].tolist(), skip_special_tokens=False))
+            assert [(b.kind, b.name) for b in blocks] == [(BlockKind.TOOL, step.name)]
+            assert json.loads(blocks[0].text) == step.arguments
+            assert tok.decode(tr.ids[s2:e2].tolist(), skip_special_tokens=False) == answer + "<|im_end|>"
+            between = tok.decode(tr.ids[e1:s2].tolist(), skip_special_tokens=False)
+            assert tasks.run_tool(step.name, step.arguments)[0] in between  # the tool's output: context only
+    # the whole prompt of the first call is the model's own chat template (what the proxy is tested on)
+    from gyre.agent import SYSTEM
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    text = hf.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.prompt}],
+        tokenize=False, add_generation_prompt=True, enable_thinking=False,
+    )  # fmt: skip
+    assert tok.decode(tr.ids[:s1].tolist(), skip_special_tokens=False) == text
+
+
+def test_shared_prefix_packing_gives_each_transcript_its_own_logprobs(model_dir: Path) -> None:
+    from gyre_traj.loss import target_logprobs
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    batch = transcripts(TranscriptMaker(model_dir, 32), 3, WarmStartConfig(seed=4))
+    with torch.no_grad():
+        packed = target_logprobs(model, _torch_batch(pack_shared(batch)))
+        alone = []
+        for t in batch:
+            lp = torch.log_softmax(model(input_ids=torch.tensor(t.ids.tolist())[None]).logits[0], -1)
+            for s, e in t.targets:
+                alone.append(lp[s - 1 : e - 1].gather(1, torch.tensor(t.ids[s:e].tolist())[:, None])[:, 0])
+    torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_deterministic_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.numpy import load_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = WarmStartConfig(shape="tiny", steps=3, batch=2, warmup=1, seed=5)
+    first, meta = warm_start(cfg, say=lambda _: None, progress=False)
+    assert (
+        not meta["cached"]
+        and first == cached_dir(cfg)
+        and str(first).startswith(str(tmp_path / "cache" / "gyre"))
+    )
+    again, meta2 = warm_start(cfg, say=lambda _: None)
+    assert again == first and meta2["cached"]
+    other, _ = warm_start(
+        WarmStartConfig(shape="tiny", steps=3, batch=2, warmup=1, seed=6), say=lambda _: None, progress=False
+    )
+    assert other != first and cache_key(cfg) != cache_key(
+        WarmStartConfig(shape="tiny", steps=3, batch=2, warmup=1, seed=6)
+    )
+    # the same config trained again elsewhere gives the same weights
+    from gyre.warmstart import train
+
+    train(cfg, tmp_path / "again", progress=False)
+    a, b = (
+        load_file(str(first / "model.safetensors")),
+        load_file(str(tmp_path / "again" / "model.safetensors")),
+    )
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert not all(np.array_equal(a[k], load_file(str(other / "model.safetensors"))[k]) for k in a)
