@@ -200,16 +200,14 @@ class Driver:
         except (HarnessError, httpx.HTTPError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("execution %s failed: %s", ex.execution_id, error)
-        dur = time.monotonic() - t0
+        dur, end = time.monotonic() - t0, time.time()  # it ended here, before its score goes anywhere
         score = evaluate(ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
         self.traj.score(k, score, ex.calls)
         with self.lock:
             self.state.running.pop(ex.execution_id, None)
             self.state.finished.append((dur, timed_out))
             self.state.outcomes.append(
-                Outcome(
-                    ex.execution_id, k, start, time.time(), ex.calls, timed_out, score.value, ex.tool_s, error
-                )
+                Outcome(ex.execution_id, k, start, end, ex.calls, timed_out, score.value, ex.tool_s, error)
             )
 
     def _report(self) -> None:
