@@ -317,6 +317,9 @@ def collect(
     outcomes = driver.outcomes()
     track = sampler.training()
     overlap = train_overlap(samples, track, outcomes, t0, t1)
+    batch_end: dict[int, float] = {}
+    for o in outcomes:
+        batch_end[o["step"]] = max(batch_end.get(o["step"], 0.0), o["end"])
     steps: list[dict[str, Any]] = []
     for r in rows:
         k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
@@ -347,8 +350,8 @@ def collect(
                 "busy_cell_s": 0.0,
                 "overlap_cell_s": 0.0,
                 "train_first": None,
-                "batch_end": None,
                 **overlap["per_step"].get(k, {}),
+                "batch_end": batch_end.get(k),
                 **{
                     k2: summary.get(k2)
                     for k2 in (
