@@ -32,7 +32,10 @@ def test_defaults_and_yaml(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[run]\npolicy = 'fifo'\n", "[run] policy must be one of elastic, colocate, async"),
+        (
+            "[run]\npolicy = 'fifo'\n",
+            "[run] policy must be one of elastic, colocate, colocate-runahead, async",
+        ),
         ("[run]\ncells = 1\n", "[run] cells must be >= 2"),
         ("[run]\nsteps = 'two'\n", "[run] steps must be int"),
         ("[agent]\nturn = 3\n", "[agent] unknown key 'turn'; known: exec_sigma, max_tokens, median_s"),
@@ -139,3 +142,28 @@ def test_run_and_simulator_share_one_duration_sample() -> None:
     assert (d == durations(cfg.with_policy("async", "x"))).all()
     w = sim_workload(cfg)
     assert w.run.cells == cfg.run.cells and w.timeout_s == pytest.approx(cfg.agent.timeout_s)
+
+
+def test_streaming_is_declared_once_and_the_simulator_gets_the_runs() -> None:
+    """`[driver] streaming` (default on) decides whether the run streams steps, except under the Colocate
+    variants (whole batches only); the simulator `gyre compare` predicts with is given the same flag, and
+    each compare arm's `:streaming` / `:whole` overrides it."""
+    from gyre.compare import arm_config
+    from gyre.config import POLICIES
+
+    cfg = Config()
+    assert cfg.driver.streaming
+    expect = {"elastic": True, "colocate": False, "colocate-runahead": False, "async": True}
+    assert set(expect) == set(POLICIES)
+    for policy, streams in expect.items():
+        c = cfg.with_policy(policy, "x")
+        assert c.streams is streams and sim_workload(c).driver.streaming is streams
+    assert not arm_config(cfg, "elastic:whole", "x").streams
+    assert sim_workload(arm_config(cfg, "elastic:whole", "x")).driver.streaming is False
+    off = arm_config(cfg, "elastic:whole", "x")
+    assert arm_config(off, "async:streaming", "x").streams
+    assert arm_config(off, "async", "x").streams is False  # the config's own setting
+    with pytest.raises(ConfigError, match="arm 'fifo'"):
+        arm_config(cfg, "fifo", "x")
+    with pytest.raises(ConfigError, match="arm 'elastic:sometimes'"):
+        arm_config(cfg, "elastic:sometimes", "x")

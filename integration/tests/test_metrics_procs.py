@@ -8,6 +8,7 @@ import pytest
 from gyre.metrics import Sample, role_accounting
 from gyre.procs import ChildDied, ProcessGroup
 from gyre.run import _switch_times
+from gyre.trainwatch import TrainSample, TrainTrack, train_overlap
 from gyre_sched.protocol import Role
 
 R, D, TT, T, TR = (
@@ -26,16 +27,48 @@ def _samples() -> list[Sample]:
 
 
 def test_role_accounting_by_hand() -> None:
-    # A step in progress from 4 s to 5 s: the intervals starting at 4 and 5 s count as busy.
-    acc = role_accounting(_samples(), [(4.0, 5.0)], 0.0, 8.0)
+    # The core has work in hand from 4 s to 6 s (sampled every 0.5 s; a state holds until the next sample).
+    track = TrainTrack([TrainSample(t / 2, 0, 8 <= t < 12) for t in range(16)])
+    acc = role_accounting(_samples(), track, 0.0, 8.0)
     c = acc["per_cell"]["0"]
     assert c["rollout_s"] == 2.0 and c["training_s"] == 3.0 and c["switching_s"] == 3.0
     # 0-1 s counts as busy (work seen at one end of the interval), 1-2 s as idle
     assert c["rollout_busy_s"] == 1.0
-    assert c["training_busy_s"] == 2.0  # samples at 4 and 5 lie inside the step
+    assert c["training_busy_s"] == 2.0  # 4-6 s of the 3 s in training
     assert acc["idle_rollout"] == 0.5
     assert acc["idle_training"] == pytest.approx(1 / 3, abs=1e-4)
     assert acc["switching_share"] == pytest.approx(3 / 8, abs=1e-4)
+
+
+def test_train_overlap_by_hand() -> None:
+    # Two cells: cell 0 trains 4-7 s (as in `_samples`), cell 1 joins it 5-6 s. Step 0 has work in hand
+    # 4-6 s, step 1 6-7 s; batch 0's last execution ends at 4.5 s, batch 1's at 9 s.
+    samples = [
+        Sample(x.t, {0: x.roles[0], 1: T if x.t == 5.0 else R}, x.engine_busy, x.engine_version)
+        for x in _samples()
+    ]
+    track = TrainTrack(
+        [
+            TrainSample(0.0, -1, False),
+            TrainSample(4.0, 0, True),
+            TrainSample(6.0, 1, True),
+            TrainSample(7.0, -1, False),
+        ]
+    )
+    outcomes = [{"step": 0, "end": 3.0}, {"step": 0, "end": 4.5}, {"step": 1, "end": 9.0}]
+    ov = train_overlap(samples, track, outcomes, 0.0, 8.0)
+    # busy cell-seconds: step 0: 4-5 s x 1 cell + 5-6 s x 2 cells = 3; step 1: 6-7 s x 1 cell = 1.
+    # overlapping its own batch: step 0 4-4.5 s (0.5); step 1 all of it (1).
+    assert ov["busy_cell_s"] == 4.0 and ov["overlap_cell_s"] == 1.5
+    assert ov["train_overlap_share"] == 0.375
+    assert ov["per_step"][0] == {
+        "busy_cell_s": 3.0,
+        "overlap_cell_s": 0.5,
+        "train_first": 4.0,
+        "batch_end": 4.5,
+    }
+    assert ov["per_step"][1]["overlap_cell_s"] == 1.0
+    assert train_overlap(samples, TrainTrack([]), outcomes, 0.0, 8.0)["train_overlap_share"] is None
 
 
 def test_switch_times_from_samples() -> None:

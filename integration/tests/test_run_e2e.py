@@ -1,6 +1,6 @@
 """`gyre run` end to end under each policy: real processes (gyre-sched, two cells with gyre-engine servers
-and a gyre-train core/satellite, gyre-proxy), the built-in harness, two optimizer steps. About 50 s per
-policy on 2 cores."""
+and a gyre-train core/satellite, gyre-proxy), the built-in harness, two optimizer steps; streamed steps
+(elastic, async) and whole ones (colocate). About 60 s per policy on 2 cores."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ model_dir = "{model_dir}"
 policy = "{policy}"
 cells = 2
 steps = 2
+seed = 3
 out_dir = "{out}"
 deadline_s = 300.0
 [batch]
@@ -61,8 +62,8 @@ group_size = 2
 [agent]
 turns = 2
 max_tokens = 8
-median_s = 1.0
-timeout_s = 6.0
+median_s = 2.0
+timeout_s = 8.0
 """
     )
     assert main(["run", str(cfg)]) == 0
@@ -99,6 +100,17 @@ timeout_s = 6.0
     # Batch 0 was sampled by the initial weights; nothing was sampled by a version not yet trained.
     assert all(v == 0 for e, vs in versions.items() if e.startswith("s0-") for v in vs)
     assert max(v for vs in versions.values() for v in vs) <= 2
+
+    # Streamed steps train under their batch's tail: seed 3's sample has, in each batch, a group that
+    # ends seconds before the other (tool times 0.1 s against 4.8 s in batch 0), and its micro-batches
+    # are trained meanwhile. Whole steps (Colocate's) never train before their batch is complete.
+    assert m["streaming"] is (policy != "colocate")
+    if policy == "colocate":
+        assert m["train_overlap_share"] == 0.0
+        assert all(s["first_given_at"] >= s["batch_end"] for s in m["steps"])
+    else:
+        assert m["train_overlap_share"] > 0.0
+        assert any(s["first_given_at"] < s["batch_end"] for s in m["steps"])
 
     # The metrics are internally consistent.
     roles = m["roles"]

@@ -1,43 +1,142 @@
+"""The trajectory service's step book: when a group is ready, what the scheduler is told (untrained
+ready groups from the core's `StepInfo`, the batch's completeness, whether the step has begun), with
+streamed and whole steps; and groups packed one at a time give each execution to exactly one step."""
+
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from gyre.trajsvc import TrajectoryService
-from gyre_traj.records import Score
+from gyre.stepbook import RecordsMissing, StepBook
+from gyre_train.protocol import StepInfo
+from gyre_traj.records import Call, Role, Score
 
 
-def _svc(streaming: bool) -> TrajectoryService:
-    # Never started: no core or scheduler is contacted; only the bookkeeping is exercised.
-    return TrajectoryService(
-        "tcp://127.0.0.1:1", "tcp://127.0.0.1:1", 2, streaming=streaming, token_budget=1024, j_max=5
-    )
+def _book(streaming: bool) -> StepBook:
+    return StepBook(2, streaming=streaming, token_budget=1024, j_max=5, record_wait_s=5.0)
 
 
-def _score(svc: TrajectoryService, step: int, eid: str, gid: str) -> None:
-    svc._message("score", (step, Score(execution_id=eid, group_id=gid, value=0.5), 1))
+def _register(book: StepBook, k: int) -> None:
+    book.register(k, {f"s{k}-q{q}": [f"s{k}-q{q}-e{j}" for j in range(2)] for q in range(2)})
+
+
+def _call(eid: str, out: list[int]) -> Call:
+    # Token ids by role band: system 1000s, user 2000s, assistant output 5000s.
+    return Call(
+        execution_id=eid, call_id=f"{eid}-c{len(out)}-{out[0]}", agent_id="main", role=Role.MAIN,
+        input_ids=np.array([1001, 2001, 2002]), output_ids=np.array(out),
+        output_logprobs=np.full(len(out), -0.5), weight_version=0,
+    )  # fmt: skip
+
+
+def _finish_group(book: StepBook, k: int, q: int, now: float = 0.0, value: float = 0.5) -> None:
+    for j in range(2):
+        eid = f"s{k}-q{q}-e{j}"
+        book.record(_call(eid, [5001 + j, 5002]))
+        book.score(k, Score(execution_id=eid, group_id=f"s{k}-q{q}", value=value * j), 1, now)
+    book.update_ready(book.steps[k], now)
+
+
+def _training(seq: int, given: int, done: int, claimed: int = 0, closed: bool = False) -> StepInfo:
+    return StepInfo(seq, closed, True, given, given - done - claimed, claimed, done)
 
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_ready_groups_follow_step_order(streaming: bool) -> None:
-    svc = _svc(streaming)
-    try:
-        for k in range(2):
-            svc._message(
-                "batch", (k, {f"s{k}-q{q}": [f"s{k}-q{q}-e{j}" for j in range(2)] for q in range(2)})
-            )
-        # Step 1's batch completes while one group of step 0 is still running.
-        for q in range(2):
-            for j in range(2):
-                _score(svc, 1, f"s1-q{q}-e{j}", f"s1-q{q}")
-        _score(svc, 0, "s0-q0-e0", "s0-q0")
-        _score(svc, 0, "s0-q0-e1", "s0-q0")
-        # Trainable now: nothing without streaming (step 0 is incomplete and comes first); with streaming,
-        # step 0's one complete group. Never step 1's batch.
-        assert svc.ready_groups().ready == (1 if streaming else 0)
-        _score(svc, 0, "s0-q1-e0", "s0-q1")
-        _score(svc, 0, "s0-q1-e1", "s0-q1")
-        assert svc.ready_groups().ready == 4  # both steps complete, in order
-        svc.applied = 1  # step 0 applied: its groups leave
-        rg = svc.ready_groups()
-        assert rg.ready == 2 and rg.batch_groups == 2
-    finally:
-        svc.stop()
+    book = _book(streaming)
+    for k in range(2):
+        _register(book, k)
+    # Step 1's batch completes while one group of step 0 is still running.
+    _finish_group(book, 1, 0)
+    _finish_group(book, 1, 1)
+    _finish_group(book, 0, 0)
+    rg = book.report(0, 0, {})
+    # Trainable now: nothing of whole steps (step 0 is incomplete and comes first); streamed, step 0's one
+    # complete group. Never step 1's batch while step 0 is incomplete.
+    assert (rg.ready, rg.batch_complete, rg.step_open) == (1 if streaming else 0, False, False)
+    _finish_group(book, 0, 1)
+    rg = book.report(0, 0, {})
+    assert (rg.ready, rg.batch_complete) == (4, True)  # both steps complete, in order
+    rg = book.report(1, 1, {})  # step 0 applied: its groups leave
+    assert (rg.ready, rg.batch_groups, rg.batch_complete) == (2, 2, True)
+
+
+def test_streamed_groups_leave_the_count_as_they_are_trained() -> None:
+    book = _book(True)
+    _register(book, 0)
+    _finish_group(book, 0, 0)
+    sd = book.steps[0]
+    sd.given["s0-q0"] = 1  # what the service does once it gave the group's micro-batch to the open step
+    assert book.report(0, 0, {0: _training(0, 1, done=0)}).ready == 1
+    rg = book.report(0, 0, {0: _training(0, 1, done=1)})
+    # Trained, and the batch is still running: nothing left to claim, the step has begun, and the batch
+    # is not complete (a Colocate pool would not train it; an elastic satellite goes back).
+    assert (rg.ready, rg.step_open, rg.batch_complete) == (0, True, False)
+    _finish_group(book, 0, 1)
+    sd.given["s0-q1"] = 2
+    rg = book.report(0, 0, {0: _training(0, 3, done=1, claimed=1)})
+    assert (rg.ready, rg.step_open, rg.batch_complete) == (1, True, True)
+    # All in, the update being applied: nothing trainable, and the batch stays complete until applied.
+    rg = book.report(0, 0, {0: _training(0, 3, done=3, closed=True)})
+    assert (rg.ready, rg.batch_complete) == (0, True)
+
+
+def test_whole_steps_count_the_batch_until_trained() -> None:
+    book = _book(False)
+    _register(book, 0)
+    _finish_group(book, 0, 0)
+    _finish_group(book, 0, 1)
+    sd = book.steps[0]
+    assert book.report(0, 0, {}).ready == 2
+    p = book.pack(sd, sd.groups)
+    sd.tally.add(p, p.microbatches, len(p.items), book.output_tokens)
+    sd.closed = True
+    n = len(p.microbatches)
+    assert book.report(0, 0, {0: StepInfo(0, True, False, n, n, 0, 0)}).ready == 2  # waiting its turn
+    rg = book.report(0, 0, {0: StepInfo(0, True, True, n, 0, 0, n)})
+    assert (rg.ready, rg.batch_complete, rg.step_open) == (0, True, True)
+
+
+def test_a_group_is_ready_only_with_all_its_records() -> None:
+    book = _book(True)
+    _register(book, 0)
+    sd = book.steps[0]
+    for j in range(2):
+        eid = f"s0-q0-e{j}"
+        book.score(0, Score(execution_id=eid, group_id="s0-q0", value=0.0), 2, 10.0)
+        book.record(_call(eid, [5001]))
+    book.update_ready(sd, 11.0)
+    assert sd.ready == []  # one of two calls each has arrived
+    for j in range(2):
+        book.record(_call(f"s0-q0-e{j}", [5002]))
+    book.update_ready(sd, 12.0)
+    assert sd.ready == ["s0-q0"]
+    book.score(0, Score(execution_id="s0-q1-e0", group_id="s0-q1", value=0.0), 1, 10.0)
+    book.score(0, Score(execution_id="s0-q1-e1", group_id="s0-q1", value=0.0), 1, 10.0)
+    with pytest.raises(RecordsMissing, match=r"group s0-q1: records missing after 5.0s"):
+        book.update_ready(sd, 15.5)
+
+
+def test_groups_packed_one_by_one_train_each_execution_once() -> None:
+    """Packing group by group (streaming) trains the same executions and loss tokens as packing the
+    batch at once, and the step's close count is its executions with loss tokens."""
+    from gyre_train.normalize import execution_means
+
+    whole, streamed = _book(False), _book(True)
+    for book in (whole, streamed):
+        _register(book, 0)
+        _finish_group(book, 0, 0)
+        _finish_group(book, 0, 1)
+    sd = whole.steps[0]
+    p = whole.pack(sd, sd.groups)
+    sd.tally.add(p, p.microbatches, len(p.items), whole.output_tokens)
+    sd = streamed.steps[0]
+    for g in sd.ready:
+        q = streamed.pack(sd, [g])
+        mbs, n = execution_means(q.microbatches)
+        sd.tally.add(q, mbs, n, streamed.output_tokens)
+        assert all(np.allclose(b.weights, 0.5) for b in mbs)  # per-execution means: 2 loss tokens each
+    a, b = whole.steps[0].tally.summary(0, []), streamed.steps[0].tally.summary(0, [])
+    assert sorted(a["trained_executions"]) == sorted(b["trained_executions"])
+    assert len(set(b["trained_executions"])) == len(b["trained_executions"]) == 4
+    assert a["loss_tokens"] == b["loss_tokens"] == b["output_tokens_recorded"] == 8
+    assert streamed.steps[0].tally.executions == 4

@@ -3,12 +3,16 @@
 The cell starts `gyre-engine serve` as its child and registers with gyre-sched as a CELL whose endpoint
 is that engine. Cell 0 is the trainer core (gyre-train `Core`, loaded with the engine's initial weights);
 the others run a gyre-train `Satellite` that stays connected and idle until admitted. On a
-`SwitchCommand` to TRAINING the cell releases its engine's memory and joins training (the core starts
-taking mini-batches; a satellite is admitted through `CoreClient`); back to ROLLOUT it leaves training
-(the core finishes the step in progress), resumes the engine, loads the newest weights and only then
-answers `SwitchDone`. While in rollout, a weight thread follows the core's version and pulls each new
-snapshot into the engine (gyre-xfer over shared memory). The core appends one JSON line per step to
-`steps.jsonl` in the run directory.
+`SwitchCommand` to TRAINING the cell releases its engine's memory and joins training (the core takes
+the oldest step, open or whole, and computes its micro-batches as they arrive; a satellite is admitted
+through `CoreClient` and claims at once what is queued); back to ROLLOUT it leaves training (the core stops
+computing micro-batches but still aggregates and applies the step in progress, which the cells that
+train, or the core when it returns, finish; a satellite is dismissed), resumes the engine, loads the
+newest weights and only then answers `SwitchDone`. While in rollout, a weight thread follows the core's
+version and pulls each new snapshot into the engine (gyre-xfer over shared memory). The core appends one
+JSON line per step to `steps.jsonl` in the run directory. The trainer thread and the satellite thread
+are gyre-train's `threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the
+traceback in its log), and `gyre run` ends naming it.
 """
 
 from __future__ import annotations
@@ -115,9 +119,7 @@ class Cell:
         self.procs = ProcessGroup(self.run_dir / "logs")
         self.stop = threading.Event()
         self.role = Role.ROLLOUT
-        self.training = threading.Event()  # the trainer side may work (core: take mini-batches)
-        self.step_idle = threading.Event()  # core: no step in progress
-        self.step_idle.set()
+        self.training = threading.Event()  # the trainer side may work (core: take steps and compute)
         self.engine_version = 0
         self.weights_lock = threading.Lock()  # one weight update or memory change at a time
         self.core: Any = None
@@ -201,6 +203,7 @@ class Cell:
     # ---- trainer ------------------------------------------------------------------------------------
     def start_trainer(self) -> None:
         from gyre_train.control import CoreClient
+        from gyre_train.threads import start_thread
         from gyre_traj.loss import LossConfig
 
         if self.a.is_core:
@@ -221,13 +224,14 @@ class Cell:
                 dead_after_s=30.0,
             )
             self.core = Core(model, mc, cfg)
+            self.core.set_computing(False)  # the cell starts in rollout
             self.publisher = self.core.publisher.address
             info = {"core": self.core.address, "publisher": self.publisher}
             tmp = self.run_dir / "core.json.tmp"
             tmp.write_text(json.dumps(info))
             tmp.rename(self.run_dir / "core.json")
             self.client = CoreClient(self.core.address, timeout_s=30.0)
-            threading.Thread(target=self.train_loop, name="core-train", daemon=True).start()
+            start_thread(self.train_loop, "core-train")
         else:
             from gyre_train.satellite import Satellite, SatelliteConfig
 
@@ -239,39 +243,45 @@ class Cell:
             def serve() -> None:
                 try:
                     sat.run()
-                except Exception as exc:
-                    if not self.stop.is_set():
-                        log.error("cell %d: satellite stopped: %s", self.a.cell_id, exc)
+                except Exception:
+                    if self.stop.is_set():  # the run is ending: the core went first
+                        return
+                    raise  # start_thread ends the cell, loudly
 
-            threading.Thread(target=serve, name="satellite", daemon=True).start()
+            start_thread(serve, "satellite")
 
     def train_loop(self) -> None:
-        """Core only: while in training, take each submitted mini-batch and apply one update."""
+        """Core only: while in training, take the oldest step (open or whole) and train it to its update,
+        which may outlast the cell's training role (see the module docstring). An error ends the cell
+        (`start_thread`), unless the cell is already closing."""
+        try:
+            self._train_steps()
+        except Exception:
+            if self.stop.is_set():
+                return
+            raise
+
+    def _train_steps(self) -> None:
         steps = self.run_dir / "steps.jsonl"
         while not self.stop.is_set():
             if not self.training.is_set():
                 self.training.wait(0.2)
                 continue
-            self.step_idle.clear()
-            try:
-                if not self.training.is_set():
-                    continue
-                mbs = self.core.next_minibatch(0.2)
-                if mbs is None:
-                    continue
-                t0 = time.time()
-                rep = self.core.train_step(mbs)
-                row = {**asdict(rep), "t_start": t0, "t_end": time.time()}
-                with open(steps, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
-                log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
-            finally:
-                self.step_idle.set()
+            step = self.core.next_step(0.2)
+            if step is None:
+                continue
+            t0 = time.time()
+            rep = self.core.train_step(step)
+            row = {**asdict(rep), "t_start": t0, "t_end": time.time()}
+            with open(steps, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
 
     # ---- switches -----------------------------------------------------------------------------------
     def to_training(self) -> None:
         self.release_engine()
         if self.a.is_core:
+            self.core.set_computing(True)
             self.training.set()
         else:
             self.client.admit(self.name)
@@ -279,7 +289,7 @@ class Cell:
     def to_rollout(self) -> None:
         if self.a.is_core:
             self.training.clear()
-            self.step_idle.wait()  # a step in progress is finished first
+            self.core.set_computing(False)  # the micro-batch in hand still counts
         else:
             self.client.dismiss(self.name)
         self.resume_engine()

@@ -1,7 +1,7 @@
-"""The `gyre` command: `run` the whole system from a config, `compare` the three scheduling policies on
-one workload (with the gyre-sched simulator's prediction beside each), `demo` (warm start, then RL that
-learns the built-in tasks), `warmstart` (the warm start alone), `cell` (one cell process, started by
-`gyre run`), and `version`."""
+"""The `gyre` command: `run` the whole system from a config, `compare` scheduling policies (with and
+without streaming) on one workload, with the gyre-sched simulator's prediction beside each, `demo` (warm
+start, then RL that learns the built-in tasks), `warmstart` (the warm start alone), `cell` (one cell
+process, started by `gyre run`), and `version`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import logging
 import sys
 import textwrap
 from typing import Any
+
+from gyre.config import POLICIES
 
 # Distributions that make up gyre; those not installed are shown as such.
 _COMPONENTS = ("gyre", "gyre-traj", "gyre-proxy", "gyre-engine", "gyre-sched", "gyre-xfer", "gyre-train")
@@ -41,15 +43,21 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the version of each gyre component")
     r = sub.add_parser("run", help="run the whole system on this machine from a TOML/YAML config")
     r.add_argument("config", help="a .toml, .yaml or .json run config (see integration/examples/)")
-    r.add_argument("--policy", choices=["elastic", "colocate", "async"], help="override [run] policy")
+    r.add_argument("--policy", choices=POLICIES, help="override [run] policy")
     r.add_argument("--out", help="override [run] out_dir")
     r.add_argument("-v", "--verbose", action="store_true", help="log every component's decisions")
     c = sub.add_parser(
-        "compare", help="the same workload under elastic, colocate and async, with predictions"
+        "compare", help="the same workload under several policies (arms), with the simulator's predictions"
     )
     c.add_argument("config")
-    c.add_argument("--out", help="override [run] out_dir (each policy gets a subdirectory)")
-    c.add_argument("--policies", default="elastic,colocate,async", help="comma separated")
+    c.add_argument("--out", help="override [run] out_dir (each arm gets a subdirectory)")
+    c.add_argument(
+        "--policies",
+        default="elastic,elastic:whole,colocate,async",
+        help="comma separated arms: POLICY (the config's streaming), POLICY:streaming or POLICY:whole; "
+        f"policies: {', '.join(POLICIES)}",
+    )
+    c.add_argument("--repeats", type=int, default=1, help="runs per arm; the table shows medians")
     c.add_argument(
         "--reuse",
         action="store_true",
@@ -177,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from gyre.compare import compare
 
-                compare(cfg, [p.strip() for p in args.policies.split(",") if p.strip()], reuse=args.reuse)
+                arms = [p.strip() for p in args.policies.split(",") if p.strip()]
+                compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
         except (RunError, ChildDied, ConfigError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             return 1

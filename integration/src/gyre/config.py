@@ -16,7 +16,10 @@ from typing import Any, get_type_hints
 
 from gyre_sched import tables
 
-POLICIES = ("elastic", "colocate", "async")
+POLICIES = ("elastic", "colocate", "colocate-runahead", "async")
+"""The gyre-sched policies `gyre run` can use (their meaning: gyre-sched's README, "Policies")."""
+WHOLE_POOL = ("colocate", "colocate-runahead")
+"""Policies that train whole batches only, whatever `[driver] streaming` says."""
 
 
 class ConfigError(tables.ConfigError):
@@ -28,7 +31,9 @@ class ConfigError(tables.ConfigError):
 @dataclass(frozen=True)
 class RunSection:
     policy: str = "elastic"
-    """Who decides the cells' roles: elastic (water level), colocate or async (gyre-sched's policies)."""
+    """Who decides the cells' roles (gyre-sched's policies): elastic (water level), colocate (the report's:
+    whole pool, batches in cohorts), colocate-runahead (whole pool, batches start under a tail) or async
+    (a fixed split)."""
     cells: int = 2
     """Cells, each a gyre-engine rollout server or a trainer replica; cell 0 is the trainer core."""
     steps: int = 2
@@ -87,10 +92,11 @@ class DriverSection:
     """Batches rollout may run ahead of the trainer: batch k starts once k - steps applied <= this."""
     report_s: float = 0.2
     """How often the water level and ready groups go to the scheduler."""
-    streaming: bool = False
-    """Report a step's groups to the scheduler as they complete (True) or only once the whole batch is
-    (False). gyre-train's core trains whole mini-batches, so True only lets cells move to training
-    before the batch is complete, where they wait."""
+    streaming: bool = True
+    """Stream each step: the trajectory service opens it on gyre-train's core and hands it every group
+    as soon as the group is scored and its records have arrived, so training starts under the batch's
+    tail (True); or submit the step whole once its batch is complete (False). The Colocate variants
+    train whole batches only either way (`Config.streams`)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,11 @@ class Config:
         _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")
         _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
         _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
+
+    @property
+    def streams(self) -> bool:
+        """Whether this run streams steps: `[driver] streaming`, unless the policy trains whole batches."""
+        return self.driver.streaming and self.run.policy not in WHOLE_POOL
 
     def with_policy(self, policy: str, out_dir: str) -> Config:
         return dataclasses.replace(self, run=dataclasses.replace(self.run, policy=policy, out_dir=out_dir))

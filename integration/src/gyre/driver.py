@@ -1,7 +1,11 @@
 """The rollout driver: runs batches of harness executions through the proxy, with hard timeouts.
 
-Batch k (`queries` tasks x `group_size` executions) starts once at most `max_ahead` applied steps
-separate it from the trainer. Each execution runs the built-in harness under `asyncio.wait_for` with the
+Batch k (`queries` tasks x `group_size` executions) starts when gyre-sched's admission rule allows
+(`gyre_sched.policy.batches_to_start` with the policy's `Admission`, which the scheduler's `Welcome`
+names, the steps the trainer has applied and `max_ahead`): ROLLING policies start a batch once at most
+`max_ahead` applied steps separate it from the trainer; the report's Colocate (COHORT) starts a cohort of
+batches together, and the next cohort only once every started batch is trained. Nothing starts before
+the `Welcome`. Each execution runs the built-in harness under `asyncio.wait_for` with the
 execution timeout; when it ends (finished, timed out, or failed) the evaluator scores it and the score
 goes to the trajectory service with the number of calls that completed. Nominal durations come from
 gyre-sched's `sample_durations` on the same workload the simulator predicts, so both see one sample.
@@ -23,7 +27,17 @@ from typing import Any
 import httpx
 import numpy as np
 import zmq
-from gyre_sched.protocol import Codec, Hello, PeerKind, WaterLevel
+from gyre_sched.policy import batches_to_start
+from gyre_sched.protocol import (
+    Admission,
+    Codec,
+    Hello,
+    PeerKind,
+    ProtocolError,
+    Reject,
+    WaterLevel,
+    Welcome,
+)
 
 from gyre.agent import Execution, HarnessError, run_execution
 from gyre.config import Config
@@ -31,6 +45,10 @@ from gyre.tasks import evaluate, make_task
 from gyre.trajsvc import TrajectoryService
 
 log = logging.getLogger("gyre.driver")
+
+
+class NoWelcome(RuntimeError):
+    """gyre-sched did not welcome the driver (no answer in time, or a refusal)."""
 
 
 @dataclass
@@ -72,6 +90,10 @@ class Driver:
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.admission: Admission | None = None
+        """When batches may start: from the scheduler's `Welcome` (None until it arrives)."""
+        self._welcomed = threading.Event()
+        self._refused = ""
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._loop, name="driver", daemon=True),
@@ -101,16 +123,40 @@ class Driver:
         rng = random.Random(c.run.seed)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         timeout = httpx.Timeout(c.agent.request_timeout_s, connect=5.0)
+        admission = await self._welcome()
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
             batches: list[asyncio.Task[None]] = []
-            for k in range(c.run.steps):
-                while k - self.traj.applied > c.driver.max_ahead:
+            k = 0
+            while k < c.run.steps:
+                n = batches_to_start(
+                    admission, started=k, trained=self.traj.applied, max_ahead=c.driver.max_ahead
+                )
+                if n <= 0:
                     if self._stop.is_set():
                         return
                     await asyncio.sleep(0.05)
-                batches.append(asyncio.create_task(self._batch(http, rng, k)))
-                await asyncio.sleep(0)  # let batch k register before k+1 is considered
+                    continue
+                for _ in range(min(n, c.run.steps - k)):
+                    batches.append(asyncio.create_task(self._batch(http, rng, k)))
+                    await asyncio.sleep(0)  # batch k registers (and draws its tasks) before k+1
+                    k += 1
             await asyncio.gather(*batches)
+
+    async def _welcome(self) -> Admission:
+        """The policy's admission, once the scheduler has welcomed the water-level socket."""
+        deadline = time.monotonic() + self.cfg.run.startup_timeout_s
+        while not self._welcomed.is_set():
+            if self._refused:
+                raise NoWelcome(f"gyre-sched refused the driver: {self._refused}")
+            if time.monotonic() > deadline or self._stop.is_set():
+                raise NoWelcome(
+                    f"no Welcome from gyre-sched at {self.sched_address} within "
+                    f"{self.cfg.run.startup_timeout_s:.0f} s ([run] startup_timeout_s)"
+                )
+            await asyncio.sleep(0.02)
+        assert self.admission is not None
+        log.info("gyre-sched welcomed the driver: %s admission", self.admission.name)
+        return self.admission
 
     async def _batch(self, http: httpx.AsyncClient, rng: random.Random, k: int) -> None:
         c = self.cfg
@@ -157,7 +203,7 @@ class Driver:
         except (HarnessError, httpx.HTTPError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("execution %s failed: %s", ex.execution_id, error)
-        dur = time.monotonic() - t0
+        dur, end = time.monotonic() - t0, time.time()  # it ended here, before its score goes anywhere
         score = evaluate(ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
         self.traj.score(k, score, ex.calls)
         with self.lock:
@@ -168,7 +214,7 @@ class Driver:
                     ex.execution_id,
                     k,
                     start,
-                    time.time(),
+                    end,
                     ex.calls,
                     timed_out,
                     score.value,
@@ -200,12 +246,24 @@ class Driver:
             while not self._stop.is_set():
                 sock.send(codec.encode(self.water_level()))
                 while sock.poll(0):
-                    sock.recv()  # Welcome / Reject: nothing to act on
+                    try:
+                        self._heard(codec.decode(sock.recv()))
+                    except ProtocolError as exc:  # dropped; the scheduler is ours, so log it
+                        log.warning("undecodable message from gyre-sched: %s", exc)
                 self._stop.wait(self.cfg.driver.report_s)
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 sock.close(0)
             ctx.term()
+
+    def _heard(self, msg: object) -> None:
+        if isinstance(msg, Welcome) and not self._welcomed.is_set():
+            self.admission = msg.admission
+            self._welcomed.set()
+        elif isinstance(msg, Reject):
+            log.warning("gyre-sched: %s", msg.reason)
+            if not self._welcomed.is_set():
+                self._refused = msg.reason
 
     def water_level(self) -> WaterLevel:
         now = time.monotonic()

@@ -1,11 +1,14 @@
-"""What a run measured: a sampler of cell roles and engine activity, the metrics JSON and the timeline plot.
+"""What a run measured: a sampler of cell roles, engine and trainer activity, the metrics JSON and the
+timeline plot.
 
 The sampler asks gyre-sched for its state (`GetState`: every cell's role, the decision log) and each
 engine for its load every `interval_s` (`EngineClient.load`: gyre-engine's counters from its
-`/server_info`; for SGLang, whose `/server_info` is its configuration, `/v1/loads` and `/model_info`). Afterwards, per cell: time in each role; rollout time is
-busy while its engine runs or queues a request; training time is busy while a training step is in
-progress at the core (from the core's `steps.jsonl`); the rest is idle; draining and switching count as
-switching. Plus end-to-end time, switches (the scheduler's decisions), staleness and loss per step.
+`/server_info`; for SGLang, whose `/server_info` is its configuration, `/v1/loads` and `/model_info`), and
+keeps a `trainwatch.TrainWatch` on gyre-train's core (its status every 0.05 s). Afterwards, per cell: time
+in each role; rollout time is busy while its engine runs or queues a request; training time is busy while
+the step in progress has micro-batches queued, being computed or being applied (the core's `StepInfo`);
+the rest is idle; draining and switching count as switching. `trainwatch.train_overlap` says how much of
+the busy training ran while the step's own batch still had unfinished executions (streaming's overlap).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import zmq
 from gyre_engine.client import EngineClient
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 
+from gyre.trainwatch import TrainTrack, TrainWatch
+
 log = logging.getLogger("gyre.metrics")
 
 
@@ -40,20 +45,32 @@ class Sample:
 class Sampler:
     sched_address: str
     engines: dict[int, str]
+    core: str = ""
+    """gyre-train's core address (empty: training activity is not sampled)."""
     interval_s: float = 0.2
     samples: list[Sample] = field(default_factory=list)
     last_state: State | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _watch: TrainWatch | None = None
 
     def start(self) -> None:
+        if self.core:
+            self._watch = TrainWatch(self.core)
+            self._watch.start()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="sampler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
         if self._thread is not None:
             self._thread.join(timeout=30.0)
+
+    def training(self) -> TrainTrack:
+        """What the core was doing (empty without a core address)."""
+        return TrainTrack(self._watch.samples if self._watch is not None else [])
 
     def state(self, sock: zmq.Socket[bytes], codec: Codec) -> State | None:
         sock.send(codec.encode(GetState()))
@@ -113,13 +130,7 @@ async def engine_activity(
 SWITCHING = {int(Role.DRAINING), int(Role.TO_TRAINING), int(Role.TO_ROLLOUT)}
 
 
-def _in_steps(t: float, intervals: list[tuple[float, float]]) -> bool:
-    return any(a <= t <= b for a, b in intervals)
-
-
-def role_accounting(
-    samples: list[Sample], step_intervals: list[tuple[float, float]], t0: float, t1: float
-) -> dict[str, Any]:
+def role_accounting(samples: list[Sample], track: TrainTrack, t0: float, t1: float) -> dict[str, Any]:
     """Per cell and in total: seconds in rollout / training / switching, and the idle share of each."""
     per_cell: dict[int, dict[str, float]] = {}
     for prev, cur in itertools.pairwise(samples):
@@ -140,8 +151,7 @@ def role_accounting(
                     acc["rollout_busy_s"] += dt
             elif role == int(Role.TRAINING):
                 acc["training_s"] += dt
-                if _in_steps(prev.t, step_intervals):
-                    acc["training_busy_s"] += dt
+                acc["training_busy_s"] += track.busy_s(max(prev.t, t0), min(cur.t, t1))
             elif role in SWITCHING:
                 acc["switching_s"] += dt
             else:
@@ -166,8 +176,9 @@ def role_accounting(
     return out
 
 
-def write_plot(metrics: dict[str, Any], samples: list[Sample], path: Path) -> Path | None:
-    """Timeline PNG: one row per cell, colour = role (dark = busy), a line per applied step."""
+def write_plot(metrics: dict[str, Any], samples: list[Sample], track: TrainTrack, path: Path) -> Path | None:
+    """Timeline PNG: one row per cell, colour = role (dark = busy), a dotted line per applied step; below,
+    each batch's rollout (first start to last end), orange where its own step was already training."""
     try:
         import matplotlib
 
@@ -177,8 +188,7 @@ def write_plot(metrics: dict[str, Any], samples: list[Sample], path: Path) -> Pa
         log.warning("no plot: matplotlib is not installed (pip install 'gyre-sched[plot]')")
         return None
     t0 = metrics["t0"]
-    steps = [(s["t_start"], s["t_end"]) for s in metrics["steps"] if "t_end" in s]
-    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.6 * max(1, len(metrics["roles"]["per_cell"]))))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.6 * max(1, len(metrics["roles"]["per_cell"]))))
     colours = {
         ("r", True): "#1f77b4", ("r", False): "#aec7e8", ("t", True): "#d62728", ("t", False): "#ff9896",
         ("s", True): "#7f7f7f", ("s", False): "#7f7f7f",
@@ -188,25 +198,52 @@ def write_plot(metrics: dict[str, Any], samples: list[Sample], path: Path) -> Pa
             if role == int(Role.ROLLOUT):
                 key = ("r", cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False))
             elif role == int(Role.TRAINING):
-                key = ("t", _in_steps(prev.t, steps))
+                key = ("t", False)  # light; the busy pieces are drawn over it
+                for s0, dt, x in track.segments(prev.t, cur.t):
+                    if x.busy:
+                        ax.broken_barh(
+                            [(s0 - t0, dt)], (cid - 0.4, 0.8), color=colours[("t", True)], zorder=2
+                        )
             else:
                 key = ("s", True)
             ax.broken_barh([(prev.t - t0, cur.t - prev.t)], (cid - 0.4, 0.8), color=colours[key], linewidth=0)
     for s in metrics["steps"]:
         if "t_end" in s:
             ax.axvline(s["t_end"] - t0, color="k", linewidth=0.8, linestyle=":")
+    _batch_lanes(ax, metrics)
     ax.set_xlim(0, metrics["end_to_end_s"] * 1.02 + 0.1)
     ax.set_xlabel("seconds since the first batch started")
-    ax.set_ylabel("cell")
-    ax.set_yticks(sorted({cid for smp in samples for cid in smp.roles}))
+    cells = sorted({cid for smp in samples for cid in smp.roles})
+    ax.set_yticks([-1.3, *cells], ["batches", *(f"cell {c}" for c in cells)])
+    share = metrics.get("train_overlap_share")
     ax.set_title(
-        f"{metrics['policy']}: {metrics['end_to_end_s']:.1f} s; rollout (blue), training (red), "
-        "switching (grey); light = idle"
+        f"{metrics['policy']}: {metrics['end_to_end_s']:.1f} s; rollout (blue), training (red), switching "
+        f"(grey); light = idle" + (f"; overlap {100 * share:.0f}%" if share is not None else ""),
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _batch_lanes(ax: Any, metrics: dict[str, Any]) -> None:
+    """Batch k's rollout on lane k % 2 below the cells; orange from its step's first busy training on."""
+    t0 = metrics["t0"]
+    spans: dict[int, list[float]] = {}
+    for o in metrics["outcomes"]:
+        lo_hi = spans.setdefault(int(o["step"]), [o["start"], o["end"]])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], o["start"]), max(lo_hi[1], o["end"])
+    first = {
+        int(k): v["train_first"] for k, v in metrics.get("train_overlap", {}).get("per_step", {}).items()
+    }
+    for k, (a, b) in sorted(spans.items()):
+        y = -1.0 - 0.6 * (k % 2)
+        ax.broken_barh([(a - t0, b - a)], (y - 0.25, 0.5), color="#c7c7c7", linewidth=0)
+        f = first.get(k)
+        if f is not None and f < b:
+            ax.broken_barh([(f - t0, b - f)], (y - 0.25, 0.5), color="#ff7f0e", linewidth=0)
+        ax.text(a - t0, y, f" b{k}", va="center", fontsize=7)
 
 
 def write_json(path: Path, obj: Any) -> None:

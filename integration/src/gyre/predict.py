@@ -34,7 +34,8 @@ from gyre.config import Config
 @dataclass(frozen=True)
 class Calibration:
     train_group_s: float = 2.0
-    """Cell-seconds to train one group."""
+    """Cell-seconds to train one group: the training cells' busy time on a step (sampled: micro-batches
+    queued, being computed or applied), over its groups."""
     update_s: float = 0.5
     """Optimizer step plus the weight push to the engines."""
     to_training_s: float = 0.5
@@ -77,7 +78,7 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
         driver=DriverConfig(
             max_ahead=cfg.driver.max_ahead,
             staleness_target=1e9,  # the real driver bounds staleness by max_ahead only
-            streaming=cfg.driver.streaming,
+            streaming=cfg.streams,
             decision_interval_s=0.2,
         ),
         elastic=WaterLevelConfig(ready_fraction=cfg.sched.ready_fraction, hold_s=cfg.sched.hold_s),
@@ -118,9 +119,13 @@ def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
             if not o["timed_out"] and not o["error"] and o["calls"] > 0:
                 call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / o["calls"])
         for s in m["steps"]:
-            if s.get("elapsed_s") and s.get("groups"):
-                cells = max(1, s.get("training_cells", 1))
-                group_s.append(s["elapsed_s"] * cells / s["groups"])
+            if s.get("skipped") or not s.get("groups"):
+                continue
+            if "busy_cell_s" in s:  # sampled busy training (a streamed step's elapsed_s includes waits)
+                if s["busy_cell_s"] > 0:
+                    group_s.append(s["busy_cell_s"] / s["groups"])
+            elif s.get("elapsed_s"):  # metrics written before training was sampled
+                group_s.append(s["elapsed_s"] * max(1, s.get("training_cells", 1)) / s["groups"])
             if s.get("push_s") is not None:
                 update_s.append(s["push_s"])
         to_t += m["switch_times"]["to_training_s"]

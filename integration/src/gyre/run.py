@@ -32,6 +32,7 @@ from gyre.evalset import Evaluator
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
 from gyre.procs import ProcessGroup, free_port, python_argv, tail
 from gyre.runparts import RunContext, RunPart
+from gyre.trainwatch import train_overlap
 from gyre.trajsvc import TrajectoryService
 
 log = logging.getLogger("gyre.run")
@@ -100,6 +101,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         "timeline.png",
         "records.msgpack",
         "samples.jsonl",
+        "train-samples.jsonl",
     ):
         (out / stale).unlink(missing_ok=True)
     if (out / "logs").exists():
@@ -147,7 +149,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         for i in range(1, c.cells):
             cell(i, info["core"], info["publisher"])
         traj = TrajectoryService(
-            info["core"], sched, cfg.batch.queries, streaming=cfg.driver.streaming,
+            info["core"], sched, cfg.batch.queries, streaming=cfg.streams,
             token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
         )  # fmt: skip
         proxy_url = f"http://127.0.0.1:{free_port()}"
@@ -159,7 +161,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
             ),
         )  # fmt: skip
-        sampler = Sampler(sched, engines)
+        sampler = Sampler(sched, engines, core=info["core"])
         sampler.start()
 
         def registered() -> bool:
@@ -215,7 +217,10 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
     with open(out / "samples.jsonl", "w") as fh:
         for smp in sampler.samples:
             fh.write(json.dumps(smp.__dict__) + "\n")
-    plot = write_plot(metrics, sampler.samples, out / "timeline.png")
+    with open(out / "train-samples.jsonl", "w") as fh:
+        for ts in sampler.training().samples:
+            fh.write(json.dumps(ts.__dict__) + "\n")
+    plot = write_plot(metrics, sampler.samples, sampler.training(), out / "timeline.png")
     say(
         f"gyre run: done in {metrics['end_to_end_s']:.1f} s; idle rollout {metrics['roles']['idle_rollout']}, "
         f"idle training {metrics['roles']['idle_training']}, switches {metrics['switches']}; "
@@ -258,7 +263,7 @@ def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampl
     skipped = sum(bool(r.get("skipped")) for r in _steps(out))
     return (
         f"[{time.time() - t0:6.1f}s] executions running {running}, finished {finished}; records {traj.records}; "
-        f"steps submitted {traj.next_submit}, applied {traj.applied}"
+        f"steps handed to the trainer {traj.steps_closed}, applied {traj.applied}"
         + (f" ({skipped} skipped: nothing to train)" if skipped else "")
         + f"; cells {roles}"
     )
@@ -321,7 +326,12 @@ def collect(
 ) -> dict[str, Any]:
     samples = sampler.samples
     rows = _steps(out)
-    intervals = [(float(r["t_start"]), float(r["t_end"])) for r in rows]
+    outcomes = driver.outcomes()
+    track = sampler.training()
+    overlap = train_overlap(samples, track, outcomes, t0, t1)
+    batch_end: dict[int, float] = {}
+    for o in outcomes:
+        batch_end[o["step"]] = max(batch_end.get(o["step"], 0.0), o["end"])
     steps: list[dict[str, Any]] = []
     for r in rows:
         k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
@@ -350,6 +360,11 @@ def collect(
                 "loss_metrics": r.get("metrics", {}),
                 "staleness_mean": r["staleness"]["mean"],
                 "staleness_max": r["staleness"]["max"],
+                "busy_cell_s": 0.0,
+                "overlap_cell_s": 0.0,
+                "train_first": None,
+                **overlap["per_step"].get(k, {}),
+                "batch_end": batch_end.get(k),
                 **{
                     k2: summary.get(k2)
                     for k2 in (
@@ -361,13 +376,14 @@ def collect(
                         "tokens",
                         "loss_tokens",
                         "output_tokens_recorded",
+                        "first_given_at",
+                        "closed_at",
                     )
                 },
             }
         )
     state = sampler.last_state
     decisions = list(state.decisions) if state is not None else []
-    outcomes = driver.outcomes()
     stale = [s["staleness_mean"] for s in steps]
     return {
         "policy": cfg.run.policy,
@@ -383,7 +399,10 @@ def collect(
         }
         if samples
         else {},
-        "roles": role_accounting(samples, intervals, t0, t1),
+        "streaming": cfg.streams,
+        "roles": role_accounting(samples, track, t0, t1),
+        "train_overlap_share": overlap["train_overlap_share"],
+        "train_overlap": overlap,
         "switches": len(decisions),
         "switches_to_training": sum(d.action is Action.TO_TRAINING for d in decisions),
         "switch_times": _switch_times(samples),

@@ -39,6 +39,7 @@ MESSAGES = [
     WaterLevel(10, (0.0, 60.0), (4, 6), (12.5,), (True,), paused=1),
     WaterLevel(0),
     ReadyGroups(5, 16, 3, True, 1.25),
+    ReadyGroups(2, 16, 3, True, 1.25, batch_complete=True),
     SwitchDone(1, Role.TRAINING, 7),
     EngineDrained(1),
     GetState(),

@@ -238,3 +238,27 @@ def test_welcome_tells_the_driver_when_batches_may_start(name: str, admission: A
         s.stop()
         th.join(5.0)
         ctx.destroy(0)
+
+
+def test_batch_complete_is_the_senders_when_given() -> None:
+    """A trajectory service that counts only untrained groups says whether the batch is complete itself
+    (Colocate trains until the step is applied while `ready` falls); an older one that omits it keeps
+    the old reading, `ready >= batch_groups`."""
+    from gyre_sched.policy import ColocatePolicy
+
+    s = Scheduler(ColocatePolicy(), ServiceConfig(bind="tcp://127.0.0.1:0"))
+    try:
+        codec = Codec()
+        s.receive([b"traj", codec.encode(Hello(PeerKind.TRAJ))])
+        for msg, trainable, complete in [
+            (ReadyGroups(4, 4), 4, True),
+            (ReadyGroups(1, 4, step_open=True, batch_complete=True), 1, True),
+            (ReadyGroups(0, 4, batch_complete=True), 0, True),
+            (ReadyGroups(4, 4, batch_complete=False), 4, False),
+            (ReadyGroups(3, 4), 3, False),
+        ]:
+            s.receive([b"traj", codec.encode(msg)])
+            obs = s.observation()
+            assert (obs.trainable, obs.batch_complete) == (trainable, complete), msg
+    finally:
+        s.close()

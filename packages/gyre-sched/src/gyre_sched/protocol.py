@@ -137,13 +137,18 @@ class WaterLevel(msgspec.Struct, tag="water", **_S):
 
 
 class ReadyGroups(msgspec.Struct, tag="ready", **_S):
-    """From the trajectory service: groups ready for the step in progress, and that step's state."""
+    """From the trajectory service: groups ready and not yet trained (the step in progress first, then
+    later steps once earlier batches are complete), and the step's state."""
 
     ready: Count
     batch_groups: Annotated[int, msgspec.Meta(ge=1)]
     version: Count = 0
     step_open: bool = False  # the trainer has begun accumulating this step and not yet applied it
     mean_staleness: Lag = 0.0
+    batch_complete: bool | None = None
+    """Every execution of the batch the next step trains has finished (Colocate's trigger), apart from
+    how much of it is trained yet; None (an older sender): taken as `ready >= batch_groups`, which holds
+    only while `ready` counts a complete batch's groups until the step is applied."""
 
 
 class SwitchDone(msgspec.Struct, tag="switched", **_S):

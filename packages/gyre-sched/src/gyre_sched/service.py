@@ -191,7 +191,7 @@ class Scheduler:
             unfinished=w.unfinished,
             trainable=r.ready,
             batch_groups=r.batch_groups,
-            batch_complete=r.ready >= r.batch_groups,
+            batch_complete=r.ready >= r.batch_groups if r.batch_complete is None else r.batch_complete,
             step_open=r.step_open,
             version=r.version,
             mean_staleness=r.mean_staleness,
