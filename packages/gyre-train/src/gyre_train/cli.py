@@ -28,6 +28,7 @@ def _core(args: argparse.Namespace) -> int:
         transport=args.transport,
         token_budget=args.budget,
         attention=args.attention,
+        wire_dtype=args.wire_dtype,
         admit_on_hello=args.admit_all,
         loss=LossConfig(mode=args.loss),
         optim=OptimConfig(lr=args.lr),
@@ -114,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("core", help="run the core replica over synthetic or packed mini-batches")
     c.add_argument("--bind", default="tcp://127.0.0.1:0")
     c.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+    c.add_argument(
+        "--wire-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype gradients are handed over in (each micro-batch's gradient is rounded to it once)",
+    )
     c.add_argument("--synthetic", type=int, default=2, help="train this many synthetic mini-batches")
     c.add_argument("--data", nargs="*", help="`gyre-traj pack --out` directories, one mini-batch each")
     c.add_argument("--feed", action="store_true", help="train what the trajectory service submits")
@@ -152,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", help="also write the result JSON here")
     b.add_argument(
         "--cases",
-        default="fan,synthetic-agent,large-tree-chunked,huge-tree,join",
-        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, huge-tree, join",
+        default="fan,synthetic-agent,large-tree-chunked,huge-tree,join,handoff",
+        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, huge-tree, join, handoff",
     )
     b.add_argument(
         "--huge-trunk",

@@ -3,8 +3,10 @@
 `Core.train_step` trains one step of the claim queue (`claimqueue.py`): a whole mini-batch, or a step
 the trajectory service opened and feeds as its groups become ready. The core itself and every admitted
 satellite (over a ZeroMQ ROUTER socket served by a helper thread, `server.py`) claim its micro-batches as
-they arrive; once the step is closed and every gradient is in, the in-order sum divided by the step's
-execution count becomes one AdamW update, published as a gyre-xfer snapshot. Satellites connect once at
+they arrive; a satellite's gradient reaches the core's sum through gyre-xfer (the `Gradient` header
+names its buckets; `handoff.py`), in the configured wire dtype. Once the step is closed and every
+gradient is in, the in-order sum (`shardsum.py`) divided by the step's execution count becomes one AdamW
+update, published as a gyre-xfer snapshot. Satellites connect once at
 start and stay connected; admitting or dismissing one only changes which replicas the queue answers, so
 joining rebuilds nothing. A step with no micro-batches is skipped: its queue position is taken, no update
 is made, and the report says `skipped`.
@@ -38,9 +40,11 @@ from gyre_train.engine_sync import (
     WeightSyncError,
     engine_tensors,
 )
+from gyre_train.handoff import DEFAULT_BUCKET_BYTES, BadShardError, GradReader, wire_dtype
 from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
-from gyre_train.protocol import PROTOCOL, StepInfo, Welcome
+from gyre_train.protocol import PROTOCOL, CellShape, Gradient, StepInfo, Welcome
 from gyre_train.server import ReplicaServer, ServerConfig
+from gyre_train.shardsum import ShardSum
 from gyre_train.wire import MicroBatchError, check_microbatch
 
 CORE = "core"
@@ -66,7 +70,16 @@ class CoreConfig:
     bind: str = "tcp://127.0.0.1:0"
     """ROUTER address satellites connect to (loopback unless you mean otherwise)."""
     transport: str = "shm"
-    """gyre-xfer transport for snapshots: "shm" (one host) or "mooncake" (TCP/RDMA)."""
+    """gyre-xfer transport for snapshots and satellites' gradients: "shm" (one host) or "mooncake"
+    (TCP here, RDMA on clusters)."""
+    wire_dtype: str = "float32"
+    """The dtype every micro-batch gradient is handed over in, and rounded to once where it is computed
+    (the core's own too): "float32" (the sum equals one replica's) or "bfloat16" (half the bytes; the sum
+    is still the same whoever computes what, but each micro-batch's gradient is rounded to bf16)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Largest bucket of a gradient shard (one transfer entry; the header names every bucket)."""
+    transfer_timeout_s: float = 30.0
+    """Deadline for reading one gradient's shards; past it the claim is re-queued."""
     token_budget: int = 16384
     """Largest micro-batch accepted (tokens)."""
     attention: Attention = "dense"
@@ -154,21 +167,25 @@ class Core:
             self._computing.set()
         self._updating = threading.Lock()
         """Held while an update is applied and published, and while `state_dict` reads the state."""
+        self._wire = wire_dtype(self.cfg.wire_dtype)
         self._transport = open_transport(XferConfig(kind=self.cfg.transport))
         self.publisher = Publisher(self._transport, PublisherConfig())
-        self._queue = ClaimQueue(self.layout.numel, self.device, self.check, self.cfg.inbox)
+        self._sum = ShardSum(self.layout.numel, self.device, self._wire)
+        self._reader = GradReader(
+            self._transport, self.layout.numel, self.cfg.wire_dtype, pin=self.device.type == "cuda"
+        )
+        self._queue = ClaimQueue(self.check, self.cfg.inbox)
         self._queue.published(self.publisher.publish(params(model)))
         self._server = ReplicaServer(
             ServerConfig(
                 bind=self.cfg.bind,
-                numel=self.layout.numel,
                 admit_on_hello=self.cfg.admit_on_hello,
                 dead_after_s=self.cfg.dead_after_s,
                 idle_hold_s=self.cfg.idle_hold_s,
-                pin_gradient_buffers=self.device.type == "cuda",
             ),
             self._queue,
             self._welcome(),
+            self._receive,
         )
         self.address = self._server.address
         self.engine_sync: SGLangWeightSync | None = None
@@ -194,7 +211,20 @@ class Core:
             msgspec.json.encode(c.loss).decode(),
             c.attention,
             c.chunk_budget,
+            CellShape(),
+            (self.publisher.address,),
+            c.wire_dtype,
+            c.bucket_bytes,
         )
+
+    def _receive(self, req: Gradient) -> None:
+        """The server's gradient sink: read the satellite's shard into this rank's sum."""
+        if len(req.shards) != 1 or req.shards[0].rank != 0:
+            raise BadShardError(
+                f"a gradient for a one-rank core needs one shard of rank 0, got {len(req.shards)}"
+            )
+        shard = self._reader.read(req.shards[0], self.cfg.transfer_timeout_s)
+        self._sum.add(req.batch, req.index, shard)
 
     # ---- the trainer's position (read from the claim queue, which the server reads too) ------------
 
@@ -306,10 +336,13 @@ class Core:
         except BaseException:
             self._queue.abort()
             raise
-        if res.gradient is None:
+        grad = self._sum.total(res.batch, len(res.microbatches))
+        if grad is None:
             return self._skip(t0)
+        if res.executions != 1:
+            grad = grad / res.executions  # float32, once, after the in-order sum
         with self._updating:
-            grad_norm = self._apply(res.gradient)
+            grad_norm = self._apply(grad)
             pos = self._queue.applied(self.publisher.publish(params(self.model)))
         push = self.push_to_engines() if self.engine_sync is not None else None
         by_replica: dict[str, int] = {}
@@ -345,7 +378,8 @@ class Core:
                 g, m = micro_gradient(
                     self.model, self.layout, a.microbatch, c.loss, c.attention, scratch, c.chunk_budget
                 )
-                self._queue.deliver(CORE, a.batch, a.index, a.version, g, m)  # copied into the sum
+                self._sum.add(a.batch, a.index, g)  # rounded to the wire dtype, copied into the sum
+                self._queue.deliver(CORE, a.batch, a.index, a.version, m)
                 if on_progress is not None:
                     on_progress(self._queue.progress().done)
                 continue
@@ -502,6 +536,7 @@ class Core:
             assert sync is not None
             sync.close()
         self._server.close()
+        self._reader.close()
         self.publisher.close()
         self._transport.close()
 

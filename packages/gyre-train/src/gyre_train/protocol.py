@@ -1,9 +1,11 @@
 """Messages between the trainer core and its satellites (ZeroMQ DEALER -> core ROUTER, msgspec).
 
 Every request is one tagged, frozen struct in the first frame, decoded by one typed decoder over the
-`Request` union; every reply likewise over `Reply`. Arrays (a micro-batch's token and loss arrays, a
-gradient) follow as raw buffer frames described by `ArraySpec`s in the header, never pickled. `Hello`
-carries `PROTOCOL`; a mismatch is refused with an `ErrorReply`.
+`Request` union; every reply likewise over `Reply`. A micro-batch's token and loss arrays follow as raw
+buffer frames described by `ArraySpec`s in the header, never pickled. A gradient never crosses ZeroMQ:
+the `Gradient` header names, per rank, the gyre-xfer region and buckets it lies in (`GradShard`), and the
+core reads them over Mooncake or shared memory. `Hello` carries `PROTOCOL`; a mismatch is refused with an
+`ErrorReply`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import enum
 
 import msgspec
+from gyre_xfer.protocol import RegionDesc
 
-PROTOCOL = 2
+PROTOCOL = 3
+"""3: gradients through gyre-xfer (`Gradient.shards`), cell shapes in `Hello`/`Welcome`; 2: the shared-memory
+gradient buffer (gone); 1: first release."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -21,7 +26,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_REPLICA = 2
     """A request from a replica that never said hello (or was declared dead)."""
     BAD_GRADIENT = 4
-    """A gradient whose frames do not match its header."""
+    """A gradient header that does not describe this core's shards (ranks, dtype, sizes, buckets)."""
     BAD_REQUEST = 5
     """A request that decoded but could not be served (the core logged why and carries on)."""
 
@@ -51,12 +56,49 @@ class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
     shape: tuple[int, ...]
 
 
+class CellShape(msgspec.Struct, frozen=True, array_like=True):
+    """How a cell's ranks split the model: tensor x pipeline x data parallel (world = tp * pp * dp). A
+    satellite cell must have its core's shape: its rank r hands its gradient shard to core rank r."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class Bucket(msgspec.Struct, frozen=True, array_like=True):
+    """Elements [offset, offset + numel) of a rank's gradient shard, moved as one transfer."""
+
+    offset: int
+    numel: int
+
+
+class GradShard(msgspec.Struct, frozen=True, array_like=True):
+    """Where one rank's shard of a micro-batch gradient lies, for the core rank of the same number to
+    read: `numel` elements of `dtype` (the wire dtype) at byte `offset` of the sender's gyre-xfer region
+    `region`, reached at `endpoint` (a Mooncake segment name, or the shared-memory host tag), in
+    `buckets` that tile [0, numel) in order."""
+
+    rank: int
+    endpoint: str
+    region: RegionDesc
+    offset: int
+    dtype: str
+    numel: int
+    buckets: tuple[Bucket, ...]
+
+
 # ---- requests (satellite -> core) -------------------------------------------------------------------
 
 
 class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     protocol: int
     replica: str
+    cell: CellShape = CellShape()
+    """The satellite cell's shape; it must be the core's."""
 
 
 class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
@@ -65,29 +107,21 @@ class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
     replica: str
     version: int
     """Weight version the replica holds now (-1 before its first snapshot pull)."""
+    hold: bool = True
+    """Long-poll when there is no work; False: answer `Idle` at once (a data-parallel cell filling the
+    rest of a round)."""
 
 
 class Gradient(msgspec.Struct, frozen=True, array_like=True, tag="grad"):
-    """Followed by one raw frame: the flat float32 gradient in the core's parameter order; or by no frame
-    when `shm` is set: the gradient is in the satellite's shared-memory gradient buffer (`GradientBuffer`)."""
+    """A micro-batch's gradient is ready: `shards[r]` says where rank r's shard lies (one per rank of the
+    cell). No frames follow; the satellite leaves the regions untouched until the reply."""
 
     replica: str
     batch: int
     index: int
     version: int
-    numel: int
+    shards: tuple[GradShard, ...]
     metrics: dict[str, float] = {}
-    shm: bool = False
-    """The gradient is in the registered shared-memory buffer; the satellite leaves it alone until the Ack."""
-
-
-class GradientBuffer(msgspec.Struct, frozen=True, array_like=True, tag="gradbuf"):
-    """Sent once at start by a satellite on the core's host: its gradients will be handed over in this
-    shared-memory segment (`numel` float32), which the core maps (and page-locks) now, not at a join."""
-
-    replica: str
-    shm_name: str
-    numel: int
 
 
 class Heartbeat(msgspec.Struct, frozen=True, array_like=True, tag="beat"):
@@ -169,7 +203,6 @@ Request = (
     | Dismiss
     | Status
     | Submit
-    | GradientBuffer
     | OpenStep
     | AddMicrobatches
     | CloseStep
@@ -193,6 +226,14 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
     attention: str = "dense"
     chunk_budget: int = 0
     """Train micro-batches larger than this in chunks (0 = off), as the core does."""
+    cell: CellShape = CellShape()
+    """The core cell's shape (a satellite must have the same)."""
+    publishers: tuple[str, ...] = ()
+    """Per rank r, the gyre-xfer publisher of core rank r's weights (satellite rank r pulls from it)."""
+    wire_dtype: str = "float32"
+    """The dtype gradients are handed over in ("float32" or "bfloat16")."""
+    bucket_bytes: int = 64 << 20
+    """Largest bucket of a gradient shard (one transfer)."""
 
 
 class Assign(msgspec.Struct, frozen=True, array_like=True, tag="assign"):

@@ -1,11 +1,11 @@
 """A satellite replica: weights only, no optimizer. Started once, it says hello to the core, builds the
-model, allocates everything a join needs (page-locked snapshot staging, the gradient buffer: a
-shared-memory segment the core maps at once when both are on one host), pulls the current snapshot and
-computes warm-up micro-batches (kernels compiled, memory allocated), and only then long-polls for work.
-When the core admits it, each assignment names the weight version to compute at; the satellite pulls that
-gyre-xfer snapshot into its staging and copies it into the parameters (one host-to-device copy per tensor
-on a GPU), computes, and hands the flat float32 gradient over: in the shared-memory buffer on one host,
-else as one raw ZeroMQ frame.
+model, allocates everything a join needs (page-locked snapshot staging, the gradient staging region
+registered with its gyre-xfer transport), pulls the current snapshot and computes warm-up micro-batches
+(kernels compiled, memory allocated), and only then long-polls for work. When the core admits it, each
+assignment names the weight version to compute at; the satellite pulls that gyre-xfer snapshot into its
+staging and copies it into the parameters (one host-to-device copy per tensor on a GPU), computes the
+gradient straight into its gradient staging in the core's wire dtype, and sends a `Gradient` header
+naming the buckets; the core reads them over gyre-xfer (Mooncake, or shared memory on one host) and acks.
 
 Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
 A heartbeat thread (its own socket) keeps the core from declaring a busy satellite dead.
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 from gyre_traj.loss import LossConfig
@@ -30,7 +29,7 @@ from gyre_xfer.subscriber import Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import open_transport
 
-from gyre_train import hostmem
+from gyre_train.handoff import GradStaging
 from gyre_train.model import Attention, Layout, ModelConfig, build_model, micro_gradient, params
 from gyre_train.protocol import (
     PROTOCOL,
@@ -41,7 +40,6 @@ from gyre_train.protocol import (
     ErrorReply,
     Goodbye,
     Gradient,
-    GradientBuffer,
     Heartbeat,
     Hello,
     Idle,
@@ -52,14 +50,6 @@ from gyre_train.protocol import (
 )
 from gyre_train.threads import start_thread
 from gyre_train.wire import from_frames, microbatch_from_arrays
-
-
-def _shm_free() -> int:
-    """Bytes free under /dev/shm (a segment larger than that would fault when touched)."""
-    from gyre_xfer.shm import SHM_DIR
-
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
 
 
 class CoreGoneError(RuntimeError):
@@ -83,9 +73,6 @@ class SatelliteConfig:
     """Synthetic micro-batches (of different lengths) computed at start, before the first claim, so that
     kernels are compiled (FlexAttention) and memory allocated before any join. None = 2 on a GPU, 0 on
     the CPU."""
-    shm_gradients: bool = True
-    """On the core's host (snapshots over shared memory), hand gradients over in a shared-memory buffer
-    the core maps at start; False: always as a ZeroMQ frame."""
     verify_shm_checksums: bool = False
     """crc32 every tensor of a snapshot pulled over same-host shared memory (a memcpy between mappings;
     the crc costs about 0.6 s per GB of CPU). Pulls over Mooncake (TCP/RDMA) are always verified."""
@@ -135,26 +122,12 @@ class Satellite:
         self._staging: dict[str, torch.Tensor] | None = (
             {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in ps.items()} if cuda else None
         )
-        # The gradient buffer: on the core's host a shared-memory segment the core reads the gradient from
-        # (registered with the core now, so a join maps nothing); elsewhere host memory sent as a frame.
-        self._grad_pinned = False
-        self._grad_region = None
-        if cfg.shm_gradients and w.transport == "shm" and _shm_free() > 4 * self.layout.numel + (1 << 30):
-            self._grad_region = self._transport.alloc(4 * self.layout.numel)
-            arr = self._grad_region.array
-            assert arr is not None
-            self._grad = torch.from_numpy(arr.view(np.float32)[: self.layout.numel])
-            self._grad_pinned = cuda and hostmem.pin(self._grad)
-            buf = GradientBuffer(cfg.name, self._grad_region.desc.shm_name, self.layout.numel)
-            ack = self._request(buf)
-            while isinstance(ack, ErrorReply):  # presumed dead while building the model: hello again
-                if not self._rejoin():
-                    raise CoreGoneError("the core shut down while this satellite started")
-                ack = self._request(buf)
-            if not isinstance(ack, Ack) or not ack.accepted:
-                raise CoreGoneError(f"core refused the gradient buffer: {ack}")
-        else:
-            self._grad = torch.empty(self.layout.numel, dtype=torch.float32, pin_memory=cuda)
+        # The gradient staging: a region registered with the transport, in the core's wire dtype, which the
+        # core reads each gradient from (page-locked on a GPU: the gradient is copied in at full speed).
+        self._staging_grad = GradStaging(
+            self._transport, self.layout.numel, w.wire_dtype, bucket_bytes=w.bucket_bytes, pin=cuda
+        )
+        self._grad = self._staging_grad.slot(0)
         self.warmup_s = self._warm_up(cfg.warmup if cfg.warmup is not None else (2 if cuda else 0))
 
     def _request(
@@ -167,7 +140,7 @@ class Satellite:
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
-            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient | GradientBuffer):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient):
                 return rep  # the core presumed us dead while we were silent: say hello again
             raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
         if isinstance(rep, Assign):
@@ -263,7 +236,7 @@ class Satellite:
                 pull_s = self.pull(a.snapshot)
             self.version = a.version
             batch = microbatch_from_arrays(from_frames(a.arrays, frames))
-            grad, metrics = micro_gradient(
+            _, metrics = micro_gradient(
                 self.model,
                 self.layout,
                 batch,
@@ -273,16 +246,15 @@ class Satellite:
                 chunk_budget=self.welcome.chunk_budget,
             )
             metrics["pull_s"] = pull_s
-            shm = self._grad_region is not None
-            g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics, shm)
-            ack = self._request(g, None if shm else [memoryview(grad.numpy()).cast("B")])
+            shards = (self._staging_grad.describe(0, rank=0),)
+            ack = self._request(Gradient(self.cfg.name, a.batch, a.index, a.version, shards, metrics))
             if isinstance(ack, ErrorReply):  # presumed dead while computing: the claim was re-queued
                 if not self._rejoin():
                     break
                 continue
             if not isinstance(ack, Ack):
                 raise CoreGoneError(f"expected an ack, got {ack}")
-            done += 1
+            done += int(ack.accepted)  # refused: another step by now, or the transfer failed (re-queued)
             idle_since = time.monotonic()
         return done
 
@@ -290,8 +262,7 @@ class Satellite:
         self._stop.set()
         self._beat.join(timeout=5.0)
         self._sub.close()
-        if self._grad_pinned:
-            hostmem.unpin(self._grad)
+        self._staging_grad.close()
         self._transport.close()
         self._sock.close()
         self._ctx.term()
