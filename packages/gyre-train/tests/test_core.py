@@ -284,7 +284,7 @@ def test_bad_gradient_headers_are_refused_and_the_claim_survives() -> None:
             (msgspec.structs.replace(good, buckets=good.buckets[1:]), "tile"),
             (msgspec.structs.replace(good, buckets=(*good.buckets, Bucket(n, 1))), "cover"),
             (msgspec.structs.replace(good, offset=8), "inside"),
-            (msgspec.structs.replace(good, rank=1), "rank 0"),
+            (msgspec.structs.replace(good, rank=1), "ranks 0..0"),
         ]
         for shard, why in bad:
             r = ask(Gradient("x", a.batch, a.index, a.version, (shard,)))

@@ -153,12 +153,11 @@ def _loss_backward(
 
         return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
     tb = TorchBatch.from_packed(batch, device=device)
-    if megatron:
-        from gyre_train.megatron import tree_target_logprobs
+    if megatron:  # this rank's part: its tensor-parallel shards, its pipeline stage
+        from gyre_train.megatron import pipeline_loss_backward
 
-        lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
-    else:
-        lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
+        return pipeline_loss_backward(model, tb, loss_cfg)
+    lp = target_logprobs(model, tb, attention=attention, temperature=loss_cfg.temperature)
     loss, metrics = policy_loss(lp, tb, loss_cfg)
     loss.backward()
     return metrics

@@ -324,3 +324,142 @@ def request_decoder() -> msgspec.msgpack.Decoder[Request]:
 def reply_decoder() -> msgspec.msgpack.Decoder[Reply]:
     """Typed decoder over every reply; build one per socket-owning thread and reuse it."""
     return msgspec.msgpack.Decoder(Reply)
+
+
+# ---- inside a cell (rank 0 -> its other ranks, over the in-cell ZeroMQ link; `cellctl.py`) ------------
+
+
+class RankSetup(msgspec.Struct, frozen=True, array_like=True, tag="setup"):
+    """What every rank builds: the role's model, gradient hand-off and weights (sent once, at start)."""
+
+    role: str
+    """"core" or "satellite"."""
+    model_config: str
+    """JSON of the `ModelConfig`."""
+    loss: str
+    """JSON of the gyre-traj `LossConfig`."""
+    attention: str
+    chunk_budget: int
+    device: str
+    """"cpu" or "cuda" (rank r uses cuda:LOCAL_RANK)."""
+    transport: str
+    wire_dtype: str
+    bucket_bytes: int
+    optim: str = ""
+    """Core: JSON of the `OptimConfig`."""
+    publishers: tuple[str, ...] = ()
+    """Satellite: core rank r's publisher, for each rank r."""
+    verify_checksums: bool = False
+    transfer_timeout_s: float = 30.0
+
+
+class RoundItem(msgspec.Struct, frozen=True, array_like=True):
+    """One micro-batch of a round: computed by data-parallel group `dp`; its arrays follow as frames."""
+
+    dp: int
+    index: int
+    arrays: tuple[ArraySpec, ...]
+
+
+class Compute(msgspec.Struct, frozen=True, array_like=True, tag="compute"):
+    """Compute a round of micro-batches (at most one per data-parallel group) of step `batch`; a core
+    rank adds its shard of each into its sum, a satellite rank stages it (slot = position in `items`)."""
+
+    batch: int
+    items: tuple[RoundItem, ...]
+
+
+class Fetch(msgspec.Struct, frozen=True, array_like=True, tag="fetch"):
+    """Core ranks: read this rank's shard of a satellite's gradient and add it into the sum."""
+
+    batch: int
+    index: int
+    shard: GradShard
+    seq: int = 0
+    """Echoed in the reply (a reply to an earlier fetch that timed out is told apart)."""
+
+
+class Pull(msgspec.Struct, frozen=True, array_like=True, tag="pull"):
+    """Satellite ranks: pull snapshot `snapshot` (-1: the newest) of the matching core rank."""
+
+    snapshot: int
+
+
+class Apply(msgspec.Struct, frozen=True, array_like=True, tag="apply"):
+    """Core ranks: divide the sum of step `batch`'s `n` micro-batches by `executions` and step AdamW."""
+
+    batch: int
+    n: int
+    executions: int
+
+
+class Publish(msgspec.Struct, frozen=True, array_like=True, tag="publish"):
+    """Core ranks: publish this rank's weights as a new gyre-xfer snapshot."""
+
+
+class SyncWeights(msgspec.Struct, frozen=True, array_like=True, tag="sync"):
+    """Copy the weights of data-parallel index 0 to every data-parallel copy."""
+
+
+class Gather(msgspec.Struct, frozen=True, array_like=True, tag="gather"):
+    """Bring every rank's weights (`what` = "weights") or last summed gradient (`what` = "gradient")
+    to rank 0 as whole tensors."""
+
+    what: str
+    batch: int = -1
+    n: int = 0
+
+
+class LoadWeights(msgspec.Struct, frozen=True, array_like=True, tag="load"):
+    """Take this rank's part of the whole weights rank 0 broadcasts next (one-rank layout)."""
+
+
+class Stop(msgspec.Struct, frozen=True, array_like=True, tag="stop"):
+    """The cell is closing: the rank tears down and exits."""
+
+
+CellCommand = RankSetup | Compute | Fetch | Pull | Apply | Publish | SyncWeights | Gather | LoadWeights | Stop
+
+
+class RankFailure(enum.IntEnum):
+    NONE = 0
+    BAD_SHARD = 1
+    """A `Fetch` whose shard does not fit this rank's (`handoff.BadShardError`)."""
+    TRANSFER = 2
+    """A `Fetch` whose transfer failed (`handoff.ShardTransferError`)."""
+    FAILED = 3
+    """Anything else (the rank logged the traceback)."""
+
+
+class RankReply(msgspec.Struct, frozen=True, array_like=True, tag="rank_reply"):
+    """A rank's answer to one command."""
+
+    rank: int
+    failure: RankFailure = RankFailure.NONE
+    error: str = ""
+    metrics: tuple[dict[str, float], ...] = ()
+    """Compute: per item, the loss metrics (from the rank that computed the loss; {} elsewhere)."""
+    shards: tuple[GradShard, ...] = ()
+    """Compute on a satellite: per item, where this rank's shard is staged."""
+    publisher: str = ""
+    """Setup on a core: this rank's publisher address."""
+    version: int = -1
+    """Publish: the snapshot version; Pull: the version pulled."""
+    value: float = 0.0
+    """Apply: the gradient norm; Pull: seconds."""
+    seq: int = 0
+    """Fetch: the command's `seq`."""
+
+
+class RankHello(msgspec.Struct, frozen=True, array_like=True, tag="rank_hello"):
+    """A follower's first message on each in-cell channel (so rank 0 can address it)."""
+
+    rank: int
+
+
+def cell_command_decoder() -> msgspec.msgpack.Decoder[CellCommand]:
+    return msgspec.msgpack.Decoder(CellCommand)
+
+
+def rank_reply_decoder() -> msgspec.msgpack.Decoder[RankReply | RankHello]:
+    return msgspec.msgpack.Decoder(RankReply | RankHello)
