@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -25,6 +25,7 @@ from gyre_xfer.sockets import make_socket
 
 from gyre_train.protocol import (
     CellCommand,
+    RankFailure,
     RankHello,
     RankReply,
     cell_command_decoder,
@@ -35,6 +36,10 @@ from gyre_train.threads import THREAD_DIED, start_thread
 
 class RankSilentError(RuntimeError):
     """A rank did not answer a command within the deadline (dead, or stuck in a collective)."""
+
+
+class RankFailedError(RuntimeError):
+    """Another rank of the cell failed a command (its reason is in the message)."""
 
 
 class LinkAddresses(msgspec.Struct, frozen=True, array_like=True):
@@ -138,6 +143,40 @@ class LeaderLink:
         self._work.close()
         self._fetch.close()
         self._ctx.term()
+
+
+def everywhere[T](
+    link: LeaderLink | None,
+    cmd: CellCommand,
+    local: Callable[[], T],
+    timeout_s: float,
+    frames: Sequence[Any] = (),
+) -> tuple[T, list[RankReply]]:
+    """`cmd` on every other rank and `local()` on rank 0, at once: rank 0's result and the other ranks'
+    replies (RankFailedError if any failed; RankSilentError if any did not answer in `timeout_s`). With
+    no link (a one-rank cell), `local()` alone."""
+    if link is None or link.world == 1:
+        return local(), []
+    link.command(cmd, frames)
+    try:
+        mine = local()
+    finally:
+        replies = link.replies(timeout_s)
+    bad = [r for r in replies if r.failure is not RankFailure.NONE]
+    if bad:
+        raise RankFailedError("; ".join(f"rank {r.rank}: {r.error}" for r in bad))
+    return mine, replies
+
+
+def merge_metrics(per_rank: Sequence[Sequence[dict[str, float]]], n: int) -> list[dict[str, float]]:
+    """Per item of a round, the metrics of the first rank that computed its loss (with pipeline
+    parallelism, the last stage), else rank 0's."""
+    out: list[dict[str, float]] = [{} for _ in range(n)]
+    for metrics in per_rank:
+        for k, m in enumerate(metrics):
+            if not out[k] or ("loss" in m and "loss" not in out[k]):
+                out[k] = dict(m)
+    return out
 
 
 class FollowerLink:

@@ -18,7 +18,7 @@ from typing import Any
 from gyre_xfer.publisher import Publisher, PublisherConfig
 
 from gyre_train.cell import Cell
-from gyre_train.cellctl import LeaderLink
+from gyre_train.cellctl import LeaderLink, RankFailedError, everywhere, merge_metrics
 from gyre_train.claimqueue import Assignment
 from gyre_train.corerank import CoreRank
 from gyre_train.handoff import BadShardError, HandoffError, ShardTransferError
@@ -37,21 +37,6 @@ from gyre_train.protocol import (
     Stop,
     SyncWeights,
 )
-
-
-class RankFailedError(RuntimeError):
-    """Another rank of the cell failed a command (its reason is in the message)."""
-
-
-def merge_metrics(per_rank: list[tuple[dict[str, float], ...]], n: int) -> list[dict[str, float]]:
-    """Per item, the metrics of the first rank that computed its loss (with pipeline parallelism, the
-    last stage), else rank 0's."""
-    out: list[dict[str, float]] = [{} for _ in range(n)]
-    for metrics in per_rank:
-        for k, m in enumerate(metrics):
-            if not out[k] or ("loss" in m and "loss" not in out[k]):
-                out[k] = dict(m)
-    return out
 
 
 class CoreCell:
@@ -76,19 +61,10 @@ class CoreCell:
     def _everywhere(
         self, cmd: Any, local: Any, frames: list[Any] | None = None
     ) -> tuple[Any, list[RankReply]]:
-        """`cmd` on every other rank and `local()` here, at once; rank 0's result and the others' replies."""
+        """`cmd` on every other rank and `local()` here, at once (one operation at a time)."""
+        timeout = self.cell.cfg.reply_timeout_s if self.cell is not None else 0.0
         with self._lock:
-            if self.link is None or self.world == 1:
-                return local(), []
-            self.link.command(cmd, frames or [])
-            try:
-                mine = local()
-            finally:
-                replies = self.link.replies(self.cell.cfg.reply_timeout_s if self.cell else 600.0)
-            bad = [r for r in replies if r.failure is not RankFailure.NONE]
-            if bad:
-                raise RankFailedError("; ".join(f"rank {r.rank}: {r.error}" for r in bad))
-            return mine, replies
+            return everywhere(self.link, cmd, local, timeout, frames or ())
 
     # ---- training ------------------------------------------------------------------------------------
 

@@ -80,39 +80,41 @@ def launch(nproc: int, module: str | None, argv: list[str], grace_s: float = 10.
                 sys.stderr.flush()
                 os._exit(status)
         pids[pid] = rank
-    failed = 0
     while pids:
         pid, st = os.wait()
         if pid not in pids:
             continue
         rank = pids.pop(pid)
         code = os.waitstatus_to_exitcode(st)
-        if code != 0 and not failed:
-            failed = code if code > 0 else 128 - code
+        if code != 0:
             sys.stderr.write(f"gyre_train.launch: rank {rank} exited with {code}; stopping the others\n")
-            _stop(pids, grace_s)
-    return failed
+            _stop(set(pids), grace_s)
+            return code if code > 0 else 128 - code
+    return 0
 
 
-def _stop(pids: dict[int, int], grace_s: float) -> None:
+def _stop(pids: set[int], grace_s: float) -> None:
+    """SIGTERM to every rank left, SIGKILL to those still alive after `grace_s`; all of them reaped."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while pids and time.monotonic() < deadline:
+        pids -= {pid for pid in pids if _reaped(pid)}
         time.sleep(0.05)
     for pid in pids:
-        if _alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
-def _alive(pid: int) -> bool:
+def _reaped(pid: int) -> bool:
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        return False
-    return done == 0
+        return True
+    return done != 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ Every request is one tagged, frozen struct in the first frame, decoded by one ty
 buffer frames described by `ArraySpec`s in the header, never pickled. A gradient never crosses ZeroMQ:
 the `Gradient` header names, per rank, the gyre-xfer region and buckets it lies in (`GradShard`), and the
 core reads them over Mooncake or shared memory. `Hello` carries `PROTOCOL`; a mismatch is refused with an
-`ErrorReply`.
+`ErrorReply`. At the end: the messages rank 0 of a multi-rank cell sends its other ranks (`CellCommand`,
+answered by `RankReply`), which never leave the cell.
 """
 
 from __future__ import annotations

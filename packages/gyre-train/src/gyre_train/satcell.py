@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from gyre_train.cell import Cell
+from gyre_train.cellctl import everywhere, merge_metrics
 from gyre_train.claimqueue import Assignment
-from gyre_train.corecell import RankFailedError, merge_metrics
-from gyre_train.protocol import Compute, GradShard, Pull, RankFailure, RankReply, RankSetup, RoundItem, Stop
+from gyre_train.protocol import Compute, GradShard, Pull, RankReply, RankSetup, RoundItem, Stop
 from gyre_train.satrank import SatelliteRank
 
 
@@ -27,18 +27,8 @@ class SatCell:
     def _everywhere(
         self, cmd: Any, local: Any, frames: list[Any] | None = None
     ) -> tuple[Any, list[RankReply]]:
-        if self.link is None or self.world == 1:
-            return local(), []
-        assert self.cell is not None
-        self.link.command(cmd, frames or [])
-        try:
-            mine = local()
-        finally:
-            replies = self.link.replies(self.cell.cfg.reply_timeout_s)
-        bad = [r for r in replies if r.failure is not RankFailure.NONE]
-        if bad:
-            raise RankFailedError("; ".join(f"rank {r.rank}: {r.error}" for r in bad))
-        return mine, replies
+        timeout = self.cell.cfg.reply_timeout_s if self.cell is not None else 0.0
+        return everywhere(self.link, cmd, local, timeout, frames or ())
 
     def pull(self, snapshot: int) -> float:
         """Every rank pulls `snapshot` of its core rank; the slowest rank's seconds."""
