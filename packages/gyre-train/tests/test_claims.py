@@ -1,12 +1,15 @@
-"""The claim queue sums gradients in micro-batch order whoever computes them, whatever order they
-arrive in, and with any replicas dying and returning their claims."""
+"""The claim queue and the ranks' gradient sums: gradients are summed in micro-batch order whoever
+computes them, whatever order they arrive in, with any replicas dying and returning their claims; with
+the bfloat16 wire dtype every gradient is rounded once, the same way wherever it was computed."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gyre_train.claims import ClaimError, StepState
 from gyre_train.data import synthetic_minibatch
+from gyre_train.shardsum import ShardSum
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,8 +43,15 @@ def test_sum_is_order_independent(n: int, at_start: int, seed: int, script: list
     # An open step that starts with some micro-batches and is given the rest one by one as it trains.
     grads = _grads(n, 33, seed)
     given_ = min(at_start, n)
-    s = StepState(batch=0, n=given_, numel=33, version=0, closed=given_ == n)
+    s = StepState(batch=0, n=given_, version=0, closed=given_ == n)
+    total = ShardSum(33, torch.device("cpu"))
     held: dict[str, list[int]] = {"core": [], "s1": [], "s2": []}
+
+    def deliver(who: str, i: int) -> None:
+        if s.acceptable(who, i):
+            assert total.add(0, i, grads[i])
+            assert s.deliver(who, i)
+
     for who, what in script:
         if what == "add":
             if given_ < n:
@@ -55,7 +65,8 @@ def test_sum_is_order_independent(n: int, at_start: int, seed: int, script: list
                 held[who].append(i)
         elif what == "finish" and held[who]:
             i = held[who].pop(0)
-            assert s.deliver(who, i, grads[i])
+            assert s.acceptable(who, i)
+            deliver(who, i)
         elif what == "die":
             assert s.release(who) == len(held[who])
             held[who] = []
@@ -66,56 +77,86 @@ def test_sum_is_order_independent(n: int, at_start: int, seed: int, script: list
         s.close()
     for who in held:
         for i in held[who]:
-            s.deliver(who, i, grads[i])
+            deliver(who, i)
     while (i := s.claim("core")) is not None:
-        s.deliver("core", i, grads[i])
+        deliver("core", i)
     assert s.complete
-    np.testing.assert_array_equal(s.gradient().numpy(), _reference(grads))
+    got = total.total(0, n)
+    assert got is not None
+    np.testing.assert_array_equal(got.numpy(), _reference(grads))
 
 
 def test_duplicate_and_foreign_gradients() -> None:
     g = _grads(3, 4, 0)
-    s = StepState(batch=7, n=3, numel=4, version=0)
+    s = StepState(batch=7, n=3, version=0)
     i = s.claim("s1")
     assert i == 0
     with pytest.raises(ClaimError, match="held by 's1'"):
-        s.deliver("s2", 0, g[0])
-    with pytest.raises(ClaimError, match="shape"):
-        s.deliver("s1", 0, g[0][:2])
-    with pytest.raises(ClaimError, match="dtype"):
-        s.deliver("s1", 0, g[0].astype(np.float64))
+        s.deliver("s2", 0)
     with pytest.raises(ClaimError, match="not in mini-batch 7"):
-        s.deliver("s1", 5, g[0])
+        s.acceptable("s1", 5)
     assert s.release("s1") == 1 and s.requeued == 1
     # s1 was presumed dead but was only slow: its gradient is still the gradient of micro-batch 0.
-    assert s.deliver("s1", 0, g[0])
-    assert not s.deliver("core", 0, g[0])  # a duplicate is ignored
+    assert s.deliver("s1", 0)
+    assert not s.acceptable("core", 0) and not s.deliver("core", 0)  # a duplicate is ignored
+    total = ShardSum(4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="shape"):
+        total.add(7, 0, g[0][:2])
+    with pytest.raises(ValueError, match="float64"):
+        total.add(7, 0, g[0].astype(np.float64))
+    assert total.add(7, 0, g[0]) and not total.add(7, 0, g[0])  # each index once
     for k in (2, 1):  # out of order: 2 waits for 1
-        assert s.claim("core") == 3 - k
-    for k in (2, 1):
         buf = g[k].copy()
-        s.deliver("core", k, buf)
-        buf[:] = np.nan  # the sender reuses its buffer as soon as deliver returns
-    np.testing.assert_array_equal(s.gradient().numpy(), _reference(g))
+        assert total.add(7, k, buf)
+        buf[:] = np.nan  # the sender reuses its buffer as soon as add returns
+    assert not total.add(6, 0, g[0])  # an older step's gradient changes nothing
+    got = total.total(7, 3)
+    assert got is not None
+    np.testing.assert_array_equal(got.numpy(), _reference(g))
+    assert not total.add(7, 3, g[0])  # a finished sum takes no more
 
 
-def test_incomplete_step_has_no_gradient() -> None:
-    s = StepState(batch=0, n=2, numel=1, version=0)
+def test_incomplete_sum_is_refused() -> None:
+    total = ShardSum(1, torch.device("cpu"))
+    total.add(0, 1, np.ones(1, np.float32))  # index 0 never came
     with pytest.raises(RuntimeError, match="0 of 2"):
-        s.gradient()
-    empty = StepState(batch=0, n=0, numel=1, version=0)  # a step with nothing to train
+        total.total(0, 2)
+    empty = StepState(batch=0, n=0, version=0)  # a step with nothing to train
     assert empty.complete and empty.claim("core") is None
-    with pytest.raises(RuntimeError, match="0 of 0"):
-        empty.gradient()
+    assert ShardSum(1, torch.device("cpu")).total(0, 0) is None
 
 
 def test_read_only_gradients_are_copied_not_wrapped() -> None:
     g = _grads(1, 5, 3)[0]
     ro = np.frombuffer(g.tobytes(), dtype=np.float32)  # read-only, as some receive buffers are
     assert not ro.flags.writeable
-    s = StepState(batch=0, n=1, numel=5, version=0)
-    assert s.claim("s1") == 0 and s.deliver("s1", 0, ro)
-    np.testing.assert_array_equal(s.gradient().numpy(), g)
+    total = ShardSum(5, torch.device("cpu"))
+    assert total.add(0, 0, ro)
+    got = total.total(0, 1)
+    assert got is not None
+    np.testing.assert_array_equal(got.numpy(), g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 8), order_seed=st.integers(0, 2**16))
+def test_bfloat16_wire_rounds_each_gradient_once_wherever_computed(
+    seed: int, n: int, order_seed: int
+) -> None:
+    # Each micro-batch is either computed on the core (float32, rounded here) or arrives from a satellite
+    # already in bf16 (rounded there), in any order: the sum is the same bits, and it is the in-order
+    # float32 sum of the bf16-rounded gradients.
+    grads = [torch.from_numpy(g) for g in _grads(n, 65, seed)]
+    rng = np.random.default_rng(order_seed)
+    total = ShardSum(65, torch.device("cpu"), torch.bfloat16)
+    for i in rng.permutation(n).tolist():
+        g = grads[i] if rng.random() < 0.5 else grads[i].to(torch.bfloat16)
+        assert total.add(3, i, g)
+    got = total.total(3, n)
+    assert got is not None and got.dtype == torch.float32
+    want = grads[0].to(torch.bfloat16).float()
+    for g in grads[1:]:
+        want += g.to(torch.bfloat16).float()
+    assert torch.equal(got, want)
 
 
 def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
@@ -131,7 +172,8 @@ def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
     mbs = synthetic_minibatch(1, seed=3)[:1] * 40  # the queue does not look inside micro-batches
     n = len(mbs)
     grads = _grads(n, 257, 9)
-    q = ClaimQueue(257, torch.device("cpu"), check=lambda _: None, inbox=2)
+    q = ClaimQueue(check=lambda _: None, inbox=2)
+    total = ShardSum(257, torch.device("cpu"))
     assert q.open(0) == (Refusal.NONE, "") and q.next_step(0.0) == QueuedStep(0)
     batch = q.begin(QueuedStep(0))
 
@@ -152,7 +194,9 @@ def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
             if rng.random() < 0.2:
                 q.release(name)  # died holding it: back to the front
                 continue
-            q.deliver(name, a.batch, a.index, a.version, grads[a.index])
+            assert q.acceptable(name, a.batch, a.index, a.version)[0]
+            assert total.add(a.batch, a.index, grads[a.index])
+            q.deliver(name, a.batch, a.index, a.version)
 
     threads = [threading.Thread(target=feeder)]
     threads += [threading.Thread(target=replica, args=(f"r{k}", k)) for k in range(4)]
@@ -164,9 +208,10 @@ def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
         t.join(timeout=30)
     res = q.finish()
     assert len(res.microbatches) == n and sorted(res.done) == list(range(n)) and res.executions == 4
-    assert res.gradient is not None
-    np.testing.assert_array_equal(res.gradient.numpy(), _reference(grads) / np.float32(4))
+    got = total.total(res.batch, n)
+    assert got is not None
+    np.testing.assert_array_equal((got / 4).numpy(), _reference(grads) / np.float32(4))
     assert q.applied(snapshot=7).queue_position == 1
     assert q.state_dict() == {"step": 1, "version": 1, "queue_position": 1}
     assert q.claim("r0") is None
-    assert q.deliver("r0", batch, 0, 0, grads[0]) == (False, f"mini-batch {batch} is not in progress")
+    assert q.deliver("r0", batch, 0, 0) == (False, f"mini-batch {batch} is not in progress")

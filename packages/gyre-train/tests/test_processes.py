@@ -1,6 +1,7 @@
 """Core and satellites as separate processes on real sockets: the weights after a mu=2 burst are the
 single-replica weights whether 0, 1 or 2 satellites join at random points, and a satellite killed in
-the middle of a mini-batch has its claim re-queued with the same result. The satellite processes are
+the middle of a mini-batch has its claim re-queued with the same result. Snapshots and gradients go over
+Mooncake TCP between the processes (the code path RDMA clusters run). The satellite processes are
 started once for the whole module and reused across every scenario: joining rebuilds nothing."""
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class Cluster:
         self.core = Core(
             build_model(MC),
             MC,
-            CoreConfig(token_budget=512, heartbeat_s=0.25, dead_after_s=5.0, idle_hold_s=0.5),
+            CoreConfig(
+                token_budget=512, heartbeat_s=0.25, dead_after_s=5.0, idle_hold_s=0.5, transport="mooncake"
+            ),
         )
         self.init = self.core.save(tmp / "init")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 MC = ModelConfig()
 A = synthetic_minibatch(4, seed=1)
 TAGS = (
-    "hello", "claim", "grad", "gradbuf", "beat", "bye", "admit", "dismiss", "submit", "status", "open", "add", "close",
+    "hello", "claim", "grad", "beat", "bye", "admit", "dismiss", "submit", "status", "open", "add", "close",
     "nope",
 )  # fmt: skip
 

@@ -15,13 +15,15 @@ from gyre_train.protocol import (
     AddMicrobatches,
     ArraySpec,
     Assign,
+    Bucket,
+    CellShape,
     Claim,
     CloseStep,
     ErrorCode,
     ErrorReply,
     Goodbye,
     Gradient,
-    GradientBuffer,
+    GradShard,
     Heartbeat,
     Hello,
     Idle,
@@ -44,16 +46,37 @@ from gyre_train.wire import (
     microbatch_from_arrays,
     to_frames,
 )
+from gyre_xfer.protocol import RegionDesc
 
 
 def test_messages_round_trip() -> None:
     enc = msgspec.msgpack.Encoder()
     reqs = [
         Hello(PROTOCOL, "sat-0"),
+        Hello(PROTOCOL, "sat-0", CellShape(2, 1, 1)),
         Claim("sat-0", -1),
-        Gradient("sat-0", 3, 1, 2, 10, {"loss": 0.5}),
-        Gradient("sat-0", 3, 1, 2, 10, {}, True),
-        GradientBuffer("sat-0", "gyre-123-abcdef01-4", 10),
+        Claim("sat-0", 3, False),
+        Gradient("sat-0", 3, 1, 2, (), {"loss": 0.5}),
+        Gradient(
+            "sat-0",
+            3,
+            1,
+            2,
+            (
+                GradShard(
+                    0, "127.0.0.1:1234", RegionDesc(1, 40, 1 << 40), 0, "float32", 10, (Bucket(0, 10),)
+                ),
+                GradShard(
+                    1,
+                    "shm:h:b",
+                    RegionDesc(2, 20, 0, "gyre-1-ab-2"),
+                    0,
+                    "bfloat16",
+                    10,
+                    (Bucket(0, 6), Bucket(6, 4)),
+                ),
+            ),
+        ),
         Heartbeat("sat-0"),
         Goodbye("sat-0", ((3, 1), (3, 4))),
         Submit(PROTOCOL, 4, ((ArraySpec("x", "<i4", (4,)),),), 6),
@@ -66,6 +89,20 @@ def test_messages_round_trip() -> None:
         assert dec.decode(enc.encode(r)) == r
     reps = [
         Welcome(PROTOCOL, "tcp://127.0.0.1:1", "shm", 0.5, "{}", "{}"),
+        Welcome(
+            PROTOCOL,
+            "tcp://127.0.0.1:1",
+            "mooncake",
+            0.5,
+            "{}",
+            "{}",
+            "flex",
+            0,
+            CellShape(1, 2, 1),
+            ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
+            "bfloat16",
+            1 << 20,
+        ),
         Assign(0, 1, 2, 3, (ArraySpec("x", "<i4", (4,)),)),
         Idle("no work"),
         Ack(False, "dup"),

@@ -3,11 +3,12 @@
 It holds the steps accepted and not yet applied, in queue order, each open (`open`, then `add` any number
 of times) or closed (`close` with its final micro-batch and execution counts; `submit` does all three at
 once). Only the oldest step trains: the training thread `begin`s it, and from then on the core and every
-admitted satellite `claim` its micro-batches as they arrive and `deliver` their gradients (summed in
-micro-batch order by `claims.StepState`); it is complete once closed with every gradient in, and
-`finish` hands back the sum divided by the step's execution count. The queue also owns the trainer's
-position (step, weight version, snapshot, queue position) that assignments and status replies carry.
-Every method is thread-safe (one condition variable); a caller never holds a reference into its state.
+admitted satellite `claim` its micro-batches as they arrive and `deliver` them once their gradients are in
+every rank's `ShardSum` (`acceptable` says beforehand whether a replica's gradient is still wanted); it
+is complete once closed with every gradient in, and `finish` hands back what the update needs (the
+micro-batches, the execution count, who computed what). The queue also owns the trainer's position
+(step, weight version, snapshot, queue position) that assignments and status replies carry. Every
+method is thread-safe (one condition variable); a caller never holds a reference into its state.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
 from gyre_traj.pack import PackedBatch
 
 from gyre_train.claims import StepState
@@ -66,14 +65,14 @@ class Assignment:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What a finished step leaves: its gradient and who computed what."""
+    """What a finished step leaves: its micro-batches, its execution count and who computed what (the
+    gradient is in the ranks' `ShardSum`s)."""
 
     seq: int
     batch: int
     microbatches: list[PackedBatch]
     executions: int
-    gradient: torch.Tensor | None
-    """The in-order sum of the micro-batches' gradients divided by `executions` (None: no micro-batch)."""
+    """What the in-order gradient sum is divided by."""
     metrics: dict[int, dict[str, float]]
     """Per micro-batch index, the metrics its replica reported."""
     done: dict[int, str]
@@ -95,18 +94,9 @@ def _frames(microbatches: Sequence[PackedBatch]) -> list[tuple[tuple[ArraySpec, 
 
 
 class ClaimQueue:
-    def __init__(
-        self,
-        numel: int,
-        device: torch.device,
-        check: Callable[[Sequence[PackedBatch]], None],
-        inbox: int,
-    ) -> None:
-        """`numel`: flat gradient length; `device`: where the sum is kept; `check`: raises
-        `MicroBatchError` for untrainable micro-batches (run on every add, outside the lock); `inbox`:
-        steps that may be accepted ahead of the one training (open or closed)."""
-        self._numel = numel
-        self._device = device
+    def __init__(self, check: Callable[[Sequence[PackedBatch]], None], inbox: int) -> None:
+        """`check`: raises `MicroBatchError` for untrainable micro-batches (run on every add, outside the
+        lock); `inbox`: steps that may be accepted ahead of the one training (open or closed)."""
         self._check = check
         self._inbox = inbox
         self._cv = threading.Condition()
@@ -266,12 +256,7 @@ class ClaimQueue:
             head = self._steps[0]
             self._batch_seq += 1
             self._state = StepState(
-                self._batch_seq,
-                len(head.microbatches),
-                self._numel,
-                self._pos.version,
-                device=self._device,
-                closed=head.closed,
+                self._batch_seq, len(head.microbatches), self._pos.version, closed=head.closed
             )
             self._snapshot_of_step = self._pos.snapshot
             self._metrics = {}
@@ -310,18 +295,14 @@ class ClaimQueue:
         `skipped` for a step of no micro-batch)."""
         with self._cv:
             st = self._training()
+            if not st.complete:
+                raise RuntimeError(f"mini-batch {st.batch}: {len(st.done)} of {st.n} micro-batches done")
             head = self._steps.popleft()
-            grad = None
-            if st.n:
-                grad = st.gradient()
-                if head.executions != 1:
-                    grad = grad / head.executions  # float32, once, after the in-order sum
             res = StepResult(
                 head.seq,
                 st.batch,
                 head.microbatches,
                 head.executions,
-                grad,
                 dict(self._metrics),
                 dict(st.done),
                 st.requeued,
@@ -377,29 +358,35 @@ class ClaimQueue:
                 st.batch, i, st.version, self._snapshot_of_step, head.microbatches[i], specs, frames
             )
 
-    def deliver(
-        self,
-        replica: str,
-        batch: int,
-        index: int,
-        version: int,
-        grad: np.ndarray | torch.Tensor,
-        metrics: dict[str, float] | None = None,
-    ) -> tuple[bool, str]:
-        """Hand in `replica`'s float32 gradient of micro-batch `index` (copied before returning).
-        (False, why) for a gradient of another step or version, or a duplicate; ClaimError for one the
-        replica does not hold or of the wrong shape."""
+    def acceptable(self, replica: str, batch: int, index: int, version: int) -> tuple[bool, str]:
+        """Is `replica`'s gradient of micro-batch `index` still wanted (before its shards are read)?
+        (False, why) for another step or version, or a duplicate; ClaimError for one it does not hold."""
         with self._cv:
-            st = self._state
-            if st is None or st.batch != batch:
-                return False, f"mini-batch {batch} is not in progress"
-            if version != st.version:
-                return False, f"gradient at version {version}, the step is at {st.version}"
-            ok = st.deliver(replica, index, grad)
+            return self._acceptable(replica, batch, index, version)
+
+    def _acceptable(self, replica: str, batch: int, index: int, version: int) -> tuple[bool, str]:
+        st = self._state
+        if st is None or st.batch != batch:
+            return False, f"mini-batch {batch} is not in progress"
+        if version != st.version:
+            return False, f"gradient at version {version}, the step is at {st.version}"
+        if not st.acceptable(replica, index):
+            return False, f"micro-batch {index} already done"
+        return True, ""
+
+    def deliver(
+        self, replica: str, batch: int, index: int, version: int, metrics: dict[str, float] | None = None
+    ) -> tuple[bool, str]:
+        """`replica`'s gradient of micro-batch `index` is in every rank's `ShardSum`: mark it done.
+        (False, why) as `acceptable` says; ClaimError for one the replica does not hold."""
+        with self._cv:
+            ok, why = self._acceptable(replica, batch, index, version)
             if ok:
+                assert self._state is not None
+                self._state.deliver(replica, index)
                 self._metrics[index] = dict(metrics or {})
             self._cv.notify_all()
-            return ok, "" if ok else f"micro-batch {index} already done"
+            return ok, why
 
     def release(self, replica: str, indices: list[int] | None = None) -> int:
         """Put `replica`'s claims (all, or `indices`) back at the front of the queue; returns how many."""

@@ -1,13 +1,10 @@
-"""The claims of one step and its order-fixed gradient sum.
+"""The claims of one step: which micro-batches wait, which replica holds which, which are done.
 
 A step may be open: micro-batches are appended (`add`) while it trains, and `close` fixes their number;
-it is complete once closed with every gradient in. Micro-batches are claimed one at a time by any replica; a replica that dies or leaves returns its claims
-to the front of the queue. Gradients are added in micro-batch index order whatever order they arrive in
-(later ones wait in a reorder buffer), so the sum is the same float for float whichever replicas
-computed which micro-batches. The sum lives on the core's device (float32 additions are correctly
-rounded on a CPU and a GPU alike, so the bits do not depend on where it is kept); every accepted gradient
-is copied there before `deliver` returns, so the sender may reuse its buffer at once. Not thread-safe:
-`claimqueue.ClaimQueue` guards it with its lock.
+it is complete once closed with every gradient in. Micro-batches are claimed one at a time by any replica;
+a replica that dies or leaves returns its claims to the front of the queue. This is bookkeeping only: the
+gradients themselves are summed, in micro-batch order, by each rank's `shardsum.ShardSum`. Not
+thread-safe: `claimqueue.ClaimQueue` guards it with its lock.
 """
 
 from __future__ import annotations
@@ -15,12 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 
 class ClaimError(ValueError):
-    """A gradient for a micro-batch that this replica does not hold, or of the wrong size."""
+    """A gradient for a micro-batch that this replica does not hold."""
 
 
 @dataclass
@@ -29,20 +23,14 @@ class StepState:
     """Mini-batch id, unique for the core process's life (assignments and gradients carry it)."""
     n: int
     """Micro-batches so far (the final count once closed)."""
-    numel: int
     version: int
     pending: deque[int] = field(default_factory=deque)
     claimed: dict[int, str] = field(default_factory=dict)
     done: dict[int, str] = field(default_factory=dict)
     """index -> replica whose gradient was accepted."""
     requeued: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    """Where the sum (and gradients waiting for their turn) are kept."""
     closed: bool = True
     """No micro-batch will be added (a closed step of none is complete at once, with no gradient)."""
-    _acc: torch.Tensor | None = None
-    _next: int = 0
-    _waiting: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.n < 0:
@@ -78,50 +66,28 @@ class StepState:
         self.requeued += len(mine)
         return len(mine)
 
-    def deliver(self, replica: str, index: int, grad: np.ndarray | torch.Tensor) -> bool:
-        """Accept `replica`'s float32 gradient for `index` (copied before returning). False for a
-        duplicate of a finished micro-batch (a replica declared dead that was only slow); ClaimError for
-        one it never claimed."""
+    def acceptable(self, replica: str, index: int) -> bool:
+        """May `replica` hand in micro-batch `index` now? False for a duplicate of a finished micro-batch
+        (a replica declared dead that was only slow); ClaimError for one it never claimed."""
         if not 0 <= index < self.n:
             raise ClaimError(f"micro-batch {index} is not in mini-batch {self.batch} (0..{self.n - 1})")
-        if tuple(grad.shape) != (self.numel,):
-            raise ClaimError(f"gradient has shape {tuple(grad.shape)}, expected ({self.numel},)")
-        if grad.dtype not in (np.float32, torch.float32):
-            raise ClaimError(f"gradient has dtype {grad.dtype}, expected float32")
         if index in self.done:
             return False
+        if self.claimed.get(index) != replica and index not in self.pending:
+            # (still pending: re-queued after this replica was presumed dead, and still valid)
+            raise ClaimError(f"micro-batch {index} is held by {self.claimed.get(index)!r}, not {replica!r}")
+        return True
+
+    def deliver(self, replica: str, index: int) -> bool:
+        """`replica`'s gradient of `index` is in every rank's sum: mark it done (see `acceptable`)."""
+        if not self.acceptable(replica, index):
+            return False
         if self.claimed.get(index) != replica:
-            if index in self.pending:  # re-queued after this replica was presumed dead: still valid
-                self.pending.remove(index)
-            else:
-                raise ClaimError(
-                    f"micro-batch {index} is held by {self.claimed.get(index)!r}, not {replica!r}"
-                )
+            self.pending.remove(index)
         self.claimed.pop(index, None)
         self.done[index] = replica
-        if isinstance(grad, np.ndarray):  # a read-only buffer is copied here rather than wrapped
-            t = torch.from_numpy(grad if grad.flags.writeable else grad.copy())
-        else:
-            t = grad
-        if index != self._next:  # waits for its turn: keep a copy
-            self._waiting[index] = t.to(self.device, copy=True)
-            return True
-        if self._acc is None:
-            self._acc = t.to(self.device, copy=True)
-        else:
-            self._acc += t.to(self.device, non_blocking=False)
-        self._next += 1
-        while self._next in self._waiting:
-            self._acc += self._waiting.pop(self._next)
-            self._next += 1
         return True
 
     @property
     def complete(self) -> bool:
-        return self.closed and self._next == self.n
-
-    def gradient(self) -> torch.Tensor:
-        """The in-order sum of the complete step's gradients (a step of no micro-batch has none)."""
-        if not self.complete or self._acc is None:
-            raise RuntimeError(f"mini-batch {self.batch}: {len(self.done)} of {self.n} micro-batches done")
-        return self._acc
+        return self.closed and len(self.done) == self.n

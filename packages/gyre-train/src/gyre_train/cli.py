@@ -4,6 +4,11 @@ gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its add
 gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
 gyre-train export ckpt/ model-out/ --tokenizer model-in/     # a checkpoint as a Hugging Face model directory
 gyre-train bench [--quick] [--device cuda]
+
+A multi-rank cell: every rank runs the same command under torchrun's environment, e.g.
+python -m gyre_train.launch --nproc 2 -m gyre_train.cli core --tp 2 --model-backend megatron ...
+torchrun --nproc-per-node 2 -m gyre_train.cli satellite --tp 2 --backend nccl --device cuda ...
+Rank 0 runs the core (or satellite); the other ranks follow it.
 """
 
 from __future__ import annotations
@@ -14,8 +19,33 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from gyre_traj.loss import LossConfig
+
+
+def _cell(args: argparse.Namespace) -> Any:
+    """This rank's cell when the command asks for more than one rank (else None)."""
+    from gyre_train.cell import ParallelConfig, join_cell
+
+    cfg = ParallelConfig(
+        tp=args.tp, pp=args.pp, dp=args.dp, backend=args.backend, control_host=args.control_host
+    )
+    if cfg.world == 1:
+        return None
+    return join_cell(cfg)
+
+
+def _follow_unless_leader(cell: Any) -> int | None:
+    """On a rank other than 0: serve rank 0 until it stops, and return the exit status."""
+    if cell is None or cell.rank == 0:
+        return None
+    from gyre_train.follower import follow
+
+    try:
+        return follow(cell)
+    finally:
+        cell.close()
 
 
 def _core(args: argparse.Namespace) -> int:
@@ -23,17 +53,23 @@ def _core(args: argparse.Namespace) -> int:
     from gyre_train.data import read_packed_dir, synthetic_minibatch
     from gyre_train.model import ModelConfig, build_model
 
-    mc = ModelConfig(seed=args.seed)
+    cell = _cell(args)
+    status = _follow_unless_leader(cell)
+    if status is not None:
+        return status
+    mc = ModelConfig(seed=args.seed, backend=args.model_backend)
     cfg = CoreConfig(
         bind=args.bind,
         transport=args.transport,
         token_budget=args.budget,
         attention=args.attention,
+        wire_dtype=args.wire_dtype,
         admit_on_hello=args.admit_all,
         loss=LossConfig(mode=args.loss),
         optim=OptimConfig(lr=args.lr),
     )
-    core = Core(build_model(mc, cfg.attention, args.device), mc, cfg)
+    device = str(cell.device(args.device)) if cell is not None else args.device
+    core = Core(build_model(mc, cfg.attention, device), mc, cfg, cell)
     try:
         ckpt = Path(args.checkpoint) if args.checkpoint else None
         if ckpt is not None and (ckpt / "state.json").exists():
@@ -75,12 +111,18 @@ def _core(args: argparse.Namespace) -> int:
             print(json.dumps(asdict(rep)), flush=True)
     finally:
         core.close()
+        if cell is not None:
+            cell.close()
     return 0
 
 
 def _satellite(args: argparse.Namespace) -> int:
     from gyre_train.satellite import Satellite, SatelliteConfig
 
+    cell = _cell(args)
+    status = _follow_unless_leader(cell)
+    if status is not None:
+        return status
     sat = Satellite(
         SatelliteConfig(
             core=args.core,
@@ -90,13 +132,16 @@ def _satellite(args: argparse.Namespace) -> int:
             idle_exit_s=args.idle_exit_s,
             crash_after_claims=args.crash_after_claims,
             warmup=args.warmup,
-        )
+        ),
+        cell,
     )
     print(json.dumps({"ready": args.name, "warmup_s": sat.warmup_s}), flush=True)
     try:
         n = sat.run()
     finally:
         sat.close()
+        if cell is not None:
+            cell.close()
     print(json.dumps({"name": args.name, "microbatches": n, "version": sat.version}), flush=True)
     return 0
 
@@ -118,6 +163,20 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cell_args(p: argparse.ArgumentParser) -> None:
+    from gyre_train.cell import ParallelConfig
+
+    d = ParallelConfig()
+    g = p.add_argument_group("multi-rank cell (every rank runs this command under torchrun's environment)")
+    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (Megatron-core)")
+    g.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (Megatron-core)")
+    g.add_argument("--dp", type=int, default=d.dp, help="data-parallel copies")
+    g.add_argument("--backend", default=d.backend, choices=["gloo", "nccl"], help="torch.distributed backend")
+    g.add_argument(
+        "--control-host", default=d.control_host, help="where rank 0 binds the in-cell control sockets"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="gyre-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("core", help="run the core replica over synthetic or packed mini-batches")
     c.add_argument("--bind", default="tcp://127.0.0.1:0")
     c.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
+    c.add_argument(
+        "--wire-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype gradients are handed over in (each micro-batch's gradient is rounded to it once)",
+    )
     c.add_argument("--synthetic", type=int, default=2, help="train this many synthetic mini-batches")
     c.add_argument("--data", nargs="*", help="`gyre-traj pack --out` directories, one mini-batch each")
     c.add_argument("--feed", action="store_true", help="train what the trajectory service submits")
@@ -143,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--wait-satellites", type=int, default=0, help="wait for this many satellites first")
     c.add_argument("--wait-satellites-s", type=float, default=60.0)
     c.add_argument("--checkpoint", help="directory: resume from it if present, save after every step")
+    c.add_argument("--model-backend", default="transformers", choices=["transformers", "megatron"])
+    _cell_args(c)
     c.set_defaults(fn=_core)
     s = sub.add_parser("satellite", help="run a satellite replica of a core")
     s.add_argument("--core", required=True)
@@ -157,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="warm-up micro-batches at start (default: 2 on a GPU, 0 on the CPU)",
     )
+    _cell_args(s)
     s.set_defaults(fn=_satellite)
     e = sub.add_parser(
         "export", help="a checkpoint as a Hugging Face model directory (transformers, engines)"
@@ -175,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", help="also write the result JSON here")
     b.add_argument(
         "--cases",
-        default="fan,synthetic-agent,large-tree-chunked,huge-tree,join",
-        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, huge-tree, join",
+        default="fan,synthetic-agent,large-tree-chunked,huge-tree,join,handoff",
+        help="comma-separated subset of: fan, synthetic-agent, large-tree-chunked, huge-tree, join, handoff",
     )
     b.add_argument(
         "--huge-trunk",

@@ -3,11 +3,18 @@
 `Core.train_step` trains one step of the claim queue (`claimqueue.py`): a whole mini-batch, or a step
 the trajectory service opened and feeds as its groups become ready. The core itself and every admitted
 satellite (over a ZeroMQ ROUTER socket served by a helper thread, `server.py`) claim its micro-batches as
-they arrive; once the step is closed and every gradient is in, the in-order sum divided by the step's
-execution count becomes one AdamW update, published as a gyre-xfer snapshot. Satellites connect once at
+they arrive; a satellite's gradient reaches the core's sum through gyre-xfer (the `Gradient` header
+names its buckets; `handoff.py`), in the configured wire dtype. Once the step is closed and every
+gradient is in, the in-order sum (`shardsum.py`) divided by the step's execution count becomes one AdamW
+update, published as a gyre-xfer snapshot. Satellites connect once at
 start and stay connected; admitting or dismissing one only changes which replicas the queue answers, so
 joining rebuilds nothing. A step with no micro-batches is skipped: its queue position is taken, no update
 is made, and the report says `skipped`.
+
+The core may be a multi-rank cell (`cell.py`: Megatron tensor and pipeline parallelism, data-parallel
+copies): the `Core` is then rank 0's, and every operation on the model, the sums and the optimizer runs
+on all ranks at once (`corecell.py`; the other ranks run `follower.follow`). Satellites must be cells of
+the same shape; satellite rank r hands its gradient shard to core rank r.
 """
 
 from __future__ import annotations
@@ -24,24 +31,27 @@ import numpy as np
 import torch
 from gyre_traj.loss import LossConfig, combine_metrics
 from gyre_traj.pack import PackedBatch
-from gyre_xfer.publisher import Publisher, PublisherConfig
-from gyre_xfer.transport import Config as XferConfig
-from gyre_xfer.transport import open_transport
 
 from gyre_train import checkpoint
+from gyre_train.cell import Cell
 from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
-from gyre_train.claimqueue import ClaimQueue, QueuedStep, Verdict
+from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
+from gyre_train.corecell import CoreCell
+from gyre_train.corerank import CoreRank, OptimConfig, RankWork
 from gyre_train.engine_sync import (
     PushReport,
     SGLangSyncConfig,
     SGLangWeightSync,
     WeightSyncError,
-    engine_tensors,
+    megatron_hf,
 )
-from gyre_train.model import Attention, Layout, ModelConfig, micro_gradient, params, set_gradients
-from gyre_train.protocol import PROTOCOL, StepInfo, Welcome
+from gyre_train.handoff import DEFAULT_BUCKET_BYTES
+from gyre_train.model import Attention, ModelConfig
+from gyre_train.protocol import PROTOCOL, CellShape, RankSetup, StepInfo, Welcome
 from gyre_train.server import ReplicaServer, ServerConfig
 from gyre_train.wire import MicroBatchError, check_microbatch
+
+__all__ = ["CORE", "Core", "CoreConfig", "GradientResult", "OptimConfig", "StepReport", "StepTimeoutError"]
 
 CORE = "core"
 log = logging.getLogger("gyre_train.core")
@@ -52,21 +62,20 @@ class StepTimeoutError(TimeoutError):
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    """Clip the summed gradient to this global norm (0 = no clipping)."""
-
-
-@dataclass(frozen=True)
 class CoreConfig:
     bind: str = "tcp://127.0.0.1:0"
     """ROUTER address satellites connect to (loopback unless you mean otherwise)."""
     transport: str = "shm"
-    """gyre-xfer transport for snapshots: "shm" (one host) or "mooncake" (TCP/RDMA)."""
+    """gyre-xfer transport for snapshots and satellites' gradients: "shm" (one host) or "mooncake"
+    (TCP here, RDMA on clusters)."""
+    wire_dtype: str = "float32"
+    """The dtype every micro-batch gradient is handed over in, and rounded to once where it is computed
+    (the core's own too): "float32" (the sum equals one replica's) or "bfloat16" (half the bytes; the sum
+    is still the same whoever computes what, but each micro-batch's gradient is rounded to bf16)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Largest bucket of a gradient shard (one transfer entry; the header names every bucket)."""
+    transfer_timeout_s: float = 30.0
+    """Deadline for reading one gradient's shards; past it the claim is re-queued."""
     token_budget: int = 16384
     """Largest micro-batch accepted (tokens)."""
     attention: Attention = "dense"
@@ -136,55 +145,105 @@ class StepReport:
     ratio_mean, entropy where the backend reports it, loss tokens)."""
 
 
+@dataclass(frozen=True)
+class GradientResult:
+    """What `Core.gradient` computed."""
+
+    loss: float
+    gradient: dict[str, torch.Tensor]
+    """The summed gradient, whole, by one-rank parameter name."""
+    compute_s: float
+    """Forward and backward of every micro-batch, summed (as the ranks that computed the loss timed it;
+    with model parallelism that includes waiting for the other ranks)."""
+    tokens: int
+
+
 class Core:
     """The core replica. Its shared state (queued mini-batches, the claims of the step in progress, the
     trainer's position) lives in a `ClaimQueue` that its server thread uses too; checkpoints go through
     `state_dict()` / `load_state_dict()`."""
 
-    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, cfg: CoreConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_cfg: ModelConfig,
+        cfg: CoreConfig | None = None,
+        cell: Cell | None = None,
+    ) -> None:
+        """`model`: this process's model (rank 0's part of it in a multi-rank `cell`, whose other ranks
+        run `follower.follow(cell)` and build theirs when this constructor tells them to)."""
         self.cfg = cfg or CoreConfig()
+        c = self.cfg
+        if cell is not None and cell.rank != 0:
+            raise ValueError(
+                f"the Core runs on rank 0 of its cell; rank {cell.rank} runs follower.follow(cell)"
+            )
+        self.cell = cell
         self.model = model
         self.model_cfg = model_cfg
-        self.layout = Layout.of(model)
-        self.device = next(model.parameters()).device
-        """Where the gradient sum is kept (the model's device)."""
-        o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        work = RankWork(
+            c.loss, c.attention, c.chunk_budget, c.transport, c.wire_dtype, c.transfer_timeout_s, c.optim
         )
+        rank0 = CoreRank(model, work, cell)
+        self.layout = rank0.layout
+        """This rank's parameter layout (the whole model's on a one-rank core)."""
+        self.device = rank0.device
+        """Where the gradient sum is kept (the model's device)."""
+        self.optimizer = rank0.optimizer
         self._computing = threading.Event()
-        if self.cfg.core_computes:
+        if c.core_computes:
             self._computing.set()
         self._updating = threading.Lock()
         """Held while an update is applied and published, and while `state_dict` reads the state."""
-        self._transport = open_transport(XferConfig(kind=self.cfg.transport))
-        self.publisher = Publisher(self._transport, PublisherConfig())
-        self._queue = ClaimQueue(self.layout.numel, self.device, self.check, self.cfg.inbox)
-        self._queue.published(self.publisher.publish(params(model)))
+        try:
+            self._cell = CoreCell(rank0, cell, self._setup() if cell is not None else None)
+        except BaseException:
+            rank0.close()
+            raise
+        self.publisher = self._cell.engine_publisher
+        """What engines load: the whole model (gathered to rank 0 when the model is split)."""
+        self._queue = ClaimQueue(self.check, c.inbox)
+        self._queue.published(self._cell.publish())
         self._server = ReplicaServer(
             ServerConfig(
-                bind=self.cfg.bind,
-                numel=self.layout.numel,
-                admit_on_hello=self.cfg.admit_on_hello,
-                dead_after_s=self.cfg.dead_after_s,
-                idle_hold_s=self.cfg.idle_hold_s,
-                pin_gradient_buffers=self.device.type == "cuda",
+                bind=c.bind,
+                admit_on_hello=c.admit_on_hello,
+                dead_after_s=c.dead_after_s,
+                idle_hold_s=c.idle_hold_s,
             ),
             self._queue,
             self._welcome(),
+            self._cell.receive,
         )
         self.address = self._server.address
         self.engine_sync: SGLangWeightSync | None = None
         self.last_push: PushReport | None = None
-        if self.cfg.engines is not None:
+        if c.engines is not None:
             try:
-                self.engine_sync = SGLangWeightSync(self.cfg.engines)
+                self.engine_sync = SGLangWeightSync(c.engines)
                 self.engine_sync.connect()
-                if self.cfg.engines.push_at_start:
+                if c.engines.push_at_start:
                     self.push_to_engines()
             except BaseException:
                 self.close()
                 raise
+
+    def _setup(self) -> RankSetup:
+        """What the other ranks of the cell build (sent once, by `CoreCell`)."""
+        c = self.cfg
+        return RankSetup(
+            "core",
+            self.model_cfg.to_json(),
+            msgspec.json.encode(c.loss).decode(),
+            c.attention,
+            c.chunk_budget,
+            self.device.type,
+            c.transport,
+            c.wire_dtype,
+            c.bucket_bytes,
+            optim=msgspec.json.encode(c.optim).decode(),
+            transfer_timeout_s=c.transfer_timeout_s,
+        )
 
     def _welcome(self) -> Welcome:
         c = self.cfg
@@ -197,6 +256,10 @@ class Core:
             msgspec.json.encode(c.loss).decode(),
             c.attention,
             c.chunk_budget,
+            self.cell.cfg.shape if self.cell is not None else CellShape(),
+            self._cell.publishers,
+            c.wire_dtype,
+            c.bucket_bytes,
         )
 
     # ---- the trainer's position (read from the claim queue, which the server reads too) ------------
@@ -309,11 +372,11 @@ class Core:
         except BaseException:
             self._queue.abort()
             raise
-        if res.gradient is None:
+        if not res.microbatches:
             return self._skip(t0)
         with self._updating:
-            grad_norm = self._apply(res.gradient)
-            pos = self._queue.applied(self.publisher.publish(params(self.model)))
+            grad_norm = self._cell.apply(res.batch, len(res.microbatches), res.executions)
+            pos = self._queue.applied(self._cell.publish())
         push = self.push_to_engines() if self.engine_sync is not None else None
         by_replica: dict[str, int] = {}
         for r in res.done.values():
@@ -339,17 +402,15 @@ class Core:
     def _compute_until_complete(self, on_progress: Callable[[int], None] | None) -> None:
         """Claim and compute micro-batches of the step training (while computing is on) until it is
         closed and every one is in, satellites' included; StepTimeoutError past the deadlines."""
-        scratch = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
         started = time.monotonic()
         closed_at: float | None = None
         while True:
-            a = self._queue.claim(CORE) if self._computing.is_set() else None
-            if a is not None:
-                c = self.cfg
-                g, m = micro_gradient(
-                    self.model, self.layout, a.microbatch, c.loss, c.attention, scratch, c.chunk_budget
-                )
-                self._queue.deliver(CORE, a.batch, a.index, a.version, g, m)  # copied into the sum
+            assignments = self._claim_round() if self._computing.is_set() else []
+            if assignments:
+                a0 = assignments[0]
+                metrics = self._cell.compute(a0.batch, assignments)  # every rank sums its slices
+                for a, m in zip(assignments, metrics, strict=True):
+                    self._queue.deliver(CORE, a.batch, a.index, a.version, m)
                 if on_progress is not None:
                     on_progress(self._queue.progress().done)
                 continue
@@ -372,6 +433,14 @@ class Core:
                     )
                 )
 
+    def _claim_round(self) -> list[Assignment]:
+        """Up to one micro-batch per data-parallel copy of the core, for one round."""
+        dp = self.cell.cfg.dp if self.cell is not None else 1
+        out: list[Assignment] = []
+        while len(out) < dp and (a := self._queue.claim(CORE)) is not None:
+            out.append(a)
+        return out
+
     def _skip(self, t0: float) -> StepReport:
         pos = self._queue.skipped()
         log.warning("step %d has no micro-batches: skipped (no update)", pos.queue_position - 1)
@@ -390,16 +459,6 @@ class Core:
             skipped=True,
         )
 
-    def _apply(self, grad: torch.Tensor) -> float:
-        set_gradients(self.model, self.layout, grad)
-        mx = self.cfg.optim.max_grad_norm
-        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
-        if mx > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), mx)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
     def train_burst(
         self, minibatches: Sequence[Sequence[PackedBatch]], on_progress: Callable[[int], None] | None = None
     ) -> list[StepReport]:
@@ -410,11 +469,64 @@ class Core:
     def republish(self) -> int:
         """Publish the current weights as a new snapshot (after loading a checkpoint), and push them to
         the SGLang-protocol engines if there are any."""
-        snapshot = self.publisher.publish(params(self.model))
+        snapshot = self._cell.publish()
         self._queue.published(snapshot)
         if self.engine_sync is not None:
             self.push_to_engines()
         return snapshot
+
+    # ---- the whole model, wherever its parts are ---------------------------------------------------------
+
+    def whole_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights in the one-rank layout of its backend (Megatron names for
+        Megatron-core), gathered from the cell's ranks when the model is split."""
+        whole = self._cell.whole_weights()
+        assert whole is not None
+        return whole
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model in the transformers layout engines load (gathered from the tensor-parallel and
+        pipeline ranks, converted with gyre-xfer's `megatron_to_hf` for Megatron-core), in the model's
+        dtype."""
+        whole = self.whole_weights()
+        if self.model_cfg.backend != "megatron":
+            return whole
+        return megatron_hf(whole, self.model_cfg)
+
+    def load_whole_weights(self, whole: dict[str, torch.Tensor]) -> int:
+        """Load whole-model weights in the one-rank layout (what `whole_weights` returns; for
+        Megatron-core, a one-rank Megatron state dict) into every rank's part, keep the AdamW state, and
+        publish them; returns the new snapshot. Refused while a step is accepted."""
+        if self._queue.steps():
+            raise RuntimeError("load weights with no step accepted")
+        with self._updating:
+            self._cell.load_whole(whole)
+        return self.republish()
+
+    def gradient(
+        self, microbatches: Sequence[PackedBatch], on_progress: Callable[[int], None] | None = None
+    ) -> GradientResult:
+        """The loss and the summed gradient of a mini-batch, computed as a step would be (the core and
+        every admitted satellite claim its micro-batches; each gradient rounded to the wire dtype and
+        summed in order), made whole on rank 0 in the one-rank layout, and not applied: weights, AdamW
+        state and the trainer's position stay as they are. For checking a cell against one rank."""
+        self.check(microbatches)
+        self._queue.begin_local(microbatches)
+        try:
+            self._compute_until_complete(on_progress)
+            res = self._queue.finish()
+        except BaseException:
+            self._queue.abort()
+            raise
+        whole = self._cell.whole_gradient(res.batch, len(res.microbatches))
+        assert whole is not None
+        m = [res.metrics[i] for i in sorted(res.metrics)]
+        return GradientResult(
+            loss=float(sum(x.get("loss", 0.0) for x in m)),
+            gradient=whole,
+            compute_s=float(sum(x.get("compute_s", 0.0) + x.get("copy_s", 0.0) for x in m)),
+            tokens=sum(b.num_tokens for b in res.microbatches),
+        )
 
     def push_to_engines(self) -> PushReport:
         """Push the current weights (transformers layout) to the engines of `CoreConfig.engines`, labelled
@@ -423,7 +535,7 @@ class Core:
         if self.engine_sync is None:
             raise WeightSyncError("no engines configured (CoreConfig.engines)")
         try:
-            self.last_push = self.engine_sync.push(engine_tensors(self.model, self.model_cfg), self.version)
+            self.last_push = self.engine_sync.push(self.hf_weights(), self.version)
         except WeightSyncError as exc:
             raise WeightSyncError(
                 f"step {self.step} is applied (version {self.version}, snapshot {self.snapshot}), but the "
@@ -439,9 +551,18 @@ class Core:
         may be taken while a step trains or is open: such steps are not in it (their micro-batches and
         partial gradient are dropped; the resumed core expects the feeder to give them again from
         `queue_position`). Tensors are the live ones (detached): copy them before training on if you
-        keep them."""
+        keep them. A cell whose model is split over ranks (tensor or pipeline parallelism) is refused
+        (`CheckpointError`): its checkpoints are not done; data-parallel copies are the same as rank 0."""
+        self._refuse_split("checkpoints")
         with self._updating:
             return self._state_dict()
+
+    def _refuse_split(self, what: str) -> None:
+        if self.cell is not None and self.cell.megatron:
+            raise CheckpointError(
+                f"{what} of a cell whose model is split over ranks (tp {self.cell.cfg.tp}, pp "
+                f"{self.cell.cfg.pp}) are not done: each rank holds only its part"
+            )
 
     def _state_dict(self) -> TrainerState:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -462,7 +583,8 @@ class Core:
     def load_state_dict(self, state: TrainerState) -> None:
         """Resume from `state_dict()`'s output (same architecture and optimizer; CheckpointError if the
         layout differs; RuntimeError while any step is accepted), then publish the loaded weights as a
-        new snapshot."""
+        new snapshot (on a data-parallel cell, every copy gets the loaded weights and AdamW state)."""
+        self._refuse_split("checkpoints")
         if state["layout"] != self.layout.digest:
             raise CheckpointError(
                 f"parameter layout {state['layout']} differs from the model's {self.layout.digest}"
@@ -487,6 +609,7 @@ class Core:
                 "param_groups": sd["param_groups"],
             }
         )
+        self._cell.sync_state()
         self.republish()
 
     def save(self, path: Path) -> Path:
@@ -506,8 +629,7 @@ class Core:
             assert sync is not None
             sync.close()
         self._server.close()
-        self.publisher.close()
-        self._transport.close()
+        self._cell.close()
 
 
 def staleness(microbatches: Sequence[PackedBatch], version: int) -> Staleness:

@@ -363,12 +363,20 @@ def _buckets(items: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tup
 
 
 def engine_tensors(model: torch.nn.Module, model_cfg: Any) -> dict[str, torch.Tensor]:
-    """The core model's weights in the transformers layout engines load: the parameters themselves for
-    the transformers backend; converted with gyre-xfer's `megatron_to_hf` (via `gyre_train.megatron`)
-    for Megatron-core, cast back to the model's dtype."""
+    """A one-rank core model's weights in the transformers layout engines load: the parameters
+    themselves for the transformers backend; converted with gyre-xfer's `megatron_to_hf` for
+    Megatron-core, cast back to the model's dtype."""
+    whole = {n: p.data for n, p in model.named_parameters()}
     if getattr(model_cfg, "backend", "transformers") == "megatron":
-        from gyre_train import megatron
+        return megatron_hf(whole, model_cfg)
+    return whole
 
-        dtype = next(model.parameters()).dtype
-        return {k: torch.from_numpy(v).to(dtype) for k, v in megatron.hf_state_dict(model, model_cfg).items()}
-    return {n: p.data for n, p in model.named_parameters()}
+
+def megatron_hf(whole: dict[str, torch.Tensor], model_cfg: Any) -> dict[str, torch.Tensor]:
+    """A whole Megatron-core state dict (one-rank names) in the transformers layout, in its dtype."""
+    from gyre_xfer.convert import megatron_to_hf
+
+    dtype = next(iter(whole.values())).dtype
+    src = {k: v.detach().cpu().float().numpy() for k, v in whole.items()}
+    conv = megatron_to_hf(model_cfg.num_attention_heads, model_cfg.num_key_value_heads, model_cfg.head_dim)
+    return {k: torch.from_numpy(v).to(dtype) for k, v in conv(src).items()}

@@ -1,12 +1,17 @@
 """Megatron-core backend (extra `gyre-train[megatron]`): a GPTModel built with the local (non-
-TransformerEngine) layer spec in the Qwen3 shape of a `ModelConfig`, run on tree-packed micro-batches.
+TransformerEngine) layer spec in the Qwen3 shape of a `ModelConfig`, run on tree-packed micro-batches,
+in one process or split over a cell's ranks with Megatron's tensor and pipeline parallelism.
 
 Megatron's GPTModel computes rotary embeddings from the sequence index and ignores `position_ids`; tree
 packing needs them from tree depth, so `tree_target_logprobs` runs the model's own embedding, decoder and
 output layer with rotary frequencies gathered at each token's position id and the ancestor mask as a
-boolean attention mask (True = masked). Weights convert to the transformers layout with
-`gyre_xfer.convert.megatron_to_hf`. One process needs a gloo process group (and, on the CPU, two
-work-arounds; see `init_cpu`); tested on the CPU and on one H200 (`tests/test_megatron_cuda.py`).
+boolean attention mask (True = masked). With tensor parallelism the output layer's logits stay split
+over the vocabulary and log-probabilities come from Megatron's `vocab_parallel_cross_entropy`; with
+pipeline parallelism `pipeline_loss_backward` runs one micro-batch through the stages (Megatron's model
+partition and its `P2PCommunicator`; one micro-batch in flight, since a replica claims one at a time).
+Weights convert to the transformers layout with `gyre_xfer.convert.megatron_to_hf` (`mplayout.py`
+gathers them from the ranks first). One process needs a gloo process group (and, on the CPU, two
+work-arounds; see `init_cpu`); tested on the CPU (one and two ranks) and on one H200.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from gyre_train.modelconfig import ModelConfig
 with warnings.catch_warnings():  # megatron-core warns at import about optional TransformerEngine/Apex/absl
     warnings.simplefilter("ignore")
     try:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state, tensor_parallel
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer.transformer_config import TransformerConfig
     except ImportError as exc:  # pragma: no cover - exercised without the extra
@@ -65,7 +71,16 @@ def _rope_theta(mc: ModelConfig) -> float:
 
 def build_gpt(mc: ModelConfig) -> Any:
     """A GPTModel with the Qwen3 architecture of `mc` (RMSNorm, SwiGLU, GQA, q/k RMSNorm, RoPE with the
-    transformers config's theta, no biases), so its weights convert 1:1 to the transformers model."""
+    transformers config's theta, no biases), so its weights convert 1:1 to the transformers model; this
+    rank's part of it when the model-parallel groups are larger than one (its tensor-parallel shards of
+    its pipeline stage's layers)."""
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    if mc.tie_word_embeddings and not (first and last):
+        raise ValueError(
+            "tied embeddings with pipeline parallelism are not supported (the embedding and output layer "
+            "live on different stages and their gradients are not all-reduced here)"
+        )
     with warnings.catch_warnings():  # deprecation notes about defaults we do not use (CUDA graphs)
         warnings.simplefilter("ignore")
         cfg = _config(mc)
@@ -77,11 +92,18 @@ def build_gpt(mc: ModelConfig) -> Any:
             position_embedding_type="rope",
             rotary_base=int(_rope_theta(mc)),
             share_embeddings_and_output_weights=mc.tie_word_embeddings,
+            pre_process=first,
+            post_process=last,
         )
 
 
 def _config(mc: ModelConfig) -> Any:
+    dtype = getattr(torch, mc.dtype)
     return TransformerConfig(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=dtype,
+        batch_p2p_comm=False,  # plain isend/irecv: the batched path calls torch.cuda.synchronize()
         num_layers=mc.num_hidden_layers,
         hidden_size=mc.hidden_size,
         ffn_hidden_size=mc.intermediate_size,
@@ -98,7 +120,7 @@ def _config(mc: ModelConfig) -> Any:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
-        params_dtype=getattr(torch, mc.dtype),
+        params_dtype=dtype,
         bf16=mc.dtype == "bfloat16",
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
@@ -108,33 +130,107 @@ def _config(mc: ModelConfig) -> Any:
     )
 
 
-def tree_hidden(model: Any, tb: TorchBatch) -> torch.Tensor:
-    """Final hidden states [T, H] of a tree-packed batch: ancestor mask, RoPE at tree position ids."""
-    ids = tb.input_ids[None]
+def _tree_mask_and_rope(model: Any, tb: TorchBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ancestor mask [1, 1, T, T] (True = masked) and rotary embeddings at each token's tree position."""
     pos = tb.position_ids
-    emb = model.embedding(input_ids=ids, position_ids=pos[None])  # [T, 1, H]
     freqs = model.rotary_pos_emb(int(pos.max()) + 1)  # [P, 1, 1, D], one row per position
     rot = freqs.index_select(0, pos)  # the fix: rotary embedding from each token's position id
     n = pos.shape[0]
     idx = torch.arange(n, device=pos.device)
     allowed = (idx[None, :] <= idx[:, None]) & (idx[:, None] <= tb.last_desc[None, :])
-    hidden = model.decoder(hidden_states=emb, attention_mask=~allowed[None, None], rotary_pos_emb=rot)
-    return hidden[:, 0]
+    return ~allowed[None, None], rot
 
 
-def tree_target_logprobs(model: Any, tb: TorchBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probabilities [L] of the batch's loss targets (the Megatron twin of gyre-traj's target_logprobs)."""
-    h = tree_hidden(model, tb).index_select(0, tb.target_pos)
+def _stage_forward(model: Any, tb: TorchBatch, inputs: torch.Tensor | None) -> torch.Tensor:
+    """This pipeline stage's hidden states [T, 1, H]: from the embedding on the first stage, else from
+    `inputs` (the previous stage's output)."""
+    mask, rot = _tree_mask_and_rope(model, tb)
+    if inputs is None:
+        emb = model.embedding(input_ids=tb.input_ids[None], position_ids=tb.position_ids[None])  # [T, 1, H]
+    else:
+        model.set_input_tensor(inputs)
+        emb = inputs
+    return model.decoder(hidden_states=emb, attention_mask=mask, rotary_pos_emb=rot)
+
+
+def tree_hidden(model: Any, tb: TorchBatch) -> torch.Tensor:
+    """Final hidden states [T, H] of a tree-packed batch: ancestor mask, RoPE at tree position ids (a
+    model with every layer, i.e. no pipeline parallelism)."""
+    return _stage_forward(model, tb, None)[:, 0]
+
+
+def _logprobs(model: Any, hidden: torch.Tensor, tb: TorchBatch, temperature: float) -> torch.Tensor:
+    h = hidden.index_select(0, tb.target_pos)
     logits, _ = model.output_layer(
         h[:, None],
         weight=model.shared_embedding_or_output_weight()
         if model.share_embeddings_and_output_weights
         else None,
     )
-    logits = logits[:, 0].float()
+    logits = logits.float()  # [L, 1, V] (V / tp on each rank with tensor parallelism)
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(1, tb.target_ids[:, None])[:, 0]
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, tb.target_ids[:, None])[:, 0]
+    return torch.log_softmax(logits[:, 0], -1).gather(1, tb.target_ids[:, None])[:, 0]
+
+
+def tree_target_logprobs(model: Any, tb: TorchBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities [L] of the batch's loss targets (the Megatron twin of gyre-traj's target_logprobs),
+    on a model with every layer; with tensor parallelism every rank of the group calls it together."""
+    return _logprobs(model, tree_hidden(model, tb), tb, temperature)
+
+
+def pipeline_loss_backward(model: Any, tb: TorchBatch, loss_cfg: Any) -> dict[str, float]:
+    """One micro-batch through this rank's pipeline stage, forward then backward, every stage of the
+    group calling it together: the first stage embeds, each stage sends its output to the next
+    (Megatron's P2PCommunicator), the last computes gyre-traj's policy loss and starts the backward pass,
+    and each stage sends the gradient of its input back. Returns the loss metrics on the last stage, {}
+    elsewhere. Without pipeline parallelism it is the plain forward and backward."""
+    from gyre_traj.loss import policy_loss
+
+    first = parallel_state.is_pipeline_first_stage()
+    last = parallel_state.is_pipeline_last_stage()
+    comm = None
+    if not (first and last):
+        comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), model.config)
+    shape = (int(tb.input_ids.shape[0]), 1, model.config.hidden_size)
+    inputs = None if first else comm.recv_forward(shape, is_first_stage=False)  # type: ignore[union-attr]
+    hidden = _stage_forward(model, tb, inputs)
+    metrics: dict[str, float] = {}
+    if last:
+        loss, metrics = policy_loss(_logprobs(model, hidden[:, 0], tb, loss_cfg.temperature), tb, loss_cfg)
+        loss.backward()
+    else:
+        assert comm is not None
+        comm.send_forward(hidden, is_last_stage=False)
+        grad = comm.recv_backward(shape, is_last_stage=False)
+        torch.autograd.backward(hidden, grad_tensors=grad)
+    if not first:
+        assert comm is not None and inputs is not None
+        comm.send_backward(inputs.grad, is_first_stage=False)
+    return metrics
+
+
+def finalize_grads(model: Any) -> None:
+    """What Megatron's `finalize_model_grads` does for this model, on gradients already in `.grad`:
+    sum the q/k layernorm gradients over the tensor-parallel group (each rank saw only its heads)."""
+    if parallel_state.get_tensor_model_parallel_world_size() <= 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for name, p in model.named_parameters():
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+            torch.distributed.all_reduce(p.grad, group=group)
+
+
+def grad_norm_sq(model: Any) -> torch.Tensor:
+    """Sum of squared gradients of this rank's parameters, counting a parameter that every tensor-parallel
+    rank holds (layer norms) once, in float64; sum it over the model-parallel group for the norm."""
+    total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
+    for p in model.parameters():
+        if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.detach().double().pow(2).sum()
+    return total
 
 
 def hf_state_dict(model: Any, mc: ModelConfig) -> dict[str, Any]:

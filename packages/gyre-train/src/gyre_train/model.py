@@ -3,9 +3,10 @@ gradient as a flat float32 array.
 
 `micro_gradient` is the only place a replica computes: zero the grads, run gyre-traj's `target_logprobs`
 and `policy_loss` on one tree-packed micro-batch, backward, and copy the gradients into one contiguous
-float32 vector in `Layout` order (a tensor on any device: the core keeps it on its own device, a
-satellite on a GPU copies it straight into pinned host memory). The core sums those vectors in micro-batch order, so who computed
-which micro-batch cannot change the result.
+vector in `Layout` order, float32 or the wire dtype (a tensor on any device: the core keeps it on its
+own device, a satellite on a GPU copies it straight into its page-locked gradient staging, rounding to
+bf16 on the way if that is the wire dtype). The core sums those vectors in micro-batch order, so who
+computed which micro-batch cannot change the result.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def micro_gradient(
     out: torch.Tensor | None = None,
     chunk_budget: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Flat float32 gradient of one micro-batch's weighted policy loss (written into `out` if given: a
-    float32 vector of `layout.numel` on any device, e.g. pinned host memory), and its metrics. With
+    """Flat gradient of one micro-batch's weighted policy loss (written into `out` if given: a float32 or
+    bfloat16 vector of `layout.numel` on any device, e.g. pinned host memory; a new float32 one if not),
+    and its metrics. With
     `chunk_budget`, a micro-batch larger than it is trained in chunks (`gyre_train.chunked`: shared
     prefix forwarded once, activation memory of one chunk); transformers backend only."""
     t0 = time.perf_counter()
@@ -104,9 +106,9 @@ def micro_gradient(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     flat = out if out is not None else torch.empty(layout.numel, dtype=torch.float32)
-    if flat.shape != (layout.numel,) or flat.dtype != torch.float32:
+    if flat.shape != (layout.numel,) or flat.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"out must be float32 of shape ({layout.numel},), got {flat.dtype} {tuple(flat.shape)}"
+            f"out must be float32 or bfloat16 of shape ({layout.numel},), got {flat.dtype} {tuple(flat.shape)}"
         )
     ps = dict(model.named_parameters())
     t1 = time.perf_counter()
@@ -115,7 +117,7 @@ def micro_gradient(
         k = int(np.prod(shape, dtype=np.int64))
         if g is None:
             flat[off : off + k].zero_()
-        else:  # async into pinned memory; the dtype conversion (bf16 -> f32) is exact
+        else:  # async into pinned memory; bf16 -> f32 is exact, f32 -> bf16 rounds to nearest even
             flat[off : off + k].copy_(g.detach().reshape(-1), non_blocking=True)
     if device.type == "cuda" or flat.device.type == "cuda":
         torch.cuda.synchronize(device if device.type == "cuda" else flat.device)
@@ -151,15 +153,11 @@ def _loss_backward(
 
         return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
     tb = TorchBatch.from_packed(batch, device=device)
-    entropy = None
-    if megatron:
-        from gyre_train.megatron import tree_target_logprobs
+    if megatron:  # this rank's part: its tensor-parallel shards, its pipeline stage
+        from gyre_train.megatron import pipeline_loss_backward
 
-        lp = tree_target_logprobs(model, tb, temperature=loss_cfg.temperature)
-    else:
-        lp, entropy = target_logprobs_entropy(
-            model, tb, attention=attention, temperature=loss_cfg.temperature
-        )
+        return pipeline_loss_backward(model, tb, loss_cfg)
+    lp, entropy = target_logprobs_entropy(model, tb, attention=attention, temperature=loss_cfg.temperature)
     loss, metrics = policy_loss(lp, tb, loss_cfg, entropy)
     loss.backward()
     return metrics

@@ -1,9 +1,12 @@
 """Messages between the trainer core and its satellites (ZeroMQ DEALER -> core ROUTER, msgspec).
 
 Every request is one tagged, frozen struct in the first frame, decoded by one typed decoder over the
-`Request` union; every reply likewise over `Reply`. Arrays (a micro-batch's token and loss arrays, a
-gradient) follow as raw buffer frames described by `ArraySpec`s in the header, never pickled. `Hello`
-carries `PROTOCOL`; a mismatch is refused with an `ErrorReply`.
+`Request` union; every reply likewise over `Reply`. A micro-batch's token and loss arrays follow as raw
+buffer frames described by `ArraySpec`s in the header, never pickled. A gradient never crosses ZeroMQ:
+the `Gradient` header names, per rank, the gyre-xfer region and buckets it lies in (`GradShard`), and the
+core reads them over Mooncake or shared memory. `Hello` carries `PROTOCOL`; a mismatch is refused with an
+`ErrorReply`. At the end: the messages rank 0 of a multi-rank cell sends its other ranks (`CellCommand`,
+answered by `RankReply`), which never leave the cell.
 """
 
 from __future__ import annotations
@@ -11,8 +14,11 @@ from __future__ import annotations
 import enum
 
 import msgspec
+from gyre_xfer.protocol import RegionDesc
 
-PROTOCOL = 2
+PROTOCOL = 3
+"""3: gradients through gyre-xfer (`Gradient.shards`), cell shapes in `Hello`/`Welcome`; 2: the shared-memory
+gradient buffer (gone); 1: first release."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -21,7 +27,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_REPLICA = 2
     """A request from a replica that never said hello (or was declared dead)."""
     BAD_GRADIENT = 4
-    """A gradient whose frames do not match its header."""
+    """A gradient header that does not describe this core's shards (ranks, dtype, sizes, buckets)."""
     BAD_REQUEST = 5
     """A request that decoded but could not be served (the core logged why and carries on)."""
 
@@ -51,12 +57,49 @@ class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
     shape: tuple[int, ...]
 
 
+class CellShape(msgspec.Struct, frozen=True, array_like=True):
+    """How a cell's ranks split the model: tensor x pipeline x data parallel (world = tp * pp * dp). A
+    satellite cell must have its core's shape: its rank r hands its gradient shard to core rank r."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+class Bucket(msgspec.Struct, frozen=True, array_like=True):
+    """Elements [offset, offset + numel) of a rank's gradient shard, moved as one transfer."""
+
+    offset: int
+    numel: int
+
+
+class GradShard(msgspec.Struct, frozen=True, array_like=True):
+    """Where one rank's shard of a micro-batch gradient lies, for the core rank of the same number to
+    read: `numel` elements of `dtype` (the wire dtype) at byte `offset` of the sender's gyre-xfer region
+    `region`, reached at `endpoint` (a Mooncake segment name, or the shared-memory host tag), in
+    `buckets` that tile [0, numel) in order."""
+
+    rank: int
+    endpoint: str
+    region: RegionDesc
+    offset: int
+    dtype: str
+    numel: int
+    buckets: tuple[Bucket, ...]
+
+
 # ---- requests (satellite -> core) -------------------------------------------------------------------
 
 
 class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     protocol: int
     replica: str
+    cell: CellShape = CellShape()
+    """The satellite cell's shape; it must be the core's."""
 
 
 class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
@@ -65,29 +108,21 @@ class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
     replica: str
     version: int
     """Weight version the replica holds now (-1 before its first snapshot pull)."""
+    hold: bool = True
+    """Long-poll when there is no work; False: answer `Idle` at once (a data-parallel cell filling the
+    rest of a round)."""
 
 
 class Gradient(msgspec.Struct, frozen=True, array_like=True, tag="grad"):
-    """Followed by one raw frame: the flat float32 gradient in the core's parameter order; or by no frame
-    when `shm` is set: the gradient is in the satellite's shared-memory gradient buffer (`GradientBuffer`)."""
+    """A micro-batch's gradient is ready: `shards[r]` says where rank r's shard lies (one per rank of the
+    cell). No frames follow; the satellite leaves the regions untouched until the reply."""
 
     replica: str
     batch: int
     index: int
     version: int
-    numel: int
+    shards: tuple[GradShard, ...]
     metrics: dict[str, float] = {}
-    shm: bool = False
-    """The gradient is in the registered shared-memory buffer; the satellite leaves it alone until the Ack."""
-
-
-class GradientBuffer(msgspec.Struct, frozen=True, array_like=True, tag="gradbuf"):
-    """Sent once at start by a satellite on the core's host: its gradients will be handed over in this
-    shared-memory segment (`numel` float32), which the core maps (and page-locks) now, not at a join."""
-
-    replica: str
-    shm_name: str
-    numel: int
 
 
 class Heartbeat(msgspec.Struct, frozen=True, array_like=True, tag="beat"):
@@ -169,7 +204,6 @@ Request = (
     | Dismiss
     | Status
     | Submit
-    | GradientBuffer
     | OpenStep
     | AddMicrobatches
     | CloseStep
@@ -193,6 +227,14 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
     attention: str = "dense"
     chunk_budget: int = 0
     """Train micro-batches larger than this in chunks (0 = off), as the core does."""
+    cell: CellShape = CellShape()
+    """The core cell's shape (a satellite must have the same)."""
+    publishers: tuple[str, ...] = ()
+    """Per rank r, the gyre-xfer publisher of core rank r's weights (satellite rank r pulls from it)."""
+    wire_dtype: str = "float32"
+    """The dtype gradients are handed over in ("float32" or "bfloat16")."""
+    bucket_bytes: int = 64 << 20
+    """Largest bucket of a gradient shard (one transfer)."""
 
 
 class Assign(msgspec.Struct, frozen=True, array_like=True, tag="assign"):
@@ -283,3 +325,142 @@ def request_decoder() -> msgspec.msgpack.Decoder[Request]:
 def reply_decoder() -> msgspec.msgpack.Decoder[Reply]:
     """Typed decoder over every reply; build one per socket-owning thread and reuse it."""
     return msgspec.msgpack.Decoder(Reply)
+
+
+# ---- inside a cell (rank 0 -> its other ranks, over the in-cell ZeroMQ link; `cellctl.py`) ------------
+
+
+class RankSetup(msgspec.Struct, frozen=True, array_like=True, tag="setup"):
+    """What every rank builds: the role's model, gradient hand-off and weights (sent once, at start)."""
+
+    role: str
+    """"core" or "satellite"."""
+    model_config: str
+    """JSON of the `ModelConfig`."""
+    loss: str
+    """JSON of the gyre-traj `LossConfig`."""
+    attention: str
+    chunk_budget: int
+    device: str
+    """"cpu" or "cuda" (rank r uses cuda:LOCAL_RANK)."""
+    transport: str
+    wire_dtype: str
+    bucket_bytes: int
+    optim: str = ""
+    """Core: JSON of the `OptimConfig`."""
+    publishers: tuple[str, ...] = ()
+    """Satellite: core rank r's publisher, for each rank r."""
+    verify_checksums: bool = False
+    transfer_timeout_s: float = 30.0
+
+
+class RoundItem(msgspec.Struct, frozen=True, array_like=True):
+    """One micro-batch of a round: computed by data-parallel group `dp`; its arrays follow as frames."""
+
+    dp: int
+    index: int
+    arrays: tuple[ArraySpec, ...]
+
+
+class Compute(msgspec.Struct, frozen=True, array_like=True, tag="compute"):
+    """Compute a round of micro-batches (at most one per data-parallel group) of step `batch`; a core
+    rank adds its shard of each into its sum, a satellite rank stages it (slot = position in `items`)."""
+
+    batch: int
+    items: tuple[RoundItem, ...]
+
+
+class Fetch(msgspec.Struct, frozen=True, array_like=True, tag="fetch"):
+    """Core ranks: read this rank's shard of a satellite's gradient and add it into the sum."""
+
+    batch: int
+    index: int
+    shard: GradShard
+    seq: int = 0
+    """Echoed in the reply (a reply to an earlier fetch that timed out is told apart)."""
+
+
+class Pull(msgspec.Struct, frozen=True, array_like=True, tag="pull"):
+    """Satellite ranks: pull snapshot `snapshot` (-1: the newest) of the matching core rank."""
+
+    snapshot: int
+
+
+class Apply(msgspec.Struct, frozen=True, array_like=True, tag="apply"):
+    """Core ranks: divide the sum of step `batch`'s `n` micro-batches by `executions` and step AdamW."""
+
+    batch: int
+    n: int
+    executions: int
+
+
+class Publish(msgspec.Struct, frozen=True, array_like=True, tag="publish"):
+    """Core ranks: publish this rank's weights as a new gyre-xfer snapshot."""
+
+
+class SyncWeights(msgspec.Struct, frozen=True, array_like=True, tag="sync"):
+    """Copy the weights of data-parallel index 0 to every data-parallel copy."""
+
+
+class Gather(msgspec.Struct, frozen=True, array_like=True, tag="gather"):
+    """Bring every rank's weights (`what` = "weights") or last summed gradient (`what` = "gradient")
+    to rank 0 as whole tensors."""
+
+    what: str
+    batch: int = -1
+    n: int = 0
+
+
+class LoadWeights(msgspec.Struct, frozen=True, array_like=True, tag="load"):
+    """Take this rank's part of the whole weights rank 0 broadcasts next (one-rank layout)."""
+
+
+class Stop(msgspec.Struct, frozen=True, array_like=True, tag="stop"):
+    """The cell is closing: the rank tears down and exits."""
+
+
+CellCommand = RankSetup | Compute | Fetch | Pull | Apply | Publish | SyncWeights | Gather | LoadWeights | Stop
+
+
+class RankFailure(enum.IntEnum):
+    NONE = 0
+    BAD_SHARD = 1
+    """A `Fetch` whose shard does not fit this rank's (`handoff.BadShardError`)."""
+    TRANSFER = 2
+    """A `Fetch` whose transfer failed (`handoff.ShardTransferError`)."""
+    FAILED = 3
+    """Anything else (the rank logged the traceback)."""
+
+
+class RankReply(msgspec.Struct, frozen=True, array_like=True, tag="rank_reply"):
+    """A rank's answer to one command."""
+
+    rank: int
+    failure: RankFailure = RankFailure.NONE
+    error: str = ""
+    metrics: tuple[dict[str, float], ...] = ()
+    """Compute: per item, the loss metrics (from the rank that computed the loss; {} elsewhere)."""
+    shards: tuple[GradShard, ...] = ()
+    """Compute on a satellite: per item, where this rank's shard is staged."""
+    publisher: str = ""
+    """Setup on a core: this rank's publisher address."""
+    version: int = -1
+    """Publish: the snapshot version; Pull: the version pulled."""
+    value: float = 0.0
+    """Apply: the gradient norm; Pull: seconds."""
+    seq: int = 0
+    """Fetch: the command's `seq`."""
+
+
+class RankHello(msgspec.Struct, frozen=True, array_like=True, tag="rank_hello"):
+    """A follower's first message on each in-cell channel (so rank 0 can address it)."""
+
+    rank: int
+
+
+def cell_command_decoder() -> msgspec.msgpack.Decoder[CellCommand]:
+    return msgspec.msgpack.Decoder(CellCommand)
+
+
+def rank_reply_decoder() -> msgspec.msgpack.Decoder[RankReply | RankHello]:
+    return msgspec.msgpack.Decoder(RankReply | RankHello)

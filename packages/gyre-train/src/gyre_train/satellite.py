@@ -1,11 +1,16 @@
 """A satellite replica: weights only, no optimizer. Started once, it says hello to the core, builds the
-model, allocates everything a join needs (page-locked snapshot staging, the gradient buffer: a
-shared-memory segment the core maps at once when both are on one host), pulls the current snapshot and
-computes warm-up micro-batches (kernels compiled, memory allocated), and only then long-polls for work.
-When the core admits it, each assignment names the weight version to compute at; the satellite pulls that
-gyre-xfer snapshot into its staging and copies it into the parameters (one host-to-device copy per tensor
-on a GPU), computes, and hands the flat float32 gradient over: in the shared-memory buffer on one host,
-else as one raw ZeroMQ frame.
+model, allocates everything a join needs (page-locked snapshot staging, the gradient staging region
+registered with its gyre-xfer transport), pulls the current snapshot and computes warm-up micro-batches
+(kernels compiled, memory allocated), and only then long-polls for work. When the core admits it, each
+assignment names the weight version to compute at; the satellite pulls that gyre-xfer snapshot into its
+staging and copies it into the parameters (one host-to-device copy per tensor on a GPU), computes the
+gradient straight into its gradient staging in the core's wire dtype, and sends a `Gradient` header
+naming the buckets; the core reads them over gyre-xfer (Mooncake, or shared memory on one host) and acks.
+
+A satellite may be a multi-rank cell of the core's shape (`cell.py`): the `Satellite` is rank 0's, it
+claims one micro-batch per data-parallel copy for each round, every rank pulls the snapshot of the
+matching core rank and computes its part (`satcell.py`; the other ranks run `follower.follow`), and the
+header names each rank's slice for the core rank of the same number.
 
 Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
 A heartbeat thread (its own socket) keeps the core from declaring a busy satellite dead.
@@ -21,45 +26,36 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
-import torch
 import zmq
 from gyre_traj.loss import LossConfig
 from gyre_xfer.sockets import make_socket
-from gyre_xfer.subscriber import Subscriber, SubscriberConfig
-from gyre_xfer.transport import Config as XferConfig
-from gyre_xfer.transport import open_transport
 
-from gyre_train import hostmem
-from gyre_train.model import Attention, Layout, ModelConfig, build_model, micro_gradient, params
+from gyre_train.cell import Cell
+from gyre_train.claimqueue import Assignment
+from gyre_train.model import Attention, ModelConfig, build_model
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
     Assign,
+    CellShape,
     Claim,
     ErrorCode,
     ErrorReply,
     Goodbye,
     Gradient,
-    GradientBuffer,
     Heartbeat,
     Hello,
     Idle,
+    RankSetup,
     Reply,
     Shutdown,
     Welcome,
     reply_decoder,
 )
+from gyre_train.satcell import SatCell
+from gyre_train.satrank import SatelliteRank, SatWork, SnapshotMismatchError
 from gyre_train.threads import start_thread
-from gyre_train.wire import from_frames, microbatch_from_arrays
-
-
-def _shm_free() -> int:
-    """Bytes free under /dev/shm (a segment larger than that would fault when touched)."""
-    from gyre_xfer.shm import SHM_DIR
-
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+from gyre_train.wire import from_frames, microbatch_arrays, microbatch_from_arrays, to_frames
 
 
 class CoreGoneError(RuntimeError):
@@ -83,9 +79,6 @@ class SatelliteConfig:
     """Synthetic micro-batches (of different lengths) computed at start, before the first claim, so that
     kernels are compiled (FlexAttention) and memory allocated before any join. None = 2 on a GPU, 0 on
     the CPU."""
-    shm_gradients: bool = True
-    """On the core's host (snapshots over shared memory), hand gradients over in a shared-memory buffer
-    the core maps at start; False: always as a ZeroMQ frame."""
     verify_shm_checksums: bool = False
     """crc32 every tensor of a snapshot pulled over same-host shared memory (a memcpy between mappings;
     the crc costs about 0.6 s per GB of CPU). Pulls over Mooncake (TCP/RDMA) are always verified."""
@@ -99,16 +92,28 @@ class SatelliteConfig:
 
 
 class Satellite:
-    def __init__(self, cfg: SatelliteConfig) -> None:
+    def __init__(self, cfg: SatelliteConfig, cell: Cell | None = None) -> None:
+        """`cell`: a multi-rank satellite (this is its rank 0; the other ranks run
+        `follower.follow(cell)` and build their parts when this constructor tells them to)."""
+        if cell is not None and cell.rank != 0:
+            raise ValueError(
+                f"the Satellite runs on rank 0 of its cell; rank {cell.rank} runs follower.follow(cell)"
+            )
         self.cfg = cfg
+        self.cell = cell
+        self.shape = cell.cfg.shape if cell is not None else CellShape()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER)
         self._sock.connect(cfg.core)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = reply_decoder()
-        w = self._request(Hello(PROTOCOL, cfg.name), timeout_s=cfg.hello_timeout_s)
+        w = self._request(Hello(PROTOCOL, cfg.name, self.shape), timeout_s=cfg.hello_timeout_s)
         if not isinstance(w, Welcome):
             raise CoreGoneError(f"core refused hello: {w}")
+        if w.cell != self.shape or len(w.publishers) != self.shape.world:
+            raise CoreGoneError(
+                f"core cell {w.cell} with {len(w.publishers)} publishers; this cell is {self.shape}"
+            )
         self.welcome = w
         self._stop = threading.Event()
         self._beat = start_thread(self._heartbeat, "gyre-train-heartbeat")  # its death ends the process
@@ -117,45 +122,49 @@ class Satellite:
         if w.attention not in ("dense", "flex"):
             raise CoreGoneError(f"core asks for unknown attention {w.attention!r}")
         self.attention: Attention = "flex" if w.attention == "flex" else "dense"
-        self.model = build_model(self.model_cfg, self.attention, cfg.device)
-        self.layout = Layout.of(self.model)
-        self._transport = open_transport(XferConfig(kind=w.transport))
+        device = str(cell.device(cfg.device)) if cell is not None else cfg.device
+        self.model = build_model(self.model_cfg, self.attention, device)
         verify = w.transport != "shm" or cfg.verify_shm_checksums
-        self._sub = Subscriber(
-            self._transport, SubscriberConfig(publisher=w.publisher, verify_checksums=verify)
+        work = SatWork(
+            self.loss,
+            self.attention,
+            w.chunk_budget,
+            w.transport,
+            w.wire_dtype,
+            w.bucket_bytes,
+            w.publishers[0],
+            verify,
         )
+        rank0 = SatelliteRank(self.model, work, cell)
+        setup = RankSetup(
+            "satellite",
+            w.model_config,
+            w.loss,
+            w.attention,
+            w.chunk_budget,
+            rank0.device.type,
+            w.transport,
+            w.wire_dtype,
+            w.bucket_bytes,
+            publishers=w.publishers,
+            verify_checksums=verify,
+        )
+        try:
+            self._cell = SatCell(rank0, cell, setup if cell is not None else None)
+        except BaseException:
+            rank0.close()
+            raise
+        self.layout = rank0.layout
         self.version = -1
-        self.snapshot = -1
         self.claims = 0
         self.rejoins = 0
-        ps = params(self.model)
-        cuda = any(p.device.type == "cuda" for p in ps.values())
-        # Page-locked staging for snapshot pulls, allocated once: a pull is a memcpy into it plus one
-        # asynchronous host-to-device copy per tensor.
-        self._staging: dict[str, torch.Tensor] | None = (
-            {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in ps.items()} if cuda else None
-        )
-        # The gradient buffer: on the core's host a shared-memory segment the core reads the gradient from
-        # (registered with the core now, so a join maps nothing); elsewhere host memory sent as a frame.
-        self._grad_pinned = False
-        self._grad_region = None
-        if cfg.shm_gradients and w.transport == "shm" and _shm_free() > 4 * self.layout.numel + (1 << 30):
-            self._grad_region = self._transport.alloc(4 * self.layout.numel)
-            arr = self._grad_region.array
-            assert arr is not None
-            self._grad = torch.from_numpy(arr.view(np.float32)[: self.layout.numel])
-            self._grad_pinned = cuda and hostmem.pin(self._grad)
-            buf = GradientBuffer(cfg.name, self._grad_region.desc.shm_name, self.layout.numel)
-            ack = self._request(buf)
-            while isinstance(ack, ErrorReply):  # presumed dead while building the model: hello again
-                if not self._rejoin():
-                    raise CoreGoneError("the core shut down while this satellite started")
-                ack = self._request(buf)
-            if not isinstance(ack, Ack) or not ack.accepted:
-                raise CoreGoneError(f"core refused the gradient buffer: {ack}")
-        else:
-            self._grad = torch.empty(self.layout.numel, dtype=torch.float32, pin_memory=cuda)
+        cuda = rank0.device.type == "cuda"
         self.warmup_s = self._warm_up(cfg.warmup if cfg.warmup is not None else (2 if cuda else 0))
+
+    @property
+    def snapshot(self) -> int:
+        """The snapshot the weights come from (-1 before the first pull)."""
+        return self._cell.rank0.snapshot
 
     def _request(
         self, req: Any, frames: list[Any] | None = None, timeout_s: float | None = None
@@ -167,7 +176,7 @@ class Satellite:
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
-            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient | GradientBuffer):
+            if rep.code == ErrorCode.UNKNOWN_REPLICA and isinstance(req, Claim | Gradient):
                 return rep  # the core presumed us dead while we were silent: say hello again
             raise CoreGoneError(f"core error {rep.code.name}: {rep.message}")
         if isinstance(rep, Assign):
@@ -188,8 +197,8 @@ class Satellite:
 
     def _warm_up(self, n: int) -> float:
         """At start, not at a join: pull the current snapshot (maps the publisher's segment, registers the
-        staging) and compute `n` synthetic micro-batches of different lengths (compiles the attention
-        kernels for dynamic shapes, fills the allocator). Their gradients are thrown away."""
+        staging) and compute `n` rounds of synthetic micro-batches of different lengths (compiles the
+        attention kernels for dynamic shapes, fills the allocator). Their gradients are thrown away."""
         if n <= 0:
             return 0.0
         from gyre_train.data import synthetic_minibatch
@@ -197,28 +206,21 @@ class Satellite:
         t0 = time.perf_counter()
         self.pull(-1)
         for k in range(n):
-            mb = synthetic_minibatch(1, seed=1000 + k, token_budget=1 << 14)[0]  # lengths differ by seed
-            micro_gradient(
-                self.model, self.layout, mb, self.loss, self.attention, self._grad, self.welcome.chunk_budget
-            )
+            fake = []
+            for j in range(self.shape.dp):  # lengths differ by seed
+                mb = synthetic_minibatch(1, seed=1000 + k * self.shape.dp + j, token_budget=1 << 14)[0]
+                specs, frames = to_frames(microbatch_arrays(mb))
+                fake.append(Assignment(-1, j, -1, -1, mb, specs, frames))
+            self._cell.compute(fake)
         return time.perf_counter() - t0
 
     def pull(self, snapshot: int) -> float:
-        """Pull snapshot `snapshot` (-1: the newest) into the parameters; returns the seconds taken."""
-        t0 = time.perf_counter()
-        ps = params(self.model)
-        if self._staging is None:
-            snap = self._sub.pull(min_version=max(snapshot, 0), into=ps)  # straight into the parameters
-        else:  # accelerator: into page-locked staging (allocated at start), then one copy per tensor
-            snap = self._sub.pull(min_version=max(snapshot, 0), into=self._staging)
-            with torch.no_grad():
-                for n, p in ps.items():
-                    p.copy_(self._staging[n], non_blocking=True)
-            torch.cuda.synchronize()
-        if snapshot >= 0 and snap.version != snapshot:
-            raise CoreGoneError(f"asked for snapshot {snapshot}, the publisher served {snap.version}")
-        self.snapshot = snap.version
-        return time.perf_counter() - t0
+        """Every rank pulls snapshot `snapshot` (-1: the newest) of its core rank into its parameters;
+        returns the seconds taken (the slowest rank's)."""
+        try:
+            return self._cell.pull(snapshot)
+        except SnapshotMismatchError as exc:
+            raise CoreGoneError(str(exc)) from exc
 
     def _rejoin(self) -> bool:
         """Say hello again after the core presumed us dead; False if the core is shutting down."""
@@ -230,13 +232,29 @@ class Satellite:
         self.rejoins += 1
         return True
 
+    def _claim_round(self) -> list[Assignment] | Reply:
+        """Claim one micro-batch (long poll), then up to one more per other data-parallel copy without
+        waiting; or the reply that ended the claim (Shutdown, Idle, ErrorReply)."""
+        out: list[Assignment] = []
+        while len(out) < self.shape.dp:
+            got = self._request(Claim(self.cfg.name, self.version, hold=not out))
+            if not isinstance(got, tuple):
+                if out and isinstance(got, Idle):
+                    break
+                return got
+            a, frames = got
+            assert isinstance(a, Assign)
+            mb = microbatch_from_arrays(from_frames(a.arrays, frames))
+            out.append(Assignment(a.batch, a.index, a.version, a.snapshot, mb, a.arrays, frames))
+        return out
+
     def run(self) -> int:
         """Serve until the core says Shutdown (or `idle_exit_s` passes without work); returns the number
         of micro-batches computed."""
         done = 0
         idle_since = time.monotonic()
         while True:
-            got = self._request(Claim(self.cfg.name, self.version))
+            got = self._claim_round()
             if isinstance(got, Shutdown):
                 break
             if isinstance(got, ErrorReply):  # presumed dead: register again (same process, same model)
@@ -248,50 +266,41 @@ class Satellite:
                     self._request(Goodbye(self.cfg.name))
                     break
                 continue
-            if not isinstance(got, tuple):
+            if not isinstance(got, list):
                 raise CoreGoneError(f"unexpected reply {got}")
-            a, frames = got
-            assert isinstance(a, Assign)
-            self.claims += 1
+            self.claims += len(got)
             if self.cfg.crash_after_claims and self.claims >= self.cfg.crash_after_claims:
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.cfg.vanish_after_claims and self.claims >= self.cfg.vanish_after_claims:
                 self._stop.set()  # the heartbeat thread ends: the core will presume this replica dead
                 return done
-            pull_s = 0.0
-            if self.snapshot != a.snapshot:
-                pull_s = self.pull(a.snapshot)
-            self.version = a.version
-            batch = microbatch_from_arrays(from_frames(a.arrays, frames))
-            grad, metrics = micro_gradient(
-                self.model,
-                self.layout,
-                batch,
-                self.loss,
-                self.attention,
-                self._grad,
-                chunk_budget=self.welcome.chunk_budget,
-            )
-            metrics["pull_s"] = pull_s
-            shm = self._grad_region is not None
-            g = Gradient(self.cfg.name, a.batch, a.index, a.version, self.layout.numel, metrics, shm)
-            ack = self._request(g, None if shm else [memoryview(grad.numpy()).cast("B")])
-            if isinstance(ack, ErrorReply):  # presumed dead while computing: the claim was re-queued
-                if not self._rejoin():
-                    break
-                continue
-            if not isinstance(ack, Ack):
-                raise CoreGoneError(f"expected an ack, got {ack}")
-            done += 1
+            accepted = self._compute_and_hand_over(got)
+            if accepted < 0:  # presumed dead while computing and the core is shutting down
+                break
+            done += accepted
             idle_since = time.monotonic()
         return done
+
+    def _compute_and_hand_over(self, round_: list[Assignment]) -> int:
+        """Compute a round and send each gradient's header; the number the core accepted (-1: the core
+        is shutting down)."""
+        a0 = round_[0]
+        pull_s = self.pull(a0.snapshot) if self.snapshot != a0.snapshot else 0.0
+        self.version = a0.version
+        accepted = 0
+        for a, (metrics, shards) in zip(round_, self._cell.compute(round_), strict=True):
+            metrics["pull_s"] = pull_s
+            ack = self._request(Gradient(self.cfg.name, a.batch, a.index, a.version, shards, metrics))
+            if isinstance(ack, ErrorReply):  # presumed dead while computing: the claims were re-queued
+                return accepted if self._rejoin() else -1
+            if not isinstance(ack, Ack):
+                raise CoreGoneError(f"expected an ack, got {ack}")
+            accepted += int(ack.accepted)  # refused: another step by now, or the transfer failed (re-queued)
+        return accepted
 
     def close(self) -> None:
         self._stop.set()
         self._beat.join(timeout=5.0)
-        self._sub.close()
-        if self._grad_pinned:
-            hostmem.unpin(self._grad)
-        self._transport.close()
+        self._cell.close()
         self._sock.close()
         self._ctx.term()

@@ -2,10 +2,12 @@
 
 Satellites say hello when their process starts and then long-poll with `Claim`; the server answers with
 a micro-batch only while the satellite is admitted and the claim queue has work, else holds the claim up
-to `idle_hold_s` and answers `Idle`. It knows the core only through the `ClaimQueue` (claims, gradients,
-submitted mini-batches, the trainer's position) and the `Welcome` it hands every satellite. Gradients arrive as one raw float32 frame. A satellite that sends
-nothing (no claim, gradient or heartbeat) for `dead_after_s` is declared dead and its claims go back to
-the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
+to `idle_hold_s` and answers `Idle`. It knows the core only through the `ClaimQueue` (claims, submitted
+mini-batches, the trainer's position), the `Welcome` it hands every satellite and a gradient sink: a
+`Gradient` header names where each rank's shard lies, the sink reads every shard through gyre-xfer into
+the matching core rank's sum, and only then is the micro-batch delivered and the satellite acked (a
+transfer that fails re-queues the claim). A satellite that sends nothing (no claim, gradient or
+heartbeat) for `dead_after_s` is declared dead and its claims go back to the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
 groups are created or torn down.
 
 The server survives any frame sequence from any peer: a request that cannot be decoded or served is
@@ -16,24 +18,20 @@ Should the serving thread die anyway, the process exits loudly (`threads.start_t
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
-import torch
 import zmq
 from gyre_traj.pack import PackedBatch
-from gyre_xfer.shm import SHM_DIR
 from gyre_xfer.sockets import check_bind, make_socket
 
-from gyre_train import hostmem
 from gyre_train.claimqueue import ClaimQueue
 from gyre_train.claims import ClaimError
+from gyre_train.handoff import BadShardError, ShardTransferError
 from gyre_train.protocol import (
     PROTOCOL,
     Ack,
@@ -48,7 +46,6 @@ from gyre_train.protocol import (
     ErrorReply,
     Goodbye,
     Gradient,
-    GradientBuffer,
     Heartbeat,
     Hello,
     Idle,
@@ -94,29 +91,30 @@ class _Replica:
     gradients: int = 0
     last_pull_s: float = 0.0
     last_compute_s: float = 0.0
+    last_handoff_s: float = 0.0
+    """The core's read of its last gradient's shards into the sums (seconds)."""
 
 
-_SEGMENT = re.compile(r"gyre-\d+-[0-9a-f]+-\d+")
+GradientSink = Callable[[Gradient], None]
+"""Reads every rank's shard of a satellite's gradient into the matching core rank's sum; raises
+`handoff.BadShardError` (the header does not fit) or `handoff.ShardTransferError` (the transfer failed)."""
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     bind: str
     """ROUTER address (loopback unless you mean otherwise)."""
-    numel: int
-    """Flat gradient length (the core's parameter layout)."""
     admit_on_hello: bool = False
     dead_after_s: float = 5.0
     idle_hold_s: float = 1.0
-    pin_gradient_buffers: bool = False
-    """Page-lock satellites' shared-memory gradient buffers (the core's gradient sum is on a GPU)."""
 
 
 class ReplicaServer:
-    def __init__(self, cfg: ServerConfig, queue: ClaimQueue, welcome: Welcome) -> None:
+    def __init__(self, cfg: ServerConfig, queue: ClaimQueue, welcome: Welcome, receive: GradientSink) -> None:
         self.cfg = cfg
         self.queue = queue
         self.welcome = welcome
+        self._receive = receive
         check_bind(cfg.bind, allow_remote=False)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
@@ -127,9 +125,6 @@ class ReplicaServer:
         self._reps: dict[str, _Replica] = {}
         self._admitted: set[str] = set()
         self._parked: list[tuple[bytes, str, float]] = []
-        # Satellites' shared-memory gradient buffers by replica name, mapped (and page-locked on a GPU
-        # core) when the satellite starts; kept while a satellite presumed dead says hello again.
-        self._buffers: dict[str, tuple[torch.Tensor, bool]] = {}
         self._dead: list[str] = []
         self._stop = threading.Event()
         self._closing = threading.Event()
@@ -166,7 +161,7 @@ class ReplicaServer:
                     "gradients": r.gradients,
                     "last_pull_s": r.last_pull_s,
                     "last_compute_s": r.last_compute_s,
-                    "shm_gradients": r.name in self._buffers,
+                    "last_handoff_s": r.last_handoff_s,
                 }
                 if r.admitted_at is not None and r.first_gradient_at is not None:
                     d["join_s"] = r.first_gradient_at - r.admitted_at
@@ -180,9 +175,6 @@ class ReplicaServer:
         self._thread.join(timeout=5.0)
         self._sock.close()
         self._ctx.term()
-        with self._mu:
-            for name in list(self._buffers):
-                self._drop_buffer(name)
 
     # ---- the server thread ----------------------------------------------------------------------------
 
@@ -243,6 +235,16 @@ class ReplicaServer:
                     ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
                 )
                 return
+            if req.cell != self.welcome.cell:
+                self._send(
+                    ident,
+                    ErrorReply(
+                        ErrorCode.PROTOCOL,
+                        f"satellite cell {req.cell} differs from the core's {self.welcome.cell}: rank r "
+                        "hands its gradient shard to core rank r, so the shapes must be equal",
+                    ),
+                )
+                return
             with self._mu:
                 if self.cfg.admit_on_hello:
                     self._admitted.add(req.replica)
@@ -278,17 +280,17 @@ class ReplicaServer:
             if self._closing.is_set():
                 self._send(ident, Shutdown("core is closing"))
             elif not self._try_assign(ident, req.replica):
-                self._parked.append((ident, req.replica, now))
+                if req.hold:
+                    self._parked.append((ident, req.replica, now))
+                else:
+                    self._send(ident, Idle("no work"))
         elif isinstance(req, Gradient):
             self._gradient(ident, rep, req, frames)
-        elif isinstance(req, GradientBuffer):
-            self._gradient_buffer(ident, rep, req)
         elif isinstance(req, Goodbye):
             self.queue.release(req.replica, [i for _, i in req.returned] if req.returned else None)
             with self._mu:
                 self._reps.pop(req.replica, None)
                 self._admitted.discard(req.replica)
-                self._drop_buffer(req.replica)
             self._send(ident, Ack(True))
 
     def _control(self, ident: bytes, req: Admit | Dismiss | Status) -> None:
@@ -355,81 +357,38 @@ class ReplicaServer:
             log.warning("%s of step %d refused: %s", type(req).__name__, req.seq, why)
         self._send(ident, Ack(refusal is Refusal.NONE, why, refusal))
 
-    def _drop_buffer(self, name: str) -> None:
-        """Forget `name`'s gradient buffer (caller holds `_mu`)."""
-        got = self._buffers.pop(name, None)
-        if got is not None and got[1]:
-            hostmem.unpin(got[0])
-
-    def _gradient_buffer(self, ident: bytes, rep: _Replica, req: GradientBuffer) -> None:
-        """Map a satellite's shared-memory gradient segment once (at its start), page-locked when the
-        core's sum lives on a GPU, so each gradient is one fast host-to-device copy."""
-        numel = self.cfg.numel
-        if req.numel != numel or not _SEGMENT.fullmatch(req.shm_name):
-            self._send(
-                ident,
-                ErrorReply(ErrorCode.BAD_GRADIENT, f"bad gradient buffer {req.shm_name!r} of {req.numel}"),
-            )
-            return
-        try:
-            arr = np.memmap(os.path.join(SHM_DIR, req.shm_name), dtype=np.uint8, mode="r+")
-        except (OSError, ValueError) as exc:
-            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, f"cannot map {req.shm_name!r}: {exc}"))
-            return
-        if arr.nbytes < 4 * numel:
-            self._send(
-                ident,
-                ErrorReply(
-                    ErrorCode.BAD_GRADIENT, f"{req.shm_name!r} has {arr.nbytes} bytes, need {4 * numel}"
-                ),
-            )
-            return
-        t = torch.from_numpy(arr[: 4 * numel].view(np.float32))
-        try:
-            pinned = self.cfg.pin_gradient_buffers and hostmem.pin(t)
-        except RuntimeError:  # the driver refused: copies from pageable memory, only slower
-            pinned = False
-        with self._mu:
-            self._drop_buffer(rep.name)
-            self._buffers[rep.name] = (t, pinned)
-        self._send(ident, Ack(True))
-
     def _gradient(self, ident: bytes, rep: _Replica, req: Gradient, frames: list[Any]) -> None:
-        if req.shm:
-            with self._mu:
-                got = self._buffers.get(rep.name)
-            buf = None if got is None else got[0]
-            if buf is None or frames or req.numel != self.cfg.numel:
-                self._send(
-                    ident,
-                    ErrorReply(
-                        ErrorCode.BAD_GRADIENT,
-                        "a shared-memory gradient needs a registered buffer, no frames",
-                    ),
-                )
-                return
-            self._accept(ident, rep, req, buf)
-            return
-        if len(frames) != 1 or req.numel != self.cfg.numel:
-            self._send(
-                ident, ErrorReply(ErrorCode.BAD_GRADIENT, f"expected one frame of {self.cfg.numel} float32")
-            )
-            return
-        buf = frames[0].buffer
-        if memoryview(buf).nbytes != 4 * req.numel:
+        """Check the claim, read every rank's shard through gyre-xfer into the core ranks' sums, then
+        deliver and ack. Nothing is read for a gradient that is not wanted (another step or version, a
+        duplicate); a transfer that fails re-queues the claim and refuses the gradient."""
+        if frames:
             self._send(
                 ident,
-                ErrorReply(
-                    ErrorCode.BAD_GRADIENT, f"frame has {memoryview(buf).nbytes} bytes, need {4 * req.numel}"
-                ),
+                ErrorReply(ErrorCode.BAD_GRADIENT, f"a gradient header takes no frames, got {len(frames)}"),
             )
             return
-        self._accept(ident, rep, req, np.frombuffer(buf, dtype="<f4"))
-
-    def _accept(self, ident: bytes, rep: _Replica, req: Gradient, grad: np.ndarray | torch.Tensor) -> None:
-        """Hand the gradient to the queue (which copies it into the sum before returning), then ack."""
         try:
-            ok, why = self.queue.deliver(req.replica, req.batch, req.index, req.version, grad, req.metrics)
+            ok, why = self.queue.acceptable(req.replica, req.batch, req.index, req.version)
+        except ClaimError as exc:
+            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, str(exc)))
+            return
+        if not ok:
+            self._send(ident, Ack(False, why))
+            return
+        t0 = time.perf_counter()
+        try:
+            self._receive(req)
+        except BadShardError as exc:
+            self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, str(exc)))
+            return
+        except ShardTransferError as exc:
+            self.queue.release(req.replica, [req.index])
+            log.warning("gradient of micro-batch %d from %s not read: %s", req.index, req.replica, exc)
+            self._send(ident, Ack(False, f"transfer failed: {exc}"))
+            return
+        handoff_s = time.perf_counter() - t0
+        try:
+            ok, why = self.queue.deliver(req.replica, req.batch, req.index, req.version, req.metrics)
         except ClaimError as exc:
             self._send(ident, ErrorReply(ErrorCode.BAD_GRADIENT, str(exc)))
             return
@@ -438,6 +397,7 @@ class ReplicaServer:
                 rep.gradients += 1
                 rep.last_pull_s = float(req.metrics.get("pull_s", 0.0)) or rep.last_pull_s
                 rep.last_compute_s = float(req.metrics.get("compute_s", 0.0))
+                rep.last_handoff_s = handoff_s
                 if rep.first_gradient_at is None:
                     rep.first_gradient_at = time.monotonic()
         self._send(ident, Ack(ok, why))

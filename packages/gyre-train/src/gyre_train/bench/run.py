@@ -1,9 +1,11 @@
 """`gyre-train bench [--quick] [--device cuda]`: time per mini-batch of tree-packed against path-expanded
 training of the same branched executions (fan trees: a trunk with branches, and gyre-traj's synthetic
 agent executions), a tree larger than a micro-batch trained in chunks with the shared prefix computed
-once, and the time for a satellite process to join (admit -> snapshot pull -> first gradient at the
-core). Medians of interleaved repeats; one JSON object on the last line (`tree_speedup`, `ideal_ratio`,
-`join_s`, ...). On CUDA it uses a Qwen3-0.6B-shaped model with FlexAttention and reports MFU.
+once, the time for a satellite process to join (admit -> snapshot pull -> first gradient at the core),
+and the gradient hand-off per micro-batch through gyre-xfer against the old full-float32 paths
+(`handoff.py`). Medians of interleaved repeats; one JSON object on the last line (`tree_speedup`,
+`ideal_ratio`, `join_s`, `grad_handoff_bytes_per_mb`, `grad_handoff_s_per_mb`, ...). On CUDA it uses a
+Qwen3-0.6B-shaped model with FlexAttention and reports MFU.
 """
 
 from __future__ import annotations
@@ -314,7 +316,7 @@ def join(mc: ModelConfig, dev: str, timeout_s: float = 600.0) -> dict[str, Any]:
             float(info["last_compute_s"]),
         )
         return {"params": params, "join_s": join_s, "pull_s": pull_s, "compute_s": compute_s,
-                "handoff_s": join_s - pull_s - compute_s, "shm_gradients": bool(info["shm_gradients"]),
+                "handoff_s": join_s - pull_s - compute_s, "core_read_s": float(info["last_handoff_s"]),
                 "tokens": mb[0].num_tokens, "step_s": step_s}  # fmt: skip
     finally:
         core.close()
@@ -363,7 +365,7 @@ def main(args: argparse.Namespace) -> int:
         )
 
     want = set(args.cases.split(","))
-    unknown = want - {"fan", "synthetic-agent", "large-tree-chunked", "huge-tree", "join"}
+    unknown = want - {"fan", "synthetic-agent", "large-tree-chunked", "huge-tree", "join", "handoff"}
     if unknown:
         raise SystemExit(f"unknown bench cases {sorted(unknown)}")
     skipped: dict[str, Any] = {"skipped": True}
@@ -397,6 +399,13 @@ def main(args: argparse.Namespace) -> int:
         if "join" in want
         else skipped
     )
+    from gyre_train.bench import handoff
+
+    h = (
+        guarded("handoff", lambda: handoff.run(1 << (22 if quick else 25), 3 if quick else 5))
+        if "handoff" in want
+        else skipped
+    )
     head = cases[0]
     nan = float("nan")
     result = {
@@ -420,9 +429,12 @@ def main(args: argparse.Namespace) -> int:
         "join_s": j.get("join_s", nan),
         "join_pull_s": j.get("pull_s", nan),
         "join_params": j.get("params", 0),
+        "grad_handoff_bytes_per_mb": h.get("grad_handoff_bytes_per_mb", {}),
+        "grad_handoff_s_per_mb": h.get("grad_handoff_s_per_mb", {}),
         "cases": cases,
         "huge_tree": hcase,
         "join": j,
+        "handoff": h,
     }
     if cuda:
         result["mfu_tree"] = head.get("mfu_tree", nan)
