@@ -373,3 +373,41 @@ def test_a_manifest_reaching_past_max_bytes_is_refused_before_any_allocation() -
     finally:
         tr.close()
         peer.close()
+
+
+def test_a_publisher_whose_serving_thread_dies_says_so_on_publish(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The serving thread dying (here: its decoder raises something unexpected) is logged with its
+    traceback and every later publish raises PublisherDeadError, instead of a publisher nobody hears."""
+    import time
+
+    import gyre_xfer.publisher as publisher_module
+    import zmq
+    from gyre_xfer.errors import PublisherDeadError
+
+    class Exploding:
+        def decode(self, payload: bytes) -> object:
+            raise RuntimeError("decoder bug")
+
+    monkeypatch.setattr(publisher_module, "request_decoder", Exploding)
+    tr = open_transport(Config(kind="shm"))
+    pub = Publisher(tr)
+    try:
+        pub.publish({"w": np.arange(4, dtype=np.float32)})
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(pub.address)
+        s.send_multipart([b"1", b"anything"])
+        deadline = time.monotonic() + 10
+        while pub.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.close(0)
+        ctx.term()
+        assert isinstance(pub.failure, RuntimeError)
+        with pytest.raises(PublisherDeadError, match="decoder bug"):
+            pub.publish({"w": np.arange(4, dtype=np.float32)})
+        assert "stopped serving" in caplog.text
+    finally:
+        pub.close()
+        tr.close()

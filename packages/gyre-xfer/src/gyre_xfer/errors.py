@@ -49,3 +49,7 @@ class ChecksumError(XferError):
 
 class ProtocolError(XferError):
     """A control message could not be decoded or answered with an error."""
+
+
+class PublisherDeadError(XferError):
+    """The publisher's serving thread died: subscribers can no longer pull, so publishing stops too."""

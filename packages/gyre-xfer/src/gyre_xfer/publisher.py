@@ -3,11 +3,14 @@ reading, computes checksums, and makes that version the newest; a control thread
 
 A slot is never rewritten while a lease on it is live (leases end on release or after `lease_s`), and
 every rewrite bumps the slot's generation, so a subscriber learns at release whether its bytes survived.
+If the serving thread dies, the publisher is not left deaf: the error is logged with its traceback and
+every later `publish` raises `PublisherDeadError` naming it.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import zlib
@@ -22,7 +25,7 @@ import zmq
 
 from . import auth
 from .buffers import BufferView, view_of
-from .errors import XferError
+from .errors import PublisherDeadError, XferError
 from .manifest import layout
 from .protocol import (
     PROTOCOL_VERSION,
@@ -42,6 +45,8 @@ from .protocol import (
 )
 from .sockets import make_socket
 from .transport import Region, Transport
+
+_log = logging.getLogger(__name__)
 
 
 class PublishBusyError(XferError):
@@ -104,7 +109,9 @@ class Publisher:
             self._hasher.shutdown()
             raise
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="gyre-xfer-publisher", daemon=True)
+        self.failure: BaseException | None = None
+        """Why the serving thread died (None while it serves)."""
+        self._thread = threading.Thread(target=self._guarded, name="gyre-xfer-publisher", daemon=True)
         self._thread.start()
 
     @property
@@ -116,6 +123,8 @@ class Publisher:
     def publish(self, tensors: Mapping[str, Any], dtypes: Mapping[str, str] | None = None) -> int:
         """Copy `tensors` (numpy arrays or torch tensors, CPU or CUDA) into a free slot; returns the new
         version. `dtypes` overrides dtype names (e.g. {"w": "bfloat16"} for a uint16 numpy array)."""
+        if self.failure is not None:
+            raise PublisherDeadError(f"the publisher's serving thread died: {self.failure!r}")
         dtypes = dtypes or {}
         views = {name: view_of(t, dtypes.get(name)) for name, t in tensors.items()}
         placements, total = layout(views, self.config.align)
@@ -228,6 +237,13 @@ class Publisher:
                 self._cond.notify_all()
                 return Released(req.lease_id, slot.generation == gen)
         return ErrorReply(ErrorCode.BAD_REQUEST, f"unexpected request {type(req).__name__}")
+
+    def _guarded(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            self.failure = exc
+            _log.critical("gyre-xfer publisher at %s stopped serving", self.address, exc_info=exc)
 
     def _serve(self) -> None:
         decoder = request_decoder()
