@@ -61,6 +61,7 @@ queries = 2
 group_size = 2
 [agent]
 turns = 2
+scripted_fallback = true
 max_tokens = 8
 median_s = 2.0
 timeout_s = 8.0
