@@ -72,6 +72,8 @@ class CellArgs:
     release_memory: bool = True
     startup_timeout_s: float = 180.0
     device: str = "cpu"
+    engine_argv: tuple[str, ...] = ("--max-running-requests", "64")
+    """Further `gyre-engine serve` options (`gyre.gpus.engine_argv`: memory, CUDA graphs)."""
 
 
 def model_config_of(model_dir: str) -> Any:
@@ -140,7 +142,7 @@ class Cell:
     def start_engine(self) -> None:
         argv = python_argv(
             "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
-            "--device", self.a.device, "--max-running-requests", "64",
+            "--device", self.a.device, *self.a.engine_argv,
         )  # fmt: skip
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + self.a.startup_timeout_s
