@@ -261,8 +261,16 @@ def main() -> int:
     p.add_argument("--engine-seconds", type=float, default=None, help="default: 20 (GPU), 4 (--tiny)")
     p.add_argument("--concurrency", type=int, default=0, help="standalone clients (default: the run's)")
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the whole call's wall budget (default: 570 s, 1500 with --tiny): the run's deadline is cut "
+        "so that the results are written within it",
+    )
     p.add_argument("--skip", default="", help="comma list of parts to skip: warmstart,floors,engine,train")
     a = p.parse_args()
+    t_begin = time.monotonic()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work or f"/tmp/h200-run-{os.getpid()}").resolve()
@@ -325,7 +333,15 @@ def main() -> int:
         res["train_tok_s_standalone"] = tr["train_tok_s_standalone"]
     from gyre.run import run
 
-    metrics = phase("run", lambda: run(cfg, say=say))
+    # The run's deadline counts from its first batch: leave its start-up and teardown room in the budget.
+    budget = a.budget_s or (1500.0 if small else 570.0)
+    left = budget - (time.monotonic() - t_begin) - 90.0
+    if left < cfg.run.deadline_s:
+        say(f"run deadline cut to {left:.0f} s to stay within --budget-s {budget:.0f}")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, deadline_s=max(30.0, left)))
+    res["run_deadline_s"] = cfg.run.deadline_s
+    run_cfg = cfg
+    metrics = phase("run", lambda: run(run_cfg, say=say))
     if metrics is not None:
         res.update(floors.run_figures(metrics, output_tokens(Path(cfg.run.out_dir) / "records.msgpack")))
         res["policy"] = metrics.get("policy")
