@@ -14,7 +14,7 @@ PP="$SITE"
 for src in packages/*/src integration/src; do PP="$PP:$PWD/$src"; done
 export PYTHONPATH="$PP${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OUT
 python3 - <<'PY'
-import importlib, sys
+import importlib.util, sys
 need = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "httpx", "msgspec", "zmq",
         "starlette", "uvicorn", "matplotlib", "yaml", "tqdm"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
