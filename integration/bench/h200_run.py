@@ -49,7 +49,15 @@ def tiny(cfg: Config, out_dir: str) -> Config:
     r = dataclasses.replace
     return r(
         cfg,
-        run=r(cfg.run, model_shape="tiny", model_dtype="float32", steps=3, deadline_s=400.0, out_dir=out_dir),
+        run=r(
+            cfg.run,
+            model_shape="tiny",
+            model_dtype="float32",
+            steps=3,
+            deadline_s=400.0,
+            out_dir=out_dir,
+            startup_timeout_s=600.0,
+        ),
         batch=r(cfg.batch, queries=2, group_size=2),
         agent=r(cfg.agent, max_tokens=12, turns=3, median_s=2.0, timeout_s=10.0),
         train=r(cfg.train, token_budget=4096),
@@ -217,6 +225,7 @@ def engine_standalone(cfg: Config, model_dir: Path, logs: Path, seconds: float, 
 
 # ---- 4. gyre-train standalone -----------------------------------------------------------------------
 def train_standalone(model_dir: Path, device: str, trunk: int, branches: int, branch: int) -> dict[str, Any]:
+    import numpy as np
     import torch
     from gyre.cell import model_config_of
     from gyre_train.bench.run import Fan, fan_tree, packs, train_time
@@ -227,6 +236,9 @@ def train_standalone(model_dir: Path, device: str, trunk: int, branches: int, br
     attention = "flex" if device.startswith("cuda") else "dense"
     model = build_model(mc, attention, device)
     tree_b, _ = packs(fan_tree(Fan(trunk, branches, branch)), j_max=branches + 1)
+    for b in tree_b:  # the fan's ids go up to 6,000: fold them into a small vocabulary
+        np.remainder(b.input_ids, mc.vocab_size, out=b.input_ids)
+        np.remainder(b.target_ids, mc.vocab_size, out=b.target_ids)
     tokens = sum(int(b.input_ids.size) for b in tree_b)
     cfg = LossConfig(mode="ppo")
     train_time(model, tree_b, attention, device, cfg)  # compile / warm up
