@@ -94,7 +94,10 @@ def warm_start(
 
     t0 = time.perf_counter()
     ws = warmstart.WarmStartConfig(seed=seed, steps=steps, batch=16, lr=lr, max_tokens=max_tokens)
-    data = warmstart.transcripts(warmstart.TranscriptMaker(model_dir, max_tokens), steps * ws.batch, ws)
+    # Rendering a transcript takes milliseconds of CPU: a pool of at most 480, cycled through.
+    data = warmstart.transcripts(
+        warmstart.TranscriptMaker(model_dir, max_tokens), min(steps * ws.batch, 480), ws
+    )
     t_data = time.perf_counter() - t0
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -105,7 +108,7 @@ def warm_start(
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
-        arrays = warmstart.pack_shared(data[step * ws.batch : (step + 1) * ws.batch])
+        arrays = warmstart.pack_shared([data[(step * ws.batch + j) % len(data)] for j in range(ws.batch)])
         n = arrays["target_ids"].size
 
         def t(name: str, a: dict[str, Any] = arrays) -> Any:
