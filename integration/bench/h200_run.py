@@ -319,6 +319,8 @@ def main() -> int:
         finally:
             res["phase_s"][name] = round(time.monotonic() - t0, 2)
             say(f"{name} done in {res['phase_s'][name]} s")
+            # after each part, so a call cut off at its limit still brings back what was measured
+            (out / "results-h200-run.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
 
     model_dir = phase("model", lambda: create_model(cfg, work / "model"))
     if model_dir is None:
