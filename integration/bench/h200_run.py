@@ -361,6 +361,7 @@ def main() -> int:
     metrics = phase("run", lambda: run(run_cfg, say=say))
     if metrics is not None:
         res.update(floors.run_figures(metrics, output_tokens(Path(cfg.run.out_dir) / "records.msgpack")))
+        res["switch_parts"] = floors.switch_parts(Path(cfg.run.out_dir) / "logs")
         res["policy"] = metrics.get("policy")
         res["decisions"] = metrics.get("decisions")
     res["goals"] = floors.against_goals(res)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from gyre import floors
 
@@ -56,3 +58,18 @@ def test_run_figures_and_goals() -> None:
     assert g["kv_migrations_at_least_1"] is True
     assert g["rollout_tok_s_at_least_80pct_standalone"] is False  # 500 < 560
     assert floors.against_goals({})["kv_migrations_at_least_1"] is None
+
+
+def test_switch_parts_from_the_cells_logs(tmp_path: Path) -> None:
+    (tmp_path / "cell-0.log").write_text(
+        "2026-12-01 10:00:00,000 gyre.cell INFO cell 0: now TRAINING (0.30s)\n"
+        '2026-12-01 10:00:00,000 gyre.cell INFO switch parts {"cell": 0, "to": "TRAINING", "release_s": 0.25, "join_s": 0.05}\n'
+        '2026-12-01 10:00:05,000 gyre.cell INFO switch parts {"cell": 0, "to": "ROLLOUT", "leave_s": 0.0, "resume_s": 0.5, "weights_s": 1.5}\n'
+        "switch parts {not json\n"
+    )
+    (tmp_path / "cell-1.log").write_text(
+        'x switch parts {"cell": 1, "to": "TRAINING", "release_s": 0.75, "join_s": 0.15}\n'
+    )
+    p = floors.switch_parts(tmp_path)
+    assert p["to_training"]["count"] == 2 and p["to_training"]["median"] == {"join_s": 0.1, "release_s": 0.5}
+    assert p["to_rollout"]["median"] == {"leave_s": 0.0, "resume_s": 0.5, "weights_s": 1.5}

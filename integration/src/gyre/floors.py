@@ -194,3 +194,30 @@ def against_goals(res: dict[str, Any]) -> dict[str, bool | None]:
         "kv_migrations_at_least_1": None if res.get("kv_migrations") is None else res["kv_migrations"] >= 1,
         "rollout_tok_s_at_least_80pct_standalone": None if not tin or not tsa else bool(tin >= 0.8 * tsa),
     }
+
+
+def switch_parts(log_dir: str | Path) -> dict[str, Any]:
+    """Where each switch spent its time, from the cells' `switch parts` log lines (`gyre.cell`): per
+    direction, every switch's parts and the median of each part (to training: the engine's release, then
+    joining training; to rollout: leaving training, the engine's resume, loading the newest weights)."""
+    import json
+
+    rows: dict[str, list[dict[str, Any]]] = {"TRAINING": [], "ROLLOUT": []}
+    for f in sorted(Path(log_dir).glob("cell-*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            _, sep, rest = line.partition("switch parts ")
+            if sep and rest.startswith("{"):
+                try:
+                    row = json.loads(rest)
+                except ValueError:
+                    continue
+                rows.setdefault(str(row.get("to")), []).append(row)
+    out: dict[str, Any] = {}
+    for to, rs in rows.items():
+        keys = sorted({k for r in rs for k in r if k.endswith("_s")})
+        out[f"to_{to.lower()}"] = {
+            "count": len(rs),
+            "median": {k: _median([float(r[k]) for r in rs if k in r]) for k in keys},
+            "each": rs,
+        }
+    return out
