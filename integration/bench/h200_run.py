@@ -361,9 +361,13 @@ def main() -> int:
     metrics = phase("run", lambda: run(run_cfg, say=say))
     if metrics is not None:
         res.update(floors.run_figures(metrics, output_tokens(Path(cfg.run.out_dir) / "records.msgpack")))
-        res["switch_parts"] = floors.switch_parts(Path(cfg.run.out_dir) / "logs")
         res["policy"] = metrics.get("policy")
         res["decisions"] = metrics.get("decisions")
+    run_dir = Path(cfg.run.out_dir)
+    if (run_dir / "logs").exists():  # also when the run failed: the cells logged every switch they made
+        res["switch_parts"] = floors.switch_parts(run_dir / "logs")
+    if metrics is None and (run_dir / "steps.jsonl").exists():
+        res["steps_in_steps_jsonl"] = len((run_dir / "steps.jsonl").read_text().splitlines())
     res["goals"] = floors.against_goals(res)
     return finish(out, work, res, 0 if metrics is not None else 1)
 
