@@ -72,6 +72,8 @@ class CellArgs:
     release_memory: bool = True
     startup_timeout_s: float = 180.0
     device: str = "cpu"
+    engine_argv: tuple[str, ...] = ("--max-running-requests", "64")
+    """Further `gyre-engine serve` options (`gyre.gpus.engine_argv`: memory, CUDA graphs)."""
 
 
 def model_config_of(model_dir: str) -> Any:
@@ -140,7 +142,7 @@ class Cell:
     def start_engine(self) -> None:
         argv = python_argv(
             "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
-            "--device", self.a.device, "--max-running-requests", "64",
+            "--device", self.a.device, *self.a.engine_argv,
         )  # fmt: skip
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + self.a.startup_timeout_s
@@ -278,22 +280,31 @@ class Cell:
             log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
 
     # ---- switches -----------------------------------------------------------------------------------
-    def to_training(self) -> None:
+    def to_training(self) -> dict[str, float]:
+        """Switch this cell to training; returns the seconds of each part (logged as `switch parts`)."""
+        t0 = time.monotonic()
         self.release_engine()
+        t1 = time.monotonic()
         if self.a.is_core:
             self.core.set_computing(True)
             self.training.set()
         else:
             self.client.admit(self.name)
+        return {"release_s": t1 - t0, "join_s": time.monotonic() - t1}
 
-    def to_rollout(self) -> None:
+    def to_rollout(self) -> dict[str, float]:
+        """Switch this cell back to rollout; returns the seconds of each part."""
+        t0 = time.monotonic()
         if self.a.is_core:
             self.training.clear()
             self.core.set_computing(False)  # the micro-batch in hand still counts
         else:
             self.client.dismiss(self.name)
+        t1 = time.monotonic()
         self.resume_engine()
+        t2 = time.monotonic()
         self.sync_weights()
+        return {"leave_s": t1 - t0, "resume_s": t2 - t1, "weights_s": time.monotonic() - t2}
 
     # ---- the scheduler side -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -378,12 +389,13 @@ class Cell:
         t0 = time.monotonic()
         if cmd.role is Role.TRAINING:
             self.role = Role.TO_TRAINING
-            self.to_training()
+            parts = self.to_training()
         else:
             self.role = Role.TO_ROLLOUT
-            self.to_rollout()
+            parts = self.to_rollout()
         self.role = cmd.role
         log.info("cell %d: now %s (%.2fs)", self.a.cell_id, cmd.role.name, time.monotonic() - t0)
+        log.info("switch parts %s", json.dumps({"cell": self.a.cell_id, "to": cmd.role.name, **parts}))
         done.append(SwitchDone(self.a.cell_id, cmd.role, cmd.decision))
 
     def run(self) -> int:

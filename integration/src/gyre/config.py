@@ -130,8 +130,30 @@ class CellSection:
     release_memory: bool = True
     """Release the engine's memory while its cell trains (gyre-engine's /release_memory_occupation)."""
     device: str = "cpu"
-    """cpu, or cuda: cell i then sees GPU i alone (CUDA_VISIBLE_DEVICES) for its engine and its replica,
-    and training uses FlexAttention."""
+    """cpu, or cuda: each cell sees one GPU alone (CUDA_VISIBLE_DEVICES; which one: `gpus`) for its
+    engine and its replica, and training uses FlexAttention."""
+    gpus: list[int] = field(default_factory=list)
+    """With device = "cuda": the GPU index of each cell, one per cell; cells may share a GPU (`[0, 0]`:
+    two cells on GPU 0). Empty: cell i takes GPU i (`gyre.gpus`)."""
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """Options of each cell's `gyre-engine serve` (its memory and its CUDA-graph start-up)."""
+
+    max_running: int = 64
+    """Requests decoding at once at most (`--max-running-requests`; also the largest graph bucket)."""
+    kv_fraction: float = 0.2
+    """Device memory for the decode slots' KV, as a fraction of the GPU's (`--slot-kv-fraction`); the
+    cells sharing a GPU must leave room for each other and the trainers (checked: <= 0.8 together)."""
+    warmup_tokens: int = 1024
+    """CUDA graphs captured before serving, for rows up to this length (`--warmup-decode-tokens`; 0: each
+    graph on first use)."""
+    compile_decode: bool = True
+    """Capture the decode step over a `torch.compile`d forward (minutes of start-up per engine for a
+    0.6B model); false: capture the eager forward (seconds)."""
+    decode_slots: str = "auto"
+    """auto (CUDA graphs on CUDA), graphs, eager or off (`--decode-slots`)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +190,7 @@ class Config:
     cell: CellSection = field(default_factory=CellSection)
     sched: SchedSection = field(default_factory=SchedSection)
     proxy: ProxySection = field(default_factory=ProxySection)
+    engine: EngineSection = field(default_factory=EngineSection)
 
     def __post_init__(self) -> None:
         r, b, a, t = self.run, self.batch, self.agent, self.train
@@ -196,6 +219,7 @@ class Config:
             self.cell.device in ("cpu", "cuda"),
             f"[cell] device must be cpu or cuda, got {self.cell.device!r}",
         )
+        self._check_placement()
         _check(
             r.model_shape in ("tiny", "mini", "small", "qwen3-0.6b"),
             "[run] model_shape must be tiny, mini, small or qwen3-0.6b",
@@ -206,6 +230,31 @@ class Config:
         _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")
         _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
         _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
+
+    def _check_placement(self) -> None:
+        c, e = self.cell, self.engine
+        _check(e.max_running >= 1 and e.warmup_tokens >= 0, "[engine] max_running >= 1, warmup_tokens >= 0")
+        _check(0 < e.kv_fraction < 1, "[engine] kv_fraction must be in (0, 1)")
+        _check(
+            e.decode_slots in ("auto", "graphs", "eager", "off"),
+            "[engine] decode_slots: auto|graphs|eager|off",
+        )
+        if not c.gpus:
+            return
+        _check(c.device == "cuda", '[cell] gpus needs device = "cuda"')
+        _check(
+            len(c.gpus) == self.run.cells,
+            f"[cell] gpus must name one GPU per cell ({self.run.cells}), got {len(c.gpus)}",
+        )
+        _check(
+            all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in c.gpus),
+            f"[cell] gpus must be GPU indices >= 0, got {c.gpus!r}",
+        )
+        most = max(c.gpus.count(g) for g in c.gpus)
+        _check(
+            most * e.kv_fraction <= 0.8,
+            f"[engine] kv_fraction {e.kv_fraction} x {most} engines on one GPU exceeds 0.8 of its memory",
+        )
 
     @property
     def streams(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from gyre_sched.protocol import Action, Role
 
+from gyre import gpus
 from gyre import predict as sim
 from gyre.cell import CellArgs
 from gyre.config import Config
@@ -112,6 +113,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
     traj: TrajectoryService | None = None
     sampler: Sampler | None = None
     t_start = t_end = 0.0
+    proxy_stats: dict[str, Any] = {}
     try:
         model_dir = ensure_model(cfg, out, procs)
         sched = f"tcp://127.0.0.1:{free_port()}"
@@ -135,9 +137,9 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 engine_port=ports[i], run_dir=str(out), core=core, publisher=publisher, lr=cfg.train.lr,
                 token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
                 release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
-                device=cfg.cell.device,
+                device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
             )  # fmt: skip
-            env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.cell.device == "cuda" else {}
+            env = gpus.cell_env(cfg, i)
             procs.start(
                 f"cell-{i}", python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)), env=env
             )
@@ -203,6 +205,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
             healthy,
             60.0,
         )
+        proxy_stats = _proxy_stats(proxy_url)
         say(_progress(t_start, driver, traj, sampler, out))
     finally:
         for rider in parts:
@@ -213,6 +216,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         procs.close()
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
+    metrics["moves"] = _moves(proxy_stats)
     write_json(out / "metrics.json", metrics)
     with open(out / "samples.jsonl", "w") as fh:
         for smp in sampler.samples:
@@ -227,6 +231,25 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         f"metrics {out / 'metrics.json'}" + (f", plot {plot}" if plot else "")
     )
     return metrics
+
+
+def _proxy_stats(url: str) -> dict[str, Any]:
+    """gyre-proxy's `/gyre/stats` at the end of the run ({} if it cannot be read: the metrics say null)."""
+    try:
+        r = httpx.get(f"{url}/gyre/stats", timeout=10.0)
+        r.raise_for_status()
+        return dict(r.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        log.warning("gyre-proxy's stats could not be read: %s", exc)
+        return {}
+
+
+def _moves(stats: dict[str, Any]) -> dict[str, Any]:
+    """Calls the proxy moved off a draining engine, and how many took their KV along (`kv_migrations`)."""
+    keys = ("moved_calls", "prefix_moved_calls", "prefix_moved_tokens", "reprefilled_tokens", "engine_errors")
+    m: dict[str, Any] = {k: stats.get(k) for k in keys}
+    m["kv_migrations"] = stats.get("prefix_moved_calls")
+    return m
 
 
 def _check_health(

@@ -188,6 +188,7 @@ def test_drain_moves_the_cached_prefix_between_gyre_engines(
     assert np.all(rec.output_logprobs <= 0)
     stats = httpx.get(f"{ps.url}/gyre/stats").json()
     assert stats["moved_calls"] == 1
+    assert stats["prefix_moved_calls"] == 1  # this call's KV moved (kv_migrations in gyre run's metrics)
     d = rec.input_delta
     n_in = d.keep + d.append.size if d is not None else rec.input_ids.size  # type: ignore[union-attr]
     assert (

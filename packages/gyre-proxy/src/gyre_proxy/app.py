@@ -248,6 +248,7 @@ def build_app(proxy: Proxy, sched_endpoint: str = "") -> Starlette:
             },
             "restored_empty_replies": proxy.stats.restored_empty_replies,
             "moved_calls": proxy.counters.moved_calls,
+            "prefix_moved_calls": proxy.counters.prefix_moved_calls,
             "prefix_moved_tokens": proxy.counters.prefix_moved_tokens,
             "reprefilled_tokens": proxy.counters.reprefilled_tokens,
             "engine_errors": proxy.counters.engine_errors,

@@ -37,6 +37,8 @@ class Counters:
     """Proxy-wide counts of continuation work (exposed on /gyre/stats)."""
 
     moved_calls: int = 0
+    prefix_moved_calls: int = 0
+    """Moved calls whose cached prefix (KV) went along to the next engine instead of being re-prefilled."""
     prefix_moved_tokens: int = 0
     reprefilled_tokens: int = 0
     engine_errors: int = 0
@@ -319,5 +321,6 @@ class Generation:
             except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
                 log.info("prefix export from engine %d not possible (%s); re-prefilling", old.engine_id, exc)
                 old.supports_prefix_export = False
+        self.counters.prefix_moved_calls += moved > 0
         self.counters.prefix_moved_tokens += moved
         self.counters.reprefilled_tokens += len(ids) - moved
