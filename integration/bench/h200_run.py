@@ -165,7 +165,7 @@ def bandwidths(model_dir: Path, device: str) -> dict[str, Any]:
 
 # ---- 3. gyre-engine standalone ----------------------------------------------------------------------
 def engine_standalone(cfg: Config, model_dir: Path, logs: Path, seconds: float, concurrency: int,
-                      prompt_len: int) -> dict[str, Any]:  # fmt: skip
+                      prompt_len: int, sweep: list[int]) -> dict[str, Any]:  # fmt: skip
     from gyre_engine.client import EngineClient
     from gyre_engine.protocol import SamplingParams
 
@@ -198,17 +198,24 @@ def engine_standalone(cfg: Config, model_dir: Path, logs: Path, seconds: float, 
             r = await c.generate(ids, sampling)
             got.append(len(r.output_ids))
 
+    async def measure(c: Any, n: int, secs: float) -> tuple[list[int], float]:
+        warm: list[int] = []
+        await asyncio.gather(*(client(c, random.Random(i), time.monotonic() + 1.0, warm)
+                               for i in range(n)))  # fmt: skip
+        got: list[int] = []
+        t1 = time.monotonic()
+        await asyncio.gather(*(client(c, random.Random(100 + i), t1 + secs, got) for i in range(n)))
+        return got, time.monotonic() - t1
+
     async def go() -> dict[str, Any]:
         up = await healthy()
         async with EngineClient(url, timeout_s=300.0) as c:
-            warm: list[int] = []
-            await asyncio.gather(*(client(c, random.Random(i), time.monotonic() + 1.0, warm)
-                                   for i in range(concurrency)))  # fmt: skip
-            got: list[int] = []
-            t1 = time.monotonic()
-            await asyncio.gather(*(client(c, random.Random(100 + i), t1 + seconds, got)
-                                   for i in range(concurrency)))  # fmt: skip
-            wall = time.monotonic() - t1
+            got, wall = await measure(c, concurrency, seconds)
+            by_conc: dict[str, float] = {}
+            for n in sweep:  # tokens/s at lower concurrencies, to compare the run at its own
+                g, w = await measure(c, n, max(2.0, seconds / 4))
+                by_conc[str(n)] = round(sum(g) / w, 1)
+        by_conc[str(concurrency)] = round(sum(got) / wall, 1)
         return {
             "startup_s": round(up, 2),
             "concurrency": concurrency,
@@ -218,6 +225,7 @@ def engine_standalone(cfg: Config, model_dir: Path, logs: Path, seconds: float, 
             "output_tokens": sum(got),
             "wall_s": round(wall, 3),
             "rollout_tok_s_standalone": round(sum(got) / wall, 1),
+            "tok_s_by_concurrency": dict(sorted(by_conc.items(), key=lambda kv: int(kv[0]))),
         }
 
     try:
@@ -262,6 +270,17 @@ def output_tokens(records: Path) -> int:
     if not records.exists():
         return 0
     return sum(int(r.output_ids.size) for r in read_records(records) if isinstance(r, Call))
+
+
+def call_seconds(records: Path) -> float:
+    """Seconds the recorded calls were open at the proxy, summed (over the busy rollout cell-seconds:
+    the run's mean concurrency per busy engine)."""
+    from gyre_traj.io import read_records
+    from gyre_traj.records import Call
+
+    if not records.exists():
+        return 0.0
+    return sum(max(0.0, r.t_end - r.t_start) for r in read_records(records) if isinstance(r, Call))
 
 
 def main() -> int:
@@ -338,8 +357,9 @@ def main() -> int:
                                        "push_floor_s", "graph_recapture_s")})  # fmt: skip
     conc = a.concurrency or min(cfg.cell.capacity, cfg.batch.queries * cfg.batch.group_size)
     secs = a.engine_seconds if a.engine_seconds is not None else (4.0 if small else 20.0)
+    sweep = [n for n in (1, 2, 4, 8, 16) if n < conc]
     eng = phase("engine", lambda: engine_standalone(cfg, model_dir, work / "standalone-logs", secs, conc,
-                                                    a.prompt_len if not small else 32))  # fmt: skip
+                                                    a.prompt_len if not small else 32, sweep))  # fmt: skip
     if eng is not None:
         res["engine_standalone"] = eng
         res["rollout_tok_s_standalone"] = eng["rollout_tok_s_standalone"]
@@ -360,7 +380,13 @@ def main() -> int:
     run_cfg = cfg
     metrics = phase("run", lambda: run(run_cfg, say=say))
     if metrics is not None:
-        res.update(floors.run_figures(metrics, output_tokens(Path(cfg.run.out_dir) / "records.msgpack")))
+        recs = Path(cfg.run.out_dir) / "records.msgpack"
+        res.update(floors.run_figures(metrics, output_tokens(recs)))
+        if res.get("rollout_busy_cell_s") and eng is not None:  # the standalone at the run's concurrency
+            conc_in_run = call_seconds(recs) / res["rollout_busy_cell_s"]
+            res["rollout_concurrency_in_run"] = round(conc_in_run, 2)
+            res["rollout_tok_s_standalone_at_full_concurrency"] = eng["rollout_tok_s_standalone"]
+            res["rollout_tok_s_standalone"] = floors.at_concurrency(eng["tok_s_by_concurrency"], conc_in_run)
         res["policy"] = metrics.get("policy")
         res["decisions"] = metrics.get("decisions")
     run_dir = Path(cfg.run.out_dir)

@@ -73,3 +73,14 @@ def test_switch_parts_from_the_cells_logs(tmp_path: Path) -> None:
     p = floors.switch_parts(tmp_path)
     assert p["to_training"]["count"] == 2 and p["to_training"]["median"] == {"join_s": 0.1, "release_s": 0.5}
     assert p["to_rollout"]["median"] == {"leave_s": 0.0, "resume_s": 0.5, "weights_s": 1.5}
+
+
+def test_standalone_tokens_per_second_at_the_runs_concurrency() -> None:
+    """The in-run figure is compared with the standalone engine at the run's own mean concurrency,
+    interpolated linearly between measured concurrencies and clamped to their range (worked by hand)."""
+    by = {"1": 100.0, "4": 400.0, "32": 2000.0}
+    assert floors.at_concurrency(by, 2.5) == 250.0
+    assert floors.at_concurrency(by, 18.0) == 1200.0  # 400 + 1600 * 14/28
+    assert floors.at_concurrency(by, 0.3) == 100.0 and floors.at_concurrency(by, 64) == 2000.0
+    with pytest.raises(ValueError):
+        floors.at_concurrency({}, 3)

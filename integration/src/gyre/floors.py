@@ -18,6 +18,7 @@ hardware allows, not what the code does today (the pageable figures, also measur
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -173,6 +174,20 @@ def run_figures(metrics: dict[str, Any], output_tokens: int) -> dict[str, Any]:
         "losses": [s.get("loss") for s in steps],
         "end_to_end_s": metrics.get("end_to_end_s"),
     }
+
+
+def at_concurrency(tok_s_by_concurrency: dict[str, float], concurrency: float) -> float:
+    """Standalone tokens/s at `concurrency`, linear between the measured concurrencies (clamped to the
+    measured range): the in-run figure is compared with the engine at the load the run gave it."""
+    pts = sorted((int(k), float(v)) for k, v in tok_s_by_concurrency.items())
+    if not pts:
+        raise ValueError("no standalone measurement")
+    if concurrency <= pts[0][0]:
+        return pts[0][1]
+    for (c0, v0), (c1, v1) in itertools.pairwise(pts):
+        if c0 <= concurrency <= c1:
+            return round(v0 + (v1 - v0) * (concurrency - c0) / (c1 - c0), 1)
+    return pts[-1][1]
 
 
 def against_goals(res: dict[str, Any]) -> dict[str, bool | None]:

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,6 +196,69 @@ def test_drain_moves_the_cached_prefix_between_gyre_engines(
         stats["prefix_moved_tokens"] >= n_in - 1
     )  # the prompt's KV went along (its last token is recomputed)
     assert stats["prefix_moved_tokens"] + stats["reprefilled_tokens"] > n_in  # + the partial output
+
+
+def test_a_drained_call_exports_its_kv_before_the_drain_is_confirmed(
+    tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any
+) -> None:
+    """As in `gyre run`: the moment the proxy confirms the drain, the scheduler removes the engine and the
+    cell releases its memory (clearing its prefix cache). The moved call's KV must already be out by then:
+    the export happens while the call still counts as in flight on the draining engine, so the drain
+    waits for it (seen on the H200: exported after the confirmation, every move re-prefilled)."""
+    from gyre_sched.protocol import EngineAdd, EngineDrain, EngineDrained, EngineRemove, Hello, Welcome
+
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint)
+    sched_stub.expect(Hello)
+    sched_stub.send(Welcome())
+    sched_stub.send(EngineAdd(0, urls[0]))
+    deadline = time.monotonic() + 10
+    while not ps.proxy.pool or not ps.proxy.pool.engines:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    warm = client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "tally"}])
+    assert warm.usage.output_tokens == 1
+    released: list[float] = []
+
+    def scheduler_and_cell() -> None:  # what gyre-sched and `gyre cell` do on EngineDrained, at once
+        sched_stub.expect(EngineDrained, timeout_s=60)
+        sched_stub.send(EngineRemove(0))
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # 409 until the engine is idle, as the cell retries
+            r = httpx.post(f"{urls[0]}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+            if r.status_code != 409:
+                r.raise_for_status()
+                released.append(time.monotonic())
+                return
+            time.sleep(0.01)
+
+    worker = threading.Thread(target=scheduler_and_cell)
+    with client.messages.stream(
+        model="tiny",
+        max_tokens=1500,
+        messages=[{"role": "user", "content": "tally"}],
+        extra_body={"temperature": 0.0},
+    ) as st:
+        for ev in st:
+            if ev.type == "content_block_delta":
+                sched_stub.send(EngineAdd(1, urls[1]))
+                sched_stub.send(EngineDrain(0))
+                worker.start()
+                break
+        for _ in st:
+            pass
+        final = st.get_final_message()
+    worker.join(60)
+    try:
+        assert released, "the cell never released engine 0"
+        assert final.usage.output_tokens == 1500
+        stats = httpx.get(f"{ps.url}/gyre/stats").json()
+        assert stats["moved_calls"] == 1
+        assert stats["prefix_moved_calls"] == 1  # exported before the release cleared engine 0's cache
+    finally:
+        httpx.post(f"{urls[0]}/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
 
 
 def test_top_logprobs_from_a_real_engine(tiny_engines: TinyEngines, make_proxy: Any, request: Any) -> None:

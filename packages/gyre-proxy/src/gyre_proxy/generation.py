@@ -22,7 +22,7 @@ import httpx
 import msgspec
 import numpy as np
 from gyre_engine.client import EngineError
-from gyre_engine.protocol import GenerateResponse
+from gyre_engine.protocol import GenerateResponse, KvPrefix
 
 from gyre_proxy.chat import Sampling
 from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
@@ -154,10 +154,12 @@ class Generation:
     async def stream(self) -> AsyncIterator[list[int]]:
         exclude: frozenset[int] = frozenset()
         prev: Engine | None = None
+        carried: KvPrefix | None = None
         for attempt in range(self.max_attempts):
             eng = await self.pool.wait_pick(self.execution, self.pick_wait_s, exclude)
             if prev is not None:
-                await self._carry_prefix(prev, eng)
+                await self._import_prefix(carried, eng)
+                carried = None
             work = int(self.input_ids.size) + self.sampling.max_new_tokens
             attempt_rid = self.rid if attempt == 0 else f"{self.rid}.{attempt}"
             f = self.pool.begin(eng, attempt_rid, self.execution, work)
@@ -176,6 +178,9 @@ class Generation:
                     eng.engine_id,
                     len(self.result.output_ids),
                 )
+                # Still in flight on the old engine: a drain waits for this export, so the engine's
+                # memory is not released (its prefix cache cleared) before the KV is out.
+                carried = await self._export_prefix(eng)
             except (httpx.TransportError, EngineError) as exc:
                 self.counters.engine_errors += 1
                 if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
@@ -307,20 +312,33 @@ class Generation:
             else:
                 await q.put(exc)
 
-    async def _carry_prefix(self, old: Engine, new: Engine) -> None:
-        """Move the cached prefix from `old` to `new` where both are gyre-engines, else count a re-prefill."""
-        ids = [*self.input_ids.tolist(), *self.result.output_ids]
-        moved = 0
-        if old.state is not EngineState.REMOVED and old.supports_prefix_export is not False:
-            try:
-                rec = await asyncio.wait_for(old.client.export_prefix(ids), 30.0)
-                if rec is not None:
-                    await asyncio.wait_for(new.client.import_prefix(rec), 30.0)
-                    moved = len(rec.token_ids)
-                old.supports_prefix_export = True
-            except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
-                log.info("prefix export from engine %d not possible (%s); re-prefilling", old.engine_id, exc)
+    def _ids(self) -> list[int]:
+        return [*self.input_ids.tolist(), *self.result.output_ids]
+
+    async def _export_prefix(self, old: Engine) -> KvPrefix | None:
+        """The cached prefix of this call on `old` (a gyre-engine that is not removed), else None. Only an
+        engine without the endpoint (405, or SGLang's 404 for an unknown route) is not asked again."""
+        if old.state is EngineState.REMOVED or old.supports_prefix_export is False:
+            return None
+        try:
+            rec = await asyncio.wait_for(old.client.export_prefix(self._ids()), 30.0)
+        except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
+            log.info("prefix export from engine %d failed (%r); re-prefilling", old.engine_id, exc)
+            if isinstance(exc, EngineError) and exc.status == 405:
                 old.supports_prefix_export = False
+            return None
+        old.supports_prefix_export = True
+        return rec
+
+    async def _import_prefix(self, rec: KvPrefix | None, new: Engine) -> None:
+        """Put an exported prefix into `new`; count the tokens moved and those to prefill again."""
+        moved = 0
+        if rec is not None:
+            try:
+                await asyncio.wait_for(new.client.import_prefix(rec), 30.0)
+                moved = len(rec.token_ids)
+            except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
+                log.info("prefix import into engine %d failed (%r); re-prefilling", new.engine_id, exc)
         self.counters.prefix_moved_calls += moved > 0
         self.counters.prefix_moved_tokens += moved
-        self.counters.reprefilled_tokens += len(ids) - moved
+        self.counters.reprefilled_tokens += len(self._ids()) - moved

@@ -125,6 +125,10 @@ class Engine:
         self.paused = False
         self.updating = False
         self.released: set[str] = set()
+        self._host: dict[str, torch.Tensor] = {}
+        """Pinned host copies of the weights while released ("weights"), allocated at the first release
+        and reused: page-locked copies run at the bus's speed, where `model.to("cpu")` paid for fresh
+        pageable memory every time (1.2 GB: about 1 s on the H200 against 0.02 s pinned)."""
         self._pending_bump = False
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
@@ -680,7 +684,7 @@ class Engine:
         if "weights" in tags and self.device.type == "cuda":
             if self.slots is not None:
                 self.slots.drop_graphs()
-            self.model.to("cpu")
+            self._offload_weights()
             if self.fused is not None:
                 self.fused.drop()
             torch.cuda.empty_cache()
@@ -689,12 +693,41 @@ class Engine:
     def resume_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
         if "weights" in tags and "weights" in self.released and self.device.type == "cuda":
-            self.model.to(self.device)
+            self._restore_weights()
             if self.fused is not None:
                 self.fused.refresh()
             if self.slots is not None:
                 self.slots.check_weights()
         self.released -= set(tags)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the model by name (shared ones once)."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[name] = t
+        return out
+
+    def _offload_weights(self) -> None:
+        """Copy the weights into their pinned host copies and point the model at those (device memory
+        freed once nothing else holds it)."""
+        tensors = self._tensors()
+        for name, t in tensors.items():
+            host = self._host.get(name)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = self._host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t.data, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        for name, t in tensors.items():
+            t.data = self._host[name]
+
+    def _restore_weights(self) -> None:
+        """Back onto the device from the pinned copies (the pinned copies stay for the next release)."""
+        for t in self._tensors().values():
+            t.data = t.data.to(self.device, non_blocking=True)
+        torch.cuda.synchronize(self.device)
 
 
 def _check_tags(tags: list[str] | None) -> list[str]:
