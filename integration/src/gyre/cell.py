@@ -200,7 +200,7 @@ class Cell:
                     self.sync_weights()
                 except Exception as exc:  # the next round retries; a dead core ends the run elsewhere
                     log.warning("cell %d: weight sync failed: %s", self.a.cell_id, exc)
-            self.stop.wait(0.2)
+            self.stop.wait(0.05)  # a status request to the core: the push waits for this poll
 
     # ---- trainer ------------------------------------------------------------------------------------
     def start_trainer(self) -> None:

@@ -360,11 +360,7 @@ def collect(
         k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
         summary = traj.steps[k].summary if k in traj.steps else {}
         v = int(r["version"])
-        reached = [
-            x.t for x in samples
-            if x.t >= r["t_end"] and any(ro == int(Role.ROLLOUT) for ro in x.roles.values())
-            and all(_at_least(x.engine_version.get(cid), v) for cid, ro in x.roles.items() if ro == int(Role.ROLLOUT))
-        ]  # fmt: skip
+        reached = _push_reached(samples, r["t_end"], v)
         steps.append(
             {
                 "step": k,
@@ -444,3 +440,15 @@ def collect(
         "steps": steps,
         "outcomes": outcomes,
     }
+
+
+def _push_reached(samples: list[Any], t_applied: float, version: int) -> list[float]:
+    """Sample times from which every engine that was serving rollout when `version` was applied serves
+    it (engines that were training get it as part of their switch back: `switch_times`, not `push_s`)."""
+    after = [x for x in samples if x.t >= t_applied]
+    if not after:
+        return []
+    serving = [cid for cid, ro in after[0].roles.items() if ro == int(Role.ROLLOUT)]
+    if not serving:
+        return []
+    return [x.t for x in after if all(_at_least(x.engine_version.get(cid), version) for cid in serving)]
