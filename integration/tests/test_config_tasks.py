@@ -77,40 +77,48 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["run", str(tmp_path / "c.ini")]) == 2
 
 
-def test_tools() -> None:
-    assert run_tool("calc", {"a": "3", "b": "7", "mode": "max"}) == ("7", False)
-    assert run_tool("calc", {"a": "3", "b": "7", "mode": "low"}) == ("3", False)
-    assert run_tool("count", {"word": "gradient", "field": "len"}) == ("8", False)
-    assert run_tool("count", {"word": "gradient", "field": "count"}) == ("3", False)
-    v, err = run_tool("lookup", {"item": "action", "key": "size"})
-    assert not err and v.isdigit() and v == run_tool("lookup", {"item": " action", "key": "size"})[0]
-    for bad in ({"a": "x", "b": "1", "mode": "max"}, {"a": "1", "b": "2", "mode": "mean"}, {}):
-        out, err = run_tool("calc", bad)
-        assert err and out.startswith("error")
-    assert run_tool("lookup", {"item": "a;b", "key": "size"})[1] and run_tool("nope", {})[1]
-    assert (
-        all(len(e) >= 4 and e.isalpha() for e in tasks_mod.entities())
-        and len(tasks_mod.entities()) == tasks_mod.ENTITIES
-    )
+def test_tools_read_the_tasks_state_and_refuse_bad_calls() -> None:
+    rng = random.Random(3)
+    calc = make_task(rng, "c", family="calc", cue="difference")
+    x, y = (int(v) for v in calc.subject)
+    got = {op: run_tool(calc, "calc", {"op": op}) for op in ("add", "sub", "max")}
+    assert got == {
+        "add": (str(x + y), False),
+        "sub": (str(abs(x - y)), False),
+        "max": (str(max(x, y)), False),
+    }
+    assert calc.answer == str(abs(x - y)) and calc.choice == "sub"
+    m = make_task(rng, "m", family="measure", cue="old")
+    values = {k: run_tool(m, "get", {"key": k}) for k in ("size", "age", "length")}
+    assert all(not err and v.isdigit() for v, err in values.values()) and m.answer == values["age"][0]
+    assert run_tool(m, "get", {"key": " age "}) == values["age"]
+    for task, name, args in ((calc, "calc", {"op": "mean"}), (calc, "calc", {}), (m, "calc", {"op": "add"}),
+                             (m, "get", {"key": "weight"}), (m, "nope", {})):  # fmt: skip
+        out, err = run_tool(task, name, args)
+        assert err and out.startswith("error"), (name, args)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_families_score_right_slipped_and_broken_answers(family: str) -> None:
+def test_each_choice_gives_its_own_value_and_only_the_cued_one_scores(family: str) -> None:
+    """The reward's signal: of a question's three well-formed calls exactly the cued one leads to full
+    credit, the others to half (a bare digit, not the expected one), so sampled calls differ in reward."""
     rng = random.Random(1)
     seen = set()
-    for i in range(30):
+    for i in range(60):
         t = make_task(rng, f"t{i}", family=family)
         seen.add(t.prompt)
-        step = t.script[0]
-        assert run_tool(step.name, step.arguments) == (t.answer, False)
-        assert all(
-            v in t.prompt for v in step.arguments.values()
-        )  # the call's arguments come from the question
-        assert evaluate(t, "e", "g", f" {t.answer}.\n", timed_out=False).value == 1.0
-        slip = evaluate(t, "e", "g", t.slip[1], timed_out=True)
-        assert slip.timed_out and slip.value == (1.0 if t.slip[1] == t.answer else 0.5)
+        assert t.fam.name == family and f" {t.cue}" in f" {t.prompt}"
+        (step,) = t.script
+        assert step.arguments == {t.fam.param: t.choice} and t.choice == t.fam.choice_of(t.cue)
+        outs = {c: run_tool(t, t.fam.tool, {t.fam.param: c})[0] for c in t.fam.choices}
+        assert len(set(outs.values())) == 3 and outs[t.choice] == t.answer  # the answer names the choice
+        scores = {c: evaluate(t, "e", "g", f" {v}.\n", timed_out=False).value for c, v in outs.items()}
+        assert scores == {c: (1.0 if c == t.choice else 0.5) for c in t.fam.choices}
+        slow = evaluate(t, "e", "g", t.answer, timed_out=True)
+        assert slow.timed_out and slow.value == 1.0
         assert evaluate(t, "e", "g", "I think it is", timed_out=False).value == 0.0
-    assert len(seen) > 20
+        assert evaluate(t, "e", "g", t.answer + "0", timed_out=False).value == 0.0
+    assert len(seen) > 40
 
 
 def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,12 +135,20 @@ def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_held_out_split_never_reaches_training() -> None:
-    held = {(t.family, t.prompt) for t in eval_set(48)}
+    ev = eval_set(48)
+    held = {(t.family, t.prompt) for t in ev}
     assert len(held) == 48  # distinct questions
     rng = random.Random(5)
-    train = {(t.family, t.prompt) for t in (make_task(rng, f"x{i}") for i in range(3000))}
-    assert len(train) > 250 and not held & train  # many instances, not a few fixed words
-    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(3)] == list(FAMILIES)
+    train = [make_task(rng, f"x{i}") for i in range(3000)]
+    assert len({t.prompt for t in train}) > 250 and not held & {(t.family, t.prompt) for t in train}
+    # what is held out: subjects (objects, number pairs) and the last phrasing never appear in training
+    assert not {t.subject for t in ev} & {t.subject for t in train}
+    assert {t.template for t in train} == {0, 1, 2}
+    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(2)] == list(FAMILIES)
+    # the cues in turn: a policy that ignores the cue gets a third of the decisions right
+    for fam in FAMILIES:
+        cues = [t.cue for t in ev if t.family == fam]
+        assert all(cues.count(c) == len(cues) // 3 for c in set(cues)) and len(set(cues)) == 3
 
 
 def test_run_and_simulator_share_one_duration_sample() -> None:

@@ -55,9 +55,10 @@ class WarmStartConfig:
     lr: float = 3e-3
     """AdamW peak learning rate (linear warm-up, cosine decay to 10%)."""
     warmup: int = 20
-    teacher_accuracy: float = 0.35
-    """Share of transcripts whose final step is the task's right one (the rest show the family's
-    plausible mistake): the room RL has to improve."""
+    cue_share: float = 0.0
+    """Share of transcripts whose call follows the question's cue; the rest (all, by default) take one
+    of the family's choices at random, so the model learns the format and the copying but not which
+    choice each cue asks for: its calls are right about one time in three, the room RL has."""
     max_tokens: int = 48
     """The harness's max_tokens (part of the request, so of the rendered prompt's key)."""
 
@@ -139,11 +140,13 @@ class TranscriptMaker:
     def _output(self, text: str) -> np.ndarray:
         return np.concatenate([self.renderer.encode(text), np.asarray([self.renderer.im_end], np.int32)])
 
-    def make(self, task: tasks.Task, correct: bool) -> Transcript:
+    def make(self, task: tasks.Task, choice: str) -> Transcript:
+        """The transcript of a teacher that calls the task's tool with `choice`, then answers with the
+        tool's result."""
         from gyre_proxy.render import ExecutionCache
         from gyre_proxy.toolparse import BlockKind, parse
 
-        step, answer = (task.script[0], task.answer) if correct else task.slip
+        step = task.call(choice)
         args = step.arguments
         call_text = "<tool_call>\n" + json.dumps({"name": step.name, "arguments": args}) + "\n</tool_call>"
         blocks = parse(call_text)
@@ -155,7 +158,7 @@ class TranscriptMaker:
         out1 = self._output(call_text)
         tool_id = "toolu_warm_0"
         self.renderer.record_output(ex, "warm", first.gen_prompt, out1, [tool_id], "", "")
-        result, err = tasks.run_tool(step.name, args)
+        result, err = tasks.run_tool(task, step.name, args)
         messages += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tool_id, "name": step.name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": result, "is_error": err}]},
@@ -165,7 +168,7 @@ class TranscriptMaker:
         n1 = in1.size
         if not np.array_equal(in2[: n1 + out1.size], np.concatenate([in1, out1])):
             raise AssertionError("the second call's input does not extend the first call's input and output")
-        out2 = self._output(answer)
+        out2 = self._output(result)
         ids = np.concatenate([in2, out2])
         return Transcript(ids, ((n1, n1 + out1.size), (in2.size, ids.size)))
 
@@ -175,7 +178,8 @@ def transcripts(maker: TranscriptMaker, n: int, cfg: WarmStartConfig) -> list[Tr
     out = []
     for i in range(n):
         task = tasks.make_task(rng, f"warm-{i}", "train")
-        out.append(maker.make(task, rng.random() < cfg.teacher_accuracy))
+        follow = rng.random() < cfg.cue_share
+        out.append(maker.make(task, task.choice if follow else rng.choice(task.fam.choices)))
     return out
 
 
@@ -188,7 +192,8 @@ def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
         diff = np.flatnonzero(t.ids[:p] != first[:p])
         p = int(diff[0]) if diff.size else p
     p = min(p, min(s for t in batch for s, _ in t.targets) - 1)  # each target and its predictor in a branch
-    ids, pos, last, tpos, tids = [first[:p]], [np.arange(p)], [], [], []
+    ids, pos, last, tpos, tids, tw = [first[:p]], [np.arange(p)], [], [], [], []
+    calls = sum(len(t.targets) for t in batch)
     total = p + sum(t.ids.size - p for t in batch)
     last.append(np.full(p, total - 1))
     at = p
@@ -200,6 +205,7 @@ def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
         for s, e in t.targets:
             tpos.append(np.arange(s, e) - p + at - 1)  # the token before each target predicts it
             tids.append(t.ids[s:e])
+            tw.append(np.full(e - s, 1.0 / ((e - s) * calls)))
         at += rest.size
     return {
         "input_ids": np.concatenate(ids),
@@ -207,6 +213,7 @@ def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
         "last_desc": np.concatenate(last),
         "target_pos": np.concatenate(tpos),
         "target_ids": np.concatenate(tids),
+        "target_weights": np.concatenate(tw),
     }
 
 
@@ -256,8 +263,9 @@ def train(cfg: WarmStartConfig, out_dir: Path, progress: bool = True) -> dict[st
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        tb = _torch_batch(pack_shared(data[step * cfg.batch : (step + 1) * cfg.batch]))
-        loss = -target_logprobs(model, tb).mean()
+        arrays = pack_shared(data[step * cfg.batch : (step + 1) * cfg.batch])
+        tb, weights = _torch_batch(arrays), torch.as_tensor(arrays["target_weights"], dtype=torch.float32)
+        loss = -(target_logprobs(model, tb) * weights).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -359,7 +367,7 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
         tid = f"toolu_check_{i}"
         r.record_output(exs[i], f"check{i}", f.gen_prompt, out, [tid], "", "")
         args = json.loads(uses[0].text)
-        result, err = tasks.run_tool(uses[0].name, args)
+        result, err = tasks.run_tool(todo[i], uses[0].name, args)
         msgs[i] += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": uses[0].name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": result, "is_error": err}]},
