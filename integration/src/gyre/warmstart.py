@@ -173,14 +173,17 @@ class TranscriptMaker:
         return Transcript(ids, ((n1, n1 + out1.size), (in2.size, ids.size)))
 
 
+def teacher_choices(todo: list[tasks.Task], cfg: WarmStartConfig) -> list[str]:
+    """The teacher's decision for each task: the cued choice in `cue_share` of them, else one of the
+    family's choices at random."""
+    rng = random.Random(f"gyre-warmstart-choice-{cfg.seed}")
+    return [t.choice if rng.random() < cfg.cue_share else rng.choice(t.fam.choices) for t in todo]
+
+
 def transcripts(maker: TranscriptMaker, n: int, cfg: WarmStartConfig) -> list[Transcript]:
     rng = random.Random(f"gyre-warmstart-{cfg.seed}")
-    out = []
-    for i in range(n):
-        task = tasks.make_task(rng, f"warm-{i}", "train")
-        follow = rng.random() < cfg.cue_share
-        out.append(maker.make(task, task.choice if follow else rng.choice(task.fam.choices)))
-    return out
+    todo = [tasks.make_task(rng, f"warm-{i}", "train") for i in range(n)]
+    return [maker.make(t, c) for t, c in zip(todo, teacher_choices(todo, cfg), strict=True)]
 
 
 def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
