@@ -99,9 +99,10 @@ def test_tools_read_the_tasks_state_and_refuse_bad_calls() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_choice_gives_its_own_value_and_only_the_cued_one_scores(family: str) -> None:
-    """The reward's signal: of a question's three well-formed calls exactly the cued one leads to full
-    credit, the others to half (a bare digit, not the expected one), so sampled calls differ in reward."""
+def test_each_choice_gives_its_own_value_and_only_the_cued_call_scores(family: str) -> None:
+    """The reward's signal: of a question's three well-formed calls exactly the cued one passes the call's
+    unit test, and copying its result passes the other; a wrong call copied scores 0, the right call
+    with a wrong answer 0.5. So sampled calls differ in reward, and the reward reads the model's call."""
     rng = random.Random(1)
     seen = set()
     for i in range(60):
@@ -112,12 +113,24 @@ def test_each_choice_gives_its_own_value_and_only_the_cued_one_scores(family: st
         assert step.arguments == {t.fam.param: t.choice} and t.choice == t.fam.choice_of(t.cue)
         outs = {c: run_tool(t, t.fam.tool, {t.fam.param: c})[0] for c in t.fam.choices}
         assert len(set(outs.values())) == 3 and outs[t.choice] == t.answer  # the answer names the choice
-        scores = {c: evaluate(t, "e", "g", f" {v}.\n", timed_out=False).value for c, v in outs.items()}
-        assert scores == {c: (1.0 if c == t.choice else 0.5) for c in t.fam.choices}
-        slow = evaluate(t, "e", "g", t.answer, timed_out=True)
+        scores = {
+            c: evaluate(t, "e", "g", f" {v}.\n", False, calls=[(t.fam.tool, {t.fam.param: c})]).value
+            for c, v in outs.items()
+        }
+        assert scores == {c: (1.0 if c == t.choice else 0.0) for c in t.fam.choices}
+        right = [(t.fam.tool, {t.fam.param: t.choice})]
+        assert evaluate(t, "e", "g", "I think it is", False, calls=right).value == 0.5
+        slow = evaluate(t, "e", "g", t.answer, timed_out=True, calls=right)
         assert slow.timed_out and slow.value == 1.0
-        assert evaluate(t, "e", "g", "I think it is", timed_out=False).value == 0.0
-        assert evaluate(t, "e", "g", t.answer + "0", timed_out=False).value == 0.0
+        # the right answer without the model's own call (a scripted call, or none) keeps half
+        assert evaluate(t, "e", "g", t.answer, False).value == 0.5
+        # only the first call counts, and only the family's own tool
+        other = "calc" if family == "measure" else "get"
+        assert evaluate(t, "e", "g", t.answer, False, calls=[(other, {t.fam.param: t.choice})]).value == 0.5
+        wrong = next(c for c in t.fam.choices if c != t.choice)
+        assert (
+            evaluate(t, "e", "g", "", False, calls=[(t.fam.tool, {t.fam.param: wrong}), *right]).value == 0.0
+        )
     assert len(seen) > 40
 
 

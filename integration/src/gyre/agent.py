@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from gyre.tasks import TOOL_LINE, Task, run_tool
+from gyre.tasks import TOOL_LINE, Task, ToolCall, run_tool
 
 RETRYABLE = (409, 429, 503, 529)
 
@@ -71,6 +71,10 @@ class Execution:
     retries: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[TurnLog] = field(default_factory=list)
+
+    def model_calls(self) -> list[ToolCall]:
+        """The tool calls the model made itself, in order: (name, arguments), what the unit tests read."""
+        return [(n, json.loads(a)) for t in self.turns if t.source is ToolSource.MODEL for n, a, _ in t.tools]
 
     def tool_calls(self) -> dict[str, int]:
         """Tool calls the task needed, by who made them (model / script / missed)."""

@@ -14,10 +14,11 @@ the four phrasings of each family appear only in evaluation questions. The cue w
 the same in both: what evaluation measures is whether the cue -> decision mapping holds on questions
 never trained on.
 
-A task's score is the share of its unit tests that pass on the final answer: a bare digit, and the
-expected one. The three choices of a question lead to three different values, so the second test
-passes only when the call made the question's choice: a well-formed answer from the wrong call keeps
-half the credit. A timed-out execution is scored on what it produced (flagged `timed_out`); an
+A task's score is the share of its two unit tests that pass: the first tool call the model made
+itself is the family's tool with the question's choice, and the final answer (a bare value) is the
+expected one. The three choices of a question lead to three different values, so a model that copies
+the tool's result passes both or neither; one that makes the right call but does not copy the result
+keeps half the credit. A timed-out execution is scored on what it produced (flagged `timed_out`); an
 execution that produced no answer to evaluate, or whose evaluation itself failed, is an
 evaluation failure: no value, never a 0.
 """
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gyre_traj.records import EvalStatus, Score
@@ -237,34 +237,48 @@ def eval_set(n: int, seed: int = 0) -> list[Task]:
 
 # ---- scoring -------------------------------------------------------------------------------------
 
-_DIGIT = re.compile(r"\d")
+ToolCall = tuple[str, Mapping[str, object]]
+"""(tool name, arguments) of a tool call the model made itself."""
 
 
-def _unit_tests(task: Task) -> list[tuple[str, Callable[[str], bool]]]:
-    """(name, check of the stripped final answer) for each unit test of the task. The family's choices
-    lead to different values, so the expected value is passed only through the question's choice (or a
-    lucky guess without the tool)."""
+def _unit_tests(task: Task) -> list[tuple[str, Callable[[str, Sequence[ToolCall]], bool]]]:
+    """(name, check of the stripped final answer and the model's own tool calls) for each unit test."""
+    fam = task.fam
+
+    def cued(calls: Sequence[ToolCall]) -> bool:
+        if not calls:
+            return False
+        name, args = calls[0]
+        return name == fam.tool and str(args.get(fam.param, "")).strip() == task.choice
+
     return [
-        ("a bare digit", lambda t: bool(_DIGIT.fullmatch(t))),
-        ("the expected value", lambda t: t == task.answer),
+        (f"the call asks for the question's {fam.param}", lambda t, c: cued(c)),
+        ("the expected value", lambda t, c: t == task.answer),
     ]
 
 
-def unit_tests(task: Task, final_text: str) -> dict[str, bool]:
-    """Each unit test's outcome on the final answer (surrounding whitespace and a final '.' ignored)."""
+def unit_tests(task: Task, final_text: str, calls: Sequence[ToolCall] = ()) -> dict[str, bool]:
+    """Each unit test's outcome on the final answer (surrounding whitespace and a final '.' ignored) and
+    the tool calls the model made itself, in order (a scripted call is not the model's)."""
     t = final_text.strip().removesuffix(".").strip()
-    return {name: bool(check(t)) for name, check in _unit_tests(task)}
+    return {name: bool(check(t, calls)) for name, check in _unit_tests(task)}
 
 
 def evaluate(
-    task: Task, execution_id: str, group_id: str, final_text: str | None, timed_out: bool, error: str = ""
+    task: Task,
+    execution_id: str,
+    group_id: str,
+    final_text: str | None,
+    timed_out: bool,
+    error: str = "",
+    calls: Sequence[ToolCall] = (),
 ) -> Score:
     """The execution's Score: the share of unit tests passed, or an evaluation failure."""
     if final_text is None:
         why = error or "no model output to evaluate"
         return Score(execution_id=execution_id, group_id=group_id, status=EvalStatus.EVAL_FAILED, detail=why)
     try:
-        results = unit_tests(task, final_text)
+        results = unit_tests(task, final_text, calls)
     except Exception as exc:  # a broken test is the evaluator's failure, not the model's 0
         return Score(
             execution_id=execution_id,

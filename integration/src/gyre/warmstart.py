@@ -359,6 +359,7 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
     outs = _generate(model, [f.ids() for f in first], max_tokens, r.im_end, pad)
     called, follow = 0, []
     finals: list[str | None] = [None] * n
+    calls: list[list[tasks.ToolCall]] = [[] for _ in todo]
     for i, (out, f) in enumerate(zip(outs, first, strict=True)):
         text = str(r.tok.decode(out.tolist(), skip_special_tokens=False))
         blocks = parse(text)
@@ -371,6 +372,7 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
         r.record_output(exs[i], f"check{i}", f.gen_prompt, out, [tid], "", "")
         args = json.loads(uses[0].text)
         result, err = tasks.run_tool(todo[i], uses[0].name, args)
+        calls[i] = [(uses[0].name, args)]
         msgs[i] += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": uses[0].name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": result, "is_error": err}]},
@@ -384,8 +386,8 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
             blocks = parse(str(r.tok.decode(out.tolist(), skip_special_tokens=False)))
             finals[i] = "".join(b.text for b in blocks if b.kind is BlockKind.TEXT)
     scores: dict[str, list[float]] = {f: [] for f in tasks.FAMILIES}
-    for t, final in zip(todo, finals, strict=True):
-        s = tasks.evaluate(t, t.task_id, t.task_id, final or "", False)
+    for t, final, c in zip(todo, finals, calls, strict=True):
+        s = tasks.evaluate(t, t.task_id, t.task_id, final or "", False, calls=c)
         scores[t.family].append(float(s.value or 0.0))
     every = [v for vs in scores.values() for v in vs]
     return {
