@@ -46,20 +46,20 @@ class Family:
     param: str
     """The name of the tool's one argument (the decision)."""
     choices: tuple[str, ...]
-    """The argument's values, in the order of `cues`."""
-    cues: tuple[str, ...]
-    """The word in the question that asks for each choice."""
+    """The argument's values; the first is the family's default (what a call makes unless asked)."""
+    cues: tuple[tuple[str, str], ...]
+    """(the word in the question, the choice it asks for) of each kind of question the family asks."""
     templates: tuple[str, ...]
     """Phrasings of a question ({cue} and the subject's fields); the last is held out."""
     description: str
     """The tool's line in the system prompt."""
 
     def choice_of(self, cue: str) -> str:
-        return self.choices[self.cues.index(cue)]
+        return dict(self.cues)[cue]
 
 
 MEASURE = Family(
-    "measure", "get", "key", ("size", "age", "length"), ("big", "old", "long"),
+    "measure", "get", "key", ("size", "age", "length"), (("old", "age"),),
     (
         "How {cue} is the {obj}?",
         "Tell me how {cue} the {obj} is.",
@@ -69,7 +69,7 @@ MEASURE = Family(
     "size, age or length of the thing asked about",
 )  # fmt: skip
 CALC = Family(
-    "calc", "calc", "op", ("add", "sub", "max"), ("sum", "difference", "larger"),
+    "calc", "calc", "op", ("add", "sub", "max"), (("larger", "max"),),
     (
         "What is the {cue} of {x} and {y}?",
         "Find the {cue} of {x} and {y}.",
@@ -214,7 +214,8 @@ def make_task(
         subject = _subject(fam, rng)
         if _held_out(fam.name, subject) == held:
             break
-    return _instance(fam, subject, cue or rng.choice(fam.cues), rng.randrange(phrasings), task_id)
+    cue = cue or rng.choice(fam.cues)[0]
+    return _instance(fam, subject, cue, rng.randrange(phrasings), task_id)
 
 
 def eval_set(n: int, seed: int = 0) -> list[Task]:
@@ -225,7 +226,7 @@ def eval_set(n: int, seed: int = 0) -> list[Task]:
     seen: set[str] = set()
     for i in range(n):
         fam = FAMILY[FAMILIES[i % len(FAMILIES)]]
-        cue = fam.cues[(i // len(FAMILIES)) % len(fam.cues)]
+        cue = fam.cues[(i // len(FAMILIES)) % len(fam.cues)][0]
         for _ in range(1000):  # distinct questions while the family has unused ones
             t = make_task(rng, f"eval-{i:03d}", "eval", fam.name, cue)
             if t.prompt not in seen:

@@ -48,7 +48,7 @@ class WarmStartConfig:
     (2 x 64, initialised for random outputs) is for plumbing tests."""
     seed: int = 0
     """Seeds the random init, the transcripts and their order."""
-    steps: int = 400
+    steps: int = 200
     """Optimizer steps."""
     batch: int = 16
     """Transcripts per step, tree-packed on their shared prefix."""
@@ -56,9 +56,13 @@ class WarmStartConfig:
     """AdamW peak learning rate (linear warm-up, cosine decay to 10%)."""
     warmup: int = 20
     cue_share: float = 0.0
-    """Share of transcripts whose call follows the question's cue; the rest (all, by default) take one
-    of the family's choices at random, so the model learns the format and the copying but not which
-    choice each cue asks for: its calls are right about one time in three, the room RL has."""
+    """Share of transcripts whose call makes the question's choice whatever it is."""
+    default_share: float = 0.25
+    """Share of the rest whose call makes the family's default choice (its first); the rest take one of
+    the family's choices at random. With the defaults the teacher calls the default half the time and
+    each other choice a quarter, so the warm-started model's greedy call is the default (which the
+    questions never ask for) and a sampled call is the question's about one time in four: the room RL
+    has, and the reward varies within a group."""
     max_tokens: int = 48
     """The harness's max_tokens (part of the request, so of the rendered prompt's key)."""
 
@@ -174,10 +178,16 @@ class TranscriptMaker:
 
 
 def teacher_choices(todo: list[tasks.Task], cfg: WarmStartConfig) -> list[str]:
-    """The teacher's decision for each task: the cued choice in `cue_share` of them, else one of the
-    family's choices at random."""
+    """The teacher's decision for each task: the cued choice in `cue_share` of them, the family's default
+    in `default_share` of the rest, else one of the family's choices at random."""
     rng = random.Random(f"gyre-warmstart-choice-{cfg.seed}")
-    return [t.choice if rng.random() < cfg.cue_share else rng.choice(t.fam.choices) for t in todo]
+
+    def pick(t: tasks.Task) -> str:
+        if rng.random() < cfg.cue_share:
+            return t.choice
+        return t.fam.choices[0] if rng.random() < cfg.default_share else rng.choice(t.fam.choices)
+
+    return [pick(t) for t in todo]
 
 
 def transcripts(maker: TranscriptMaker, n: int, cfg: WarmStartConfig) -> list[Transcript]:
