@@ -158,10 +158,10 @@ def test_held_out_split_never_reaches_training() -> None:
     assert not {t.subject for t in ev} & {t.subject for t in train}
     assert {t.template for t in train} == {0, 1, 2}
     assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(2)] == list(FAMILIES)
-    # the cues in turn: a policy that ignores the cue gets a third of the decisions right
+    # each family's questions ask for one choice, never the family's default
     for fam in FAMILIES:
-        cues = [t.cue for t in ev if t.family == fam]
-        assert all(cues.count(c) == len(cues) // 3 for c in set(cues)) and len(set(cues)) == 3
+        asked = {t.choice for t in ev if t.family == fam}
+        assert asked == {tasks_mod.FAMILY[fam].cues[0][1]} and tasks_mod.FAMILY[fam].choices[0] not in asked
 
 
 def test_run_and_simulator_share_one_duration_sample() -> None:

@@ -88,16 +88,21 @@ def test_shared_prefix_packing_gives_each_transcript_its_own_logprobs(model_dir:
     assert at == weights.size
 
 
-def test_the_teacher_ignores_the_cue() -> None:
-    """The warm start's calls take the family's choices at random (cue_share 0), so the warm-started model
-    is right about one time in three: the reward varies within a group, which is RL's signal."""
+def test_the_teacher_prefers_the_default_and_rarely_makes_the_questions_choice() -> None:
+    """The warm start's calls make the family's default choice half the time and each other choice a
+    quarter (never looking at what the question asks), so the warm-started model's greedy call is the
+    default, which no question asks for, and a sampled call is right about one time in four: the reward
+    varies within a group, which is RL's signal."""
     from gyre.warmstart import teacher_choices
 
     rng_tasks = random.Random(2)
-    todo = [tasks.make_task(rng_tasks, f"t{i}", "train") for i in range(3000)]
+    todo = [tasks.make_task(rng_tasks, f"t{i}", "train") for i in range(4000)]
+    assert all(t.choice != t.fam.choices[0] for t in todo)  # no question asks for the default
     picks = teacher_choices(todo, WarmStartConfig(seed=3))
-    right = np.mean([c == t.choice for t, c in zip(todo, picks, strict=True)])
-    assert 0.3 < right < 0.37 and all(c in t.fam.choices for t, c in zip(todo, picks, strict=True))
+    default = np.mean([p == t.fam.choices[0] for t, p in zip(todo, picks, strict=True)])
+    right = np.mean([p == t.choice for t, p in zip(todo, picks, strict=True)])
+    assert 0.47 < default < 0.53 and 0.22 < right < 0.28, (default, right)
+    assert all(p in t.fam.choices for t, p in zip(todo, picks, strict=True))
     cued = teacher_choices(todo, WarmStartConfig(seed=3, cue_share=1.0))
     assert cued == [t.choice for t in todo]
 
