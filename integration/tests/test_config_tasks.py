@@ -79,7 +79,7 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
 
 def test_tools_read_the_tasks_state_and_refuse_bad_calls() -> None:
     rng = random.Random(3)
-    calc = make_task(rng, "c", family="calc", cue="difference")
+    calc = make_task(rng, "c", family="calc", cue="larger")
     x, y = (int(v) for v in calc.subject)
     got = {op: run_tool(calc, "calc", {"op": op}) for op in ("add", "sub", "max")}
     assert got == {
@@ -87,7 +87,7 @@ def test_tools_read_the_tasks_state_and_refuse_bad_calls() -> None:
         "sub": (str(abs(x - y)), False),
         "max": (str(max(x, y)), False),
     }
-    assert calc.answer == str(abs(x - y)) and calc.choice == "sub"
+    assert calc.answer == str(max(x, y)) and calc.choice == "max"
     m = make_task(rng, "m", family="measure", cue="old")
     values = {k: run_tool(m, "get", {"key": k}) for k in ("size", "age", "length")}
     assert all(not err and v.isdigit() for v, err in values.values()) and m.answer == values["age"][0]
