@@ -131,7 +131,7 @@ def test_each_choice_gives_its_own_value_and_only_the_cued_call_scores(family: s
         assert (
             evaluate(t, "e", "g", "", False, calls=[(t.fam.tool, {t.fam.param: wrong}), *right]).value == 0.0
         )
-    assert len(seen) > 40
+    assert len(seen) > 30
 
 
 def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,7 +153,7 @@ def test_held_out_split_never_reaches_training() -> None:
     assert len(held) == 48  # distinct questions
     rng = random.Random(5)
     train = [make_task(rng, f"x{i}") for i in range(3000)]
-    assert len({t.prompt for t in train}) > 250 and not held & {(t.family, t.prompt) for t in train}
+    assert len({t.prompt for t in train}) > 150 and not held & {(t.family, t.prompt) for t in train}
     # what is held out: subjects (objects, number pairs) and the last phrasing never appear in training
     assert not {t.subject for t in ev} & {t.subject for t in train}
     assert {t.template for t in train} == {0, 1, 2}
