@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -196,3 +197,20 @@ def test_streaming_is_declared_once_and_the_simulator_gets_the_runs() -> None:
         arm_config(cfg, "fifo", "x")
     with pytest.raises(ConfigError, match="arm 'elastic:sometimes'"):
         arm_config(cfg, "elastic:sometimes", "x")
+
+
+def test_only_the_models_own_calls_are_scored() -> None:
+    """The driver and the evaluator score `Execution.model_calls()`: a call the scripted fallback made is
+    not the model's, so it earns nothing; the model's call after it still counts."""
+    from gyre.agent import Execution, ToolSource, TurnLog
+
+    t = make_task(random.Random(4), "t", family="measure")
+    ex = Execution("e", "g", t, 0.0)
+    right = json.dumps({"key": t.choice})
+    ex.turns = [TurnLog(ToolSource.SCRIPT, (("get", right, t.answer),)), TurnLog(ToolSource.NONE)]
+    assert (
+        ex.model_calls() == [] and evaluate(t, "e", "g", t.answer, False, calls=ex.model_calls()).value == 0.5
+    )
+    ex.turns.insert(1, TurnLog(ToolSource.MODEL, (("get", right, t.answer),)))
+    assert ex.model_calls() == [("get", {"key": t.choice})]
+    assert evaluate(t, "e", "g", t.answer, False, calls=ex.model_calls()).value == 1.0
