@@ -66,7 +66,7 @@ def run_config(d: DemoConfig, model_dir: Path) -> Config:
     return Config(
         run=RunSection(
             policy="elastic", cells=2, steps=steps, seed=d.seed, out_dir=d.out, model_dir=str(model_dir),
-            deadline_s=1800.0,
+            deadline_s=1800.0, startup_timeout_s=600.0,
         ),
         batch=BatchSection(queries=2 if d.quick else 8, group_size=2 if d.quick else 4),
         agent=AgentSection(
