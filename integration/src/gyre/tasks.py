@@ -1,18 +1,20 @@
 """Built-in task families, their tools, and unit-test scoring with partial scores.
 
 Two families, each with many instances drawn from a seed. `measure`: "How old is the anvil?" -> the
-`get` tool with `{"key": "age"}` (size, age or length, asked for by the cue words big, old, long);
-`calc`: "What is the sum of 7 and 3?" -> the `calc` tool with `{"op": "add"}` (add, sub or max, asked
-for by sum, difference, larger). What the call must get right is one categorical decision (which of the
-family's three keys or ops the question's cue word asks for); the thing the question is about (the
-object, the two numbers) is the task's state, which the tool reads, so nothing has to be copied into
-the call. The answer is the tool's result, copied.
+`get` tool with `{"key": "age"}` (its keys: size, age, length); `calc`: "What is the larger of 7 and
+3?" -> the `calc` tool with `{"op": "max"}` (its ops: add, sub, max). What the call must get right is one
+categorical decision, which of its tool's three choices the question asks for (the cue word: old, larger;
+the first choice is the tool's default, which no question asks for); the thing the question is about
+(the object, the two numbers) is the task's state, which the tool reads, so nothing has to be copied
+into the call. The answer is the tool's result, copied. (`Family.cues` can map several cue words to
+choices; a family that asks for one choice per question kind is what a model of a million parameters
+learns in a few RL steps; with three cue words per family it had not learned them after 20, measured
+offline.)
 
 Instances are split into a training split (rollouts and the warm start's transcripts) and a held-out
-evaluation split that neither ever sees: a quarter of the objects and number pairs (by hash) and one of
-the four phrasings of each family appear only in evaluation questions. The cue words and the tools are
-the same in both: what evaluation measures is whether the cue -> decision mapping holds on questions
-never trained on.
+evaluation split that neither ever sees: a quarter of the objects and number pairs (by hash; 18 of the
+48 objects and 4 of the 16 pairs) and one of the four phrasings of each family appear only in
+evaluation questions.
 
 A task's score is the share of its two unit tests that pass: the first tool call the model made
 itself is the family's tool with the question's choice, and the final answer (a bare value) is the

@@ -6,9 +6,10 @@ A transcript is what the built-in harness and the proxy would produce for one ta
 the harness's Anthropic request bodies go through gyre-proxy's own request decoding and renderer, the
 assistant outputs are the texts a perfect parser round trip gives (checked with gyre-proxy's tool-call
 parser), and each later call reuses the recorded output ids exactly as the proxy does. The demonstrations
-come from an imperfect teacher: the tool call is always well formed, but the final step (which value to
-answer, or which expression to compute) is the task's right one in only `teacher_accuracy` of them and
-the family's plausible mistake otherwise, so the model learns the format well and the answers partly.
+come from an imperfect teacher: the tool call is always well formed and the answer is always the tool's
+result, but the call's one decision (which key or op) ignores the question: the family's default half
+the time, each other choice a quarter (`teacher_choices`), so the model learns the format and not what
+the questions ask for.
 Training is next-token cross-entropy on the assistant outputs only, a batch of transcripts tree-packed
 on their shared prefix (gyre-traj's ancestor mask and tree position ids). Deterministic from the seed;
 the result is a model directory cached under `$XDG_CACHE_HOME/gyre` (else `~/.cache/gyre`), keyed by the
