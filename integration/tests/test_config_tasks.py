@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -77,40 +78,61 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["run", str(tmp_path / "c.ini")]) == 2
 
 
-def test_tools() -> None:
-    assert run_tool("calc", {"a": "3", "b": "7", "mode": "max"}) == ("7", False)
-    assert run_tool("calc", {"a": "3", "b": "7", "mode": "low"}) == ("3", False)
-    assert run_tool("count", {"word": "gradient", "field": "len"}) == ("8", False)
-    assert run_tool("count", {"word": "gradient", "field": "count"}) == ("3", False)
-    v, err = run_tool("lookup", {"item": "action", "key": "size"})
-    assert not err and v.isdigit() and v == run_tool("lookup", {"item": " action", "key": "size"})[0]
-    for bad in ({"a": "x", "b": "1", "mode": "max"}, {"a": "1", "b": "2", "mode": "mean"}, {}):
-        out, err = run_tool("calc", bad)
-        assert err and out.startswith("error")
-    assert run_tool("lookup", {"item": "a;b", "key": "size"})[1] and run_tool("nope", {})[1]
-    assert (
-        all(len(e) >= 4 and e.isalpha() for e in tasks_mod.entities())
-        and len(tasks_mod.entities()) == tasks_mod.ENTITIES
-    )
+def test_tools_read_the_tasks_state_and_refuse_bad_calls() -> None:
+    rng = random.Random(3)
+    calc = make_task(rng, "c", family="calc", cue="larger")
+    x, y = (int(v) for v in calc.subject)
+    got = {op: run_tool(calc, "calc", {"op": op}) for op in ("add", "sub", "max")}
+    assert got == {
+        "add": (str(x + y), False),
+        "sub": (str(abs(x - y)), False),
+        "max": (str(max(x, y)), False),
+    }
+    assert calc.answer == str(max(x, y)) and calc.choice == "max"
+    m = make_task(rng, "m", family="measure", cue="old")
+    values = {k: run_tool(m, "get", {"key": k}) for k in ("size", "age", "length")}
+    assert all(not err and v.isdigit() for v, err in values.values()) and m.answer == values["age"][0]
+    assert run_tool(m, "get", {"key": " age "}) == values["age"]
+    for task, name, args in ((calc, "calc", {"op": "mean"}), (calc, "calc", {}), (m, "calc", {"op": "add"}),
+                             (m, "get", {"key": "weight"}), (m, "nope", {})):  # fmt: skip
+        out, err = run_tool(task, name, args)
+        assert err and out.startswith("error"), (name, args)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_families_score_right_slipped_and_broken_answers(family: str) -> None:
+def test_each_choice_gives_its_own_value_and_only_the_cued_call_scores(family: str) -> None:
+    """The reward's signal: of a question's three well-formed calls exactly the cued one passes the call's
+    unit test, and copying its result passes the other; a wrong call copied scores 0, the right call
+    with a wrong answer 0.5. So sampled calls differ in reward, and the reward reads the model's call."""
     rng = random.Random(1)
     seen = set()
-    for i in range(30):
+    for i in range(60):
         t = make_task(rng, f"t{i}", family=family)
         seen.add(t.prompt)
-        step = t.script[0]
-        assert run_tool(step.name, step.arguments) == (t.answer, False)
-        assert all(
-            v in t.prompt for v in step.arguments.values()
-        )  # the call's arguments come from the question
-        assert evaluate(t, "e", "g", f" {t.answer}.\n", timed_out=False).value == 1.0
-        slip = evaluate(t, "e", "g", t.slip[1], timed_out=True)
-        assert slip.timed_out and slip.value == (1.0 if t.slip[1] == t.answer else 0.5)
-        assert evaluate(t, "e", "g", "I think it is", timed_out=False).value == 0.0
-    assert len(seen) > 20
+        assert t.fam.name == family and f" {t.cue}" in f" {t.prompt}"
+        (step,) = t.script
+        assert step.arguments == {t.fam.param: t.choice} and t.choice == t.fam.choice_of(t.cue)
+        outs = {c: run_tool(t, t.fam.tool, {t.fam.param: c})[0] for c in t.fam.choices}
+        assert len(set(outs.values())) == 3 and outs[t.choice] == t.answer  # the answer names the choice
+        scores = {
+            c: evaluate(t, "e", "g", f" {v}.\n", False, calls=[(t.fam.tool, {t.fam.param: c})]).value
+            for c, v in outs.items()
+        }
+        assert scores == {c: (1.0 if c == t.choice else 0.0) for c in t.fam.choices}
+        right = [(t.fam.tool, {t.fam.param: t.choice})]
+        assert evaluate(t, "e", "g", "I think it is", False, calls=right).value == 0.5
+        slow = evaluate(t, "e", "g", t.answer, timed_out=True, calls=right)
+        assert slow.timed_out and slow.value == 1.0
+        # the right answer without the model's own call (a scripted call, or none) keeps half
+        assert evaluate(t, "e", "g", t.answer, False).value == 0.5
+        # only the first call counts, and only the family's own tool
+        other = "calc" if family == "measure" else "get"
+        assert evaluate(t, "e", "g", t.answer, False, calls=[(other, {t.fam.param: t.choice})]).value == 0.5
+        wrong = next(c for c in t.fam.choices if c != t.choice)
+        assert (
+            evaluate(t, "e", "g", "", False, calls=[(t.fam.tool, {t.fam.param: wrong}), *right]).value == 0.0
+        )
+    assert len(seen) > 30
 
 
 def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,12 +149,20 @@ def test_an_evaluation_failure_is_not_a_zero(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_held_out_split_never_reaches_training() -> None:
-    held = {(t.family, t.prompt) for t in eval_set(48)}
+    ev = eval_set(48)
+    held = {(t.family, t.prompt) for t in ev}
     assert len(held) == 48  # distinct questions
     rng = random.Random(5)
-    train = {(t.family, t.prompt) for t in (make_task(rng, f"x{i}") for i in range(3000))}
-    assert len(train) > 250 and not held & train  # many instances, not a few fixed words
-    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(3)] == list(FAMILIES)
+    train = [make_task(rng, f"x{i}") for i in range(3000)]
+    assert len({t.prompt for t in train}) > 150 and not held & {(t.family, t.prompt) for t in train}
+    # what is held out: subjects (objects, number pairs) and the last phrasing never appear in training
+    assert not {t.subject for t in ev} & {t.subject for t in train}
+    assert {t.template for t in train} == {0, 1, 2}
+    assert eval_set(12) == eval_set(12) and [t.family for t in eval_set(2)] == list(FAMILIES)
+    # each family's questions ask for one choice, never the family's default
+    for fam in FAMILIES:
+        asked = {t.choice for t in ev if t.family == fam}
+        assert asked == {tasks_mod.FAMILY[fam].cues[0][1]} and tasks_mod.FAMILY[fam].choices[0] not in asked
 
 
 def test_run_and_simulator_share_one_duration_sample() -> None:
@@ -167,3 +197,20 @@ def test_streaming_is_declared_once_and_the_simulator_gets_the_runs() -> None:
         arm_config(cfg, "fifo", "x")
     with pytest.raises(ConfigError, match="arm 'elastic:sometimes'"):
         arm_config(cfg, "elastic:sometimes", "x")
+
+
+def test_only_the_models_own_calls_are_scored() -> None:
+    """The driver and the evaluator score `Execution.model_calls()`: a call the scripted fallback made is
+    not the model's, so it earns nothing; the model's call after it still counts."""
+    from gyre.agent import Execution, ToolSource, TurnLog
+
+    t = make_task(random.Random(4), "t", family="measure")
+    ex = Execution("e", "g", t, 0.0)
+    right = json.dumps({"key": t.choice})
+    ex.turns = [TurnLog(ToolSource.SCRIPT, (("get", right, t.answer),)), TurnLog(ToolSource.NONE)]
+    assert (
+        ex.model_calls() == [] and evaluate(t, "e", "g", t.answer, False, calls=ex.model_calls()).value == 0.5
+    )
+    ex.turns.insert(1, TurnLog(ToolSource.MODEL, (("get", right, t.answer),)))
+    assert ex.model_calls() == [("get", {"key": t.choice})]
+    assert evaluate(t, "e", "g", t.answer, False, calls=ex.model_calls()).value == 1.0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from gyre.cli import main
+from gyre.tasks import FAMILIES
 
 
 @pytest.mark.slow
@@ -22,6 +23,7 @@ def test_quick_demo_writes_every_output(tmp_path: Path, monkeypatch: pytest.Monk
         assert key in d, key
     assert d["steps"] == 2 and [e["version"] for e in d["evals"]] == [0, 2]
     assert all(e["tasks"] == 8 and e["eval_failed"] == 0 for e in d["evals"])
+    assert all(set(e["by_family"]) == set(FAMILIES) for e in d["evals"])  # both families scored
     assert 0.0 <= d["model_tool_call_share"] <= 1.0 and sum(d["tool_calls"].values()) > 0
     assert [r["version"] for r in d["per_step"]] == [1, 2]
     assert all(r["entropy"] is not None and r["approx_kl"] is not None for r in d["per_step"])

@@ -86,7 +86,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 async def _two_executions(proxy: str) -> list[Execution]:
     import random
 
-    task = make_task(random.Random(7), "g0", family="lookup")
+    task = make_task(random.Random(7), "g0", family="measure")
     exs = [Execution(f"g0-e{j}", "g0", task, 0.0) for j in range(2)]
     async with httpx.AsyncClient(timeout=60.0) as http:
         for ex in exs:  # call 1, the tool's output as a user turn (scripted fallback), call 2

@@ -39,17 +39,20 @@ def test_transcripts_are_what_the_proxy_renders_and_parses(model_dir: Path) -> N
     rng = random.Random(0)
     for fam in tasks.FAMILIES:
         task = tasks.make_task(rng, "t", family=fam)
-        for correct in (True, False):
-            tr = maker.make(task, correct)
+        for choice in task.fam.choices:
+            tr = maker.make(task, choice)
             (s1, e1), (s2, e2) = tr.targets
             assert e2 == tr.ids.size and e1 < s2
-            step, answer = (task.script[0], task.answer) if correct else task.slip
+            step = task.call(choice)
+            result, err = tasks.run_tool(task, step.name, step.arguments)
             blocks = parse(tok.decode(tr.ids[s1:e1].tolist(), skip_special_tokens=False))
-            assert [(b.kind, b.name) for b in blocks] == [(BlockKind.TOOL, step.name)]
-            assert json.loads(blocks[0].text) == step.arguments
-            assert tok.decode(tr.ids[s2:e2].tolist(), skip_special_tokens=False) == answer + "<|im_end|>"
+            assert [(b.kind, b.name) for b in blocks] == [(BlockKind.TOOL, task.fam.tool)] and not err
+            assert json.loads(blocks[0].text) == {task.fam.param: choice}
+            # the answer is the tool's result (the task's answer only for the question's own choice)
+            assert tok.decode(tr.ids[s2:e2].tolist(), skip_special_tokens=False) == result + "<|im_end|>"
+            assert (result == task.answer) is (choice == task.choice)
             between = tok.decode(tr.ids[e1:s2].tolist(), skip_special_tokens=False)
-            assert tasks.run_tool(step.name, step.arguments)[0] in between  # the tool's output: context only
+            assert result in between  # the tool's output: context only
     # the whole prompt of the first call is the model's own chat template (what the proxy is tested on)
     from gyre.agent import SYSTEM
     from transformers import AutoTokenizer
@@ -76,6 +79,32 @@ def test_shared_prefix_packing_gives_each_transcript_its_own_logprobs(model_dir:
             for s, e in t.targets:
                 alone.append(lp[s - 1 : e - 1].gather(1, torch.tensor(t.ids[s:e].tolist())[:, None])[:, 0])
     torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    # every call of the batch weighs the same in the loss, whatever its length
+    weights, at = pack_shared(batch)["target_weights"], 0
+    for t in batch:
+        for s, e in t.targets:
+            assert np.isclose(weights[at : at + e - s].sum(), 1 / (2 * len(batch)))
+            at += e - s
+    assert at == weights.size
+
+
+def test_the_teacher_prefers_the_default_and_rarely_makes_the_questions_choice() -> None:
+    """The warm start's calls make the family's default choice half the time and each other choice a
+    quarter (never looking at what the question asks), so the warm-started model's greedy call is the
+    default, which no question asks for, and a sampled call is right about one time in four: the reward
+    varies within a group, which is RL's signal."""
+    from gyre.warmstart import teacher_choices
+
+    rng_tasks = random.Random(2)
+    todo = [tasks.make_task(rng_tasks, f"t{i}", "train") for i in range(4000)]
+    assert all(t.choice != t.fam.choices[0] for t in todo)  # no question asks for the default
+    picks = teacher_choices(todo, WarmStartConfig(seed=3))
+    default = np.mean([p == t.fam.choices[0] for t, p in zip(todo, picks, strict=True)])
+    right = np.mean([p == t.choice for t, p in zip(todo, picks, strict=True)])
+    assert 0.47 < default < 0.53 and 0.22 < right < 0.28, (default, right)
+    assert all(p in t.fam.choices for t, p in zip(todo, picks, strict=True))
+    cued = teacher_choices(todo, WarmStartConfig(seed=3, cue_share=1.0))
+    assert cued == [t.choice for t in todo]
 
 
 def test_deterministic_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,20 +23,12 @@ from typing import Any
 
 import httpx
 
-from gyre.tasks import TOOLS, Task, run_tool
+from gyre.tasks import TOOL_LINE, Task, ToolCall, run_tool
 
 RETRYABLE = (409, 429, 503, 529)
 
 
-def _system() -> str:
-    tools = "; ".join(
-        f"{t['name']}({', '.join(t['input_schema']['required'])}): {t['description']}"  # type: ignore[index]
-        for t in TOOLS
-    )
-    return f"Tools: {tools}. Call one as <tool_call>, then answer with the value only."
-
-
-SYSTEM = _system()
+SYSTEM = f"Tools: {TOOL_LINE}. Call one as <tool_call>, then answer with the value only."
 """The harness's system prompt: its tools in one line. It sends no `tools` field: the Qwen template's
 tools block is 400 tokens of JSON schema in front of every question, which a model of a million
 parameters must learn to look past (its warm start did not, in 480 steps); the calls it makes are the
@@ -80,6 +72,10 @@ class Execution:
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[TurnLog] = field(default_factory=list)
 
+    def model_calls(self) -> list[ToolCall]:
+        """The tool calls the model made itself, in order: (name, arguments), what the unit tests read."""
+        return [(n, json.loads(a)) for t in self.turns if t.source is ToolSource.MODEL for n, a, _ in t.tools]
+
     def tool_calls(self) -> dict[str, int]:
         """Tool calls the task needed, by who made them (model / script / missed)."""
         out = {s.value: 0 for s in (ToolSource.MODEL, ToolSource.SCRIPT, ToolSource.MISSED)}
@@ -116,12 +112,14 @@ def request_body(messages: list[dict[str, Any]], max_tokens: int, temperature: f
     }
 
 
-def _run_tools(uses: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
+def _run_tools(
+    task: Task, uses: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
     results, ran = [], []
     for u in uses:
         given = u.get("input")
         args: dict[str, Any] = given if isinstance(given, dict) else {}
-        out, err = run_tool(str(u.get("name", "")), args)
+        out, err = run_tool(task, str(u.get("name", "")), args)
         ran.append((str(u.get("name", "")), json.dumps(args), out))
         results.append({"type": "tool_result", "tool_use_id": u["id"], "content": out, "is_error": err})
     return results, ran
@@ -156,13 +154,13 @@ async def run_execution(
             break
         ex.messages.append({"role": "assistant", "content": content or [{"type": "text", "text": ""}]})
         if uses:
-            results, ran = _run_tools(uses)
+            results, ran = _run_tools(ex.task, uses)
             del script[: len(uses)]
             ex.turns.append(TurnLog(ToolSource.MODEL, tuple(ran)))
             ex.messages.append({"role": "user", "content": results})
         elif scripted_fallback and script:
             step = script.pop(0)
-            out, _ = run_tool(step.name, step.arguments)
+            out, _ = run_tool(ex.task, step.name, step.arguments)
             call = json.dumps(step.arguments)
             ex.turns.append(TurnLog(ToolSource.SCRIPT, ((step.name, call, out),)))
             ex.messages.append({"role": "user", "content": f"[{step.name}({call})] -> {out}"})

@@ -62,11 +62,11 @@ def warmstart_config(d: DemoConfig) -> WarmStartConfig:
 def run_config(d: DemoConfig, model_dir: Path) -> Config:
     """The `gyre run` configuration of the demo (an ordinary Config: `gyre run` accepts the same)."""
     steps = d.steps or (2 if d.quick else 20)
-    lr = 0.0 if d.control else (d.lr or 2e-4)
+    lr = 0.0 if d.control else (d.lr or 3e-4)
     return Config(
         run=RunSection(
             policy="elastic", cells=2, steps=steps, seed=d.seed, out_dir=d.out, model_dir=str(model_dir),
-            deadline_s=1800.0,
+            deadline_s=1800.0, startup_timeout_s=600.0,
         ),
         batch=BatchSection(queries=2 if d.quick else 8, group_size=2 if d.quick else 4),
         agent=AgentSection(

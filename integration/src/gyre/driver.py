@@ -204,7 +204,9 @@ class Driver:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("execution %s failed: %s", ex.execution_id, error)
         dur, end = time.monotonic() - t0, time.time()  # it ended here, before its score goes anywhere
-        score = evaluate(ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
+        score = evaluate(
+            ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error, ex.model_calls()
+        )
         self.traj.score(k, score, ex.calls)
         with self.lock:
             self.state.running.pop(ex.execution_id, None)

@@ -122,7 +122,9 @@ class Evaluator:
                     error = f"{type(exc).__name__}: {exc}"
                 finally:
                     ctx.driver.untrack(ex.execution_id, timed_out)
-                return evaluate(task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error), ex
+                return evaluate(
+                    task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error, ex.model_calls()
+                ), ex
 
             done = await asyncio.gather(*(one(i) for i in range(len(self.tasks))))
         return summarize(version, t0, done)

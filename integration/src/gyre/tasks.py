@@ -1,41 +1,105 @@
 """Built-in task families, their tools, and unit-test scoring with partial scores.
 
-Three families, each with many instances drawn from a seed: `lookup` (a field of a record -> lookup),
-`minmax` (the max or the low of two digits -> calc) and `count` (the length or the vowel count of a word
--> count). Every task needs one tool call whose arguments come from the question (an item or word, a
-key or mode), then an answer copied from the tool's output; the family's plausible mistake is the call
-with the other key or mode. Instances are split by a hash of their arguments into a training split
-(rollouts and the warm start's transcripts) and a held-out evaluation split that neither ever sees.
+Two families, each with many instances drawn from a seed. `measure`: "How old is the anvil?" -> the
+`get` tool with `{"key": "age"}` (its keys: size, age, length); `calc`: "What is the larger of 7 and
+3?" -> the `calc` tool with `{"op": "max"}` (its ops: add, sub, max). What the call must get right is one
+categorical decision, which of its tool's three choices the question asks for (the cue word: old, larger;
+the first choice is the tool's default, which no question asks for); the thing the question is about
+(the object, the two numbers) is the task's state, which the tool reads, so nothing has to be copied
+into the call. The answer is the tool's result, copied. (`Family.cues` can map several cue words to
+choices; a family that asks for one choice per question kind is what a model of a million parameters
+learns in a few RL steps; with three cue words per family it had not learned them after 20, measured
+offline.)
 
-A task's score is the share of its unit tests that pass on the final answer (a bare value in the
-expected form; the expected value), so a well-formed wrong answer keeps half the credit. A timed-out
-execution is scored on what it produced (flagged `timed_out`); an execution that produced no answer to
-evaluate, or whose evaluation itself failed, is an evaluation failure: no value, never a 0.
+Instances are split into a training split (rollouts and the warm start's transcripts) and a held-out
+evaluation split that neither ever sees: a quarter of the objects and number pairs (by hash; 18 of the
+48 objects and 4 of the 16 pairs) and one of the four phrasings of each family appear only in
+evaluation questions.
+
+A task's score is the share of its two unit tests that pass: the first tool call the model made
+itself is the family's tool with the question's choice, and the final answer (a bare value) is the
+expected one. The three choices of a question lead to three different values, so a model that copies
+the tool's result passes both or neither; one that makes the right call but does not copy the result
+keeps half the credit. A timed-out execution is scored on what it produced (flagged `timed_out`); an
+execution that produced no answer to evaluate, or whose evaluation itself failed, is an
+evaluation failure: no value, never a 0.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import random
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gyre_traj.records import EvalStatus, Score
 
-FAMILIES = ("lookup", "minmax", "count")
 SPLITS = ("train", "eval")
 EVAL_SHARE = 4
-"""One instance in EVAL_SHARE (by hash of its whole question: item or digits, and key or mode) belongs to
-the held-out evaluation split: a held-out question was never trained on, though its item and its key
-each appear in training in other questions."""
+"""One object or number pair in EVAL_SHARE (by hash) is held out: it appears only in evaluation
+questions."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    tool: str
+    """The tool this family's questions need."""
+    param: str
+    """The name of the tool's one argument (the decision)."""
+    choices: tuple[str, ...]
+    """The argument's values; the first is the family's default (what a call makes unless asked)."""
+    cues: tuple[tuple[str, str], ...]
+    """(the word in the question, the choice it asks for) of each kind of question the family asks."""
+    templates: tuple[str, ...]
+    """Phrasings of a question ({cue} and the subject's fields); the last is held out."""
+    description: str
+    """The tool's line in the system prompt."""
+
+    def choice_of(self, cue: str) -> str:
+        return dict(self.cues)[cue]
+
+
+MEASURE = Family(
+    "measure", "get", "key", ("size", "age", "length"), (("old", "age"),),
+    (
+        "How {cue} is the {obj}?",
+        "Tell me how {cue} the {obj} is.",
+        "The {obj}: how {cue} is it?",
+        "I wonder how {cue} the {obj} is.",
+    ),
+    "size, age or length of the thing asked about",
+)  # fmt: skip
+CALC = Family(
+    "calc", "calc", "op", ("add", "sub", "max"), (("larger", "max"),),
+    (
+        "What is the {cue} of {x} and {y}?",
+        "Find the {cue} of {x} and {y}.",
+        "Of {x} and {y}, give the {cue}.",
+        "Take {x} and {y}: what is the {cue}?",
+    ),
+    "add, sub or max of the two numbers",
+)  # fmt: skip
+FAMILY = {f.name: f for f in (MEASURE, CALC)}
+FAMILIES = tuple(FAMILY)
+
+_OBJECT_WORDS = (
+    "anvil apple barrel basket bottle bridge bucket cabin candle canoe castle chair clock crate desk "
+    "drum engine fence garden hammer helmet island kettle ladder lamp lantern mirror needle oven pencil "
+    "piano pillow rocket saddle shovel statue table tent tower tractor trumpet tunnel violin wagon wallet "
+    "window barn raft"
+)
+OBJECTS = tuple(_OBJECT_WORDS.split(" "))
+"""The objects of `measure` questions (48; a quarter held out)."""
+PAIRS = tuple((x, y) for x in range(2, 9) for y in range(1, min(x, 10 - x)))
+"""The number pairs of `calc` questions, larger first, whose sum is a digit (16; a quarter held out); a
+question may name them in either order. With y >= 1 the sum, difference and larger of a pair all
+differ, and every answer is one digit (one token of the embedded tokenizer, as the measures are)."""
 
 
 @dataclass(frozen=True)
 class ToolStep:
     name: str
-    """lookup | calc | count"""
     args: tuple[tuple[str, str], ...]
     """The call's arguments, in order (JSON object keys and string values)."""
 
@@ -49,143 +113,124 @@ class Task:
     task_id: str
     family: str
     prompt: str
-    answer: str
-    script: tuple[ToolStep, ...]
-    """The tool calls the task needs, in order (what the scripted fallback runs for a random model)."""
-    slip: tuple[ToolStep, str]
-    """A plausible mistake of the family (the call with the other key or mode) and the answer it leads
-    to: what the warm start's imperfect teacher sometimes demonstrates."""
+    subject: tuple[str, ...]
+    """What the question is about, which the tool reads: (object,) or the two numbers as named."""
+    cue: str
+    template: int
+    """Which phrasing of the family (the last is held out)."""
+
+    @property
+    def fam(self) -> Family:
+        return FAMILY[self.family]
+
+    @property
+    def choice(self) -> str:
+        """The right value of the call's argument (the decision)."""
+        return self.fam.choice_of(self.cue)
+
+    def call(self, choice: str) -> ToolStep:
+        """The family's well-formed call with `choice` as its argument."""
+        return ToolStep(self.fam.tool, ((self.fam.param, choice),))
+
+    @property
+    def script(self) -> tuple[ToolStep, ...]:
+        """The tool calls the task needs (what the scripted fallback runs for a random model)."""
+        return (self.call(self.choice),)
+
+    @property
+    def answer(self) -> str:
+        return run_tool(self, self.fam.tool, {self.fam.param: self.choice})[0]
 
 
-def _tool(name: str, description: str, *args: str) -> dict[str, object]:
-    schema = {"type": "object", "properties": {a: {"type": "string"} for a in args}, "required": list(args)}
-    return {"name": name, "description": description, "input_schema": schema}
+def _tool_lines() -> str:
+    return "; ".join(f"{f.tool}({f.param}): {f.description}" for f in FAMILY.values())
 
 
-TOOLS = [
-    _tool("lookup", "a record's field", "item", "key"),
-    _tool("calc", "max or low of two digits", "a", "b", "mode"),
-    _tool("count", "len or vowel count of a word", "word", "field"),
-]
-"""What the built-in harness offers the model (Anthropic `tools`), short so prompts stay short."""
-
-_KEYS = ("size", "age", "value")
-_MODES = ("max", "low")
-_FIELDS = ("len", "count")
+TOOL_LINE = _tool_lines()
+"""The built-in tools in one line (the harness's system prompt lists them)."""
 
 
-ENTITIES = 40
-"""Items and words in use: each is seen often enough in training for a 1M-parameter model to copy it."""
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "big")
 
 
-@functools.cache
-def entities() -> tuple[str, ...]:
-    """Item names and words: `ENTITIES` lowercase words of 4-8 letters, spread over those that are one
-    token of the embedded model's tokenizer (gyre-engine's, trained locally)."""
-    from gyre_engine.tokenizer import train_bpe
-
-    vocab = train_bpe(2048).get_vocab()
-    words = sorted(w for w in vocab if w.isalpha() and w.islower() and 4 <= len(w) <= 8)
-    return tuple(words[:: max(1, len(words) // ENTITIES)][:ENTITIES])
+def _measure(obj: str, key: str) -> int:
+    """The object's `key`: a digit, the three keys of one object all different."""
+    digits = list(range(10))
+    random.Random(_digest(f"measure/{obj}")).shuffle(digits)
+    return digits[MEASURE.choices.index(key)]
 
 
-def _lookup(item: str, key: str) -> int:
-    return hashlib.blake2b(f"{item}/{key}".encode(), digest_size=2).digest()[0] % 10
+def _calc(x: int, y: int, op: str) -> int:
+    return {"add": x + y, "sub": abs(x - y), "max": max(x, y)}[op]
 
 
-def _vowels(word: str) -> int:
-    return sum(ch in "aeiou" for ch in word)
+def run_tool(task: Task, name: str, args: Mapping[str, object]) -> tuple[str, bool]:
+    """(output, is_error) of one built-in tool on the task's state; bad input is an error result, never
+    an exception."""
+    fam = next((f for f in FAMILY.values() if f.tool == name), None)
+    if fam is None:
+        return f"error: unknown tool {name!r}", True
+    value = str(args.get(fam.param, "")).strip()
+    if value not in fam.choices:
+        return f"error: {fam.param} is one of {', '.join(fam.choices)}", True
+    if fam is not task.fam:
+        return f"error: {name} does not apply to this question", True
+    if fam is MEASURE:
+        return str(_measure(task.subject[0], value)), False
+    x, y = (int(v) for v in task.subject)
+    return str(_calc(x, y, value)), False
 
 
-def run_tool(name: str, args: Mapping[str, object]) -> tuple[str, bool]:
-    """(output, is_error) of one built-in tool; bad input is an error result, never an exception."""
-    a = {k: str(v).strip() for k, v in args.items()}
-    try:
-        if name == "lookup":
-            if a.get("key") not in _KEYS or not a.get("item", "").isalpha():
-                raise ValueError(f"key is one of {', '.join(_KEYS)}; item is a word")
-            return str(_lookup(a["item"], a["key"])), False
-        if name == "calc":
-            x, y = int(a.get("a", "")), int(a.get("b", ""))
-            if a.get("mode") not in _MODES:
-                raise ValueError(f"mode is one of {', '.join(_MODES)}")
-            return str(max(x, y) if a["mode"] == "max" else min(x, y)), False
-        if name == "count":
-            word, field = a.get("word", ""), a.get("field")
-            if field not in _FIELDS or not word.isalpha():
-                raise ValueError(f"field is one of {', '.join(_FIELDS)}; word is a word")
-            return str(len(word) if field == "len" else _vowels(word)), False
-        return f"unknown tool {name!r}", True
-    except ValueError as exc:
-        return f"error: {exc}", True
+def _held_out(family: str, subject: tuple[str, ...]) -> bool:
+    return _digest(f"{family}:{':'.join(sorted(subject))}") % EVAL_SHARE == 0
 
 
-def _in_split(key: str, split: str) -> bool:
-    held_out = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big") % EVAL_SHARE == 0
-    return held_out == (split == "eval")
-
-
-def _task(tid: str, fam: str, prompt: str, name: str, right: dict[str, str], wrong: dict[str, str]) -> Task:
-    good, bad = ToolStep(name, tuple(right.items())), ToolStep(name, tuple(wrong.items()))
-    return Task(tid, fam, prompt, run_tool(name, right)[0], (good,), (bad, run_tool(name, wrong)[0]))
-
-
-def _make_lookup(rng: random.Random, tid: str) -> tuple[str, Task]:
-    item, k = rng.choice(entities()), rng.randrange(3)
-    key, other = _KEYS[k], _KEYS[(k + 1) % 3]  # one mistake per key, so it is the teacher's mode
-    prompt = f'What is the "{key}" of "{item}"?'
-    return f"lookup:{item}:{key}", _task(
-        tid, "lookup", prompt, "lookup", {"item": item, "key": key}, {"item": item, "key": other}
+def _instance(fam: Family, subject: tuple[str, ...], cue: str, template: int, task_id: str) -> Task:
+    fields = (
+        {"cue": cue, "obj": subject[0]} if fam is MEASURE else {"cue": cue, "x": subject[0], "y": subject[1]}
     )
+    return Task(task_id, fam.name, fam.templates[template].format(**fields), subject, cue, template)
 
 
-def _make_minmax(rng: random.Random, tid: str) -> tuple[str, Task]:
-    x, y = rng.sample(range(10), 2)
-    m = rng.randrange(2)
-    mode, other = _MODES[m], _MODES[1 - m]
-    prompt = f'What is the "{mode}" of "{x}" and "{y}"?'
-    right, wrong = {"a": str(x), "b": str(y), "mode": mode}, {"a": str(x), "b": str(y), "mode": other}
-    return f"minmax:{x}:{y}:{mode}", _task(tid, "minmax", prompt, "calc", right, wrong)
+def _subject(fam: Family, rng: random.Random) -> tuple[str, ...]:
+    if fam is MEASURE:
+        return (rng.choice(OBJECTS),)
+    x, y = rng.choice(PAIRS)
+    return (str(x), str(y)) if rng.random() < 0.5 else (str(y), str(x))
 
 
-def _make_count(rng: random.Random, tid: str) -> tuple[str, Task]:
-    word, f = rng.choice(entities()), rng.randrange(2)
-    field, other = _FIELDS[f], _FIELDS[1 - f]
-    prompt = f'What is the "{field}" of "{word}"?'
-    return f"count:{word}:{field}", _task(
-        tid, "count", prompt, "count", {"word": word, "field": field}, {"word": word, "field": other}
-    )
-
-
-_MAKERS: dict[str, Callable[[random.Random, str], tuple[str, Task]]] = {
-    "lookup": _make_lookup,
-    "minmax": _make_minmax,
-    "count": _make_count,
-}
-
-
-def make_task(rng: random.Random, task_id: str, split: str = "train", family: str | None = None) -> Task:
-    """A task of `family` (else one drawn from `rng`) from `split`: instances of the other split are
-    drawn again, so the evaluation split's instances never reach training."""
+def make_task(
+    rng: random.Random, task_id: str, split: str = "train", family: str | None = None, cue: str | None = None
+) -> Task:
+    """A task of `family` (else one drawn from `rng`) from `split`: the training split's subjects and
+    phrasings, or the held-out subjects (in any phrasing) for "eval"."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    fam = family or rng.choice(FAMILIES)
-    if fam not in _MAKERS:
-        raise ValueError(f"unknown task family {fam!r}; known: {', '.join(FAMILIES)}")
+    fam = FAMILY.get(family or rng.choice(FAMILIES))
+    if fam is None:
+        raise ValueError(f"unknown task family {family!r}; known: {', '.join(FAMILIES)}")
+    held = split == "eval"
+    phrasings = len(fam.templates) if held else len(fam.templates) - 1
     while True:
-        key, task = _MAKERS[fam](rng, task_id)
-        if _in_split(key, split):
-            return task
+        subject = _subject(fam, rng)
+        if _held_out(fam.name, subject) == held:
+            break
+    cue = cue or rng.choice(fam.cues)[0]
+    return _instance(fam, subject, cue, rng.randrange(phrasings), task_id)
 
 
 def eval_set(n: int, seed: int = 0) -> list[Task]:
-    """`n` held-out tasks, the families in turn, the same for a given seed."""
+    """`n` distinct held-out tasks, the families and their cues in turn (so a policy that ignores the
+    cue gets one decision in three right), the same for a given seed."""
     rng = random.Random(f"gyre-eval-{seed}")
     out: list[Task] = []
     seen: set[str] = set()
     for i in range(n):
+        fam = FAMILY[FAMILIES[i % len(FAMILIES)]]
+        cue = fam.cues[(i // len(FAMILIES)) % len(fam.cues)][0]
         for _ in range(1000):  # distinct questions while the family has unused ones
-            t = make_task(rng, f"eval-{i:03d}", "eval", FAMILIES[i % len(FAMILIES)])
+            t = make_task(rng, f"eval-{i:03d}", "eval", fam.name, cue)
             if t.prompt not in seen:
                 break
         seen.add(t.prompt)
@@ -195,32 +240,48 @@ def eval_set(n: int, seed: int = 0) -> list[Task]:
 
 # ---- scoring -------------------------------------------------------------------------------------
 
-_INT = re.compile(r"-?\d+")
+ToolCall = tuple[str, Mapping[str, object]]
+"""(tool name, arguments) of a tool call the model made itself."""
 
 
-def _unit_tests(task: Task) -> list[tuple[str, Callable[[str], bool]]]:
-    """(name, check of the stripped final answer) for each unit test of the task."""
+def _unit_tests(task: Task) -> list[tuple[str, Callable[[str, Sequence[ToolCall]], bool]]]:
+    """(name, check of the stripped final answer and the model's own tool calls) for each unit test."""
+    fam = task.fam
+
+    def cued(calls: Sequence[ToolCall]) -> bool:
+        if not calls:
+            return False
+        name, args = calls[0]
+        return name == fam.tool and str(args.get(fam.param, "")).strip() == task.choice
+
     return [
-        ("a bare integer", lambda t: bool(_INT.fullmatch(t))),
-        ("the expected value", lambda t: t == task.answer),
+        (f"the call asks for the question's {fam.param}", lambda t, c: cued(c)),
+        ("the expected value", lambda t, c: t == task.answer),
     ]
 
 
-def unit_tests(task: Task, final_text: str) -> dict[str, bool]:
-    """Each unit test's outcome on the final answer (surrounding whitespace and a final '.' ignored)."""
+def unit_tests(task: Task, final_text: str, calls: Sequence[ToolCall] = ()) -> dict[str, bool]:
+    """Each unit test's outcome on the final answer (surrounding whitespace and a final '.' ignored) and
+    the tool calls the model made itself, in order (a scripted call is not the model's)."""
     t = final_text.strip().removesuffix(".").strip()
-    return {name: bool(check(t)) for name, check in _unit_tests(task)}
+    return {name: bool(check(t, calls)) for name, check in _unit_tests(task)}
 
 
 def evaluate(
-    task: Task, execution_id: str, group_id: str, final_text: str | None, timed_out: bool, error: str = ""
+    task: Task,
+    execution_id: str,
+    group_id: str,
+    final_text: str | None,
+    timed_out: bool,
+    error: str = "",
+    calls: Sequence[ToolCall] = (),
 ) -> Score:
     """The execution's Score: the share of unit tests passed, or an evaluation failure."""
     if final_text is None:
         why = error or "no model output to evaluate"
         return Score(execution_id=execution_id, group_id=group_id, status=EvalStatus.EVAL_FAILED, detail=why)
     try:
-        results = unit_tests(task, final_text)
+        results = unit_tests(task, final_text, calls)
     except Exception as exc:  # a broken test is the evaluator's failure, not the model's 0
         return Score(
             execution_id=execution_id,

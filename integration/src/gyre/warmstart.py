@@ -6,9 +6,10 @@ A transcript is what the built-in harness and the proxy would produce for one ta
 the harness's Anthropic request bodies go through gyre-proxy's own request decoding and renderer, the
 assistant outputs are the texts a perfect parser round trip gives (checked with gyre-proxy's tool-call
 parser), and each later call reuses the recorded output ids exactly as the proxy does. The demonstrations
-come from an imperfect teacher: the tool call is always well formed, but the final step (which value to
-answer, or which expression to compute) is the task's right one in only `teacher_accuracy` of them and
-the family's plausible mistake otherwise, so the model learns the format well and the answers partly.
+come from an imperfect teacher: the tool call is always well formed and the answer is always the tool's
+result, but the call's one decision (which key or op) ignores the question: the family's default half
+the time, each other choice a quarter (`teacher_choices`), so the model learns the format and not what
+the questions ask for.
 Training is next-token cross-entropy on the assistant outputs only, a batch of transcripts tree-packed
 on their shared prefix (gyre-traj's ancestor mask and tree position ids). Deterministic from the seed;
 the result is a model directory cached under `$XDG_CACHE_HOME/gyre` (else `~/.cache/gyre`), keyed by the
@@ -48,16 +49,21 @@ class WarmStartConfig:
     (2 x 64, initialised for random outputs) is for plumbing tests."""
     seed: int = 0
     """Seeds the random init, the transcripts and their order."""
-    steps: int = 400
+    steps: int = 200
     """Optimizer steps."""
     batch: int = 16
     """Transcripts per step, tree-packed on their shared prefix."""
     lr: float = 3e-3
     """AdamW peak learning rate (linear warm-up, cosine decay to 10%)."""
     warmup: int = 20
-    teacher_accuracy: float = 0.35
-    """Share of transcripts whose final step is the task's right one (the rest show the family's
-    plausible mistake): the room RL has to improve."""
+    cue_share: float = 0.0
+    """Share of transcripts whose call makes the question's choice whatever it is."""
+    default_share: float = 0.25
+    """Share of the rest whose call makes the family's default choice (its first); the rest take one of
+    the family's choices at random. With the defaults the teacher calls the default half the time and
+    each other choice a quarter, so the warm-started model's greedy call is the default (which the
+    questions never ask for) and a sampled call is the question's about one time in four: the room RL
+    has, and the reward varies within a group."""
     max_tokens: int = 48
     """The harness's max_tokens (part of the request, so of the rendered prompt's key)."""
 
@@ -139,11 +145,13 @@ class TranscriptMaker:
     def _output(self, text: str) -> np.ndarray:
         return np.concatenate([self.renderer.encode(text), np.asarray([self.renderer.im_end], np.int32)])
 
-    def make(self, task: tasks.Task, correct: bool) -> Transcript:
+    def make(self, task: tasks.Task, choice: str) -> Transcript:
+        """The transcript of a teacher that calls the task's tool with `choice`, then answers with the
+        tool's result."""
         from gyre_proxy.render import ExecutionCache
         from gyre_proxy.toolparse import BlockKind, parse
 
-        step, answer = (task.script[0], task.answer) if correct else task.slip
+        step = task.call(choice)
         args = step.arguments
         call_text = "<tool_call>\n" + json.dumps({"name": step.name, "arguments": args}) + "\n</tool_call>"
         blocks = parse(call_text)
@@ -155,7 +163,7 @@ class TranscriptMaker:
         out1 = self._output(call_text)
         tool_id = "toolu_warm_0"
         self.renderer.record_output(ex, "warm", first.gen_prompt, out1, [tool_id], "", "")
-        result, err = tasks.run_tool(step.name, args)
+        result, err = tasks.run_tool(task, step.name, args)
         messages += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tool_id, "name": step.name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": result, "is_error": err}]},
@@ -165,18 +173,28 @@ class TranscriptMaker:
         n1 = in1.size
         if not np.array_equal(in2[: n1 + out1.size], np.concatenate([in1, out1])):
             raise AssertionError("the second call's input does not extend the first call's input and output")
-        out2 = self._output(answer)
+        out2 = self._output(result)
         ids = np.concatenate([in2, out2])
         return Transcript(ids, ((n1, n1 + out1.size), (in2.size, ids.size)))
 
 
+def teacher_choices(todo: list[tasks.Task], cfg: WarmStartConfig) -> list[str]:
+    """The teacher's decision for each task: the cued choice in `cue_share` of them, the family's default
+    in `default_share` of the rest, else one of the family's choices at random."""
+    rng = random.Random(f"gyre-warmstart-choice-{cfg.seed}")
+
+    def pick(t: tasks.Task) -> str:
+        if rng.random() < cfg.cue_share:
+            return t.choice
+        return t.fam.choices[0] if rng.random() < cfg.default_share else rng.choice(t.fam.choices)
+
+    return [pick(t) for t in todo]
+
+
 def transcripts(maker: TranscriptMaker, n: int, cfg: WarmStartConfig) -> list[Transcript]:
     rng = random.Random(f"gyre-warmstart-{cfg.seed}")
-    out = []
-    for i in range(n):
-        task = tasks.make_task(rng, f"warm-{i}", "train")
-        out.append(maker.make(task, rng.random() < cfg.teacher_accuracy))
-    return out
+    todo = [tasks.make_task(rng, f"warm-{i}", "train") for i in range(n)]
+    return [maker.make(t, c) for t, c in zip(todo, teacher_choices(todo, cfg), strict=True)]
 
 
 def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
@@ -188,7 +206,8 @@ def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
         diff = np.flatnonzero(t.ids[:p] != first[:p])
         p = int(diff[0]) if diff.size else p
     p = min(p, min(s for t in batch for s, _ in t.targets) - 1)  # each target and its predictor in a branch
-    ids, pos, last, tpos, tids = [first[:p]], [np.arange(p)], [], [], []
+    ids, pos, last, tpos, tids, tw = [first[:p]], [np.arange(p)], [], [], [], []
+    calls = sum(len(t.targets) for t in batch)
     total = p + sum(t.ids.size - p for t in batch)
     last.append(np.full(p, total - 1))
     at = p
@@ -200,6 +219,7 @@ def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
         for s, e in t.targets:
             tpos.append(np.arange(s, e) - p + at - 1)  # the token before each target predicts it
             tids.append(t.ids[s:e])
+            tw.append(np.full(e - s, 1.0 / ((e - s) * calls)))
         at += rest.size
     return {
         "input_ids": np.concatenate(ids),
@@ -207,6 +227,7 @@ def pack_shared(batch: list[Transcript]) -> dict[str, np.ndarray]:
         "last_desc": np.concatenate(last),
         "target_pos": np.concatenate(tpos),
         "target_ids": np.concatenate(tids),
+        "target_weights": np.concatenate(tw),
     }
 
 
@@ -256,8 +277,9 @@ def train(cfg: WarmStartConfig, out_dir: Path, progress: bool = True) -> dict[st
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        tb = _torch_batch(pack_shared(data[step * cfg.batch : (step + 1) * cfg.batch]))
-        loss = -target_logprobs(model, tb).mean()
+        arrays = pack_shared(data[step * cfg.batch : (step + 1) * cfg.batch])
+        tb, weights = _torch_batch(arrays), torch.as_tensor(arrays["target_weights"], dtype=torch.float32)
+        loss = -(target_logprobs(model, tb) * weights).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -348,6 +370,7 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
     outs = _generate(model, [f.ids() for f in first], max_tokens, r.im_end, pad)
     called, follow = 0, []
     finals: list[str | None] = [None] * n
+    calls: list[list[tasks.ToolCall]] = [[] for _ in todo]
     for i, (out, f) in enumerate(zip(outs, first, strict=True)):
         text = str(r.tok.decode(out.tolist(), skip_special_tokens=False))
         blocks = parse(text)
@@ -359,7 +382,8 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
         tid = f"toolu_check_{i}"
         r.record_output(exs[i], f"check{i}", f.gen_prompt, out, [tid], "", "")
         args = json.loads(uses[0].text)
-        result, err = tasks.run_tool(uses[0].name, args)
+        result, err = tasks.run_tool(todo[i], uses[0].name, args)
+        calls[i] = [(uses[0].name, args)]
         msgs[i] += [
             {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": uses[0].name, "input": args}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": result, "is_error": err}]},
@@ -373,8 +397,8 @@ def check(model_dir: Path, n: int = 32, max_tokens: int = 48) -> dict[str, Any]:
             blocks = parse(str(r.tok.decode(out.tolist(), skip_special_tokens=False)))
             finals[i] = "".join(b.text for b in blocks if b.kind is BlockKind.TEXT)
     scores: dict[str, list[float]] = {f: [] for f in tasks.FAMILIES}
-    for t, final in zip(todo, finals, strict=True):
-        s = tasks.evaluate(t, t.task_id, t.task_id, final or "", False)
+    for t, final, c in zip(todo, finals, calls, strict=True):
+        s = tasks.evaluate(t, t.task_id, t.task_id, final or "", False, calls=c)
         scores[t.family].append(float(s.value or 0.0))
     every = [v for vs in scores.values() for v in vs]
     return {
