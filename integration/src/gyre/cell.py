@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.protocol import (
     CellLost,
     Codec,
@@ -72,6 +73,11 @@ class CellArgs:
     release_memory: bool = True
     startup_timeout_s: float = 180.0
     device: str = "cpu"
+    host: str = "127.0.0.1"
+    """This node's address, which the engine and the trainer core bind and peers dial (`launch.py`)."""
+    token_file: str = ""
+    """A file holding the run token (a cell started by a cluster's launcher, e.g. SLURM's srun); empty:
+    $GYRE_TOKEN, or none (a loopback scheduler without one)."""
 
 
 def model_config_of(model_dir: str) -> Any:
@@ -114,7 +120,7 @@ class Cell:
     def __init__(self, a: CellArgs) -> None:
         self.a = a
         self.run_dir = Path(a.run_dir)
-        self.url = f"http://127.0.0.1:{a.engine_port}"
+        self.url = f"http://{a.host}:{a.engine_port}"
         self.name = f"cell-{a.cell_id}"
         self.procs = ProcessGroup(self.run_dir / "logs")
         self.stop = threading.Event()
@@ -140,7 +146,8 @@ class Cell:
     def start_engine(self) -> None:
         argv = python_argv(
             "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
-            "--device", self.a.device, "--max-running-requests", "64",
+            "--device", self.a.device, "--max-running-requests", "64", "--host", self.a.host,
+            *(["--allow-remote"] if self.a.host != "127.0.0.1" else []),
         )  # fmt: skip
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + self.a.startup_timeout_s
@@ -222,6 +229,7 @@ class Cell:
                 ),
                 optim=OptimConfig(lr=self.a.lr),
                 dead_after_s=30.0,
+                bind=f"tcp://{self.a.host}:0",
             )
             self.core = Core(model, mc, cfg)
             self.core.set_computing(False)  # the cell starts in rollout
@@ -298,10 +306,8 @@ class Cell:
     # ---- the scheduler side -------------------------------------------------------------------------
     def serve(self) -> None:
         codec = Codec()
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.a.sched)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = dealer(ctx, self.a.sched)  # the run token: $GYRE_TOKEN (main() reads token_file into it)
         try:
             hello = Hello(
                 PeerKind.CELL,
@@ -406,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--args", required=True, help="the cell's settings as JSON (written by `gyre run`)")
     ns = p.parse_args(argv)
     a = CellArgs(**json.loads(ns.args))
+    if a.token_file:
+        from gyre_xfer.auth import TOKEN_ENV, read_token_file
+
+        os.environ[TOKEN_ENV] = read_token_file(a.token_file)  # its engine, publisher and sockets too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cell = Cell(a)

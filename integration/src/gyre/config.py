@@ -51,6 +51,11 @@ class RunSection:
     """The whole run fails (every process stopped) if it has not finished in this long."""
     startup_timeout_s: float = 180.0
     """Processes that are not up within this long are an error."""
+    ray_address: str = ""
+    """Empty: every process on this machine (the local launcher). Else a Ray cluster's address ("auto",
+    "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
+    its GPUs) are placed through one placement group, bind their node's address, and share a run token
+    ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
 
 
 @dataclass(frozen=True)
