@@ -160,6 +160,10 @@ class RayLauncher:
     CHECK_EVERY_S = 0.5
 
     def __init__(self, address: str, log_dir: Path, parts: list[Part], timeout_s: float) -> None:
+        # The parts run in the Ray nodes' own Python environment (gyre installed there), never in one Ray
+        # rebuilds for each worker from the driver's `uv run` (its default: `uv run` per worker process,
+        # with the driver's working directory uploaded).
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -222,7 +226,13 @@ class RayLauncher:
             {"name": p.name, "bind": h, "node_id": n, "node_address": ip, "gpus": p.gpus, "bundle": i}
             for i, (p, h, (n, ip)) in enumerate(zip(parts, hosts, nodes, strict=True))
         ]
-        doc = {"ray_address": self.address, "driver_node_id": here, "one_node": self.one_node, "parts": where}
+        doc = {
+            "ray_address": self.address,
+            "driver_node_id": here,
+            "one_node": self.one_node,
+            "run_token": "new" if self._own_token else "given",
+            "parts": where,
+        }
         (self.log_dir / "placement.json").write_text(json.dumps(doc, indent=1))
 
     def _part(self, name: str) -> _Placed:
