@@ -169,19 +169,10 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     env.pop(TOKEN_ENV, None)
     log = Path(temp) / "head.log"
     ray_bin = Path(sys.executable).with_name("ray")
+    argv = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=8", "--num-gpus=0"]
+    argv += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
     head = subprocess.Popen(
-        [
-            str(ray_bin),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=8",
-            "--num-gpus=0",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp}",
-        ],  # fmt: skip
+        argv,
         stdout=open(log, "wb"),  # noqa: SIM115
         stderr=subprocess.STDOUT,
         env=env,
