@@ -75,6 +75,9 @@ class CellArgs:
     device: str = "cpu"
     host: str = "127.0.0.1"
     """This node's address, which the engine and the trainer core bind and peers dial (`launch.py`)."""
+    engine: str = "gyre"
+    """gyre (gyre-engine) or sglang (`sglang_cell.py`)."""
+    sglang_module: str = "sglang.launch_server"
     token_file: str = ""
     """A file holding the run token (a cell started by a cluster's launcher, e.g. SLURM's srun); empty:
     $GYRE_TOKEN, or none (a loopback scheduler without one)."""
@@ -132,6 +135,7 @@ class Cell:
         self.client: Any = None  # CoreClient (weight thread + admit/dismiss)
         self.publisher = a.publisher
         self.fatal: BaseException | None = None
+        self.sglang: Any = None  # sglang_cell.SGLangEngine when [cell] engine = "sglang"
 
     # ---- engine -------------------------------------------------------------------------------------
     def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
@@ -144,6 +148,12 @@ class Cell:
         return asyncio.run(go())
 
     def start_engine(self) -> None:
+        if self.a.engine == "sglang":
+            from gyre.sglang_cell import SGLangEngine
+
+            self.sglang = SGLangEngine(self.a, self.procs)
+            self.sglang.start()
+            return
         argv = python_argv(
             "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
             "--device", self.a.device, "--max-running-requests", "64", "--host", self.a.host,
@@ -165,6 +175,11 @@ class Cell:
 
         if not self.a.release_memory:
             return
+        if self.sglang is not None:
+            with self.weights_lock:
+                self.sglang.release()
+                self.engine_version = -1  # SGLang keeps no copy: the next sync sends the whole model
+            return
         deadline = time.monotonic() + 30.0
         while True:
             try:
@@ -179,13 +194,22 @@ class Cell:
     def resume_engine(self) -> None:
         if self.a.release_memory:
             with self.weights_lock:
-                self._engine(lambda c: c.resume_memory(None))
+                if self.sglang is not None:
+                    self.sglang.resume()
+                else:
+                    self._engine(lambda c: c.resume_memory(None))
 
     def sync_weights(self) -> bool:
         """Load the core's newest version into the engine if it is newer; True if it changed."""
         st = self.client.status()
         if st.version <= self.engine_version:
             return False
+        if self.sglang is not None:
+            with self.weights_lock:
+                push_s = self.sglang.load(self.publisher, st.snapshot, st.version)
+            self.engine_version = st.version
+            log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
+            return True
         with self.weights_lock:
             rep = self._engine(
                 lambda c: c.update_weights_from_xfer(
@@ -302,6 +326,8 @@ class Cell:
             self.client.dismiss(self.name)
         self.resume_engine()
         self.sync_weights()
+        if self.sglang is not None and self.a.release_memory:
+            self.sglang.continue_()  # paused by release_engine; its weights are current again
 
     # ---- the scheduler side -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -403,6 +429,8 @@ class Cell:
             self.training.clear()
             if self.core is not None:
                 self.core.close()
+            if self.sglang is not None:
+                self.sglang.close()
             self.procs.close()
         return 0
 

@@ -137,6 +137,13 @@ class CellSection:
     device: str = "cpu"
     """cpu, or cuda: cell i then sees GPU i alone (CUDA_VISIBLE_DEVICES) for its engine and its replica,
     and training uses FlexAttention."""
+    engine: str = "gyre"
+    """The cell's rollout engine: gyre (gyre-engine), or sglang (an SGLang server started through
+    gyre-engine's launcher and driven through SGLang's endpoints only: weights by its distributed update,
+    memory release and resume, pause and continue; a moved call is re-prefilled)."""
+    sglang_module: str = "sglang.launch_server"
+    """engine = "sglang": what `python -m` runs, SGLang's server or, where SGLang cannot serve (no
+    supported GPU), gyre_engine.standin (gyre-engine with SGLang's flags and endpoints only)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,10 @@ class Config:
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")
         _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
+        _check(
+            self.cell.engine in ("gyre", "sglang"),
+            f"[cell] engine must be gyre or sglang, got {self.cell.engine!r}",
+        )
         _check(
             self.cell.device in ("cpu", "cuda"),
             f"[cell] device must be cpu or cuda, got {self.cell.device!r}",

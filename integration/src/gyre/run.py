@@ -144,7 +144,8 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 engine_port=ports[i], run_dir=str(out), core=core, publisher=publisher, lr=cfg.train.lr,
                 token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
                 release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
-                device=cfg.cell.device, host=procs.host(f"cell-{i}"),
+                device=cfg.cell.device, host=procs.host(f"cell-{i}"), engine=cfg.cell.engine,
+                sglang_module=cfg.cell.sglang_module,
             )  # fmt: skip
             env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.cell.device == "cuda" else {}
             procs.start(
