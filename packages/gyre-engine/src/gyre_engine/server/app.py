@@ -415,7 +415,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
                 0.0,
                 0.0,
                 float(st.decode_tokens),
-            ],  # fmt: skip
+            ],
         )
         return _json_response(Loads([snap], version=None))
 
