@@ -22,6 +22,8 @@ taking the same flags and serving SGLang's endpoints only.
 from __future__ import annotations
 
 import asyncio
+import logging
+import shlex
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from gyre.procs import ProcessGroup
 
 T = TypeVar("T")
+log = logging.getLogger("gyre.sglang_cell")
 
 
 class SGLangEngine:
@@ -70,6 +73,7 @@ class SGLangEngine:
         from gyre_engine.launcher import wait_healthy
         from gyre_train.engine_sync import SGLangSyncConfig, SGLangWeightSync
 
+        log.info("cell %d: starting %s", self.a.cell_id, shlex.join(self.config.command()))
         child = self.procs.start(
             f"engine-{self.a.cell_id}", self.config.command(), env={"OMP_NUM_THREADS": "1"}
         )
