@@ -7,9 +7,10 @@ group with it: the cell is rank 0 of gyre-train's `SGLangWeightSync` (NCCL on GP
 the server joins through `/init_weights_update_group`. `load(publisher, snapshot, version)` pulls the
 core's snapshot from gyre-xfer's publisher into this process (as satellites do) and broadcasts it to the
 server through `/update_weights_from_distributed` inside a `/begin_weight_update` session, labelled with
-the core's version. `release()` pauses generation (`/pause_generation`, mode abort: the proxy has drained
-the engine, and a call still there ends as aborted and is re-sent elsewhere, re-prefilled, since SGLang
-has no KV hand-off) and frees its memory (`/release_memory_occupation`); `resume()` takes the memory back
+the core's version. `release()` waits until the server is idle (the proxy drains it first, moving its
+calls to other engines, where they are re-prefilled since SGLang has no KV hand-off; `/v1/loads` shows
+when none is left), then pauses generation (`/pause_generation`) and frees its memory
+(`/release_memory_occupation`); `resume()` takes the memory back
 (`/resume_memory_occupation`). Weights released without a host copy are gone, so after a resume the next
 `load` sends the whole model even if the version did not change, and only then does `continue_()` let
 generation go on (`/continue_generation`).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -105,7 +107,20 @@ class SGLangEngine:
         self.loaded = version
         return float(report.seconds)
 
-    def release(self) -> None:
+    def release(self, idle_timeout_s: float = 30.0) -> None:
+        """Wait until the server is idle (the proxy drains it first; SGLang's /v1/loads says when), then
+        pause and free its memory. A server still busy after `idle_timeout_s` is a TimeoutError."""
+        deadline = time.monotonic() + idle_timeout_s
+        while True:
+            load = self._call(lambda c: c.load())
+            if load.running == 0 and load.waiting == 0:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"cell {self.a.cell_id}: SGLang still has {load.running} running and {load.waiting} "
+                    f"waiting requests {idle_timeout_s:.0f} s after the drain"
+                )
+            time.sleep(0.1)
         self._call(lambda c: c.pause("abort"))
         self._call(lambda c: c.release_memory(None))
         self.loaded = -1
