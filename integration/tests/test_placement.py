@@ -105,12 +105,22 @@ def test_cell_registers_with_a_remote_scheduler_by_address_and_token_file(tmp_pa
     env["OMP_NUM_THREADS"] = "1"
     logs = tmp_path / "logs"
     logs.mkdir()
-    sched = subprocess.Popen(
-        [sys.executable, "-m", "gyre_sched.cli", "serve", "--bind", addr, "--token-file", str(token_file)],
-        stdout=open(logs / "sched.log", "wb"),  # noqa: SIM115 - closed with the process
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    with open(logs / "sched.log", "wb") as fh:
+        sched = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gyre_sched.cli",
+                "serve",
+                "--bind",
+                addr,
+                "--token-file",
+                str(token_file),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     args = {
@@ -124,26 +134,29 @@ def test_cell_registers_with_a_remote_scheduler_by_address_and_token_file(tmp_pa
         "token_file": str(token_file),
         "startup_timeout_s": 600.0,
     }
-    cell = subprocess.Popen(
-        [sys.executable, "-m", "gyre.cli", "cell", "--args", json.dumps(args)],
-        stdout=open(logs / "cell.log", "wb"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    with open(logs / "cell.log", "wb") as fh:
+        cell = subprocess.Popen(
+            [sys.executable, "-m", "gyre.cli", "cell", "--args", json.dumps(args)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
+        st = _state(addr, token, 120.0)  # the scheduler may still be starting
+        assert st is not None, "the scheduler did not answer an observer holding the token"
         registered = None
         deadline = time.monotonic() + 600
         while registered is None and time.monotonic() < deadline:
             assert cell.poll() is None, (logs / "cell.log").read_text()[-3000:]
-            st = _state(addr, token, 5.0)
-            assert st is not None, "the scheduler did not answer an observer holding the token"
+            st = _state(addr, token, 30.0)
+            assert st is not None, "the scheduler stopped answering"
             registered = next((c for c in st.cells if c.cell_id == 0), None)
             time.sleep(1.0)
         assert registered is not None, (logs / "cell.log").read_text()[-3000:]
         assert registered.is_core and registered.role is Role.ROLLOUT and registered.capacity == 4
         core = json.loads((run_dir / "core.json").read_text())  # the trainer core is up, bound loopback
         assert core["core"].startswith("tcp://127.0.0.1:")
-        assert _state(addr, new_token(), 3.0) is None  # another token: refused, nothing answers
+        assert _state(addr, new_token(), 5.0) is None  # another token: refused, nothing answers
     finally:
         _stop(cell)
         _stop(sched)
@@ -168,12 +181,13 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     }
     env.pop(TOKEN_ENV, None)
     log = Path(temp) / "head.log"
+    log_fh = open(log, "wb")  # noqa: SIM115 - closed at teardown
     ray_bin = Path(sys.executable).with_name("ray")
     argv = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=8", "--num-gpus=0"]
     argv += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
     head = subprocess.Popen(
         argv,
-        stdout=open(log, "wb"),  # noqa: SIM115
+        stdout=log_fh,
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
@@ -194,6 +208,7 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(head.pid, signal.SIGKILL)
             head.wait(10)
+        log_fh.close()
 
 
 @pytest.mark.slow
