@@ -89,6 +89,7 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_cell_registers_with_a_remote_scheduler_by_address_and_token_file(tmp_path: Path) -> None:
     """gyre-sched serves with a token file (CURVE); `gyre cell`, started as its own process as srun
     would start it (no $GYRE_TOKEN, only the token file and the scheduler's address), brings up its engine
@@ -212,6 +213,7 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # about 2 minutes on a quiet machine; over 10 on this one under load
 def test_gyre_run_tiny_through_ray(tmp_path: Path, ray_head: tuple[str, dict[str, str]]) -> None:
     """integration/examples/tiny.toml as it is (out_dir and the startup timeouts of a loaded machine
     aside), through `gyre run --ray ADDRESS`: scheduler, proxy and both cells placed by Ray, the run token
@@ -269,6 +271,7 @@ _DEAD_PART = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_a_part_that_dies_on_ray_is_named_with_its_log_tail(
     tmp_path: Path, ray_head: tuple[str, dict[str, str]]
 ) -> None:

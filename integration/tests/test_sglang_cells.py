@@ -16,6 +16,7 @@ from gyre.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 7.3 minutes on this machine under load
 def test_gyre_run_with_sglang_cells_against_the_standin(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cfg = tmp_path / "sglang.toml"
