@@ -167,13 +167,41 @@ def test_cell_registers_with_a_remote_scheduler_by_address_and_token_file(tmp_pa
 # ---- Ray -------------------------------------------------------------------------------------------------
 
 
+def _start_head(env: dict[str, str], port: int, temp: str, log: Path) -> subprocess.Popen[bytes] | None:
+    """`ray start --head --block` in its own session; None if it gave up starting (Ray waits a fixed 30 s
+    for its raylet to register, which a loaded machine can miss)."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    argv = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=8", "--num-gpus=0"]
+    argv += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
+    with open(log, "wb") as fh:
+        head = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        if head.poll() is not None:
+            _stop_head(head)
+            return None
+        assert time.monotonic() < deadline, "the Ray head did not start within 300 s"
+        time.sleep(0.5)
+    return head
+
+
+def _stop_head(head: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGTERM)  # the head's own session: raylet, GCS and workers
+    try:
+        head.wait(60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(10)
+
+
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     """A Ray head on this machine (its own session and temp dir, token authentication with a fresh token,
-    8 logical CPUs, no GPU); yields its address and the environment a client needs."""
+    8 logical CPUs, no GPU); yields its address and the environment a client needs. Three tries: under
+    heavy load Ray's own fixed startup wait can run out."""
     pytest.importorskip("ray")
-    temp = tempfile.mkdtemp(prefix="gyre-ray-", dir="/tmp")  # short: Ray's socket paths have a limit
-    port = free_port()
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -181,35 +209,20 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
         "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     }
     env.pop(TOKEN_ENV, None)
-    log = Path(temp) / "head.log"
-    log_fh = open(log, "wb")  # noqa: SIM115 - closed at teardown
-    ray_bin = Path(sys.executable).with_name("ray")
-    argv = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=8", "--num-gpus=0"]
-    argv += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
-    head = subprocess.Popen(
-        argv,
-        stdout=log_fh,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    logs = []
+    for _ in range(3):
+        temp = tempfile.mkdtemp(prefix="gyre-ray-", dir="/tmp")  # short: Ray's socket paths have a limit
+        port = free_port()
+        logs.append(Path(temp) / "head.log")
+        head = _start_head(env, port, temp, logs[-1])
+        if head is not None:
+            break
+    else:
+        raise AssertionError("the Ray head did not start: " + logs[-1].read_text(errors="replace")[-3000:])
     try:
-        deadline = time.monotonic() + 300
-        while "Ray runtime started" not in log.read_text(errors="replace"):
-            assert head.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the Ray head did not start within 300 s"
-            time.sleep(0.5)
         yield f"127.0.0.1:{port}", env
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGTERM)  # the head's own session: raylet, GCS and workers
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(head.pid, signal.SIGKILL)
-            head.wait(10)
-        log_fh.close()
+        _stop_head(head)
 
 
 @pytest.mark.slow
