@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.protocol import (
     CellLost,
     Codec,
@@ -74,6 +75,14 @@ class CellArgs:
     device: str = "cpu"
     engine_argv: tuple[str, ...] = ("--max-running-requests", "64")
     """Further `gyre-engine serve` options (`gyre.gpus.engine_argv`: memory, CUDA graphs)."""
+    host: str = "127.0.0.1"
+    """This node's address, which the engine and the trainer core bind and peers dial (`launch.py`)."""
+    engine: str = "gyre"
+    """gyre (gyre-engine) or sglang (`sglang_cell.py`)."""
+    sglang_module: str = "sglang.launch_server"
+    token_file: str = ""
+    """A file holding the run token (a cell started by a cluster's launcher, e.g. SLURM's srun); empty:
+    $GYRE_TOKEN, or none (a loopback scheduler without one)."""
 
 
 def model_config_of(model_dir: str) -> Any:
@@ -116,7 +125,7 @@ class Cell:
     def __init__(self, a: CellArgs) -> None:
         self.a = a
         self.run_dir = Path(a.run_dir)
-        self.url = f"http://127.0.0.1:{a.engine_port}"
+        self.url = f"http://{a.host}:{a.engine_port}"
         self.name = f"cell-{a.cell_id}"
         self.procs = ProcessGroup(self.run_dir / "logs")
         self.stop = threading.Event()
@@ -128,6 +137,7 @@ class Cell:
         self.client: Any = None  # CoreClient (weight thread + admit/dismiss)
         self.publisher = a.publisher
         self.fatal: BaseException | None = None
+        self.sglang: Any = None  # sglang_cell.SGLangEngine when [cell] engine = "sglang"
 
     # ---- engine -------------------------------------------------------------------------------------
     def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
@@ -140,9 +150,16 @@ class Cell:
         return asyncio.run(go())
 
     def start_engine(self) -> None:
+        if self.a.engine == "sglang":
+            from gyre.sglang_cell import SGLangEngine
+
+            self.sglang = SGLangEngine(self.a, self.procs)
+            self.sglang.start()
+            return
         argv = python_argv(
             "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
-            "--device", self.a.device, *self.a.engine_argv,
+            "--device", self.a.device, *self.a.engine_argv, "--host", self.a.host,
+            *(["--allow-remote"] if self.a.host != "127.0.0.1" else []),
         )  # fmt: skip
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + self.a.startup_timeout_s
@@ -160,6 +177,11 @@ class Cell:
 
         if not self.a.release_memory:
             return
+        if self.sglang is not None:
+            with self.weights_lock:
+                self.sglang.release()
+                self.engine_version = -1  # SGLang keeps no copy: the next sync sends the whole model
+            return
         deadline = time.monotonic() + 30.0
         while True:
             try:
@@ -174,13 +196,22 @@ class Cell:
     def resume_engine(self) -> None:
         if self.a.release_memory:
             with self.weights_lock:
-                self._engine(lambda c: c.resume_memory(None))
+                if self.sglang is not None:
+                    self.sglang.resume()
+                else:
+                    self._engine(lambda c: c.resume_memory(None))
 
     def sync_weights(self) -> bool:
         """Load the core's newest version into the engine if it is newer; True if it changed."""
         st = self.client.status()
         if st.version <= self.engine_version:
             return False
+        if self.sglang is not None:
+            with self.weights_lock:
+                push_s = self.sglang.load(self.publisher, st.snapshot, st.version)
+            self.engine_version = st.version
+            log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
+            return True
         with self.weights_lock:
             rep = self._engine(
                 lambda c: c.update_weights_from_xfer(
@@ -224,6 +255,7 @@ class Cell:
                 ),
                 optim=OptimConfig(lr=self.a.lr),
                 dead_after_s=30.0,
+                bind=f"tcp://{self.a.host}:0",
             )
             self.core = Core(model, mc, cfg)
             self.core.set_computing(False)  # the cell starts in rollout
@@ -304,15 +336,16 @@ class Cell:
         self.resume_engine()
         t2 = time.monotonic()
         self.sync_weights()
-        return {"leave_s": t1 - t0, "resume_s": t2 - t1, "weights_s": time.monotonic() - t2}
+        t3 = time.monotonic()
+        if self.sglang is not None and self.a.release_memory:
+            self.sglang.continue_()  # paused by release_engine; its weights are current again
+        return {"leave_s": t1 - t0, "resume_s": t2 - t1, "weights_s": t3 - t2}
 
     # ---- the scheduler side -------------------------------------------------------------------------
     def serve(self) -> None:
         codec = Codec()
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.a.sched)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = dealer(ctx, self.a.sched)  # the run token: $GYRE_TOKEN (main() reads token_file into it)
         try:
             hello = Hello(
                 PeerKind.CELL,
@@ -409,6 +442,8 @@ class Cell:
             self.training.clear()
             if self.core is not None:
                 self.core.close()
+            if self.sglang is not None:
+                self.sglang.close()
             self.procs.close()
         return 0
 
@@ -418,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--args", required=True, help="the cell's settings as JSON (written by `gyre run`)")
     ns = p.parse_args(argv)
     a = CellArgs(**json.loads(ns.args))
+    if a.token_file:
+        from gyre_xfer.auth import TOKEN_ENV, read_token_file
+
+        os.environ[TOKEN_ENV] = read_token_file(a.token_file)  # its engine, publisher and sockets too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cell = Cell(a)

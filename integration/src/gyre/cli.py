@@ -45,6 +45,13 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="a .toml, .yaml or .json run config (see integration/examples/)")
     r.add_argument("--policy", choices=POLICIES, help="override [run] policy")
     r.add_argument("--out", help="override [run] out_dir")
+    from gyre.config import RunSection
+
+    r.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="override [run] ray_address: " + _field_docs(RunSection)["ray_address"],
+    )
     r.add_argument("-v", "--verbose", action="store_true", help="log every component's decisions")
     c = sub.add_parser(
         "compare", help="the same workload under several policies (arms), with the simulator's predictions"
@@ -171,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = cfg.with_policy(cfg.run.policy, args.out)
             if args.command == "run" and args.policy:
                 cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
+            if args.command == "run" and args.ray is not None:
+                cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
         except ConfigError as exc:
             print(f"gyre {args.command}: {exc}", file=sys.stderr)
             return 2
+        from gyre.launch import PlacementError
         from gyre.procs import ChildDied
         from gyre.run import RunError
 
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 arms = [p.strip() for p in args.policies.split(",") if p.strip()]
                 compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
-        except (RunError, ChildDied, ConfigError) as exc:
+        except (RunError, ChildDied, ConfigError, PlacementError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # every child was stopped on the way out

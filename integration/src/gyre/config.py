@@ -51,6 +51,11 @@ class RunSection:
     """The whole run fails (every process stopped) if it has not finished in this long."""
     startup_timeout_s: float = 180.0
     """Processes that are not up within this long are an error."""
+    ray_address: str = ""
+    """Empty: every process on this machine (the local launcher). Else a Ray cluster's address ("auto",
+    "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
+    its GPUs) are placed through one placement group, bind their node's address, and share a run token
+    ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,13 @@ class CellSection:
     gpus: list[int] = field(default_factory=list)
     """With device = "cuda": the GPU index of each cell, one per cell; cells may share a GPU (`[0, 0]`:
     two cells on GPU 0). Empty: cell i takes GPU i (`gyre.gpus`)."""
+    engine: str = "gyre"
+    """The cell's rollout engine: gyre (gyre-engine), or sglang (an SGLang server started through
+    gyre-engine's launcher and driven through SGLang's endpoints only: weights by its distributed update,
+    memory release and resume, pause and continue; a moved call is re-prefilled)."""
+    sglang_module: str = "sglang.launch_server"
+    """engine = "sglang": what `python -m` runs, SGLang's server or, where SGLang cannot serve (no
+    supported GPU), gyre_engine.standin (gyre-engine with SGLang's flags and endpoints only)."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +227,10 @@ class Config:
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")
         _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
+        _check(
+            self.cell.engine in ("gyre", "sglang"),
+            f"[cell] engine must be gyre or sglang, got {self.cell.engine!r}",
+        )
         _check(
             self.cell.device in ("cpu", "cuda"),
             f"[cell] device must be cpu or cuda, got {self.cell.device!r}",

@@ -1,4 +1,6 @@
-"""`gyre run CONFIG`: the whole system on one machine, as local processes, until the last step lands.
+"""`gyre run CONFIG`: the whole system, until the last step lands: as local processes on this machine, or
+placed on a Ray cluster with `[run] ray_address` (`launch.py`: where each part starts and which address it
+binds).
 
 Started here, in order: gyre-sched's service (the configured policy), cell 0 (engine + trainer core),
 the other cells (engine + satellite), gyre-proxy (engines come from the scheduler, records PUSHed to the
@@ -30,8 +32,9 @@ from gyre.cell import CellArgs
 from gyre.config import Config
 from gyre.driver import Driver
 from gyre.evalset import Evaluator
+from gyre.launch import LOOPBACK, Launcher, Part, launcher_for
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
-from gyre.procs import ProcessGroup, free_port, python_argv, tail
+from gyre.procs import ProcessGroup, python_argv, tail
 from gyre.runparts import RunContext, RunPart
 from gyre.trainwatch import train_overlap
 from gyre.trajsvc import TrajectoryService
@@ -72,6 +75,12 @@ def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
     return p
 
 
+def parts_of(cfg: Config) -> list[Part]:
+    """What a launcher places: the scheduler, the proxy and each cell with its GPUs."""
+    gpus = 1 if cfg.cell.device == "cuda" else 0
+    return [Part("sched"), Part("proxy"), *(Part(f"cell-{i}", gpus) for i in range(cfg.run.cells))]
+
+
 def _wait(what: str, ok: Callable[[], bool], check: Callable[[], None], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():
@@ -107,16 +116,16 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         (out / stale).unlink(missing_ok=True)
     if (out / "logs").exists():
         shutil.rmtree(out / "logs")
-    procs = ProcessGroup(out / "logs")
     c = cfg.run
+    procs = launcher_for(c.ray_address, out / "logs", parts_of(cfg), c.startup_timeout_s)
     driver: Driver | None = None
     traj: TrajectoryService | None = None
     sampler: Sampler | None = None
     t_start = t_end = 0.0
     proxy_stats: dict[str, Any] = {}
     try:
-        model_dir = ensure_model(cfg, out, procs)
-        sched = f"tcp://127.0.0.1:{free_port()}"
+        model_dir = ensure_model(cfg, out, procs.local)
+        sched = f"tcp://{procs.host('sched')}:{procs.free_port('sched')}"
         s = cfg.sched
         procs.start(
             "sched",
@@ -128,8 +137,8 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 "--switch-timeout-s", str(s.switch_timeout_s), "--drain-timeout-s", str(s.drain_timeout_s),
             ),
         )  # fmt: skip
-        ports = [free_port() for _ in range(c.cells)]
-        engines = {i: f"http://127.0.0.1:{p}" for i, p in enumerate(ports)}
+        ports = [procs.free_port(f"cell-{i}") for i in range(c.cells)]
+        engines = {i: f"http://{procs.host(f'cell-{i}')}:{p}" for i, p in enumerate(ports)}
 
         def cell(i: int, core: str = "", publisher: str = "") -> None:
             a = CellArgs(
@@ -138,6 +147,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
                 release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
                 device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
+                host=procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
             )  # fmt: skip
             env = gpus.cell_env(cfg, i)
             procs.start(
@@ -154,11 +164,13 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
             info["core"], sched, cfg.batch.queries, streaming=cfg.streams,
             token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
         )  # fmt: skip
-        proxy_url = f"http://127.0.0.1:{free_port()}"
+        proxy_host = procs.host("proxy")
+        proxy_url = f"http://{proxy_host}:{procs.free_port('proxy')}"
         procs.start(
             "proxy",
             python_argv(
                 "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", proxy_url.rsplit(":", 1)[1],
+                "--host", proxy_host, *(["--allow-remote"] if proxy_host != LOOPBACK else []),
                 "--sched", sched, "--record-log", str(out / "records.msgpack"), "--record-push", traj.address,
                 "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
             ),
@@ -253,7 +265,7 @@ def _moves(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_health(
-    procs: ProcessGroup, traj: TrajectoryService | None, driver: Driver | None, sampler: Sampler | None
+    procs: Launcher, traj: TrajectoryService | None, driver: Driver | None, sampler: Sampler | None
 ) -> None:
     """Raise (ChildDied or RunError, naming the part and why) if any part of the run has failed."""
     procs.check()

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
 from gyre_train.control import CoreClient, InboxFull
@@ -116,9 +117,7 @@ class TrajectoryService:
     # ---- the service thread -------------------------------------------------------------------------
     def _run(self) -> None:
         sc = SchedCodec()
-        sched = self._ctx.socket(zmq.DEALER)
-        sched.setsockopt(zmq.LINGER, 0)
-        sched.connect(self._sched_address)
+        sched = dealer(self._ctx, self._sched_address)
         sched.send(sc.encode(Hello(PeerKind.TRAJ)))
         core = CoreClient(self._core_address, timeout_s=30.0)
         last_report = 0.0

@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
         "serving (0: on first use)",
     )
     s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
+    s.add_argument(
+        "--sglang-only",
+        action="store_true",
+        help="serve SGLang's endpoints only (gyre's own answer 404): gyre-engine standing in for SGLang",
+    )
     s.add_argument("--xfer-hostname", default="127.0.0.1", help="gyre-xfer: address Mooncake peers use")
     s.add_argument("--xfer-metadata-server", default="P2PHANDSHAKE", help="gyre-xfer: Mooncake metadata")
     s.add_argument(
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                     device=args.device,
                     dtype=args.dtype,
                     allow_remote=args.allow_remote,
+                    sglang_only=args.sglang_only,
                     engine=Engine.Config(
                         max_running_requests=args.max_running_requests,
                         max_cached_tokens=args.max_cached_tokens,

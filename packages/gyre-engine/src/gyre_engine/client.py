@@ -357,12 +357,17 @@ class EngineClient:
     async def load(self) -> EngineLoad:
         """Running and waiting requests, a work counter and the weight version, from either server:
         gyre-engine's counters in its /server_info, or SGLang's /v1/loads (summed over its ranks) and
-        /model_info. Which one this server is, is found on the first call."""
+        /model_info. Which one this server is, is found on the first call (a /server_info that is not
+        gyre's, or none at all, is SGLang's way)."""
         if self._sglang is None:
-            r = await self._get("/server_info")
             try:
+                r = await self._get("/server_info")
                 info = msgspec.json.decode(r.content, type=ServerInfo)
-            except msgspec.ValidationError:
+            except msgspec.ValidationError:  # SGLang's configuration
+                self._sglang = True
+            except EngineError as exc:
+                if exc.status != 404:  # not served: SGLang's, or gyre-engine standing in for it
+                    raise
                 self._sglang = True
             else:
                 self._sglang = False

@@ -55,6 +55,9 @@ class SGLangConfig:
     skip_server_warmup: bool = False
     weight_group: WeightGroup | None = None
     python: str = field(default_factory=lambda: sys.executable)
+    module: str = "sglang.launch_server"
+    """What `python -m` runs: SGLang's server, or `gyre_engine.standin` (gyre-engine taking the same
+    flags, SGLang's endpoints only) where SGLang cannot run."""
     extra_args: tuple[str, ...] = ()
 
     def command(self) -> list[str]:
@@ -63,7 +66,7 @@ class SGLangConfig:
             raise ValueError("tp and dp must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path]
+        cmd = [self.python, "-m", self.module, "--model-path", self.model_path]
         cmd += ["--tp-size", str(self.tp), "--host", self.host, "--port", str(self.port)]
         if self.dp != 1:
             cmd += ["--dp-size", str(self.dp)]

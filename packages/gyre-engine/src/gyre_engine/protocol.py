@@ -265,7 +265,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
 
 class Loads(msgspec.Struct, frozen=True):
-    """GET /v1/loads of SGLang (load per data-parallel rank); gyre-engine does not serve it."""
+    """GET /v1/loads of SGLang (load per data-parallel rank); gyre-engine serves one rank."""
 
     loads: list[LoadSnapshot] = msgspec.field(default_factory=list)
     version: str | None = None

@@ -15,6 +15,7 @@ import threading
 import time
 
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.protocol import (
     Codec,
     EngineAdd,
@@ -64,10 +65,7 @@ class ControlLink:
     def _run(self) -> None:
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.connect(self.endpoint)
+        sock = dealer(ctx, self.endpoint)  # with the run token ($GYRE_TOKEN) when there is one
         try:
             sock.send(codec.encode(Hello(PeerKind.PROXY)))
             last_beat = 0.0

@@ -33,6 +33,8 @@ from gyre_engine.protocol import (
     GenerateRequest,
     GenerateResponse,
     ImportPrefixXferRequest,
+    Loads,
+    LoadSnapshot,
     MemoryRequest,
     ModelInfo,
     OfferPrefixRequest,
@@ -104,6 +106,21 @@ class AppConfig:
     health_timeout_s: float = 20.0
     xfer: XferConfig = field(default_factory=XferConfig)
     """Transports for /update_weights_from_xfer and the prefix hand-off endpoints."""
+    sglang_only: bool = False
+    """Serve SGLang's endpoints only (`GYRE_ONLY` answer 404, as on SGLang): gyre-engine standing in for
+    SGLang, so a client that must work against SGLang is tested without gyre's extras."""
+
+
+GYRE_ONLY = (
+    "/server_info",
+    "/export_prefix",
+    "/import_prefix",
+    "/update_weights_from_xfer",
+    "/offer_prefix",
+    "/import_prefix_xfer",
+    "/release_prefix_offer",
+)
+"""gyre-engine's own endpoints, which SGLang 0.5.23 does not serve (its /server_info is its configuration)."""
 
 
 def _json_response(obj: Any, status: int = 200) -> Response:
@@ -380,6 +397,28 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             )
         )
 
+    async def loads(request: Request) -> Response:
+        """SGLang's GET /v1/loads: one data-parallel rank from the engine's counters. `decode_moments` holds
+        decode steps, tokens (the sum of batch sizes), and step microseconds; squared sizes and size x
+        microseconds are not tracked (0)."""
+        st = engine.stats()
+        running, waiting = engine.counts()
+        snap = LoadSnapshot(
+            timestamp=time.time(),
+            num_running_reqs=running,
+            num_waiting_reqs=waiting,
+            total_prefill_uncached_tokens=st.prefill_tokens_computed,
+            decode_moments=[
+                float(st.decode_steps),
+                float(st.decode_tokens),
+                st.decode_time_s * 1e6,
+                0.0,
+                0.0,
+                float(st.decode_tokens),
+            ],
+        )
+        return _json_response(Loads([snap], version=None))
+
     async def server_info(request: Request) -> Response:
         st = engine.stats()
         running, waiting = engine.counts()
@@ -498,6 +537,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         Route("/model_info", guarded(model_info), methods=["GET"]),
         Route("/get_model_info", guarded(model_info), methods=["GET"]),
         Route("/server_info", guarded(server_info), methods=["GET"]),
+        Route("/v1/loads", guarded(loads), methods=["GET"]),
         Route("/health", guarded(health_generate), methods=["GET"]),
         Route("/health_generate", guarded(health_generate), methods=["GET"]),
         Route("/ready", guarded(ready), methods=["GET"]),
@@ -508,6 +548,8 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         Route("/import_prefix_xfer", guarded(import_prefix_xfer), methods=["POST"]),
         Route("/release_prefix_offer", guarded(release_prefix_offer), methods=["POST"]),
     ]
+    if config.sglang_only:
+        routes = [r for r in routes if r.path not in GYRE_ONLY]
     app = Starlette(routes=routes)
     app.state.xfer = xfer
     app.state.weight_groups = groups

@@ -39,6 +39,8 @@ class ServeConfig:
     xfer: XferConfig = field(default_factory=XferConfig)
     warmup_decode_tokens: int = 0
     """Capture the decode graphs for rows up to this many tokens before serving (0: on first use)."""
+    sglang_only: bool = False
+    """Serve SGLang's endpoints only (`app.GYRE_ONLY` answer 404): standing in for SGLang in tests."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -71,7 +73,13 @@ def serve(cfg: ServeConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(cfg)
     app = build_app(
-        engine, AppConfig(model_path=cfg.model, served_model_name=cfg.served_model_name, xfer=cfg.xfer)
+        engine,
+        AppConfig(
+            model_path=cfg.model,
+            served_model_name=cfg.served_model_name,
+            xfer=cfg.xfer,
+            sglang_only=cfg.sglang_only,
+        ),
     )
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)

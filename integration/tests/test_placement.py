@@ -1,0 +1,300 @@
+"""Placement beyond the local launcher: `gyre run` through a Ray cluster (a real Ray head started here,
+token authentication on, every gyre part placed through a placement group), a part's death named with
+its log's tail as it is locally, and the SLURM way (a `gyre cell` started by someone else registers with
+a running scheduler by address and token file).
+
+Ray's own addresses are the machine's (Ray turns 127.0.0.1 into the node's address); gyre's parts all
+land on this one node, so they bind loopback (launch.py). The Ray tests take a few minutes on 2 loaded
+cores, most of it Ray starting its head and workers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from gyre.launch import Host, LocalLauncher
+from gyre.procs import free_port
+from gyre_sched.client import dealer
+from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
+from gyre_xfer.auth import TOKEN_ENV, new_token
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "integration" / "examples" / "tiny.toml"
+
+
+def test_host_names_a_dead_process_with_its_log_tail(tmp_path: Path) -> None:
+    """What a Ray actor reports for its part (the same class, run in-process): nothing while the process
+    lives, then its name, exit code and the last lines of its log."""
+    h = Host(str(tmp_path))
+    h.start("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], {})
+    h.start("boom", [sys.executable, "-c", "import sys; print('the reason it died'); sys.exit(3)"], {})
+    deadline = time.monotonic() + 60
+    why = None
+    while why is None and time.monotonic() < deadline:
+        why = h.failure()
+        time.sleep(0.1)
+    h.stop(5.0)
+    assert why is not None
+    assert "boom exited with code 3" in why and "the reason it died" in why
+
+
+def test_local_launcher_binds_loopback(tmp_path: Path) -> None:
+    launcher = LocalLauncher(tmp_path)
+    assert launcher.host("cell-0") == "127.0.0.1" and launcher.local is launcher
+    launcher.close()
+
+
+# ---- SLURM: a cell started by the cluster's launcher -----------------------------------------------------
+
+
+def _state(addr: str, token: str, timeout_s: float) -> State | None:
+    """The scheduler's State as an observer holding `token` sees it, or None if it does not answer."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = dealer(ctx, addr, token)
+    codec = Codec()
+    try:
+        sock.send(codec.encode(Hello(PeerKind.OBSERVER)))
+        sock.send(codec.encode(GetState()))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sock.poll(200):
+                msg = codec.decode(sock.recv())
+                if isinstance(msg, State):
+                    return msg
+        return None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _stop(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_cell_registers_with_a_remote_scheduler_by_address_and_token_file(tmp_path: Path) -> None:
+    """gyre-sched serves with a token file (CURVE); `gyre cell`, started as its own process as srun
+    would start it (no $GYRE_TOKEN, only the token file and the scheduler's address), brings up its engine
+    and trainer core and registers; an observer with the token sees it, one with another token sees
+    nothing."""
+    from gyre_engine.server.model_factory import create_model
+
+    model = create_model(tmp_path / "model")
+    token = new_token()
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env["OMP_NUM_THREADS"] = "1"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with open(logs / "sched.log", "wb") as fh:
+        sched = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gyre_sched.cli",
+                "serve",
+                "--bind",
+                addr,
+                "--token-file",
+                str(token_file),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = {
+        "sched": addr,
+        "cell_id": 0,
+        "is_core": True,
+        "capacity": 4,
+        "model_dir": str(model),
+        "engine_port": free_port(),
+        "run_dir": str(run_dir),
+        "token_file": str(token_file),
+        "startup_timeout_s": 600.0,
+    }
+    with open(logs / "cell.log", "wb") as fh:
+        cell = subprocess.Popen(
+            [sys.executable, "-m", "gyre.cli", "cell", "--args", json.dumps(args)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        st = _state(addr, token, 120.0)  # the scheduler may still be starting
+        assert st is not None, "the scheduler did not answer an observer holding the token"
+        registered = None
+        deadline = time.monotonic() + 600
+        while registered is None and time.monotonic() < deadline:
+            assert cell.poll() is None, (logs / "cell.log").read_text()[-3000:]
+            st = _state(addr, token, 30.0)
+            assert st is not None, "the scheduler stopped answering"
+            registered = next((c for c in st.cells if c.cell_id == 0), None)
+            time.sleep(1.0)
+        assert registered is not None, (logs / "cell.log").read_text()[-3000:]
+        assert registered.is_core and registered.role is Role.ROLLOUT and registered.capacity == 4
+        core = json.loads((run_dir / "core.json").read_text())  # the trainer core is up, bound loopback
+        assert core["core"].startswith("tcp://127.0.0.1:")
+        assert _state(addr, new_token(), 5.0) is None  # another token: refused, nothing answers
+    finally:
+        _stop(cell)
+        _stop(sched)
+    assert cell.returncode == 0  # SIGTERM: the cell stops its engine and core and exits cleanly
+
+
+# ---- Ray -------------------------------------------------------------------------------------------------
+
+
+def _start_head(env: dict[str, str], port: int, temp: str, log: Path) -> subprocess.Popen[bytes] | None:
+    """`ray start --head --block` in its own session; None if it gave up starting (Ray waits a fixed 30 s
+    for its raylet to register, which a loaded machine can miss)."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    argv = [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=8", "--num-gpus=0"]
+    argv += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"]
+    with open(log, "wb") as fh:
+        head = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        if head.poll() is not None:
+            _stop_head(head)
+            return None
+        assert time.monotonic() < deadline, "the Ray head did not start within 300 s"
+        time.sleep(0.5)
+    return head
+
+
+def _stop_head(head: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGTERM)  # the head's own session: raylet, GCS and workers
+    try:
+        head.wait(60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(10)
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
+    """A Ray head on this machine (its own session and temp dir, token authentication with a fresh token,
+    8 logical CPUs, no GPU); yields its address and the environment a client needs. Three tries: under
+    heavy load Ray's own fixed startup wait can run out."""
+    pytest.importorskip("ray")
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": new_token(),
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    }
+    env.pop(TOKEN_ENV, None)
+    logs = []
+    for _ in range(3):
+        temp = tempfile.mkdtemp(prefix="gyre-ray-", dir="/tmp")  # short: Ray's socket paths have a limit
+        port = free_port()
+        logs.append(Path(temp) / "head.log")
+        head = _start_head(env, port, temp, logs[-1])
+        if head is not None:
+            break
+    else:
+        raise AssertionError("the Ray head did not start: " + logs[-1].read_text(errors="replace")[-3000:])
+    try:
+        yield f"127.0.0.1:{port}", env
+    finally:
+        _stop_head(head)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # about 2 minutes on a quiet machine; over 10 on this one under load
+def test_gyre_run_tiny_through_ray(tmp_path: Path, ray_head: tuple[str, dict[str, str]]) -> None:
+    """integration/examples/tiny.toml as it is (out_dir and the startup timeouts of a loaded machine
+    aside), through `gyre run --ray ADDRESS`: scheduler, proxy and both cells placed by Ray, the run token
+    on every part, two steps applied and reached the rollout engine."""
+    address, env = ray_head
+    out = tmp_path / "run"
+    text = TINY.read_text().replace('out_dir = "gyre-run"', f'out_dir = "{out}"')
+    text = text.replace("[run]\n", "[run]\nstartup_timeout_s = 900.0\ndeadline_s = 1800.0\n", 1)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(text)
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "run", str(cfg), "--ray", address],
+        capture_output=True,
+        env=env,
+        timeout=2400,
+    )
+    said = p.stdout.decode(errors="replace") + p.stderr.decode(errors="replace")
+    assert p.returncode == 0, said[-5000:]
+    print(f"gyre run through Ray: {time.monotonic() - t0:.1f} s wall")
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps_applied"] == 2 and m["final_version"] == 2
+    rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
+    assert rollout and all(c["engine_version"] == "2" for c in rollout)
+    placed = json.loads((out / "logs" / "placement.json").read_text())
+    assert placed["ray_address"] == address and placed["one_node"] is True
+    assert [x["name"] for x in placed["parts"]] == ["sched", "proxy", "cell-0", "cell-1"]
+    assert {x["node_id"] for x in placed["parts"]} == {placed["driver_node_id"]}
+    assert all(x["bind"] == "127.0.0.1" for x in placed["parts"])
+    assert placed["run_token"] == "new"  # none was given: the launcher made one for every part
+
+
+_DEAD_PART = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from gyre.launch import Part, RayLauncher
+    from gyre.procs import ChildDied
+
+    launcher = RayLauncher(sys.argv[1], Path(sys.argv[2]), [Part("boom")], 300.0)
+    try:
+        launcher.start("boom", [sys.executable, "-c", "import sys; print('the reason it died'); sys.exit(3)"])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                launcher.check()
+            except ChildDied as exc:
+                print("CHILD-DIED:", exc)
+                break
+            time.sleep(0.2)
+    finally:
+        launcher.close()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_part_that_dies_on_ray_is_named_with_its_log_tail(
+    tmp_path: Path, ray_head: tuple[str, dict[str, str]]
+) -> None:
+    address, env = ray_head
+    p = subprocess.run(
+        [sys.executable, "-c", _DEAD_PART, address, str(tmp_path / "logs")],
+        capture_output=True,
+        env=env,
+        timeout=600,
+    )
+    said = p.stdout.decode(errors="replace")
+    assert p.returncode == 0, said + p.stderr.decode(errors="replace")[-3000:]
+    assert "CHILD-DIED: boom exited with code 3" in said and "the reason it died" in said
