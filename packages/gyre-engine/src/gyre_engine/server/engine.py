@@ -255,13 +255,13 @@ class Engine:
         """Raise ProtocolError for a request no state of the engine could serve."""
         if not req.input_ids:
             raise ProtocolError("input_ids is empty")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ProtocolError(f"input_ids has {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-        if len(req.input_ids) >= self.context_len:
+        if len(req.input_ids) >= self.context_len:  # before the scan below: cheap, and what SGLang says
             raise ProtocolError(
                 f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
+        if min(req.input_ids) < 0 or max(req.input_ids) >= self.vocab_size:
+            bad = next(t for t in req.input_ids if not 0 <= t < self.vocab_size)
+            raise ProtocolError(f"input_ids has {bad}, outside the vocabulary [0, {self.vocab_size})")
         if not 0 <= req.top_logprobs_num <= 64:
             raise ProtocolError("top_logprobs_num must be in [0, 64]")
         for t in req.token_ids_logprob or ():
@@ -560,16 +560,24 @@ class Engine:
     # ----------------------------------------------------------------- control (engine thread only)
     def abort(self, rid: str, message: str = "Abort in waiting queue") -> bool:
         """Abort one request by rid; False if no such request is in flight."""
+        return self._abort_where(lambda r: r.rid == rid, message)
+
+    def abort_request(self, req: EngineRequest, message: str = "Abort request") -> bool:
+        """Abort the request made of `req` itself (not another that reuses its rid); False if it is no
+        longer in flight."""
+        return self._abort_where(lambda r: r.req is req, message)
+
+    def _abort_where(self, match: Callable[[Running], bool], message: str) -> bool:
         for r in list(self._waiting):
-            if r.rid == rid:
+            if match(r):
                 self._waiting.remove(r)
                 self._finish(r, abort_reason(message), [], [], None)
                 return True
-        if self._partial is not None and self._partial.r.rid == rid:
+        if self._partial is not None and match(self._partial.r):
             r, self._partial = self._partial.r, None
             self._finish(r, abort_reason("Abort request"), [], [], None)
             return True
-        found = self.lanes.find(rid)
+        found = self.lanes.find_where(match)
         if found is not None:
             lane, i = found
             r = lane.reqs[i]
