@@ -90,3 +90,24 @@ def test_abort_request_names_one_request_not_its_rid(engine: Engine) -> None:
     engine.submit(running, lambda ev: gone.set() if ev.finish is not None else None).result(30)
     assert engine.call(engine.abort_request, running).result(30) is True
     assert gone.wait(30)
+
+
+def test_a_call_cancelled_before_it_runs_is_dropped_and_the_engine_lives_on(engine: Engine) -> None:
+    """A server cancels its wait on a call when the wait times out or the client leaves; the engine
+    thread must drop such a call, not die setting a result on a cancelled future (found by the fuzzer:
+    the thread died and every later request was 409 'engine thread is not running')."""
+    hold, held = threading.Event(), threading.Event()
+
+    def block() -> None:
+        held.set()
+        hold.wait(30)
+
+    ran: list[str] = []
+    first = engine.call(block)
+    assert held.wait(30)
+    dropped = engine.call(ran.append, "dropped")
+    assert dropped.cancel()
+    hold.set()
+    first.result(30)
+    assert engine.call(ran.append, "kept").result(30) is None
+    assert ran == ["kept"] and engine.alive

@@ -13,9 +13,12 @@ projections run as one GEMM each (`fused.py`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -146,7 +149,7 @@ class Engine:
             "prefill_time_s": 0.0,
         }
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
 
     def _make_slots(self) -> SlotBatch | None:
         mode = self.config.decode_slots
@@ -228,7 +231,8 @@ class Engine:
         return self._thread.is_alive()
 
     def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Run `fn(*args)` on the engine thread between two steps."""
+        """Run `fn(*args)` on the engine thread between two steps. Cancelling the future before the
+        engine thread takes the call drops it; once taken, it runs to its end."""
         fut: Future[T] = Future()
         if not self._thread.is_alive():
             fut.set_exception(EngineUnavailable("engine thread is not running"))
@@ -310,6 +314,14 @@ class Engine:
             self._in_flight() or self._waiting
         )
 
+    def _run(self) -> None:
+        """The thread: its death would leave a server up that answers but never generates, so anything
+        escaping the loop ends the process loudly (`THREAD_DIED`)."""
+        try:
+            self._loop()
+        except BaseException:
+            _die()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -318,10 +330,12 @@ class Engine:
                 cmd = None
             while cmd is not None:
                 fn, fut = cmd
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:  # handed to the caller through the future
-                    fut.set_exception(exc)
+                # a call its caller cancelled before it ran (it timed out, or its client left) is dropped
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except Exception as exc:  # handed to the caller through the future
+                        fut.set_exception(exc)
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
@@ -703,6 +717,19 @@ class Engine:
             if self.slots is not None:
                 self.slots.check_weights()
         self.released -= set(tags)
+
+
+THREAD_DIED = 70
+"""Exit status of a server whose engine thread died (EX_SOFTWARE)."""
+
+
+def _die() -> None:
+    try:
+        sys.stderr.write(f"gyre-engine: the engine thread died; the process exits ({THREAD_DIED})\n")
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+    finally:
+        os._exit(THREAD_DIED)
 
 
 def _check_tags(tags: list[str] | None) -> list[str]:
