@@ -138,3 +138,31 @@ def test_other_requests_are_answered_while_a_long_text_is_tokenized(server: Any)
 
     asyncio.run(go())
     assert done == ["short", "short", "short", "long text"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        # found by fuzzing: a path too long for the file system was an OSError, a 500
+        ("/update_weights_from_disk", {"model_path": "ab\u00e9 " * 2500}, "cannot read the weights"),
+        # found by fuzzing: a publisher ZeroMQ cannot connect to was a ZMQError, a 500
+        ("/update_weights_from_xfer", {"publisher": "not an address", "transport": "shm"}, "publisher"),
+    ],
+)
+def test_a_body_naming_what_cannot_be_opened_is_a_400(
+    server: Any, path: str, body: dict[str, Any], needle: str
+) -> None:
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    _good(server.url)
+
+
+def test_a_client_gone_before_its_body_arrived_is_a_499() -> None:
+    """Starlette raises ClientDisconnect when a client leaves while its body is read (found by fuzzing:
+    a 500 and a logged traceback); nobody reads the answer, but it is not the server's fault."""
+    from gyre_engine.server.errors import error_for
+    from starlette.requests import ClientDisconnect
+
+    r = error_for(ClientDisconnect())
+    assert r.status_code == 499 and b"ClientClosedRequest" in r.body

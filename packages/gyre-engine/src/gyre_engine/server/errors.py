@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from gyre_xfer.errors import XferError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gyre_engine.protocol import ErrorBody, ErrorReply, ProtocolError, SuccessReply
@@ -89,8 +89,10 @@ def error_for(exc: Exception) -> Response:
     """The response for an exception a route raised."""
     if isinstance(exc, BodyTooLarge):
         return too_large(exc)
-    if isinstance(exc, ClientGone):
-        return error_response(str(exc), 499, "ClientClosedRequest")
+    if isinstance(exc, ClientGone | ClientDisconnect):  # nobody reads this answer
+        return error_response(
+            str(exc) or "the client left before its body arrived", 499, "ClientClosedRequest"
+        )
     if isinstance(exc, KvPullError):
         return error_response(str(exc), exc.status, "KvTransferFailed", retryable=True)
     if isinstance(exc, XferError):
