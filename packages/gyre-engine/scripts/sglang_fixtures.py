@@ -40,9 +40,13 @@ import httpx
 HERE = Path(__file__).resolve().parent
 SGLANG_VERSION = "0.5.23"
 CONTEXT = 128
-SERVER_ARGS = ["--context-length", str(CONTEXT)]
+API_KEY = "gyre-fixture-api-key-0123456789"
+"""The server's `--api-key` (a fixed test value, not a secret): every case sends it as a bearer token
+unless it sets its own headers, so the cases of a missing or wrong key show SGLang's answer to those."""
+SERVER_ARGS = ["--context-length", str(CONTEXT), "--api-key", API_KEY]
 """sglang server arguments: a short context keeps the too-long-input cases small. (SGLang refuses a request
 whose input plus `max_new_tokens` exceeds the context, so every case asks for less.)"""
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = [101, 102, 103, 104, 105, 106, 107, 108]
 """Input ids of most cases (the stand-in's output does not depend on them)."""
 
@@ -57,6 +61,10 @@ class Case:
     then: Callable[[httpx.Client, list[Any]], None] | None = None
     """Called with the events so far after each streamed event (e.g. to abort mid-stream)."""
     doc: str = ""
+    headers: dict[str, str] | None = None
+    """Request headers instead of the bearer token of `API_KEY` (None: send that token)."""
+    raw: bytes | None = None
+    """A body sent as these bytes (with `Content-Type: application/json`) instead of `body` as JSON."""
 
 
 @dataclass
@@ -73,7 +81,7 @@ class Recorded:
             "case": self.case.name,
             "doc": self.case.doc,
             "sglang": SGLANG_VERSION,
-            "request": {"method": self.case.method, "path": self.case.path, "body": self.case.body},
+            "request": self._request(),
             "status": self.status,
             "content_type": self.content_type,
             "body": self.body,
@@ -82,6 +90,14 @@ class Recorded:
         if self.case.stream:
             out["events"] = self.events
         return out
+
+    def _request(self) -> dict[str, Any]:
+        req: dict[str, Any] = {"method": self.case.method, "path": self.case.path, "body": self.case.body}
+        if self.case.raw is not None:
+            req["raw"] = self.case.raw.decode()
+        if self.case.headers is not None:
+            req["headers"] = self.case.headers
+        return req
 
 
 def _gen(**kw: Any) -> dict[str, Any]:
@@ -97,7 +113,7 @@ def _abort_after(n: int) -> Callable[[httpx.Client, list[Any]], None]:
     def then(c: httpx.Client, events: list[Any]) -> None:
         if len(events) == n and isinstance(events[-1], dict):
             rid = events[-1]["meta_info"]["id"]
-            c.post("/abort_request", json={"rid": rid})
+            c.post("/abort_request", json={"rid": rid}, headers=AUTH)
 
     return then
 
@@ -194,16 +210,42 @@ CASES: list[Case] = [
     Case("begin_weight_update", "/begin_weight_update", {}),
     Case("begin_weight_update_twice", "/begin_weight_update", {}),
     Case("end_weight_update", "/end_weight_update", {}),
+    # ---- the API key (SGLang's `--api-key`: a bearer token on every path but the health probes)
+    Case("unauthorized_no_key", "/generate", _gen(), headers={}, doc="no Authorization header: 401"),
+    Case("unauthorized_wrong_key", "/generate", _gen(), headers={"Authorization": "Bearer not-the-key"},
+         doc="a wrong bearer token: 401"),
+    Case("unauthorized_not_bearer", "/generate", _gen(), headers={"Authorization": API_KEY},
+         doc="the key without the Bearer scheme: 401"),
+    Case("unauthorized_control", "/pause_generation", {}, headers={}, doc="a control call without a key"),
+    Case("unauthorized_unknown_route", "/no_such_route", {}, headers={},
+         doc="an unknown path without a key: the key is checked before routing"),
+    Case("health_no_key", "/health", method="GET", headers={}, doc="health probes need no key"),
+    Case("health_generate_no_key", "/health_generate", method="GET", headers={},
+         doc="health probes need no key"),
+    # ---- routing and body errors
+    Case("unknown_route", "/no_such_route", {}, doc="an unknown path (with the key)"),
+    Case("unknown_route_get", "/no_such_route", method="GET", doc="an unknown path, GET"),
+    Case("wrong_method_generate", "/generate", method="GET", doc="GET on a POST-only path"),
+    Case("wrong_method_model_info", "/model_info", {}, doc="POST on a GET-only path"),
+    Case("error_malformed_json", "/generate", raw=b'{"input_ids": [1, 2', doc="a body that is not JSON"),
+    Case("error_wrong_type", "/generate", {"input_ids": "not a list", "sampling_params": {}},
+         doc="input_ids of the wrong type"),
 ]  # fmt: skip
 
 
 def record(c: httpx.Client, case: Case) -> Recorded:
+    headers = AUTH if case.headers is None else case.headers
     if not case.stream:
-        r = (
-            c.request(case.method, case.path, json=case.body)
-            if case.body is not None
-            else c.request(case.method, case.path)
-        )
+        if case.raw is not None:
+            kw: dict[str, Any] = {
+                "content": case.raw,
+                "headers": {**headers, "content-type": "application/json"},
+            }
+        elif case.body is not None:
+            kw = {"json": case.body, "headers": headers}
+        else:
+            kw = {"headers": headers}
+        r = c.request(case.method, case.path, **kw)
         ct = r.headers.get("content-type", "")
         try:
             body, text = r.json(), None
@@ -211,7 +253,7 @@ def record(c: httpx.Client, case: Case) -> Recorded:
             body, text = None, r.text
         return Recorded(case, r.status_code, ct, body, text)
     events: list[Any] = []
-    with c.stream(case.method, case.path, json=case.body) as r:
+    with c.stream(case.method, case.path, json=case.body, headers=headers) as r:
         ct = r.headers.get("content-type", "")
         if r.status_code >= 400 or not ct.startswith("text/event-stream"):
             raw = r.read().decode()
@@ -236,7 +278,7 @@ def load_while_running(c: httpx.Client) -> Recorded:
     done = threading.Event()
 
     def long_request() -> None:
-        with httpx.Client(base_url=str(c.base_url), timeout=60) as c2:
+        with httpx.Client(base_url=str(c.base_url), timeout=60, headers=AUTH) as c2:
             body = _gen(
                 stream=True,
                 rid="gyre-load-probe",

@@ -56,3 +56,58 @@ def test_long_prefill_is_chunked_across_steps_while_others_decode(
     assert before_long.count("short") >= 12
     assert outs["short"] == greedy(USER, 60)
     assert outs["long"] == greedy(LONG_PROMPT, 8)
+
+
+def test_abort_request_names_one_request_not_its_rid(engine: Engine) -> None:
+    """The abort a server sends for a client that left names that request: a later request reusing the
+    rid, admitted before the abort lands, keeps running (`abort` by rid would end it)."""
+    finishes: dict[int, list[str]] = {0: [], 1: []}
+    done = threading.Event()
+
+    def sink_of(i: int) -> Callable[[TokenEvent], None]:
+        def sink(ev: TokenEvent) -> None:
+            if ev.finish is not None:
+                finishes[i].append(ev.finish.type)
+                if i == 1:
+                    done.set()
+
+        return sink
+
+    sp = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    first = EngineRequest("twin", USER, SamplingParams(max_new_tokens=1, temperature=0.0))
+    engine.submit(first, sink_of(0)).result(30)
+    second = EngineRequest("twin", USER, sp)
+    while not finishes[0]:
+        threading.Event().wait(0.01)
+    engine.submit(second, sink_of(1)).result(30)
+    assert engine.call(engine.abort_request, first).result(30) is False
+    assert done.wait(60)
+    assert finishes == {0: ["length"], 1: ["length"]}
+    running = EngineRequest(
+        "solo", USER, SamplingParams(max_new_tokens=30000, temperature=0.0, ignore_eos=True)
+    )
+    gone = threading.Event()
+    engine.submit(running, lambda ev: gone.set() if ev.finish is not None else None).result(30)
+    assert engine.call(engine.abort_request, running).result(30) is True
+    assert gone.wait(30)
+
+
+def test_a_call_cancelled_before_it_runs_is_dropped_and_the_engine_lives_on(engine: Engine) -> None:
+    """A server cancels its wait on a call when the wait times out or the client leaves; the engine
+    thread must drop such a call, not die setting a result on a cancelled future (found by the fuzzer:
+    the thread died and every later request was 409 'engine thread is not running')."""
+    hold, held = threading.Event(), threading.Event()
+
+    def block() -> None:
+        held.set()
+        hold.wait(30)
+
+    ran: list[str] = []
+    first = engine.call(block)
+    assert held.wait(30)
+    dropped = engine.call(ran.append, "dropped")
+    assert dropped.cancel()
+    hold.set()
+    first.result(30)
+    assert engine.call(ran.append, "kept").result(30) is None
+    assert ran == ["kept"] and engine.alive

@@ -97,11 +97,37 @@ def test_penalties_bias_and_min_new_tokens() -> None:
         ({"stop_token_ids": [V]}, "outside the vocabulary"),
         ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
         ({"beam_width": 4}, "beam_width"),
+        # found by fuzzing: '²' made int() raise a bare ValueError (a 500), '٣' (Arabic-Indic 3) was
+        # read as token 3, a key of 5,000 digits passes int()'s limit; NaN and infinity were sampled
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias key"),
+        ({"logit_bias": {"\u0663": 1.0}}, "logit_bias key"),
+        ({"logit_bias": {"1" * 5000: 1.0}}, "logit_bias key"),
+        ({"logit_bias": {"-0": 1.0}}, "logit_bias key"),
+        ({"logit_bias": {"3": math.nan}}, "not a number"),
+        ({"temperature": math.nan}, "non-negative finite number"),
+        ({"temperature": math.inf}, "non-negative finite number"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
     ],
 )
 def test_unsupported_or_invalid_values_are_named(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ProtocolError, match=needle):
         validate_params(SamplingParams(**kw), V)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("top_k", [V, V + 1, 2**31, 2**63, 2**64 - 1])
+def test_a_top_k_past_the_vocabulary_keeps_all_of_it(top_k: int) -> None:
+    """SGLang takes any top_k >= 1; one at or past the vocabulary's size keeps every token, as -1 does.
+    (Found by fuzzing: past the vocabulary the engine thread died on an index out of range, past 2^63 on
+    an overflow converting it to a tensor, and the server answered nothing more.)"""
+    validate_params(SamplingParams(top_k=top_k), V)
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    big = [state(7, temperature=0.8, top_k=top_k), state(8, temperature=0.8, top_k=2)]
+    off = [state(7, temperature=0.8), state(8, temperature=0.8, top_k=2)]
+    assert big[0].untruncated and big[0].kept == V
+    a, b = sample(logits.clone(), big, [V, V]), sample(logits.clone(), off, [V, V])
+    assert a.tokens == b.tokens and a.logprobs == b.logprobs and a.top == b.top
 
 
 def test_gumbel_noise_is_a_pure_function_of_seed_index_and_id() -> None:

@@ -63,6 +63,26 @@ def test_every_recorded_generate_reply_decodes(fx: dict[str, Any]) -> None:
         GEN.decode(raw)
 
 
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("unauthorized_no_key", "Unauthorized"),
+        ("unauthorized_wrong_key", "Unauthorized"),
+        ("unauthorized_control", "Unauthorized"),
+        ("unknown_route", "Not Found"),
+        ("wrong_method_generate", "Method Not Allowed"),
+        ("error_malformed_json", "JSON decode error"),
+    ],
+)
+def test_key_and_routing_errors_read_as_sglang_sends_them(name: str, message: str) -> None:
+    """SGLang's 401 (`{"error": "Unauthorized"}`), FastAPI's 404/405 (`{"detail": ...}`) and validation
+    error (`{"object": "error", "message"}`) each become an EngineError with the message itself."""
+    fx = fixture(name)
+    err = _error_from(fx["status"], msgspec.json.encode(fx["body"]))
+    assert err.status == fx["status"] and message in err.message and not err.retryable
+    assert not err.message.startswith("{")
+
+
 def test_a_default_stream_is_cumulative_with_e2e_latency_only_on_the_finished_chunk() -> None:
     cs = chunks("stream_default")
     assert len(cs) > 5

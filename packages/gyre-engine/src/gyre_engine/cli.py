@@ -11,10 +11,41 @@ import shlex
 import sys
 
 from gyre_engine import __version__
+from gyre_engine.auth import TokenError, read_token_file
+from gyre_engine.launcher import SGLangConfig
 
 
 def _missing_server_extra(exc: ImportError) -> SystemExit:
     return SystemExit(f"{exc}: this command needs the server extra: pip install 'gyre-engine[server]'")
+
+
+def _mib(value: float | None, default: int) -> int:
+    return default if value is None else int(value * (1 << 20))
+
+
+def _token_file(path: str | None) -> str:
+    """The token in `--token-file` ("" without the flag); an unreadable or empty file exits 2."""
+    if path is None:
+        return ""
+    try:
+        return read_token_file(path)
+    except TokenError as exc:
+        print(f"gyre-engine: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _sglang_command(cfg: SGLangConfig, token_file: str | None) -> str:
+    """The launch line, with the token read at run time (`$GYRE_TOKEN` or the file) instead of shown."""
+    try:
+        cmd, key = cfg.command(), cfg.token()
+    except TokenError as exc:
+        print(f"gyre-engine: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    line = shlex.join(cmd)
+    if not key:
+        return line
+    source = f"$(head -n1 {shlex.quote(token_file)})" if token_file else "$GYRE_TOKEN"
+    return line.replace(shlex.quote(key), f'"{source}"')
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,7 +96,27 @@ def main(argv: list[str] | None = None) -> None:
         help="with CUDA graphs: compile and capture the decode step for rows up to this length before "
         "serving (0: on first use)",
     )
-    s.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host")
+    s.add_argument(
+        "--allow-remote", action="store_true", help="allow a non-loopback --host (it also needs a token)"
+    )
+    s.add_argument(
+        "--token-file",
+        default=None,
+        help="file whose first line is the run token: requests must carry it as `Authorization: Bearer` "
+        "(default: $GYRE_TOKEN; required beyond loopback)",
+    )
+    s.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=None,
+        help="longest request body in MiB, 413 past it (default 16; the two bulk paths: --max-bulk-body-mb)",
+    )
+    s.add_argument(
+        "--max-bulk-body-mb",
+        type=float,
+        default=None,
+        help="longest body of /update_weights_from_tensor and /import_prefix in MiB (default 4096)",
+    )
     s.add_argument(
         "--sglang-only",
         action="store_true",
@@ -89,6 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--port", type=int, default=30000)
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--mem-fraction-static", type=float, default=None)
+    g.add_argument(
+        "--token-file",
+        default=None,
+        help="the run token for --api-key (default: $GYRE_TOKEN; required beyond loopback); the printed "
+        "line reads it at run time (from the file or $GYRE_TOKEN) rather than showing it",
+    )
 
     b = sub.add_parser("bench", help="benchmark; prints one JSON object as its last line")
     b.add_argument("--quick", action="store_true", help="tiny model only, small sizes (under a minute)")
@@ -100,16 +157,24 @@ def main(argv: list[str] | None = None) -> None:
 
     args = p.parse_args(argv)
     if args.cmd == "sglang-command":
-        from gyre_engine.launcher import SGLangConfig
-
         cfg = SGLangConfig(
             model_path=args.model,
             tp=args.tp,
             port=args.port,
             host=args.host,
             mem_fraction_static=args.mem_fraction_static,
+            api_key=_token_file(args.token_file),
         )
-        print(shlex.join(cfg.command()))
+        try:
+            cmd = cfg.command()
+        except TokenError as exc:
+            print(f"gyre-engine: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(
+            shlex.join(cmd).replace(shlex.quote(cfg.token()), '"$GYRE_TOKEN"')
+            if cfg.token()
+            else shlex.join(cmd)
+        )
         return
     try:
         if args.cmd == "serve":
@@ -126,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
                     dtype=args.dtype,
                     allow_remote=args.allow_remote,
                     sglang_only=args.sglang_only,
+                    token=_token_file(args.token_file),
+                    max_body_bytes=_mib(args.max_body_mb, ServeConfig.max_body_bytes),
+                    max_bulk_body_bytes=_mib(args.max_bulk_body_mb, ServeConfig.max_bulk_body_bytes),
                     engine=Engine.Config(
                         max_running_requests=args.max_running_requests,
                         max_cached_tokens=args.max_cached_tokens,

@@ -5,6 +5,9 @@ without defaults) and parses responses into the records of `protocol.py`, which 
 sends (tested against fixtures recorded from sglang's own HTTP layer, `tests/fixtures/sglang-0.5.23`).
 Every call has a timeout; an HTTP error, or an error event inside a stream, becomes `EngineError` with
 the server's message, status and whether a retry may help, whichever of SGLang's error shapes it came in.
+Every request carries the run token as `Authorization: Bearer <token>` when there is one (the `api_key`
+argument, else `$GYRE_TOKEN`: `gyre_engine.auth`), which is what gyre-engine beyond loopback and SGLang
+started with `--api-key` both check.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, TypeVar
 import httpx
 import msgspec
 
+from gyre_engine.auth import bearer, resolve_token
 from gyre_engine.protocol import (
     KV_PREFIX_DECODER,
     KV_PREFIX_ENCODER,
@@ -52,19 +56,21 @@ class EngineError(RuntimeError):
 
 
 def _error_from(status: int, body: bytes) -> EngineError:
-    """SGLang's error bodies: `{"error": "text"}` (schema), `{"error": {"message", ...}}` (a refused
-    request), `{"object": "error", "message", "code"}` (FastAPI validation), `{"success": false,
-    "message"}` (control calls), or plain text. Retryable: the body's `retryable`, else 5xx and 409."""
+    """SGLang's error bodies: `{"error": "text"}` (schema errors; a missing or wrong key: 401
+    "Unauthorized"), `{"error": {"message", ...}}` (a refused request), `{"object": "error", "message",
+    "code"}` (FastAPI validation), `{"detail": "Not Found"}` (an unknown path or method), `{"success":
+    false, "message"}` (control calls), or plain text. Retryable: the body's `retryable`, else 5xx and
+    409."""
+    default_retry = status >= 500 or status == 409
     try:
         obj = msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return EngineError(status, body.decode(errors="replace"), status >= 500 or status == 409)
+        return EngineError(status, body.decode(errors="replace"), default_retry)
     err = obj.get("error", obj) if isinstance(obj, dict) else obj
     if isinstance(err, dict):
-        return EngineError(
-            status, str(err.get("message", err)), bool(err.get("retryable", status >= 500 or status == 409))
-        )
-    return EngineError(status, str(err), status >= 500 or status == 409)
+        message = err.get("message", err.get("detail", err))
+        return EngineError(status, str(message), bool(err.get("retryable", default_retry)))
+    return EngineError(status, str(err), default_retry)
 
 
 def stream_error(data: bytes) -> EngineError | None:
@@ -89,12 +95,22 @@ def encode_safetensors_payload(tensors: Mapping[str, Any]) -> str:
 
 
 class EngineClient:
-    """One server's native API. Use as `async with EngineClient(url) as c: await c.generate(...)`."""
+    """One server's native API. Use as `async with EngineClient(url) as c: await c.generate(...)`.
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 5.0) -> None:
+    `api_key` is the token the server checks (gyre-engine's run token, SGLang's `--api-key`); "" reads
+    `$GYRE_TOKEN`, and with neither the requests carry no `Authorization` header."""
+
+    def __init__(
+        self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 5.0, *, api_key: str = ""
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.headers: dict[str, str] = {"content-type": "application/json", **bearer(resolve_token(api_key))}
+        """What every request of this client carries (JSON content type, the token); for callers that
+        send their own requests to the same server (gyre-proxy's streaming /generate)."""
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s)
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            headers=self.headers,
         )
         self._sglang: bool | None = None  # SGLang or gyre-engine, once `load` has asked
 
@@ -111,10 +127,7 @@ class EngineClient:
 
     # ----------------------------------------------------------------- plumbing
     async def _post(self, path: str, body: Any = None, timeout: float | None = None) -> httpx.Response:
-        kw: dict[str, Any] = {
-            "content": _enc.encode(body if body is not None else {}),
-            "headers": {"content-type": "application/json"},
-        }
+        kw: dict[str, Any] = {"content": _enc.encode(body if body is not None else {})}
         if timeout is not None:
             kw["timeout"] = timeout
         r = await self._http.post(path, **kw)
@@ -187,8 +200,7 @@ class EngineClient:
     ) -> AsyncIterator[GenerateResponse]:
         """Cumulative chunks as the server sends them; ends at `[DONE]`."""
         body = self._generate_body(input_ids, sampling, rid, return_logprob, top_logprobs_num, True)
-        headers = {"content-type": "application/json"}
-        async with self._http.stream("POST", "/generate", content=_enc.encode(body), headers=headers) as r:
+        async with self._http.stream("POST", "/generate", content=_enc.encode(body)) as r:
             if r.status_code >= 400:
                 raise _error_from(r.status_code, await r.aread())
             async for line in r.aiter_lines():
@@ -414,7 +426,11 @@ class EngineClient:
 
     async def import_prefix(self, rec: KvPrefix) -> SuccessReply:
         """gyre-engine only: put an exported prefix into this server's prefix cache."""
-        r = await self._http.post("/import_prefix", content=KV_PREFIX_ENCODER.encode(rec))
+        r = await self._http.post(
+            "/import_prefix",
+            content=KV_PREFIX_ENCODER.encode(rec),
+            headers={"content-type": "application/msgpack"},
+        )
         if r.status_code >= 400:
             raise _error_from(r.status_code, r.content)
         return msgspec.json.decode(r.content, type=SuccessReply)

@@ -3,6 +3,11 @@
 SGLang cannot run on this project's development machines (no CPU kernels on PyPI; see the README), so
 what is tested here is the command line built from `SGLangConfig` and the readiness wait (against a
 gyre-engine server, which answers /health_generate the same way). The flags are SGLang 0.5.x's.
+
+The server gets the run token as SGLang's `--api-key` (the `api_key` setting, else `$GYRE_TOKEN`), which
+makes it require `Authorization: Bearer <token>` on every path but its health probes; a host beyond
+loopback without a token is refused (`gyre_engine.auth`), as gyre-engine's own server refuses it. SGLang
+takes the key only on its command line (or in a `--config` file), so it shows in the host's process list.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from gyre_engine.auth import listener_token
 from gyre_engine.client import EngineClient
 
 
@@ -59,9 +65,16 @@ class SGLangConfig:
     """What `python -m` runs: SGLang's server, or `gyre_engine.standin` (gyre-engine taking the same
     flags, SGLang's endpoints only) where SGLang cannot run."""
     extra_args: tuple[str, ...] = ()
+    api_key: str = field(default="", repr=False)
+    """The run token, passed as `--api-key` ("": `$GYRE_TOKEN`; none only on a loopback host)."""
+
+    def token(self) -> str:
+        """The key the server runs with ("" for none); TokenRequiredError beyond loopback without one."""
+        return listener_token(self.host, self.api_key, "SGLangConfig.api_key")
 
     def command(self) -> list[str]:
         """The argv that launches this server (`python -m sglang.launch_server ...`)."""
+        key = self.token()
         if self.tp < 1 or self.dp < 1:
             raise ValueError("tp and dp must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
@@ -88,6 +101,8 @@ class SGLangConfig:
             cmd.append("--enable-weights-cpu-backup")
         if self.skip_server_warmup:
             cmd.append("--skip-server-warmup")
+        if key:
+            cmd += ["--api-key", key]
         return cmd + list(self.extra_args)
 
     @property
@@ -97,12 +112,17 @@ class SGLangConfig:
 
 
 async def wait_healthy(
-    url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None, poll_s: float = 1.0
+    url: str,
+    timeout_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    poll_s: float = 1.0,
+    *,
+    api_key: str = "",
 ) -> None:
     """Poll `/health_generate` until it answers 200; TimeoutError after `timeout_s`, RuntimeError if
-    `proc` exits first."""
+    `proc` exits first. (The probe needs no token on SGLang or gyre-engine; `api_key` is sent anyway.)"""
     deadline = time.monotonic() + timeout_s
-    async with EngineClient(url, timeout_s=30.0, connect_timeout_s=2.0) as client:
+    async with EngineClient(url, timeout_s=30.0, connect_timeout_s=2.0, api_key=api_key) as client:
         while True:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"server process exited with code {proc.returncode} before it was healthy")
@@ -135,13 +155,14 @@ async def launch(
     config: SGLangConfig, timeout_s: float = 900.0, env: dict[str, str] | None = None
 ) -> LaunchedServer:
     """Start SGLang, wait for /health_generate, join the weight group if one is configured."""
+    key = config.token()
     proc = subprocess.Popen(config.command(), env={**os.environ, **(env or {})})
     server = LaunchedServer(config, proc)
     try:
-        await wait_healthy(config.url, timeout_s, proc)
+        await wait_healthy(config.url, timeout_s, proc, api_key=key)
         if config.weight_group is not None:
             g = config.weight_group
-            async with EngineClient(config.url) as client:
+            async with EngineClient(config.url, api_key=key) as client:
                 reply = await client.init_weights_update_group(
                     g.master_address, g.master_port, g.rank_offset, g.world_size, g.group_name, g.backend
                 )

@@ -10,7 +10,7 @@ JSON, so this module and the client need neither gyre-xfer nor torch.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -359,6 +359,10 @@ KV_PREFIX_DECODER = msgspec.msgpack.Decoder(KvPrefix)
 
 # ---- gyre-engine over gyre-xfer: weight snapshots and KV prefix hand-off (gyre-engine only) ----------
 
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+"""A wait or lease a request may ask for: positive and at most a day (as `/init_weights_update_group`'s
+`timeout_s`); anything else is refused with the body (400)."""
+
 
 class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Body of POST /update_weights_from_xfer: pull a gyre-xfer snapshot and load it between two steps."""
@@ -369,9 +373,9 @@ class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     """Load the newest published version >= this one (the publisher answers NO_VERSION otherwise)."""
     transport: Literal["mooncake", "shm"] = "mooncake"
     """Mooncake Transfer Engine (TCP here, RDMA where present) or same-host shared memory."""
-    timeout_s: float = 120.0
+    timeout_s: Seconds = 120.0
     """Deadline for the bytes of the whole version."""
-    control_timeout_s: float = 10.0
+    control_timeout_s: Seconds = 10.0
     """Deadline for one control message to the publisher (lease, release)."""
     weight_version: str | None = None
     """The engine's new `weight_version`; default: the snapshot's version number."""
@@ -398,9 +402,9 @@ class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
     input_ids: list[int]
     transport: Literal["mooncake", "shm"] = "mooncake"
-    block_tokens: int = 16
+    block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Tokens per KV block of the offered pool."""
-    lease_s: float = 120.0
+    lease_s: Seconds = 120.0
     """The pool is freed after this long if no receipt (/release_prefix_offer) comes back first."""
 
 
@@ -425,7 +429,7 @@ class ImportPrefixXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields
     """Body of POST /import_prefix_xfer: pull an offer's blocks and install them in the prefix cache."""
 
     offer: PrefixOffer
-    timeout_s: float = 30.0
+    timeout_s: Seconds = 30.0
     """Deadline for the blocks' transfer; a dead or hung source is an error within it."""
 
 

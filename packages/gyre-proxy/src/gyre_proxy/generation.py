@@ -288,7 +288,7 @@ class Generation:
         self, eng: Engine, attempt_rid: str, q: asyncio.Queue[GenerateResponse | BaseException | None]
     ) -> None:
         body = self._body(attempt_rid)
-        headers = {"content-type": "application/json"}
+        headers = eng.client.headers  # JSON, and the run token the engine checks (`$GYRE_TOKEN`)
         try:
             async with self.http.stream("POST", f"{eng.url}/generate", content=body, headers=headers) as r:
                 if r.status_code >= 400:

@@ -1,8 +1,11 @@
 """The HTTP face of the engine: SGLang's native endpoints as a Starlette app.
 
-Handlers decode bodies with msgspec, hand work to the engine thread through `Engine.call`, and wait with
-a timeout. Bad input is a 400 with an SGLang-shaped error (`{"error": {"message", ...}}`); a request the
-engine cannot take now (paused, released, updating) is a 409 marked retryable; the server keeps serving.
+Every request passes the gate first (`gate.py`: the bearer token when the server has one, the bounds on
+body sizes). Handlers decode bodies with msgspec, hand work to the engine thread through `Engine.call`,
+and wait with a timeout; /generate and the health probe live in `generate.py`. Every error is in SGLang's
+shape (`errors.py`): bad input is a 400, a request the engine cannot take now (paused, released,
+updating) is a 409 marked retryable, an unknown path or method is FastAPI's 404 / 405 as SGLang sends it;
+the server keeps serving.
 """
 
 from __future__ import annotations
@@ -10,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
-from gyre_xfer.errors import XferError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from gyre_engine.protocol import (
@@ -28,10 +31,6 @@ from gyre_engine.protocol import (
     AbortRequest,
     BeginWeightUpdateRequest,
     ContinueRequest,
-    ErrorBody,
-    ErrorReply,
-    GenerateRequest,
-    GenerateResponse,
     ImportPrefixXferRequest,
     Loads,
     LoadSnapshot,
@@ -40,9 +39,7 @@ from gyre_engine.protocol import (
     OfferPrefixRequest,
     PauseRequest,
     PrefixImportReply,
-    ProtocolError,
     ReleaseOfferRequest,
-    SamplingParams,
     ServerInfo,
     StatusReply,
     SuccessReply,
@@ -53,45 +50,39 @@ from gyre_engine.protocol import (
 )
 from gyre_engine.server.dist_update import (
     DestroyWeightsUpdateGroupRequest,
-    DistUpdateError,
-    GroupBusy,
     InitWeightsUpdateGroupRequest,
     UpdateFromDistributedRequest,
     WeightGroups,
 )
 from gyre_engine.server.engine import Engine, EngineUnavailable
+from gyre_engine.server.errors import (
+    error_for,
+    error_response,
+    http_exception,
+    json_response,
+    refused,
+    unhandled,
+)
+from gyre_engine.server.gate import BodyLimits, Gate
+from gyre_engine.server.generate import GenerateRoutes
 from gyre_engine.server.kv_transfer import (
-    KvTransferError,
     cached_prefix,
     check_offer_fits,
     export_prefix,
     import_prefix,
     install_prefix,
 )
-from gyre_engine.server.parse import is_single, parse_generate
-from gyre_engine.server.request import EngineRequest, TokenEvent
-from gyre_engine.server.response import ResponseBuilder
 from gyre_engine.server.weights import (
-    WeightUpdateError,
     apply_named_tensors,
     check_complete,
     check_named_tensors,
     decode_safetensors_b64,
     read_model_dir,
 )
-from gyre_engine.server.xfer import (
-    KvPullError,
-    XferConfig,
-    XferHub,
-    block_reports,
-    snapshot_tensors,
-    xfer_status,
-)
-from gyre_engine.weight_group import WeightGroupError, WeightGroupTimeout
+from gyre_engine.server.xfer import XferConfig, XferHub, block_reports, snapshot_tensors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_json = msgspec.json.Encoder()
 
 
 @dataclass
@@ -106,6 +97,13 @@ class AppConfig:
     health_timeout_s: float = 20.0
     xfer: XferConfig = field(default_factory=XferConfig)
     """Transports for /update_weights_from_xfer and the prefix hand-off endpoints."""
+    token: str = ""
+    """The bearer token every request but the health probes must carry ("": none; `serve` resolves it
+    from its setting or `$GYRE_TOKEN` and refuses a bind beyond loopback without one)."""
+    max_body_bytes: int = 16 << 20
+    """Longest request body (413 past it) on every path but the two below."""
+    max_bulk_body_bytes: int = 4 << 30
+    """Longest body of /update_weights_from_tensor and /import_prefix (weights and KV inside HTTP)."""
     sglang_only: bool = False
     """Serve SGLang's endpoints only (`GYRE_ONLY` answer 404, as on SGLang): gyre-engine standing in for
     SGLang, so a client that must work against SGLang is tested without gyre's extras."""
@@ -123,57 +121,13 @@ GYRE_ONLY = (
 """gyre-engine's own endpoints, which SGLang 0.5.23 does not serve (its /server_info is its configuration)."""
 
 
-def _json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status_code=status, media_type="application/json")
-
-
-def error_response(
-    message: str, status: int = 400, err_type: str = "BadRequestError", retryable: bool = False
-) -> Response:
-    return _json_response(ErrorReply(ErrorBody(message, err_type, status, retryable)), status)
-
-
-def refused(message: str) -> Response:
-    """A control call SGLang refuses answers 400 `{"success": false, "message"}`."""
-    return _json_response(SuccessReply(False, message), 400)
-
-
-def _error_for(exc: Exception) -> Response:
-    if isinstance(exc, KvPullError):
-        return error_response(str(exc), exc.status, "KvTransferFailed", retryable=True)
-    if isinstance(exc, XferError):
-        status, err_type, retry = xfer_status(exc)
-        return error_response(f"{err_type}: {exc}", status, err_type, retryable=retry)
-    if isinstance(exc, EngineUnavailable):
-        return error_response(str(exc), 409, "EngineUnavailable", retryable=True)
-    if isinstance(exc, GroupBusy):
-        return error_response(str(exc), 409, "WeightGroupBusy", retryable=True)
-    if isinstance(exc, WeightGroupTimeout):
-        return error_response(str(exc), 504, "WeightGroupTimeout", retryable=True)
-    if isinstance(exc, WeightGroupError):
-        return error_response(str(exc), 502, "WeightGroupError", retryable=True)
-    if isinstance(
-        exc,
-        ProtocolError
-        | WeightUpdateError
-        | KvTransferError
-        | DistUpdateError
-        | msgspec.ValidationError
-        | msgspec.DecodeError,
-    ):
-        return error_response(str(exc))
-    if isinstance(exc, TimeoutError):
-        return error_response(f"timed out: {exc}", 504, "Timeout", retryable=True)
-    log.exception("internal error", exc_info=exc)
-    return error_response(f"internal error: {exc!r}", 500, "InternalServerError")
-
-
 def build_app(engine: Engine, config: AppConfig) -> Starlette:
     """The Starlette app serving `engine`."""
-    tok = engine.tokenizer
     xfer = XferHub(config.xfer)
     xfer_weights = asyncio.Lock()  # a snapshot's arrays live in the subscriber's staging until applied
     groups = WeightGroups(engine.model, engine.device)  # SGLang's distributed weight-update groups
+
+    gen = GenerateRoutes(engine, config.request_timeout_s, config.control_timeout_s, config.health_timeout_s)
 
     async def run(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         fut = engine.call(fn, *args)
@@ -190,67 +144,9 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             try:
                 return await handler(request)
             except Exception as exc:
-                return _error_for(exc)
+                return error_for(exc)
 
         return wrapped
-
-    # ------------------------------------------------------------------ generate
-    async def start(er: EngineRequest) -> asyncio.Queue[TokenEvent]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def sink(ev: TokenEvent) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-
-        fut = engine.submit(er, sink)
-        await asyncio.wait_for(asyncio.wrap_future(fut), config.control_timeout_s)
-        return q
-
-    async def events(er: EngineRequest, q: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
-        finished = False
-        try:
-            while not finished:
-                ev = await asyncio.wait_for(q.get(), config.request_timeout_s)
-                finished = ev.finish is not None
-                yield ev
-        finally:
-            if not finished:  # client went away or timed out: free the engine's row
-                engine.call(engine.abort, er.rid, "client disconnected")
-
-    async def complete(er: EngineRequest) -> GenerateResponse:
-        q = await start(er)
-        rb = ResponseBuilder(er, tok)
-        async for ev in events(er, q):
-            rb.add(ev)
-        return rb.response()
-
-    def tokenize(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-
-    async def generate(request: Request) -> Response:
-        req = await body_as(request, GenerateRequest)
-        ers = parse_generate(req, tokenize, engine.context_len)
-        for er in ers:
-            engine.check_request(er)
-        if req.stream:
-            er = ers[0]
-            q = await start(er)
-
-            async def sse() -> AsyncIterator[bytes]:
-                rb = ResponseBuilder(er, tok)
-                try:
-                    async for ev in events(er, q):
-                        rb.add(ev)
-                        if rb.chunk_due():
-                            yield b"data: " + _json.encode(rb.response()) + b"\n\n"
-                except Exception as exc:  # the stream already started: report in-band, SGLang-style
-                    body = ErrorBody(str(exc), type(exc).__name__, 500, retryable=True)
-                    yield b"data: " + _json.encode({"error": body}) + b"\n\n"
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(sse(), media_type="text/event-stream")
-        results = await asyncio.gather(*(complete(er) for er in ers))
-        return _json_response(results[0] if is_single(req) else results)
 
     # ------------------------------------------------------------------ control
     async def abort_request(request: Request) -> Response:
@@ -264,20 +160,20 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     async def pause_generation(request: Request) -> Response:
         body = await body_as(request, PauseRequest)
         n = await run(engine.pause, body.mode)
-        return _json_response(StatusReply(f"Generation paused ({body.mode}); {n} requests affected"))
+        return json_response(StatusReply(f"Generation paused ({body.mode}); {n} requests affected"))
 
     async def continue_generation(request: Request) -> Response:
         body = await body_as(request, ContinueRequest)
         await run(engine.resume_generation)
         if body.torch_empty_cache:
             await run(_empty_device_cache, engine)
-        return _json_response(StatusReply("Generation continued"))
+        return json_response(StatusReply("Generation continued"))
 
     async def begin_weight_update(request: Request) -> Response:
         await body_as(request, BeginWeightUpdateRequest)
         if not await run(engine.begin_weight_update):
             return refused("a weight-update session is already open; call end_weight_update() first")
-        return _json_response(
+        return json_response(
             SuccessReply(True, "weight update begun; generation holds until end_weight_update")
         )
 
@@ -285,7 +181,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         version = await run(engine.end_weight_update)
         if version is None:
             return refused("no weight-update session is open; call begin_weight_update() first")
-        return _json_response(SuccessReply(True, f"weight update ended; weight_version={version}"))
+        return json_response(SuccessReply(True, f"weight update ended; weight_version={version}"))
 
     def outside_session(what: str) -> Response | None:
         """SGLang 0.5.23 loads tensors and distributed updates only inside a weight-update session."""
@@ -310,7 +206,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             body.flush_cache,
             body.abort_all_requests,
         )
-        return _json_response(
+        return json_response(
             SuccessReply(True, f"updated {n} tensors; weight_version={engine.weight_version}")
         )
 
@@ -326,7 +222,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             body.abort_all_requests,
         )
         msg = f"updated {n} tensors from {body.model_path}; weight_version={engine.weight_version}"
-        return _json_response(
+        return json_response(
             SuccessReply(True, msg, num_paused_requests=0 if body.abort_all_requests else running + waiting)
         )
 
@@ -334,7 +230,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         body = await body_as(request, InitWeightsUpdateGroupRequest)
         g = await groups.init(body)
         msg = f"joined weight update group {g.name!r} as rank {g.rank} of {g.world_size} ({g.backend})"
-        return _json_response(SuccessReply(True, msg))
+        return json_response(SuccessReply(True, msg))
 
     async def update_from_distributed(request: Request) -> Response:
         body = await body_as(request, UpdateFromDistributedRequest)
@@ -353,22 +249,22 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             f"updated {n} tensors from group {body.group_name!r} in {time.monotonic() - t0:.3f} s; "
             f"weight_version={engine.weight_version}"
         )
-        return _json_response(SuccessReply(True, msg))
+        return json_response(SuccessReply(True, msg))
 
     async def destroy_weights_update_group(request: Request) -> Response:
         body = await body_as(request, DestroyWeightsUpdateGroupRequest)
         groups.destroy(body.group_name)
-        return _json_response(SuccessReply(True, f"weight update group {body.group_name!r} destroyed"))
+        return json_response(SuccessReply(True, f"weight update group {body.group_name!r} destroyed"))
 
     async def release_memory(request: Request) -> Response:
         body = await body_as(request, MemoryRequest)
         await run(engine.release_memory, body.tags)
-        return _json_response(None)
+        return json_response(None)
 
     async def resume_memory(request: Request) -> Response:
         body = await body_as(request, MemoryRequest)
         await run(engine.resume_memory, body.tags)
-        return _json_response(None)
+        return json_response(None)
 
     async def flush_cache(request: Request) -> Response:
         try:
@@ -380,7 +276,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     async def model_info(request: Request) -> Response:
         p = next(engine.model.parameters())
         hf = getattr(engine.model, "config", None)
-        return _json_response(
+        return json_response(
             ModelInfo(
                 model_path=config.model_path,
                 served_model_name=config.served_model_name or config.model_path,
@@ -417,12 +313,12 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
                 float(st.decode_tokens),
             ],
         )
-        return _json_response(Loads([snap], version=None))
+        return json_response(Loads([snap], version=None))
 
     async def server_info(request: Request) -> Response:
         st = engine.stats()
         running, waiting = engine.counts()
-        return _json_response(
+        return json_response(
             ServerInfo(
                 weight_version=engine.weight_version,
                 running_requests=running,
@@ -438,19 +334,6 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             )
         )
 
-    async def health_generate(request: Request) -> Response:
-        if not engine.alive or engine.released or engine.paused or engine.updating:
-            return Response(b"", status_code=503)
-        er = EngineRequest(
-            f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0.0)
-        )
-        try:
-            resp = await asyncio.wait_for(complete(er), config.health_timeout_s)
-        except Exception:
-            return Response(b"", status_code=503)
-        ok = resp.meta_info.finish_reason is not None and resp.meta_info.finish_reason.type != "abort"
-        return Response(b"", status_code=200 if ok else 503)
-
     async def ready(request: Request) -> Response:
         return Response(b"", status_code=200 if engine.alive and not engine.released else 503)
 
@@ -464,7 +347,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     async def import_kv(request: Request) -> Response:
         rec = KV_PREFIX_DECODER.decode(await request.body())
         n = await run(import_prefix, engine, rec)
-        return _json_response(SuccessReply(True, f"imported a prefix of {n} tokens"))
+        return json_response(SuccessReply(True, f"imported a prefix of {n} tokens"))
 
     # ------------------------------------------------------------------ gyre-xfer
 
@@ -489,7 +372,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
             )
             apply_s = time.monotonic() - t1
         msg = f"loaded snapshot version {snap.version} ({n} tensors) from {body.publisher}"
-        return _json_response(
+        return json_response(
             XferWeightsReply(True, msg, engine.weight_version, snap.version, n, snap.nbytes, pull_s, apply_s)
         )
 
@@ -499,7 +382,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         if got is None:
             return error_response("no cached prefix of these input_ids", 404, "NotFound")
         offer = await asyncio.to_thread(xfer.offer, body, *got)
-        return _json_response(offer)
+        return json_response(offer)
 
     async def import_prefix_xfer(request: Request) -> Response:
         body = await body_as(request, ImportPrefixXferRequest)
@@ -511,16 +394,16 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         )
         n = await run(install_prefix, engine, o.token_ids, kv, o.weight_version)
         msg = f"imported a prefix of {n} tokens in {len(res.blocks)} blocks"
-        return _json_response(PrefixImportReply(True, msg, n, block_reports(res), res.nbytes, res.elapsed_s))
+        return json_response(PrefixImportReply(True, msg, n, block_reports(res), res.nbytes, res.elapsed_s))
 
     async def release_prefix_offer(request: Request) -> Response:
         body = await body_as(request, ReleaseOfferRequest)
         if not await asyncio.to_thread(xfer.release, body.offer_id):
             return error_response(f"no open offer {body.offer_id!r} (released or expired)", 404, "NotFound")
-        return _json_response(SuccessReply(True, f"offer {body.offer_id} released"))
+        return json_response(SuccessReply(True, f"offer {body.offer_id} released"))
 
     routes = [
-        Route("/generate", guarded(generate), methods=["POST"]),
+        Route("/generate", guarded(gen.generate), methods=["POST"]),
         Route("/abort_request", guarded(abort_request), methods=["POST"]),
         Route("/pause_generation", guarded(pause_generation), methods=["POST"]),
         Route("/continue_generation", guarded(continue_generation), methods=["POST"]),
@@ -538,8 +421,8 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         Route("/get_model_info", guarded(model_info), methods=["GET"]),
         Route("/server_info", guarded(server_info), methods=["GET"]),
         Route("/v1/loads", guarded(loads), methods=["GET"]),
-        Route("/health", guarded(health_generate), methods=["GET"]),
-        Route("/health_generate", guarded(health_generate), methods=["GET"]),
+        Route("/health", guarded(gen.health_generate), methods=["GET"]),
+        Route("/health_generate", guarded(gen.health_generate), methods=["GET"]),
         Route("/ready", guarded(ready), methods=["GET"]),
         Route("/export_prefix", guarded(export_kv), methods=["POST"]),
         Route("/import_prefix", guarded(import_kv), methods=["POST"]),
@@ -550,9 +433,15 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
     ]
     if config.sglang_only:
         routes = [r for r in routes if r.path not in GYRE_ONLY]
-    app = Starlette(routes=routes)
+    limits = BodyLimits(config.max_body_bytes, config.max_bulk_body_bytes)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(Gate, token=config.token, limits=limits)],
+        exception_handlers={HTTPException: http_exception, Exception: unhandled},
+    )
     app.state.xfer = xfer
     app.state.weight_groups = groups
+    app.state.generation = gen
     return app
 
 

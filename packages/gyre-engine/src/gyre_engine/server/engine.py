@@ -13,9 +13,12 @@ projections run as one GEMM each (`fused.py`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -157,7 +160,7 @@ class Engine:
             "prefill_time_s": 0.0,
         }
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="gyre-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
 
     def _make_slots(self) -> SlotBatch | None:
         mode = self.config.decode_slots
@@ -239,7 +242,8 @@ class Engine:
         return self._thread.is_alive()
 
     def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Run `fn(*args)` on the engine thread between two steps."""
+        """Run `fn(*args)` on the engine thread between two steps. Cancelling the future before the
+        engine thread takes the call drops it; once taken, it runs to its end."""
         fut: Future[T] = Future()
         if not self._thread.is_alive():
             fut.set_exception(EngineUnavailable("engine thread is not running"))
@@ -266,13 +270,13 @@ class Engine:
         """Raise ProtocolError for a request no state of the engine could serve."""
         if not req.input_ids:
             raise ProtocolError("input_ids is empty")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ProtocolError(f"input_ids has {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
-        if len(req.input_ids) >= self.context_len:
+        if len(req.input_ids) >= self.context_len:  # before the scan below: cheap, and what SGLang says
             raise ProtocolError(
                 f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
+        if min(req.input_ids) < 0 or max(req.input_ids) >= self.vocab_size:
+            bad = next(t for t in req.input_ids if not 0 <= t < self.vocab_size)
+            raise ProtocolError(f"input_ids has {bad}, outside the vocabulary [0, {self.vocab_size})")
         if not 0 <= req.top_logprobs_num <= 64:
             raise ProtocolError("top_logprobs_num must be in [0, 64]")
         for t in req.token_ids_logprob or ():
@@ -321,6 +325,14 @@ class Engine:
             self._in_flight() or self._waiting
         )
 
+    def _run(self) -> None:
+        """The thread: its death would leave a server up that answers but never generates, so anything
+        escaping the loop ends the process loudly (`THREAD_DIED`)."""
+        try:
+            self._loop()
+        except BaseException:
+            _die()
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -329,10 +341,12 @@ class Engine:
                 cmd = None
             while cmd is not None:
                 fn, fut = cmd
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:  # handed to the caller through the future
-                    fut.set_exception(exc)
+                # a call its caller cancelled before it ran (it timed out, or its client left) is dropped
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except Exception as exc:  # handed to the caller through the future
+                        fut.set_exception(exc)
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
@@ -571,16 +585,24 @@ class Engine:
     # ----------------------------------------------------------------- control (engine thread only)
     def abort(self, rid: str, message: str = "Abort in waiting queue") -> bool:
         """Abort one request by rid; False if no such request is in flight."""
+        return self._abort_where(lambda r: r.rid == rid, message)
+
+    def abort_request(self, req: EngineRequest, message: str = "Abort request") -> bool:
+        """Abort the request made of `req` itself (not another that reuses its rid); False if it is no
+        longer in flight."""
+        return self._abort_where(lambda r: r.req is req, message)
+
+    def _abort_where(self, match: Callable[[Running], bool], message: str) -> bool:
         for r in list(self._waiting):
-            if r.rid == rid:
+            if match(r):
                 self._waiting.remove(r)
                 self._finish(r, abort_reason(message), [], [], None)
                 return True
-        if self._partial is not None and self._partial.r.rid == rid:
+        if self._partial is not None and match(self._partial.r):
             r, self._partial = self._partial.r, None
             self._finish(r, abort_reason("Abort request"), [], [], None)
             return True
-        found = self.lanes.find(rid)
+        found = self.lanes.find_where(match)
         if found is not None:
             lane, i = found
             r = lane.reqs[i]
@@ -735,6 +757,19 @@ class Engine:
         for t in self._tensors().values():
             t.data = t.data.to(self.device, non_blocking=True)
         torch.cuda.synchronize(self.device)
+
+
+THREAD_DIED = 70
+"""Exit status of a server whose engine thread died (EX_SOFTWARE)."""
+
+
+def _die() -> None:
+    try:
+        sys.stderr.write(f"gyre-engine: the engine thread died; the process exits ({THREAD_DIED})\n")
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+    finally:
+        os._exit(THREAD_DIED)
 
 
 def _check_tags(tags: list[str] | None) -> list[str]:

@@ -8,6 +8,7 @@ twice its shortest plus `slack` tokens; otherwise it opens a new lane. Each engi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -93,9 +94,13 @@ class Lanes:
                 lane.reqs.extend(r for r, _, _ in new)
 
     def find(self, rid: str) -> tuple[Lane, int] | None:
+        return self.find_where(lambda r: r.rid == rid)
+
+    def find_where(self, match: Callable[[Running], bool]) -> tuple[Lane, int] | None:
+        """The lane and row of the first running request `match` accepts."""
         for lane in self.lanes:
             for i, r in enumerate(lane.reqs):
-                if r.rid == rid:
+                if match(r):
                     return lane, i
         return None
 

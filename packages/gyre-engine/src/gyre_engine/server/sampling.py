@@ -15,7 +15,9 @@ without a read-back.
 
 from __future__ import annotations
 
+import math
 import random
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -51,9 +53,14 @@ class SamplerState:
         """Greedy, or sampled from the whole distribution at its temperature (no top-k/p, min-p): what a
         captured decode step samples on the device."""
         p = self.params
-        return self.greedy or (
-            (p.top_k < 0 or p.top_k >= self.vocab_size) and p.top_p >= 1.0 and p.min_p <= 0
-        )
+        return self.greedy or (self.kept == self.vocab_size and p.top_p >= 1.0 and p.min_p <= 0)
+
+    @property
+    def kept(self) -> int:
+        """How many tokens top-k keeps: the whole vocabulary when `top_k` is -1 (off) or at least the
+        vocabulary's size (SGLang accepts any top_k >= 1; larger than the vocabulary keeps it all)."""
+        k = self.params.top_k
+        return self.vocab_size if k < 0 or k >= self.vocab_size else k
 
     @property
     def next_index(self) -> int:
@@ -76,6 +83,15 @@ class SamplerState:
         self.n_generated += 1
 
 
+_TOKEN_KEY = re.compile(r"[0-9]{1,18}")
+
+
+def _is_token_key(key: str, vocab_size: int) -> bool:
+    """Whether a logit_bias key names a token: ASCII decimal digits in [0, vocab_size) (`int()` alone
+    would take '٣' and fail on '²' or on more than 4300 digits)."""
+    return _TOKEN_KEY.fullmatch(key) is not None and int(key) < vocab_size
+
+
 def validate_params(params: SamplingParams, vocab_size: int) -> None:
     """Reject values gyre-engine cannot honour, with a message that names the key."""
     unsupported = {
@@ -96,28 +112,44 @@ def validate_params(params: SamplingParams, vocab_size: int) -> None:
         raise ProtocolError("sampling_params.beam_width > 1 is not supported by gyre-engine")
     if params.n != 1:
         raise ProtocolError("sampling_params.n must be 1 in gyre-engine (send n requests instead)")
+    _check_numbers(params)
+    _check_token_ids(params, vocab_size)
+
+
+def _check_numbers(params: SamplingParams) -> None:
+    """The numeric parameters in their ranges (and finite: NaN or infinity would sample garbage)."""
     if params.max_new_tokens is None or params.max_new_tokens < 0:
         raise ProtocolError("sampling_params.max_new_tokens must be >= 0")
-    if params.temperature < 0:
-        raise ProtocolError("sampling_params.temperature must be >= 0")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        # SGLang's words (fixtures/sglang-0.5.23/error_bad_temperature.json)
+        raise ProtocolError(f"temperature must be a non-negative finite number, got {params.temperature}.")
     if not 0 < params.top_p <= 1:
         raise ProtocolError("sampling_params.top_p must be in (0, 1]")
     if params.top_k == 0 or params.top_k < -1:
         raise ProtocolError("sampling_params.top_k must be -1 (off) or >= 1")
     if not 0 <= params.min_p <= 1:
         raise ProtocolError("sampling_params.min_p must be in [0, 1]")
-    if params.repetition_penalty <= 0:
-        raise ProtocolError("sampling_params.repetition_penalty must be > 0")
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise ProtocolError("sampling_params.repetition_penalty must be a finite number > 0")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if not math.isfinite(getattr(params, key)):
+            raise ProtocolError(f"sampling_params.{key} must be a finite number")
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """`stop_token_ids` and the keys of `logit_bias` name tokens of the vocabulary."""
     for tid in params.stop_token_ids or []:
         if not 0 <= tid < vocab_size:
             raise ProtocolError(
                 f"sampling_params.stop_token_ids has {tid}, outside the vocabulary [0, {vocab_size})"
             )
-    for key in params.logit_bias or {}:
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+    for key, bias in (params.logit_bias or {}).items():
+        if not _is_token_key(key, vocab_size):
             raise ProtocolError(
-                f"sampling_params.logit_bias key {key!r} is not a token id in [0, {vocab_size})"
+                f"sampling_params.logit_bias key {key[:50]!r} is not a token id in [0, {vocab_size})"
             )
+        if math.isnan(bias):
+            raise ProtocolError(f"sampling_params.logit_bias of token {key} is not a number")
 
 
 def _process_row(logits: torch.Tensor, st: SamplerState) -> None:
@@ -209,11 +241,8 @@ def sample(
     greedy = torch.tensor([st.greedy for st in states], device=device)
     temps = torch.tensor([1.0 if st.greedy else st.params.temperature for st in states], device=device)
     scaled = logits / temps[:, None]
-    if any(not st.greedy and st.params.top_k > 0 for st in states):
-        ks = torch.tensor(
-            [st.params.top_k if st.params.top_k > 0 and not st.greedy else scaled.shape[-1] for st in states],
-            device=device,
-        )
+    if any(not st.greedy and st.kept < scaled.shape[-1] for st in states):
+        ks = torch.tensor([scaled.shape[-1] if st.greedy else st.kept for st in states], device=device)
         kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, (ks - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if any(not st.greedy and st.params.top_p < 1.0 for st in states):

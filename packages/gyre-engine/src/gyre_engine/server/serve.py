@@ -1,24 +1,27 @@
 """Loads a model directory into an Engine and serves it over HTTP with uvicorn (loopback by default).
 
 `load_engine` is what tests and the benchmark use in-process; `serve` is the `gyre-engine serve` command.
-A non-loopback host is refused unless `allow_remote` is set, because the control endpoints can replace
-the weights.
+A host beyond loopback needs `allow_remote` and a token (the `token` setting, `--token-file`, or
+`$GYRE_TOKEN`), because the control endpoints can replace the weights; both are checked before the model
+loads, and a missing one exits with status 2 naming the setting. With a token, on any host, every request
+but the health probes must carry it as `Authorization: Bearer <token>` (`gate.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gyre_engine.auth import TokenError, is_loopback_host, listener_token
 from gyre_engine.server.app import AppConfig, build_app
 from gyre_engine.server.engine import Engine
 from gyre_engine.server.xfer import XferConfig
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -26,7 +29,7 @@ class ServeConfig:
     model: str
     """Model directory (transformers layout: config, safetensors weights, tokenizer, chat template)."""
     host: str = "127.0.0.1"
-    """Address to bind; anything but loopback needs `allow_remote`."""
+    """Address to bind; anything but loopback needs `allow_remote` and a token."""
     port: int = 30000
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N`, or `auto` (CUDA when available)."""
@@ -39,6 +42,13 @@ class ServeConfig:
     xfer: XferConfig = field(default_factory=XferConfig)
     warmup_decode_tokens: int = 0
     """Capture the decode graphs for rows up to this many tokens before serving (0: on first use)."""
+    token: str = ""
+    """The run token requests must carry as a bearer token ("": `$GYRE_TOKEN`, else none, which only a
+    loopback host may have)."""
+    max_body_bytes: int = AppConfig.max_body_bytes
+    """Longest request body (413 past it), except for the two bulk paths."""
+    max_bulk_body_bytes: int = AppConfig.max_bulk_body_bytes
+    """Longest body of /update_weights_from_tensor and /import_prefix."""
     sglang_only: bool = False
     """Serve SGLang's endpoints only (`app.GYRE_ONLY` answer 404): standing in for SGLang in tests."""
 
@@ -65,25 +75,39 @@ def load_engine(cfg: ServeConfig) -> Engine:
     return engine
 
 
+def listen_token(cfg: ServeConfig) -> str:
+    """The token `cfg`'s listener runs with; SystemExit(2) naming the setting if it may not start."""
+    if not is_loopback_host(cfg.host) and not cfg.allow_remote:
+        _refuse(f"refusing to bind {cfg.host}: the control endpoints replace weights; pass --allow-remote")
+    try:
+        return listener_token(cfg.host, cfg.token, "`gyre-engine serve --token-file FILE`")
+    except TokenError as exc:
+        _refuse(str(exc))
+
+
+def _refuse(message: str) -> NoReturn:
+    print(f"gyre-engine serve: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def serve(cfg: ServeConfig) -> None:
-    if cfg.host not in LOOPBACK and not cfg.allow_remote:
-        raise SystemExit(
-            f"refusing to bind {cfg.host}: the control endpoints replace weights; pass --allow-remote"
-        )
+    token = listen_token(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(cfg)
-    app = build_app(
-        engine,
-        AppConfig(
-            model_path=cfg.model,
-            served_model_name=cfg.served_model_name,
-            xfer=cfg.xfer,
-            sglang_only=cfg.sglang_only,
-        ),
+    app_cfg = AppConfig(
+        model_path=cfg.model,
+        served_model_name=cfg.served_model_name,
+        xfer=cfg.xfer,
+        token=token,
+        max_body_bytes=cfg.max_body_bytes,
+        max_bulk_body_bytes=cfg.max_bulk_body_bytes,
+        sglang_only=cfg.sglang_only,
     )
+    app = build_app(engine, app_cfg)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         engine.shutdown()
+        app.state.generation.close()
         app.state.xfer.close()
         app.state.weight_groups.close()

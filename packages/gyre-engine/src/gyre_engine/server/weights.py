@@ -34,14 +34,18 @@ def decode_safetensors_b64(payloads: list[str]) -> dict[str, torch.Tensor]:
 
 
 def read_model_dir(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the `*.safetensors` files of a model directory."""
-    root = Path(path)
-    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
-    if not files:
-        raise WeightUpdateError(f"no *.safetensors files in {path!r}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
+    """All tensors of the `*.safetensors` files of a model directory; a path that cannot be read (too
+    long, unreadable, not safetensors) is a WeightUpdateError (400), like one with no such files."""
+    try:
+        root = Path(path)
+        files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+        if not files:
+            raise WeightUpdateError(f"no *.safetensors files in {path!r}")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(str(f)))
+    except (OSError, SafetensorError) as exc:
+        raise WeightUpdateError(f"cannot read the weights in {path[:200]!r}: {exc}") from exc
     return out
 
 

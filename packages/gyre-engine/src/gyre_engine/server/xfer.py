@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 import torch
+import zmq
 from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
 from gyre_xfer.kv import KvPool, KvTransferResult
@@ -23,7 +24,13 @@ from gyre_xfer.protocol import KvOffer
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, EntryStatus, Transport, open_transport
 
-from gyre_engine.protocol import BlockReport, OfferPrefixRequest, PrefixOffer, UpdateFromXferRequest
+from gyre_engine.protocol import (
+    BlockReport,
+    OfferPrefixRequest,
+    PrefixOffer,
+    ProtocolError,
+    UpdateFromXferRequest,
+)
 from gyre_engine.server.batch import RowKV
 from gyre_engine.server.kv_transfer import KvTransferError
 
@@ -105,7 +112,11 @@ class XferHub:
         with self._lock:
             sub = self._subscribers.get(key)
             if sub is None:
-                sub = self._subscribers[key] = Subscriber(tr, cfg)
+                try:
+                    sub = Subscriber(tr, cfg)
+                except zmq.ZMQError as exc:  # not an address ZeroMQ can connect to: the body's fault
+                    raise ProtocolError(f"publisher {body.publisher[:200]!r}: {exc}") from exc
+                self._subscribers[key] = sub
             sub.config = cfg
         try:
             return sub.pull(body.min_version)
