@@ -14,6 +14,7 @@ import itertools
 import logging
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 from gyre.config import POLICIES
@@ -42,7 +43,13 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("version", help="print the version of each gyre component")
     r = sub.add_parser("run", help="run the whole system on this machine from a TOML/YAML config")
-    r.add_argument("config", help="a .toml, .yaml or .json run config (see integration/examples/)")
+    r.add_argument("config", nargs="?", help="a .toml, .yaml or .json run config (see integration/examples/)")
+    r.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the unfinished run in DIR (killed, or ended by an error) from its checkpoint and "
+        "record log, with the configuration it was started with (no CONFIG)",
+    )
     r.add_argument("--policy", choices=POLICIES, help="override [run] policy")
     r.add_argument("--out", help="override [run] out_dir")
     r.add_argument("-v", "--verbose", action="store_true", help="log every component's decisions")
@@ -159,19 +166,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command in ("run", "compare"):
         from gyre.config import ConfigError, load_config
+        from gyre.rundir import RunDirError
 
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING,
             format="%(asctime)s %(name)s %(levelname)s %(message)s",
         )
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        if args.command == "run" and (args.resume is None) == (args.config is None):
+            parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
         try:
-            cfg = load_config(args.config)
+            if args.command == "run" and args.resume:
+                from gyre.run import resume_config
+
+                cfg = resume_config(Path(args.resume))
+            else:
+                cfg = load_config(args.config)
             if args.out:
                 cfg = cfg.with_policy(cfg.run.policy, args.out)
             if args.command == "run" and args.policy:
                 cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
-        except ConfigError as exc:
+        except (ConfigError, RunDirError) as exc:
             print(f"gyre {args.command}: {exc}", file=sys.stderr)
             return 2
         from gyre.procs import ChildDied
@@ -181,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "run":
                 from gyre.run import run
 
-                run(cfg)
+                run(cfg, resume=bool(args.resume))
             else:
                 from gyre.compare import compare
 
                 arms = [p.strip() for p in args.policies.split(",") if p.strip()]
                 compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
-        except (RunError, ChildDied, ConfigError) as exc:
+        except (RunError, ChildDied, ConfigError, RunDirError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # every child was stopped on the way out

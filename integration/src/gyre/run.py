@@ -9,13 +9,19 @@ with nothing to train is skipped by the core (its queue position taken with no u
 skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
 cell whose trainer or serving thread dies exits loudly), the trajectory service or the rollout driver
 fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
+
+The run directory is claimed first (`rundir.RunDir`: an exclusive lock, a finished run refused and kept,
+an unfinished one continued only by `resume=True`, nothing deleted); `resume.prepare` lines it up with
+the core's checkpoint, from whose queue position the driver and the trajectory service start. What each
+step trained goes to the ledger (`ledger.py`), and `metrics.json` carries its `accounting` of the
+records. The state file says `finished` or `failed` at the end; the run's shared memory is swept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,13 +30,16 @@ from typing import Any
 import httpx
 from gyre_sched.protocol import Action, Role
 
+from gyre import ledger
 from gyre import predict as sim
 from gyre.cell import CellArgs
-from gyre.config import Config
+from gyre.config import Config, config_from_dict
 from gyre.driver import Driver
 from gyre.evalset import Evaluator
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
 from gyre.procs import ProcessGroup, free_port, python_argv, tail
+from gyre.resume import CHECKPOINT, prepare
+from gyre.rundir import NothingToResume, RunDir, read_state, sweep_segments
 from gyre.runparts import RunContext, RunPart
 from gyre.trainwatch import train_overlap
 from gyre.trajsvc import TrajectoryService
@@ -87,25 +96,44 @@ def _proxy_up(url: str) -> bool:
         return False
 
 
-def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart] = ()) -> dict[str, Any]:
+def resume_config(out: Path) -> Config:
+    """The configuration of the run in `out` (for `gyre run --resume`), its out_dir set to `out`."""
+    st = read_state(out)
+    if st is None:
+        raise NothingToResume(f"{out} holds no run to resume (no run.json)")
+    cfg = config_from_dict(st["config"])
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out)))
+
+
+def run(
+    cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart] = (), *, resume: bool = False
+) -> dict[str, Any]:
     """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json). `parts` ride
-    along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them."""
+    along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them. `resume`: continue
+    the unfinished run in out_dir (RunDirError subclasses say why a directory is refused)."""
+    out = Path(cfg.run.out_dir).resolve()
+    rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
+    if resume:  # the run goes on as it was configured
+        c = config_from_dict(rd.config)
+        cfg = dataclasses.replace(c, run=dataclasses.replace(c.run, out_dir=str(out)))
+    try:
+        metrics = _attempt(cfg, rd, say, parts)
+    except BaseException as exc:
+        rd.mark("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        sweep_segments(out / "logs")
+        rd.release()
+    return metrics
+
+
+def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequence[RunPart]) -> dict[str, Any]:
     if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
         parts = [Evaluator(cfg), *parts]
-    out = Path(cfg.run.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in (
-        "steps.jsonl",
-        "core.json",
-        "metrics.json",
-        "timeline.png",
-        "records.msgpack",
-        "samples.jsonl",
-        "train-samples.jsonl",
-    ):
-        (out / stale).unlink(missing_ok=True)
-    if (out / "logs").exists():
-        shutil.rmtree(out / "logs")
+    out = rd.path
+    at = prepare(out, rd.attempt)
+    if rd.attempt:
+        say(f"gyre run: attempt {rd.attempt} resumes {out} at step {at.position} (version {at.version})")
     procs = ProcessGroup(out / "logs")
     c = cfg.run
     driver: Driver | None = None
@@ -135,7 +163,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 engine_port=ports[i], run_dir=str(out), core=core, publisher=publisher, lr=cfg.train.lr,
                 token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
                 release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
-                device=cfg.cell.device,
+                device=cfg.cell.device, checkpoint=str(out / CHECKPOINT) if i == 0 else "",
             )  # fmt: skip
             env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.cell.device == "cuda" else {}
             procs.start(
@@ -151,6 +179,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         traj = TrajectoryService(
             info["core"], sched, cfg.batch.queries, streaming=cfg.streams,
             token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
+            first_step=at.position, on_closed=ledger.Ledger(out, rd.attempt).closed,
         )  # fmt: skip
         proxy_url = f"http://127.0.0.1:{free_port()}"
         procs.start(
@@ -175,7 +204,9 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         _wait("gyre-proxy", lambda: _proxy_up(proxy_url), healthy, c.startup_timeout_s)
         say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
         traj.start()
-        driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
+        driver = Driver(
+            cfg, proxy_url, sched, traj, sim.durations(cfg), first_step=at.position, attempt=rd.attempt
+        )
         ctx = RunContext(cfg, out, proxy_url, driver, traj, sampler, info["publisher"])
         for rider in parts:
             rider.start(ctx)
@@ -213,6 +244,8 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         procs.close()
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
+    metrics["attempt"] = rd.attempt
+    metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
     write_json(out / "metrics.json", metrics)
     with open(out / "samples.jsonl", "w") as fh:
         for smp in sampler.samples:
@@ -226,6 +259,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         f"idle training {metrics['roles']['idle_training']}, switches {metrics['switches']}; "
         f"metrics {out / 'metrics.json'}" + (f", plot {plot}" if plot else "")
     )
+    rd.mark("finished")
     return metrics
 
 
@@ -326,6 +360,7 @@ def collect(
 ) -> dict[str, Any]:
     samples = sampler.samples
     rows = _steps(out)
+    closed = {int(r["step"]): r for r in ledger.read(out / ledger.LEDGER)}
     outcomes = driver.outcomes()
     track = sampler.training()
     overlap = train_overlap(samples, track, outcomes, t0, t1)
@@ -335,7 +370,7 @@ def collect(
     steps: list[dict[str, Any]] = []
     for r in rows:
         k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
-        summary = traj.steps[k].summary if k in traj.steps else {}
+        summary = traj.steps[k].summary if k in traj.steps else closed.get(k, {})
         v = int(r["version"])
         reached = [
             x.t for x in samples
