@@ -18,7 +18,7 @@ With `checkpoint` set, the core saves a gyre-train checkpoint there after each a
 `steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
 version into its engine before it registers, so a restarted or resumed cell never serves older weights.
 A cell the scheduler refuses at Hello (a restarted one whose old self is not yet failed) asks again
-until `startup_timeout_s`.
+until `startup_timeout_s`; once welcomed it writes its pid to `cells/<id>.up` in the run directory.
 """
 
 from __future__ import annotations
@@ -382,6 +382,9 @@ class Cell:
                 raise TimeoutError(f"no Welcome from the scheduler at {self.a.sched} within 30 s")
             w = codec.decode(sock.recv())
             if isinstance(w, Welcome):
+                up = self.run_dir / "cells" / f"{self.a.cell_id}.up"
+                up.parent.mkdir(exist_ok=True)
+                up.write_text(str(os.getpid()))
                 return w.heartbeat_s
             if not isinstance(w, Reject):
                 raise RuntimeError(f"expected Welcome, got {type(w).__name__}")

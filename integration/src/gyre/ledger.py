@@ -12,10 +12,13 @@ executions stay in the log and are counted as `records_superseded`, never traine
 `account` reads the proxy's log (whole frames) against the ledger, over the applied steps:
 
 - `records_trained`: records of trained executions that the trajectory service packed;
-- `records_lost`: records of executions of an applied step's batch, with a valid score, that were not
-  trained, and records in the log of a trained execution beyond what was packed for it;
+- `records_lost`: answered records (calls whose response the harness got: `calls_answered`) of executions
+  of an applied step's batch with a valid score, that were not packed for training;
 - `records_trained_twice`: records packed more often than the log holds them, and every record of an
   execution trained in two steps;
+- `records_unanswered`: records beyond the calls the harness completed and beyond what was packed (a
+  call whose client gave up or saw an error, e.g. its proxy was killed after the fsync: never an answer
+  the policy acted on, so nothing depends on it being trained);
 - `records_superseded`: records of executions of no applied step's batch (the rule above);
 - `records_untrainable`: records of executions without a valid score (eval failed), by design untrained.
 """
@@ -79,6 +82,7 @@ class Accounting:
     records_lost: int
     records_trained_twice: int
     records_superseded: int
+    records_unanswered: int
     records_untrainable: int
     lost_examples: list[str]
     twice_examples: list[str]
@@ -102,19 +106,24 @@ def account(out: Path, applied: int, log_name: str = "records.msgpack") -> Accou
             trained_in[e] += 1
         for e, n in r["calls_packed"].items():
             packed[e] += int(n)
+    answered: dict[str, int] = {}
+    for r in rows:
+        answered.update({e: int(n) for e, n in r["calls_answered"].items()})
     lost: dict[str, int] = {}
     twice: dict[str, int] = {}
+    unanswered = 0
     for e, n in in_log.items():
         if e not in batch or e in untrainable:
             continue
-        if trained_in[e] == 0:
-            lost[e] = n
-        elif trained_in[e] > 1:
+        a, p = answered.get(e, 0), packed[e] if trained_in[e] == 1 else 0
+        if trained_in[e] > 1:
             twice[e] = n
-        elif packed[e] < n:
-            lost[e] = n - packed[e]
-        elif packed[e] > n:
-            twice[e] = packed[e] - n
+            continue
+        if min(n, a) > p:
+            lost[e] = min(n, a) - p
+        if p > n:
+            twice[e] = p - n
+        unanswered += max(0, n - max(p, a))
     return Accounting(
         applied_steps=len(rows),
         records=sum(in_log.values()),
@@ -122,6 +131,7 @@ def account(out: Path, applied: int, log_name: str = "records.msgpack") -> Accou
         records_lost=sum(lost.values()),
         records_trained_twice=sum(twice.values()),
         records_superseded=sum(n for e, n in in_log.items() if e not in batch),
+        records_unanswered=unanswered,
         records_untrainable=sum(n for e, n in in_log.items() if e in batch and e in untrainable),
         lost_examples=sorted(lost)[:5],
         twice_examples=sorted(twice)[:5],

@@ -24,13 +24,14 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 from gyre_sched.protocol import Action, Role
 
-from gyre import ledger
+from gyre import ledger, recordlog
 from gyre import predict as sim
 from gyre.cell import CellArgs
 from gyre.config import Config, config_from_dict
@@ -41,6 +42,7 @@ from gyre.procs import ProcessGroup, free_port, python_argv, tail
 from gyre.resume import CHECKPOINT, prepare
 from gyre.rundir import NothingToResume, RunDir, read_state, sweep_segments
 from gyre.runparts import RunContext, RunPart
+from gyre.supervise import Event, RestartAttempt, Supervisor, kill_leftover
 from gyre.trainwatch import train_overlap
 from gyre.trajsvc import TrajectoryService
 
@@ -116,8 +118,22 @@ def run(
     if resume:  # the run goes on as it was configured
         c = config_from_dict(rd.config)
         cfg = dataclasses.replace(c, run=dataclasses.replace(c.run, out_dir=str(out)))
+    events: list[Event] = []
+    restarted = 0
     try:
-        metrics = _attempt(cfg, rd, say, parts)
+        while True:
+            try:
+                metrics = _attempt(cfg, rd, say, parts, events)
+                break
+            except RestartAttempt as exc:
+                restarted += 1
+                if parts or restarted > cfg.survive.max_restarts:
+                    raise RunError(
+                        f"{exc}; no new attempt ({'parts ride along' if parts else '[survive] max_restarts'})"
+                    ) from exc
+                events.append(Event("attempt", str(exc).splitlines()[0], time.time(), time.time()))
+                say(f"gyre run: {str(exc).splitlines()[0]}; attempt {rd.attempt + 1} continues the run")
+                rd.next_attempt()
     except BaseException as exc:
         rd.mark("failed", f"{type(exc).__name__}: {exc}")
         raise
@@ -127,7 +143,9 @@ def run(
     return metrics
 
 
-def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequence[RunPart]) -> dict[str, Any]:
+def _attempt(
+    cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequence[RunPart], events: list[Event]
+) -> dict[str, Any]:
     if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
         parts = [Evaluator(cfg), *parts]
     out = rd.path
@@ -135,6 +153,10 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
     if rd.attempt:
         say(f"gyre run: attempt {rd.attempt} resumes {out} at step {at.position} (version {at.version})")
     procs = ProcessGroup(out / "logs")
+    sv = cfg.survive
+    sup = Supervisor(procs, sv.max_restarts, sv.backoff_s, say, sv.restart, events)
+    log_path = out / "records.msgpack"
+    log_start = log_path.stat().st_size if log_path.exists() else 0
     c = cfg.run
     driver: Driver | None = None
     traj: TrajectoryService | None = None
@@ -166,6 +188,7 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
                 device=cfg.cell.device, checkpoint=str(out / CHECKPOINT) if i == 0 else "",
             )  # fmt: skip
             env = {"CUDA_VISIBLE_DEVICES": str(i)} if cfg.cell.device == "cuda" else {}
+            (out / "cells" / f"{i}.up").unlink(missing_ok=True)
             procs.start(
                 f"cell-{i}", python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)), env=env
             )
@@ -176,20 +199,28 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
         info = json.loads((out / "core.json").read_text())
         for i in range(1, c.cells):
             cell(i, info["core"], info["publisher"])
+            sup.watch(
+                f"cell-{i}",
+                partial(_restart_cell, out, i, partial(cell, i, info["core"], info["publisher"])),
+                (out / "cells" / f"{i}.up").exists,
+            )
         traj = TrajectoryService(
             info["core"], sched, cfg.batch.queries, streaming=cfg.streams,
             token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
             first_step=at.position, on_closed=ledger.Ledger(out, rd.attempt).closed,
         )  # fmt: skip
         proxy_url = f"http://127.0.0.1:{free_port()}"
-        procs.start(
-            "proxy",
-            python_argv(
-                "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", proxy_url.rsplit(":", 1)[1],
-                "--sched", sched, "--record-log", str(out / "records.msgpack"), "--record-push", traj.address,
-                "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
-            ),
+        proxy_argv = python_argv(
+            "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", proxy_url.rsplit(":", 1)[1],
+            "--sched", sched, "--record-log", str(log_path), "--record-push", traj.address,
+            "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
         )  # fmt: skip
+        procs.start("proxy", proxy_argv)
+        sup.watch(
+            "proxy",
+            partial(_restart_proxy, procs, proxy_argv, log_path, log_start, traj),
+            lambda: _proxy_up(proxy_url),
+        )
         sampler = Sampler(sched, engines, core=info["core"])
         sampler.start()
 
@@ -198,7 +229,7 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
             return st is not None and len(st.cells) == c.cells
 
         def healthy() -> None:
-            _check_health(procs, traj, driver, sampler)
+            _check_health(procs, traj, driver, sampler, sup)
 
         _wait("the cells (engines up, registered with gyre-sched)", registered, healthy, c.startup_timeout_s)
         _wait("gyre-proxy", lambda: _proxy_up(proxy_url), healthy, c.startup_timeout_s)
@@ -232,7 +263,7 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
             "the last weight version on every rollout engine",
             lambda: _engines_at(sampler, final),
             healthy,
-            60.0,
+            60.0 + (c.startup_timeout_s if sup.pending() else 0.0),
         )
         say(_progress(t_start, driver, traj, sampler, out))
     finally:
@@ -245,6 +276,7 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     metrics["attempt"] = rd.attempt
+    metrics["survival"] = {"events": [e.to_dict() for e in events]}
     metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
     write_json(out / "metrics.json", metrics)
     with open(out / "samples.jsonl", "w") as fh:
@@ -264,26 +296,58 @@ def _attempt(cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequenc
 
 
 def _check_health(
-    procs: ProcessGroup, traj: TrajectoryService | None, driver: Driver | None, sampler: Sampler | None
+    procs: ProcessGroup,
+    traj: TrajectoryService | None,
+    driver: Driver | None,
+    sampler: Sampler | None,
+    sup: Supervisor | None = None,
 ) -> None:
-    """Raise (ChildDied or RunError, naming the part and why) if any part of the run has failed."""
-    procs.check()
+    """Raise (ChildDied, RunError or, when supervising, RestartAttempt; naming the part and why) if any
+    part of the run has failed and cannot be restarted in place; restart those that can (`sup`)."""
+    if sup is not None:
+        sup.check()
+    else:
+        procs.check()
+    fatal = RestartAttempt if sup is not None and sup.restart else RunError
     why = traj.failure() if traj is not None else None
     if traj is not None and why is not None:
-        raise RunError(f"the trajectory service failed: {why}") from traj.error
+        raise fatal(f"the trajectory service failed: {why}") from traj.error
     if driver is not None and driver.error is not None:
-        raise RunError(f"the rollout driver failed: {driver.error}") from driver.error
+        raise fatal(f"the rollout driver failed: {driver.error}") from driver.error
     st = sampler.last_state if sampler is not None else None
     failed = [v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED]
+    if sup is not None and sup.restart:  # a stopped or stuck satellite is killed, then restarted
+        failed = [
+            v for v in failed if v.is_core or not sup.kill(f"cell-{v.cell_id}", "was failed by gyre-sched")
+        ]
+        failed = [v for v in failed if v.is_core or not sup.restarting(f"cell-{v.cell_id}")]
     if failed:
         sched = next((ch.log for ch in procs.children if ch.name == "sched"), None)
         said = [ln for ln in tail(sched, 200).splitlines() if " failed (" in ln] if sched else []
         names = ", ".join(f"cell {v.cell_id}" + (" (the trainer core)" if v.is_core else "") for v in failed)
-        raise RunError(
+        raise fatal(
             f"gyre-sched marked {names} failed"
             + (f": {said[-1].strip()}" if said else "")
-            + "; a run cannot survive a failed cell yet"
+            + ("; a new attempt continues the run" if fatal is RestartAttempt else "; restarts are off")
         )
+
+
+def _restart_cell(out: Path, i: int, start: Callable[[], None]) -> None:
+    """A satellite cell again: its old engine killed if it outlived the cell (it holds the port)."""
+    kill_leftover(out / "logs", f"engine-{i}")
+    start()
+
+
+def _restart_proxy(
+    procs: ProcessGroup, argv: list[str], log_path: Path, log_start: int, traj: TrajectoryService
+) -> None:
+    """The proxy again, on its port and log (a torn last frame set aside first); every record of this
+    attempt in the log replayed into the trajectory service (calls already there are skipped)."""
+    aside = recordlog.set_aside_torn_tail(log_path)
+    if aside is not None:
+        log.warning("the proxy's log had a torn last frame; moved to %s", aside)
+    procs.start("proxy", argv)
+    traj.replay(c for _, c in recordlog.calls(log_path, log_start))
 
 
 def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampler | None, out: Path) -> str:

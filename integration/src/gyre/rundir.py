@@ -111,6 +111,11 @@ class RunDir:
             os.fsync(fh.fileno())
         tmp.rename(self.path / "run.json")
 
+    def next_attempt(self) -> None:
+        """The run goes on in a new attempt (after a part that cannot be restarted in place failed)."""
+        self.attempt += 1
+        self.mark("running")
+
     def release(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)

@@ -266,6 +266,7 @@ class TrajectoryService:
                 "not_trainable": sorted(e for e in sd.scores if e not in adv),
                 "trained_executions": trained,
                 "calls_packed": {e: self._packed_calls.get(e, 0) for e in trained},
+                "calls_answered": dict(sd.calls_expected),
             }
         )
 
