@@ -86,6 +86,10 @@ class Accounting:
     records_untrainable: int
     lost_examples: list[str]
     twice_examples: list[str]
+    lost: dict[str, int]
+    """Execution id -> its records lost."""
+    twice: dict[str, int]
+    """Execution id -> its records trained twice."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,4 +139,6 @@ def account(out: Path, applied: int, log_name: str = "records.msgpack") -> Accou
         records_untrainable=sum(n for e, n in in_log.items() if e in batch and e in untrainable),
         lost_examples=sorted(lost)[:5],
         twice_examples=sorted(twice)[:5],
+        lost=lost,
+        twice=twice,
     )
