@@ -5,7 +5,6 @@ minutes on a loaded 2-core machine (most of it process start-up, twice)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,8 +14,7 @@ from pathlib import Path
 import pytest
 from gyre import ledger
 from gyre.cli import main
-from gyre.rundir import run_pids
-from gyre_xfer.shm import SHM_DIR
+from gyre.rundir import processes_of, segments_of
 
 
 @pytest.fixture(scope="module")
@@ -52,26 +50,6 @@ timeout_s = 8.0
     return cfg
 
 
-def _run_processes(out: Path) -> list[int]:
-    """Live processes of the run in `out` (their command line names it)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(out).encode() in cmd:
-                found.append(int(pid))
-    return found
-
-
-def _segments_of(out: Path) -> list[str]:
-    pids = run_pids(out / "logs")
-    return [n for n in os.listdir(SHM_DIR) if n.startswith("gyre-") and n.split("-")[1].isdigit()
-            and int(n.split("-")[1]) in pids]  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_resume_after_kill_9_trains_every_record_once(
@@ -89,9 +67,9 @@ def test_resume_after_kill_9_trains_every_record_once(
         first.send_signal(signal.SIGKILL)
         first.wait()
     deadline = time.monotonic() + 60.0
-    while _run_processes(out) and time.monotonic() < deadline:  # children end on their parent's death
+    while processes_of(out) and time.monotonic() < deadline:  # children end on their parent's death
         time.sleep(0.2)
-    assert _run_processes(out) == []
+    assert processes_of(out) == []
     assert json.loads((out / "run.json").read_text())["state"] == "running"
 
     # Another run on the killed run's directory is refused and deletes nothing.
@@ -118,6 +96,6 @@ def test_resume_after_kill_9_trains_every_record_once(
     for r in rows:  # steps run again by the second attempt have their own execution ids
         assert all(("-a1-" in e) == (r["attempt"] == 1) for e in r["batch_executions"])
     assert json.loads((out / "run.json").read_text())["state"] == "finished"
-    assert _run_processes(out) == [] and _segments_of(out) == []
+    assert processes_of(out) == [] and segments_of(out / "logs") == []
     assert main(["run", "--resume", str(out)]) == 1  # finished: kept
     assert "finished run" in capsys.readouterr().err

@@ -45,6 +45,7 @@ from typing import Any
 from gyre import ledger, recordlog
 from gyre.config import Config
 from gyre.resume import checkpoint_position
+from gyre.runparts import RunContext
 
 KILL = {"kill-proxy": "proxy", "kill-satellite": "cell-1", "kill-engine": "engine-1",
         "kill-core": "cell-0", "kill-sched": "sched"}  # fmt: skip
@@ -93,6 +94,12 @@ def newest_pid(log_dir: Path, name: str) -> int | None:
 
 
 class Injector:
+    """A part that rides along the run (`runparts.RunPart`, started again in each new attempt): it injects
+    the faults from its own thread, and the run does not end before they are all injected."""
+
+    name = "chaos"
+    restartable = True
+
     def __init__(self, out: Path, faults: int, seed: int, kinds: tuple[str, ...], say: Callable[[str], None]):
         self.out = out
         self.logs = out / "logs"
@@ -100,10 +107,52 @@ class Injector:
         self.rng = random.Random(seed)
         self.kinds = kinds
         self.say = say
-        self.done = threading.Event()
+        self.done_ = threading.Event()
         self.rolling = threading.Event()
         self.injections: list[Injection] = []
+        self.ctx: RunContext | None = None
+        self.error: BaseException | None = None
         self._bag: list[str] = []
+        self._thread = threading.Thread(target=self._main, name="chaos", daemon=True)
+
+    # ---- RunPart ------------------------------------------------------------------------------------
+    def start(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.rolling.set()
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def tick(self, ctx: RunContext) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the fault injector failed: {self.error}") from self.error
+
+    def done(self) -> bool:
+        return self.done_.is_set()
+
+    def stop(self) -> None:
+        self.rolling.clear()  # this attempt ends; a new one starts it again
+
+    def close(self) -> None:
+        self.done_.set()
+        if self._thread.ident is not None:
+            self._thread.join(30.0)
+
+    # ---- the injector thread ------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done_.set()
+
+    def _progress(self) -> tuple[int, int, bool]:
+        """Records received and steps applied by the trajectory service of the current attempt, and
+        whether its driver has run every batch."""
+        c = self.ctx
+        if c is None or not self.rolling.is_set():
+            return (-1, -1, False)
+        return (c.traj.records, c.traj.applied, c.driver.done.is_set())
 
     def _next_kind(self) -> str:
         if not self._bag:
@@ -116,16 +165,15 @@ class Injector:
         return p.stat().st_size if p.exists() else 0
 
     def run(self) -> None:
-        while not self.done.is_set() and len(self.injections) < self.faults:
+        while len(self.injections) < self.faults:
             if not self.rolling.wait(1.0):
                 continue
-            if self.done.wait(self.rng.uniform(0.5, 3.0)):
-                return
+            time.sleep(self.rng.uniform(0.5, 3.0))
             kind = self._next_kind()
             inj = self._inject(kind)
             if inj is None:
                 self._bag.append(kind)  # its process is not up right now: later
-                self.done.wait(1.0)
+                time.sleep(1.0)
                 continue
             self.injections.append(inj)
             self.say(
@@ -147,35 +195,40 @@ class Injector:
             elif kind in STOP:
                 inj.hold_s = self.rng.uniform(1.0, 4.0)
                 os.kill(pid, signal.SIGSTOP)
-                self.done.wait(inj.hold_s)
+                time.sleep(inj.hold_s)
                 os.kill(pid, signal.SIGCONT)
             else:  # disk-full
                 inj.hold_s = self.rng.uniform(2.0, 5.0)
                 size = self._log_size()
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, size))
-                self.done.wait(inj.hold_s)
+                time.sleep(inj.hold_s)
                 inf = resource.RLIM_INFINITY
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, (inf, inf))
         return inj
 
     def _await_recovery(self, inj: Injection) -> None:
+        """Wait until the part runs again, then until the run makes progress (a record arrives or a step
+        is applied, in this attempt or the next), or has nothing left to do."""
         deadline = time.monotonic() + RECOVER_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.done.is_set():
-                return
+        while inj.back_at is None:
             pid = newest_pid(self.logs, inj.part)
             if pid is not None and (pid != inj.pid or inj.kind not in KILL):
                 inj.back_at = time.time()
-                break
-            time.sleep(0.1)
-        else:
-            return
-        size = self._log_size()
-        while time.monotonic() < deadline and not self.done.is_set():
-            if self._log_size() > size:
+            elif time.monotonic() > deadline:
+                return
+            else:
+                time.sleep(0.1)
+        before: tuple[int, int, bool] | None = None
+        while time.monotonic() < deadline:
+            now = self._progress()
+            if now[0] < 0:  # between attempts: compare within the next one
+                before = None
+            elif now[2] or (before is not None and now[:2] != before[:2]):
                 inj.recovered_at = time.time()
                 return
-            time.sleep(0.1)
+            elif before is None:
+                before = now
+            time.sleep(0.05)
 
 
 def chaos(
@@ -196,30 +249,17 @@ def chaos(
     out = out.resolve()
     cfg = chaos_config(cfg, str(out), failure_timeout_s)
     inj = Injector(out, faults, seed, kinds, say)
-
-    def heard(line: str) -> None:
-        say(line)
-        if "rollout starts" in line:
-            inj.rolling.set()
-
-    t = threading.Thread(target=inj.run, name="chaos", daemon=True)
-    t.start()
     t0 = time.time()
     error = ""
     metrics: dict[str, Any] = {}
     try:
-        metrics = run(cfg, say=heard)
+        metrics = run(cfg, say=say, parts=[inj])
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         say(f"gyre chaos: the run failed: {error}")
     finally:
         end = time.time()
-        if any(i.recovered_at is None for i in inj.injections):  # the run ended: count what came back
-            for i in inj.injections:
-                if i.recovered_at is None and i.back_at is not None:
-                    i.recovered_at = end if not error else None
-        inj.done.set()
-        t.join(30.0)
+        inj.close()
     applied = metrics.get("steps_applied", checkpoint_position(out)[0])
     acc = ledger.account(out, applied)
     report = _report(cfg, inj, acc, metrics, error, end - t0, out)

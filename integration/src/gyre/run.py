@@ -127,10 +127,10 @@ def run(
                 break
             except RestartAttempt as exc:
                 restarted += 1
-                if parts or restarted > cfg.survive.max_restarts:
-                    raise RunError(
-                        f"{exc}; no new attempt ({'parts ride along' if parts else '[survive] max_restarts'})"
-                    ) from exc
+                fixed = [p.name for p in parts if not getattr(p, "restartable", False)]
+                if fixed or restarted > cfg.survive.max_restarts:
+                    why = f"{', '.join(fixed)} cannot start again" if fixed else "[survive] max_restarts"
+                    raise RunError(f"{exc}; no new attempt ({why})") from exc
                 events.append(Event("attempt", str(exc).splitlines()[0], time.time(), time.time()))
                 say(f"gyre run: {str(exc).splitlines()[0]}; attempt {rd.attempt + 1} continues the run")
                 rd.next_attempt()

@@ -149,6 +149,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def processes_of(out: Path) -> list[int]:
+    """Live processes whose command line names the run directory `out` (every child of a run does)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(out).encode() in cmd:
+                found.append(int(pid))
+    return found
+
+
+def segments_of(log_dir: Path, shm_dir: str | None = None) -> list[str]:
+    """Shared-memory segments of the run's processes (any still there), by name."""
+    from gyre_xfer.shm import SHM_DIR
+
+    pids = run_pids(log_dir)
+    return [
+        n
+        for n in os.listdir(shm_dir or SHM_DIR)
+        if n.startswith("gyre-") and n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids
+    ]
+
+
 def sweep_segments(log_dir: Path, shm_dir: str | None = None) -> list[str]:
     """Unlink the shared-memory segments (`gyre-<pid>-...`, gyre-xfer's names) made by this run's processes
     that are gone; returns the paths removed. Processes of the run still alive keep theirs."""
