@@ -202,7 +202,7 @@ def _attempt(
             sup.watch(
                 f"cell-{i}",
                 partial(_restart_cell, out, i, partial(cell, i, info["core"], info["publisher"])),
-                (out / "cells" / f"{i}.up").exists,
+                partial(lambda i: _cell_back(out, i, sampler), i),
             )
         traj = TrajectoryService(
             info["core"], sched, cfg.batch.queries, streaming=cfg.streams,
@@ -317,10 +317,7 @@ def _check_health(
     st = sampler.last_state if sampler is not None else None
     failed = [v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED]
     if sup is not None and sup.restart:  # a stopped or stuck satellite is killed, then restarted
-        failed = [
-            v for v in failed if v.is_core or not sup.kill(f"cell-{v.cell_id}", "was failed by gyre-sched")
-        ]
-        failed = [v for v in failed if v.is_core or not sup.restarting(f"cell-{v.cell_id}")]
+        failed = [v for v in failed if v.is_core or not _restart_failed(sup, f"cell-{v.cell_id}")]
     if failed:
         sched = next((ch.log for ch in procs.children if ch.name == "sched"), None)
         said = [ln for ln in tail(sched, 200).splitlines() if " failed (" in ln] if sched else []
@@ -330,6 +327,19 @@ def _check_health(
             + (f": {said[-1].strip()}" if said else "")
             + ("; a new attempt continues the run" if fatal is RestartAttempt else "; restarts are off")
         )
+
+
+def _restart_failed(sup: Supervisor, part: str) -> bool:
+    """A satellite cell gyre-sched failed is being restarted, or is killed now to be restarted."""
+    return sup.restarting(part) or sup.kill(part, "was failed by gyre-sched")
+
+
+def _cell_back(out: Path, i: int, sampler: Sampler | None) -> bool:
+    """The restarted cell `i` was welcomed by gyre-sched (`cells/<i>.up`) and gyre-sched's state shows
+    it registered again (not the failed old one); until then a failed cell `i` is not killed again."""
+    st = sampler.last_state if sampler is not None else None
+    me = [v for v in (st.cells if st is not None else ()) if v.cell_id == i]
+    return (out / "cells" / f"{i}.up").exists() and bool(me) and me[0].role is not Role.FAILED
 
 
 def _restart_cell(out: Path, i: int, start: Callable[[], None]) -> None:
