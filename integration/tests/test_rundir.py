@@ -238,3 +238,19 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
             fail_fast.check()
     finally:
         pg.close()
+
+
+def test_gyre_run_on_a_live_directory_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from gyre.config import config_from_dict
+    from gyre.run import run
+
+    (tmp_path / "records.msgpack").write_bytes(b"the only copy of untrained records")
+    live = RunDir.claim(tmp_path, CFG, resume=False)
+    try:
+        cfg = config_from_dict({"run": {"out_dir": str(tmp_path), "startup_timeout_s": 5.0}})
+        with pytest.raises(RunBusy):
+            run(cfg, say=lambda _: None)
+    finally:
+        live.release()
+    assert (tmp_path / "records.msgpack").read_bytes() == b"the only copy of untrained records"
+    assert not (tmp_path / "logs").exists()  # no process was started
