@@ -103,7 +103,12 @@ def resume_config(out: Path) -> Config:
     st = read_state(out)
     if st is None:
         raise NothingToResume(f"{out} holds no run to resume (no run.json)")
-    cfg = config_from_dict(st["config"])
+    return _located(st["config"], out)
+
+
+def _located(raw: dict[str, Any], out: Path) -> Config:
+    """The configuration a run was started with (`run.json`), its out_dir where the run now is."""
+    cfg = config_from_dict(raw)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out)))
 
 
@@ -116,8 +121,7 @@ def run(
     out = Path(cfg.run.out_dir).resolve()
     rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
     if resume:  # the run goes on as it was configured
-        c = config_from_dict(rd.config)
-        cfg = dataclasses.replace(c, run=dataclasses.replace(c.run, out_dir=str(out)))
+        cfg = _located(rd.config, out)
     events: list[Event] = []
     restarted = 0
     try:
@@ -128,6 +132,7 @@ def run(
             except RestartAttempt as exc:
                 restarted += 1
                 fixed = [p.name for p in parts if not getattr(p, "restartable", False)]
+                fixed += ["the held-out evaluator"] if cfg.eval.tasks else []
                 if fixed or restarted > cfg.survive.max_restarts:
                     why = f"{', '.join(fixed)} cannot start again" if fixed else "[survive] max_restarts"
                     raise RunError(f"{exc}; no new attempt ({why})") from exc
