@@ -157,6 +157,9 @@ class TrajectoryService:
                     last_report = now
                     sched.send(sc.encode(self._report(core)))
         except BaseException as exc:
+            if self._stop.is_set():  # the run is ending (its core may be gone first): not a failure
+                log.info("trajectory service stopped: %s", exc)
+                return
             log.exception("trajectory service failed")
             self.error = exc
         finally:
