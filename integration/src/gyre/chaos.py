@@ -199,11 +199,10 @@ class Injector:
                 os.kill(pid, signal.SIGCONT)
             else:  # disk-full
                 inj.hold_s = self.rng.uniform(2.0, 5.0)
-                size = self._log_size()
-                resource.prlimit(pid, resource.RLIMIT_FSIZE, (size, size))
-                time.sleep(inj.hold_s)
-                inf = resource.RLIM_INFINITY
-                resource.prlimit(pid, resource.RLIMIT_FSIZE, (inf, inf))
+                soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (self._log_size(), hard))  # the soft limit:
+                time.sleep(inj.hold_s)  # a hard one lowered cannot be raised again without privileges
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
         return inj
 
     def _await_recovery(self, inj: Injection) -> None:
