@@ -65,6 +65,8 @@ class Injection:
     back_at: float | None = None
     """The part running again (the wall clock), None: never."""
     recovered_at: float | None = None
+    cell_up: str = ""
+    """Cell 1's `cells/1.up` (the pid gyre-sched welcomed) at the injection."""
 
 
 def chaos_config(cfg: Config, out: str, failure_timeout_s: float) -> Config:
@@ -186,7 +188,8 @@ class Injector:
         pid = newest_pid(self.logs, part)
         if pid is None:
             return None
-        inj = Injection(kind, part, pid, time.time())
+        up = self.out / "cells" / "1.up"
+        inj = Injection(kind, part, pid, time.time(), cell_up=up.read_text() if up.exists() else "")
         with contextlib.suppress(ProcessLookupError):
             if kind in KILL:
                 os.kill(pid, signal.SIGKILL)
@@ -205,13 +208,30 @@ class Injector:
                 resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
         return inj
 
+    def _back(self, inj: Injection) -> bool:
+        """The faulted part runs again: the same process after a stop; after a kill, a new one that is
+        serving (a satellite cell welcomed by gyre-sched again, the proxy answering /health; the core
+        cell and gyre-sched come back in a new attempt, whose progress `_await_recovery` waits for)."""
+        pid = newest_pid(self.logs, inj.part)
+        if inj.kind not in KILL:
+            return pid is not None
+        if pid is None or pid == inj.pid:
+            return False
+        if inj.part in ("cell-1", "engine-1"):
+            up = self.out / "cells" / "1.up"
+            return up.exists() and up.read_text() != inj.cell_up
+        if inj.part == "proxy":
+            from gyre.run import proxy_up
+
+            return self.ctx is not None and proxy_up(self.ctx.proxy_url)
+        return True
+
     def _await_recovery(self, inj: Injection) -> None:
         """Wait until the part runs again, then until the run makes progress (a record arrives or a step
         is applied, in this attempt or the next), or has nothing left to do."""
         deadline = time.monotonic() + RECOVER_TIMEOUT_S
         while inj.back_at is None:
-            pid = newest_pid(self.logs, inj.part)
-            if pid is not None and (pid != inj.pid or inj.kind not in KILL):
+            if self._back(inj):
                 inj.back_at = time.time()
             elif time.monotonic() > deadline:
                 return

@@ -91,7 +91,7 @@ def _wait(what: str, ok: Callable[[], bool], check: Callable[[], None], timeout_
         time.sleep(0.2)
 
 
-def _proxy_up(url: str) -> bool:
+def proxy_up(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
@@ -224,7 +224,7 @@ def _attempt(
         sup.watch(
             "proxy",
             partial(_restart_proxy, procs, proxy_argv, log_path, log_start, traj),
-            lambda: _proxy_up(proxy_url),
+            lambda: proxy_up(proxy_url),
         )
         sampler = Sampler(sched, engines, core=info["core"])
         sampler.start()
@@ -237,7 +237,7 @@ def _attempt(
             _check_health(procs, traj, driver, sampler, sup)
 
         _wait("the cells (engines up, registered with gyre-sched)", registered, healthy, c.startup_timeout_s)
-        _wait("gyre-proxy", lambda: _proxy_up(proxy_url), healthy, c.startup_timeout_s)
+        _wait("gyre-proxy", lambda: proxy_up(proxy_url), healthy, c.startup_timeout_s)
         say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
         traj.start()
         driver = Driver(
