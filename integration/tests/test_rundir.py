@@ -254,3 +254,18 @@ def test_gyre_run_on_a_live_directory_is_refused_before_anything_starts(tmp_path
         live.release()
     assert (tmp_path / "records.msgpack").read_bytes() == b"the only copy of untrained records"
     assert not (tmp_path / "logs").exists()  # no process was started
+
+
+def test_gyre_run_takes_a_config_or_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gyre.cli import main
+
+    for argv in (
+        ["run"],
+        ["run", "x.toml", "--resume", str(tmp_path)],
+        ["run", "--resume", "d", "--out", "e"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    assert main(["run", "--resume", str(tmp_path)]) == 2  # nothing to resume there
+    assert "holds no run to resume" in capsys.readouterr().err

@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
         if args.command == "run" and (args.resume is None) == (args.config is None):
             parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
+        if args.command == "run" and args.resume and (args.out or args.policy):
+            parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
         try:
             if args.command == "run" and args.resume:
                 from gyre.run import resume_config
