@@ -18,11 +18,13 @@ drawn again):
 - `disk-full`: the proxy's record log stops growing (RLIMIT_FSIZE set on the live proxy to the log's size,
   with `prlimit`; every write fails with EFBIG, as on a full disk) for 2-5 s, then the limit is lifted.
 
-Recovered: the part is running again (a new process after a kill, the same one after a stop) and the
-record log grows again (or the run has ended); `time_to_recover_s` is from the injection to then. The
-run's records are checked against its ledger (`ledger.account`); an execution's lost or twice-trained
-records are charged to the fault kinds whose window (injection to recovery) overlaps its calls.
-The report goes to `<out>/chaos.json`.
+Recovered: the part runs again (the same process after a stop; after a kill a new one that serves: a
+satellite cell welcomed by gyre-sched again, the proxy answering /health, or a new attempt of the run
+for the core cell and gyre-sched) and then the run makes progress (the trajectory service receives a
+record or the core applies a step), or has nothing left to run; `time_to_recover_s` is from the
+injection to then. The run's records are checked against its ledger (`ledger.account`); an
+execution's lost or twice-trained records are charged to the fault kinds whose window (injection to
+recovery) overlaps its calls. The report goes to `<out>/chaos.json`.
 """
 
 from __future__ import annotations
