@@ -2,7 +2,8 @@
 
 The trajectory service appends one JSON line per step it hands to the core whole (`Ledger.closed`,
 fsynced): the step, the attempt, the executions of its batch, those trained (`trained_executions`), those
-that could not be trained (no valid score) and the calls of each trained execution it packed. A step
+that could not be trained (no valid score), the calls of each trained execution it packed and the
+calls of each execution the harness completed (`calls_answered`). A step
 is *trained* when the core has applied it: its queue position is below the core's (the checkpoint's,
 after a crash). The rule for a crash (`gyre run --resume`): steps at or past the checkpoint's position
 were not applied; their ledger lines are dropped (`keep_before`) and their batches are run again, by the
