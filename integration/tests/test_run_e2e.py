@@ -179,9 +179,13 @@ def test_steps_with_nothing_to_train_are_skipped(tmp_path: Path, model_dir: Path
 @pytest.mark.slow
 def test_a_cell_marked_failed_ends_the_run_at_once(tmp_path: Path, model_dir: Path) -> None:
     # The core cell stops answering (SIGSTOP) once rollout has started: gyre-sched marks it failed after
-    # failure_timeout_s, and the run ends with that reason instead of printing progress until its deadline.
+    # failure_timeout_s, and with restarts off the run ends with that reason instead of printing progress
+    # until its deadline.
     cfg_path = _config(
-        tmp_path, model_dir, "median_s = 20.0\ntimeout_s = 30.0\n[sched]\nfailure_timeout_s = 5.0", 240.0
+        tmp_path,
+        model_dir,
+        "median_s = 20.0\ntimeout_s = 30.0\n[sched]\nfailure_timeout_s = 5.0\n[survive]\nrestart = false",
+        240.0,
     )
     stopped: list[int] = []
 

@@ -10,7 +10,9 @@ answered while the task still needed a tool and no fallback ran), so the share o
 that the model made itself can be reported. Tool time is a sleep before each call, so an execution's
 length follows the configured profile; the `Execution` record keeps the progress, so a run cut by the
 driver's timeout can still be scored. Overloaded answers (529/503: no engine while the pool trains) are
-retried.
+retried, and so are server errors (5xx: e.g. a proxy whose record log cannot be written) and a call the
+proxy never answered (connection refused or dropped: a proxy being restarted), as real harnesses (the
+Anthropic SDK's retry rule) do.
 """
 
 from __future__ import annotations
@@ -90,11 +92,18 @@ async def _call(
 ) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     while True:
-        r = await http.post(url, json=body)
+        try:
+            r = await http.post(url, json=body)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            if loop.time() >= retry_until:
+                raise
+            ex.retries += 1
+            await asyncio.sleep(0.25)
+            continue
         if r.status_code == 200:
             out: dict[str, Any] = r.json()
             return out
-        if r.status_code in RETRYABLE and loop.time() < retry_until:
+        if (r.status_code in RETRYABLE or r.status_code >= 500) and loop.time() < retry_until:
             ex.retries += 1
             await asyncio.sleep(0.25)
             continue

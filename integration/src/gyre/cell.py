@@ -12,7 +12,13 @@ newest weights and only then answers `SwitchDone`. While in rollout, a weight th
 version and pulls each new snapshot into the engine (gyre-xfer over shared memory). The core appends one
 JSON line per step to `steps.jsonl` in the run directory. The trainer thread and the satellite thread
 are gyre-train's `threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the
-traceback in its log), and `gyre run` ends naming it.
+traceback in its log), and `gyre run` ends naming it (or restarts it: `supervise.py`).
+
+With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
+`steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
+version into its engine before it registers, so a restarted or resumed cell never serves older weights.
+A cell the scheduler refuses at Hello (a restarted one whose old self is not yet failed) asks again
+until `startup_timeout_s`; once welcomed it writes its pid to `cells/<id>.up` in the run directory.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ class CellArgs:
     token_file: str = ""
     """A file holding the run token (a cell started by a cluster's launcher, e.g. SLURM's srun); empty:
     $GYRE_TOKEN, or none (a loopback scheduler without one)."""
+    checkpoint: str = ""
+    """Core: the checkpoint directory (resumed from if present, saved after every step); empty: none."""
 
 
 def model_config_of(model_dir: str) -> Any:
@@ -258,6 +266,10 @@ class Cell:
                 bind=f"tcp://{self.a.host}:0",
             )
             self.core = Core(model, mc, cfg)
+            ckpt = Path(self.a.checkpoint) if self.a.checkpoint else None
+            if ckpt is not None and (ckpt / "state.json").exists():
+                self.core.load(ckpt)
+                log.info("core resumed from %s at version %d", ckpt, self.core.version)
             self.core.set_computing(False)  # the cell starts in rollout
             self.publisher = self.core.publisher.address
             info = {"core": self.core.address, "publisher": self.publisher}
@@ -309,6 +321,8 @@ class Cell:
             row = {**asdict(rep), "t_start": t0, "t_end": time.time()}
             with open(steps, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+            if self.a.checkpoint:
+                self.core.save(Path(self.a.checkpoint))
             log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
 
     # ---- switches -----------------------------------------------------------------------------------
@@ -347,22 +361,7 @@ class Cell:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = dealer(ctx, self.a.sched)  # the run token: $GYRE_TOKEN (main() reads token_file into it)
         try:
-            hello = Hello(
-                PeerKind.CELL,
-                cell_id=self.a.cell_id,
-                is_core=self.a.is_core,
-                capacity=self.a.capacity,
-                endpoint=self.url,
-            )
-            sock.send(codec.encode(hello))
-            if not sock.poll(30_000):
-                raise TimeoutError(f"no Welcome from the scheduler at {self.a.sched} within 30 s")
-            w = codec.decode(sock.recv())
-            if isinstance(w, Reject):
-                raise RuntimeError(f"scheduler rejected cell {self.a.cell_id}: {w.reason}")
-            if not isinstance(w, Welcome):
-                raise RuntimeError(f"expected Welcome, got {type(w).__name__}")
-            hb = w.heartbeat_s
+            hb = self._register(sock, codec)
             last_sent = last_heard = last_probe = time.monotonic()
             done: list[SwitchDone] = []
             worker: threading.Thread | None = None
@@ -411,6 +410,33 @@ class Cell:
             sock.close(0)
             ctx.term()
 
+    def _register(self, sock: zmq.Socket[bytes], codec: Codec) -> float:
+        """Hello until welcomed (a refusal is asked again until `startup_timeout_s`); the heartbeat."""
+        hello = Hello(
+            PeerKind.CELL,
+            cell_id=self.a.cell_id,
+            is_core=self.a.is_core,
+            capacity=self.a.capacity,
+            endpoint=self.url,
+        )
+        deadline = time.monotonic() + self.a.startup_timeout_s
+        while True:
+            sock.send(codec.encode(hello))
+            if not sock.poll(30_000):
+                raise TimeoutError(f"no Welcome from the scheduler at {self.a.sched} within 30 s")
+            w = codec.decode(sock.recv())
+            if isinstance(w, Welcome):
+                up = self.run_dir / "cells" / f"{self.a.cell_id}.up"
+                up.parent.mkdir(exist_ok=True)
+                up.write_text(str(os.getpid()))
+                return w.heartbeat_s
+            if not isinstance(w, Reject):
+                raise RuntimeError(f"expected Welcome, got {type(w).__name__}")
+            if time.monotonic() > deadline or self.stop.is_set():
+                raise RuntimeError(f"scheduler rejected cell {self.a.cell_id}: {w.reason}")
+            log.warning("cell %d: scheduler refused (%s); asking again", self.a.cell_id, w.reason)
+            self.stop.wait(1.0)
+
     def _switch(self, cmd: SwitchCommand, done: list[SwitchDone]) -> None:
         try:
             self._do_switch(cmd, done)
@@ -435,6 +461,7 @@ class Cell:
         try:
             self.start_engine()
             self.start_trainer()
+            self.sync_weights()  # a resumed core's version (or the running core's, on a restart)
             threading.Thread(target=self.weight_loop, name="weights", daemon=True).start()
             self.serve()
         finally:

@@ -1,7 +1,7 @@
 """The `gyre` command: `run` the whole system from a config, `compare` scheduling policies (with and
 without streaming) on one workload, with the gyre-sched simulator's prediction beside each, `demo` (warm
-start, then RL that learns the built-in tasks), `warmstart` (the warm start alone), `cell` (one cell
-process, started by `gyre run`), and `version`."""
+start, then RL that learns the built-in tasks), `warmstart` (the warm start alone), `chaos` (a run under
+injected faults), `cell` (one cell process, started by `gyre run`), and `version`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import itertools
 import logging
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 from gyre.config import POLICIES
@@ -42,7 +43,13 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("version", help="print the version of each gyre component")
     r = sub.add_parser("run", help="run the whole system on this machine from a TOML/YAML config")
-    r.add_argument("config", help="a .toml, .yaml or .json run config (see integration/examples/)")
+    r.add_argument("config", nargs="?", help="a .toml, .yaml or .json run config (see integration/examples/)")
+    r.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the unfinished run in DIR (killed, or ended by an error) from its checkpoint and "
+        "record log, with the configuration it was started with (no CONFIG)",
+    )
     r.add_argument("--policy", choices=POLICIES, help="override [run] policy")
     r.add_argument("--out", help="override [run] out_dir")
     from gyre.config import RunSection
@@ -71,6 +78,18 @@ def _build_parser() -> argparse.ArgumentParser:
         help="do not run: read out_dir/<policy>/metrics.json of earlier runs (e.g. made on a GPU machine)",
     )
     c.add_argument("-v", "--verbose", action="store_true")
+    x = sub.add_parser(
+        "chaos",
+        help="a run under injected faults (kills, stops, a full log disk); a JSON report of what it survived",
+    )
+    x.add_argument("config")
+    x.add_argument("--faults", type=int, default=20, help="faults to inject (default: 20)")
+    x.add_argument("--seed", type=int, default=0, help="which faults, when (default: 0)")
+    x.add_argument("--out", required=True, help="the run directory (new); the report is OUT/chaos.json")
+    x.add_argument("--kinds", default="", help="comma separated fault kinds (default: all; see gyre.chaos)")
+    x.add_argument(
+        "--failure-timeout-s", type=float, default=8.0, help="gyre-sched's failure timeout during the run"
+    )
     from gyre.demo import DemoConfig
     from gyre.warmstart import WarmStartConfig
 
@@ -135,6 +154,30 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    import json
+
+    from gyre.chaos import KINDS, chaos
+    from gyre.config import ConfigError, load_config
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) or KINDS
+    try:
+        cfg = load_config(args.config)
+        report = chaos(
+            cfg, args.faults, args.seed, Path(args.out), kinds, args.failure_timeout_s,
+            say=lambda m: print(m, flush=True),
+        )  # fmt: skip
+    except (ConfigError, ValueError) as exc:
+        print(f"gyre chaos: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: report[k] for k in ("finished", "injections", "recovered", "records_lost",
+                                              "records_trained_twice", "by_kind")}, indent=1))  # fmt: skip
+    ok = report["finished"] and report["records_lost"] == 0 and report["records_trained_twice"] == 0
+    return 0 if ok else 1
+
+
 def _warmstart(args: argparse.Namespace) -> int:
     import json
 
@@ -164,23 +207,35 @@ def main(argv: list[str] | None = None) -> int:
         for dist, version in _versions():
             print(f"{dist:<12} {version if version is not None else '(not installed)'}")
         return 0
+    if args.command == "chaos":
+        return _chaos(args)
     if args.command in ("run", "compare"):
         from gyre.config import ConfigError, load_config
+        from gyre.rundir import RunDirError
 
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING,
             format="%(asctime)s %(name)s %(levelname)s %(message)s",
         )
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        if args.command == "run" and (args.resume is None) == (args.config is None):
+            parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
+        if args.command == "run" and args.resume and (args.out or args.policy):
+            parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
         try:
-            cfg = load_config(args.config)
+            if args.command == "run" and args.resume:
+                from gyre.run import resume_config
+
+                cfg = resume_config(Path(args.resume))
+            else:
+                cfg = load_config(args.config)
             if args.out:
                 cfg = cfg.with_policy(cfg.run.policy, args.out)
             if args.command == "run" and args.policy:
                 cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
             if args.command == "run" and args.ray is not None:
                 cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
-        except ConfigError as exc:
+        except (ConfigError, RunDirError) as exc:
             print(f"gyre {args.command}: {exc}", file=sys.stderr)
             return 2
         from gyre.launch import PlacementError
@@ -191,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "run":
                 from gyre.run import run
 
-                run(cfg)
+                run(cfg, resume=bool(args.resume))
             else:
                 from gyre.compare import compare
 
                 arms = [p.strip() for p in args.policies.split(",") if p.strip()]
                 compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
-        except (RunError, ChildDied, ConfigError, PlacementError) as exc:
+        except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:  # every child was stopped on the way out

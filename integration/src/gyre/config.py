@@ -192,6 +192,18 @@ class ProxySection:
 
 
 @dataclass(frozen=True)
+class SurviveSection:
+    restart: bool = True
+    """Restart what dies and go on (supervise.py): a satellite cell or the proxy in place, anything else by
+    a new attempt of the run from the core's checkpoint; false: the run fails at once on any dead part,
+    naming it (the behaviour before supervision)."""
+    max_restarts: int = 5
+    """Restarts of one part, and new attempts of the run, before the run fails."""
+    backoff_s: float = 1.0
+    """Wait before the n-th restart of a part: backoff_s x 2^(n-1), at most 30 s."""
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection = field(default_factory=RunSection)
     batch: BatchSection = field(default_factory=BatchSection)
@@ -203,6 +215,7 @@ class Config:
     sched: SchedSection = field(default_factory=SchedSection)
     proxy: ProxySection = field(default_factory=ProxySection)
     engine: EngineSection = field(default_factory=EngineSection)
+    survive: SurviveSection = field(default_factory=SurviveSection)
 
     def __post_init__(self) -> None:
         r, b, a, t = self.run, self.batch, self.agent, self.train
@@ -246,6 +259,8 @@ class Config:
         _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")
         _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
         _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
+        _check(self.survive.max_restarts >= 0, "[survive] max_restarts must be >= 0")
+        _check(self.survive.backoff_s >= 0, "[survive] backoff_s must be >= 0")
 
     def _check_placement(self) -> None:
         c, e = self.cell, self.engine

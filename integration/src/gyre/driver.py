@@ -10,7 +10,10 @@ execution timeout; when it ends (finished, timed out, or failed) the evaluator s
 goes to the trajectory service with the number of calls that completed. Nominal durations come from
 gyre-sched's `sample_durations` on the same workload the simulator predicts, so both see one sample.
 The driver reports the water level (`WaterLevel`: unfinished executions, their ages, finished
-durations and timeout flags) to gyre-sched every `report_s`.
+durations and timeout flags) to gyre-sched every `report_s`. A resumed run (`gyre run --resume`)
+starts at batch `first_step` (the checkpoint's queue position), drawing the earlier batches' tasks
+without running them (the same tasks as the first attempt), and names its groups `s<k>-q<q>-a<attempt>`
+so that executions run again never share an id with an abandoned one in the record log.
 """
 
 from __future__ import annotations
@@ -80,13 +83,23 @@ class DriverState:
 
 class Driver:
     def __init__(
-        self, cfg: Config, proxy_url: str, sched_address: str, traj: TrajectoryService, durations: np.ndarray
+        self,
+        cfg: Config,
+        proxy_url: str,
+        sched_address: str,
+        traj: TrajectoryService,
+        durations: np.ndarray,
+        *,
+        first_step: int = 0,
+        attempt: int = 0,
     ) -> None:
         self.cfg = cfg
         self.proxy_url = proxy_url
         self.sched_address = sched_address
         self.traj = traj
         self.durations = durations
+        self.first_step = first_step
+        self.attempt = attempt
         self.state = DriverState()
         self.lock = threading.Lock()
         self.done = threading.Event()
@@ -127,7 +140,10 @@ class Driver:
         admission = await self._welcome()
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
             batches: list[asyncio.Task[None]] = []
-            k = 0
+            for skipped in range(self.first_step):  # applied before a crash: their tasks are drawn
+                for q in range(c.batch.queries):
+                    make_task(rng, self._group_id(skipped, q))
+            k = self.first_step
             while k < c.run.steps:
                 n = batches_to_start(
                     admission, started=k, trained=self.traj.applied, max_ahead=c.driver.max_ahead
@@ -164,7 +180,7 @@ class Driver:
         groups: dict[str, list[str]] = {}
         runs = []
         for q in range(c.batch.queries):
-            gid = f"s{k}-q{q}"
+            gid = self._group_id(k, q)
             task = make_task(rng, gid)
             groups[gid] = []
             for j in range(c.batch.group_size):
@@ -177,6 +193,9 @@ class Driver:
             self.state.batches_started[k] = time.time()
         log.info("batch %d started: %d executions", k, len(runs))
         await asyncio.gather(*(self._one(http, k, ex) for ex in runs))
+
+    def _group_id(self, k: int, q: int) -> str:
+        return f"s{k}-q{q}" + (f"-a{self.attempt}" if self.attempt else "")
 
     async def _one(self, http: httpx.AsyncClient, k: int, ex: Execution) -> None:
         c = self.cfg

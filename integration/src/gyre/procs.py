@@ -3,7 +3,8 @@
 `ProcessGroup` starts every child in its own session with the kernel told to send it SIGTERM if its
 parent dies (PR_SET_PDEATHSIG), so a killed `gyre run` leaves no orphans; `close()` sends SIGTERM to each
 child (last started first), waits, then SIGKILLs what is left. A child that exits while the run still
-needs it is a `ChildDied` naming it and the tail of its log.
+needs it is a `ChildDied` naming it and the tail of its log. Every child's pid goes into
+`<log_dir>/pids.txt` (`rundir.sweep_segments` finds a killed run's shared memory by it).
 """
 
 from __future__ import annotations
@@ -71,9 +72,20 @@ class ProcessGroup:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
+        with open(self.log_dir / "pids.txt", "a") as fh:
+            fh.write(f"{proc.pid} {name}\n")
         child = Child(name, proc, log)
         self.children.append(child)
         return child
+
+    def dead(self) -> list[Child]:
+        """The children that have exited."""
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def forget(self, child: Child) -> None:
+        """Stop watching `child` (it exited, or is being replaced)."""
+        if child in self.children:
+            self.children.remove(child)
 
     def check(self) -> None:
         """Raise ChildDied if any child has exited."""

@@ -11,31 +11,41 @@ with nothing to train is skipped by the core (its queue position taken with no u
 skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
 cell whose trainer or serving thread dies exits loudly), the trajectory service or the rollout driver
 fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
+
+The run directory is claimed first (`rundir.RunDir`: an exclusive lock, a finished run refused and kept,
+an unfinished one continued only by `resume=True`, nothing deleted); `resume.prepare` lines it up with
+the core's checkpoint, from whose queue position the driver and the trajectory service start. What each
+step trained goes to the ledger (`ledger.py`), and `metrics.json` carries its `accounting` of the
+records. The state file says `finished` or `failed` at the end; the run's shared memory is swept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 from gyre_sched.protocol import Action, Role
 
-from gyre import gpus
+from gyre import gpus, ledger, recordlog
 from gyre import predict as sim
 from gyre.cell import CellArgs
-from gyre.config import Config
+from gyre.config import Config, config_from_dict
 from gyre.driver import Driver
 from gyre.evalset import Evaluator
 from gyre.launch import LOOPBACK, Launcher, Part, launcher_for
 from gyre.metrics import Sample, Sampler, role_accounting, write_json, write_plot
 from gyre.procs import ProcessGroup, python_argv, tail
+from gyre.resume import CHECKPOINT, prepare
+from gyre.rundir import NothingToResume, RunDir, read_state, sweep_segments
 from gyre.runparts import RunContext, RunPart
+from gyre.supervise import Event, RestartAttempt, Supervisor, kill_leftover
 from gyre.trainwatch import train_overlap
 from gyre.trajsvc import TrajectoryService
 
@@ -90,34 +100,80 @@ def _wait(what: str, ok: Callable[[], bool], check: Callable[[], None], timeout_
         time.sleep(0.2)
 
 
-def _proxy_up(url: str) -> bool:
+def proxy_up(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart] = ()) -> dict[str, Any]:
+def resume_config(out: Path) -> Config:
+    """The configuration of the run in `out` (for `gyre run --resume`), its out_dir set to `out`."""
+    st = read_state(out)
+    if st is None:
+        raise NothingToResume(f"{out} holds no run to resume (no run.json)")
+    return _located(st["config"], out)
+
+
+def _located(raw: dict[str, Any], out: Path) -> Config:
+    """The configuration a run was started with (`run.json`), its out_dir where the run now is."""
+    cfg = config_from_dict(raw)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(out)))
+
+
+def run(
+    cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart] = (), *, resume: bool = False
+) -> dict[str, Any]:
     """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json). `parts` ride
-    along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them."""
+    along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them. `resume`: continue
+    the unfinished run in out_dir (RunDirError subclasses say why a directory is refused)."""
+    out = Path(cfg.run.out_dir).resolve()
+    rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
+    if resume:  # the run goes on as it was configured
+        cfg = _located(rd.config, out)
+    events: list[Event] = []
+    restarted = 0
+    try:
+        while True:
+            try:
+                metrics = _attempt(cfg, rd, say, parts, events)
+                break
+            except RestartAttempt as exc:
+                restarted += 1
+                fixed = [p.name for p in parts if not getattr(p, "restartable", False)]
+                fixed += ["the held-out evaluator"] if cfg.eval.tasks else []
+                if fixed or restarted > cfg.survive.max_restarts:
+                    why = f"{', '.join(fixed)} cannot start again" if fixed else "[survive] max_restarts"
+                    raise RunError(f"{exc}; no new attempt ({why})") from exc
+                events.append(Event("attempt", str(exc).splitlines()[0], time.time(), time.time()))
+                say(f"gyre run: {str(exc).splitlines()[0]}; attempt {rd.attempt + 1} continues the run")
+                rd.next_attempt()
+    except BaseException as exc:
+        rd.mark("failed", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        sweep_segments(out / "logs")
+        rd.release()
+    return metrics
+
+
+def _attempt(
+    cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequence[RunPart], events: list[Event]
+) -> dict[str, Any]:
     if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
         parts = [Evaluator(cfg), *parts]
-    out = Path(cfg.run.out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in (
-        "steps.jsonl",
-        "core.json",
-        "metrics.json",
-        "timeline.png",
-        "records.msgpack",
-        "samples.jsonl",
-        "train-samples.jsonl",
-    ):
-        (out / stale).unlink(missing_ok=True)
-    if (out / "logs").exists():
-        shutil.rmtree(out / "logs")
+    out = rd.path
+    at = prepare(out, rd.attempt)
+    if rd.attempt:
+        say(f"gyre run: attempt {rd.attempt} resumes {out} at step {at.position} (version {at.version})")
+    log_path = out / "records.msgpack"
+    log_start = log_path.stat().st_size if log_path.exists() else 0
     c = cfg.run
     procs = launcher_for(c.ray_address, out / "logs", parts_of(cfg), c.startup_timeout_s)
+    sv = cfg.survive
+    # parts placed by Ray are not restarted in place: supervision watches this host's processes only
+    group = procs if isinstance(procs, ProcessGroup) else procs.local
+    sup = Supervisor(group, sv.max_restarts, sv.backoff_s, say, sv.restart and group is procs, events)
     driver: Driver | None = None
     traj: TrajectoryService | None = None
     sampler: Sampler | None = None
@@ -148,8 +204,10 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
                 release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
                 device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
                 host=procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
+                checkpoint=str(out / CHECKPOINT) if i == 0 else "",
             )  # fmt: skip
             env = gpus.cell_env(cfg, i)
+            (out / "cells" / f"{i}.up").unlink(missing_ok=True)
             procs.start(
                 f"cell-{i}", python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)), env=env
             )
@@ -160,21 +218,30 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         info = json.loads((out / "core.json").read_text())
         for i in range(1, c.cells):
             cell(i, info["core"], info["publisher"])
+            sup.watch(
+                f"cell-{i}",
+                partial(_restart_cell, out, i, partial(cell, i, info["core"], info["publisher"])),
+                partial(lambda i: _cell_back(out, i, sampler), i),
+            )
         traj = TrajectoryService(
             info["core"], sched, cfg.batch.queries, streaming=cfg.streams,
             token_budget=cfg.train.token_budget, j_max=cfg.train.j_max, report_s=cfg.driver.report_s,
+            first_step=at.position, on_closed=ledger.Ledger(out, rd.attempt).closed,
         )  # fmt: skip
         proxy_host = procs.host("proxy")
         proxy_url = f"http://{proxy_host}:{procs.free_port('proxy')}"
-        procs.start(
-            "proxy",
-            python_argv(
-                "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", proxy_url.rsplit(":", 1)[1],
-                "--host", proxy_host, *(["--allow-remote"] if proxy_host != LOOPBACK else []),
-                "--sched", sched, "--record-log", str(out / "records.msgpack"), "--record-push", traj.address,
-                "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
-            ),
+        proxy_argv = python_argv(
+            "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", proxy_url.rsplit(":", 1)[1],
+            "--host", proxy_host, *(["--allow-remote"] if proxy_host != LOOPBACK else []),
+            "--sched", sched, "--record-log", str(log_path), "--record-push", traj.address,
+            "--pick-wait", str(cfg.proxy.pick_wait_s), "--drain-grace", str(cfg.proxy.drain_grace_s),
         )  # fmt: skip
+        procs.start("proxy", proxy_argv)
+        sup.watch(
+            "proxy",
+            partial(_restart_proxy, procs, proxy_argv, log_path, log_start, traj),
+            lambda: proxy_up(proxy_url),
+        )
         sampler = Sampler(sched, engines, core=info["core"])
         sampler.start()
 
@@ -183,13 +250,15 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
             return st is not None and len(st.cells) == c.cells
 
         def healthy() -> None:
-            _check_health(procs, traj, driver, sampler)
+            _check_health(procs, traj, driver, sampler, sup)
 
         _wait("the cells (engines up, registered with gyre-sched)", registered, healthy, c.startup_timeout_s)
-        _wait("gyre-proxy", lambda: _proxy_up(proxy_url), healthy, c.startup_timeout_s)
+        _wait("gyre-proxy", lambda: proxy_up(proxy_url), healthy, c.startup_timeout_s)
         say(f"gyre run: {c.cells} cells registered, proxy at {proxy_url}; rollout starts")
         traj.start()
-        driver = Driver(cfg, proxy_url, sched, traj, sim.durations(cfg))
+        driver = Driver(
+            cfg, proxy_url, sched, traj, sim.durations(cfg), first_step=at.position, attempt=rd.attempt
+        )
         ctx = RunContext(cfg, out, proxy_url, driver, traj, sampler, info["publisher"])
         for rider in parts:
             rider.start(ctx)
@@ -215,7 +284,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
             "the last weight version on every rollout engine",
             lambda: _engines_at(sampler, final),
             healthy,
-            60.0,
+            60.0 + (c.startup_timeout_s if sup.pending() else 0.0),
         )
         proxy_stats = _proxy_stats(proxy_url)
         say(_progress(t_start, driver, traj, sampler, out))
@@ -229,6 +298,9 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     metrics["moves"] = _moves(proxy_stats)
+    metrics["attempt"] = rd.attempt
+    metrics["survival"] = {"events": [e.to_dict() for e in events]}
+    metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
     write_json(out / "metrics.json", metrics)
     with open(out / "samples.jsonl", "w") as fh:
         for smp in sampler.samples:
@@ -242,6 +314,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
         f"idle training {metrics['roles']['idle_training']}, switches {metrics['switches']}; "
         f"metrics {out / 'metrics.json'}" + (f", plot {plot}" if plot else "")
     )
+    rd.mark("finished")
     return metrics
 
 
@@ -265,26 +338,68 @@ def _moves(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_health(
-    procs: Launcher, traj: TrajectoryService | None, driver: Driver | None, sampler: Sampler | None
+    procs: Launcher,
+    traj: TrajectoryService | None,
+    driver: Driver | None,
+    sampler: Sampler | None,
+    sup: Supervisor | None = None,
 ) -> None:
-    """Raise (ChildDied or RunError, naming the part and why) if any part of the run has failed."""
-    procs.check()
+    """Raise (ChildDied, RunError or, when supervising, RestartAttempt; naming the part and why) if any
+    part of the run has failed and cannot be restarted in place; restart those that can (`sup`)."""
+    if sup is not None:
+        sup.check()
+    else:
+        procs.check()
+    fatal = RestartAttempt if sup is not None and sup.restart else RunError
     why = traj.failure() if traj is not None else None
     if traj is not None and why is not None:
-        raise RunError(f"the trajectory service failed: {why}") from traj.error
+        raise fatal(f"the trajectory service failed: {why}") from traj.error
     if driver is not None and driver.error is not None:
-        raise RunError(f"the rollout driver failed: {driver.error}") from driver.error
+        raise fatal(f"the rollout driver failed: {driver.error}") from driver.error
     st = sampler.last_state if sampler is not None else None
     failed = [v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED]
+    if sup is not None and sup.restart:  # a stopped or stuck satellite is killed, then restarted
+        failed = [v for v in failed if v.is_core or not _restart_failed(sup, f"cell-{v.cell_id}")]
     if failed:
         sched = next((ch.log for ch in procs.children if ch.name == "sched"), None)
         said = [ln for ln in tail(sched, 200).splitlines() if " failed (" in ln] if sched else []
         names = ", ".join(f"cell {v.cell_id}" + (" (the trainer core)" if v.is_core else "") for v in failed)
-        raise RunError(
+        raise fatal(
             f"gyre-sched marked {names} failed"
             + (f": {said[-1].strip()}" if said else "")
-            + "; a run cannot survive a failed cell yet"
+            + ("; a new attempt continues the run" if fatal is RestartAttempt else "; restarts are off")
         )
+
+
+def _restart_failed(sup: Supervisor, part: str) -> bool:
+    """A satellite cell gyre-sched failed is being restarted, or is killed now to be restarted."""
+    return sup.restarting(part) or sup.kill(part, "was failed by gyre-sched")
+
+
+def _cell_back(out: Path, i: int, sampler: Sampler | None) -> bool:
+    """The restarted cell `i` was welcomed by gyre-sched (`cells/<i>.up`) and gyre-sched's state shows
+    it registered again (not the failed old one); until then a failed cell `i` is not killed again."""
+    st = sampler.last_state if sampler is not None else None
+    me = [v for v in (st.cells if st is not None else ()) if v.cell_id == i]
+    return (out / "cells" / f"{i}.up").exists() and bool(me) and me[0].role is not Role.FAILED
+
+
+def _restart_cell(out: Path, i: int, start: Callable[[], None]) -> None:
+    """A satellite cell again: its old engine killed if it outlived the cell (it holds the port)."""
+    kill_leftover(out / "logs", f"engine-{i}")
+    start()
+
+
+def _restart_proxy(
+    procs: Launcher, argv: list[str], log_path: Path, log_start: int, traj: TrajectoryService
+) -> None:
+    """The proxy again, on its port and log (a torn last frame set aside first); every record of this
+    attempt in the log replayed into the trajectory service (calls already there are skipped)."""
+    aside = recordlog.set_aside_torn_tail(log_path)
+    if aside is not None:
+        log.warning("the proxy's log had a torn last frame; moved to %s", aside)
+    procs.start("proxy", argv)
+    traj.replay(c for _, c in recordlog.calls(log_path, log_start))
 
 
 def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampler | None, out: Path) -> str:
@@ -361,6 +476,7 @@ def collect(
 ) -> dict[str, Any]:
     samples = sampler.samples
     rows = _steps(out)
+    closed = {int(r["step"]): r for r in ledger.read(out / ledger.LEDGER)}
     outcomes = driver.outcomes()
     track = sampler.training()
     overlap = train_overlap(samples, track, outcomes, t0, t1)
@@ -370,7 +486,7 @@ def collect(
     steps: list[dict[str, Any]] = []
     for r in rows:
         k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
-        summary = traj.steps[k].summary if k in traj.steps else {}
+        summary = traj.steps[k].summary if k in traj.steps else closed.get(k, {})
         v = int(r["version"])
         reached = _push_reached(samples, r["t_end"], v)
         steps.append(

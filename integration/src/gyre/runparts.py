@@ -3,7 +3,9 @@ waited for before the run ends (the held-out evaluator, the demo's per-step repo
 
 A part sees the running system through `RunContext` (the proxy's address, the rollout driver, the
 trajectory service, the sampler and the core's weight publisher) and uses only their public methods. A
-part that raises from `tick` fails the run, naming it.
+part that raises from `tick` fails the run, naming it. When the run goes on in a new attempt
+(supervise.py), a part with a true `restartable` attribute is started again with the new attempt's
+context (after its `stop`); any other part ends the run instead.
 """
 
 from __future__ import annotations

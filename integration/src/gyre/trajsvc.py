@@ -10,7 +10,9 @@ micro-batch count and its executions with loss tokens (`close_step`), by which t
 summed gradient. Whole steps (`streaming=False`): once every group of step k is ready, the step is packed
 at once and submitted (`submit`). Either way each execution goes into exactly one step, and a step with
 nothing trainable is handed over empty (the core skips it). Every `report_s` it reads the core's status
-and tells gyre-sched the ready groups not yet trained (`StepBook.report`).
+and tells gyre-sched the ready groups not yet trained (`StepBook.report`). Each step handed over goes to
+`on_closed` (the run's `ledger.Ledger`) with what it trained. A resumed run starts at `first_step` (the
+checkpoint's queue position); `replay` adds records read back from the proxy's log, each call once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -29,7 +32,9 @@ from gyre_train.control import CoreClient, InboxFull
 from gyre_train.normalize import execution_means
 from gyre_train.protocol import StepInfo
 from gyre_traj.io import Codec
+from gyre_traj.pack import PackItem
 from gyre_traj.records import Call, Score
+from gyre_traj.weights import group_advantages
 
 from gyre.stepbook import StepBook, StepData
 
@@ -48,6 +53,8 @@ class TrajectoryService:
         j_max: int,
         report_s: float = 0.2,
         record_wait_s: float = 15.0,
+        first_step: int = 0,
+        on_closed: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.streaming = streaming
         self.book = StepBook(
@@ -68,11 +75,16 @@ class TrajectoryService:
         self._core_address = core_address
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
-        self._next_open = 0
+        self._next_open = first_step
         """Streaming: the next step to open on the core (steps are opened in queue order)."""
-        self.steps_closed = 0
-        """Steps handed to the core whole (closed, or submitted)."""
-        self.applied = 0
+        self.steps_closed = first_step
+        """Steps handed to the core whole (closed, or submitted), counted from step 0."""
+        self._on_closed = on_closed
+        self._seen_calls: set[str] = set()
+        self._packed_calls: dict[str, int] = {}
+        """Execution id -> the calls it had when it was packed (the ledger's `calls_packed`)."""
+        self._replayed: queue.Queue[Call] = queue.Queue()
+        self.applied = first_step
         """Steps the core has applied (its queue position)."""
         self.version = 0
         self.records = 0
@@ -93,6 +105,12 @@ class TrajectoryService:
 
     def score(self, step: int, score: Score, calls: int) -> None:
         self._inbox.put(("score", (step, score, calls)))
+
+    def replay(self, calls: Iterable[Call]) -> None:
+        """Records read back from the proxy's log (after a proxy restart: some may never have been
+        pushed); calls already received are skipped, by call id."""
+        for c in calls:
+            self._replayed.put(c)
 
     def start(self) -> None:
         self._thread.start()
@@ -138,6 +156,9 @@ class TrajectoryService:
                     last_report = now
                     sched.send(sc.encode(self._report(core)))
         except BaseException as exc:
+            if self._stop.is_set():  # the run is ending (its core may be gone first): not a failure
+                log.info("trajectory service stopped: %s", exc)
+                return
             log.exception("trajectory service failed")
             self.error = exc
         finally:
@@ -157,8 +178,12 @@ class TrajectoryService:
                     break
                 rec = codec.decode_msgpack(data)
                 if isinstance(rec, Call):
-                    self.records += 1
-                    self.book.record(rec)
+                    self._record(rec)
+        while True:
+            try:
+                self._record(self._replayed.get_nowait())
+            except queue.Empty:
+                break
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
@@ -169,6 +194,13 @@ class TrajectoryService:
             else:
                 step, score, calls = payload
                 self.book.score(step, score, calls, now=time.monotonic())
+
+    def _record(self, rec: Call) -> None:
+        if rec.call_id in self._seen_calls:
+            return
+        self._seen_calls.add(rec.call_id)
+        self.records += 1
+        self.book.record(rec)
 
     def _report(self, core: CoreClient) -> ReadyGroups:
         st = core.status()
@@ -191,6 +223,7 @@ class TrajectoryService:
                 continue
             for g in [g for g in sd.ready if g not in sd.given]:
                 p = self.book.pack(sd, [g])
+                self._note_packed(p.items)
                 mbs, executions = execution_means(p.microbatches) if p.microbatches else ([], 0)
                 if mbs:
                     core.add(sd.step, mbs)
@@ -198,6 +231,7 @@ class TrajectoryService:
                 sd.given[g] = len(mbs)
                 sd.tally.add(p, mbs, executions, self.book.output_tokens)
             if sd.complete and not self._held(sd.step):
+                self._ledger(sd, list(sd.tally.trained))
                 core.close_step(sd.step, sd.tally.microbatches, max(1, sd.tally.executions))
                 self._closed(sd)
 
@@ -206,6 +240,8 @@ class TrajectoryService:
         if sd is None or sd.closed or not sd.complete or self._held(sd.step):
             return
         p = self.book.pack(sd, sd.groups)
+        self._note_packed(p.items)
+        self._ledger(sd, [it.tree.execution_id for it in p.items])
         try:
             core.submit(sd.step, p.microbatches)  # an empty one too: the core skips it (no update)
         except InboxFull:
@@ -213,6 +249,28 @@ class TrajectoryService:
         sd.tally.add(p, p.microbatches, len(p.items), self.book.output_tokens)
         sd.first_given_at = time.time()
         self._closed(sd)
+
+    def _note_packed(self, items: Iterable[PackItem]) -> None:
+        for it in items:
+            e = it.tree.execution_id
+            self._packed_calls[e] = self.book.calls_seen.get(e, 0)
+
+    def _ledger(self, sd: StepData, trained: list[str]) -> None:
+        """Tell `on_closed` what step `sd` trains, before the core is given the step whole (a crash in
+        between leaves a line for a step not applied, which a resume drops)."""
+        if self._on_closed is None:
+            return
+        adv, _ = group_advantages(sd.scores.values())
+        self._on_closed(
+            {
+                "step": sd.step,
+                "batch_executions": [e for g in sd.groups.values() for e in g],
+                "not_trainable": sorted(e for e in sd.scores if e not in adv),
+                "trained_executions": trained,
+                "calls_packed": {e: self._packed_calls.get(e, 0) for e in trained},
+                "calls_answered": dict(sd.calls_expected),
+            }
+        )
 
     def _held(self, step: int) -> bool:
         hold = self.hold_at
