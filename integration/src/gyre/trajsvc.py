@@ -93,6 +93,10 @@ class TrajectoryService:
     def score(self, step: int, score: Score, calls: int) -> None:
         self._inbox.put(("score", (step, score, calls)))
 
+    def recorded_calls(self, execution_id: str) -> int:
+        """Records received so far for one execution (any thread: a dict lookup)."""
+        return self.book.calls_seen.get(execution_id, 0)
+
     def start(self) -> None:
         self._thread.start()
 
