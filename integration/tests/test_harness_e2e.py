@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,21 @@ from gyre.harnesses import find_claude
 from gyre.run import run
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
-from test_run_e2e import _processes_mentioning
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Processes (other than this one) whose command line mentions `text` (as test_run_e2e.py's)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd}")
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +44,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _example(name: str, out: Path, model_dir: Path) -> Config:
     c = load_config(EXAMPLES / name)
-    return dataclasses.replace(c, run=dataclasses.replace(c.run, out_dir=str(out), model_dir=str(model_dir)))
+    r = dataclasses.replace(  # generous: the shared 2-core machine can be slow to start processes
+        c.run, out_dir=str(out), model_dir=str(model_dir), startup_timeout_s=600.0, deadline_s=1200.0
+    )
+    return dataclasses.replace(c, run=r)
 
 
 def _check_trained_once(m: dict[str, Any], out: Path, steps: int) -> list[Call]:
@@ -48,7 +64,9 @@ def _check_trained_once(m: dict[str, Any], out: Path, steps: int) -> list[Call]:
     for rec in records:
         logged[rec.execution_id] = logged.get(rec.execution_id, 0) + len(rec.output_ids)
     for s in m["steps"]:
-        assert s["loss_tokens"] == sum(logged[e] for e in s["trained_executions"]) == s["output_tokens_recorded"]
+        assert (
+            s["loss_tokens"] == sum(logged[e] for e in s["trained_executions"]) == s["output_tokens_recorded"]
+        )
         assert set(s["leaves_by_role"]) == set(s["trained_executions"])
     assert {r.execution_id for r in records} <= {o["execution_id"] for o in m["outcomes"]}
     assert _processes_mentioning(str(out)) == []

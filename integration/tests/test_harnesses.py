@@ -26,7 +26,10 @@ def _agent(**kw: object) -> Config:
 @pytest.mark.parametrize(
     ("agent", "names"),
     [
-        ({"harness": "claude-code", "claude_bin": "/nonexistent/claude"}, ["[agent] claude_bin", "npm install"]),
+        (
+            {"harness": "claude-code", "claude_bin": "/nonexistent/claude"},
+            ["[agent] claude_bin", "npm install"],
+        ),
         ({"harness": "command", "command": "echo hi"}, ["[agent] command must contain {prompt}"]),
         ({"harness": "command"}, ["[agent] command is required"]),
         ({"harness": "command", "command": "no-such-agent-xyz {prompt}"}, ["'no-such-agent-xyz'", "PATH"]),
@@ -83,7 +86,9 @@ def test_a_test_run_that_cannot_report_is_an_evaluation_failure(tmp_path: Path) 
     from gyre.codetasks import evaluate_code
 
     task = make_code_task(random.Random(0), "g", family="add")
-    ok = asyncio.run(evaluate_code(task, _write(tmp_path, "def add(a, b):\n    return a + b\n"), "e", "g", False))
+    ok = asyncio.run(
+        evaluate_code(task, _write(tmp_path, "def add(a, b):\n    return a + b\n"), "e", "g", False)
+    )
     assert ok.status is EvalStatus.OK and ok.value == 1.0
     gone = "import os\nos._exit(0)\n"  # the runner dies on import, before its report
     s = asyncio.run(evaluate_code(task, _write(tmp_path, gone), "e", "g", False))
@@ -125,7 +130,9 @@ def test_the_drivers_timeout_ends_the_whole_process_tree(tmp_path: Path) -> None
     pids = [int(x) for x in (ex.workdir / "pids").read_text().split()]
     assert not any(_alive(p) for p in pids)
     assert (ex.workdir / SOLUTION).read_text().startswith("def ")
-    assert (ex.workdir / "env").read_text() == "http://127.0.0.1:9/e/s0-q0-e0 http://127.0.0.1:9/e/s0-q0-e0/v1"
+    assert (
+        ex.workdir / "env"
+    ).read_text() == "http://127.0.0.1:9/e/s0-q0-e0 http://127.0.0.1:9/e/s0-q0-e0/v1"
     assert ex.tool_s == 0.0  # a CLI harness's tool time is its own: nothing slept
     s = asyncio.run(h.score(ex, True, ""))
     assert s.status is EvalStatus.OK and s.timed_out and s.value == 0.0  # the stub passes no test

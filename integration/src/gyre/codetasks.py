@@ -26,7 +26,7 @@ TOOLS = ("Read", "Write")
 """Claude Code's tools a coding task allows (its per-task allow-list: `--tools` and `--allowedTools`).
 Two, because every tool's schema is in every prompt: with Read, Write, Edit and Bash, Claude Code's
 first call is about 7,300 tokens of the embedded tokenizer (its system prompt about 3,000, Bash's schema
-alone 1,700), with these two about 4,700, and training cost on the CPU grows faster than that."""
+alone 1,700), with these two about 5,000, and training cost on the CPU grows faster than that."""
 
 
 @dataclass(frozen=True)
