@@ -12,12 +12,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from gyre.config import Config, load_config
 from gyre.harnesses import find_claude
 from gyre.run import run
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
+from gyre_traj.select import SelectionConfig, select
+from gyre_traj.tree import Forest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -50,9 +53,39 @@ def _example(name: str, out: Path, model_dir: Path) -> Config:
     return dataclasses.replace(c, run=r)
 
 
-def _check_trained_once(m: dict[str, Any], out: Path, steps: int) -> list[Call]:
+def _selected_output_tokens(records: list[Call], executions: list[str], j_max: int) -> int:
+    """The output tokens the proxy recorded on the trajectories J_max selection keeps, each token
+    position once, rebuilt from the log alone: a call is on a selected leaf's path when its input and
+    output are a prefix of the leaf call's; a position is its prefix of tokens."""
+    forest = Forest()
+    full: dict[tuple[str, str], np.ndarray] = {}
+    n_in: dict[tuple[str, str], int] = {}
+    for r in records:
+        forest.add(r)
+        if r.input_ids is not None:
+            inp = r.input_ids
+        else:
+            assert r.input_delta is not None
+            d = r.input_delta
+            inp = np.concatenate([full[(r.execution_id, d.parent)][: d.keep], d.append])
+        full[(r.execution_id, r.call_id)] = np.concatenate([inp, r.output_ids])
+        n_in[(r.execution_id, r.call_id)] = len(inp)
+    total = 0
+    for eid in executions:
+        positions: set[bytes] = set()
+        for leaf in select(forest.trees[eid], SelectionConfig(j_max=j_max)).leaves:
+            path = full[(eid, leaf.call_id)]
+            for (e, c), seq in full.items():
+                if e == eid and len(seq) <= len(path) and np.array_equal(seq, path[: len(seq)]):
+                    positions |= {path[: i + 1].tobytes() for i in range(n_in[(e, c)], len(seq))}
+        total += len(positions)
+    return total
+
+
+def _check_trained_once(m: dict[str, Any], out: Path, steps: int, j_max: int) -> list[Call]:
     """Steps applied; every execution scored (or an evaluation failure) and trained at most once, in its
-    own step; each step's loss tokens = the recorded output tokens of the executions it trained."""
+    own step; each step's loss tokens = the recorded output tokens of the trajectories J_max selected in
+    the executions it trained (all of them when nothing was dropped)."""
     assert m["steps_applied"] == steps and m["steps_skipped"] == 0 and m["final_version"] == steps
     assert m["streaming"] is True
     trained = [e for s in m["steps"] for e in s["trained_executions"]]
@@ -64,9 +97,10 @@ def _check_trained_once(m: dict[str, Any], out: Path, steps: int) -> list[Call]:
     for rec in records:
         logged[rec.execution_id] = logged.get(rec.execution_id, 0) + len(rec.output_ids)
     for s in m["steps"]:
-        assert (
-            s["loss_tokens"] == sum(logged[e] for e in s["trained_executions"]) == s["output_tokens_recorded"]
-        )
+        assert s["output_tokens_recorded"] == sum(logged[e] for e in s["trained_executions"])
+        assert s["loss_tokens"] == _selected_output_tokens(records, s["trained_executions"], j_max)
+        if s["jmax_dropped"] == 0:
+            assert s["loss_tokens"] == s["output_tokens_recorded"]
         assert set(s["leaves_by_role"]) == set(s["trained_executions"])
     assert {r.execution_id for r in records} <= {o["execution_id"] for o in m["outcomes"]}
     assert _processes_mentioning(str(out)) == []
@@ -78,7 +112,7 @@ def test_builtin_agent_trees_branch(tmp_path: Path, model_dir: Path) -> None:
     cfg = _example("tiny.toml", tmp_path / "run", model_dir)
     assert cfg.agent.compact_tokens and cfg.agent.subagents and cfg.agent.call_retries
     m = run(cfg, say=lambda _: None)
-    records = _check_trained_once(m, tmp_path / "run", cfg.run.steps)
+    records = _check_trained_once(m, tmp_path / "run", cfg.run.steps, cfg.train.j_max)
     roles = {role for s in m["steps"] for by in s["leaves_by_role"].values() for role in by}
     assert {"main", "main_summary", "subagent"} <= roles
     assert any(s["jmax_dropped"] > 0 for s in m["steps"])
@@ -91,7 +125,7 @@ def _cli_run(name: str, tmp_path: Path, model_dir: Path) -> tuple[dict[str, Any]
     cfg = _example(name, tmp_path / "run", model_dir)
     m = run(cfg, say=lambda _: None)
     assert m == json.loads((tmp_path / "run" / "metrics.json").read_text())
-    records = _check_trained_once(m, tmp_path / "run", cfg.run.steps)
+    records = _check_trained_once(m, tmp_path / "run", cfg.run.steps, cfg.train.j_max)
     assert m["executions"] == cfg.run.steps * cfg.batch.queries * cfg.batch.group_size
     for o in m["outcomes"]:  # every execution made calls and was scored on its working directory
         assert o["calls"] >= 1 and not o["error"], o
