@@ -99,15 +99,14 @@ def check_harness(a: AgentSection) -> None:
             "compacts, delegates and retries on its own: remove them",
         )
     if a.harness == "claude-code":
-        exe = find_claude(a.claude_bin)
+        chosen = a.claude_bin or os.environ.get("GYRE_CLAUDE_BIN", "")
+        where = f"at {chosen!r}" if chosen else "found ($GYRE_CLAUDE_BIN, the pinned install, PATH)"
         need(
-            exe is not None,
-            "[agent] claude_bin: no Claude Code CLI "
-            + (f"at {a.claude_bin or os.environ.get('GYRE_CLAUDE_BIN')!r}" if a.claude_bin or
-               os.environ.get("GYRE_CLAUDE_BIN") else "found ($GYRE_CLAUDE_BIN, the pinned install, PATH)")
-            + "; install it: npm install --prefix packages/gyre-proxy/.claude-code "
-            "@anthropic-ai/claude-code@2.1.328, or set [agent] claude_bin / $GYRE_CLAUDE_BIN",
-        )  # fmt: skip
+            find_claude(a.claude_bin) is not None,
+            f"[agent] claude_bin: no Claude Code CLI {where}; install it: npm install --prefix "
+            "packages/gyre-proxy/.claude-code @anthropic-ai/claude-code@2.1.328, or set [agent] claude_bin "
+            "or $GYRE_CLAUDE_BIN",
+        )
         need(
             a.temperature == 1.0,
             "[agent] temperature must be 1.0 with claude-code (it sends none; the proxy samples at 1.0)",
