@@ -4,17 +4,18 @@ The same tool loop as `agent.run_execution` (the same tools, system prompt, scri
 `Execution` record), with three things a long-running harness does, each of which leaves a branch in
 the execution's tree at the proxy:
 
-- **Compaction** (`compact_tokens`): once a main call's context (the proxy's `usage`: input plus output
-  tokens) passes the threshold, the agent asks for a summary with Claude Code's compaction request ("Your
-  task is to create a detailed summary of the conversation so far", which gyre-proxy's classifier marks
-  `main_summary`) and restarts its conversation from the question and that summary.
+- **Compaction** (`compact_tokens`): once a main call's context (the proxy's `usage`: input, cached
+  input included, plus output tokens) passes the threshold, the agent asks for a summary with Claude
+  Code's compaction request ("Your task is to create a detailed summary of the conversation so far",
+  which gyre-proxy's classifier marks `main_summary`) and restarts its conversation from the question
+  and that summary.
 - **Sub-agents** (`subagents`): each tool step (the model's tool call, or the scripted fallback's) is
   delegated to a sub-agent, a conversation of its own sent with `X-Gyre-Agent: sub-N` (role `subagent`
   at the proxy): asked to make the call, it makes it (or the fallback runs it), sees the result and
   answers; the tool's output it obtained goes back to the main agent as the step's result.
 - **Retries** (`call_retries`): a reply cut at `max_tokens`, or holding a `<tool_call>` the proxy could
   not parse, is sent again unchanged, up to `call_retries` times; the failed reply stays in the tree as a
-  dead branch (a leaf that J_max selection ranks below the rest).
+  dead branch (a leaf of role main like the rest: J_max selection ranks it by its tie-breaks).
 
 Overloaded answers (409/429/503/529) are retried as in `agent.py` (no record is made for them).
 """
@@ -129,8 +130,11 @@ def failed(resp: dict[str, Any]) -> bool:
 
 
 def context_tokens(resp: dict[str, Any]) -> int:
+    """The call's whole context: input (uncached, cache-read and cache-written parts, as the Messages
+    API splits them) plus output tokens."""
     usage = resp.get("usage") or {}
-    return int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+    keys = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens")
+    return sum(int(usage.get(k) or 0) for k in keys)
 
 
 def _text(resp: dict[str, Any]) -> str:
