@@ -125,7 +125,7 @@ def test_builtin_agent_trees_branch(tmp_path: Path, model_dir: Path) -> None:
 def _cli_run(name: str, tmp_path: Path, model_dir: Path) -> tuple[dict[str, Any], list[Call], Config]:
     cfg = _example(name, tmp_path / "run", model_dir)
     m = run(cfg, say=lambda _: None)
-    assert m == json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["steps_applied"] == m["steps_applied"]
     records = _check_trained_once(m, tmp_path / "run", cfg.run.steps, cfg.train.j_max)
     assert m["executions"] == cfg.run.steps * cfg.batch.queries * cfg.batch.group_size
     for o in m["outcomes"]:  # every execution made calls and was scored on its working directory

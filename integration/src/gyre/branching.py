@@ -17,13 +17,17 @@ the execution's tree at the proxy:
   not parse, is sent again unchanged, up to `call_retries` times; the failed reply stays in the tree as a
   dead branch (a leaf of role main like the rest: J_max selection ranks it by its tie-breaks).
 
-Overloaded answers (409/429/503/529) are retried as in `agent.py` (no record is made for them).
+Overloaded answers (409/429/503/529) are retried as in `agent.py` (no record is made for them). A call
+in flight when the driver's timeout cancels the execution is waited for and counted (the proxy records
+it either way), so the trajectory service expects every record the execution leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +70,7 @@ class _Caller:
         headers = {"X-Gyre-Agent": agent} if agent else {}
         until = asyncio.get_running_loop().time() + self.retry_for_s
         while True:
-            r = await self.http.post(self.url, json=body, headers=headers)
+            r = await self._finish(self.http.post(self.url, json=body, headers=headers))
             if r.status_code == 200:
                 self.ex.calls += 1
                 out: dict[str, Any] = r.json()
@@ -76,6 +80,19 @@ class _Caller:
                 await asyncio.sleep(0.25)
                 continue
             raise HarnessError(f"{self.ex.execution_id}: proxy answered {r.status_code}: {r.text[:300]}")
+
+    async def _finish(self, request: Coroutine[Any, Any, httpx.Response]) -> httpx.Response:
+        """The call's response. Cancelled (the driver's timeout) while the call is at the proxy, which
+        completes and records it anyway, it waits for that response and counts the call before ending:
+        so every record of the execution is one the driver expects (none arrives after its group)."""
+        call = asyncio.ensure_future(request)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            with contextlib.suppress(httpx.HTTPError, asyncio.CancelledError):
+                if (await call).status_code == 200:
+                    self.ex.calls += 1
+            raise
 
     async def ask(self, messages: list[dict[str, Any]], agent: str = "") -> dict[str, Any]:
         """A call, sent again unchanged while its reply failed (cut, or an unparsed tool call)."""
