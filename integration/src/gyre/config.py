@@ -89,6 +89,30 @@ class AgentSection:
     scripted_fallback: bool = False
     """When the model makes no tool call, run the task's next scripted tool itself (for a random model,
     which rarely emits a parseable call); off: the model's answer ends the execution."""
+    harness: str = "builtin"
+    """Who runs an execution: builtin (this package's tool-using agent, `agent.py` / `branching.py`),
+    claude-code (one real Claude Code CLI process per execution) or command (any command-line agent from
+    `command`); README "Harnesses"."""
+    tasks: str = "qa"
+    """qa: the built-in question families (`tasks.py`, scored on the final answer); code: write code in
+    the working directory, scored by hidden unit tests (`codetasks.py`; claude-code and command only)."""
+    command: str = ""
+    """command harness: the agent's command line, split like a shell's (no shell runs it), with
+    `{prompt}` (required) and `{workdir}` replaced in each word; its environment names the execution's
+    Anthropic and OpenAI base URLs; its standard output, stripped, is the final answer. Example:
+    `python -m gyre.openai_agent {prompt}`."""
+    claude_bin: str = ""
+    """claude-code: the `claude` executable; empty: $GYRE_CLAUDE_BIN, else the pinned install at
+    packages/gyre-proxy/.claude-code, else `claude` on PATH."""
+    compact_tokens: int = 0
+    """builtin: once a call's context (its input and output tokens) passes this, the agent asks for a
+    summary (role main_summary) and restarts from it; 0: never."""
+    subagents: bool = False
+    """builtin: each tool step is delegated to a sub-agent (its own conversation, role subagent) whose
+    answer returns to the main agent as the tool's result."""
+    call_retries: int = 0
+    """builtin: a reply cut at max_tokens, or with an unparseable tool call, is sent again unchanged up to
+    this many times (the cut reply stays in the tree as a dead branch)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +255,10 @@ class Config:
         _check(a.median_s > 0 and a.sigma >= 0 and a.exec_sigma >= 0, "[agent] duration profile >= 0")
         _check(0 < a.model_fraction <= 1, "[agent] model_fraction must be in (0, 1]")
         _check(a.timeout_s > 0 and a.request_timeout_s > 0, "[agent] timeouts must be > 0")
+        _check(a.compact_tokens >= 0 and a.call_retries >= 0, "[agent] compact_tokens, call_retries >= 0")
+        from gyre.harnesses import check_harness  # the harness module needs this one's sections
+
+        check_harness(a)
         _check(self.driver.max_ahead >= 0, "[driver] max_ahead must be >= 0")
         _check(self.driver.report_s > 0, "[driver] report_s must be > 0")
         _check(

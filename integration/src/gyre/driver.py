@@ -5,9 +5,10 @@ Batch k (`queries` tasks x `group_size` executions) starts when gyre-sched's adm
 names, the steps the trainer has applied and `max_ahead`): ROLLING policies start a batch once at most
 `max_ahead` applied steps separate it from the trainer; the report's Colocate (COHORT) starts a cohort of
 batches together, and the next cohort only once every started batch is trained. Nothing starts before
-the `Welcome`. Each execution runs the built-in harness under `asyncio.wait_for` with the
-execution timeout; when it ends (finished, timed out, or failed) the evaluator scores it and the score
-goes to the trajectory service with the number of calls that completed. Nominal durations come from
+the `Welcome`. Each execution runs the configured harness (`harnesses.py`: the built-in agent, Claude
+Code or a command) under `asyncio.wait_for` with the execution timeout; when it ends (finished, timed
+out, or failed) the harness scores it and the score goes to the trajectory service with the number of
+calls that completed. Nominal durations come from
 gyre-sched's `sample_durations` on the same workload the simulator predicts, so both see one sample.
 The driver reports the water level (`WaterLevel`: unfinished executions, their ages, finished
 durations and timeout flags) to gyre-sched every `report_s`. A resumed run (`gyre run --resume`)
@@ -43,9 +44,9 @@ from gyre_sched.protocol import (
     Welcome,
 )
 
-from gyre.agent import Execution, HarnessError, run_execution
+from gyre.agent import HarnessError
 from gyre.config import Config
-from gyre.tasks import evaluate, make_task
+from gyre.harnesses import Run, make_harness
 from gyre.trajsvc import TrajectoryService
 
 log = logging.getLogger("gyre.driver")
@@ -101,6 +102,8 @@ class Driver:
         self.first_step = first_step
         self.attempt = attempt
         self.state = DriverState()
+        self.harness = make_harness(cfg)
+        """Runs and scores each execution (`[agent] harness`: harnesses.py)."""
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -142,7 +145,7 @@ class Driver:
             batches: list[asyncio.Task[None]] = []
             for skipped in range(self.first_step):  # applied before a crash: their tasks are drawn
                 for q in range(c.batch.queries):
-                    make_task(rng, self._group_id(skipped, q))
+                    self.harness.task(rng, self._group_id(skipped, q))
             k = self.first_step
             while k < c.run.steps:
                 n = batches_to_start(
@@ -181,13 +184,13 @@ class Driver:
         runs = []
         for q in range(c.batch.queries):
             gid = self._group_id(k, q)
-            task = make_task(rng, gid)
+            task = self.harness.task(rng, gid)
             groups[gid] = []
             for j in range(c.batch.group_size):
                 eid = f"{gid}-e{j}"
                 groups[gid].append(eid)
                 tool_s = float(self.durations[k, q, j]) * (1.0 - c.agent.model_fraction)
-                runs.append(Execution(eid, gid, task, tool_s))
+                runs.append(self.harness.execution(eid, gid, task, tool_s))
         self.traj.register_batch(k, groups)
         with self.lock:
             self.state.batches_started[k] = time.time()
@@ -197,7 +200,7 @@ class Driver:
     def _group_id(self, k: int, q: int) -> str:
         return f"s{k}-q{q}" + (f"-a{self.attempt}" if self.attempt else "")
 
-    async def _one(self, http: httpx.AsyncClient, k: int, ex: Execution) -> None:
+    async def _one(self, http: httpx.AsyncClient, k: int, ex: Run) -> None:
         c = self.cfg
         t0 = time.monotonic()
         start = time.time()
@@ -205,28 +208,15 @@ class Driver:
             self.state.running[ex.execution_id] = t0
         timed_out, error = False, ""
         try:
-            await asyncio.wait_for(
-                run_execution(
-                    http,
-                    self.proxy_url,
-                    ex,
-                    turns=c.agent.turns,
-                    max_tokens=c.agent.max_tokens,
-                    temperature=c.agent.temperature,
-                    retry_for_s=c.agent.timeout_s,
-                    scripted_fallback=c.agent.scripted_fallback,
-                ),
-                timeout=c.agent.timeout_s,
-            )
+            await asyncio.wait_for(self.harness.run(http, self.proxy_url, ex), timeout=c.agent.timeout_s)
         except TimeoutError:
             timed_out = True
-        except (HarnessError, httpx.HTTPError) as exc:
+        except (HarnessError, httpx.HTTPError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
             log.warning("execution %s failed: %s", ex.execution_id, error)
         dur, end = time.monotonic() - t0, time.time()  # it ended here, before its score goes anywhere
-        score = evaluate(
-            ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error, ex.model_calls()
-        )
+        await self.harness.settle(ex, self.traj.recorded_calls)
+        score = await self.harness.score(ex, timed_out, error)
         self.traj.score(k, score, ex.calls)
         with self.lock:
             self.state.running.pop(ex.execution_id, None)

@@ -523,6 +523,8 @@ def collect(
                         "tokens",
                         "loss_tokens",
                         "output_tokens_recorded",
+                        "leaves_by_role",
+                        "jmax_dropped",
                         "first_given_at",
                         "closed_at",
                     )

@@ -14,6 +14,7 @@ is owned by one thread (the service's); it does no IO.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,10 @@ class Packed:
     eval_failed: int
     groups: set[str]
     """The groups with at least one execution packed."""
+    leaves: dict[str, dict[str, int]] = field(default_factory=dict)
+    """execution id -> its tree's leaves (trajectories) by role."""
+    dropped: int = 0
+    """Trajectories J_max selection left out (leaves not selected), over the packed executions."""
 
 
 @dataclass
@@ -58,6 +63,8 @@ class Tally:
     executions: int = 0
     """Executions with loss tokens (the divisor a streamed step is closed with)."""
     versions: list[np.ndarray] = field(default_factory=list)
+    leaves_by_role: dict[str, dict[str, int]] = field(default_factory=dict)
+    jmax_dropped: int = 0
 
     def add(
         self, p: Packed, microbatches: Sequence[PackedBatch], executions: int, out: Mapping[str, int]
@@ -71,6 +78,8 @@ class Tally:
         self.output_tokens += sum(out.get(it.tree.execution_id, 0) for it in p.items)
         self.executions += executions
         self.versions += [b.versions for b in microbatches]
+        self.leaves_by_role.update(p.leaves)
+        self.jmax_dropped += p.dropped
 
     def summary(self, step: int, scores: Iterable[Score]) -> dict[str, Any]:
         scores = list(scores)
@@ -90,6 +99,8 @@ class Tally:
             "output_tokens_recorded": self.output_tokens,
             "staleness_mean": float(lag.mean()) if lag.size else 0.0,
             "staleness_max": int(lag.max()) if lag.size else 0,
+            "leaves_by_role": self.leaves_by_role,
+            "jmax_dropped": self.jmax_dropped,
         }
 
 
@@ -174,12 +185,16 @@ class StepBook:
         scores = [sd.scores[e] for g in groups for e in sd.groups[g]]
         adv, stats = group_advantages(scores)
         items: list[PackItem] = []
+        leaves: dict[str, dict[str, int]] = {}
         for eid, a in sorted(adv.items()):
             tree = self.forest.trees.get(eid)
             if tree is not None:
                 items.append(PackItem(tree, select(tree, self.sel_cfg), a))
+                leaves[eid] = dict(Counter(str(leaf.role) for leaf in tree.leaves()))
         groups = {sd.scores[it.tree.execution_id].group_id for it in items}
-        return Packed(items, pack(items, self.pack_cfg) if items else [], stats.eval_failed, groups)
+        dropped = sum(it.selection.dropped_leaves for it in items)
+        mbs = pack(items, self.pack_cfg) if items else []
+        return Packed(items, mbs, stats.eval_failed, groups, leaves, dropped)
 
     def untrained(self, sd: StepData, info: StepInfo | None) -> int:
         """Ready groups of step `sd` the trainer has not finished (`info`: the core's view of the step, if

@@ -112,6 +112,10 @@ class TrajectoryService:
         for c in calls:
             self._replayed.put(c)
 
+    def recorded_calls(self, execution_id: str) -> int:
+        """Records received so far for one execution (any thread: a dict lookup)."""
+        return self.book.calls_seen.get(execution_id, 0)
+
     def start(self) -> None:
         self._thread.start()
 
