@@ -274,8 +274,9 @@ def iter_jsonl(
         try:
             rec = codec.decode_json(line)
         except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
-            if not line.endswith(b"\n" if isinstance(line, bytes) else "\n"):  # only the last line can
-                size = len(line.encode() if isinstance(line, str) else line)
+            raw = line.encode() if isinstance(line, str) else line
+            if not raw.endswith(b"\n"):  # only the last line can lack its newline
+                size = len(raw)
                 _torn(name, f"line {lineno}", size, n, tolerate_torn_tail)
                 return
             raise _wrap(exc, f"{name}:{lineno}") from None
