@@ -22,7 +22,8 @@ import pytest
 import uvicorn
 import zmq
 from gyre_proxy.app import build_app
-from gyre_proxy.core import Proxy, ProxyConfig
+from gyre_proxy.config import ProxyConfig
+from gyre_proxy.core import Proxy
 from gyre_sched.protocol import Codec as SchedCodec
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -247,9 +248,9 @@ def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Pr
     def make(engines: list[str], sched: str = "", **kw: Any) -> ProxyServer:
         log_path = tmp_path / f"records{len(started)}.msgpack"
         kw.setdefault("tokenizer", str(tokenizer_dir))
-        cfg = ProxyConfig(engines=tuple(engines), record_log=str(log_path), **kw)
+        cfg = ProxyConfig(engines=tuple(engines), record_log=str(log_path), sched=sched, **kw)
         proxy = Proxy(cfg)
-        ps = ProxyServer(proxy, UvicornThread(build_app(proxy, sched)), log_path)
+        ps = ProxyServer(proxy, UvicornThread(build_app(proxy)), log_path)
         started.append(ps)
         return ps
 

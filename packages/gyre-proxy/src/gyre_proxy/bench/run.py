@@ -35,7 +35,8 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from gyre_proxy.app import build_app
-from gyre_proxy.core import Proxy, ProxyConfig
+from gyre_proxy.config import ProxyConfig
+from gyre_proxy.core import Proxy
 
 _CORPUS = [
     "json",
