@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from gyre_traj.io import (
     MAGIC,
+    Codec,
     TornTailWarning,
     encode_msgpack_stream,
     iter_jsonl,
@@ -124,3 +125,13 @@ def test_jsonl_last_line_without_newline_is_torn_other_bad_lines_are_errors(tmp_
     text = b"\n".join([lines[0], msgspec.json.encode(obj), lines[2]])
     with pytest.raises(RecordError, match="<stream>:2"):
         list(iter_jsonl(text.splitlines(keepends=True)))
+
+
+def test_an_array_of_a_partial_element_is_a_record_error() -> None:
+    """Found by fuzzing: an int32 array extension of 5 bytes made numpy's ValueError escape the reader."""
+    raw = Codec().encode_msgpack(RECS[0])
+    obj = msgspec.msgpack.decode(raw, ext_hook=lambda c, d: msgspec.msgpack.Ext(c, bytes(d)))
+    obj["output_ids"] = msgspec.msgpack.Ext(1, b"\x01\x00\x00\x00\x02")
+    payload = msgspec.msgpack.encode(obj)
+    with pytest.raises(RecordError, match="5 bytes, not a multiple of 4"):
+        list(iter_msgpack(MAGIC + struct.pack("<I", len(payload)) + payload, "log"))

@@ -66,16 +66,19 @@ def _mp_enc_hook(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+_EXT_DTYPES = {_EXT_IDS: ID_DTYPE, _EXT_F32: LOGPROB_DTYPE, _EXT_I64: _I64, _EXT_F64: _F64}
+
+
 def _mp_ext_hook(code: int, data: memoryview) -> Any:
-    if code == _EXT_IDS:
-        return np.frombuffer(data, ID_DTYPE)
-    if code == _EXT_F32:
-        return np.frombuffer(data, LOGPROB_DTYPE)
-    if code == _EXT_I64:
-        return np.frombuffer(data, _I64)
-    if code == _EXT_F64:
-        return np.frombuffer(data, _F64)
-    raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+    dtype = _EXT_DTYPES.get(code)
+    if dtype is None:
+        raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+    if len(data) % dtype.itemsize:
+        raise msgspec.ValidationError(
+            f"an array of {dtype} (extension type {code}) holds {len(data)} bytes, not a multiple of "
+            f"{dtype.itemsize}"
+        )
+    return np.frombuffer(data, dtype)
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:
