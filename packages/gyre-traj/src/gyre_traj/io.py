@@ -66,7 +66,12 @@ def _mp_enc_hook(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
-_EXT_DTYPES = {_EXT_IDS: ID_DTYPE, _EXT_F32: LOGPROB_DTYPE, _EXT_I64: _I64, _EXT_F64: _F64}
+_EXT_DTYPES: dict[int, np.dtype[Any]] = {
+    _EXT_IDS: ID_DTYPE,
+    _EXT_F32: LOGPROB_DTYPE,
+    _EXT_I64: _I64,
+    _EXT_F64: _F64,
+}
 
 
 def _mp_ext_hook(code: int, data: memoryview) -> Any:
