@@ -251,9 +251,10 @@ def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Pr
     started: list[ProxyServer] = []
 
     def make(engines: list[str], sched: str = "", **kw: Any) -> ProxyServer:
-        log_path = tmp_path / f"records{len(started)}.msgpack"
+        kw.setdefault("record_log", str(tmp_path / f"records{len(started)}.msgpack"))
         kw.setdefault("tokenizer", str(tokenizer_dir))
-        cfg = ProxyConfig(engines=tuple(engines), record_log=str(log_path), sched=sched, **kw)
+        log_path = Path(kw["record_log"])
+        cfg = ProxyConfig(engines=tuple(engines), sched=sched, **kw)
         proxy = Proxy(cfg)
         ps = ProxyServer(proxy, UvicornThread(build_app(proxy)), log_path)
         started.append(ps)

@@ -332,17 +332,17 @@ def scan_msgpack(data: bytes | memoryview | Any, name: str = "<stream>") -> Fram
     """Where the whole frames of a framed msgpack stream end and how long its torn tail is, reading
     only frame headers (a writer uses it to cut a torn tail off before appending). An `mmap` of the file
     works: only the pages holding headers are read."""
-    view = memoryview(data)
-    if not _check_magic(view, name):
-        return FrameScan(0, 0, len(view))
-    pos, n, frames = len(MAGIC), len(view), 0
-    while pos < n:
-        if _tail_is_torn(view, pos):
-            return FrameScan(frames, pos, n - pos)
-        (size,) = _FRAME.unpack_from(view, pos)
-        pos += _FRAME.size + size
-        frames += 1
-    return FrameScan(frames, pos, 0)
+    with memoryview(data) as view:  # released on the way out, so an mmap can close after an error
+        if not _check_magic(view, name):
+            return FrameScan(0, 0, len(view))
+        pos, n, frames = len(MAGIC), len(view), 0
+        while pos < n:
+            if _tail_is_torn(view, pos):
+                return FrameScan(frames, pos, n - pos)
+            (size,) = _FRAME.unpack_from(view, pos)
+            pos += _FRAME.size + size
+            frames += 1
+        return FrameScan(frames, pos, 0)
 
 
 def iter_msgpack(
