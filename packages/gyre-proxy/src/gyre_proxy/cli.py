@@ -13,7 +13,8 @@ import logging
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """`gyre-proxy`'s flags; `serve`'s are derived from `ProxyConfig`."""
     from gyre_proxy.config import ProxyConfig
     from gyre_proxy.flags import add_flags
 
@@ -26,7 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("bench", help="benchmark; prints one JSON object as its last line")
     b.add_argument("--quick", action="store_true", help="smaller sizes, under a minute")
     b.add_argument("--out", default=None, help="also write the JSON here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
