@@ -35,6 +35,7 @@ from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
 from gyre_proxy.render import AgentCache, ExecutionCache, Rendered, Renderer
 from gyre_proxy.sink import RecordSink
+from gyre_proxy.stoptext import shown_text
 from gyre_proxy.strip import Stripper
 from gyre_proxy.toolparse import Block, BlockKind, parse
 
@@ -280,7 +281,8 @@ class CallRun:
         return str(self.proxy.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def blocks(self) -> AsyncIterator[list[Block]]:
-        """Parsed output so far after each engine chunk (held back where a tag may still be growing)."""
+        """Parsed output so far after each engine chunk (held back where a tag or a stop sequence may still
+        be growing; the text ends before a stop sequence)."""
         p = self.proxy
         assert p.pool is not None and p.http is not None
         gen = Generation(
@@ -297,12 +299,10 @@ class CallRun:
         )
         self.result = gen.result
         detok = IncrementalText(p.tokenizer)
+        stops = self.sampling.stop  # the APIs leave a stop string out of the text (not out of the record)
         async for _ in gen.stream():
-            yield parse(detok.text(gen.result.output_ids), final=False)
-        self.text = self.decode(gen.result.output_ids)
-        stop = gen.result.matched
-        if stop and stop in self.sampling.stop and stop in self.text:  # the API leaves the stop string out
-            self.text = self.text[: self.text.rfind(stop)]
+            yield parse(shown_text(detok.text(gen.result.output_ids), stops, final=False), final=False)
+        self.text = shown_text(self.decode(gen.result.output_ids), stops, final=True)
         self.final_blocks = parse(self.text, final=True)
 
     async def run(self) -> list[Block]:
