@@ -166,7 +166,9 @@ _RID = "gyre-bench-rid-placeholder"
 def bench_engine(tok: Tokenizer) -> Starlette:
     """BENCH ENGINE: SGLang's streaming /generate, answering at once with a fixed tool call, in the chunks
     SGLang would send for the request's `stream_interval`."""
-    out = [*tok.encode(TOOL_CALL, add_special_tokens=False).ids, tok.token_to_id("<|im_end|>")]
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end is not None, "the tokenizer has no <|im_end|>"
+    out = [*tok.encode(TOOL_CALL, add_special_tokens=False).ids, im_end]
     dec = msgspec.json.Decoder(_BenchReq)
     bodies: dict[int, bytes] = {}
     placeholder = msgspec.json.encode(_RID)
