@@ -1,4 +1,5 @@
-"""Fixtures: the embedded default tokenizer, a scripted SGLang-protocol test engine, and a proxy server.
+"""Fixtures: the embedded default tokenizer, a scripted SGLang-protocol test engine, real gyre-engine
+servers with the embedded tiny model, and a proxy server.
 
 `ScriptedEngine` is a TEST FIXTURE, not an engine: a real HTTP server on loopback that speaks SGLang's
 native /generate (streaming and not, logprobs, abort) and replays scripted outputs, so tool use through the
@@ -10,20 +11,25 @@ tokenized with the policy's tokenizer; every input it receives is kept for the t
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import httpx
 import msgspec
 import pytest
 import uvicorn
 import zmq
 from gyre_proxy.app import build_app
-from gyre_proxy.core import Proxy, ProxyConfig
+from gyre_proxy.config import ProxyConfig
+from gyre_proxy.core import Proxy
 from gyre_sched.protocol import Codec as SchedCodec
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -295,11 +301,12 @@ def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Pr
     started: list[ProxyServer] = []
 
     def make(engines: list[str], sched: str = "", **kw: Any) -> ProxyServer:
-        log_path = tmp_path / f"records{len(started)}.msgpack"
+        kw.setdefault("record_log", str(tmp_path / f"records{len(started)}.msgpack"))
         kw.setdefault("tokenizer", str(tokenizer_dir))
-        cfg = ProxyConfig(engines=tuple(engines), record_log=str(log_path), **kw)
+        log_path = Path(kw["record_log"])
+        cfg = ProxyConfig(engines=tuple(engines), sched=sched, **kw)
         proxy = Proxy(cfg)
-        ps = ProxyServer(proxy, UvicornThread(build_app(proxy, sched)), log_path)
+        ps = ProxyServer(proxy, UvicornThread(build_app(proxy)), log_path)
         started.append(ps)
         return ps
 
@@ -349,3 +356,85 @@ def sched_stub() -> Iterator[SchedStub]:
     s = SchedStub()
     yield s
     s.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# real gyre-engine servers (the embedded tiny model on the CPU), shared by the session
+
+
+class EngineProc:
+    """A `gyre-engine serve` subprocess with the tiny model; its output goes to `log_path`."""
+
+    def __init__(self, model: Path, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - closed by stop()
+        cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(model)]
+        cmd += ["--port", str(self.port), "--device", "cpu"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gyre-engine exited early ({self.proc.returncode}); see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gyre-engine did not become ready in {timeout_s:.0f} s")
+            time.sleep(0.3)
+
+    def rows(self) -> int:
+        """Requests running or waiting on the engine."""
+        info = httpx.get(f"{self.url}/server_info", timeout=10).json()
+        return int(info["running_requests"]) + int(info["waiting_requests"])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(20)
+        self.log.close()
+
+
+@dataclass
+class TinyEngines:
+    model: Path
+    procs: list[EngineProc]  # replaceable by a test (one that restarts an engine puts the new one here)
+    logs: Path
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyEngines]:
+    """Two gyre-engine servers with the same embedded tiny model (started together: each takes a while)."""
+    from gyre_engine.server.model_factory import create_model
+
+    model = create_model(tmp_path_factory.mktemp("tiny") / "model", "tiny")
+    logs = tmp_path_factory.mktemp("elog")
+    engines = TinyEngines(model, [EngineProc(model, logs / f"engine{i}.log") for i in range(2)], logs)
+    try:
+        for e in engines.procs:
+            e.wait_ready()
+        yield engines
+    finally:
+        for e in engines.procs:
+            e.stop()
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll `cond` until it holds; a dead peer or a lost abort fails with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(0.05)

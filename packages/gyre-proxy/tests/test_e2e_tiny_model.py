@@ -4,15 +4,9 @@ records are exact: outputs as sampled, later inputs extend earlier input + outpu
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import anthropic
 import httpx
@@ -22,82 +16,9 @@ import pytest
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 
+from .conftest import EngineProc, TinyEngines
+
 pytestmark = pytest.mark.slow
-
-
-def _start_engine(
-    model: Path, log_path: Path, port: int | None = None
-) -> tuple[subprocess.Popen[bytes], str, Any]:
-    if port is None:
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = int(sk.getsockname()[1])
-    log = open(log_path, "ab")  # noqa: SIM115 - closed by _stop
-    cmd = [
-        sys.executable,
-        "-m",
-        "gyre_engine",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    return proc, f"http://127.0.0.1:{port}", log
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError("gyre-engine exited early")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("gyre-engine did not become ready in 120 s")
-        time.sleep(0.3)
-
-
-def _stop(proc: subprocess.Popen[bytes], log: Any) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(20)
-    log.close()
-
-
-class TinyEngines(NamedTuple):
-    urls: list[str]
-    model: Path
-    procs: list[tuple[subprocess.Popen[bytes], str, Any]]  # (process, url, log), replaceable by a test
-    logs: Path
-
-
-@pytest.fixture(scope="module")
-def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyEngines]:
-    """Two gyre-engine servers with the same embedded tiny model."""
-    from gyre_engine.server.model_factory import create_model
-
-    model = create_model(tmp_path_factory.mktemp("tiny") / "model", "tiny")
-    logs = tmp_path_factory.mktemp("elog")
-    procs = [_start_engine(model, logs / f"engine{i}.log") for i in range(2)]
-    try:
-        for proc, url, _ in procs:
-            _wait_ready(proc, url)
-        yield TinyEngines([url for _, url, _ in procs], model, procs, logs)
-    finally:
-        for proc, _, log in procs:
-            _stop(proc, log)
 
 
 def _full(recs: list[Call]) -> list[np.ndarray]:
@@ -289,23 +210,22 @@ def test_an_engine_that_goes_away_and_comes_back(
 ) -> None:
     """A real gyre-engine, the proxy's only engine, is stopped: calls get 529 while nothing answers and the
     engine stays in the pool, set aside. Started again on the same address, it passes the proxy's health
-    check and takes calls again, with no scheduler involved. (Runs last: it restarts engine 1.)"""
+    check and takes calls again, with no scheduler involved. (It restarts engine 1, so later tests of the session get the new one.)"""
     url = tiny_engines.urls[1]
     ps = make_proxy([url], tokenizer=str(tiny_engines.model), pick_wait_s=1.0, engine_retry_max_s=0.5)
     client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
     request.addfinalizer(client.close)
     ask: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert client.messages.create(**ask).usage.output_tokens >= 1
-    proc, _, log = tiny_engines.procs[1]
-    _stop(proc, log)  # the engine goes away
+    tiny_engines.procs[1].stop()  # the engine goes away
     with pytest.raises(anthropic.APIStatusError) as e:
         client.messages.create(**ask)
     assert e.value.status_code == 529
     stats = httpx.get(f"{ps.url}/gyre/stats").json()
     assert [(x["url"], x["state"]) for x in stats["engines"]] == [(url, "failed")]
     port = int(url.rsplit(":", 1)[1])
-    tiny_engines.procs[1] = again = _start_engine(tiny_engines.model, tiny_engines.logs / "engine1.log", port)
-    _wait_ready(again[0], url)  # and comes back
+    tiny_engines.procs[1] = again = EngineProc(tiny_engines.model, tiny_engines.logs / "engine1.log", port)
+    again.wait_ready()  # and comes back
     deadline = time.monotonic() + 10
     while httpx.get(f"{ps.url}/gyre/stats").json()["engines"][0]["state"] != "active":
         assert time.monotonic() < deadline, "the proxy did not take the engine back"

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 from gyre_proxy.chat import Conversation, Kind, Turn
 from gyre_proxy.classify import classify, classify_claude_code
-from gyre_proxy.core import ProxyConfig
+from gyre_proxy.config import ProxyConfig
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, Welcome

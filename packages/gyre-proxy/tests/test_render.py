@@ -276,7 +276,8 @@ def test_same_text_twice_maps_to_each_own_output(tokenizer: Tokenizer) -> None:
 
 
 def test_evicted_render_cache_keeps_recorded_outputs(tokenizer_dir: Path, tokenizer: Tokenizer) -> None:
-    from gyre_proxy.core import Proxy, ProxyConfig
+    from gyre_proxy.config import ProxyConfig
+    from gyre_proxy.core import Proxy
 
     proxy = Proxy(ProxyConfig(tokenizer=str(tokenizer_dir), max_executions=2), tokenizer)
     ex = proxy.execution("a")

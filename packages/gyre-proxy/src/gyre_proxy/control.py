@@ -1,14 +1,19 @@
 """The control socket: the proxy's link to gyre-sched, which adds, drains and removes engines at run time.
 
-A DEALER connects to the scheduler's ROUTER, opens with `Hello(kind=PROXY)` (gyre-sched's protocol and
-version) and then applies each `EngineAdd` / `EngineDrain` / `EngineRemove` to the engine pool on the
-proxy's event loop; once a drained engine has no call left the proxy answers `EngineDrained`. The socket
-lives on its own thread; every wait has a timeout; a `Reject` is logged and the link stays up.
+A DEALER (`gyre_sched.client.dealer`, CURVE with the run token when there is one) connects to the
+scheduler's ROUTER, opens with `Hello(kind=PROXY)` (gyre-sched's protocol and version) and then applies
+each `EngineAdd` / `EngineDrain` / `EngineRemove` to the engine pool on the proxy's event loop; once a
+drained engine has no call left the proxy answers `EngineDrained`. The socket lives on its own thread;
+every wait has a timeout and no send blocks: a message the socket cannot take now (no connection yet, a
+refused handshake, a full queue) is kept and sent again later, except heartbeats, which are dropped. A
+`Reject` is logged and the link stays up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -32,13 +37,18 @@ from gyre_sched.protocol import (
 )
 
 from gyre_proxy.engines import EnginePool
+from gyre_proxy.fatal import run_or_die
 
 log = logging.getLogger("gyre_proxy.control")
 
 
 class ControlLink:
-    def __init__(self, endpoint: str, pool: EnginePool, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, endpoint: str, pool: EnginePool, loop: asyncio.AbstractEventLoop, token: str = ""
+    ) -> None:
+        """`token`: the run token ("" reads $GYRE_TOKEN; none: a loopback scheduler without one)."""
         self.endpoint = endpoint
+        self.token = token
         self.pool = pool
         self.loop = loop
         self.welcomed = threading.Event()
@@ -46,8 +56,16 @@ class ControlLink:
         self.applied: list[str] = []  # commands applied, in order (for logs and tests)
         self._out: queue.Queue[Message] = queue.Queue()
         self._stop = threading.Event()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:  # here, so that a bad token is an error at start-up, not a dead thread
+            self._sock = dealer(self._ctx, endpoint, token)
+        except BaseException:
+            self._ctx.term()
+            raise
         pool.on_drained = self._drained
-        self._thread = threading.Thread(target=self._run, name="gyre-proxy-control", daemon=True)
+        self._thread = threading.Thread(
+            target=run_or_die, args=(self._run, "control link"), name="gyre-proxy-control", daemon=True
+        )
         self._thread.start()
 
     async def _drained(self, engine_id: int) -> None:
@@ -64,39 +82,50 @@ class ControlLink:
 
     def _run(self) -> None:
         codec = Codec()
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = dealer(ctx, self.endpoint)  # with the run token ($GYRE_TOKEN) when there is one
+        sock = self._sock
+        pending: collections.deque[Message] = collections.deque([Hello(PeerKind.PROXY)])
         try:
-            sock.send(codec.encode(Hello(PeerKind.PROXY)))
             last_beat = 0.0
             while not self._stop.is_set():
-                while True:
-                    try:
-                        out = self._out.get_nowait()
-                    except queue.Empty:
-                        break
-                    sock.send(codec.encode(out))
+                self._flush(sock, codec, pending)
                 now = time.monotonic()
                 if self.welcomed.is_set() and now - last_beat >= self.heartbeat_s:
-                    sock.send(codec.encode(Heartbeat()))
+                    with contextlib.suppress(zmq.Again):  # a missed heartbeat is only a late one
+                        sock.send(codec.encode(Heartbeat()), zmq.NOBLOCK)
                     last_beat = now
-                if not sock.poll(20):
-                    continue
-                try:
-                    msg = codec.decode(sock.recv())
-                except ProtocolError as exc:
-                    log.warning("control: %s", exc)
-                    continue
-                if isinstance(msg, Welcome):
-                    self.heartbeat_s = max(0.05, msg.heartbeat_s / 2)
-                    self.welcomed.set()
-                elif isinstance(msg, Reject):
-                    log.warning("scheduler rejected a message: %s", msg.reason)
-                elif isinstance(msg, EngineAdd | EngineDrain | EngineRemove):
-                    self.loop.call_soon_threadsafe(self._apply, msg)
+                if sock.poll(20):
+                    self._receive(sock, codec)
         finally:
             sock.close()
-            ctx.term()
+            self._ctx.term()
+
+    def _flush(self, sock: zmq.Socket[bytes], codec: Codec, pending: collections.deque[Message]) -> None:
+        """Send what is waiting, in order, without blocking; what the socket cannot take stays pending."""
+        while True:
+            try:
+                pending.append(self._out.get_nowait())
+            except queue.Empty:
+                break
+        while pending:
+            try:
+                sock.send(codec.encode(pending[0]), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            pending.popleft()
+
+    def _receive(self, sock: zmq.Socket[bytes], codec: Codec) -> None:
+        try:
+            msg = codec.decode(sock.recv())
+        except ProtocolError as exc:
+            log.warning("control: %s", exc)
+            return
+        if isinstance(msg, Welcome):
+            self.heartbeat_s = max(0.05, msg.heartbeat_s / 2)
+            self.welcomed.set()
+        elif isinstance(msg, Reject):
+            log.warning("scheduler rejected a message: %s", msg.reason)
+        elif isinstance(msg, EngineAdd | EngineDrain | EngineRemove):
+            self.loop.call_soon_threadsafe(self._apply, msg)
 
     def close(self) -> None:
         self._stop.set()

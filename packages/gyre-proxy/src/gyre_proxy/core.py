@@ -6,6 +6,7 @@ output ids, the agent's own first) and checks the context size; `CallRun.blocks`
 writes the call's TITO record (delta-encoded against the same agent's previous call, else the last call
 with the same system and tools; metadata: the call it `extends` when the harness only appended, and the
 harness metadata stripped from the prompt) to the fsynced log before the API layer completes its response.
+A call whose record could not be written fails with `RecordWriteFailed` (and is not in the log).
 """
 
 from __future__ import annotations
@@ -28,62 +29,19 @@ from tokenizers import Tokenizer
 
 from gyre_proxy.chat import Conversation, Sampling, Turn
 from gyre_proxy.classify import classify
+from gyre_proxy.config import ProxyConfig
 from gyre_proxy.engines import EnginePool
 from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
 from gyre_proxy.render import AgentCache, ExecutionCache, Rendered, Renderer
 from gyre_proxy.sink import RecordSink
-from gyre_proxy.strip import CLAUDE_CODE_BILLING, Stripper, StripRule
+from gyre_proxy.stoptext import shown_text
+from gyre_proxy.strip import Stripper
 from gyre_proxy.toolparse import Block, BlockKind, parse
 
 log = logging.getLogger("gyre_proxy")
 EXTENDS = "extends"
 """Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
-
-
-@dataclass
-class ProxyConfig:
-    """Everything the proxy needs; the CLI fills it from flags."""
-
-    tokenizer: str
-    """Path to a tokenizer.json, or a model directory holding one (the policy's tokenizer)."""
-    model_name: str = "gyre-policy"
-    """Model id reported by /v1/models and echoed in responses (any requested model name is accepted)."""
-    engines: tuple[str, ...] = ()
-    """Engine URLs routed to from the start (ids 0, 1, ...); more come from the scheduler at run time."""
-    record_log: str = ""
-    """Append-only msgpack TITO log (gyre-traj framed stream), fsynced before each response completes."""
-    record_push: str = ""
-    """ZeroMQ endpoint of the trajectory service's PULL socket (records are PUSHed there); empty: none."""
-    api_keys: Mapping[str, str] = field(default_factory=dict)
-    """Per-execution API keys (key -> execution id). When non-empty, any other key gets 401."""
-    max_context_tokens: int = 40960
-    """Input tokens beyond this are answered 413; max_new_tokens is clipped to what is left."""
-    max_new_tokens_cap: int = 32768
-    drain_grace_s: float = 0.0
-    """How long a drained engine may finish its in-flight calls before they move to another engine."""
-    pick_wait_s: float = 5.0
-    """How long a call waits for an engine to take it before the harness gets 529/503 (it retries)."""
-    request_timeout_s: float = 600.0
-    stream_interval: int = 4
-    """Engine streaming chunk interval in tokens."""
-    max_executions: int = 1024
-    """Executions whose render caches are kept (least recently used first to go). A 500k-token execution
-    keeps about 10 MB (ids, their JSON text, the last request's turns); one whose cache went is
-    re-tokenized on its next call, except its recorded outputs, which are kept for 16x as many executions."""
-    incremental: bool = True
-    """Reuse earlier segments and recorded ids. False re-renders and re-tokenizes the whole prompt each
-    call (the naive way, for comparison in the benchmark; earlier outputs are then NOT kept exact)."""
-    agent_headers: tuple[str, ...] = ("x-claude-code-agent-id", "x-gyre-agent")
-    """Request headers (lower case) that carry the harness's own agent id, first present wins; without
-    one the agent id is guessed (Claude Code: "main" or a hash of the system prompt and first user turn)."""
-    strip_rules: tuple[StripRule, ...] = (CLAUDE_CODE_BILLING,)
-    """System text blocks removed from what the policy sees (harness metadata), kept in the record's
-    metadata as `stripped.<rule name>`."""
-    engine_retry_s: float = 0.2
-    """First wait before the health check of an engine a connection to failed (doubling each time)."""
-    engine_retry_max_s: float = 5.0
-    """Longest wait between health checks of a failed engine."""
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -123,6 +81,8 @@ class CallStats:
     appended_calls: int = 0  # recorded calls whose harness only appended to the agent's last call
     non_extensions: int = 0  # of those, calls whose input did not extend that call's input + output
     restored_empty_replies: int = 0  # empty replies the harness dropped, put back
+    abandoned_calls: int = 0  # calls whose client left before their answer was ready (nothing recorded)
+    records_unanswered: int = 0  # calls recorded whose client left before the response completed
 
 
 class Proxy:
@@ -155,7 +115,7 @@ class Proxy:
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=5.0)
         self.https = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(16)]
         self.http = self.https[0]
-        self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push)
+        self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push, token=self.cfg.token)
         for i, url in enumerate(self.cfg.engines):
             self.pool.add(i, url)
 
@@ -184,6 +144,20 @@ class Proxy:
             if cold in self.executions:
                 self.executions[cold].forget_renders()
         return ex
+
+    def client_left(self, run: CallRun) -> None:
+        """Account for a call whose client disconnected before its response completed. Before the record
+        was written nothing of it is kept (the engine request was aborted); after, the record stays (it
+        was durable before the response could complete) and is counted and logged, never silent."""
+        if run.recorded:
+            self.stats.records_unanswered += 1
+            log.warning(
+                "call %s of %s: recorded, but its client left before the response completed",
+                run.call_id,
+                run.ex_id,
+            )
+        else:
+            self.stats.abandoned_calls += 1
 
     def count_tokens(self, conv: Conversation, ex_id: str) -> int:
         rendered, _ = self.renderer.render(conv, self.execution(ex_id))
@@ -290,6 +264,7 @@ class CallRun:
         self.result = GenResult()
         self.final_blocks: list[Block] = []
         self.text = ""
+        self.recorded = False  # the record was handed to the log (it lands even if the client leaves)
 
     @property
     def n_input(self) -> int:
@@ -306,7 +281,8 @@ class CallRun:
         return str(self.proxy.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def blocks(self) -> AsyncIterator[list[Block]]:
-        """Parsed output so far after each engine chunk (held back where a tag may still be growing)."""
+        """Parsed output so far after each engine chunk (held back where a tag or a stop sequence may still
+        be growing; the text ends before a stop sequence)."""
         p = self.proxy
         assert p.pool is not None and p.http is not None
         gen = Generation(
@@ -323,12 +299,10 @@ class CallRun:
         )
         self.result = gen.result
         detok = IncrementalText(p.tokenizer)
+        stops = self.sampling.stop  # the APIs leave a stop string out of the text (not out of the record)
         async for _ in gen.stream():
-            yield parse(detok.text(gen.result.output_ids), final=False)
-        self.text = self.decode(gen.result.output_ids)
-        stop = gen.result.matched
-        if stop and stop in self.sampling.stop and stop in self.text:  # the API leaves the stop string out
-            self.text = self.text[: self.text.rfind(stop)]
+            yield parse(shown_text(detok.text(gen.result.output_ids), stops, final=False), final=False)
+        self.text = shown_text(self.decode(gen.result.output_ids), stops, final=True)
         self.final_blocks = parse(self.text, final=True)
 
     async def run(self) -> list[Block]:
@@ -366,7 +340,9 @@ class CallRun:
         )
         rec = self._record(out)
         assert p.sink is not None
-        await p.sink.write(rec)
+        written = p.sink.submit(rec)
+        self.recorded = True  # queued: the writer thread writes it, whatever happens to this task now
+        await written
         self._count_extension()
         full = np.concatenate([self.input_ids, out])
         self.ac.last_call_id, self.ac.last_full = self.call_id, full

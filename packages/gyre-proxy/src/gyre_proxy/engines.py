@@ -79,6 +79,7 @@ class EnginePool:
         self.retry_max_s = retry_max_s
         self.changed = asyncio.Event()  # set whenever an engine is added (callers waiting for capacity)
         self.moved_calls = 0
+        self.aborts_sent = 0  # engine requests aborted because their caller went away
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ membership
@@ -209,6 +210,21 @@ class EnginePool:
                     raise
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
+
+    def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> None:
+        """Tell `eng` to stop `rid` (its caller is gone) without waiting for the answer: the abort is a
+        task of its own, so a cancelled caller still sends it. Failures are logged, not raised."""
+        if eng.state is EngineState.REMOVED:  # its client is closed; nothing runs there for us now
+            return
+        self.aborts_sent += 1
+
+        async def send() -> None:
+            try:
+                await asyncio.wait_for(eng.client.abort(rid), timeout_s)
+            except Exception as exc:  # a dead engine runs nothing; anything else is worth a line
+                log.info("abort of %s on engine %d failed: %s", rid, eng.engine_id, exc)
+
+        self._spawn(send())
 
     def begin(self, eng: Engine, rid: str, execution: str, work: int) -> InFlight:
         f = InFlight(rid, execution, work)

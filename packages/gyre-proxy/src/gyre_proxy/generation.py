@@ -6,6 +6,10 @@ request, the tokens generated so far are kept and the call continues on another 
 original input + partial output and the remaining token budget; both parts' logprobs are kept. Where
 both engines are gyre-engines the cached prefix is exported and imported, otherwise it is re-prefilled;
 both are counted. The request body is assembled from cached JSON fragments, never re-encoded from ints.
+
+A call cancelled mid-attempt (its client left) aborts its engine request (`/abort_request` with the
+attempt's rid, sent from a task of its own so the cancellation cannot stop it) and is never resubmitted:
+only a call whose caller is still waiting continues after an engine-side abort.
 """
 
 from __future__ import annotations
@@ -207,6 +211,7 @@ class Generation:
         base = len(self.result.output_ids)
         seen = 0
         abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
+        finished = False  # the engine reported a finish reason (its row is free)
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -255,6 +260,7 @@ class Generation:
                     yield list(new)
                 fin = item.meta_info.finish_reason
                 if fin is not None:
+                    finished = True
                     self._versions.append(_version(item.meta_info.weight_version))
                     self.result.weight_version = min(self._versions)
                     if base == 0:
@@ -273,6 +279,10 @@ class Generation:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+            if not finished and not abort_deadline:
+                # left before the engine finished, and not aborted above: the client went away (this
+                # task was cancelled) or the stream broke; the engine must not go on generating for it
+                self.pool.abort_soon(eng, attempt_rid, self.abort_grace_s)
 
     def _take_top(self, eng: Engine, item: GenerateResponse, seen: int, n: int) -> None:
         tops = (item.meta_info.output_top_logprobs or [])[seen : seen + n]

@@ -4,6 +4,10 @@ decoding a 700k-token context is a memcpy, not 700k Python ints). Also imports t
 one JSON object per turn with `prompt_ids` / `output_ids` / output logprobs.
 
 Readers validate every record and raise `RecordError` naming the file, line or frame, and the call.
+A **torn tail** (a writer stopped mid-append: the bytes after the last whole frame cannot hold a frame, or
+are all zero; in JSONL a last line with no newline that does not decode) is not an error by default: every
+whole record is read and a `TornTailWarning` says where the tail starts and how long it is. Anything
+else that does not decode is corrupt, wherever it is (the last whole frame included), and stays an error.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import io
 import os
 import struct
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -60,16 +66,24 @@ def _mp_enc_hook(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+_EXT_DTYPES: dict[int, np.dtype[Any]] = {
+    _EXT_IDS: ID_DTYPE,
+    _EXT_F32: LOGPROB_DTYPE,
+    _EXT_I64: _I64,
+    _EXT_F64: _F64,
+}
+
+
 def _mp_ext_hook(code: int, data: memoryview) -> Any:
-    if code == _EXT_IDS:
-        return np.frombuffer(data, ID_DTYPE)
-    if code == _EXT_F32:
-        return np.frombuffer(data, LOGPROB_DTYPE)
-    if code == _EXT_I64:
-        return np.frombuffer(data, _I64)
-    if code == _EXT_F64:
-        return np.frombuffer(data, _F64)
-    raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+    dtype = _EXT_DTYPES.get(code)
+    if dtype is None:
+        raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
+    if len(data) % dtype.itemsize:
+        raise msgspec.ValidationError(
+            f"an array of {dtype} (extension type {code}) holds {len(data)} bytes, not a multiple of "
+            f"{dtype.itemsize}"
+        )
+    return np.frombuffer(data, dtype)
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:
@@ -229,35 +243,130 @@ def encode_msgpack_stream(recs: Iterable[Record], batch: int | None = None) -> b
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def iter_jsonl(lines: Iterable[bytes | str], name: str = "<stream>") -> Iterator[Record]:
+class TornTailWarning(UserWarning):
+    """A record stream ends in a torn record (a writer stopped mid-append: a crash, a full disk). Every
+    whole record before it was read; the torn bytes were left out. `where` is a byte offset (msgpack) or
+    a line number (JSONL), `size` the torn bytes, `records` the whole records read."""
+
+    def __init__(self, name: str, where: str, size: int, records: int) -> None:
+        super().__init__(
+            f"{name}: torn tail of {size} bytes at {where} left out (a writer stopped mid-append); "
+            f"{records} whole records read before it"
+        )
+        self.name = name
+        self.where = where
+        self.size = size
+        self.records = records
+
+
+def _torn(name: str, where: str, size: int, records: int, tolerate: bool) -> None:
+    """Report a torn tail: a warning when tolerated, else a `RecordError`."""
+    if not tolerate:
+        raise RecordError(
+            f"{name}: torn tail of {size} bytes at {where} (a writer stopped mid-append; "
+            f"read with tolerate_torn_tail=True to get the {records} whole records before it)"
+        )
+    warnings.warn(TornTailWarning(name, where, size, records), stacklevel=3)
+
+
+def iter_jsonl(
+    lines: Iterable[bytes | str], name: str = "<stream>", *, tolerate_torn_tail: bool = True
+) -> Iterator[Record]:
+    """Records of a JSONL stream, one per non-blank line. A last line with no newline that does not
+    decode is a torn tail (see the module docstring); any other line that does not decode is an error."""
     codec = Codec()
+    n = 0
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            yield codec.decode_json(line)
+            rec = codec.decode_json(line)
         except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
+            raw = line.encode() if isinstance(line, str) else line
+            if not raw.endswith(b"\n"):  # only the last line can lack its newline
+                size = len(raw)
+                _torn(name, f"line {lineno}", size, n, tolerate_torn_tail)
+                return
             raise _wrap(exc, f"{name}:{lineno}") from None
+        n += 1
+        yield rec
 
 
-def iter_msgpack(data: bytes | memoryview, name: str = "<stream>") -> Iterator[Record]:
-    """Decode a framed msgpack stream held in memory. Arrays in the records are views into `data`."""
+@dataclass(frozen=True)
+class FrameScan:
+    """The structure of a framed msgpack stream, from its frame headers alone (nothing decoded)."""
+
+    frames: int
+    """Whole frames (a frame whose declared length fits in the stream)."""
+    end: int
+    """Byte offset just past the last whole frame (the magic's end when there is none)."""
+    torn: int
+    """Bytes after `end`: the torn tail (0 when the stream ends on a whole frame)."""
+
+
+def _tail_is_torn(view: memoryview, pos: int) -> bool:
+    """Whether the bytes from `pos` on cannot begin a whole frame: a short header, a declared length
+    running past the end, or nothing but zero bytes (no record encodes to an empty frame; some
+    filesystems leave a file extended but zero-filled after a crash)."""
+    rest = len(view) - pos
+    if rest < _FRAME.size:
+        return True
+    (size,) = _FRAME.unpack_from(view, pos)
+    if size > rest - _FRAME.size:
+        return True
+    return size == 0 and not np.frombuffer(view[pos:], np.uint8).any()
+
+
+def _check_magic(view: memoryview, name: str) -> bool:
+    """True when the stream holds the whole magic; False when it is a torn prefix of it (a writer
+    stopped while starting the stream); anything else is a `RecordError`."""
+    head = bytes(view[: len(MAGIC)])
+    if head == MAGIC:
+        return True
+    if len(view) < len(MAGIC) and MAGIC.startswith(head):
+        return False
+    raise RecordError(f"{name}: not a gyre msgpack record stream (bad magic)")
+
+
+def scan_msgpack(data: bytes | memoryview | Any, name: str = "<stream>") -> FrameScan:
+    """Where the whole frames of a framed msgpack stream end and how long its torn tail is, reading
+    only frame headers (a writer uses it to cut a torn tail off before appending). An `mmap` of the file
+    works: only the pages holding headers are read."""
+    with memoryview(data) as view:  # released on the way out, so an mmap can close after an error
+        if not _check_magic(view, name):
+            return FrameScan(0, 0, len(view))
+        pos, n, frames = len(MAGIC), len(view), 0
+        while pos < n:
+            if _tail_is_torn(view, pos):
+                return FrameScan(frames, pos, n - pos)
+            (size,) = _FRAME.unpack_from(view, pos)
+            pos += _FRAME.size + size
+            frames += 1
+        return FrameScan(frames, pos, 0)
+
+
+def iter_msgpack(
+    data: bytes | memoryview, name: str = "<stream>", *, tolerate_torn_tail: bool = True
+) -> Iterator[Record]:
+    """Decode a framed msgpack stream held in memory. Arrays in the records are views into `data`. A
+    torn tail is reported (module docstring); a whole frame that does not decode is a `RecordError`."""
     view = memoryview(data)
-    if bytes(view[: len(MAGIC)]) != MAGIC:
-        raise RecordError(f"{name}: not a gyre msgpack record stream (bad magic)")
+    if not _check_magic(view, name):
+        _torn(name, "byte 0", len(view), 0, tolerate_torn_tail)
+        return
     decode = _mp_decoder().decode
     pos, n, frame = len(MAGIC), len(view), 0
     while pos < n:
-        if pos + 4 > n:
-            raise RecordError(f"{name}: truncated frame header at byte {pos}")
+        if _tail_is_torn(view, pos):
+            _torn(name, f"byte {pos} (after frame {frame - 1})", n - pos, frame, tolerate_torn_tail)
+            return
         (size,) = _FRAME.unpack_from(view, pos)
-        pos += 4
-        if pos + size > n:
-            raise RecordError(f"{name}: frame {frame} truncated ({n - pos} of {size} bytes)")
+        pos += _FRAME.size
         try:
-            yield decode(view[pos : pos + size])
+            rec = decode(view[pos : pos + size])
         except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
-            raise _wrap(exc, f"{name}: frame {frame}") from None
+            raise _wrap(exc, f"{name}: frame {frame} (byte {pos - _FRAME.size})") from None
+        yield rec
         pos += size
         frame += 1
 
@@ -265,7 +374,7 @@ def iter_msgpack(data: bytes | memoryview, name: str = "<stream>") -> Iterator[R
 def sniff_format(path: str | os.PathLike[str]) -> Format:
     with Path(path).open("rb") as fh:
         head = fh.read(4096)
-    if head.startswith(MAGIC):
+    if head.startswith(MAGIC) or (head and MAGIC.startswith(head)):  # the latter: torn in its magic
         return "msgpack"
     first = head.lstrip().split(b"\n", 1)[0]
     if b'"kind"' in first:
@@ -275,20 +384,23 @@ def sniff_format(path: str | os.PathLike[str]) -> Format:
     return "jsonl"
 
 
-def read_records(path: str | os.PathLike[str], fmt: Format | None = None) -> Iterator[Record]:
-    """All records of a file, in order. The format is sniffed unless given."""
+def read_records(
+    path: str | os.PathLike[str], fmt: Format | None = None, *, tolerate_torn_tail: bool = True
+) -> Iterator[Record]:
+    """All records of a file, in order. The format is sniffed unless given. A torn tail (a writer stopped
+    mid-append) is left out with a `TornTailWarning` unless `tolerate_torn_tail=False`."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such record file: {path}")
     fmt = fmt or sniff_format(path)
     if fmt == "msgpack":
-        yield from iter_msgpack(path.read_bytes(), str(path))
+        yield from iter_msgpack(path.read_bytes(), str(path), tolerate_torn_tail=tolerate_torn_tail)
     elif fmt == "foreign":
         with path.open("rb") as fh:
             yield from iter_foreign(fh, str(path))
     else:
         with path.open("rb") as fh:
-            yield from iter_jsonl(fh, str(path))
+            yield from iter_jsonl(fh, str(path), tolerate_torn_tail=tolerate_torn_tail)
 
 
 # ---------------------------------------------------------------------------------------------- foreign

@@ -35,7 +35,8 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from gyre_proxy.app import build_app
-from gyre_proxy.core import Proxy, ProxyConfig
+from gyre_proxy.config import ProxyConfig
+from gyre_proxy.core import Proxy
 
 _CORPUS = [
     "json",
@@ -111,31 +112,74 @@ class Server:
         self.thread.join(15)
 
 
+class _BenchParams(msgspec.Struct):
+    stream_interval: int | None = None
+
+
 class _BenchReq(msgspec.Struct):
     rid: str = ""
     input_ids: msgspec.Raw = msgspec.Raw(b"[]")  # not decoded: the bench engine does no work per token
+    sampling_params: _BenchParams = msgspec.field(default_factory=_BenchParams)
+
+
+def sglang_chunks(tok: Tokenizer, out: list[int], interval: int) -> bytes:
+    """The SSE body SGLang 0.5.23 streams for `out` (gyre-engine's tests/fixtures/sglang-0.5.23): cumulative
+    chunks after the first token and then every `interval` tokens, and the finished one; SGLang's
+    bookkeeping fields on each, `response_sent_to_client_ts` on the first only, `e2e_latency` and
+    `weight_versions` on the finished one only. The request id is the placeholder `_RID` (see `generate`)."""
+    ends = [*range(1, len(out), max(1, interval)), len(out)]
+    body = b""
+    for n in ends:
+        done = n == len(out)
+        meta: dict[str, Any] = {
+            "id": _RID,
+            "finish_reason": {"type": "stop", "matched": out[-1]} if done else None,
+            "prompt_tokens": 0,
+            "weight_version": "1",
+            "num_retractions": 0,
+            "input_token_logprobs": [],
+            "output_token_logprobs": [[-0.5, t, None] for t in out[:n]],
+            "output_token_logprobs_length": n,
+            "reasoning_tokens": 0,
+            "completion_tokens": n,
+            "cached_tokens": 0,
+        }
+        if done:
+            meta["weight_versions"] = [{"version": "1", "start": 0, "end": n}]
+        meta |= {"cached_tokens_details": {"device": 0, "host": 0}, "dp_rank": None}
+        if n == 1:
+            meta["response_sent_to_client_ts"] = 0.0
+        if done:
+            meta["e2e_latency"] = 0.0
+        chunk = {
+            "text": tok.decode(out[:n], skip_special_tokens=False),
+            "output_ids": out[:n],
+            "meta_info": meta,
+        }
+        body += b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    return body + b"data: [DONE]\n\n"
+
+
+_RID = "gyre-bench-rid-placeholder"
 
 
 def bench_engine(tok: Tokenizer) -> Starlette:
-    """BENCH ENGINE: SGLang's streaming /generate, answering at once with a fixed tool call."""
-    out = [*tok.encode(TOOL_CALL, add_special_tokens=False).ids, tok.token_to_id("<|im_end|>")]
-    lps = [[-0.5, t, None] for t in out]
+    """BENCH ENGINE: SGLang's streaming /generate, answering at once with a fixed tool call, in the chunks
+    SGLang would send for the request's `stream_interval`."""
+    im_end = tok.token_to_id("<|im_end|>")
+    assert im_end is not None, "the tokenizer has no <|im_end|>"
+    out = [*tok.encode(TOOL_CALL, add_special_tokens=False).ids, im_end]
     dec = msgspec.json.Decoder(_BenchReq)
+    bodies: dict[int, bytes] = {}
+    placeholder = msgspec.json.encode(_RID)
 
     async def generate(request: Request) -> Response:
         body = dec.decode(await request.body())
-        meta = {
-            "id": body.rid,
-            "finish_reason": {"type": "stop", "matched": out[-1]},
-            "prompt_tokens": 0,
-            "completion_tokens": len(out),
-            "cached_tokens": 0,
-            "weight_version": "1",
-            "e2e_latency": 0.0,
-            "output_token_logprobs": lps,
-        }
-        chunk = msgspec.json.encode({"text": TOOL_CALL, "output_ids": out, "meta_info": meta})
-        return Response(b"data: " + chunk + b"\n\ndata: [DONE]\n\n", media_type="text/event-stream")
+        interval = body.sampling_params.stream_interval or 1
+        if interval not in bodies:
+            bodies[interval] = sglang_chunks(tok, out, interval)
+        sse = bodies[interval].replace(placeholder, msgspec.json.encode(body.rid))
+        return Response(sse, media_type="text/event-stream")
 
     return Starlette(routes=[Route("/generate", generate, methods=["POST"])])
 

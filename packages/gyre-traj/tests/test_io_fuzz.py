@@ -1,0 +1,244 @@
+"""Fuzzing gyre-traj's readers (msgpack and JSONL) with hypothesis: streams of real records, then cut,
+flipped, spliced, given frames of the wrong types, or nothing but hostile bytes. A reader either returns
+records (every one a valid record, with a `TornTailWarning` when the stream ends in a torn record) or
+raises `RecordError`; never another exception, never another warning. A stream only cut short (a writer
+that stopped mid-append) always reads: the whole records before the cut, and a torn-tail warning unless
+the cut fell between records. Case counts are in the test names."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from gyre_traj.io import (
+    MAGIC,
+    Codec,
+    Record,
+    TornTailWarning,
+    iter_jsonl,
+    iter_msgpack,
+)
+from gyre_traj.records import Call, CallBatch, Delta, EvalStatus, RecordError, Role, Score
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.fuzz
+
+
+def fuzz(n: int) -> settings:
+    return settings(
+        max_examples=n, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+
+
+def _calls(rng: np.random.Generator, n: int) -> list[Call]:
+    def ids() -> np.ndarray:
+        return rng.integers(0, 2**31 - 1, int(rng.integers(0, 7))).astype(np.int32)
+
+    out: list[Call] = []
+    for i in range(n):
+        output = ids()
+        inp: np.ndarray | None = ids()
+        delta = None
+        if out and rng.random() < 0.5:
+            parent = out[-1]
+            n_parent = parent.output_ids.size + (parent.input_ids.size if parent.input_ids is not None else 0)
+            delta, inp = Delta(parent.call_id, int(rng.integers(0, n_parent + 1)), ids()), None
+        out.append(
+            Call(
+                execution_id="e",
+                call_id=f"c{i}",
+                agent_id=["main", "sub-\u00e9", "\u2603"][i % 3],
+                role=list(Role)[int(rng.integers(0, len(Role)))],
+                input_ids=inp,
+                input_delta=delta,
+                output_ids=output,
+                output_logprobs=-rng.random(output.size).astype(np.float32) * 9,
+                weight_version=int(rng.integers(0, 9)),
+                metadata={"extends": "c0"} if rng.random() < 0.3 else {},
+            )
+        )
+    return out
+
+
+def _records(seed: int) -> list[Record]:
+    """A few records of every kind (calls, a call batch, scores), from a seed."""
+    rng = np.random.default_rng(seed)
+    recs: list[Record] = []
+    for _ in range(int(rng.integers(1, 5))):
+        kind = int(rng.integers(0, 3))
+        if kind == 0:
+            failed = bool(rng.random() < 0.3)
+            recs.append(
+                Score(
+                    execution_id="e",
+                    group_id=f"g{seed}",
+                    value=None if failed else float(rng.random()),
+                    status=EvalStatus.EVAL_FAILED if failed else EvalStatus.OK,
+                )
+            )
+        elif kind == 1:
+            recs.append(CallBatch.of(_calls(rng, int(rng.integers(1, 5)))))
+        else:
+            recs.extend(_calls(rng, int(rng.integers(1, 5))))
+    return recs
+
+
+BASES = [_records(seed) for seed in range(64)]
+"""Real record streams to start from (built once: hypothesis spends its cases on the damage)."""
+bases = st.sampled_from(BASES)
+
+
+# values of every msgpack/JSON type, for fields given the wrong one
+_any = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+_ext = st.builds(msgspec.msgpack.Ext, st.integers(-128, 127), st.binary(max_size=13))
+
+
+def _frames(recs: list[Record]) -> list[bytes]:
+    codec = Codec()
+    return [codec.encode_msgpack(r) for r in recs]
+
+
+def _stream(payloads: Iterable[bytes]) -> bytes:
+    return MAGIC + b"".join(struct.pack("<I", len(p)) + p for p in payloads)
+
+
+@st.composite
+def wrong_typed_frame(draw: st.DrawFn, payload: bytes) -> bytes:
+    """A record's own fields, one of them replaced (or one added) with a value of any type."""
+    obj = msgspec.msgpack.decode(payload, ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data)))
+    assert isinstance(obj, dict)
+    key = draw(st.sampled_from(sorted(obj)) | st.text(max_size=6))
+    obj[key] = draw(_any | _ext)
+    return msgspec.msgpack.encode(obj)
+
+
+def _read(fn: Callable[[], Iterable[Record]]) -> tuple[str, list[Record]]:
+    """("ok" | "torn" | "error", the records read); any other exception or warning fails the test."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            got = list(fn())
+        except RecordError:
+            return "error", []
+    kinds = {type(w.message) for w in caught}
+    assert kinds <= {TornTailWarning}, [str(w.message) for w in caught]
+    for rec in got:
+        assert isinstance(rec, Call | CallBatch | Score)
+    return ("torn" if kinds else "ok"), got
+
+
+def _same(a: list[Record], b: list[Record]) -> bool:
+    enc = Codec().encode_msgpack
+    return [enc(r) for r in a] == [enc(r) for r in b]
+
+
+@fuzz(1000)
+@given(bases, st.data())
+def test_msgpack_cut_anywhere_reads_whole_records_1000_cases(recs: list[Record], data: st.DataObject) -> None:
+    payloads = _frames(recs)
+    stream = _stream(payloads)
+    cut = data.draw(st.integers(0, len(stream)))
+    outcome, got = _read(lambda: iter_msgpack(stream[:cut]))
+    ends = list(np.cumsum([len(MAGIC)] + [4 + len(p) for p in payloads]))
+    whole = sum(1 for e in ends[1:] if e <= cut)
+    assert outcome == ("ok" if cut in ends else "torn")
+    assert _same(got, recs[:whole])
+
+
+@fuzz(1500)
+@given(bases, st.data())
+def test_msgpack_reader_fuzz_1500_cases(recs: list[Record], data: st.DataObject) -> None:
+    """Flipped bytes, inserted bytes, frames of the wrong types, junk appended, then maybe a cut."""
+    payloads = _frames(recs)
+    how = data.draw(st.sampled_from(["flip", "insert", "wrong_types", "ext", "junk"]))
+    if how == "wrong_types":
+        i = data.draw(st.integers(0, len(payloads) - 1))
+        payloads[i] = data.draw(wrong_typed_frame(payloads[i]))
+    elif how == "ext":
+        i = data.draw(st.integers(0, len(payloads) - 1))
+        obj = msgspec.msgpack.decode(payloads[i], ext_hook=lambda c, d: msgspec.msgpack.Ext(c, bytes(d)))
+        arrays = [k for k, v in obj.items() if isinstance(v, msgspec.msgpack.Ext)] or sorted(obj)
+        obj[data.draw(st.sampled_from(arrays))] = data.draw(_ext)
+        payloads[i] = msgspec.msgpack.encode(obj)
+    stream = bytearray(_stream(payloads))
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            pos = data.draw(st.integers(0, len(stream) - 1))
+            stream[pos] ^= data.draw(st.integers(1, 255))
+    elif how == "insert":
+        pos = data.draw(st.integers(0, len(stream)))
+        stream[pos:pos] = data.draw(st.binary(min_size=1, max_size=9))
+    elif how == "junk":
+        stream += data.draw(st.binary(min_size=1, max_size=40))
+    if data.draw(st.booleans()):
+        del stream[data.draw(st.integers(0, len(stream))) :]
+    _read(lambda: iter_msgpack(bytes(stream)))
+
+
+@fuzz(500)
+@given(st.binary(max_size=200), st.booleans())
+def test_msgpack_reader_hostile_bytes_500_cases(raw: bytes, magic: bool) -> None:
+    _read(lambda: iter_msgpack((MAGIC if magic else b"") + raw))
+
+
+def _jsonl(recs: list[Record]) -> bytes:
+    codec = Codec()
+    return b"".join(codec.encode_json(r) + b"\n" for r in recs)
+
+
+@fuzz(1000)
+@given(bases, st.data())
+def test_jsonl_reader_fuzz_1000_cases(recs: list[Record], data: st.DataObject) -> None:
+    """Cut anywhere (always reads: whole lines, then maybe a torn one), or flipped, spliced, wrong-typed
+    lines (reads or `RecordError`)."""
+    text = _jsonl(recs)
+    how = data.draw(st.sampled_from(["cut", "flip", "insert", "wrong_types"]))
+    if how == "cut":
+        cut = data.draw(st.integers(0, len(text)))
+        outcome, got = _read(lambda: iter_jsonl(text[:cut].splitlines(keepends=True)))
+        ends = list(np.cumsum([0] + [len(x) for x in text.splitlines(keepends=True)]))
+        whole = sum(1 for e in ends[1:] if e <= cut + 1)  # a line cut just before its newline is whole
+        assert outcome == ("ok" if cut in ends or cut + 1 in ends else "torn")
+        assert _same(got, recs[:whole])
+        return
+    lines = text.splitlines(keepends=True)
+    i = data.draw(st.integers(0, len(lines) - 1))
+    if how == "wrong_types":
+        obj: dict[str, Any] = msgspec.json.decode(lines[i])
+        obj[data.draw(st.sampled_from(sorted(obj)) | st.text(max_size=6))] = data.draw(
+            _any.filter(lambda v: not isinstance(v, bytes))
+        )
+        try:
+            lines[i] = msgspec.json.encode(obj) + b"\n"
+        except (OverflowError, msgspec.EncodeError):  # a value JSON cannot hold: nothing to read
+            return
+    else:
+        line = bytearray(lines[i])
+        pos = data.draw(st.integers(0, len(line) - 1))
+        if how == "flip":
+            line[pos] ^= data.draw(st.integers(1, 255))
+        else:
+            line[pos:pos] = data.draw(st.binary(min_size=1, max_size=9))
+        lines[i] = bytes(line)
+    _read(lambda: iter_jsonl(b"".join(lines).splitlines(keepends=True)))
+
+
+@fuzz(500)
+@given(st.lists(st.binary(max_size=60) | st.text(max_size=60).map(str.encode), max_size=5))
+def test_jsonl_reader_hostile_lines_500_cases(lines: list[bytes]) -> None:
+    _read(lambda: iter_jsonl(b"\n".join(lines).splitlines(keepends=True)))
