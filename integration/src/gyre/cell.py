@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.protocol import (
     CellLost,
     Codec,
@@ -299,9 +300,7 @@ class Cell:
     def serve(self) -> None:
         codec = Codec()
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.a.sched)
+        sock = dealer(ctx, self.a.sched)  # with the run token ($GYRE_TOKEN) when there is one
         try:
             hello = Hello(
                 PeerKind.CELL,

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.policy import batches_to_start
 from gyre_sched.protocol import (
     Admission,
@@ -238,9 +239,7 @@ class Driver:
     def _report(self) -> None:
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.sched_address)
+        sock = dealer(ctx, self.sched_address)  # with the run token ($GYRE_TOKEN) when there is one
         try:
             sock.send(codec.encode(Hello(PeerKind.DRIVER)))
             while not self._stop.is_set():

@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 from gyre_engine.client import EngineClient
+from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 
 from gyre.trainwatch import TrainTrack, TrainWatch
@@ -86,9 +87,7 @@ class Sampler:
     async def _run(self) -> None:
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.sched_address)
+        sock = dealer(ctx, self.sched_address)  # with the run token ($GYRE_TOKEN) when there is one
         sock.send(codec.encode(Hello(PeerKind.OBSERVER)))
         clients = {cid: EngineClient(url, timeout_s=5.0) for cid, url in self.engines.items()}
         work: dict[int, int] = {}

@@ -4,9 +4,10 @@ Started here, in order: gyre-sched's service (the configured policy), cell 0 (en
 the other cells (engine + satellite), gyre-proxy (engines come from the scheduler, records PUSHed to the
 trajectory service); in this process: the trajectory service, the rollout driver and a sampler. The run
 ends when the core has applied `steps` updates and every rollout engine serves the last version; then
-every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. A step
-with nothing to train is skipped by the core (its queue position taken with no update) and reported as
-skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
+every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. The run
+has a token (`runtoken.py`): every child gets it through `$GYRE_TOKEN`, and every ZeroMQ link carries it.
+A step with nothing to train is skipped by the core (its queue position taken with no update) and
+reported as skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
 cell whose trainer or serving thread dies exits loudly), the trajectory service or the rollout driver
 fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
 """
@@ -25,6 +26,7 @@ import httpx
 from gyre_sched.protocol import Action, Role
 
 from gyre import predict as sim
+from gyre import runtoken
 from gyre.cell import CellArgs
 from gyre.config import Config
 from gyre.driver import Driver
@@ -112,6 +114,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
     traj: TrajectoryService | None = None
     sampler: Sampler | None = None
     t_start = t_end = 0.0
+    token = runtoken.install()  # $GYRE_TOKEN: every child inherits it, every link carries it
     try:
         model_dir = ensure_model(cfg, out, procs)
         sched = f"tcp://127.0.0.1:{free_port()}"
@@ -211,6 +214,7 @@ def run(cfg: Config, say: Callable[[str], None] = print, parts: Sequence[RunPart
             if part is not None:
                 part.stop()
         procs.close()
+        token.uninstall()
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     write_json(out / "metrics.json", metrics)

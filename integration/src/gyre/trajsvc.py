@@ -11,6 +11,10 @@ summed gradient. Whole steps (`streaming=False`): once every group of step k is 
 at once and submitted (`submit`). Either way each execution goes into exactly one step, and a step with
 nothing trainable is handed over empty (the core skips it). Every `report_s` it reads the core's status
 and tells gyre-sched the ready groups not yet trained (`StepBook.report`).
+
+Every link carries the run token (`token`, else `$GYRE_TOKEN`; gyre-xfer `auth`): the PULL binds through
+`auth.bind` (beyond loopback only with a token; with one, only pushers holding it are heard), the
+scheduler DEALER is `gyre_sched.client.dealer`, and the core is reached through a `CoreClient` with it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from typing import Any
 
 import zmq
+from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
 from gyre_train.control import CoreClient, InboxFull
@@ -29,6 +34,7 @@ from gyre_train.normalize import execution_means
 from gyre_train.protocol import StepInfo
 from gyre_traj.io import Codec
 from gyre_traj.records import Call, Score
+from gyre_xfer import auth
 
 from gyre.stepbook import StepBook, StepData
 
@@ -47,7 +53,11 @@ class TrajectoryService:
         j_max: int,
         report_s: float = 0.2,
         record_wait_s: float = 15.0,
+        bind: str = "tcp://127.0.0.1:0",
+        token: str = "",
     ) -> None:
+        """`bind`: where the records PULL listens (beyond loopback it needs a token); `token`: the run
+        token of every link ("" reads $GYRE_TOKEN; none: loopback only)."""
         self.streaming = streaming
         self.book = StepBook(
             batch_groups,
@@ -61,8 +71,13 @@ class TrajectoryService:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 100_000)
-        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self._token = token
+        try:
+            self.address = auth.bind(self._pull, bind, token, "TrajectoryService token, GYRE_TOKEN")
+        except BaseException:
+            self._pull.close(0)
+            self._ctx.term()
+            raise
         self._sched_address = sched_address
         self._core_address = core_address
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -116,11 +131,9 @@ class TrajectoryService:
     # ---- the service thread -------------------------------------------------------------------------
     def _run(self) -> None:
         sc = SchedCodec()
-        sched = self._ctx.socket(zmq.DEALER)
-        sched.setsockopt(zmq.LINGER, 0)
-        sched.connect(self._sched_address)
+        sched = dealer(self._ctx, self._sched_address, self._token)
         sched.send(sc.encode(Hello(PeerKind.TRAJ)))
-        core = CoreClient(self._core_address, timeout_s=30.0)
+        core = CoreClient(self._core_address, timeout_s=30.0, token=self._token)
         last_report = 0.0
         try:
             while not self._stop.is_set():
