@@ -70,6 +70,14 @@ def _call(n: int) -> bytes:
     return Codec().encode_msgpack(call)
 
 
+def test_records_pull_binds_loopback_by_default() -> None:
+    traj = TrajectoryService(NOWHERE, NOWHERE, 1, streaming=True, token_budget=1024, j_max=5)
+    try:
+        assert traj.address.startswith("tcp://127.0.0.1:")
+    finally:
+        traj.stop()
+
+
 @pytest.mark.parametrize("bind", ["tcp://*:0", "tcp://0.0.0.0:0"])
 def test_records_pull_beyond_loopback_without_a_token_is_refused(bind: str) -> None:
     with pytest.raises(TokenRequiredError, match=rf"refusing to bind .* {TOKEN_ENV}"):

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gyre_train.cell import ParallelConfig
 from gyre_train.cellctl import FollowerLink, LeaderLink, RankSilentError
-from gyre_train.cli import main
+from gyre_train.cli import build_parser, main
 from gyre_train.control import ControlError, CoreClient
 from gyre_train.core import Core, CoreConfig
 from gyre_train.model import ModelConfig, build_model
@@ -65,6 +66,18 @@ def core(host: str) -> Iterator[Core]:
         yield c
     finally:
         c.close()
+
+
+def test_default_binds_are_loopback() -> None:
+    core_cli = build_parser().parse_args(["core"])
+    assert core_cli.bind == CoreConfig().bind == "tcp://127.0.0.1:0"
+    assert ParallelConfig().control_host == core_cli.control_host == "127.0.0.1"
+    link = LeaderLink(ParallelConfig().control_host, 2, heartbeat_s=0.1)
+    try:
+        assert all(a.startswith("tcp://127.0.0.1:") for a in (link.addresses.work, link.addresses.fetch))
+        assert link.addresses.beat.startswith("tcp://127.0.0.1:")
+    finally:
+        link.close()
 
 
 @pytest.mark.parametrize("bind", BEYOND)

@@ -199,7 +199,7 @@ def _token_flag(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gyre-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -286,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         "--huge-repeats", type=int, default=1, help="huge-tree: rounds of tree and paths (medians)"
     )
     b.set_defaults(fn=_bench)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from gyre_xfer.auth import AuthError
 
     try:
