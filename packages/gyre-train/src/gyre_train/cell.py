@@ -47,9 +47,6 @@ class ParallelConfig:
     control_host: str = "127.0.0.1"
     """Where rank 0 binds the in-cell control sockets (the node's address when ranks span nodes; beyond
     loopback it needs a token)."""
-    token: str = field(default="", repr=False)
-    """The run token of the in-cell link and of this rank's gyre-xfer sockets (every rank has its own copy
-    of the setting); empty: $GYRE_TOKEN, or none (loopback only)."""
     reply_timeout_s: float = 600.0
     """Longest rank 0 waits for every rank to finish one command (a silent rank is an error)."""
     heartbeat_s: float = 1.0
@@ -58,6 +55,9 @@ class ParallelConfig:
     """A rank that hears nothing from rank 0 this long ends its process (status 70)."""
     collective_timeout_s: float = 1800.0
     """torch.distributed's timeout for one collective."""
+    token: str = field(default="", repr=False)
+    """The run token of the in-cell link and of this rank's gyre-xfer sockets (every rank has its own copy
+    of the setting); empty: $GYRE_TOKEN, or none (loopback only)."""
 
     @property
     def world(self) -> int:

@@ -66,9 +66,6 @@ class CoreConfig:
     bind: str = "tcp://127.0.0.1:0"
     """ROUTER address satellites connect to (loopback unless you mean otherwise; beyond loopback it
     needs a token)."""
-    token: str = field(default="", repr=False)
-    """The run token (gyre-xfer `auth`): satellites and `CoreClient`s must hold it to be answered, and the
-    weight publishers use it too; empty: $GYRE_TOKEN, or none (then every listener stays on loopback)."""
     transport: str = "shm"
     """gyre-xfer transport for snapshots and satellites' gradients: "shm" (one host) or "mooncake"
     (TCP here, RDMA on clusters)."""
@@ -111,6 +108,9 @@ class CoreConfig:
     engines: SGLangSyncConfig | None = None
     """Also push every version to these engines through SGLang's weight-update endpoints
     (`engine_sync.py`; the group is formed once, in the constructor). None: gyre-xfer snapshots only."""
+    token: str = field(default="", repr=False)
+    """The run token (gyre-xfer `auth`): satellites and `CoreClient`s must hold it to be answered, and the
+    weight publishers use it too; empty: $GYRE_TOKEN, or none (then every listener stays on loopback)."""
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,6 @@ class SatelliteConfig:
     """The core's ROUTER address (Core.address)."""
     name: str
     """Replica name, unique among the core's satellites."""
-    token: str = field(default="", repr=False)
-    """The core's run token; empty: $GYRE_TOKEN, or none."""
     device: str = "cpu"
     reply_timeout_s: float = 30.0
     """Deadline for any reply from the core."""
@@ -95,6 +93,8 @@ class SatelliteConfig:
     """Fault injection for tests with satellites as threads: right after receiving its N-th micro-batch,
     go silent as a dead process would (no gradient, no goodbye, heartbeats stop) and return from `run`
     (0 = never)."""
+    token: str = field(default="", repr=False)
+    """The core's run token; empty: $GYRE_TOKEN, or none."""
 
 
 class Satellite:

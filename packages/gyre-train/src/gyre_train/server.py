@@ -109,11 +109,11 @@ GradientSink = Callable[[Gradient], None]
 class ServerConfig:
     bind: str
     """ROUTER address (loopback unless you mean otherwise; beyond loopback it needs a token)."""
-    token: str = field(default="", repr=False)
-    """The run token peers must hold (CURVE + ZAP); empty: $GYRE_TOKEN, or none (loopback only)."""
     admit_on_hello: bool = False
     dead_after_s: float = 5.0
     idle_hold_s: float = 1.0
+    token: str = field(default="", repr=False)
+    """The run token peers must hold (CURVE + ZAP); empty: $GYRE_TOKEN, or none (loopback only)."""
 
 
 class ReplicaServer:
