@@ -1,3 +1,3 @@
 """gyre: the assembled system (config, process launch, rollout driver, the `gyre` command)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

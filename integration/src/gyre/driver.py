@@ -250,7 +250,7 @@ class Driver:
     def _report(self) -> None:
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = dealer(ctx, self.sched_address)
+        sock = dealer(ctx, self.sched_address)  # with the run token ($GYRE_TOKEN) when there is one
         try:
             sock.send(codec.encode(Hello(PeerKind.DRIVER)))
             while not self._stop.is_set():

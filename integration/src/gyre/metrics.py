@@ -87,7 +87,7 @@ class Sampler:
     async def _run(self) -> None:
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        sock = dealer(ctx, self.sched_address)
+        sock = dealer(ctx, self.sched_address)  # with the run token ($GYRE_TOKEN) when there is one
         sock.send(codec.encode(Hello(PeerKind.OBSERVER)))
         clients = {cid: EngineClient(url, timeout_s=5.0) for cid, url in self.engines.items()}
         work: dict[int, int] = {}

@@ -6,9 +6,10 @@ Started here, in order: gyre-sched's service (the configured policy), cell 0 (en
 the other cells (engine + satellite), gyre-proxy (engines come from the scheduler, records PUSHed to the
 trajectory service); in this process: the trajectory service, the rollout driver and a sampler. The run
 ends when the core has applied `steps` updates and every rollout engine serves the last version; then
-every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. A step
-with nothing to train is skipped by the core (its queue position taken with no update) and reported as
-skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
+every child is stopped and `metrics.json` plus `timeline.png` are written to the run directory. The run
+has a token (`runtoken.py`): every child gets it through `$GYRE_TOKEN`, and every ZeroMQ link carries it.
+A step with nothing to train is skipped by the core (its queue position taken with no update) and
+reported as skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
 cell whose trainer or serving thread dies exits loudly), the trajectory service or the rollout driver
 fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
 
@@ -33,7 +34,7 @@ from typing import Any
 import httpx
 from gyre_sched.protocol import Action, Role
 
-from gyre import gpus, ledger, recordlog
+from gyre import gpus, ledger, recordlog, runtoken
 from gyre import predict as sim
 from gyre.cell import CellArgs
 from gyre.config import Config, config_from_dict
@@ -169,6 +170,7 @@ def _attempt(
     log_path = out / "records.msgpack"
     log_start = log_path.stat().st_size if log_path.exists() else 0
     c = cfg.run
+    token = runtoken.install()  # $GYRE_TOKEN: every child inherits it, every link carries it
     procs = launcher_for(c.ray_address, out / "logs", parts_of(cfg), c.startup_timeout_s)
     sv = cfg.survive
     # parts placed by Ray are not restarted in place: supervision watches this host's processes only
@@ -295,6 +297,7 @@ def _attempt(
             if part is not None:
                 part.stop()
         procs.close()
+        token.uninstall()
     assert driver is not None and traj is not None and sampler is not None
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     metrics["moves"] = _moves(proxy_stats)

@@ -13,6 +13,10 @@ nothing trainable is handed over empty (the core skips it). Every `report_s` it 
 and tells gyre-sched the ready groups not yet trained (`StepBook.report`). Each step handed over goes to
 `on_closed` (the run's `ledger.Ledger`) with what it trained. A resumed run starts at `first_step` (the
 checkpoint's queue position); `replay` adds records read back from the proxy's log, each call once.
+
+Every link carries the run token (`token`, else `$GYRE_TOKEN`; gyre-xfer `auth`): the PULL binds through
+`auth.bind` (beyond loopback only with a token; with one, only pushers holding it are heard), the
+scheduler DEALER is `gyre_sched.client.dealer`, and the core is reached through a `CoreClient` with it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from gyre_traj.io import Codec
 from gyre_traj.pack import PackItem
 from gyre_traj.records import Call, Score
 from gyre_traj.weights import group_advantages
+from gyre_xfer import auth
 
 from gyre.stepbook import StepBook, StepData
 
@@ -55,7 +60,11 @@ class TrajectoryService:
         record_wait_s: float = 15.0,
         first_step: int = 0,
         on_closed: Callable[[dict[str, Any]], None] | None = None,
+        bind: str = "tcp://127.0.0.1:0",
+        token: str = "",
     ) -> None:
+        """`bind`: where the records PULL listens (beyond loopback it needs a token); `token`: the run
+        token of every link ("" reads $GYRE_TOKEN; none: loopback only)."""
         self.streaming = streaming
         self.book = StepBook(
             batch_groups,
@@ -69,8 +78,13 @@ class TrajectoryService:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 100_000)
-        port = self._pull.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self._token = token
+        try:
+            self.address = auth.bind(self._pull, bind, token, "TrajectoryService token, GYRE_TOKEN")
+        except BaseException:
+            self._pull.close(0)
+            self._ctx.term()
+            raise
         self._sched_address = sched_address
         self._core_address = core_address
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -139,9 +153,9 @@ class TrajectoryService:
     # ---- the service thread -------------------------------------------------------------------------
     def _run(self) -> None:
         sc = SchedCodec()
-        sched = dealer(self._ctx, self._sched_address)
+        sched = dealer(self._ctx, self._sched_address, self._token)
         sched.send(sc.encode(Hello(PeerKind.TRAJ)))
-        core = CoreClient(self._core_address, timeout_s=30.0)
+        core = CoreClient(self._core_address, timeout_s=30.0, token=self._token)
         last_report = 0.0
         try:
             while not self._stop.is_set():

@@ -1,3 +1,3 @@
 """gyre-train: streaming trainer (core replica + satellites)."""
 
-__version__ = "0.3.2"
+__version__ = "0.4.0"

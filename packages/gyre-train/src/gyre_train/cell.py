@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +45,8 @@ class ParallelConfig:
     backend: str = "gloo"
     """"gloo" (CPU ranks) or "nccl" (one GPU per rank: NCCL for tensors on the GPU, gloo on the CPU)."""
     control_host: str = "127.0.0.1"
-    """Where rank 0 binds the in-cell control sockets (the node's address when ranks span nodes)."""
+    """Where rank 0 binds the in-cell control sockets (the node's address when ranks span nodes; beyond
+    loopback it needs a token)."""
     reply_timeout_s: float = 600.0
     """Longest rank 0 waits for every rank to finish one command (a silent rank is an error)."""
     heartbeat_s: float = 1.0
@@ -54,6 +55,9 @@ class ParallelConfig:
     """A rank that hears nothing from rank 0 this long ends its process (status 70)."""
     collective_timeout_s: float = 1800.0
     """torch.distributed's timeout for one collective."""
+    token: str = field(default="", repr=False)
+    """The run token of the in-cell link and of this rank's gyre-xfer sockets (every rank has its own copy
+    of the setting); empty: $GYRE_TOKEN, or none (loopback only)."""
 
     @property
     def world(self) -> int:
@@ -187,7 +191,9 @@ def join_cell(cfg: ParallelConfig, env: RankEnv | None = None) -> Cell:
         world_size=env.world_size,
         timeout=timedelta(seconds=cfg.collective_timeout_s),
     )
-    leader = LeaderLink(cfg.control_host, env.world_size, cfg.heartbeat_s) if env.rank == 0 else None
+    leader = (
+        LeaderLink(cfg.control_host, env.world_size, cfg.heartbeat_s, cfg.token) if env.rank == 0 else None
+    )
     hello = _Hello(
         cfg.tp, cfg.pp, cfg.dp, cfg.backend, leader.addresses if leader else LinkAddresses("", "", "")
     )
@@ -196,7 +202,7 @@ def join_cell(cfg: ParallelConfig, env: RankEnv | None = None) -> Cell:
         raise CellError(f"rank {env.rank}: this rank has {cfg}, rank 0 has {got}")
     follower = None
     if leader is None:
-        follower = FollowerLink(got.link, env.rank, cfg.dead_after_s)
+        follower = FollowerLink(got.link, env.rank, cfg.dead_after_s, cfg.token)
     else:
         leader.wait_followers(cfg.reply_timeout_s)
     if cfg.tp * cfg.pp > 1:

@@ -8,6 +8,10 @@ alive every `heartbeat_s`. Each other rank connects a DEALER to each ROUTER (ide
 SUB to the PUB. Rank 0 sends a command to every rank and waits for every reply with a deadline
 (`RankSilentError` past it); a rank that hears no heartbeat for `dead_after_s` ends its process (status
 70), so a dead rank 0 never leaves the others waiting forever.
+
+The three sockets bind through `gyre_xfer.auth.bind` with the cell's run token (`ParallelConfig.token`,
+else `$GYRE_TOKEN`): a `control_host` beyond loopback needs one, and with one only ranks holding it are
+heard (CURVE + ZAP). Every rank has its own copy of the setting; the token never crosses the link.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from gyre_xfer import auth
 from gyre_xfer.sockets import make_socket
 
 from gyre_train.protocol import (
@@ -56,17 +61,24 @@ class LeaderLink:
     """Rank 0's end. `command`/`replies` belong to one thread at a time (the caller serializes them),
     `fetch` to the server thread."""
 
-    def __init__(self, host: str, world: int, heartbeat_s: float) -> None:
+    def __init__(self, host: str, world: int, heartbeat_s: float, token: str = "") -> None:
+        """`token`: the cell's run token ("" reads $GYRE_TOKEN); a `host` beyond loopback needs one."""
         self.world = world
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._work = make_socket(self._ctx, zmq.ROUTER)
         self._fetch = make_socket(self._ctx, zmq.ROUTER)
         beat = make_socket(self._ctx, zmq.PUB)
-        for s in (self._work, self._fetch, beat):
-            s.bind(f"tcp://{host}:0")
-        self.addresses = LinkAddresses(
-            *(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (self._work, self._fetch, beat))
-        )
+        socks = (self._work, self._fetch, beat)
+        try:
+            bound = [
+                auth.bind(s, f"tcp://{host}:0", token, "ParallelConfig.token, --token-file") for s in socks
+            ]
+        except BaseException:
+            for s in socks:
+                s.close(0)
+            self._ctx.term()
+            raise
+        self.addresses = LinkAddresses(*bound)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = rank_reply_decoder()
         self._fetch_enc = msgspec.msgpack.Encoder()
@@ -183,8 +195,10 @@ class FollowerLink:
     """A non-zero rank's end: the work socket belongs to the rank's main thread, the fetch socket to its
     fetch thread (after `take_fetch`)."""
 
-    def __init__(self, addresses: LinkAddresses, rank: int, dead_after_s: float) -> None:
+    def __init__(self, addresses: LinkAddresses, rank: int, dead_after_s: float, token: str = "") -> None:
+        """`token`: the cell's run token ("" reads $GYRE_TOKEN), as rank 0 has it."""
         self.rank = rank
+        self._token = token
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._work = self._dealer(addresses.work)
         self._fetch: zmq.Socket[bytes] | None = self._dealer(addresses.fetch)
@@ -193,13 +207,13 @@ class FollowerLink:
         self._stopping = threading.Event()
         sub = make_socket(self._ctx, zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(addresses.beat)
+        auth.connect(sub, addresses.beat, token)
         self._watch = start_thread(lambda: self._watchdog(sub, dead_after_s), "gyre-train-cell-watchdog")
 
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
         s = make_socket(self._ctx, zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, _identity(self.rank))
-        s.connect(address)
+        auth.connect(s, address, self._token)
         s.send(msgspec.msgpack.encode(RankHello(self.rank)))
         return s
 

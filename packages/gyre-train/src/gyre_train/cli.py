@@ -24,12 +24,24 @@ from typing import Any
 from gyre_traj.loss import LossConfig
 
 
+def _token(args: argparse.Namespace) -> str:
+    """The run token of `--token-file`, or "" (then $GYRE_TOKEN, or none)."""
+    from gyre_xfer.auth import read_token_file
+
+    return read_token_file(args.token_file) if args.token_file else ""
+
+
 def _cell(args: argparse.Namespace) -> Any:
     """This rank's cell when the command asks for more than one rank (else None)."""
     from gyre_train.cell import ParallelConfig, join_cell
 
     cfg = ParallelConfig(
-        tp=args.tp, pp=args.pp, dp=args.dp, backend=args.backend, control_host=args.control_host
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        backend=args.backend,
+        control_host=args.control_host,
+        token=_token(args),
     )
     if cfg.world == 1:
         return None
@@ -60,6 +72,7 @@ def _core(args: argparse.Namespace) -> int:
     mc = ModelConfig(seed=args.seed, backend=args.model_backend)
     cfg = CoreConfig(
         bind=args.bind,
+        token=_token(args),
         transport=args.transport,
         token_budget=args.budget,
         attention=args.attention,
@@ -127,6 +140,7 @@ def _satellite(args: argparse.Namespace) -> int:
         SatelliteConfig(
             core=args.core,
             name=args.name,
+            token=_token(args),
             device=args.device,
             reply_timeout_s=args.reply_timeout_s,
             idle_exit_s=args.idle_exit_s,
@@ -177,13 +191,22 @@ def _cell_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _token_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--token-file",
+        default="",
+        help=f"file whose first line is the run token ({what}); without it, $GYRE_TOKEN, or none",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gyre-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("core", help="run the core replica over synthetic or packed mini-batches")
-    c.add_argument("--bind", default="tcp://127.0.0.1:0")
+    c.add_argument("--bind", default="tcp://127.0.0.1:0", help="ROUTER address (beyond loopback: a token)")
+    _token_flag(c, "needed to bind beyond loopback; satellites and clients must hold the same token")
     c.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
     c.add_argument(
         "--wire-dtype",
@@ -214,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("satellite", help="run a satellite replica of a core")
     s.add_argument("--core", required=True)
     s.add_argument("--name", required=True)
+    _token_flag(s, "the core's")
     s.add_argument("--device", default="cpu")
     s.add_argument("--reply-timeout-s", type=float, default=30.0)
     s.add_argument("--idle-exit-s", type=float, default=0.0)
@@ -262,8 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         "--huge-repeats", type=int, default=1, help="huge-tree: rounds of tree and paths (medians)"
     )
     b.set_defaults(fn=_bench)
-    args = ap.parse_args(argv)
-    return int(args.fn(args))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from gyre_xfer.auth import AuthError
+
+    try:
+        return int(args.fn(args))
+    except AuthError as exc:  # no token for a bind beyond loopback, an unreadable token file
+        print(f"gyre-train {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

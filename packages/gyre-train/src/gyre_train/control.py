@@ -2,7 +2,9 @@
 satellites and reads the status; the trajectory service gives the core its steps in queue order, whole
 (`submit`) or streamed (`open_step`, `add` as groups become ready, `close_step`). Every call sends the
 `protocol.py` struct the server decodes and has a deadline; a refusal is a `SubmitRefused` carrying the
-core's `Refusal` and reason (nothing changed; `InboxFull` is the retryable one).
+core's `Refusal` and reason (nothing changed; `InboxFull` is the retryable one). The client connects with
+the run token (gyre-xfer `auth`; `token`, else `$GYRE_TOKEN`): a core with a token answers only holders of
+the same one, so without it every call ends in `ControlError` at its deadline.
 
 Streaming one step, as the trajectory service does:
 
@@ -21,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 from gyre_traj.pack import PackedBatch
+from gyre_xfer import auth
 from gyre_xfer.sockets import make_socket
 
 from gyre_train.protocol import (
@@ -70,14 +73,28 @@ class InboxFull(SubmitRefused):
 
 
 class CoreClient:
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, token: str = "") -> None:
+        """`token`: the core's run token; empty: $GYRE_TOKEN, or none."""
         self.address = address
         self.timeout_s = timeout_s
+        self._token = token
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER)
-        self._sock.connect(address)
+        try:
+            self._sock = self._dealer()
+        except BaseException:
+            self._ctx.term()
+            raise
         self._enc = msgspec.msgpack.Encoder()
         self._dec = reply_decoder()
+
+    def _dealer(self) -> zmq.Socket[bytes]:
+        sock = make_socket(self._ctx, zmq.DEALER)
+        try:
+            auth.connect(sock, self.address, self._token)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
 
     def _ask(self, req: Any) -> Reply:
         self._sock.send(self._enc.encode(req))
@@ -87,9 +104,11 @@ class CoreClient:
         if not self._sock.poll(int(self.timeout_s * 1000)):
             # A DEALER with an unanswered request would pair the next reply wrongly: start afresh.
             self._sock.close()
-            self._sock = make_socket(self._ctx, zmq.DEALER)
-            self._sock.connect(self.address)
-            raise ControlError(f"core at {self.address} did not answer within {self.timeout_s} s")
+            self._sock = self._dealer()
+            raise ControlError(
+                f"core at {self.address} did not answer within {self.timeout_s} s (a core with a run "
+                f"token answers only clients holding the same one: {auth.TOKEN_ENV})"
+            )
         rep = self._dec.decode(self._sock.recv())
         if isinstance(rep, ErrorReply):
             raise ControlError(f"core error {rep.code.name}: {rep.message}")

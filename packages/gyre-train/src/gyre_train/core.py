@@ -64,7 +64,8 @@ class StepTimeoutError(TimeoutError):
 @dataclass(frozen=True)
 class CoreConfig:
     bind: str = "tcp://127.0.0.1:0"
-    """ROUTER address satellites connect to (loopback unless you mean otherwise)."""
+    """ROUTER address satellites connect to (loopback unless you mean otherwise; beyond loopback it
+    needs a token)."""
     transport: str = "shm"
     """gyre-xfer transport for snapshots and satellites' gradients: "shm" (one host) or "mooncake"
     (TCP here, RDMA on clusters)."""
@@ -107,6 +108,9 @@ class CoreConfig:
     engines: SGLangSyncConfig | None = None
     """Also push every version to these engines through SGLang's weight-update endpoints
     (`engine_sync.py`; the group is formed once, in the constructor). None: gyre-xfer snapshots only."""
+    token: str = field(default="", repr=False)
+    """The run token (gyre-xfer `auth`): satellites and `CoreClient`s must hold it to be answered, and the
+    weight publishers use it too; empty: $GYRE_TOKEN, or none (then every listener stays on loopback)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,14 @@ class Core:
         self.model = model
         self.model_cfg = model_cfg
         work = RankWork(
-            c.loss, c.attention, c.chunk_budget, c.transport, c.wire_dtype, c.transfer_timeout_s, c.optim
+            c.loss,
+            c.attention,
+            c.chunk_budget,
+            c.transport,
+            c.wire_dtype,
+            c.transfer_timeout_s,
+            c.optim,
+            c.token,
         )
         rank0 = CoreRank(model, work, cell)
         self.layout = rank0.layout
@@ -204,17 +215,22 @@ class Core:
         """What engines load: the whole model (gathered to rank 0 when the model is split)."""
         self._queue = ClaimQueue(self.check, c.inbox)
         self._queue.published(self._cell.publish())
-        self._server = ReplicaServer(
-            ServerConfig(
-                bind=c.bind,
-                admit_on_hello=c.admit_on_hello,
-                dead_after_s=c.dead_after_s,
-                idle_hold_s=c.idle_hold_s,
-            ),
-            self._queue,
-            self._welcome(),
-            self._cell.receive,
-        )
+        try:
+            self._server = ReplicaServer(
+                ServerConfig(
+                    bind=c.bind,
+                    token=c.token,
+                    admit_on_hello=c.admit_on_hello,
+                    dead_after_s=c.dead_after_s,
+                    idle_hold_s=c.idle_hold_s,
+                ),
+                self._queue,
+                self._welcome(),
+                self._cell.receive,
+            )
+        except BaseException:
+            self._cell.close()
+            raise
         self.address = self._server.address
         self.engine_sync: SGLangWeightSync | None = None
         self.last_push: PushReport | None = None

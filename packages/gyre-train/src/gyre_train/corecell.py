@@ -54,7 +54,7 @@ class CoreCell:
             self.publishers += tuple(r.publisher for r in replies)
         self.engine_publisher = rank0.publisher
         if rank0.megatron:  # rank 0 holds only its part: engines get the whole model from a second publisher
-            self.engine_publisher = Publisher(rank0.transport, PublisherConfig())
+            self.engine_publisher = Publisher(rank0.transport, PublisherConfig(token=rank0.work.token))
         if cell is not None and cell.cfg.dp > 1:
             self.sync_state()
 

@@ -9,7 +9,7 @@ one-rank core there is nothing to exchange and every collective is local.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gyre_traj.loss import LossConfig
@@ -46,6 +46,8 @@ class RankWork:
     wire_dtype: str
     transfer_timeout_s: float
     optim: OptimConfig
+    token: str = field(default="", repr=False)
+    """The run token for the weight publisher (never sent to other ranks: each has its own setting)."""
 
 
 class CoreRank:
@@ -61,7 +63,7 @@ class CoreRank:
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
         self.transport: Transport = open_transport(XferConfig(kind=work.transport))
-        self.publisher = Publisher(self.transport, PublisherConfig())
+        self.publisher = Publisher(self.transport, PublisherConfig(token=work.token))
         wire = wire_dtype(work.wire_dtype)
         self.wire = wire
         self.sum = ShardSum(self.plan.shard_numel, self.device, wire)

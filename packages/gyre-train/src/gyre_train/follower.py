@@ -55,7 +55,8 @@ def round_items(items: tuple[RoundItem, ...], frames: list[Any]) -> list[tuple[i
     return out
 
 
-def rank_work(setup: RankSetup) -> RankWork:
+def rank_work(setup: RankSetup, token: str = "") -> RankWork:
+    """`token`: this rank's own run token (the cell's setting; never sent over the link)."""
     return RankWork(
         loss=msgspec.json.decode(setup.loss, type=LossConfig),
         attention=_attention(setup.attention),
@@ -64,10 +65,11 @@ def rank_work(setup: RankSetup) -> RankWork:
         wire_dtype=setup.wire_dtype,
         transfer_timeout_s=setup.transfer_timeout_s,
         optim=msgspec.json.decode(setup.optim, type=OptimConfig),
+        token=token,
     )
 
 
-def sat_work(setup: RankSetup, rank: int) -> SatWork:
+def sat_work(setup: RankSetup, rank: int, token: str = "") -> SatWork:
     return SatWork(
         loss=msgspec.json.decode(setup.loss, type=LossConfig),
         attention=_attention(setup.attention),
@@ -77,6 +79,7 @@ def sat_work(setup: RankSetup, rank: int) -> SatWork:
         bucket_bytes=setup.bucket_bytes,
         publisher=setup.publishers[rank],
         verify_checksums=setup.verify_checksums,
+        token=token,
     )
 
 
@@ -100,13 +103,13 @@ def follow(cell: Cell) -> int:
     fetcher = None
     worker: CoreRank | SatelliteRank
     if setup.role == "core":
-        worker = CoreRank(model, rank_work(setup), cell)
+        worker = CoreRank(model, rank_work(setup, cell.cfg.token), cell)
         fetch_end = link.take_fetch()
         core = worker
         fetcher = start_thread(lambda: _serve_fetches(core, fetch_end, cell.rank, stop), "gyre-train-fetch")
         link.reply(RankReply(cell.rank, publisher=worker.publisher.address))
     else:
-        worker = SatelliteRank(model, sat_work(setup, cell.rank), cell)
+        worker = SatelliteRank(model, sat_work(setup, cell.rank, cell.cfg.token), cell)
         link.reply(RankReply(cell.rank))
     try:
         while True:

@@ -13,6 +13,9 @@ matching core rank and computes its part (`satcell.py`; the other ranks run `fol
 header names each rank's slice for the core rank of the same number.
 
 Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
+The satellite connects with the run token (`SatelliteConfig.token`, else `$GYRE_TOKEN`; gyre-xfer
+`auth`): a core with a token answers only holders of the same one, so a satellite without it gets no
+answer and its hello ends in `CoreGoneError`.
 A heartbeat thread (its own socket) keeps the core from declaring a busy satellite dead.
 """
 
@@ -22,12 +25,13 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
 from gyre_traj.loss import LossConfig
+from gyre_xfer import auth
 from gyre_xfer.sockets import make_socket
 
 from gyre_train.cell import Cell
@@ -89,6 +93,8 @@ class SatelliteConfig:
     """Fault injection for tests with satellites as threads: right after receiving its N-th micro-batch,
     go silent as a dead process would (no gradient, no goodbye, heartbeats stop) and return from `run`
     (0 = never)."""
+    token: str = field(default="", repr=False)
+    """The core's run token; empty: $GYRE_TOKEN, or none."""
 
 
 class Satellite:
@@ -104,17 +110,15 @@ class Satellite:
         self.shape = cell.cfg.shape if cell is not None else CellShape()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER)
-        self._sock.connect(cfg.core)
+        auth.connect(self._sock, cfg.core, cfg.token)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = reply_decoder()
-        w = self._request(Hello(PROTOCOL, cfg.name, self.shape), timeout_s=cfg.hello_timeout_s)
-        if not isinstance(w, Welcome):
-            raise CoreGoneError(f"core refused hello: {w}")
-        if w.cell != self.shape or len(w.publishers) != self.shape.world:
-            raise CoreGoneError(
-                f"core cell {w.cell} with {len(w.publishers)} publishers; this cell is {self.shape}"
-            )
-        self.welcome = w
+        try:
+            self.welcome = w = self._hello()
+        except BaseException:
+            self._sock.close(0)
+            self._ctx.term()
+            raise
         self._stop = threading.Event()
         self._beat = start_thread(self._heartbeat, "gyre-train-heartbeat")  # its death ends the process
         self.loss = msgspec.json.decode(w.loss, type=LossConfig)
@@ -134,6 +138,7 @@ class Satellite:
             w.bucket_bytes,
             w.publishers[0],
             verify,
+            cfg.token,
         )
         rank0 = SatelliteRank(self.model, work, cell)
         setup = RankSetup(
@@ -161,6 +166,16 @@ class Satellite:
         cuda = rank0.device.type == "cuda"
         self.warmup_s = self._warm_up(cfg.warmup if cfg.warmup is not None else (2 if cuda else 0))
 
+    def _hello(self) -> Welcome:
+        w = self._request(Hello(PROTOCOL, self.cfg.name, self.shape), timeout_s=self.cfg.hello_timeout_s)
+        if not isinstance(w, Welcome):
+            raise CoreGoneError(f"core refused hello: {w}")
+        if w.cell != self.shape or len(w.publishers) != self.shape.world:
+            raise CoreGoneError(
+                f"core cell {w.cell} with {len(w.publishers)} publishers; this cell is {self.shape}"
+            )
+        return w
+
     @property
     def snapshot(self) -> int:
         """The snapshot the weights come from (-1 before the first pull)."""
@@ -172,7 +187,10 @@ class Satellite:
         self._sock.send_multipart([self._enc.encode(req), *(frames or [])], copy=False)
         limit = self.cfg.reply_timeout_s if timeout_s is None else timeout_s
         if not self._sock.poll(int(limit * 1000)):
-            raise CoreGoneError(f"core at {self.cfg.core} did not answer within {limit} s")
+            raise CoreGoneError(
+                f"core at {self.cfg.core} did not answer within {limit} s (a core with a run token "
+                f"answers only satellites holding the same one: {auth.TOKEN_ENV} or --token-file)"
+            )
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
         if isinstance(rep, ErrorReply):
@@ -185,7 +203,7 @@ class Satellite:
 
     def _heartbeat(self) -> None:
         sock = make_socket(self._ctx, zmq.DEALER)
-        sock.connect(self.cfg.core)
+        auth.connect(sock, self.cfg.core, self.cfg.token)
         enc = msgspec.msgpack.Encoder()
         try:
             while not self._stop.wait(self.welcome.heartbeat_s):

@@ -9,7 +9,7 @@ exchange slices), `pull` is per rank.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gyre_traj.loss import LossConfig
@@ -41,6 +41,8 @@ class SatWork:
     publisher: str
     """This rank's core publisher (core rank r's, for satellite rank r)."""
     verify_checksums: bool
+    token: str = field(default="", repr=False)
+    """The run token the publisher answers (this rank's own setting; never sent over the link)."""
 
 
 class SatelliteRank:
@@ -53,7 +55,10 @@ class SatelliteRank:
         self.plan = shard_plan(self.layout.numel, cell)
         self.transport: Transport = open_transport(XferConfig(kind=work.transport))
         self.sub = Subscriber(
-            self.transport, SubscriberConfig(publisher=work.publisher, verify_checksums=work.verify_checksums)
+            self.transport,
+            SubscriberConfig(
+                publisher=work.publisher, verify_checksums=work.verify_checksums, token=work.token
+            ),
         )
         self.snapshot = -1
         cuda = self.device.type == "cuda"

@@ -10,6 +10,10 @@ transfer that fails re-queues the claim). A satellite that sends nothing (no cla
 heartbeat) for `dead_after_s` is declared dead and its claims go back to the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
 groups are created or torn down.
 
+The ROUTER binds through `gyre_xfer.auth.bind`: beyond loopback only with the run token
+(`ServerConfig.token`, else `$GYRE_TOKEN`), and with a token it is a CURVE server that admits only peers
+holding it (satellites, `CoreClient`s), so nothing from anyone else reaches the decoder.
+
 The server survives any frame sequence from any peer: a request that cannot be decoded or served is
 answered with an `ErrorReply` (or a refusing `Ack` for a `Submit`), logged, and the server carries on.
 Should the serving thread die anyway, the process exits loudly (`threads.start_thread`).
@@ -21,13 +25,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
 from gyre_traj.pack import PackedBatch
-from gyre_xfer.sockets import check_bind, make_socket
+from gyre_xfer import auth
+from gyre_xfer.sockets import make_socket
 
 from gyre_train.claimqueue import ClaimQueue
 from gyre_train.claims import ClaimError
@@ -103,10 +108,12 @@ GradientSink = Callable[[Gradient], None]
 @dataclass(frozen=True)
 class ServerConfig:
     bind: str
-    """ROUTER address (loopback unless you mean otherwise)."""
+    """ROUTER address (loopback unless you mean otherwise; beyond loopback it needs a token)."""
     admit_on_hello: bool = False
     dead_after_s: float = 5.0
     idle_hold_s: float = 1.0
+    token: str = field(default="", repr=False)
+    """The run token peers must hold (CURVE + ZAP); empty: $GYRE_TOKEN, or none (loopback only)."""
 
 
 class ReplicaServer:
@@ -115,11 +122,14 @@ class ReplicaServer:
         self.queue = queue
         self.welcome = welcome
         self._receive = receive
-        check_bind(cfg.bind, allow_remote=False)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
-        self._sock.bind(cfg.bind)
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.address: str = auth.bind(self._sock, cfg.bind, cfg.token, "CoreConfig.token, --token-file")
+        except BaseException:
+            self._sock.close(0)
+            self._ctx.term()
+            raise
         self._enc = msgspec.msgpack.Encoder()
         self._mu = threading.Lock()
         self._reps: dict[str, _Replica] = {}
