@@ -286,6 +286,9 @@ def call_seconds(records: Path) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument(
+        "--policy", default="", help="override [run] policy (e.g. the two-GPU runs, one call each)"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "h200-run-out"), help="results folder ($OUT)")
     p.add_argument("--work", default="", help="run directory (default: a folder beside --out's results)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: this machine's test)")
@@ -310,6 +313,8 @@ def main() -> int:
     work = Path(a.work or f"/tmp/h200-run-{os.getpid()}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     cfg = load_config(a.config)
+    if a.policy:
+        cfg = cfg.with_policy(a.policy, cfg.run.out_dir)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(work / "run")))
     if a.tiny:
         cfg = tiny(cfg, str(work / "run"))
