@@ -107,6 +107,7 @@ def _check_trained_once(m: dict[str, Any], out: Path, steps: int, j_max: int) ->
     return records
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # startup alone took 8 min on the shared machine under load 15-18
 def test_builtin_agent_trees_branch(tmp_path: Path, model_dir: Path) -> None:

@@ -225,6 +225,7 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
         _stop_head(head)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # about 2 minutes on a quiet machine; over 10 on this one under load
 def test_gyre_run_tiny_through_ray(tmp_path: Path, ray_head: tuple[str, dict[str, str]]) -> None:
@@ -283,6 +284,7 @@ _DEAD_PART = textwrap.dedent(
 )
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_part_that_dies_on_ray_is_named_with_its_log_tail(

@@ -50,6 +50,7 @@ timeout_s = 8.0
     return cfg
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_resume_after_kill_9_trains_every_record_once(

@@ -15,6 +15,7 @@ import pytest
 from gyre.cli import main
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 7.3 minutes on this machine under load
 def test_gyre_run_with_sglang_cells_against_the_standin(tmp_path: Path) -> None:
