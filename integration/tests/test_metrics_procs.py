@@ -89,3 +89,30 @@ def test_a_dead_child_is_an_error_naming_it(tmp_path: Path) -> None:
     finally:
         procs.close(timeout_s=5.0)
     assert sleeper.proc.returncode is not None  # stopped, not orphaned
+
+
+def test_work_done_between_two_samples_counts_as_busy() -> None:
+    """A tiny model computes a micro-batch in milliseconds, between two 0.05 s samples: the interval in
+    which a step's `done` count rose is busy on that step (it used to read as idle, so a run whose
+    training all fell between samples reported no training and no overlap). Worked by hand."""
+    from gyre.trainwatch import credit_done
+
+    samples = [
+        TrainSample(0.0, -1, False),
+        TrainSample(1.0, 0, False, 2),  # two micro-batches of step 0 done in [0, 1)
+        TrainSample(2.0, 0, False, 2),  # nothing more in [1, 2)
+        TrainSample(3.0, 0, True, 2),
+        TrainSample(4.0, 1, False, 1),  # step 1's first done in [3, 4), busy anyway
+        TrainSample(5.0, 1, False, 3),  # two more in [4, 5)
+    ]
+    got = credit_done(samples)
+    assert [(x.step, x.busy) for x in got] == [
+        (0, True),
+        (0, False),
+        (0, False),
+        (0, True),
+        (1, True),
+        (1, False),
+    ]
+    track = TrainTrack(samples)
+    assert track.busy_s(0.0, 6.0) == 3.0  # [0, 1), [3, 4), [4, 5)

@@ -38,6 +38,8 @@ class TrainSample:
     """The step the core is training (its queue position); -1: none."""
     busy: bool
     """That step had micro-batches queued or being computed, or its update was being applied."""
+    done: int = 0
+    """That step's micro-batches with their gradient in (`StepInfo.done`)."""
 
 
 def sample_status(core: CoreClient) -> TrainSample:
@@ -50,8 +52,28 @@ def sample_status(core: CoreClient) -> TrainSample:
     for info in st.steps:
         if info.training:
             applying = info.closed and info.microbatches > 0 and info.done == info.microbatches
-            return TrainSample(t, info.seq, info.queued + info.claimed > 0 or applying)
-    return TrainSample(t, -1, False)
+            return TrainSample(t, info.seq, info.queued + info.claimed > 0 or applying, info.done)
+    if st.steps:  # none in progress: the oldest step's count still tells `credit_done` what got done
+        return TrainSample(t, st.steps[0].seq, False, st.steps[0].done)
+    return TrainSample(t, st.queue_position, False)
+
+
+def credit_done(samples: Sequence[TrainSample]) -> list[TrainSample]:
+    """Samples with every interval in which micro-batches were completed counted busy for their step: a
+    micro-batch computed between two samples (a tiny model trains one in milliseconds) is otherwise
+    never seen in progress. Sample i holds until sample i + 1; if sample i + 1 shows more of step k done
+    than any earlier sample, interval i was busy on step k."""
+    out = list(samples)
+    seen: dict[int, int] = {}
+    for i in range(1, len(out)):
+        x, prev = out[i], out[i - 1]
+        if x.step >= 0 and x.done > seen.get(x.step, 0):
+            seen[x.step] = x.done
+            if not prev.busy:
+                out[i - 1] = TrainSample(prev.t, x.step, True, prev.done if prev.step == x.step else 0)
+        elif 0 <= prev.step < x.step and not prev.busy:  # prev.step was applied in between
+            out[i - 1] = TrainSample(prev.t, prev.step, True, prev.done)
+    return out
 
 
 class TrainWatch:
@@ -84,7 +106,7 @@ class TrainTrack:
     """Train samples as a piecewise-constant state: sample i holds from its time to sample i + 1's."""
 
     def __init__(self, samples: Sequence[TrainSample]) -> None:
-        self.samples = list(samples)
+        self.samples = credit_done(samples)
         self.times = [s.t for s in self.samples]
 
     def segments(self, a: float, b: float) -> Iterator[tuple[float, float, TrainSample]]:
@@ -117,9 +139,11 @@ def train_overlap(
     per_step: dict[int, dict[str, Any]] = {}
     busy = overlap = 0.0
     for prev, cur in itertools.pairwise(samples):
-        n = sum(r == TRAINING for r in prev.roles.values())
+        # Roles are sampled every 0.2 s: a switch in and out between two role samples is not seen, but the
+        # core computes only while in training, so busy training means at least one training cell.
+        n = max(1, sum(r == TRAINING for r in prev.roles.values()))
         a, b = max(prev.t, t0), min(cur.t, t1)
-        if n == 0 or b <= a:
+        if b <= a:
             continue
         for s, dt, x in track.segments(a, b):
             if not x.busy or x.step < 0:
