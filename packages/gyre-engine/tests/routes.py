@@ -5,6 +5,7 @@ from __future__ import annotations
 
 ROUTES: list[tuple[str, tuple[str, ...]]] = [
     ("/generate", ("POST",)),
+    ("/v1/loads", ("GET",)),
     ("/abort_request", ("POST",)),
     ("/pause_generation", ("POST",)),
     ("/continue_generation", ("POST",)),

@@ -165,16 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             mem_fraction_static=args.mem_fraction_static,
             api_key=_token_file(args.token_file),
         )
-        try:
-            cmd = cfg.command()
-        except TokenError as exc:
-            print(f"gyre-engine: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
-        print(
-            shlex.join(cmd).replace(shlex.quote(cfg.token()), '"$GYRE_TOKEN"')
-            if cfg.token()
-            else shlex.join(cmd)
-        )
+        print(_sglang_command(cfg, args.token_file))
         return
     try:
         if args.cmd == "serve":
