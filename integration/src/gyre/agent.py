@@ -121,9 +121,11 @@ def request_body(messages: list[dict[str, Any]], max_tokens: int, temperature: f
     }
 
 
-def _run_tools(
+def run_tools(
     task: Task, uses: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
+    """The model's `tool_use` blocks run on the task's state: tool_result blocks, and (name, arguments,
+    output) of each call."""
     results, ran = [], []
     for u in uses:
         given = u.get("input")
@@ -163,7 +165,7 @@ async def run_execution(
             break
         ex.messages.append({"role": "assistant", "content": content or [{"type": "text", "text": ""}]})
         if uses:
-            results, ran = _run_tools(ex.task, uses)
+            results, ran = run_tools(ex.task, uses)
             del script[: len(uses)]
             ex.turns.append(TurnLog(ToolSource.MODEL, tuple(ran)))
             ex.messages.append({"role": "user", "content": results})

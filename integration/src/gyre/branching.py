@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from gyre.agent import RETRYABLE, Execution, HarnessError, ToolSource, TurnLog, request_body
-from gyre.tasks import Task, run_tool
+from gyre.agent import RETRYABLE, Execution, HarnessError, ToolSource, TurnLog, request_body, run_tools
+from gyre.tasks import run_tool
 
 COMPACT_PROMPT = (
     "Your task is to create a detailed summary of the conversation so far: the question, the tools "
@@ -114,7 +114,7 @@ class _Caller:
         uses = [b for b in content if b.get("type") == "tool_use"]
         msgs.append({"role": "assistant", "content": content or [{"type": "text", "text": ""}]})
         if uses:  # the sub-agent's own call(s): run them; the first one's output is the step's result
-            results, ran = _run(self.ex.task, uses)
+            results, ran = run_tools(self.ex.task, uses)
             out, err = ran[0][2], bool(results[0]["is_error"])
             msgs.append({"role": "user", "content": results})
         else:  # it made no call: the step runs as asked (the scripted fallback's way)
@@ -158,23 +158,12 @@ def _text(resp: dict[str, Any]) -> str:
     return "".join(b.get("text", "") for b in resp.get("content") or [] if b.get("type") == "text")
 
 
-def _run(task: Task, uses: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
-    results, ran = [], []
-    for u in uses:
-        given = u.get("input")
-        args: dict[str, Any] = given if isinstance(given, dict) else {}
-        out, err = run_tool(task, str(u.get("name", "")), args)
-        ran.append((str(u.get("name", "")), json.dumps(args), out))
-        results.append({"type": "tool_result", "tool_use_id": u["id"], "content": out, "is_error": err})
-    return results, ran
-
-
 async def _tool_step(
     c: _Caller, uses: list[dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
     """The model's tool calls, each through a sub-agent when configured, as tool_result blocks."""
     if not c.policy.subagents:
-        return _run(c.ex.task, uses)
+        return run_tools(c.ex.task, uses)
     results, ran = [], []
     for u in uses:
         given = u.get("input")
