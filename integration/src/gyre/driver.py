@@ -138,7 +138,9 @@ class Driver:
     async def _main(self) -> None:
         c = self.cfg
         rng = random.Random(c.run.seed)
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        # uncapped: an execution cancelled at its timeout while waiting for a slot of a capped pool leaks
+        # that slot for good (httpx 0.28 / httpcore 1.0.9); the executions in flight bound the connections
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
         timeout = httpx.Timeout(c.agent.request_timeout_s, connect=5.0)
         admission = await self._welcome()
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:

@@ -101,7 +101,7 @@ class Evaluator:
         a, e = self.cfg.agent, self.cfg.eval
         t0 = time.time()
         timeout = httpx.Timeout(a.request_timeout_s, connect=5.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000)) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as http:
 
             async def one(i: int) -> tuple[Any, Execution]:
                 task = self.tasks[i]

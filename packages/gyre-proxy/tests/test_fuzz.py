@@ -289,6 +289,14 @@ class Req:
     leave_after: float | None  # the client disconnects after this many seconds; None: waits
     api: str
 
+    def __repr__(self) -> str:
+        # hypothesis prints failing cases; a deep-nesting body would make that repr hundreds of kB
+        body = self.body if len(self.body) <= 400 else self.body[:400] + b"...(%d bytes)" % len(self.body)
+        return (
+            f"Req({self.method} {self.path!r}, body={body!r}, headers={self.headers!r}, "
+            f"leave_after={self.leave_after}, api={self.api})"
+        )
+
 
 def _headers() -> st.SearchStrategy[dict[str, str]]:
     value = st.text(_printable, min_size=1, max_size=16).map(lambda v: v.strip() or "x")  # h11's rules

@@ -109,9 +109,13 @@ class Proxy:
             retry_s=self.cfg.engine_retry_s,
             retry_max_s=self.cfg.engine_retry_max_s,
         )
-        # several small connection pools: httpx's pool scans its connections on every request, so one
-        # pool of hundreds of connections costs more CPU than the proxy itself under load
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
+        # Several small connection pools: httpx's pool scans its connections on every request, so one
+        # pool of hundreds of connections costs more CPU than the proxy itself under load. No cap on
+        # connections: a call cancelled while its request waits for a pool slot (its client left) leaks
+        # that slot for good in httpx 0.28 / httpcore 1.0.9 (encode/httpcore#1093), and a capped pool
+        # then fills with dead slots until every call through it hangs. The calls in flight bound the
+        # connections anyway (one engine stream per call).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=5.0)
         self.https = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(16)]
         self.http = self.https[0]

@@ -213,6 +213,8 @@ class Generation:
         abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
         finished = False  # the engine reported a finish reason (its row is free)
         loop = asyncio.get_running_loop()
+        get: asyncio.Future[Any] | None = None
+        mv: asyncio.Future[Any] | None = None
         try:
             while True:
                 get = asyncio.ensure_future(queue.get())
@@ -275,6 +277,9 @@ class Generation:
                         self.result.matched = fin.matched
                     return
         finally:
+            for w in (get, mv):  # cancelled while waiting (the client left): these must not linger
+                if w is not None and not w.done():
+                    w.cancel()
             if not reader.done():
                 reader.cancel()
                 with contextlib.suppress(BaseException):
@@ -321,6 +326,9 @@ class Generation:
                 await q.put(EngineError(502, f"bad chunk from engine {eng.engine_id}: {exc}", True))
             else:
                 await q.put(exc)
+        except Exception as exc:  # anything else still ends the call (its reader waits on this queue)
+            log.exception("call %s: reading engine %d's stream failed", attempt_rid, eng.engine_id)
+            await q.put(EngineError(502, f"reading engine {eng.engine_id}'s stream failed: {exc!r}", True))
 
     def _ids(self) -> list[int]:
         return [*self.input_ids.tolist(), *self.result.output_ids]
