@@ -12,9 +12,9 @@ newest weights and only then answers `SwitchDone`. While in rollout, a weight th
 version and pulls each new snapshot into the engine (gyre-xfer over shared memory). The core appends one
 JSON line per step to `steps.jsonl` in the run directory. In rollout the core still takes a step closed
 with no micro-batch and skips it (nothing to compute): no ready group counts for such a step, so no policy
-moves the cell to training for it. The trainer thread and the satellite thread
-are gyre-train's `threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the
-traceback in its log), and `gyre run` ends naming it (or restarts it: `supervise.py`).
+moves the cell to training for it. The trainer thread and the satellite thread are gyre-train's
+`threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the traceback in its
+log), and `gyre run` ends naming it (or restarts it: `supervise.py`).
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
 `steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
