@@ -1,10 +1,12 @@
 """A cell whose trainer thread dies ends its process at once and says why (it used to stay up, deaf to
-its steps, until the run's deadline)."""
+its steps, until the run's deadline); the core cell skips an empty step while in rollout."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,35 @@ def test_a_dying_trainer_thread_ends_the_cell(tmp_path: Path) -> None:
     assert "thread 'core-train' died" in proc.stderr
     assert "IsADirectoryError" in proc.stderr
     assert "still up" not in proc.stdout
+
+
+def test_the_core_skips_an_empty_step_while_in_rollout(tmp_path: Path) -> None:
+    # No ready group counts for a step closed with no micro-batch, so no policy moves the core cell to
+    # training for it: the cell, left in rollout, must still take and skip it (every execution of the
+    # run timing out before its first call used to leave the run waiting until its deadline).
+    from gyre.cell import Cell, CellArgs
+    from gyre_engine.server.model_factory import create_model
+    from gyre_train.control import CoreClient
+
+    model_dir = str(create_model(tmp_path / "model"))
+    cell = Cell(CellArgs(sched="tcp://127.0.0.1:9", cell_id=0, is_core=True, capacity=1, model_dir=model_dir,
+                         engine_port=9, run_dir=str(tmp_path), release_memory=False))  # fmt: skip
+    cell.start_trainer()
+    client = CoreClient(cell.core.address, timeout_s=30.0)
+    try:
+        client.open_step(0)  # streamed: opened empty, closed with nothing given
+        client.submit(1, [])  # whole: submitted empty
+        client.close_step(0, 0)
+        deadline = time.monotonic() + 60.0
+        while client.status().queue_position < 2:
+            assert time.monotonic() < deadline, "the core cell in rollout never took its empty steps"
+            time.sleep(0.05)
+        rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+        taken = [(r["queue_position"], r["skipped"], r["version"]) for r in rows]
+        assert taken == [(1, True, 0), (2, True, 0)]
+        assert not cell.training.is_set()  # still in rollout: nothing was switched
+    finally:
+        client.close()
+        cell.stop.set()
+        cell.client.close()
+        cell.core.close()

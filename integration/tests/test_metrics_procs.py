@@ -116,3 +116,19 @@ def test_work_done_between_two_samples_counts_as_busy() -> None:
     ]
     track = TrainTrack(samples)
     assert track.busy_s(0.0, 6.0) == 3.0  # [0, 1), [3, 4), [4, 5)
+
+
+def test_a_step_applied_between_samples_counts_as_busy_and_a_skipped_one_not() -> None:
+    """The core's queue position moving on between two samples means the earlier step was taken in
+    between: trained if the weight version moved too, else skipped (nothing to train), which is no
+    training at all (it used to be counted busy, and a run of empty steps reported training time)."""
+    from gyre.trainwatch import credit_done
+
+    samples = [
+        TrainSample(0.0, 0, False, 0, 0),
+        TrainSample(1.0, 1, False, 0, 1),  # step 0 trained and applied in [0, 1): version 0 -> 1
+        TrainSample(2.0, 2, False, 0, 1),  # step 1 skipped in [1, 2): the version stays
+        TrainSample(3.0, 2, False, 0, 1),
+    ]
+    assert [(x.step, x.busy) for x in credit_done(samples)] == [(0, True), (1, False), (2, False), (2, False)]
+    assert TrainTrack(samples).busy_s(0.0, 4.0) == 1.0

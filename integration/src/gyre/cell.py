@@ -10,9 +10,11 @@ computing micro-batches but still aggregates and applies the step in progress, w
 train, or the core when it returns, finish; a satellite is dismissed), resumes the engine, loads the
 newest weights and only then answers `SwitchDone`. While in rollout, a weight thread follows the core's
 version and pulls each new snapshot into the engine (gyre-xfer over shared memory). The core appends one
-JSON line per step to `steps.jsonl` in the run directory. The trainer thread and the satellite thread
-are gyre-train's `threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the
-traceback in its log), and `gyre run` ends naming it (or restarts it: `supervise.py`).
+JSON line per step to `steps.jsonl` in the run directory. In rollout the core still takes a step closed
+with no micro-batch and skips it (nothing to compute): no ready group counts for such a step, so no policy
+moves the cell to training for it. The trainer thread and the satellite thread are gyre-train's
+`threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the traceback in its
+log), and `gyre run` ends naming it (or restarts it: `supervise.py`).
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
 `steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
@@ -36,7 +38,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 from gyre_sched.client import dealer
@@ -55,6 +57,9 @@ from gyre_sched.protocol import (
 )
 
 from gyre.procs import ProcessGroup, python_argv
+
+if TYPE_CHECKING:
+    from gyre_train.claimqueue import QueuedStep
 
 log = logging.getLogger("gyre.cell")
 T = TypeVar("T")
@@ -310,10 +315,7 @@ class Cell:
     def _train_steps(self) -> None:
         steps = self.run_dir / "steps.jsonl"
         while not self.stop.is_set():
-            if not self.training.is_set():
-                self.training.wait(0.2)
-                continue
-            step = self.core.next_step(0.2)
+            step = self._next_step()
             if step is None:
                 continue
             t0 = time.time()
@@ -324,6 +326,19 @@ class Cell:
             if self.a.checkpoint:
                 self.core.save(Path(self.a.checkpoint))
             log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
+
+    def _next_step(self) -> QueuedStep | None:
+        """The step to train next (a gyre-train `QueuedStep`), or None after a short wait. In training:
+        the oldest accepted step, open or whole. In rollout: only one closed with no micro-batch, which
+        the core skips with nothing to compute (no ready group counts for it, so no policy would move the
+        cell to training for it)."""
+        if self.training.is_set():
+            return self.core.next_step(0.2)
+        head = next(iter(self.core.steps()), None)
+        if head is not None and head.closed and head.microbatches == 0:
+            return self.core.next_step(0.0)
+        self.training.wait(0.2)
+        return None
 
     # ---- switches -----------------------------------------------------------------------------------
     def to_training(self) -> dict[str, float]:

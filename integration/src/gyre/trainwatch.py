@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gyre_sched.protocol import Role
@@ -40,6 +40,8 @@ class TrainSample:
     """That step had micro-batches queued or being computed, or its update was being applied."""
     done: int = 0
     """That step's micro-batches with their gradient in (`StepInfo.done`)."""
+    version: int = 0
+    """The core's weight version (a step taken with no version change was skipped, not trained)."""
 
 
 def sample_status(core: CoreClient) -> TrainSample:
@@ -52,17 +54,20 @@ def sample_status(core: CoreClient) -> TrainSample:
     for info in st.steps:
         if info.training:
             applying = info.closed and info.microbatches > 0 and info.done == info.microbatches
-            return TrainSample(t, info.seq, info.queued + info.claimed > 0 or applying, info.done)
+            busy = info.queued + info.claimed > 0 or applying
+            return TrainSample(t, info.seq, busy, info.done, st.version)
     if st.steps:  # none in progress: the oldest step's count still tells `credit_done` what got done
-        return TrainSample(t, st.steps[0].seq, False, st.steps[0].done)
-    return TrainSample(t, st.queue_position, False)
+        return TrainSample(t, st.steps[0].seq, False, st.steps[0].done, st.version)
+    return TrainSample(t, st.queue_position, False, 0, st.version)
 
 
 def credit_done(samples: Sequence[TrainSample]) -> list[TrainSample]:
     """Samples with every interval in which micro-batches were completed counted busy for their step: a
     micro-batch computed between two samples (a tiny model trains one in milliseconds) is otherwise
     never seen in progress. Sample i holds until sample i + 1; if sample i + 1 shows more of step k done
-    than any earlier sample, interval i was busy on step k."""
+    than any earlier sample, interval i was busy on step k; if it shows a later step and a newer weight
+    version, interval i was busy on sample i's step (applied in between; a step skipped for having
+    nothing to train moves the step on but not the version, and counts for nothing)."""
     out = list(samples)
     seen: dict[int, int] = {}
     for i in range(1, len(out)):
@@ -70,9 +75,11 @@ def credit_done(samples: Sequence[TrainSample]) -> list[TrainSample]:
         if x.step >= 0 and x.done > seen.get(x.step, 0):
             seen[x.step] = x.done
             if not prev.busy:
-                out[i - 1] = TrainSample(prev.t, x.step, True, prev.done if prev.step == x.step else 0)
-        elif 0 <= prev.step < x.step and not prev.busy:  # prev.step was applied in between
-            out[i - 1] = TrainSample(prev.t, prev.step, True, prev.done)
+                out[i - 1] = replace(
+                    prev, step=x.step, busy=True, done=prev.done if prev.step == x.step else 0
+                )
+        elif 0 <= prev.step < x.step and x.version > prev.version and not prev.busy:
+            out[i - 1] = replace(prev, busy=True)
     return out
 
 
