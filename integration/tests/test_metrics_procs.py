@@ -61,13 +61,13 @@ def test_train_overlap_by_hand() -> None:
     # overlapping its own batch: step 0 4-4.5 s (0.5); step 1 all of it (1).
     assert ov["busy_cell_s"] == 4.0 and ov["overlap_cell_s"] == 1.5
     assert ov["train_overlap_share"] == 0.375
-    assert ov["per_step"][0] == {
+    assert ov["per_step"]["0"] == {
         "busy_cell_s": 3.0,
         "overlap_cell_s": 0.5,
         "train_first": 4.0,
         "batch_end": 4.5,
     }
-    assert ov["per_step"][1]["overlap_cell_s"] == 1.0
+    assert ov["per_step"]["1"]["overlap_cell_s"] == 1.0
     assert train_overlap(samples, TrainTrack([]), outcomes, 0.0, 8.0)["train_overlap_share"] is None
 
 

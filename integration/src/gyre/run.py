@@ -513,7 +513,7 @@ def collect(
                 "busy_cell_s": 0.0,
                 "overlap_cell_s": 0.0,
                 "train_first": None,
-                **overlap["per_step"].get(k, {}),
+                **overlap["per_step"].get(str(k), {}),
                 "batch_end": batch_end.get(k),
                 **{
                     k2: summary.get(k2)
