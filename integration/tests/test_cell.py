@@ -1,5 +1,6 @@
 """A cell whose trainer thread dies ends its process at once and says why (it used to stay up, deaf to
-its steps, until the run's deadline); the core cell skips an empty step while in rollout."""
+its steps, until the run's deadline); the core cell skips an empty step while in rollout; SIGTERM stops a
+cell whose engine is still starting."""
 
 from __future__ import annotations
 
@@ -75,3 +76,47 @@ def test_the_core_skips_an_empty_step_while_in_rollout(tmp_path: Path) -> None:
         cell.stop.set()
         cell.client.close()
         cell.core.close()
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_engine_starts_stops_the_cell(tmp_path: Path) -> None:
+    # A cell used to wait for its engine to come up (minutes on a loaded machine) before it looked at
+    # SIGTERM, so stopping a run during start-up meant killing its cells by hand.
+    import os
+    import signal
+
+    from gyre.procs import free_port, python_argv
+    from gyre_engine.server.model_factory import create_model
+
+    model_dir = str(create_model(tmp_path / "model"))
+    port = free_port()
+    args = {"sched": "tcp://127.0.0.1:9", "cell_id": 0, "is_core": True, "capacity": 1, "model_dir": model_dir,
+            "engine_port": port, "run_dir": str(tmp_path), "release_memory": False,
+            "startup_timeout_s": 600.0}  # fmt: skip
+    proc = subprocess.Popen(
+        python_argv("gyre.cli", "cell", "--args", json.dumps(args)), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        # SIGTERM as soon as the engine process exists: it is importing torch, seconds from healthy
+        deadline = time.monotonic() + 120
+        while not _engine_started(port):
+            assert proc.poll() is None and time.monotonic() < deadline, "the cell never started its engine"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)  # guards a hang only: the fix stops within about 0.3 s
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "stopped while its engine was starting" in err
+    assert not _engine_started(port), "the cell left its engine running"
+
+
+def _engine_started(port: int) -> bool:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gyre_engine" in argv and str(port).encode() in argv:
+            return True
+    return False

@@ -134,6 +134,10 @@ def load_engine_weights(model: Any, model_dir: str) -> None:
         )
 
 
+class StoppedWhileStarting(Exception):
+    """SIGTERM arrived while the cell's engine was still starting (the cell stops at once)."""
+
+
 class Cell:
     def __init__(self, a: CellArgs) -> None:
         self.a = a
@@ -177,6 +181,8 @@ class Cell:
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + self.a.startup_timeout_s
         while time.monotonic() < deadline:
+            if self.stop.is_set():
+                raise StoppedWhileStarting(f"cell {self.a.cell_id} stopped while its engine was starting")
             self.procs.check()
             with contextlib.suppress(Exception):
                 if self._engine(lambda c: c.health(timeout=2.0), timeout_s=5.0):
@@ -479,6 +485,8 @@ class Cell:
             self.sync_weights()  # a resumed core's version (or the running core's, on a restart)
             threading.Thread(target=self.weight_loop, name="weights", daemon=True).start()
             self.serve()
+        except StoppedWhileStarting as exc:
+            log.info("%s", exc)  # SIGTERM during start-up: a clean stop, not a failure
         finally:
             self.stop.set()
             self.training.clear()
