@@ -9,7 +9,10 @@ both are counted. The request body is assembled from cached JSON fragments, neve
 
 A call cancelled mid-attempt (its client left) aborts its engine request (`/abort_request` with the
 attempt's rid, sent from a task of its own so the cancellation cannot stop it) and is never resubmitted:
-only a call whose caller is still waiting continues after an engine-side abort.
+only a call whose caller is still waiting continues after an engine-side abort. Its reader of the engine
+stream is cancelled only once it holds its connection (the response has started, or a bounded wait for
+that has passed): httpx 0.28 / httpcore 1.0.9 leak a connection whose request is cancelled while it
+waits for or opens that connection (encode/httpcore#1093).
 """
 
 from __future__ import annotations
@@ -34,6 +37,26 @@ from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
 log = logging.getLogger("gyre_proxy.generation")
 _enc = msgspec.json.Encoder()
 _chunk_dec = msgspec.json.Decoder(GenerateResponse)
+_stopping: set[asyncio.Task[None]] = set()  # readers being stopped in the background (kept referenced)
+CONNECT_WAIT_S = 10.0
+"""How long a reader whose call ended gets to receive its response's start before it is cancelled anyway."""
+
+
+async def _stop_reader(reader: asyncio.Task[None], connected: asyncio.Event, wait_s: float) -> None:
+    """Cancel `reader` once its response has started (or after `wait_s`), then wait for it to end."""
+    if not connected.is_set():
+        started = asyncio.ensure_future(connected.wait())
+        await asyncio.wait({reader, started}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+    reader.cancel()
+    with contextlib.suppress(BaseException):
+        await reader
+
+
+def _stop_reader_soon(reader: asyncio.Task[None], connected: asyncio.Event, wait_s: float) -> None:
+    task = asyncio.get_running_loop().create_task(_stop_reader(reader, connected, wait_s))
+    _stopping.add(task)
+    task.add_done_callback(_stopping.discard)
 
 
 @dataclass
@@ -207,7 +230,8 @@ class Generation:
 
     async def _attempt(self, eng: Engine, f: InFlight, attempt_rid: str) -> AsyncIterator[list[int]]:
         queue: asyncio.Queue[GenerateResponse | BaseException | None] = asyncio.Queue()
-        reader = asyncio.create_task(self._read(eng, attempt_rid, queue))
+        connected = asyncio.Event()  # the engine's response has started: the reader holds its connection
+        reader = asyncio.create_task(self._read(eng, attempt_rid, queue, connected))
         base = len(self.result.output_ids)
         seen = 0
         abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
@@ -281,9 +305,8 @@ class Generation:
                 if w is not None and not w.done():
                     w.cancel()
             if not reader.done():
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
+                # in the background: this task may itself be cancelled again while it waits
+                _stop_reader_soon(reader, connected, CONNECT_WAIT_S)
             if not finished and not abort_deadline:
                 # left before the engine finished, and not aborted above: the client went away (this
                 # task was cancelled) or the stream broke; the engine must not go on generating for it
@@ -300,12 +323,17 @@ class Generation:
         )
 
     async def _read(
-        self, eng: Engine, attempt_rid: str, q: asyncio.Queue[GenerateResponse | BaseException | None]
+        self,
+        eng: Engine,
+        attempt_rid: str,
+        q: asyncio.Queue[GenerateResponse | BaseException | None],
+        connected: asyncio.Event,
     ) -> None:
         body = self._body(attempt_rid)
         headers = eng.client.headers  # JSON, and the run token the engine checks (`$GYRE_TOKEN`)
         try:
             async with self.http.stream("POST", f"{eng.url}/generate", content=body, headers=headers) as r:
+                connected.set()
                 if r.status_code >= 400:
                     err = (await r.aread()).decode(errors="replace")
                     await q.put(EngineError(r.status_code, err, r.status_code >= 500))
