@@ -42,7 +42,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["elastic", "colocate", "async"])
+# colocate switches cells as elastic does (its policy is tested against the scheduler in gyre-sched and in
+# test_driver.py); its whole run is in `-m long` to keep the default suite short
+@pytest.mark.parametrize("policy", ["elastic", pytest.param("colocate", marks=pytest.mark.long), "async"])
 def test_gyre_run_tiny(tmp_path: Path, model_dir: Path, policy: str) -> None:
     out = tmp_path / "run"
     cfg = tmp_path / "tiny.toml"

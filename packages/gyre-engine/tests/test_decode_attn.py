@@ -168,7 +168,7 @@ def test_slot_decode_attention_writes_the_new_key_value_and_attends() -> None:
     assert torch.equal(c["kv"], want_kv)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # about a minute in Triton's CPU interpreter; the kernels' equality tests stay in the default run
 def test_slot_engine_with_the_triton_kernel_equals_generate(model_dir: Path) -> None:
     """The slot engine on the CPU with the Triton attention kernel (interpreted): concurrent rows of
     different lengths and budgets, greedy runs and single steps, each equal to transformers' generate."""

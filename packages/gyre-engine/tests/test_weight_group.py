@@ -76,7 +76,7 @@ def test_timeouts_and_bad_arguments() -> None:
     got: dict[str, object] = {}
 
     def receiver() -> None:
-        g = WeightGroup.form("127.0.0.1", port, 1, 2, "quiet", "gloo", 30.0)
+        g = WeightGroup.form("127.0.0.1", port, 1, 2, "quiet", "gloo", 8.0)
         buf = torch.empty(3)
         g.broadcast(buf, "first")
         got["first"] = buf.tolist()
@@ -88,7 +88,7 @@ def test_timeouts_and_bad_arguments() -> None:
 
     th = threading.Thread(target=receiver)
     th.start()
-    sender = WeightGroup.form("127.0.0.1", port, 0, 2, "quiet", "gloo", 30.0, listener=listener)
+    sender = WeightGroup.form("127.0.0.1", port, 0, 2, "quiet", "gloo", 8.0, listener=listener)
     sender.broadcast(torch.tensor([1.0, 2.0, 3.0]), "first")  # then rank 0 goes quiet
     th.join(60)
     assert not th.is_alive()
