@@ -169,7 +169,5 @@ def train_overlap(
         "train_overlap_share": round(overlap / busy, 4) if busy > 0 else None,
         "busy_cell_s": round(busy, 3),
         "overlap_cell_s": round(overlap, 3),
-        "per_step": {
-            str(k): st for k, st in sorted(per_step.items())
-        },  # as metrics.json has them (JSON keys)
+        "per_step": {str(k): st for k, st in sorted(per_step.items())},  # keyed as in metrics.json
     }
