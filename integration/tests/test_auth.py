@@ -117,7 +117,10 @@ def test_records_pull_hears_token_holders_only() -> None:
         traj.stop()
 
 
-def test_gyre_run_puts_one_token_in_the_environment_and_takes_it_back() -> None:
+def test_gyre_run_puts_one_token_in_the_environment_and_takes_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
     rt = runtoken.install()
     try:
         assert os.environ[TOKEN_ENV] == rt.token
@@ -126,7 +129,7 @@ def test_gyre_run_puts_one_token_in_the_environment_and_takes_it_back() -> None:
     finally:
         rt.uninstall()
     assert TOKEN_ENV not in os.environ
-    os.environ[TOKEN_ENV] = TOKEN  # a run spread over hosts: the token already set is the run's
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # a run spread over hosts: the token already set is the run's
     rt = runtoken.install()
     rt.uninstall()
     assert (rt.token, os.environ[TOKEN_ENV]) == (TOKEN, TOKEN)

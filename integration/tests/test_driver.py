@@ -88,6 +88,33 @@ def test_batches_start_as_the_policy_admits(sched: Scheduler) -> None:
         traj.stop()
 
 
+def test_a_scheduler_refusing_the_handshake_does_not_keep_the_driver_from_stopping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With the run token set, the driver's report socket speaks CURVE; a ROUTER without it never
+    # completes the handshake. The report thread used to block in send() for good, so stop() waited out
+    # its 30 s join limit and left the thread behind.
+    import zmq
+    from gyre_xfer.auth import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "t" * 32)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    plain = ctx.socket(zmq.ROUTER)
+    plain.setsockopt(zmq.LINGER, 0)
+    port = plain.bind_to_random_port("tcp://127.0.0.1")
+    d, traj = _driver(f"tcp://127.0.0.1:{port}", startup_timeout_s=0.5)
+    try:
+        d.start()
+        _wait(d.done.is_set, "the driver to give up")
+        assert isinstance(d.error, NoWelcome)
+    finally:
+        d.stop()
+        traj.stop()
+        plain.close(0)
+        ctx.term()
+    assert "water-level" not in {t.name for t in threading.enumerate()}, "the report thread is still up"
+
+
 def test_no_welcome_is_an_error() -> None:
     # A ROUTER that never answers: the driver gives up after startup_timeout_s, starting nothing.
     import zmq

@@ -253,10 +253,16 @@ class Driver:
         codec = Codec()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sock = dealer(ctx, self.sched_address)  # with the run token ($GYRE_TOKEN) when there is one
+        hello = codec.encode(Hello(PeerKind.DRIVER))
         try:
-            sock.send(codec.encode(Hello(PeerKind.DRIVER)))
             while not self._stop.is_set():
-                sock.send(codec.encode(self.water_level()))
+                # Never blocks: with no scheduler to queue for (not reachable, or its handshake refused
+                # this socket) a report is dropped, the next one follows, and stop() is not kept waiting.
+                with contextlib.suppress(zmq.Again):
+                    if hello:
+                        sock.send(hello, zmq.NOBLOCK)
+                        hello = b""
+                    sock.send(codec.encode(self.water_level()), zmq.NOBLOCK)
                 while sock.poll(0):
                     try:
                         self._heard(codec.decode(sock.recv()))
