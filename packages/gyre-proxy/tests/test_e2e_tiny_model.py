@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
+from urllib.parse import quote
 
 import anthropic
 import httpx
@@ -233,3 +234,20 @@ def test_an_engine_that_goes_away_and_comes_back(
     assert client.messages.create(**ask).usage.output_tokens >= 1
     e0 = httpx.get(f"{ps.url}/gyre/stats").json()["engines"][0]
     assert (e0["failures"], e0["revived"]) == (1, 1)
+
+
+@pytest.mark.parametrize("breaker", ["\u2028", "\u2029", "\x85"])
+def test_an_execution_id_with_a_line_separator_streams_whole(
+    tiny_engines: TinyEngines, make_proxy: Any, breaker: str
+) -> None:
+    """Found by the fuzz tests in CI: gyre-engine's chunks carry the call's rid (execution id / call id)
+    as JSON, which leaves U+2028, U+2029 and U+0085 unescaped, and httpx's line splitting broke each
+    chunk there: every attempt failed as a bad chunk until the call gave up with a 5xx."""
+    ps = make_proxy(tiny_engines.urls[:1], tokenizer=str(tiny_engines.model))
+    ex = f"run{breaker}7"
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{ps.url}/e/{quote(ex, safe='')}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
+    assert rec.execution_id == ex and rec.output_ids.size >= 1
+    assert httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()["engine_errors"] == 0

@@ -38,6 +38,7 @@ from gyre_engine.protocol import (
     SuccessReply,
     XferWeightsReply,
 )
+from gyre_engine.sse import data_fields
 
 T = TypeVar("T")
 _enc = msgspec.json.Encoder()
@@ -203,10 +204,7 @@ class EngineClient:
         async with self._http.stream("POST", "/generate", content=_enc.encode(body)) as r:
             if r.status_code >= 400:
                 raise _error_from(r.status_code, await r.aread())
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip().encode()
+            async for data in data_fields(r.aiter_bytes()):  # not aiter_lines: see sse.py
                 if data == b"[DONE]":
                     return
                 err = stream_error(data)

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 from gyre_engine.client import EngineError
 from gyre_engine.protocol import GenerateResponse, KvPrefix
+from gyre_engine.sse import data_fields
 
 from gyre_proxy.chat import Sampling
 from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
@@ -338,14 +339,11 @@ class Generation:
                     err = (await r.aread()).decode(errors="replace")
                     await q.put(EngineError(r.status_code, err, r.status_code >= 500))
                     return
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for data in data_fields(r.aiter_bytes()):  # not aiter_lines: see gyre_engine.sse
+                    if data == b"[DONE]":
                         continue  # read to the end so the connection goes back to the pool
-                    if data.startswith('{"error"'):
-                        await q.put(EngineError(500, data, True))
+                    if data.startswith(b'{"error"'):
+                        await q.put(EngineError(500, data.decode(errors="replace"), True))
                         return
                     await q.put(_chunk_dec.decode(data))
             await q.put(None)
