@@ -371,7 +371,8 @@ def _check_error(api: str, status: int, data: dict[str, Any], text: str) -> None
 
 
 def _check_stream(api: str, text: str) -> None:
-    datas = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    # split at LF only: a model's text may hold U+2028 and the like (see gyre_engine.sse)
+    datas = [line[5:].strip() for line in text.split("\n") if line.startswith("data:")]
     assert datas, text
     if api == "anthropic":
         last = json.loads(datas[-1])
