@@ -30,7 +30,13 @@ from hypothesis import strategies as st
 
 from .conftest import EngineProc, TinyEngines, free_port, wait_until
 
-pytestmark = [pytest.mark.fuzz, pytest.mark.slow]
+# A case's 24 bodies can hold deep nesting: hypothesis warns that their repr is large (it is, and it is
+# only printed when the case fails, shortened by Req.__repr__).
+pytestmark = [
+    pytest.mark.fuzz,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Generating overly large repr:hypothesis.errors.HypothesisWarning"),
+]
 
 BATCH = 24
 A_ERRORS = {
@@ -289,6 +295,9 @@ class Req:
     leave_after: float | None  # the client disconnects after this many seconds; None: waits
     api: str
 
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # hypothesis prints failing cases with this
+        p.text(repr(self))
+
     def __repr__(self) -> str:
         # hypothesis prints failing cases; a deep-nesting body would make that repr hundreds of kB
         body = self.body if len(self.body) <= 400 else self.body[:400] + b"...(%d bytes)" % len(self.body)
@@ -407,13 +416,15 @@ async def _leave(url: str, req: Req) -> None:
     """A raw HTTP/1.1 client that disconnects after `leave_after` seconds, answered or not."""
     host, port = url.removeprefix("http://").split(":")
     _reader, writer = await asyncio.open_connection(host, int(port))
-    head = f"{req.method} {req.path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(req.body)}\r\n"
-    head += "".join(f"{k}: {v}\r\n" for k, v in req.headers.items())
-    writer.write(head.encode("latin-1") + b"\r\n" + req.body)
-    await writer.drain()
-    assert req.leave_after is not None
-    await asyncio.sleep(req.leave_after)
-    writer.close()
+    try:
+        head = f"{req.method} {req.path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(req.body)}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in req.headers.items())
+        writer.write(head.encode("latin-1") + b"\r\n" + req.body)
+        await writer.drain()
+        assert req.leave_after is not None
+        await asyncio.sleep(req.leave_after)
+    finally:  # also when the batch failed elsewhere and this task is cancelled: no socket left to the GC
+        writer.close()
     await writer.wait_closed()
 
 
