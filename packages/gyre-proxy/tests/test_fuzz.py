@@ -462,6 +462,7 @@ def _openai(target: FuzzTarget, reqs: list[Req]) -> None:
     _fuzz(target, reqs)
 
 
+@pytest.mark.timeout(1500)  # hypothesis drawing the nested cases takes most of it (5-7 min here)
 def test_anthropic_api_fuzz_1200_requests(target: FuzzTarget) -> None:
     """50 batches of 24 requests to the Anthropic routes."""
     before = target.sent
@@ -470,6 +471,7 @@ def test_anthropic_api_fuzz_1200_requests(target: FuzzTarget) -> None:
     print(f"\nanswers by (status, content type): {STATUSES}")
 
 
+@pytest.mark.timeout(1500)  # hypothesis drawing the nested cases takes most of it (5-7 min here)
 def test_openai_api_fuzz_1200_requests(target: FuzzTarget) -> None:
     """50 batches of 24 requests to the OpenAI route."""
     before = target.sent

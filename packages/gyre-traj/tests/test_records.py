@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gyre_traj.io import RecordWriter, encode_msgpack_stream, iter_msgpack, read_records, write_records
-from gyre_traj.records import Call, EvalStatus, RecordError, Role, Score
+from gyre_traj.records import Call, EvalStatus, RecordError, Role, Score, as_ids
 
 from .helpers import OUT, SYS, USER, call, ids
 
@@ -178,3 +179,15 @@ def test_foreign_turns_import(tmp_path: Path) -> None:
     bad.write_text(json.dumps({"prompt_ids": [1], "output_ids": [2, 3], "logprobs": [-0.1]}) + "\n")
     with pytest.raises(RecordError, match=r"bad.jsonl:1.*1 output logprobs for 2"):
         list(read_records(bad))
+
+
+@pytest.mark.parametrize("values", [[1e300], [float("inf")], [float("nan")], [3.0, -1e19]])
+def test_float_ids_beyond_int32_or_not_finite_are_refused_without_a_numpy_warning(
+    values: list[float],
+) -> None:
+    # found by the JSON Lines reader's fuzz test: a huge integral float was cast to int64 first, and
+    # numpy's "invalid value encountered in cast" escaped as a RuntimeWarning instead of a RecordError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"int32 range|must be integers"):
+            as_ids(values)

@@ -68,7 +68,10 @@ def as_ids(values: Any, what: str = "token ids", check_sign: bool = True) -> np.
         if raw.size == 0:
             return np.zeros(0, ID_DTYPE)
         if raw.dtype.kind not in "iu":
-            if raw.dtype.kind == "f" and np.all(np.floor(raw) == raw):
+            if raw.dtype.kind == "f" and np.all(np.isfinite(raw)) and np.all(np.floor(raw) == raw):
+                if float(np.abs(raw).max()) > np.iinfo(ID_DTYPE).max:
+                    # checked before the cast: a float beyond int64 would cast with a RuntimeWarning
+                    raise ValueError(f"{what} contain a value outside int32 range ({float(raw.max()):g})")
                 raw = raw.astype(np.int64)
             else:
                 raise ValueError(f"{what} must be integers, got dtype {raw.dtype}")
