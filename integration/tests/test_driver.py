@@ -6,6 +6,7 @@ Welcome. No engine or proxy: every execution fails at its first call, which is a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -88,35 +89,10 @@ def test_batches_start_as_the_policy_admits(sched: Scheduler) -> None:
         traj.stop()
 
 
-def test_a_scheduler_refusing_the_handshake_does_not_keep_the_driver_from_stopping(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # With the run token set, the driver's report socket speaks CURVE; a ROUTER without it never
-    # completes the handshake. The report thread used to block in send() for good, so stop() waited out
-    # its 30 s join limit and left the thread behind.
-    import zmq
-    from gyre_xfer.auth import TOKEN_ENV
-
-    monkeypatch.setenv(TOKEN_ENV, "t" * 32)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    plain = ctx.socket(zmq.ROUTER)
-    plain.setsockopt(zmq.LINGER, 0)
-    port = plain.bind_to_random_port("tcp://127.0.0.1")
-    d, traj = _driver(f"tcp://127.0.0.1:{port}", startup_timeout_s=0.5)
-    try:
-        d.start()
-        _wait(d.done.is_set, "the driver to give up")
-        assert isinstance(d.error, NoWelcome)
-    finally:
-        d.stop()
-        traj.stop()
-        plain.close(0)
-        ctx.term()
-    assert "water-level" not in {t.name for t in threading.enumerate()}, "the report thread is still up"
-
-
-def test_no_welcome_is_an_error() -> None:
-    # A ROUTER that never answers: the driver gives up after startup_timeout_s, starting nothing.
+@contextlib.contextmanager
+def _driver_that_gave_up() -> Iterator[Driver]:
+    """A driver pointed at a ROUTER that never answers, once it has given up (startup_timeout_s 0.5);
+    stopped on the way out."""
     import zmq
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -127,10 +103,30 @@ def test_no_welcome_is_an_error() -> None:
     try:
         d.start()
         _wait(d.done.is_set, "the driver to give up")
-        assert isinstance(d.error, NoWelcome) and "no Welcome" in str(d.error)
-        assert _started(d) == set()
+        yield d
     finally:
         d.stop()
         traj.stop()
         silent.close(0)
         ctx.term()
+
+
+def test_a_scheduler_refusing_the_handshake_does_not_keep_the_driver_from_stopping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With the run token set, the driver's report socket speaks CURVE; a ROUTER without it never
+    # completes the handshake. The report thread used to block in send() for good, so stop() waited out
+    # its 30 s join limit and left the thread behind.
+    from gyre_xfer.auth import TOKEN_ENV
+
+    monkeypatch.setenv(TOKEN_ENV, "t" * 32)
+    with _driver_that_gave_up() as d:
+        assert isinstance(d.error, NoWelcome)
+    assert "water-level" not in {t.name for t in threading.enumerate()}, "the report thread is still up"
+
+
+def test_no_welcome_is_an_error() -> None:
+    # A ROUTER that never answers: the driver gives up after startup_timeout_s, starting nothing.
+    with _driver_that_gave_up() as d:
+        assert isinstance(d.error, NoWelcome) and "no Welcome" in str(d.error)
+        assert _started(d) == set()
