@@ -3,6 +3,7 @@
 gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its address, then a JSON line per step
 gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
 gyre-train export ckpt/ model-out/ --tokenizer model-in/     # a checkpoint as a Hugging Face model directory
+gyre-train mismatch model-dir/ [--device cuda]                # engine vs trainer logprobs on one directory
 gyre-train bench [--quick] [--device cuda]
 
 A multi-rank cell: every rank runs the same command under torchrun's environment, e.g.
@@ -171,6 +172,46 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mismatch(args: argparse.Namespace) -> int:
+    from gyre_train.mismatch import MismatchConfig, measure
+    from gyre_train.modelconfig import ModelConfigError
+
+    cfg = MismatchConfig(
+        model_dir=args.model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        samples=args.samples,
+        new_tokens=args.new_tokens,
+        attention=args.attention,
+        decode_slots=args.decode_slots,
+    )
+    try:
+        print(json.dumps(measure(cfg)), flush=True)
+    except (ModelConfigError, FileNotFoundError) as exc:
+        print(f"gyre-train mismatch: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _mismatch_args(p: argparse.ArgumentParser) -> None:
+    from gyre_train.mismatch import MismatchConfig as M
+
+    p.add_argument("model_dir", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--device", default=M.device, help="cpu or cuda (cuda:N): both sides")
+    p.add_argument(
+        "--dtype", default=M.dtype, choices=["float32", "bfloat16", "auto"], help="both sides' parameter dtype"
+    )
+    p.add_argument("--samples", type=int, default=M.samples, help="continuations the engine samples")
+    p.add_argument("--new-tokens", type=int, default=M.new_tokens, help="tokens per continuation")
+    p.add_argument("--attention", default=M.attention, choices=["dense", "flex"], help="the trainer's")
+    p.add_argument(
+        "--decode-slots",
+        default=M.decode_slots,
+        choices=["auto", "graphs", "eager", "off"],
+        help="the engine's decode path (auto: CUDA graphs on a GPU, lanes on the CPU)",
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gyre_train.bench.run import main as bench_main
 
@@ -261,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model directory with the tokenizer (the one training started from)",
     )
     e.set_defaults(fn=_export)
+    m = sub.add_parser(
+        "mismatch",
+        help="load a model directory in gyre-engine and in the trainer, print their logprob difference (JSON)",
+    )
+    _mismatch_args(m)
+    m.set_defaults(fn=_mismatch)
     b = sub.add_parser("bench", help="tree-packed vs path-expanded training and satellite join time")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--device", default="cpu")

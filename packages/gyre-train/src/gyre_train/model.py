@@ -16,6 +16,7 @@ import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,9 +32,11 @@ __all__ = [
     "ModelConfig",
     "build_model",
     "load_params",
+    "load_pretrained",
     "micro_gradient",
     "params",
     "set_gradients",
+    "target_logprobs_of",
 ]
 
 
@@ -52,6 +55,27 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
     with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
         model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
     return model.train()
+
+
+def load_pretrained(model: torch.nn.Module, model_dir: str | Path) -> None:
+    """Copy a model directory's weights (its `*.safetensors`, transformers names) into a transformers-
+    backend model built from the directory's config; every parameter must be covered (an lm_head tied
+    to the embeddings by the embeddings) and no tensor left over."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"{model_dir} does not fit the model built from its config: missing {sorted(set(missing) - tied)[:5]}, "
+            f"extra {sorted(unexpected)[:5]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,6 +149,20 @@ def micro_gradient(
     metrics["compute_s"] = t1 - t0
     metrics["copy_s"] = time.perf_counter() - t1
     return flat, metrics
+
+
+@torch.no_grad()
+def target_logprobs_of(model: torch.nn.Module, batch: PackedBatch, attention: Attention = "dense") -> torch.Tensor:
+    """Logprobs [L] of a packed micro-batch's loss targets at temperature 1: the forward `micro_gradient`
+    trains with (same attention kernels), without the gradient."""
+    device = next(model.parameters()).device
+    tb = TorchBatch.from_packed(batch, device=device)
+    with _attention_kernels(device):
+        if type(model).__module__.startswith("megatron."):
+            from gyre_train.megatron import tree_target_logprobs
+
+            return tree_target_logprobs(model, tb)
+        return target_logprobs_entropy(model, tb, attention=attention)[0]
 
 
 def _attention_kernels(device: torch.device) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 Attention = Literal["dense", "flex"]
@@ -47,9 +48,38 @@ class ModelConfig:
             attn_implementation="flex_attention" if attention == "flex" else "sdpa",  # type: ignore[call-arg]
         )
 
+    @property
+    def family(self) -> str:
+        return "qwen3"
+
+    @property
+    def architecture(self) -> str:
+        return "Qwen3ForCausalLM"
+
+    @staticmethod
+    def from_model_dir(path: str | Path, seed: int = 0, dtype: str | None = None) -> ModelConfig:
+        """The architecture of a model directory (its config.json's dimensions)."""
+        c = json.loads((Path(path) / "config.json").read_text())
+        return ModelConfig(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_key_value_heads"],
+            head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            seed=seed,
+            dtype=dtype or str(c.get("dtype") or c.get("torch_dtype") or "float32"),
+        )
+
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> ModelConfig:
         return ModelConfig(**json.loads(text))
+
+
+class ModelConfigError(ValueError):
+    """A model directory's config that gyre-train cannot build exactly (names the field)."""
