@@ -1,6 +1,7 @@
 """`gyre-train`: run a core, a satellite, or the benchmark.
 
 gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its address, then a JSON line per step
+gyre-train core --model Qwen2.5-0.5B/ --feed ...               # a model directory's architecture and weights
 gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
 gyre-train export ckpt/ model-out/ --tokenizer model-in/     # a checkpoint as a Hugging Face model directory
 gyre-train mismatch model-dir/ [--device cuda]                # engine vs trainer logprobs on one directory
@@ -66,11 +67,20 @@ def _core(args: argparse.Namespace) -> int:
     from gyre_train.data import read_packed_dir, synthetic_minibatch
     from gyre_train.model import ModelConfig, build_model
 
+    from gyre_train.modelconfig import ModelConfigError
+
+    try:  # on every rank, before the cell forms: a refused config ends them all alike
+        if args.model:
+            mc = ModelConfig.from_model_dir(args.model, seed=args.seed, dtype=args.dtype, backend=args.model_backend)
+        else:
+            mc = ModelConfig(seed=args.seed, dtype=args.dtype or "float32", backend=args.model_backend)
+    except ModelConfigError as exc:
+        print(f"gyre-train core: {exc}", file=sys.stderr)
+        return 2
     cell = _cell(args)
     status = _follow_unless_leader(cell)
     if status is not None:
         return status
-    mc = ModelConfig(seed=args.seed, backend=args.model_backend)
     cfg = CoreConfig(
         bind=args.bind,
         token=_token(args),
@@ -88,6 +98,10 @@ def _core(args: argparse.Namespace) -> int:
         ckpt = Path(args.checkpoint) if args.checkpoint else None
         if ckpt is not None and (ckpt / "state.json").exists():
             core.load(ckpt)
+        elif args.model:
+            from gyre_train.model import pretrained_weights
+
+            core.load_whole_weights(pretrained_weights(mc, args.model))
         print(
             json.dumps(
                 {"address": core.address, "publisher": core.publisher.address, "version": core.version}
@@ -184,6 +198,7 @@ def _mismatch(args: argparse.Namespace) -> int:
         new_tokens=args.new_tokens,
         attention=args.attention,
         decode_slots=args.decode_slots,
+        backend=args.model_backend,
     )
     try:
         print(json.dumps(measure(cfg)), flush=True)
@@ -209,6 +224,9 @@ def _mismatch_args(p: argparse.ArgumentParser) -> None:
         default=M.decode_slots,
         choices=["auto", "graphs", "eager", "off"],
         help="the engine's decode path (auto: CUDA graphs on a GPU, lanes on the CPU)",
+    )
+    p.add_argument(
+        "--model-backend", default=M.backend, choices=["transformers", "megatron"], help="the trainer's backend"
     )
 
 
@@ -273,6 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--wait-satellites-s", type=float, default=60.0)
     c.add_argument("--checkpoint", help="directory: resume from it if present, save after every step")
     c.add_argument("--model-backend", default="transformers", choices=["transformers", "megatron"])
+    c.add_argument(
+        "--model",
+        default="",
+        help="a Hugging Face model directory (Qwen2/Qwen2.5, Qwen3, Llama): its whole config and its weights "
+        "(default: the embedded default's Qwen3, from random init)",
+    )
+    c.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (default: the --model checkpoint's; float32 from scratch)",
+    )
     _cell_args(c)
     c.set_defaults(fn=_core)
     s = sub.add_parser("satellite", help="run a satellite replica of a core")

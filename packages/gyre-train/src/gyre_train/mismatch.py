@@ -43,6 +43,8 @@ class MismatchConfig:
     decode_slots: str = "auto"
     """The engine's decode path (`gyre-engine serve --decode-slots`): auto (CUDA graphs on a GPU, batched
     lanes on the CPU), eager (the slot path without graphs), graphs or off."""
+    backend: str = "transformers"
+    """The trainer's backend: transformers or megatron (extra `gyre-train[megatron]`)."""
 
 
 def fallback_prompt(vocab_size: int, n: int = 40) -> list[int]:
@@ -147,14 +149,16 @@ def measure(cfg: MismatchConfig) -> dict[str, Any]:
     from gyre_train.model import build_model, load_pretrained, target_logprobs_of
 
     model_dir = Path(cfg.model_dir)
-    mc = ModelConfig.from_model_dir(model_dir, dtype=None if cfg.dtype == "auto" else cfg.dtype)
+    mc = ModelConfig.from_model_dir(
+        model_dir, dtype=None if cfg.dtype == "auto" else cfg.dtype, backend=cfg.backend
+    )
     prompt = prompt_ids(model_dir, mc.vocab_size)
     t0 = time.perf_counter()
     samples, decode = engine_samples(cfg, prompt)
     t1 = time.perf_counter()
     batch = packed_batch(prompt, samples)
     model = build_model(mc, cfg.attention, cfg.device)
-    load_pretrained(model, model_dir)
+    load_pretrained(model, mc, model_dir)
     got = target_logprobs_of(model, batch, cfg.attention).detach().float().cpu().numpy()
     t2 = time.perf_counter()
     diff = np.abs(got.astype(np.float64) - batch.old_logprobs.astype(np.float64))
@@ -167,7 +171,8 @@ def measure(cfg: MismatchConfig) -> dict[str, Any]:
         "architecture": mc.architecture,
         "device": cfg.device,
         "dtype": mc.dtype,
-        "attention": cfg.attention,
+        "backend": mc.backend,
+        "attention": cfg.attention if mc.backend == "transformers" else "dense",
         "engine_decode": decode,
         "prompt_tokens": len(prompt),
         "samples": cfg.samples,

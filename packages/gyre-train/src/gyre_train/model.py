@@ -33,6 +33,7 @@ __all__ = [
     "build_model",
     "load_params",
     "load_pretrained",
+    "pretrained_weights",
     "micro_gradient",
     "params",
     "set_gradients",
@@ -41,6 +42,9 @@ __all__ = [
 
 
 def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = "cpu") -> torch.nn.Module:
+    """The model of `cfg`, randomly initialised with its seed, in training mode: the family's transformers
+    class (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM) built from the whole HF config, or a
+    Megatron-core GPTModel of the same architecture. `load_pretrained` then loads a directory's weights."""
     from transformers import AutoModelForCausalLM
 
     if cfg.backend == "megatron":
@@ -49,18 +53,16 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
         megatron.init_cpu(cfg.seed)  # one-process group and RNG tracker unless already set up
         torch.manual_seed(cfg.seed)
         return megatron.build_gpt(cfg).to(device).train()
-    if cfg.backend != "transformers":
-        raise ValueError(f"unknown backend {cfg.backend!r}: use 'transformers' or 'megatron'")
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
         model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
     return model.train()
 
 
-def load_pretrained(model: torch.nn.Module, model_dir: str | Path) -> None:
-    """Copy a model directory's weights (its `*.safetensors`, transformers names) into a transformers-
-    backend model built from the directory's config; every parameter must be covered (an lm_head tied
-    to the embeddings by the embeddings) and no tensor left over."""
+def pretrained_weights(mc: ModelConfig, model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A model directory's weights (its `*.safetensors`, transformers names) in the one-rank layout of
+    `mc.backend`: what `load_params` and `Core.load_whole_weights` take (a tied lm_head left out: the
+    embeddings cover it; Megatron-core's fused layout for that backend)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -69,13 +71,26 @@ def load_pretrained(model: torch.nn.Module, model_dir: str | Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
+    if mc.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if mc.backend == "megatron":
+        from gyre_train.megatron import hf_to_megatron
+
+        return hf_to_megatron(state, mc)
+    return state
+
+
+def load_pretrained(model: torch.nn.Module, mc: ModelConfig, model_dir: str | Path) -> None:
+    """Copy a model directory's weights into `model` (built from `mc`, one rank); every parameter must be
+    covered and no tensor left over."""
+    state = pretrained_weights(mc, model_dir)
+    names = {n for n, _ in model.named_parameters()}
+    if set(state) != names:
         raise ValueError(
-            f"{model_dir} does not fit the model built from its config: missing {sorted(set(missing) - tied)[:5]}, "
-            f"extra {sorted(unexpected)[:5]}"
+            f"{model_dir} does not fit the model built from its config: missing {sorted(names - set(state))[:5]}, "
+            f"extra {sorted(set(state) - names)[:5]}"
         )
+    load_params(model, state)
 
 
 @dataclass(frozen=True)
