@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+CONTEXT = 256
+"""max_position_embeddings of every test checkpoint: YaRN's factor is CONTEXT / its original 64."""
 FAMILIES: dict[str, dict[str, Any]] = {
     # Qwen2 / Qwen2.5: q/k/v biases always; YaRN as Qwen2.5 documents for long contexts
     "qwen2": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "rope_scaling": YARN},
@@ -47,7 +49,8 @@ def family_dir(out: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
     """A tiny checkpoint of `family` with `FAMILIES[family]` (and `overrides`) in its config.json."""
     from gyre_engine.server.model_factory import create_model
 
-    path = create_model(out, "tiny", seed=seed, family=family, overrides={**FAMILIES[family], **overrides})
+    fields = {"max_position_embeddings": CONTEXT, **FAMILIES[family], **overrides}
+    path = create_model(out, "tiny", seed=seed, family=family, overrides=fields)
     perturb(path, seed)
     return path
 
@@ -63,3 +66,11 @@ def perturb(path: Path, seed: int) -> None:
         elif "norm" in name:
             state[name] = (1 + 0.3 * torch.randn(t.shape, generator=g, dtype=torch.float32)).to(t.dtype)
     save_file(state, str(f), metadata={"format": "pt"})
+
+MEGATRON: dict[str, dict[str, Any]] = {
+    "qwen2": {"rope_scaling": None},
+    "qwen3": {"rope_scaling": None, "attention_bias": False},
+    "llama": {"rope_scaling": None, "attention_bias": False, "mlp_bias": False},
+}
+"""Overrides leaving what the Megatron-core backend builds (no RoPE scaling, no output or MLP biases);
+the rest of each family's non-default fields stay (RoPE base, epsilon, untied, q/k/v biases, head_dim)."""

@@ -230,7 +230,7 @@ def _check_built(arch: Architecture, where: str) -> None:
     if any(isinstance(v, dict) for v in rope.values()):
         raise _refuse(where, "rope_parameters", rope, "per-layer-type RoPE parameters are not implemented")
     if rope["rope_type"] not in EXACT_ROPE:
-        field = "rope_parameters" if "rope_parameters" in d else "rope_scaling"
+        field = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
         raise _refuse(
             where,
             f"{field}.rope_type",
