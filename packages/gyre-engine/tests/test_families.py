@@ -51,7 +51,11 @@ def family_dir(out: Path, family: str, **extra: Any) -> Path:
     """A tiny checkpoint of `family` with `FIELDS[family]`, its biases and norm weights made random (an
     init leaves them at 0 and 1, where a dropped bias or norm would not show)."""
     path = create_model(
-        out, "tiny", seed=3, family=family, overrides={"max_position_embeddings": 256, **FIELDS[family], **extra}
+        out,
+        "tiny",
+        seed=3,
+        family=family,
+        overrides={"max_position_embeddings": 256, **FIELDS[family], **extra},
     )
     state = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(4)
@@ -95,7 +99,9 @@ def test_each_family_is_served_exactly(family: str, slots: str, dirs: dict[str, 
 def test_the_slot_step_leaves_what_it_does_not_compute_to_the_lanes() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    dims = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    dims = dict(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
 
     def why(cfg: Any) -> str | None:
         return SlotBatch.unsupported(AutoModelForCausalLM.from_config(cfg))
@@ -109,7 +115,9 @@ def test_the_slot_step_leaves_what_it_does_not_compute_to_the_lanes() -> None:
 
 
 @pytest.mark.long  # a few minutes in Triton's CPU interpreter
-def test_the_triton_slot_kernel_serves_a_llama_and_odd_head_dims_fall_back(dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_the_triton_slot_kernel_serves_a_llama_and_odd_head_dims_fall_back(
+    dirs: dict[str, Path], tmp_path: Path
+) -> None:
     from test_decode_attn import _interpret
 
     odd = family_dir(tmp_path / "odd", "qwen2", head_dim=24)  # not a power of two: the reference attention

@@ -67,6 +67,7 @@ def perturb(path: Path, seed: int) -> None:
             state[name] = (1 + 0.3 * torch.randn(t.shape, generator=g, dtype=torch.float32)).to(t.dtype)
     save_file(state, str(f), metadata={"format": "pt"})
 
+
 MEGATRON: dict[str, dict[str, Any]] = {
     "qwen2": {"rope_scaling": None},
     "qwen3": {"rope_scaling": None, "attention_bias": False},

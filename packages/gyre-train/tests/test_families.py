@@ -22,7 +22,7 @@ from gyre_traj.pack import PackedBatch
 
 pytest.importorskip("gyre_engine.server")
 sys.path.insert(0, str(Path(__file__).parent))  # shared helpers (tests run with --import-mode=importlib)
-import family_dirs  # noqa: E402
+import family_dirs
 
 FAMILIES = sorted(family_dirs.FAMILIES)
 
@@ -118,7 +118,9 @@ def test_a_satellite_builds_the_directory_model_and_trains_it_exactly(dirs: dict
     th = threading.Thread(target=sat.run, daemon=True)
     th.start()
     try:
-        assert sat.model_cfg == mc and sat.model_cfg.arch.to_dict() == json.loads((d / "config.json").read_text())
+        assert sat.model_cfg == mc and sat.model_cfg.arch.to_dict() == json.loads(
+            (d / "config.json").read_text()
+        )
         assert type(sat.model).__name__ == "LlamaForCausalLM"
         core.admit("llama-sat")
 
@@ -163,10 +165,15 @@ def test_a_checkpoint_exports_back_to_the_same_directory_config(
     finally:
         core.close()
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--tokenizer", str(d)]) == 0
-    src, out = json.loads((d / "config.json").read_text()), json.loads((tmp_path / "out" / "config.json").read_text())
+    src, out = (
+        json.loads((d / "config.json").read_text()),
+        json.loads((tmp_path / "out" / "config.json").read_text()),
+    )
     assert out == src  # the whole config back (float32 weights: the dtype already said so)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(model).__name__ == mc.architecture and model.config.rms_norm_eps == 1e-5
-    assert model.config.rope_parameters["rope_type"] == family_dirs.FAMILIES[family]["rope_scaling"]["rope_type"]
+    assert (
+        model.config.rope_parameters["rope_type"] == family_dirs.FAMILIES[family]["rope_scaling"]["rope_type"]
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=1e-5)

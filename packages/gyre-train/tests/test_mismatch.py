@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("gyre_engine.server")
 sys.path.insert(0, str(Path(__file__).parent))  # shared helpers (tests run with --import-mode=importlib)
-import family_dirs  # noqa: E402
-from gyre_engine.server.model_factory import create_model  # noqa: E402
-from gyre_train.cli import main  # noqa: E402
+import family_dirs
+from gyre_engine.server.model_factory import create_model
+from gyre_train.cli import main
 
 TOL = 1e-4
 
@@ -79,6 +79,8 @@ def test_a_directory_gyre_train_does_not_build_is_refused_naming_the_field(
     assert main(["mismatch", str(d)]) == 2
     err = capsys.readouterr().err
     assert 'model_type = "qwen3_moe"' in err and "config.json" in err
-    (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    )
     assert main(["mismatch", str(d)]) == 2
     assert 'rope_scaling.rope_type = "dynamic"' in capsys.readouterr().err

@@ -14,7 +14,11 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, Literal
 
-FAMILIES: dict[str, str] = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+FAMILIES: dict[str, str] = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 """`model_type` -> the one `architectures` entry gyre-train builds for it."""
 EXACT_ROPE = ("default", "linear", "llama3", "yarn")
 """RoPE types whose frequencies follow from the config alone, so a token's rotation depends only on its
@@ -180,7 +184,9 @@ def _check_dict(d: dict[str, Any], where: str) -> None:
         )
     archs = d.get("architectures")
     if archs is not None and archs != [FAMILIES[mt]]:
-        raise _refuse(where, "architectures", archs, f"a {mt} directory gyre-train builds is [{FAMILIES[mt]!r}]")
+        raise _refuse(
+            where, "architectures", archs, f"a {mt} directory gyre-train builds is [{FAMILIES[mt]!r}]"
+        )
     for key in MULTIMODAL_KEYS:
         if key in d:
             raise _refuse(where, key, "...", "a multimodal config: gyre-train builds text-only causal LMs")
@@ -188,7 +194,9 @@ def _check_dict(d: dict[str, Any], where: str) -> None:
         raise _refuse(
             where,
             "quantization_config",
-            d["quantization_config"].get("quant_method", "?") if isinstance(d["quantization_config"], dict) else "?",
+            d["quantization_config"].get("quant_method", "?")
+            if isinstance(d["quantization_config"], dict)
+            else "?",
             "quantized weights: gyre-train trains the unquantized model (the engine would serve another forward)",
         )
     if d.get("use_sliding_window"):
@@ -225,7 +233,9 @@ def _check_built(arch: Architecture, where: str) -> None:
     try:
         cfg = arch._hf
     except (TypeError, ValueError, KeyError) as exc:
-        raise ModelConfigError(f"{where}: transformers cannot read it as a {arch.family} config: {exc}") from exc
+        raise ModelConfigError(
+            f"{where}: transformers cannot read it as a {arch.family} config: {exc}"
+        ) from exc
     rope = _rope(cfg)
     if any(isinstance(v, dict) for v in rope.values()):
         raise _refuse(where, "rope_parameters", rope, "per-layer-type RoPE parameters are not implemented")

@@ -66,12 +66,13 @@ def _core(args: argparse.Namespace) -> int:
     from gyre_train.core import Core, CoreConfig, OptimConfig
     from gyre_train.data import read_packed_dir, synthetic_minibatch
     from gyre_train.model import ModelConfig, build_model
-
     from gyre_train.modelconfig import ModelConfigError
 
     try:  # on every rank, before the cell forms: a refused config ends them all alike
         if args.model:
-            mc = ModelConfig.from_model_dir(args.model, seed=args.seed, dtype=args.dtype, backend=args.model_backend)
+            mc = ModelConfig.from_model_dir(
+                args.model, seed=args.seed, dtype=args.dtype, backend=args.model_backend
+            )
         else:
             mc = ModelConfig(seed=args.seed, dtype=args.dtype or "float32", backend=args.model_backend)
     except ModelConfigError as exc:
@@ -214,7 +215,10 @@ def _mismatch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--device", default=M.device, help="cpu or cuda (cuda:N): both sides")
     p.add_argument(
-        "--dtype", default=M.dtype, choices=["float32", "bfloat16", "auto"], help="both sides' parameter dtype"
+        "--dtype",
+        default=M.dtype,
+        choices=["float32", "bfloat16", "auto"],
+        help="both sides' parameter dtype",
     )
     p.add_argument("--samples", type=int, default=M.samples, help="continuations the engine samples")
     p.add_argument("--new-tokens", type=int, default=M.new_tokens, help="tokens per continuation")
@@ -226,7 +230,10 @@ def _mismatch_args(p: argparse.ArgumentParser) -> None:
         help="the engine's decode path (auto: CUDA graphs on a GPU, lanes on the CPU)",
     )
     p.add_argument(
-        "--model-backend", default=M.backend, choices=["transformers", "megatron"], help="the trainer's backend"
+        "--model-backend",
+        default=M.backend,
+        choices=["transformers", "megatron"],
+        help="the trainer's backend",
     )
 
 

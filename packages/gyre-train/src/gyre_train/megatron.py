@@ -87,7 +87,9 @@ def build_gpt(mc: ModelConfig) -> Any:
         cfg = _config(mc)
         return GPTModel(
             config=cfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=mc.arch.qk_norm, normalization="RMSNorm"),
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                qk_layernorm=mc.arch.qk_norm, normalization="RMSNorm"
+            ),
             vocab_size=mc.vocab_size,
             max_sequence_length=mc.max_position_embeddings,
             position_embedding_type="rope",
@@ -285,7 +287,10 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], mc: ModelConfig) -> dict[str,
     for i in range(mc.num_hidden_layers):
         pre, src = f"decoder.layers.{i}.", f"model.layers.{i}."
         for meg, name in _HF_PER_LAYER.items():
-            if meg.startswith(("self_attention.q_layernorm", "self_attention.k_layernorm")) and not mc.arch.qk_norm:
+            if (
+                meg.startswith(("self_attention.q_layernorm", "self_attention.k_layernorm"))
+                and not mc.arch.qk_norm
+            ):
                 continue
             out[pre + meg] = take(src + name)
         kinds = ("weight", "bias") if mc.arch.qkv_bias else ("weight",)
@@ -295,7 +300,11 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], mc: ModelConfig) -> dict[str,
             v = take(f"{src}self_attn.v_proj.{kind}")
             rest = tuple(q.shape[1:])
             fused = torch.cat(
-                [q.reshape(groups, per, hd, *rest), k.reshape(groups, 1, hd, *rest), v.reshape(groups, 1, hd, *rest)],
+                [
+                    q.reshape(groups, per, hd, *rest),
+                    k.reshape(groups, 1, hd, *rest),
+                    v.reshape(groups, 1, hd, *rest),
+                ],
                 dim=1,
             )
             out[f"{pre}self_attention.linear_qkv.{kind}"] = fused.reshape(groups * (per + 2) * hd, *rest)

@@ -100,9 +100,9 @@ def engine_samples(cfg: MismatchConfig, prompt: list[int]) -> tuple[list[tuple[l
             params = SamplingParams(
                 max_new_tokens=cfg.new_tokens, temperature=1.0, ignore_eos=True, sampling_seed=k
             )
-            engine.submit(EngineRequest(f"mismatch-{k}", prompt, params, return_logprob=True), sink_of(k)).result(
-                600
-            )
+            engine.submit(
+                EngineRequest(f"mismatch-{k}", prompt, params, return_logprob=True), sink_of(k)
+            ).result(600)
         for ev in done:
             if not ev.wait(600):
                 raise TimeoutError("the engine did not finish sampling within 600 s")

@@ -33,9 +33,9 @@ __all__ = [
     "build_model",
     "load_params",
     "load_pretrained",
-    "pretrained_weights",
     "micro_gradient",
     "params",
+    "pretrained_weights",
     "set_gradients",
     "target_logprobs_of",
 ]
@@ -167,7 +167,9 @@ def micro_gradient(
 
 
 @torch.no_grad()
-def target_logprobs_of(model: torch.nn.Module, batch: PackedBatch, attention: Attention = "dense") -> torch.Tensor:
+def target_logprobs_of(
+    model: torch.nn.Module, batch: PackedBatch, attention: Attention = "dense"
+) -> torch.Tensor:
     """Logprobs [L] of a packed micro-batch's loss targets at temperature 1: the forward `micro_gradient`
     trains with (same attention kernels), without the gradient."""
     device = next(model.parameters()).device

@@ -58,8 +58,9 @@ class Scratch:
 @dataclass(frozen=True, init=False)
 class ModelConfig:
     """`ModelConfig.from_model_dir(path)` for a model directory, `ModelConfig(**Scratch fields)` (or no
-    arguments: the embedded default) for a Qwen3 from scratch. Random init uses `seed` either way (a
-    directory's weights are loaded after, `model.load_pretrained`)."""
+    arguments: the embedded default) for a Qwen3 from scratch, `ModelConfig(arch, **Scratch fields)` for
+    `arch` with those fields changed. Random init uses `seed` either way (a directory's weights are loaded
+    after, `model.load_pretrained`)."""
 
     arch: Architecture
     """What the model computes (the whole HF config)."""
@@ -79,12 +80,16 @@ class ModelConfig:
         backend: str = "transformers",
         **scratch: Any,
     ) -> None:
-        if arch is not None and scratch:
-            raise TypeError(f"give an architecture or Scratch fields, not both ({sorted(scratch)})")
         if arch is None:
             arch = Architecture(Scratch(**scratch).hf())
-        elif not isinstance(arch, Architecture):
-            arch = Architecture(arch)
+        else:
+            if not isinstance(arch, Architecture):
+                arch = Architecture(arch)
+            if scratch:  # `dataclasses.replace(mc, hidden_size=...)`: those fields of the dict changed
+                unknown = set(scratch) - {f.name for f in fields(Scratch)}
+                if unknown:
+                    raise TypeError(f"ModelConfig got unknown fields {sorted(unknown)} (Scratch's are settable)")
+                arch = Architecture({**arch.to_dict(), **scratch})
         if dtype not in DTYPES:
             raise ModelConfigError(f"dtype {dtype!r}: gyre-train trains in {' or '.join(DTYPES)}")
         if backend not in BACKENDS:
@@ -194,7 +199,9 @@ class ModelConfig:
             raise ModelConfigError(f"model config format {fmt!r}; this release reads 1 and {FORMAT}")
         unknown = set(d) - {"format", "hf", "seed", "dtype", "backend"}
         if unknown or not isinstance(d.get("hf"), dict):
-            raise ModelConfigError(f"model config (format 2): needs an 'hf' object; unknown fields {sorted(unknown)}")
+            raise ModelConfigError(
+                f"model config (format 2): needs an 'hf' object; unknown fields {sorted(unknown)}"
+            )
         return ModelConfig(
             Architecture(d["hf"], where="model config 'hf'"),
             seed=int(d.get("seed", 0)),

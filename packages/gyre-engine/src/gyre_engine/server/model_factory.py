@@ -73,7 +73,11 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}{% endif %}"""
 
 
-FAMILIES: dict[str, type[PreTrainedConfig]] = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
+FAMILIES: dict[str, type[PreTrainedConfig]] = {
+    "qwen3": Qwen3Config,
+    "qwen2": Qwen2Config,
+    "llama": LlamaConfig,
+}
 """The architectures `create_model` writes (by `model_type`); Qwen2.5 checkpoints are `qwen2`."""
 
 
