@@ -3,8 +3,9 @@ gyre-train trains exactly: Qwen2 (Qwen2.5 is the same architecture), Qwen3 and L
 kept: the trainer builds its model from it, it travels to satellites, and export writes it back.
 Whatever the trainer could not compute as the engine does (another architecture, a quantized or
 multimodal checkpoint, sliding windows, length-dependent RoPE, attention dropout) is refused when the
-dict is read, by a `ModelConfigError` that names the field. No torch here; transformers only builds the
-config object (the same `from_dict` `from_pretrained` uses, so both sides read a field the same way).
+dict is read, by a `ModelConfigError` that names the field. Imports neither torch nor transformers at
+import time; transformers builds the config object with the `from_dict` that `from_pretrained` uses, so
+the trainer and the engine read every field the same way.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Architecture:
     def __repr__(self) -> str:
         return f"Architecture({self.family}, {self.num_hidden_layers} layers of {self.hidden_size})"
 
-    @property
+    @cached_property
     def family(self) -> str:
         """`model_type`: qwen2, qwen3 or llama."""
         return str(json.loads(self._text)["model_type"])
@@ -185,11 +186,16 @@ def _check_dict(d: dict[str, Any], where: str) -> None:
     archs = d.get("architectures")
     if archs is not None and archs != [FAMILIES[mt]]:
         raise _refuse(
-            where, "architectures", archs, f"a {mt} directory gyre-train builds is [{FAMILIES[mt]!r}]"
+            where,
+            "architectures",
+            archs,
+            f"gyre-train builds {FAMILIES[mt]} for model_type {mt!r}, a causal LM",
         )
     for key in MULTIMODAL_KEYS:
         if key in d:
-            raise _refuse(where, key, "...", "a multimodal config: gyre-train builds text-only causal LMs")
+            raise ModelConfigError(
+                f"{where}: {key} is set: a multimodal config (gyre-train builds text-only LMs)"
+            )
     if d.get("quantization_config") is not None:
         raise _refuse(
             where,

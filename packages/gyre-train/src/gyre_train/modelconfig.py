@@ -88,7 +88,9 @@ class ModelConfig:
             if scratch:  # `dataclasses.replace(mc, hidden_size=...)`: those fields of the dict changed
                 unknown = set(scratch) - {f.name for f in fields(Scratch)}
                 if unknown:
-                    raise TypeError(f"ModelConfig got unknown fields {sorted(unknown)} (Scratch's are settable)")
+                    raise TypeError(
+                        f"ModelConfig got unknown fields {sorted(unknown)} (Scratch's are settable)"
+                    )
                 arch = Architecture({**arch.to_dict(), **scratch})
         if dtype not in DTYPES:
             raise ModelConfigError(f"dtype {dtype!r}: gyre-train trains in {' or '.join(DTYPES)}")
