@@ -167,6 +167,8 @@ def create_model(
     dimensions and `overrides`' config fields (`shape_config`); returns its path."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     s = SHAPES[shape]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
