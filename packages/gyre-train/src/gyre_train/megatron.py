@@ -13,8 +13,9 @@ over the vocabulary and log-probabilities come from Megatron's `vocab_parallel_c
 pipeline parallelism `pipeline_loss_backward` runs one micro-batch through the stages (Megatron's model
 partition and its `P2PCommunicator`; one micro-batch in flight, since a replica claims one at a time).
 Weights convert to the transformers layout with `gyre_xfer.convert.megatron_to_hf` (`mplayout.py`
-gathers them from the ranks first), and from it with `hf_to_megatron` (a model directory's weights). One process needs a gloo process group (and, on the CPU, two
-work-arounds; see `init_cpu`); tested on the CPU (one and two ranks) and on one H200.
+gathers them from the ranks first), and from it with `hf_to_megatron` (a model directory's weights).
+One process needs a gloo process group (and, on the CPU, two work-arounds; see `init_cpu`); tested on
+the CPU (one and two ranks) and on one H200.
 """
 
 from __future__ import annotations
