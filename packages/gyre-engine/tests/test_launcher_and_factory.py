@@ -1,5 +1,5 @@
 """The SGLang launcher's command line (SGLang itself cannot run here) and its readiness wait, against
-a gyre-engine server; the default model's tokenizer and chat template."""
+a gyre-engine server; the default model's tokenizer and chat template; `create-model` for each family."""
 
 from __future__ import annotations
 
@@ -75,3 +75,24 @@ def test_chat_template_renders_tools_and_thinking(tokenizer: Any) -> None:
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(msgs[:2], tokenize=False)
     for special in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"):
         assert len(tokenizer(special, add_special_tokens=False)["input_ids"]) == 1
+
+
+@pytest.mark.parametrize(("family", "cls"), [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+def test_create_model_writes_each_family(
+    family: str, cls: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    main(["create-model", str(tmp_path / "m"), "--family", family])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["model_type"] == family and cfg["architectures"] == [cls] and cfg["tie_word_embeddings"]
+    from gyre_engine.server.model_factory import create_model
+
+    d = create_model(
+        tmp_path / "o", family=family, overrides={"rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    )
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["rms_norm_eps"] == 1e-5 and not cfg["tie_word_embeddings"]
+    with pytest.raises(ValueError, match="unknown family 'gpt2'"):
+        create_model(tmp_path / "g", family="gpt2")

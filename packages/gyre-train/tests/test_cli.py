@@ -1,5 +1,6 @@
 """`gyre-train core` trains `gyre-traj pack` output, checkpoints after each step and resumes at the
-queue position it reached."""
+queue position it reached; with `--model DIR` it trains a model directory's model from its weights, and
+refuses a directory it does not build exactly."""
 
 from __future__ import annotations
 
@@ -68,3 +69,38 @@ def test_core_trains_what_the_feed_submits(tmp_path: Path) -> None:
     th.join(timeout=120)
     assert rc == [0]
     assert json.loads((tmp_path / "ck" / "state.json").read_text())["queue_position"] == 1
+
+
+def test_core_trains_a_model_directory_and_refuses_one_it_does_not_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("gyre_engine.server")
+    import sys
+
+    import torch
+    from gyre_train.checkpoint import load
+
+    sys.path.insert(0, str(Path(__file__).parent))  # shared helpers (tests run with --import-mode=importlib)
+    import family_dirs
+    from safetensors.torch import load_file
+
+    d = family_dirs.family_dir(tmp_path / "llama", "llama", vocab_size=8192)  # room for synthetic ids
+    ck = tmp_path / "ck"
+    assert (
+        main(["core", "--model", str(d), "--synthetic", "1", "--budget", "1024", "--checkpoint", str(ck)])
+        == 0
+    )
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert lines[1]["version"] == 1 and lines[1]["grad_norm"] > 0
+    state = load(ck)
+    assert state["model_config"]["hf"] == json.loads((d / "config.json").read_text())
+    start = load_file(
+        str(d / "model.safetensors")
+    )  # trained from the directory's weights: one small step away
+    for name, t in start.items():
+        assert (state["model"][name] - t).abs().max() < 1e-2, name
+    assert any(not torch.equal(state["model"][n], t) for n, t in start.items())
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+    assert main(["core", "--model", str(d), "--synthetic", "1"]) == 2
+    assert "use_sliding_window = true" in capsys.readouterr().err

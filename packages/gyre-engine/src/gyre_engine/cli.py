@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("create-model", help="write the embedded default model (random init, local tokenizer)")
     c.add_argument("out_dir")
     c.add_argument("--shape", default="tiny", help="tiny (default), mini, small or qwen3-0.6b")
+    c.add_argument(
+        "--family", default="qwen3", choices=["qwen3", "qwen2", "llama"], help="architecture (default qwen3)"
+    )
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--dtype", default="float32")
 
@@ -207,7 +210,11 @@ def main(argv: list[str] | None = None) -> None:
         elif args.cmd == "create-model":
             from gyre_engine.server.model_factory import create_model
 
-            print(create_model(args.out_dir, shape=args.shape, seed=args.seed, dtype=args.dtype))
+            print(
+                create_model(
+                    args.out_dir, shape=args.shape, seed=args.seed, dtype=args.dtype, family=args.family
+                )
+            )
         elif args.cmd == "bench":
             from gyre_engine.bench.run import run_bench
 

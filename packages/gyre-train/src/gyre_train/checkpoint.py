@@ -3,7 +3,7 @@ gives the same next update as one that never stopped.
 
 The state dict this module writes and reads (`TrainerState`): `model` (parameters by name), `optimizer`
 (`{"state": {param: {key: tensor}}, "param_groups": [hyper-parameters]}`, by parameter name), `position`
-(step, version, queue_position), `layout` (the parameter layout's digest) and `model_config`. On disk:
+(step, version, queue_position), `layout` (the parameter layout's digest) and `model_config` (`ModelConfig.to_dict`). On disk:
 `model.safetensors`, `optimizer.safetensors` (`<param>::exp_avg`, `<param>::exp_avg_sq`,
 `<param>::step`) and `state.json` (the rest). Written to a temporary directory and renamed into place, so
 a crash leaves the previous checkpoint whole. No pickle anywhere. This module knows nothing of the core:

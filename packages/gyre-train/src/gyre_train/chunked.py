@@ -244,7 +244,7 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
     out = backbone(
         input_ids=tb.input_ids[c.lo : c.hi][None],
         position_ids=tb.position_ids[c.lo : c.hi][None],
-        attention_mask={"full_attention": mask, "sliding_attention": mask},
+        attention_mask=mask,  # a 4D mask (or BlockMask) passes every family's mask builder as it is
         use_cache=True,
         **{arg: cache},
     )

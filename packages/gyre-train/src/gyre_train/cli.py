@@ -1,8 +1,10 @@
 """`gyre-train`: run a core, a satellite, or the benchmark.
 
 gyre-train core --synthetic 3 --admit-all --checkpoint ckpt/    # prints its address, then a JSON line per step
+gyre-train core --model Qwen2.5-0.5B/ --feed ...               # a model directory's architecture and weights
 gyre-train satellite --core tcp://127.0.0.1:PORT --name sat-0
 gyre-train export ckpt/ model-out/ --tokenizer model-in/     # a checkpoint as a Hugging Face model directory
+gyre-train mismatch model-dir/ [--device cuda]                # engine vs trainer logprobs on one directory
 gyre-train bench [--quick] [--device cuda]
 
 A multi-rank cell: every rank runs the same command under torchrun's environment, e.g.
@@ -64,12 +66,22 @@ def _core(args: argparse.Namespace) -> int:
     from gyre_train.core import Core, CoreConfig, OptimConfig
     from gyre_train.data import read_packed_dir, synthetic_minibatch
     from gyre_train.model import ModelConfig, build_model
+    from gyre_train.modelconfig import ModelConfigError
 
+    try:  # on every rank, before the cell forms: a refused config ends them all alike
+        if args.model:
+            mc = ModelConfig.from_model_dir(
+                args.model, seed=args.seed, dtype=args.dtype, backend=args.model_backend
+            )
+        else:
+            mc = ModelConfig(seed=args.seed, dtype=args.dtype or "float32", backend=args.model_backend)
+    except ModelConfigError as exc:
+        print(f"gyre-train core: {exc}", file=sys.stderr)
+        return 2
     cell = _cell(args)
     status = _follow_unless_leader(cell)
     if status is not None:
         return status
-    mc = ModelConfig(seed=args.seed, backend=args.model_backend)
     cfg = CoreConfig(
         bind=args.bind,
         token=_token(args),
@@ -87,6 +99,10 @@ def _core(args: argparse.Namespace) -> int:
         ckpt = Path(args.checkpoint) if args.checkpoint else None
         if ckpt is not None and (ckpt / "state.json").exists():
             core.load(ckpt)
+        elif args.model:
+            from gyre_train.model import pretrained_weights
+
+            core.load_whole_weights(pretrained_weights(mc, args.model))
         print(
             json.dumps(
                 {"address": core.address, "publisher": core.publisher.address, "version": core.version}
@@ -171,6 +187,56 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mismatch(args: argparse.Namespace) -> int:
+    from gyre_train.mismatch import MismatchConfig, measure
+    from gyre_train.modelconfig import ModelConfigError
+
+    cfg = MismatchConfig(
+        model_dir=args.model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        samples=args.samples,
+        new_tokens=args.new_tokens,
+        attention=args.attention,
+        decode_slots=args.decode_slots,
+        backend=args.model_backend,
+    )
+    try:
+        print(json.dumps(measure(cfg)), flush=True)
+    except (ModelConfigError, FileNotFoundError) as exc:
+        print(f"gyre-train mismatch: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _mismatch_args(p: argparse.ArgumentParser) -> None:
+    from gyre_train.mismatch import MismatchConfig as M
+
+    p.add_argument("model_dir", help="a Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--device", default=M.device, help="cpu or cuda (cuda:N): both sides")
+    p.add_argument(
+        "--dtype",
+        default=M.dtype,
+        choices=["float32", "bfloat16", "auto"],
+        help="both sides' parameter dtype",
+    )
+    p.add_argument("--samples", type=int, default=M.samples, help="continuations the engine samples")
+    p.add_argument("--new-tokens", type=int, default=M.new_tokens, help="tokens per continuation")
+    p.add_argument("--attention", default=M.attention, choices=["dense", "flex"], help="the trainer's")
+    p.add_argument(
+        "--decode-slots",
+        default=M.decode_slots,
+        choices=["auto", "graphs", "eager", "off"],
+        help="the engine's decode path (auto: CUDA graphs on a GPU, lanes on the CPU)",
+    )
+    p.add_argument(
+        "--model-backend",
+        default=M.backend,
+        choices=["transformers", "megatron"],
+        help="the trainer's backend",
+    )
+
+
 def _bench(args: argparse.Namespace) -> int:
     from gyre_train.bench.run import main as bench_main
 
@@ -232,6 +298,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--wait-satellites-s", type=float, default=60.0)
     c.add_argument("--checkpoint", help="directory: resume from it if present, save after every step")
     c.add_argument("--model-backend", default="transformers", choices=["transformers", "megatron"])
+    c.add_argument(
+        "--model",
+        default="",
+        help="a Hugging Face model directory (Qwen2/Qwen2.5, Qwen3, Llama): its whole config and its weights "
+        "(default: the embedded default's Qwen3, from random init)",
+    )
+    c.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="parameter dtype (default: the --model checkpoint's; float32 from scratch)",
+    )
     _cell_args(c)
     c.set_defaults(fn=_core)
     s = sub.add_parser("satellite", help="run a satellite replica of a core")
@@ -261,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model directory with the tokenizer (the one training started from)",
     )
     e.set_defaults(fn=_export)
+    m = sub.add_parser(
+        "mismatch",
+        help="load a model directory in gyre-engine and in the trainer, print their logprob difference (JSON)",
+    )
+    _mismatch_args(m)
+    m.set_defaults(fn=_mismatch)
     b = sub.add_parser("bench", help="tree-packed vs path-expanded training and satellite join time")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--device", default="cpu")

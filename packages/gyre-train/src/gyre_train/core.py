@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -593,7 +593,7 @@ class Core:
             optimizer=OptimizerState(state=by_name, param_groups=groups),
             position=self._queue.state_dict(),
             layout=self.layout.digest,
-            model_config=asdict(self.model_cfg),
+            model_config=self.model_cfg.to_dict(),
         )
 
     def load_state_dict(self, state: TrainerState) -> None:

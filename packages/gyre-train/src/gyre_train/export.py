@@ -3,9 +3,11 @@ which transformers' `AutoModelForCausalLM.from_pretrained` loads and gyre-engine
 
 Works from a gyre-train checkpoint directory (`checkpoint.save`: `model.safetensors` + `state.json`
 with the model config; Megatron-core checkpoints are converted to the transformers layout with
-gyre-xfer's `megatron_to_hf`) or from a live model. A checkpoint holds no tokenizer, so the tokenizer
-files (and the special token ids for `config.json`) come from a model directory given as `tokenizer`,
-normally the one training started from.
+gyre-xfer's `megatron_to_hf`) or from a live model. `config.json` is the model config's own HF config
+written back whole (a directory's as it was read, every field kept; only the dtype set to the weights'),
+so the export computes what was trained. A checkpoint holds no tokenizer, so the tokenizer files come
+from a model directory given as `tokenizer`, normally the one training started from (and, for a model
+trained from scratch, whose config names no special tokens, the special token ids of its config.json).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from gyre_train.model import ModelConfig
+from gyre_train.modelconfig import ModelConfigError
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -46,7 +49,10 @@ def read_checkpoint(ckpt: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], d
         raise ExportError(
             f"{ckpt} is not a gyre-train checkpoint (state.json, model.safetensors): {exc}"
         ) from exc
-    mc = ModelConfig(**state["model"])
+    try:
+        mc = ModelConfig.from_dict(state["model"])
+    except (KeyError, ModelConfigError) as exc:
+        raise ExportError(f"{ckpt}/state.json: no model config gyre-train builds: {exc}") from exc
     if mc.backend == "megatron":
         weights = _from_megatron(weights, mc)
     return mc, weights, state
@@ -62,16 +68,20 @@ def _from_megatron(weights: Mapping[str, torch.Tensor], mc: ModelConfig) -> dict
     return {n: torch.from_numpy(a).to(dtype) for n, a in arrays.items()}
 
 
-def _hf_config(mc: ModelConfig, tokenizer: Path) -> Any:
-    cfg = mc.hf_config()
+def config_json(mc: ModelConfig, tokenizer: Path) -> dict[str, Any]:
+    """The exported `config.json`: the model config's HF config, its dtype the weights' (the keys the
+    config states it under, `dtype` if none), special token ids it lacks from the tokenizer directory's."""
+    out = mc.arch.to_dict()
+    keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["dtype"]
+    for k in keys:
+        out[k] = mc.dtype
     src = tokenizer / "config.json"
     if src.exists():
         base = json.loads(src.read_text())
-        for key in (*SPECIAL_IDS, "max_position_embeddings", "rope_theta", "rms_norm_eps"):
-            if key in base:
-                setattr(cfg, key, base[key])
-    cfg.dtype = mc.dtype
-    return cfg
+        for key in SPECIAL_IDS:
+            if key not in out and key in base:
+                out[key] = base[key]
+    return out
 
 
 def export_model(
@@ -85,8 +95,9 @@ def export_model(
         raise ExportError(
             f"{tokenizer} has no tokenizer.json: give the model directory training started from"
         )
+    config = config_json(model_cfg, tokenizer)
     model = AutoModelForCausalLM.from_config(
-        _hf_config(model_cfg, tokenizer), dtype=getattr(torch, model_cfg.dtype)
+        model_cfg.arch.hf_config(), dtype=getattr(torch, model_cfg.dtype)
     )
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - set(weights)
@@ -99,6 +110,7 @@ def export_model(
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer / name).exists():
             shutil.copyfile(tokenizer / name, out / name)

@@ -1,6 +1,9 @@
 """Megatron-core backend (extra `gyre-train[megatron]`): a GPTModel built with the local (non-
-TransformerEngine) layer spec in the Qwen3 shape of a `ModelConfig`, run on tree-packed micro-batches,
-in one process or split over a cell's ranks with Megatron's tensor and pipeline parallelism.
+TransformerEngine) layer spec in the architecture of a `ModelConfig` (Qwen2, Qwen3 or Llama: RMSNorm
+epsilon, RoPE base, Qwen2's q/k/v biases, Qwen3's q/k norms, tied or untied embeddings, all from the
+config; what it cannot build is refused by `modelconfig.megatron_refusal` when the config is read), run
+on tree-packed micro-batches, in one process or split over a cell's ranks with Megatron's tensor and
+pipeline parallelism.
 
 Megatron's GPTModel computes rotary embeddings from the sequence index and ignores `position_ids`; tree
 packing needs them from tree depth, so `tree_target_logprobs` runs the model's own embedding, decoder and
@@ -10,8 +13,9 @@ over the vocabulary and log-probabilities come from Megatron's `vocab_parallel_c
 pipeline parallelism `pipeline_loss_backward` runs one micro-batch through the stages (Megatron's model
 partition and its `P2PCommunicator`; one micro-batch in flight, since a replica claims one at a time).
 Weights convert to the transformers layout with `gyre_xfer.convert.megatron_to_hf` (`mplayout.py`
-gathers them from the ranks first). One process needs a gloo process group (and, on the CPU, two
-work-arounds; see `init_cpu`); tested on the CPU (one and two ranks) and on one H200.
+gathers them from the ranks first), and from it with `hf_to_megatron` (a model directory's weights).
+One process needs a gloo process group (and, on the CPU, two work-arounds; see `init_cpu`); tested on
+the CPU (one and two ranks) and on one H200.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from gyre_traj.loss import TorchBatch
 
-from gyre_train.modelconfig import ModelConfig
+from gyre_train.modelconfig import ModelConfig, megatron_refusal
 
 with warnings.catch_warnings():  # megatron-core warns at import about optional TransformerEngine/Apex/absl
     warnings.simplefilter("ignore")
@@ -63,17 +68,14 @@ def init_cpu(seed: int = 0) -> None:
         model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 
 
-def _rope_theta(mc: ModelConfig) -> float:
-    hf = mc.hf_config()
-    params = getattr(hf, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-
-
 def build_gpt(mc: ModelConfig) -> Any:
-    """A GPTModel with the Qwen3 architecture of `mc` (RMSNorm, SwiGLU, GQA, q/k RMSNorm, RoPE with the
-    transformers config's theta, no biases), so its weights convert 1:1 to the transformers model; this
-    rank's part of it when the model-parallel groups are larger than one (its tensor-parallel shards of
-    its pipeline stage's layers)."""
+    """A GPTModel with the architecture of `mc` (RMSNorm, SwiGLU, GQA, RoPE with the config's theta; the
+    family's q/k/v biases and q/k norms), so its weights convert 1:1 to the transformers model; this rank's
+    part of it when the model-parallel groups are larger than one (its tensor-parallel shards of its
+    pipeline stage's layers)."""
+    why = megatron_refusal(mc.arch)
+    if why is not None:
+        raise ValueError(f"the megatron backend does not build this model: {why}")
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
     if mc.tie_word_embeddings and not (first and last):
@@ -86,11 +88,13 @@ def build_gpt(mc: ModelConfig) -> Any:
         cfg = _config(mc)
         return GPTModel(
             config=cfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                qk_layernorm=mc.arch.qk_norm, normalization="RMSNorm"
+            ),
             vocab_size=mc.vocab_size,
             max_sequence_length=mc.max_position_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(_rope_theta(mc)),
+            rotary_base=mc.arch.rope_theta,  # a float: Megatron computes base ** (2i / d) as transformers does
             share_embeddings_and_output_weights=mc.tie_word_embeddings,
             pre_process=first,
             post_process=last,
@@ -111,12 +115,12 @@ def _config(mc: ModelConfig) -> Any:
         num_query_groups=mc.num_key_value_heads,
         kv_channels=mc.head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
+        layernorm_epsilon=mc.arch.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=True,
+        add_qkv_bias=mc.arch.qkv_bias,
+        qk_layernorm=mc.arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -234,7 +238,7 @@ def grad_norm_sq(model: Any) -> torch.Tensor:
 
 
 def hf_state_dict(model: Any, mc: ModelConfig) -> dict[str, Any]:
-    """The model's weights in the transformers (Qwen3) layout, via gyre-xfer's converter."""
+    """The model's weights in the transformers layout of its family, via gyre-xfer's converter."""
     from gyre_xfer.convert import megatron_to_hf
 
     src = {
@@ -243,3 +247,72 @@ def hf_state_dict(model: Any, mc: ModelConfig) -> dict[str, Any]:
         if not k.endswith("_extra_state")
     }
     return dict(megatron_to_hf(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)(src))
+
+
+_HF_PLAIN = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_HF_PER_LAYER = {  # the local layer spec's names (no TransformerEngine fused norms)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """Transformers-layout weights of `mc`'s family (a model directory's) in the one-rank Megatron-core
+    layout `build_gpt` makes: q/k/v (weights and biases) fused per query group (each group's query heads,
+    then its key head, then its value head: what `gyre_xfer.convert.split_qkv` splits), gate and up
+    fused as [gate; up]. The inverse of `gyre_xfer.convert.megatron_to_hf`; a tensor it has no place for,
+    or one it lacks, is an error."""
+    heads, groups, hd = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    per = heads // groups
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ValueError(f"the transformers weights lack {name}")
+        used.add(name)
+        return hf[name]
+
+    for meg, name in _HF_PLAIN.items():
+        if meg == "output_layer.weight" and mc.tie_word_embeddings:
+            continue
+        out[meg] = take(name)
+    for i in range(mc.num_hidden_layers):
+        pre, src = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for meg, name in _HF_PER_LAYER.items():
+            if (
+                meg.startswith(("self_attention.q_layernorm", "self_attention.k_layernorm"))
+                and not mc.arch.qk_norm
+            ):
+                continue
+            out[pre + meg] = take(src + name)
+        kinds = ("weight", "bias") if mc.arch.qkv_bias else ("weight",)
+        for kind in kinds:
+            q = take(f"{src}self_attn.q_proj.{kind}")
+            k = take(f"{src}self_attn.k_proj.{kind}")
+            v = take(f"{src}self_attn.v_proj.{kind}")
+            rest = tuple(q.shape[1:])
+            fused = torch.cat(
+                [
+                    q.reshape(groups, per, hd, *rest),
+                    k.reshape(groups, 1, hd, *rest),
+                    v.reshape(groups, 1, hd, *rest),
+                ],
+                dim=1,
+            )
+            out[f"{pre}self_attention.linear_qkv.{kind}"] = fused.reshape(groups * (per + 2) * hd, *rest)
+        out[pre + "mlp.linear_fc1.weight"] = torch.cat(
+            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]
+        )
+    extra = sorted(set(hf) - used)
+    if extra:
+        raise ValueError(f"no Megatron-core place for {extra[:5]}")
+    return out

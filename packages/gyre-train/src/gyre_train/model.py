@@ -16,6 +16,7 @@ import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,13 +32,19 @@ __all__ = [
     "ModelConfig",
     "build_model",
     "load_params",
+    "load_pretrained",
     "micro_gradient",
     "params",
+    "pretrained_weights",
     "set_gradients",
+    "target_logprobs_of",
 ]
 
 
 def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = "cpu") -> torch.nn.Module:
+    """The model of `cfg`, randomly initialised with its seed, in training mode: the family's transformers
+    class (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM) built from the whole HF config, or a
+    Megatron-core GPTModel of the same architecture. `load_pretrained` then loads a directory's weights."""
     from transformers import AutoModelForCausalLM
 
     if cfg.backend == "megatron":
@@ -46,12 +53,44 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
         megatron.init_cpu(cfg.seed)  # one-process group and RNG tracker unless already set up
         torch.manual_seed(cfg.seed)
         return megatron.build_gpt(cfg).to(device).train()
-    if cfg.backend != "transformers":
-        raise ValueError(f"unknown backend {cfg.backend!r}: use 'transformers' or 'megatron'")
     torch.manual_seed(cfg.seed)
     with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
         model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
     return model.train()
+
+
+def pretrained_weights(mc: ModelConfig, model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A model directory's weights (its `*.safetensors`, transformers names) in the one-rank layout of
+    `mc.backend`: what `load_params` and `Core.load_whole_weights` take (a tied lm_head left out: the
+    embeddings cover it; Megatron-core's fused layout for that backend)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if mc.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if mc.backend == "megatron":
+        from gyre_train.megatron import hf_to_megatron
+
+        return hf_to_megatron(state, mc)
+    return state
+
+
+def load_pretrained(model: torch.nn.Module, mc: ModelConfig, model_dir: str | Path) -> None:
+    """Copy a model directory's weights into `model` (built from `mc`, one rank); every parameter must be
+    covered and no tensor left over."""
+    state = pretrained_weights(mc, model_dir)
+    names = {n for n, _ in model.named_parameters()}
+    if set(state) != names:
+        raise ValueError(
+            f"{model_dir} does not fit the model built from its config: missing {sorted(names - set(state))[:5]}, "
+            f"extra {sorted(set(state) - names)[:5]}"
+        )
+    load_params(model, state)
 
 
 @dataclass(frozen=True)
@@ -125,6 +164,22 @@ def micro_gradient(
     metrics["compute_s"] = t1 - t0
     metrics["copy_s"] = time.perf_counter() - t1
     return flat, metrics
+
+
+@torch.no_grad()
+def target_logprobs_of(
+    model: torch.nn.Module, batch: PackedBatch, attention: Attention = "dense"
+) -> torch.Tensor:
+    """Logprobs [L] of a packed micro-batch's loss targets at temperature 1: the forward `micro_gradient`
+    trains with (same attention kernels), without the gradient."""
+    device = next(model.parameters()).device
+    tb = TorchBatch.from_packed(batch, device=device)
+    with _attention_kernels(device):
+        if type(model).__module__.startswith("megatron."):
+            from gyre_train.megatron import tree_target_logprobs
+
+            return tree_target_logprobs(model, tb)
+        return target_logprobs_entropy(model, tb, attention=attention)[0]
 
 
 def _attention_kernels(device: torch.device) -> Any:

@@ -16,9 +16,10 @@ import enum
 import msgspec
 from gyre_xfer.protocol import RegionDesc
 
-PROTOCOL = 3
-"""3: gradients through gyre-xfer (`Gradient.shards`), cell shapes in `Hello`/`Welcome`; 2: the shared-memory
-gradient buffer (gone); 1: first release."""
+PROTOCOL = 4
+"""4: `Welcome.model_config` and `RankSetup.model_config` carry the whole HF config (`ModelConfig` JSON
+format 2); 3: gradients through gyre-xfer (`Gradient.shards`), cell shapes in `Hello`/`Welcome`; 2: the
+shared-memory gradient buffer (gone); 1: first release."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -221,7 +222,8 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
     """gyre-xfer transport kind the publisher serves ("shm" or "mooncake")."""
     heartbeat_s: float
     model_config: str
-    """JSON of the core's `ModelConfig`: the satellite builds the same architecture once, at start."""
+    """JSON of the core's `ModelConfig` (`to_json`: its whole HF config): the satellite builds the same
+    model once, at start."""
     loss: str
     """JSON of the core's gyre-traj `LossConfig`."""
     attention: str = "dense"

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import GenerationConfig, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from gyre_engine.protocol import SamplingParams
 from gyre_engine.server.engine import Engine
@@ -61,7 +61,7 @@ def make_model(shape: str, dtype: str, device: str) -> Any:
     cfg = shape_config(shape, vocab_size=SHAPES[shape].vocab_size or 2048, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+        model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0, do_sample=False)
     return model
 

@@ -271,11 +271,11 @@ def slot_decode_attention(
     """One decode step's attention for rows 0..B-1 of the slot buffer `kv` ([2, layers, slots, KVH,
     capacity, D]) at layer `layer`: row i's new key/value (new_key/new_value [B, KVH, D]) go to column
     valid[i] - 1 of its slot, and its query [B, H, D] attends columns [0, valid[i]) of the first `width`.
-    On CUDA one Triton kernel does both (the write costs no kernel of its own); else an indexed write,
-    then `masked_reference`. Declared as mutating `kv`, so torch.compile keeps the write in place."""
-    b = query.shape[0]
+    On CUDA one Triton kernel does both (the write costs no kernel of its own); else (or for a head
+    dimension that is not a power of two) an indexed write, then `masked_reference`. Declared as mutating `kv`, so torch.compile keeps the write in place."""
+    b, d = query.shape[0], query.shape[-1]
     key, value = kv[0, layer, :b, :, :width], kv[1, layer, :b, :, :width]
-    if triton_available(query.device):
+    if triton_available(query.device) and not d & (d - 1):  # the kernel tiles a power-of-two head dim
         return triton_decode_attention(query, key, value, valid, scale, new_key=new_key, new_value=new_value)
     rows = torch.arange(b, device=query.device)
     kv[:, layer, rows, :, valid - 1] = torch.stack([new_key, new_value], dim=1).to(kv.dtype)

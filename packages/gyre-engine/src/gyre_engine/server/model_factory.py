@@ -1,16 +1,27 @@
-"""Creates the embedded default model locally, with no download: a Qwen3-architecture causal LM with
-random weights and a byte-level BPE tokenizer trained here with `tokenizers` on text that ships with
-Python itself, saved as a normal transformers model directory (config, safetensors, tokenizer, chat
-template with tools as Qwen-style `<tool_call>` JSON and `<think>` blocks, generation config).
+"""Creates the embedded default model locally, with no download: a causal LM with random weights (a
+Qwen3 by default; also the dense Qwen2 and Llama architectures, with any of their config fields set)
+and a byte-level BPE tokenizer trained here with `tokenizers` on text that ships with Python itself,
+saved as a normal transformers model directory (config, safetensors, tokenizer, chat template with
+tools as Qwen-style `<tool_call>` JSON and `<think>` blocks, generation config).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from gyre_engine.tokenizer import train_bpe
 
@@ -62,9 +73,17 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}{% endif %}"""
 
 
+FAMILIES: dict[str, type[PreTrainedConfig]] = {
+    "qwen3": Qwen3Config,
+    "qwen2": Qwen2Config,
+    "llama": LlamaConfig,
+}
+"""The architectures `create_model` writes (by `model_type`); Qwen2.5 checkpoints are `qwen2`."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """Qwen3 dimensions; `tiny` is the embedded default (random outputs for plumbing tests), `mini` the
+    """Dimensions (Qwen3 names, the same in every family); `tiny` is the embedded default (random outputs for plumbing tests), `mini` the
     one `gyre demo` warm-starts (1M parameters), `qwen3_0_6b` the benchmark's larger shape."""
 
     hidden_size: int
@@ -87,11 +106,22 @@ SHAPES = {
 
 
 def shape_config(
-    shape: str, vocab_size: int, *, eos_token_id: int, pad_token_id: int, bos_token_id: int | None = None
-) -> Qwen3Config:
-    """The Qwen3 config of a named shape (tied embeddings), with the given vocabulary and special ids."""
+    shape: str,
+    vocab_size: int,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    bos_token_id: int | None = None,
+    family: str = "qwen3",
+    overrides: Mapping[str, Any] | None = None,
+) -> PreTrainedConfig:
+    """The config of a named shape in `family` (tied embeddings), with the given vocabulary and special
+    ids; `overrides` sets any other field of the family's config (or replaces one of these), as
+    `config.json` would (e.g. `rope_theta`, `rope_scaling`, `rms_norm_eps`, `tie_word_embeddings`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     s = SHAPES[shape]
-    return Qwen3Config(
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=s.hidden_size,
         intermediate_size=s.intermediate_size,
@@ -106,6 +136,8 @@ def shape_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
+    fields.update(overrides or {})
+    return FAMILIES[family].from_dict(fields)
 
 
 def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
@@ -123,10 +155,20 @@ def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     return fast
 
 
-def create_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
-    """Write a ready-to-serve model directory; returns its path."""
+def create_model(
+    out_dir: str | Path,
+    shape: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    family: str = "qwen3",
+    overrides: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a ready-to-serve model directory of `family` (qwen3, qwen2 or llama) with `shape`'s
+    dimensions and `overrides`' config fields (`shape_config`); returns its path."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     s = SHAPES[shape]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,9 +180,11 @@ def create_model(out_dir: str | Path, shape: str = "tiny", seed: int = 0, dtype:
         bos_token_id=None,
         eos_token_id=eos[0],
         pad_token_id=eos[1],
+        family=family,
+        overrides=overrides,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1], do_sample=False)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -48,6 +48,13 @@ log = logging.getLogger(__name__)
 
 ATTN_NAME = "gyre_slots"
 LEN_QUANTUM = 128
+SLOT_FAMILIES = ("llama", "qwen2", "qwen3")
+"""`model_type`s whose attention is what the slot step computes: softmax(q k^T * scaling) v over grouped
+KV heads, the model's own RoPE (any type whose frequencies do not depend on the batch) and q/k norms
+applied before, full attention in every layer. Other models decode in the lanes."""
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+"""RoPE types that rescale with the longest sequence of the batch, so a row's logits would depend on the
+rows beside it (in the lanes as in the slots; gyre-train refuses them)."""
 _registered = False
 
 
@@ -64,11 +71,12 @@ def _slot_attention_interface(
     """transformers attention function for a slot step. `key`/`value` are the step's own [B, KVH, 1, D]
     (`SlotCache.update` hands them through); the slot buffer and the step's column count come as the
     model call's keyword arguments `gyre_kv` and `gyre_width` (transformers passes a forward's extra
-    keyword arguments on to the attention function), and in place of a mask `attention_mask` is the [B]
-    count of valid columns per row (position + 1), which transformers hands through untouched.
-    `gyre::slot_decode_attention` writes the new key/value into the buffer and attends. Returns
-    [B, 1, H, D]."""
-    assert attention_mask is not None and attention_mask.dim() == 1
+    keyword arguments on to the attention function), and in place of a mask `attention_mask` is the
+    count of valid columns per row (position + 1) as a [B, 1, 1, 1] tensor, which transformers hands
+    through untouched. `gyre::slot_decode_attention` writes the new key/value into the buffer and
+    attends. Returns [B, 1, H, D]."""
+    assert attention_mask is not None and attention_mask.dim() == 4
+    valid = attention_mask.reshape(-1)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     layer = module.layer_idx
     assert isinstance(layer, int)
@@ -78,7 +86,7 @@ def _slot_attention_interface(
         value[:, :, 0],
         kwargs["gyre_kv"],
         layer,
-        attention_mask,
+        valid,
         kwargs["gyre_width"],
         scale,
     )
@@ -175,6 +183,13 @@ class SlotBatch:
     def unsupported(model: Any) -> str | None:
         """Why the slot path cannot serve this model (None if it can)."""
         mc = model.config.get_text_config()
+        family = getattr(mc, "model_type", None)
+        if family not in SLOT_FAMILIES:
+            return f"model_type {family!r} (the slot step serves {', '.join(SLOT_FAMILIES)})"
+        rope = getattr(mc, "rope_parameters", None) or getattr(mc, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if kind in BATCH_DEPENDENT_ROPE:
+            return f"rope_type {kind!r} (its frequencies depend on the batch)"
         types = set(getattr(mc, "layer_types", None) or ["full_attention"])
         if types != {"full_attention"}:
             return f"layer types {sorted(types)} (only full attention is supported)"
@@ -317,11 +332,14 @@ class SlotBatch:
         """Logits [b, V] of one decode step for rows 0..b-1 (input ids and positions [b]) over `cols`
         columns. Every input is contiguous whatever the bucket, so the compiled code does not specialize
         on the largest bucket (a [2, b] slice of the [2, slots] buffer is contiguous only at b = slots)."""
-        valid = pos + 1  # what the attention function takes in place of a mask
+        # What the attention function takes in place of a mask: the count of valid columns per row, shaped
+        # [B, 1, 1, 1] because every family's mask builder hands a 4D tensor through as it is (Qwen2/3 also
+        # take a per-layer-type dict, Llama does not).
+        valid = (pos + 1)[:, None, None, None]
         out = self.model(
             input_ids=ids[:, None],
             position_ids=pos[:, None],
-            attention_mask={"full_attention": valid, "sliding_attention": valid},
+            attention_mask=valid,
             use_cache=True,
             gyre_kv=kv,
             gyre_width=cols.shape[0],
