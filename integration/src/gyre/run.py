@@ -567,6 +567,7 @@ def collect(
         "executions": len(outcomes),
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": traj.records,
+        "records_dropped": traj.dropped,
         "evals": [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
         if (out / "evals.jsonl").exists()
         else [],
