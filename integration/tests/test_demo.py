@@ -29,6 +29,8 @@ def test_quick_demo_writes_every_output(tmp_path: Path, monkeypatch: pytest.Monk
     assert all(r["entropy"] is not None and r["approx_kl"] is not None for r in d["per_step"])
     for name in ("reward.png", "timeline.png", "metrics.json", "evals.jsonl"):
         assert (out / name).stat().st_size > 0, name
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["attempts"] == 1 and m["survival"]["events"] == []  # no fault: no new attempt, no restart
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tb").iterdir())
     from transformers import AutoModelForCausalLM
 

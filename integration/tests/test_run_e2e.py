@@ -72,6 +72,8 @@ timeout_s = 8.0
     assert main(["run", str(cfg)]) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert (out / "timeline.png").stat().st_size > 0
+    # No fault was injected: one attempt, nothing restarted, nothing dropped.
+    assert m["attempts"] == 1 and m["survival"]["events"] == [] and m["records_dropped"] == 0
 
     # Versions advanced: two updates, and the rollout engines serve the last one.
     assert m["steps_applied"] == 2 and m["final_version"] == 2
@@ -171,6 +173,7 @@ def test_steps_with_nothing_to_train_are_skipped(tmp_path: Path, model_dir: Path
     m = run(load_config(cfg), say=said.append)
     assert m == json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["records"] == 0 and m["timeouts"] == m["executions"] == 8
+    assert m["attempts"] == 1 and m["survival"]["events"] == []
     assert m["steps_applied"] == 2 and m["steps_skipped"] == 2 and m["final_version"] == 0
     for k, s in enumerate(m["steps"]):
         assert (s["step"], s["skipped"], s["version"], s["microbatches"]) == (k, True, 0, 0)

@@ -302,6 +302,7 @@ def _attempt(
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     metrics["moves"] = _moves(proxy_stats)
     metrics["attempt"] = rd.attempt
+    metrics["attempts"] = rd.attempt + 1  # attempts of the run so far, resumes and new attempts included
     metrics["survival"] = {"events": [e.to_dict() for e in events]}
     metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
     write_json(out / "metrics.json", metrics)
@@ -568,6 +569,7 @@ def collect(
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": traj.records,
         "records_dropped": traj.dropped,
+        "turn_waits": traj.turn_waits,
         "evals": [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
         if (out / "evals.jsonl").exists()
         else [],
