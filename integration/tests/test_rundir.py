@@ -47,6 +47,7 @@ def test_a_lock_held_by_a_killed_run_is_free(tmp_path: Path) -> None:
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     holder.stdout.close()
+    (tmp_path / "steps.jsonl").write_text('{"step": 1}\n')  # it had reached its first step
     # The killed run said `running`: a plain new run is refused, --resume continues it.
     with pytest.raises(RunUnfinished, match="--resume"):
         RunDir.claim(tmp_path, CFG, resume=False)
@@ -68,6 +69,57 @@ def test_a_finished_run_is_kept_and_nothing_is_deleted(tmp_path: Path) -> None:
         with pytest.raises(RunFinished, match="kept"):
             RunDir.claim(tmp_path, CFG, resume=resume)
     assert (tmp_path / "records.msgpack").read_bytes() == b"precious"
+
+
+def test_a_run_that_never_reached_its_first_step_starts_again_with_a_new_config(tmp_path: Path) -> None:
+    rd = RunDir.claim(tmp_path, CFG, resume=False)
+    rd.mark("failed", "RunError: [run] model_dir /nowhere is not a model directory")
+    rd.release()
+    (tmp_path / "steps.jsonl").write_text('{"step": 1')  # a line cut by a crash is no step
+    rd = RunDir.claim(tmp_path, {"run": {"steps": 3}}, resume=False)
+    assert (rd.attempt, rd.config) == (1, {"run": {"steps": 3}})  # the next attempt, the new config
+    assert rd.restarted is not None and rd.restarted["why"].startswith("RunError: [run] model_dir")
+    assert json.loads((tmp_path / "run.json").read_text())["config"] == {"run": {"steps": 3}}
+    rd.mark("failed", "killed after its first step")
+    rd.release()
+    (tmp_path / "steps.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunUnfinished, match="--resume"):
+        RunDir.claim(tmp_path, CFG, resume=False)
+
+
+def test_gyre_run_that_failed_at_start_starts_again_with_a_corrected_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gyre.cli import main
+    from gyre_engine.server.model_factory import create_model
+
+    out = tmp_path / "run"
+    bad, good = tmp_path / "bad.toml", tmp_path / "good.toml"
+    bad.write_text(f'[run]\nmodel_dir = "{tmp_path / "nowhere"}"\nout_dir = "{out}"\n')
+    assert main(["run", str(bad)]) == 1
+    assert "is not a model directory" in capsys.readouterr().err
+    # --resume repeats the run's own configuration: the same failure, and one line saying what to do
+    assert main(["run", "--resume", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "is not a model directory" in err
+    assert (
+        f"never reached its first step, so --resume repeats its configuration: start it again with a corrected one (gyre run CONFIG --out {out})"
+        in err
+    )
+    # A corrected config is taken (its model passes the check); a start-up timeout of 1 s ends it after
+    # the scheduler and the core cell were started, which is as far as this test needs to go.
+    model = create_model(tmp_path / "model")
+    good.write_text(f'[run]\nmodel_dir = "{model}"\nout_dir = "{out}"\nstartup_timeout_s = 1.0\n')
+    assert main(["run", str(good)]) == 1
+    said = capsys.readouterr()
+    assert (
+        f"gyre run: {out} held a run that never reached its first step (failed: RunError: [run] model_dir "
+        f"{tmp_path / 'nowhere'} is not a model directory (no config.json)); it starts again with this "
+        "configuration, as attempt 2"
+    ) in said.out
+    assert "the core cell not ready within 1 s" in said.err
+    state = json.loads((out / "run.json").read_text())
+    assert state["attempt"] == 2 and state["config"]["run"]["model_dir"] == str(model)
 
 
 def test_resume_needs_a_run(tmp_path: Path) -> None:

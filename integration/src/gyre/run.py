@@ -14,7 +14,8 @@ cell whose trainer or serving thread dies exits loudly), the trajectory service 
 fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
 
 The run directory is claimed first (`rundir.RunDir`: an exclusive lock, a finished run refused and kept,
-an unfinished one continued only by `resume=True`, nothing deleted); `resume.prepare` lines it up with
+an unfinished one continued only by `resume=True` unless it never reached its first step, nothing
+deleted); `resume.prepare` lines it up with
 the core's checkpoint, from whose queue position the driver and the trajectory service start. What each
 step trained goes to the ledger (`ledger.py`), and `metrics.json` carries its `accounting` of the
 records. The state file says `finished` or `failed` at the end; the run's shared memory is swept.
@@ -132,6 +133,13 @@ def run(
     rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
     if resume:  # the run goes on as it was configured
         cfg = _located(rd.config, out)
+    if rd.restarted is not None:
+        was = rd.restarted
+        say(
+            f"gyre run: {out} held a run that never reached its first step ({was['state']}"
+            + (f": {was['why'].splitlines()[0]}" if was.get("why") else "")
+            + f"); it starts again with this configuration, as attempt {rd.attempt}"
+        )
     events: list[Event] = []
     restarted = 0
     try:
