@@ -1,8 +1,10 @@
 """The run directory's ownership, the record log after a crash, the ledger's accounting, supervision's
-restart budget: real files, real locks held by real processes, real child processes."""
+restart budget, a full disk told from a crash: real files, real locks held by real processes, real child
+processes."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -10,11 +12,13 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gyre import ledger, recordlog
+from gyre import diskfull, ledger, recordlog
+from gyre.diskfull import EXIT_DISK_FULL, DiskFull, OutOfSpace
 from gyre.procs import ChildDied, ProcessGroup
 from gyre.resume import checkpoint_position, prepare
 from gyre.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
@@ -321,3 +325,85 @@ def test_gyre_run_takes_a_config_or_resume(tmp_path: Path, capsys: pytest.Captur
         assert exc.value.code == 2
     assert main(["run", "--resume", str(tmp_path)]) == 2  # nothing to resume there
     assert "holds no run to resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_part_that_found_the_disk_full_is_neither_restarted_nor_given_a_new_attempt(
+    tmp_path: Path, watched: bool
+) -> None:
+    pg = ProcessGroup(tmp_path / "logs")
+    said: list[str] = []
+    sup = Supervisor(pg, max_restarts=5, backoff_s=0.0, say=said.append)
+    argv = [
+        sys.executable,
+        "-c",
+        f"import sys; print('no room for the checkpoint'); sys.exit({EXIT_DISK_FULL})",
+    ]
+    if watched:
+        sup.watch("cell-1", lambda: pg.start("cell-1", argv), lambda: True)
+    child = pg.start("cell-1", argv)
+    child.proc.wait()
+    try:
+        with pytest.raises(
+            OutOfSpace, match="cell-1 could not write for want of space; no room for the checkpoint"
+        ):
+            sup.check()
+        assert sup.events == [] and said == [] and sup.restarts["cell-1"] == 0
+    finally:
+        pg.close()
+
+
+def test_a_full_disk_is_told_from_its_errors(tmp_path: Path) -> None:
+    """What says the disk is full, wherever it is in an error's chain: an OSError of ENOSPC, EDQUOT or
+    EFBIG, a Rust extension's I/O error with one of those codes (safetensors writes the checkpoints), a
+    child's exit status; and what does not."""
+    import torch
+    from safetensors.torch import save_file
+
+    def raised(fn: Callable[[], object]) -> BaseException:
+        try:
+            fn()
+        except BaseException as exc:
+            return exc
+        raise AssertionError("nothing raised")
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        raise RestartAttempt("the trajectory service failed") from full
+    except RestartAttempt as exc:
+        assert diskfull.is_full(exc) is full
+        stopped = diskfull.stopped(tmp_path, exc)
+    assert stopped is not None and str(stopped).startswith(
+        f"no space left to write ([Errno 28] No space left on device): {tmp_path} has "
+    )
+    assert diskfull.is_full(ChildDied("cell-0 exited", EXIT_DISK_FULL)) is not None
+    assert diskfull.is_full(ChildDied("cell-0 exited", 70)) is None
+    assert diskfull.is_full(OSError(errno.EACCES, "Permission denied")) is None
+    # safetensors' own error type, from a real write into a directory that is not there
+    missing = raised(lambda: save_file({"w": torch.zeros(4)}, str(tmp_path / "nowhere" / "w.safetensors")))
+    assert "(os error 2)" in str(missing) and diskfull.is_full(missing) is None
+    # and from a write past a file-size limit (EFBIG), in a process of its own that has the limit
+    probe = (
+        "import resource, torch; from safetensors.torch import save_file; from gyre import diskfull\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))\n"
+        f"try: save_file({{'w': torch.zeros(1 << 16)}}, {str(tmp_path / 'w.safetensors')!r})\n"
+        "except Exception as exc: print(type(exc).__name__, diskfull.is_full(exc) is exc)\n"
+    )
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert said.stdout == "SafetensorError True\n", said.stderr
+    (tmp_path / "w.safetensors").unlink(missing_ok=True)
+    # an unrelated failure with room to spare is no disk matter; with less room than a step needs it is
+    assert diskfull.stopped(tmp_path, RestartAttempt("cell-0 exited with code 70")) is None
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "model.safetensors").write_bytes(b"\0" * 4096)
+    assert diskfull.needed(tmp_path) == 4096 + diskfull.MARGIN
+    room = diskfull.free(tmp_path)
+    os.truncate(
+        (tmp_path / "checkpoint" / "model.safetensors"), room
+    )  # sparse: a checkpoint as big as the room
+    with pytest.raises(
+        DiskFull, match=r"\(found before the attempt starts\): .* has [\d,]+ MiB free, the run needs about"
+    ):
+        diskfull.check_room(tmp_path)
+    stopped = diskfull.stopped(tmp_path, RestartAttempt("cell-0 exited with code 70"))
+    assert stopped is not None and "(a part failed: cell-0 exited with code 70)" in str(stopped)

@@ -145,12 +145,13 @@ def _demo(args: argparse.Namespace) -> int:
     from gyre.demo import DemoConfig, demo
     from gyre.procs import ChildDied
     from gyre.run import RunError
+    from gyre.rundir import RunDirError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         demo(_fields(args, DemoConfig), say=lambda m: print(m, flush=True))
-    except (RunError, ChildDied) as exc:
+    except (RunError, ChildDied, RunDirError) as exc:
         print(f"gyre demo: error: {exc}", file=sys.stderr)
         return 1
     return 0
