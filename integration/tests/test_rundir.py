@@ -339,8 +339,12 @@ def test_a_part_that_found_the_disk_full_is_neither_restarted_nor_given_a_new_at
         "-c",
         f"import sys; print('no room for the checkpoint'); sys.exit({EXIT_DISK_FULL})",
     ]
+
+    def restart() -> None:
+        pg.start("cell-1", argv)
+
     if watched:
-        sup.watch("cell-1", lambda: pg.start("cell-1", argv), lambda: True)
+        sup.watch("cell-1", restart, lambda: True)
     child = pg.start("cell-1", argv)
     child.proc.wait()
     try:
