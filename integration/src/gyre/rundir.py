@@ -136,7 +136,7 @@ class RunDir:
 def steps_done(path: Path) -> int:
     """Steps the run in `path` completed (applied or skipped): whole lines of the core's `steps.jsonl`."""
     p = path / STEPS
-    if not p.exists():
+    if not p.is_file():
         return 0
     n = 0
     for line in p.read_text(errors="replace").splitlines():
