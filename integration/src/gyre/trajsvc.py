@@ -210,13 +210,9 @@ class TrajectoryService:
                 self._take(msg)
         while True:
             try:
-                rec = self._replayed.get_nowait()
+                self._record(self._replayed.get_nowait())
             except queue.Empty:
                 break
-            try:
-                self._record(rec)
-            except RecordError as exc:  # the proxy's own log: a call its tree refuses is left out, loudly
-                log.error("a call read back from the proxy's log was left out: %s", exc)
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
