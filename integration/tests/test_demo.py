@@ -1,10 +1,14 @@
 """`gyre demo --quick`: the whole path on real processes (warm start into the cache, RL on two cells under
 the elastic policy, held-out evaluations, outputs). Too short to learn anything: it checks that every
-output is written and consistent, not the figures (those are in the README)."""
+output is written and consistent, not the figures (those are in the README); and that a second demo on
+its directory shows its results and leaves it as it is."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +33,26 @@ def test_quick_demo_writes_every_output(tmp_path: Path, monkeypatch: pytest.Monk
     assert all(r["entropy"] is not None and r["approx_kl"] is not None for r in d["per_step"])
     for name in ("reward.png", "timeline.png", "metrics.json", "evals.jsonl"):
         assert (out / name).stat().st_size > 0, name
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["attempts"] == 1 and m["survival"]["events"] == []  # no fault: no new attempt, no restart
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tb").iterdir())
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "policy")  # the exported policy loads
     assert not d["warmstart"]["cached"]
+
+    # A second demo on the same directory shows the finished one's results in one line, as a new user
+    # runs it (a process of its own: a writer left open would fail at its exit), and adds no file.
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    again = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "demo", "--quick", "--out", str(out), "--seed", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert (again.returncode, again.stderr) == (0, "")
+    assert again.stdout.splitlines() == [
+        f"gyre demo: {out} holds a finished demo, kept as it is (--out DIR for a new one): eval "
+        f"{d['eval_before']} -> {d['eval_after']}, train score {d['train_score_first']} -> "
+        f"{d['train_score_last']}, model tool calls {d['model_tool_call_share']:.0%}, {d['wall_s']:.0f} s; "
+        f"{out / 'demo.json'}, {out / 'reward.png'}"
+    ]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before

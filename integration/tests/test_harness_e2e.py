@@ -103,6 +103,7 @@ def _check_trained_once(m: dict[str, Any], out: Path, steps: int, j_max: int) ->
             assert s["loss_tokens"] == s["output_tokens_recorded"]
         assert set(s["leaves_by_role"]) == set(s["trained_executions"])
     assert {r.execution_id for r in records} <= {o["execution_id"] for o in m["outcomes"]}
+    assert m["attempts"] == 1 and m["survival"]["events"] == []  # no fault: no new attempt, no restart
     assert _processes_mentioning(str(out)) == []
     return records
 

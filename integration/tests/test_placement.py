@@ -250,6 +250,7 @@ def test_gyre_run_tiny_through_ray(tmp_path: Path, ray_head: tuple[str, dict[str
     print(f"gyre run through Ray: {time.monotonic() - t0:.1f} s wall")
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps_applied"] == 2 and m["final_version"] == 2
+    assert m["attempts"] == 1 and m["survival"]["events"] == []  # no fault: no new attempt, no restart
     rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
     assert rollout and all(c["engine_version"] == "2" for c in rollout)
     placed = json.loads((out / "logs" / "placement.json").read_text())

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import resource
 import signal
 import threading
 from pathlib import Path
@@ -14,7 +16,8 @@ from pathlib import Path
 import pytest
 from gyre.cli import main
 from gyre.config import load_config
-from gyre.run import RunError, run
+from gyre.diskfull import DiskFull
+from gyre.run import RunError, resume_config, run
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 
@@ -72,6 +75,8 @@ timeout_s = 8.0
     assert main(["run", str(cfg)]) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert (out / "timeline.png").stat().st_size > 0
+    # No fault was injected: one attempt, nothing restarted, nothing dropped.
+    assert m["attempts"] == 1 and m["survival"]["events"] == [] and m["records_dropped"] == 0
 
     # Versions advanced: two updates, and the rollout engines serve the last one.
     assert m["steps_applied"] == 2 and m["final_version"] == 2
@@ -138,14 +143,14 @@ def _resume(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def _config(tmp_path: Path, model_dir: Path, extra: str, deadline_s: float = 300.0) -> Path:
+def _config(tmp_path: Path, model_dir: Path, extra: str, deadline_s: float = 300.0, steps: int = 2) -> Path:
     cfg = tmp_path / "run.toml"
     cfg.write_text(
         f"""
 [run]
 model_dir = "{model_dir}"
 cells = 2
-steps = 2
+steps = {steps}
 out_dir = "{tmp_path / "run"}"
 deadline_s = {deadline_s}
 [batch]
@@ -171,6 +176,7 @@ def test_steps_with_nothing_to_train_are_skipped(tmp_path: Path, model_dir: Path
     m = run(load_config(cfg), say=said.append)
     assert m == json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["records"] == 0 and m["timeouts"] == m["executions"] == 8
+    assert m["attempts"] == 1 and m["survival"]["events"] == []
     assert m["steps_applied"] == 2 and m["steps_skipped"] == 2 and m["final_version"] == 0
     for k, s in enumerate(m["steps"]):
         assert (s["step"], s["skipped"], s["version"], s["microbatches"]) == (k, True, 0, 0)
@@ -210,3 +216,48 @@ def test_a_cell_marked_failed_ends_the_run_at_once(tmp_path: Path, model_dir: Pa
             _resume(p)
     assert stopped
     assert _processes_mentioning(str(tmp_path / "run")) == []
+
+
+def _core_cell(out: Path) -> int:
+    pids = [int(p.split(":")[0]) for p in _processes_mentioning('"cell_id": 0')]
+    pids = [p for p in pids if str(out) in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_once_and_resume_continues_it(tmp_path: Path, model_dir: Path) -> None:
+    # Once rollout starts, the core cell may write no file past 1.25 MiB (RLIMIT_FSIZE on the live process:
+    # every write past it fails with EFBIG, as writes to a full disk fail with ENOSPC; a small tmpfs needs
+    # privileges, this does not): its weight snapshots (0.8 MB) are written, its first checkpoint's AdamW
+    # state (1.6 MB) is not. The run took that for a crash: new attempts, each printing `last lines:` and
+    # nothing (on a full disk the log is empty).
+    out = tmp_path / "run"
+    cfg_path = _config(tmp_path, model_dir, "median_s = 2.0\ntimeout_s = 8.0", steps=1)
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if "rollout starts" in line:
+            resource.prlimit(_core_cell(out), resource.RLIMIT_FSIZE, (1_310_720, resource.RLIM_INFINITY))
+
+    with pytest.raises(DiskFull) as stopped:
+        run(load_config(cfg_path), say=say)
+    msg = str(stopped.value)
+    assert msg.startswith("no space left to write (cell-0 could not write for want of space; "), msg
+    assert "I/O error: File too large (os error 27)" in msg, msg  # the checkpoint's write (safetensors)
+    assert re.search(
+        rf"\): {re.escape(str(out))} has [\d,]+ MiB free, the run needs about \d+ MiB there", msg
+    )
+    assert msg.endswith(f"`gyre run --resume {out}` continues the run")
+    assert not [line for line in said if "attempt" in line]  # no new attempt was started
+    state = json.loads((out / "run.json").read_text())
+    assert (state["state"], state["attempt"]) == ("failed", 0) and state["why"].startswith("DiskFull: ")
+    assert _processes_mentioning(str(out)) == []
+
+    # The limit went with the process, as space freed would: --resume continues the run, losing nothing.
+    m = run(resume_config(out), say=said.append, resume=True)
+    assert (m["attempt"], m["attempts"], m["steps_applied"]) == (1, 2, 1)
+    acc = m["accounting"]
+    assert acc["records_lost"] == 0 and acc["records_trained_twice"] == 0 and acc["records_trained"] > 0
+    assert _processes_mentioning(str(out)) == []

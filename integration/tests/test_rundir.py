@@ -1,8 +1,10 @@
 """The run directory's ownership, the record log after a crash, the ledger's accounting, supervision's
-restart budget: real files, real locks held by real processes, real child processes."""
+restart budget, a full disk told from a crash: real files, real locks held by real processes, real child
+processes."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -10,11 +12,13 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from gyre import ledger, recordlog
+from gyre import diskfull, ledger, recordlog
+from gyre.diskfull import EXIT_DISK_FULL, DiskFull, OutOfSpace
 from gyre.procs import ChildDied, ProcessGroup
 from gyre.resume import checkpoint_position, prepare
 from gyre.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
@@ -47,6 +51,7 @@ def test_a_lock_held_by_a_killed_run_is_free(tmp_path: Path) -> None:
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     holder.stdout.close()
+    (tmp_path / "steps.jsonl").write_text('{"step": 1}\n')  # it had reached its first step
     # The killed run said `running`: a plain new run is refused, --resume continues it.
     with pytest.raises(RunUnfinished, match="--resume"):
         RunDir.claim(tmp_path, CFG, resume=False)
@@ -68,6 +73,57 @@ def test_a_finished_run_is_kept_and_nothing_is_deleted(tmp_path: Path) -> None:
         with pytest.raises(RunFinished, match="kept"):
             RunDir.claim(tmp_path, CFG, resume=resume)
     assert (tmp_path / "records.msgpack").read_bytes() == b"precious"
+
+
+def test_a_run_that_never_reached_its_first_step_starts_again_with_a_new_config(tmp_path: Path) -> None:
+    rd = RunDir.claim(tmp_path, CFG, resume=False)
+    rd.mark("failed", "RunError: [run] model_dir /nowhere is not a model directory")
+    rd.release()
+    (tmp_path / "steps.jsonl").write_text('{"step": 1')  # a line cut by a crash is no step
+    rd = RunDir.claim(tmp_path, {"run": {"steps": 3}}, resume=False)
+    assert (rd.attempt, rd.config) == (1, {"run": {"steps": 3}})  # the next attempt, the new config
+    assert rd.restarted is not None and rd.restarted["why"].startswith("RunError: [run] model_dir")
+    assert json.loads((tmp_path / "run.json").read_text())["config"] == {"run": {"steps": 3}}
+    rd.mark("failed", "killed after its first step")
+    rd.release()
+    (tmp_path / "steps.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunUnfinished, match="--resume"):
+        RunDir.claim(tmp_path, CFG, resume=False)
+
+
+def test_gyre_run_that_failed_at_start_starts_again_with_a_corrected_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gyre.cli import main
+    from gyre_engine.server.model_factory import create_model
+
+    out = tmp_path / "run"
+    bad, good = tmp_path / "bad.toml", tmp_path / "good.toml"
+    bad.write_text(f'[run]\nmodel_dir = "{tmp_path / "nowhere"}"\nout_dir = "{out}"\n')
+    assert main(["run", str(bad)]) == 1
+    assert "is not a model directory" in capsys.readouterr().err
+    # --resume repeats the run's own configuration: the same failure, and one line saying what to do
+    assert main(["run", "--resume", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "is not a model directory" in err
+    assert (
+        f"never reached its first step, so --resume repeats its configuration: start it again with a corrected one (gyre run CONFIG --out {out})"
+        in err
+    )
+    # A corrected config is taken (its model passes the check); a start-up timeout of 1 s ends it after
+    # the scheduler and the core cell were started, which is as far as this test needs to go.
+    model = create_model(tmp_path / "model")
+    good.write_text(f'[run]\nmodel_dir = "{model}"\nout_dir = "{out}"\nstartup_timeout_s = 1.0\n')
+    assert main(["run", str(good)]) == 1
+    said = capsys.readouterr()
+    assert (
+        f"gyre run: {out} held a run that never reached its first step (failed: RunError: [run] model_dir "
+        f"{tmp_path / 'nowhere'} is not a model directory (no config.json)); it starts again with this "
+        "configuration, as attempt 2"
+    ) in said.out
+    assert "the core cell not ready within 1 s" in said.err
+    state = json.loads((out / "run.json").read_text())
+    assert state["attempt"] == 2 and state["config"]["run"]["model_dir"] == str(model)
 
 
 def test_resume_needs_a_run(tmp_path: Path) -> None:
@@ -269,3 +325,89 @@ def test_gyre_run_takes_a_config_or_resume(tmp_path: Path, capsys: pytest.Captur
         assert exc.value.code == 2
     assert main(["run", "--resume", str(tmp_path)]) == 2  # nothing to resume there
     assert "holds no run to resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_part_that_found_the_disk_full_is_neither_restarted_nor_given_a_new_attempt(
+    tmp_path: Path, watched: bool
+) -> None:
+    pg = ProcessGroup(tmp_path / "logs")
+    said: list[str] = []
+    sup = Supervisor(pg, max_restarts=5, backoff_s=0.0, say=said.append)
+    argv = [
+        sys.executable,
+        "-c",
+        f"import sys; print('no room for the checkpoint'); sys.exit({EXIT_DISK_FULL})",
+    ]
+
+    def restart() -> None:
+        pg.start("cell-1", argv)
+
+    if watched:
+        sup.watch("cell-1", restart, lambda: True)
+    child = pg.start("cell-1", argv)
+    child.proc.wait()
+    try:
+        with pytest.raises(
+            OutOfSpace, match="cell-1 could not write for want of space; no room for the checkpoint"
+        ):
+            sup.check()
+        assert sup.events == [] and said == [] and sup.restarts["cell-1"] == 0
+    finally:
+        pg.close()
+
+
+def test_a_full_disk_is_told_from_its_errors(tmp_path: Path) -> None:
+    """What says the disk is full, wherever it is in an error's chain: an OSError of ENOSPC, EDQUOT or
+    EFBIG, a Rust extension's I/O error with one of those codes (safetensors writes the checkpoints), a
+    child's exit status; and what does not."""
+    import torch
+    from safetensors.torch import save_file
+
+    def raised(fn: Callable[[], object]) -> BaseException:
+        try:
+            fn()
+        except BaseException as exc:
+            return exc
+        raise AssertionError("nothing raised")
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        raise RestartAttempt("the trajectory service failed") from full
+    except RestartAttempt as exc:
+        assert diskfull.is_full(exc) is full
+        stopped = diskfull.stopped(tmp_path, exc)
+    assert stopped is not None and str(stopped).startswith(
+        f"no space left to write ([Errno 28] No space left on device): {tmp_path} has "
+    )
+    assert diskfull.is_full(ChildDied("cell-0 exited", EXIT_DISK_FULL)) is not None
+    assert diskfull.is_full(ChildDied("cell-0 exited", 70)) is None
+    assert diskfull.is_full(OSError(errno.EACCES, "Permission denied")) is None
+    # safetensors' own error type, from a real write into a directory that is not there
+    missing = raised(lambda: save_file({"w": torch.zeros(4)}, str(tmp_path / "nowhere" / "w.safetensors")))
+    assert "(os error 2)" in str(missing) and diskfull.is_full(missing) is None
+    # and from a write past a file-size limit (EFBIG), in a process of its own that has the limit
+    probe = (
+        "import resource, torch; from safetensors.torch import save_file; from gyre import diskfull\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))\n"
+        f"try: save_file({{'w': torch.zeros(1 << 16)}}, {str(tmp_path / 'w.safetensors')!r})\n"
+        "except Exception as exc: print(type(exc).__name__, diskfull.is_full(exc) is exc)\n"
+    )
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert said.stdout == "SafetensorError True\n", said.stderr
+    (tmp_path / "w.safetensors").unlink(missing_ok=True)
+    # an unrelated failure with room to spare is no disk matter; with less room than a step needs it is
+    assert diskfull.stopped(tmp_path, RestartAttempt("cell-0 exited with code 70")) is None
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "model.safetensors").write_bytes(b"\0" * 4096)
+    assert diskfull.needed(tmp_path) == 4096 + diskfull.MARGIN
+    room = diskfull.free(tmp_path)
+    os.truncate(
+        (tmp_path / "checkpoint" / "model.safetensors"), room
+    )  # sparse: a checkpoint as big as the room
+    with pytest.raises(
+        DiskFull, match=r"\(found before the attempt starts\): .* has [\d,]+ MiB free, the run needs about"
+    ):
+        diskfull.check_room(tmp_path)
+    stopped = diskfull.stopped(tmp_path, RestartAttempt("cell-0 exited with code 70"))
+    assert stopped is not None and "(a part failed: cell-0 exited with code 70)" in str(stopped)

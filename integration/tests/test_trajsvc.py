@@ -1,13 +1,22 @@
 """The trajectory service's step book: when a group is ready, what the scheduler is told (untrained
 ready groups from the core's `StepInfo`, the batch's completeness, whether the step has begun), with
-streamed and whole steps; and groups packed one at a time give each execution to exactly one step."""
+streamed and whole steps; and groups packed one at a time give each execution to exactly one step.
+Then the service itself against gyre-train's real core server and claim queue: steps handed over in
+their turn, also while the core is landing an update."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 from gyre.stepbook import RecordsMissing, StepBook
-from gyre_train.protocol import StepInfo
+from gyre.trajsvc import TrajectoryService
+from gyre_train.claimqueue import ClaimQueue
+from gyre_train.protocol import PROTOCOL, StepInfo, Welcome
+from gyre_train.server import ReplicaServer, ServerConfig
 from gyre_traj.records import Call, Role, Score
 
 
@@ -140,3 +149,71 @@ def test_groups_packed_one_by_one_train_each_execution_once() -> None:
     assert len(set(b["trained_executions"])) == len(b["trained_executions"]) == 4
     assert a["loss_tokens"] == b["loss_tokens"] == b["output_tokens_recorded"] == 8
     assert streamed.steps[0].tally.executions == 4
+
+
+# ---- the trajectory service against a real core server and claim queue --------------------------------
+
+NOWHERE = "tcp://127.0.0.1:1"  # no scheduler: the service never reports (report_s = inf)
+
+
+@contextmanager
+def _core_and_service(streaming: bool, position: int = 0) -> Iterator[tuple[ClaimQueue, TrajectoryService]]:
+    """gyre-train's real claim queue behind its real server (loopback, no satellites), which this test
+    drives as the core's training thread does; and a trajectory service feeding it."""
+    queue = ClaimQueue(lambda mbs: None, inbox=4)
+    queue.load_state_dict({"step": position, "version": position, "queue_position": position})
+    welcome = Welcome(PROTOCOL, "", "shm", 1.0, "{}", "{}")
+    server = ReplicaServer(ServerConfig(bind="tcp://127.0.0.1:0"), queue, welcome, lambda g: None)
+    traj = TrajectoryService(
+        server.address, NOWHERE, 1, streaming=streaming, token_budget=1024, j_max=5, report_s=float("inf")
+    )
+    try:
+        traj.start()
+        yield queue, traj
+    finally:
+        traj.stop()
+        server.close()
+
+
+def _until(what: str, ok: Callable[[], bool], traj: TrajectoryService, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert traj.failure() is None, f"the trajectory service failed: {traj.failure()}"
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_step_handed_over_while_the_core_lands_an_update_waits_its_turn(streaming: bool) -> None:
+    """The core's training thread takes the finished step off its queue (`finish`) before the update
+    lands (`applied`/`skipped` advance the queue position): in between, the next step the service opens
+    or submits is refused as out of order ("step 2 out of order: the core expects 1"). That refusal ended
+    the service, and a run with no fault started a new attempt (2 runs in 16). The service now checks the
+    core's status, finds the one step in flight, and hands the step over once the update has landed."""
+    with _core_and_service(streaming) as (queue, traj):
+        for k in (0, 1):  # batches with no group: complete at once, handed over empty
+            traj.register_batch(k, {})
+        _until("steps 0 and 1 accepted, closed", lambda: [(i.seq, i.closed) for i in queue.steps()] == [(0, True), (1, True)], traj)  # fmt: skip
+        step = queue.next_step(5.0)
+        assert step is not None
+        queue.begin(step)
+        assert queue.wait_complete(5.0)
+        queue.finish()  # step 0 leaves the queue; its update has not landed yet
+        traj.register_batch(2, {})
+        _until("a turn waited for", lambda: traj.turn_waits > 0, traj)
+        assert [i.seq for i in queue.steps()] == [1]
+        queue.skipped()  # the update lands (an empty step: no update, its queue position taken)
+        _until("step 2 accepted", lambda: [i.seq for i in queue.steps()] == [1, 2], traj)
+        assert traj.failure() is None
+
+
+def test_a_step_the_core_has_already_is_still_an_error() -> None:
+    """Only the step in flight is waited for: a core ahead of the service (it holds steps the service
+    has not handed over) refuses the service's first step as out of order, and the service fails naming
+    it."""
+    with _core_and_service(True, position=3) as (_, traj):
+        traj.register_batch(0, {})
+        deadline = time.monotonic() + 20.0
+        while traj.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "OpenStep of step 0 refused: step 0 out of order: the core expects 3" in str(traj.failure())

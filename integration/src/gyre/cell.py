@@ -14,7 +14,9 @@ JSON line per step to `steps.jsonl` in the run directory. In rollout the core st
 with no micro-batch and skips it (nothing to compute): no ready group counts for such a step, so no policy
 moves the cell to training for it. The trainer thread and the satellite thread are gyre-train's
 `threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the traceback in its
-log), and `gyre run` ends naming it (or restarts it: `supervise.py`).
+log), and `gyre run` ends naming it (or restarts it: `supervise.py`). A cell that cannot write for want
+of space (its steps line, its checkpoint, `core.json`) exits with `diskfull.EXIT_DISK_FULL` instead, and
+the run stops once.
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
 `steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
@@ -56,6 +58,7 @@ from gyre_sched.protocol import (
     Welcome,
 )
 
+from gyre import diskfull
 from gyre.procs import ProcessGroup, python_argv
 
 if TYPE_CHECKING:
@@ -313,9 +316,11 @@ class Cell:
         (`start_thread`), unless the cell is already closing."""
         try:
             self._train_steps()
-        except Exception:
+        except Exception as exc:
             if self.stop.is_set():
                 return
+            if diskfull.is_full(exc) is not None:  # the steps line or the checkpoint: no room for it
+                diskfull.exit_process(f"cell {self.a.cell_id}: the core could not write", exc)
             raise
 
     def _train_steps(self) -> None:
@@ -512,4 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     cell = Cell(a)
     signal.signal(signal.SIGTERM, lambda *_: cell.stop.set())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return cell.run()
+    try:
+        return cell.run()
+    except Exception as exc:
+        if diskfull.is_full(exc) is None:
+            raise
+        diskfull.exit_process(f"cell {a.cell_id}", exc)

@@ -106,7 +106,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (the configuration's reference), by field name."""
+    """The docstring under each field of a dataclass (the configuration's reference), by field name, as
+    argparse help text (a `%` doubled: argparse formats help with `%`)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -118,7 +119,7 @@ def _field_docs(cls: type) -> dict[str, str]:
             and isinstance(b.value, ast.Constant)
             and isinstance(b.value.value, str)
         ):
-            docs[a.target.id] = " ".join(b.value.value.split())
+            docs[a.target.id] = " ".join(b.value.value.split()).replace("%", "%%")
     return docs
 
 
@@ -132,7 +133,8 @@ def _dataclass_args(p: argparse.ArgumentParser, cls: type) -> None:
             p.add_argument(flag, action="store_true", help=doc)
         else:
             kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default, help=f"{doc} (default: {f.default})")
+            default = str(f.default).replace("%", "%%")
+            p.add_argument(flag, type=kind, default=f.default, help=f"{doc} (default: {default})")
 
 
 def _fields(ns: argparse.Namespace, cls: type) -> Any:
@@ -143,12 +145,13 @@ def _demo(args: argparse.Namespace) -> int:
     from gyre.demo import DemoConfig, demo
     from gyre.procs import ChildDied
     from gyre.run import RunError
+    from gyre.rundir import RunDirError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         demo(_fields(args, DemoConfig), say=lambda m: print(m, flush=True))
-    except (RunError, ChildDied) as exc:
+    except (RunError, ChildDied, RunDirError) as exc:
         print(f"gyre demo: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -254,6 +257,16 @@ def main(argv: list[str] | None = None) -> int:
                 compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
         except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
+            if args.command == "run" and args.resume:
+                from gyre.rundir import steps_done
+
+                if steps_done(Path(args.resume)) == 0:
+                    print(
+                        f"gyre run: {args.resume} never reached its first step, so --resume repeats its "
+                        f"configuration: start it again with a corrected one (gyre run CONFIG --out "
+                        f"{args.resume})",
+                        file=sys.stderr,
+                    )
             return 1
         except KeyboardInterrupt:  # every child was stopped on the way out
             print(f"gyre {args.command}: interrupted", file=sys.stderr)

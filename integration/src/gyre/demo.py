@@ -6,7 +6,10 @@ Writes into `--out`: `demo.json` (eval_before, eval_after, train_score_first/las
 model_tool_call_share, warmstart_s, wall_s, and the per-step figures), `reward.png` (train and eval
 score per step), the run's `timeline.png` and `metrics.json`, TensorBoard event files under `tb/`, and
 the trained policy as a Hugging Face model directory under `policy/`. `--control` runs the same seeds
-with learning rate 0, so a rise that is not learning shows; `--quick` is the small run CI uses.
+with learning rate 0, so a rise that is not learning shows; `--quick` is the small run CI uses. A demo
+on a directory that holds a finished one shows that one's results and leaves it as it is; one that stopped
+after its first step is not resumed (give another `--out`); one that never reached its first step starts
+again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from gyre.config import (
     TrainSection,
 )
 from gyre.evalset import Evaluator, engines_serve, eval_points
+from gyre.rundir import RunFinished, RunUnfinished, read_state, steps_done
 from gyre.runparts import RunContext
 from gyre.warmstart import WarmStartConfig, warm_start
 
@@ -86,8 +90,6 @@ class StepReporter:
     name = "demo-report"
 
     def __init__(self, cfg: Config, evaluator: Evaluator | None, say: Any) -> None:
-        from tensorboardX import SummaryWriter
-
         self.cfg = cfg
         self.evaluator = evaluator
         self.say = say
@@ -96,9 +98,19 @@ class StepReporter:
         self.printed_evals = 0
         self.entropy0: float | None = None
         self.exported: Path | None = None
-        self.tb = SummaryWriter(str(Path(cfg.run.out_dir) / "tb"))
+        self._tb: Any = None
+        """The TensorBoard writer, opened when the run starts (a run refused at start writes no file)."""
+
+    @property
+    def tb(self) -> Any:
+        assert self._tb is not None, "the reporter writes scalars once the run started it"
+        return self._tb
 
     def start(self, ctx: RunContext) -> None:
+        from tensorboardX import SummaryWriter
+
+        if self._tb is None:
+            self._tb = SummaryWriter(str(ctx.out / "tb"))
         self.say(
             f"{'step':>4} {'ver':>3} {'train':>6} {'eval':>6} {'loss':>8} {'kl':>7} {'clip':>5} "
             f"{'entropy':>7} {'stale':>5} {'tok/s':>6}"
@@ -190,7 +202,9 @@ class StepReporter:
         return self.exported is not None
 
     def stop(self) -> None:
-        self.tb.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 def export_policy(ctx: RunContext, model_dir: Path, out: Path) -> Path:
@@ -212,11 +226,48 @@ def export_policy(ctx: RunContext, model_dir: Path, out: Path) -> Path:
     return export_model(model_config_of(str(model_dir)), weights, out, model_dir)
 
 
+def finished_demo(out: Path) -> dict[str, Any] | None:
+    """The results of the demo that finished in `out` (None: no run there, or one that never reached its
+    first step, which a demo starts again). RunFinished: a finished run that is not a demo;
+    RunUnfinished: a demo that stopped after its first step (a demo is not resumed)."""
+    st = read_state(out)
+    if st is None:
+        return None
+    if st["state"] == "finished":
+        if not (out / "demo.json").exists():
+            raise RunFinished(
+                f"{out} holds a finished run that is not a demo (kept); give the demo another --out"
+            )
+        return dict(json.loads((out / "demo.json").read_text()))
+    done = steps_done(out)
+    if done == 0:
+        return None
+    raise RunUnfinished(
+        f"{out} holds a demo that stopped after {done} of its steps ({st['state']}); a demo is not resumed: "
+        "give another --out"
+    )
+
+
+def _results_line(result: dict[str, Any], out: Path) -> str:
+    return (
+        f"eval {result['eval_before']} -> {result['eval_after']}, train score "
+        f"{result['train_score_first']} -> {result['train_score_last']}, model tool calls "
+        f"{result['model_tool_call_share']:.0%}, {result['wall_s']:.0f} s; {out / 'demo.json'}"
+    )
+
+
 def demo(d: DemoConfig, say: Any = print) -> dict[str, Any]:
     from gyre import run as gyre_run
 
     t0 = time.time()
     out = Path(d.out).resolve()
+    done = finished_demo(out)
+    if done is not None:
+        say(
+            f"gyre demo: {out} holds a finished demo, kept as it is (--out DIR for a new one): "
+            f"{_results_line(done, out)}, {out / 'reward.png'}"
+        )
+        return done
     out.mkdir(parents=True, exist_ok=True)
     ws_cfg = warmstart_config(d)
     model_dir, ws = warm_start(ws_cfg, say)
@@ -233,11 +284,7 @@ def demo(d: DemoConfig, say: Any = print) -> dict[str, Any]:
     result = summarize(d, cfg, ws, warm_s, metrics, reporter.rows, evaluator.results, time.time() - t0)
     (out / "demo.json").write_text(json.dumps(result, indent=1) + "\n")
     plot_rewards(result, out / "reward.png")
-    say(
-        f"gyre demo: eval {result['eval_before']} -> {result['eval_after']}, train score "
-        f"{result['train_score_first']} -> {result['train_score_last']}, model tool calls "
-        f"{result['model_tool_call_share']:.0%}, {result['wall_s']:.0f} s; {out / 'demo.json'}"
-    )
+    say(f"gyre demo: {_results_line(result, out)}")
     return result
 
 

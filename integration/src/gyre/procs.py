@@ -24,7 +24,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 class ChildDied(RuntimeError):
-    """A child process exited while the run needed it."""
+    """A child process exited while the run needed it (`returncode`: its exit status, when known)."""
+
+    def __init__(self, message: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -44,7 +48,7 @@ def tail(path: Path, n: int = 20) -> str:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join(lines[-n:])
+    return "\n".join(lines[-n:]) if lines else "(its log is empty)"
 
 
 @dataclass
@@ -92,7 +96,7 @@ class ProcessGroup:
         for c in self.children:
             rc = c.proc.poll()
             if rc is not None:
-                raise ChildDied(f"{c.name} exited with code {rc}; last lines of {c.log}:\n{tail(c.log)}")
+                raise ChildDied(f"{c.name} exited with code {rc}; last lines of {c.log}:\n{tail(c.log)}", rc)
 
     def stop(self, child: Child, timeout_s: float = 10.0) -> int | None:
         if child.proc.poll() is None:

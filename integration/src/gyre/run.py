@@ -12,9 +12,11 @@ A step with nothing to train is skipped by the core (its queue position taken wi
 reported as skipped in `steps`. The run ends at once, as an error naming the part, when a child process dies (a
 cell whose trainer or serving thread dies exits loudly), the trajectory service or the rollout driver
 fails, or gyre-sched marks a cell failed (a run cannot survive that yet); and when it passes its deadline.
+A full disk under the run directory stops the run once, as `diskfull.DiskFull` (no new attempt).
 
 The run directory is claimed first (`rundir.RunDir`: an exclusive lock, a finished run refused and kept,
-an unfinished one continued only by `resume=True`, nothing deleted); `resume.prepare` lines it up with
+an unfinished one continued only by `resume=True` unless it never reached its first step, nothing
+deleted); `resume.prepare` lines it up with
 the core's checkpoint, from whose queue position the driver and the trajectory service start. What each
 step trained goes to the ledger (`ledger.py`), and `metrics.json` carries its `accounting` of the
 records. The state file says `finished` or `failed` at the end; the run's shared memory is swept.
@@ -34,7 +36,7 @@ from typing import Any
 import httpx
 from gyre_sched.protocol import Action, Role
 
-from gyre import gpus, ledger, recordlog, runtoken
+from gyre import diskfull, gpus, ledger, recordlog, runtoken
 from gyre import predict as sim
 from gyre.cell import CellArgs
 from gyre.config import Config, config_from_dict
@@ -132,14 +134,27 @@ def run(
     rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
     if resume:  # the run goes on as it was configured
         cfg = _located(rd.config, out)
+    if rd.restarted is not None:
+        was = rd.restarted
+        say(
+            f"gyre run: {out} held a run that never reached its first step ({was['state']}"
+            + (f": {was['why'].splitlines()[0]}" if was.get("why") else "")
+            + f"); it starts again with this configuration, as attempt {rd.attempt}"
+        )
     events: list[Event] = []
     restarted = 0
+    model_dir = Path(cfg.run.model_dir) if cfg.run.model_dir else out / "model"
     try:
         while True:
+            if rd.attempt:  # a resumed or new attempt on a disk still full stops before anything starts
+                diskfull.check_room(out, model_dir)
             try:
                 metrics = _attempt(cfg, rd, say, parts, events)
                 break
             except RestartAttempt as exc:
+                full = diskfull.stopped(out, exc, model_dir)
+                if full is not None:  # every new attempt would meet the same disk
+                    raise full from exc
                 restarted += 1
                 fixed = [p.name for p in parts if not getattr(p, "restartable", False)]
                 fixed += ["the held-out evaluator"] if cfg.eval.tasks else []
@@ -150,7 +165,14 @@ def run(
                 say(f"gyre run: {str(exc).splitlines()[0]}; attempt {rd.attempt + 1} continues the run")
                 rd.next_attempt()
     except BaseException as exc:
-        rd.mark("failed", f"{type(exc).__name__}: {exc}")
+        full = diskfull.stopped(out, exc, model_dir) if diskfull.is_full(exc) else None
+        failed = full or exc
+        try:
+            rd.mark("failed", f"{type(failed).__name__}: {failed}")
+        except OSError as mark_exc:  # the state file stays `running`: --resume continues that too
+            log.warning("the run's state file could not be written: %s", mark_exc)
+        if full is not None and full is not exc:
+            raise full from exc
         raise
     finally:
         sweep_segments(out / "logs")
@@ -302,6 +324,7 @@ def _attempt(
     metrics = collect(cfg, out, t_start, t_end, driver, traj, sampler)
     metrics["moves"] = _moves(proxy_stats)
     metrics["attempt"] = rd.attempt
+    metrics["attempts"] = rd.attempt + 1  # attempts of the run so far, resumes and new attempts included
     metrics["survival"] = {"events": [e.to_dict() for e in events]}
     metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
     write_json(out / "metrics.json", metrics)
@@ -567,6 +590,8 @@ def collect(
         "executions": len(outcomes),
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": traj.records,
+        "records_dropped": traj.dropped,
+        "turn_waits": traj.turn_waits,
         "evals": [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
         if (out / "evals.jsonl").exists()
         else [],

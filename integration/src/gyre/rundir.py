@@ -10,6 +10,9 @@ It reads `out/run.json`, the run's state file, and decides:
   run needs a new directory.
 - `run.json` says `running` or `failed` (killed, or ended by an error): refused without `--resume`
   (`RunUnfinished`, naming `gyre run --resume DIR`); with it, the next attempt continues the run.
+  Except a run that never reached its first step (no line in the core's `steps.jsonl`: it failed at
+  start, a bad `model_dir` say): a new run there is its next attempt with the new configuration
+  (`restarted` says what the old one was), so a corrected config starts it again.
 - `--resume` of a directory with no `run.json`: refused (`NothingToResume`).
 - the lock held by a live run: refused (`RunBusy`), whatever the state file says.
 
@@ -32,6 +35,8 @@ from typing import Any, Literal
 
 State = Literal["running", "failed", "finished"]
 PIDS = "pids.txt"
+STEPS = "steps.jsonl"
+"""The core's line per completed step (applied or skipped), in the run directory."""
 """Under the run's log directory: one `<pid> <name>` line per child process started."""
 
 
@@ -63,6 +68,9 @@ class RunDir:
     config: dict[str, Any]
     """The configuration the run was started with (a resume uses it, not a new file)."""
     _fd: int
+    restarted: dict[str, Any] | None = None
+    """The state file of a run that never reached its first step, which this claim starts again with a
+    new configuration (None: not such a claim)."""
 
     @classmethod
     def claim(cls, path: Path, config: dict[str, Any] | None, *, resume: bool) -> RunDir:
@@ -76,6 +84,7 @@ class RunDir:
             raise RunBusy(
                 f"{path} is in use by a live gyre run (its lock {path / 'run.lock'} is held)"
             ) from None
+        restarted = None
         try:
             prev = read_state(path)
             if prev is None:
@@ -87,17 +96,20 @@ class RunDir:
                 raise RunFinished(
                     f"{path} holds a finished run (kept as it is); give the new run another out_dir (--out)"
                 )
-            elif not resume:
+            elif resume:
+                attempt, cfg = int(prev["attempt"]) + 1, prev["config"]
+            elif steps_done(path) == 0:
+                assert config is not None
+                attempt, cfg, restarted = int(prev["attempt"]) + 1, config, prev
+            else:
                 raise RunUnfinished(
                     f"{path} holds a run that did not finish ({prev['state']}, attempt {prev['attempt']}); "
                     f"continue it with `gyre run --resume {path}`, or give a new run another out_dir"
                 )
-            else:
-                attempt, cfg = int(prev["attempt"]) + 1, prev["config"]
         except BaseException:
             os.close(fd)
             raise
-        rd = cls(path, attempt, cfg, fd)
+        rd = cls(path, attempt, cfg, fd, restarted)
         rd.mark("running")
         return rd
 
@@ -119,6 +131,21 @@ class RunDir:
     def release(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+def steps_done(path: Path) -> int:
+    """Steps the run in `path` completed (applied or skipped): whole lines of the core's `steps.jsonl`."""
+    p = path / STEPS
+    if not p.is_file():
+        return 0
+    n = 0
+    for line in p.read_text(errors="replace").splitlines():
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash (or a blank one)
+        n += 1
+    return n
 
 
 def read_state(path: Path) -> dict[str, Any] | None:

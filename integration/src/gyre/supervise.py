@@ -21,6 +21,9 @@
   every process and starts the next attempt of the run in the same directory, exactly as
   `gyre run --resume` would (resume.py: from the core's checkpoint; steps not applied are run again).
 
+A part that exits with `diskfull.EXIT_DISK_FULL` (it could not write for want of space) is neither
+restarted nor given a new attempt: `OutOfSpace` is raised, and `gyre run` stops once (diskfull.py).
+
 Every restart is counted against `max_restarts` per part (and per run for attempts), after a wait of
 `backoff_s x 2^(n-1)` (at most 30 s); past the budget the run fails with `ChildDied`/`RunError` as without
 supervision. `[survive] restart = false` keeps the old fail-fast behaviour. Each restart is an `Event`
@@ -39,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre.diskfull import EXIT_DISK_FULL, OutOfSpace
 from gyre.procs import ChildDied, ProcessGroup, tail
 
 BACKOFF_CAP_S = 30.0
@@ -93,15 +97,18 @@ class Supervisor:
             rc = child.proc.returncode
             why = f"{child.name} exited with code {rc}"
             w = self._watches.get(child.name)
+            if rc == EXIT_DISK_FULL:  # no restart or new attempt writes on that disk either
+                raise OutOfSpace(f"{child.name} could not write for want of space; {tail(child.log, 1)}")
             if not self.restart:
-                raise ChildDied(f"{why}; last lines of {child.log}:\n{tail(child.log)}")
+                raise ChildDied(f"{why}; last lines of {child.log}:\n{tail(child.log)}", rc)
             if w is None:
                 raise RestartAttempt(f"{why} (not restartable in place); last lines:\n{tail(child.log, 5)}")
             n = self.restarts[child.name] + 1
             if n > self.max_restarts:
                 raise ChildDied(
                     f"{why} after {self.max_restarts} restarts ([survive] max_restarts); last lines of "
-                    f"{child.log}:\n{tail(child.log)}"
+                    f"{child.log}:\n{tail(child.log)}",
+                    rc,
                 )
             self.procs.forget(child)
             w.due = now + min(BACKOFF_CAP_S, self.backoff_s * 2 ** (n - 1))

@@ -17,6 +17,8 @@ checkpoint's queue position); `replay` adds records read back from the proxy's l
 Every link carries the run token (`token`, else `$GYRE_TOKEN`; gyre-xfer `auth`): the PULL binds through
 `auth.bind` (beyond loopback only with a token; with one, only pushers holding it are heard), the
 scheduler DEALER is `gyre_sched.client.dealer`, and the core is reached through a `CoreClient` with it.
+The PULL survives any message from a peer holding the token: one that is not a single frame holding a
+call record the forest accepts is logged, counted (`dropped`) and dropped, and the service carries on.
 """
 
 from __future__ import annotations
@@ -26,24 +28,29 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
+import msgspec
 import zmq
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
-from gyre_train.control import CoreClient, InboxFull
+from gyre_train.control import CoreClient, InboxFull, SubmitRefused
 from gyre_train.normalize import execution_means
-from gyre_train.protocol import StepInfo
+from gyre_train.protocol import Refusal, StepInfo
 from gyre_traj.io import Codec
 from gyre_traj.pack import PackItem
-from gyre_traj.records import Call, Score
+from gyre_traj.records import Call, RecordError, Score
 from gyre_traj.weights import group_advantages
 from gyre_xfer import auth
 
 from gyre.stepbook import StepBook, StepData
 
 log = logging.getLogger("gyre.trajsvc")
+LOGGED_DROPS = 10
+"""Dropped messages logged one by one; after these, one line per 1,000 (a peer that floods the PULL
+with junk cannot flood the log)."""
 
 
 class TrajectoryService:
@@ -87,6 +94,8 @@ class TrajectoryService:
             raise
         self._sched_address = sched_address
         self._core_address = core_address
+        self._codec = Codec()
+        """The records decoder, used by the service thread only."""
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
         self._next_open = first_step
@@ -102,6 +111,11 @@ class TrajectoryService:
         """Steps the core has applied (its queue position)."""
         self.version = 0
         self.records = 0
+        self.turn_waits = 0
+        """Times a step was refused as out of order while the core was landing the previous update, and
+        handed over again the next round (`_in_turn`)."""
+        self.dropped = 0
+        """Messages on the records PULL that were not a call record the forest accepts (dropped, logged)."""
         self.error: BaseException | None = None
         self.hold_at: int | None = None
         """Steps from this one on are not closed or submitted (an evaluation needs the version to stay
@@ -187,16 +201,13 @@ class TrajectoryService:
 
     def _receive(self) -> None:
         """Records from the proxy (up to 1,000 a round), then the driver's batches and scores."""
-        codec = Codec()
         if self._pull.poll(20):
             for _ in range(1000):
                 try:
-                    data = self._pull.recv(zmq.NOBLOCK)
+                    msg = self._pull.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                rec = codec.decode_msgpack(data)
-                if isinstance(rec, Call):
-                    self._record(rec)
+                self._take(msg)
         while True:
             try:
                 self._record(self._replayed.get_nowait())
@@ -213,12 +224,44 @@ class TrajectoryService:
                 step, score, calls = payload
                 self.book.score(step, score, calls, now=time.monotonic())
 
+    def _take(self, msg: list[bytes]) -> None:
+        """One message from the PULL: a call record in one frame goes to the book; anything else (more
+        frames, bytes that do not decode, another kind of record, a call its execution's tree refuses, or
+        any other failure of this one message) is dropped, logged and counted."""
+        try:
+            if len(msg) != 1:
+                raise RecordError(f"a message of {len(msg)} frames (a record is one frame)")
+            rec = self._codec.decode_msgpack(msg[0])
+            if not isinstance(rec, Call):
+                raise RecordError(f"a {type(rec).__name__} record (the PULL takes calls only)")
+            self._record(rec)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecordError) as exc:
+            self._drop(exc)
+        except Exception as exc:  # a defect in decoding or ingesting one message must not end the service
+            self._drop(exc, unexpected=True)
+
+    def _drop(self, exc: Exception, unexpected: bool = False) -> None:
+        self.dropped += 1
+        n = self.dropped
+        if n <= LOGGED_DROPS or n % 1000 == 0:
+            log.log(
+                logging.ERROR if unexpected else logging.WARNING,
+                "records PULL: dropped a message (%d so far%s): %s: %s",
+                n,
+                "; from here on one line per 1,000" if n == LOGGED_DROPS else "",
+                type(exc).__name__,
+                exc,
+                exc_info=unexpected,
+            )
+
     def _record(self, rec: Call) -> None:
+        """Book a call once (by call id); RecordError if its execution's tree refuses it (then it is not
+        counted as seen: the same call may still come whole)."""
         if rec.call_id in self._seen_calls:
             return
+        self.book.record(rec)
         self._seen_calls.add(rec.call_id)
         self.records += 1
-        self.book.record(rec)
 
     def _report(self, core: CoreClient) -> ReadyGroups:
         st = core.status()
@@ -227,12 +270,34 @@ class TrajectoryService:
         infos: dict[int, StepInfo] = {i.seq: i for i in st.steps}
         return self.book.report(st.queue_position, st.version, infos)
 
+    def _in_turn(self, core: CoreClient, seq: int, hand: Callable[[], None]) -> bool:
+        """Hand step `seq` to the core (`hand`: its open or its submit); False when the next round must try
+        again: the core's inbox is full, or the core is landing an update. gyre-train's training thread
+        takes a finished step off the core's queue before the update lands and the queue position moves
+        on; in between, the core counts one step fewer and refuses `seq` as out of order. That is told
+        apart from a real gap or repeat by the core's status: every step from its queue position up to
+        `seq` accepted, but for the oldest one (in flight; or none missing: it has landed since)."""
+        try:
+            hand()
+        except InboxFull:
+            return False
+        except SubmitRefused as exc:
+            if exc.refusal is not Refusal.OUT_OF_ORDER:
+                raise
+            st = core.status()
+            accepted = [i.seq for i in st.steps]
+            q = st.queue_position
+            if q > seq or accepted not in (list(range(q + 1, seq)), list(range(q, seq))):
+                raise
+            self.turn_waits += 1
+            log.info("step %d waits its turn: the core is landing step %d's update (%s)", seq, q, exc)
+            return False
+        return True
+
     def _stream(self, core: CoreClient) -> None:
         """Open steps in order as their batches start; give each ready group; close complete steps."""
         while self._next_open in self.book.steps:
-            try:
-                core.open_step(self._next_open)
-            except InboxFull:
+            if not self._in_turn(core, self._next_open, partial(core.open_step, self._next_open)):
                 break  # the next round tries again
             self.book.steps[self._next_open].opened = True
             self._next_open += 1
@@ -260,9 +325,8 @@ class TrajectoryService:
         p = self.book.pack(sd, sd.groups)
         self._note_packed(p.items)
         self._ledger(sd, [it.tree.execution_id for it in p.items])
-        try:
-            core.submit(sd.step, p.microbatches)  # an empty one too: the core skips it (no update)
-        except InboxFull:
+        # an empty one too: the core skips it (no update)
+        if not self._in_turn(core, sd.step, partial(core.submit, sd.step, p.microbatches)):
             return  # the next round tries again
         sd.tally.add(p, p.microbatches, len(p.items), self.book.output_tokens)
         sd.first_given_at = time.time()
