@@ -591,7 +591,6 @@ def collect(
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": traj.records,
         "records_dropped": traj.dropped,
-        "turn_waits": traj.turn_waits,
         "evals": [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
         if (out / "evals.jsonl").exists()
         else [],

@@ -28,7 +28,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import msgspec
@@ -36,9 +35,9 @@ import zmq
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
-from gyre_train.control import CoreClient, InboxFull, SubmitRefused
+from gyre_train.control import CoreClient, InboxFull
 from gyre_train.normalize import execution_means
-from gyre_train.protocol import Refusal, StepInfo
+from gyre_train.protocol import StepInfo
 from gyre_traj.io import Codec
 from gyre_traj.pack import PackItem
 from gyre_traj.records import Call, RecordError, Score
@@ -111,9 +110,6 @@ class TrajectoryService:
         """Steps the core has applied (its queue position)."""
         self.version = 0
         self.records = 0
-        self.turn_waits = 0
-        """Times a step was refused as out of order while the core was landing the previous update, and
-        handed over again the next round (`_in_turn`)."""
         self.dropped = 0
         """Messages on the records PULL that were not a call record the forest accepts (dropped, logged)."""
         self.error: BaseException | None = None
@@ -270,34 +266,12 @@ class TrajectoryService:
         infos: dict[int, StepInfo] = {i.seq: i for i in st.steps}
         return self.book.report(st.queue_position, st.version, infos)
 
-    def _in_turn(self, core: CoreClient, seq: int, hand: Callable[[], None]) -> bool:
-        """Hand step `seq` to the core (`hand`: its open or its submit); False when the next round must try
-        again: the core's inbox is full, or the core is landing an update. gyre-train's training thread
-        takes a finished step off the core's queue before the update lands and the queue position moves
-        on; in between, the core counts one step fewer and refuses `seq` as out of order. That is told
-        apart from a real gap or repeat by the core's status: every step from its queue position up to
-        `seq` accepted, but for the oldest one (in flight; or none missing: it has landed since)."""
-        try:
-            hand()
-        except InboxFull:
-            return False
-        except SubmitRefused as exc:
-            if exc.refusal is not Refusal.OUT_OF_ORDER:
-                raise
-            st = core.status()
-            accepted = [i.seq for i in st.steps]
-            q = st.queue_position
-            if q > seq or accepted not in (list(range(q + 1, seq)), list(range(q, seq))):
-                raise
-            self.turn_waits += 1
-            log.info("step %d waits its turn: the core is landing step %d's update (%s)", seq, q, exc)
-            return False
-        return True
-
     def _stream(self, core: CoreClient) -> None:
         """Open steps in order as their batches start; give each ready group; close complete steps."""
         while self._next_open in self.book.steps:
-            if not self._in_turn(core, self._next_open, partial(core.open_step, self._next_open)):
+            try:
+                core.open_step(self._next_open)
+            except InboxFull:
                 break  # the next round tries again
             self.book.steps[self._next_open].opened = True
             self._next_open += 1
@@ -326,7 +300,9 @@ class TrajectoryService:
         self._note_packed(p.items)
         self._ledger(sd, [it.tree.execution_id for it in p.items])
         # an empty one too: the core skips it (no update)
-        if not self._in_turn(core, sd.step, partial(core.submit, sd.step, p.microbatches)):
+        try:
+            core.submit(sd.step, p.microbatches)
+        except InboxFull:
             return  # the next round tries again
         sd.tally.add(p, p.microbatches, len(p.items), self.book.output_tokens)
         sd.first_given_at = time.time()

@@ -215,3 +215,33 @@ def test_the_claim_queue_is_safe_under_concurrent_replicas() -> None:
     assert q.state_dict() == {"step": 1, "version": 1, "queue_position": 1}
     assert q.claim("r0") is None
     assert q.deliver("r0", batch, 0, 0) == (False, f"mini-batch {batch} is not in progress")
+
+
+@pytest.mark.parametrize("lands", ["applied", "skipped"])
+def test_the_next_step_is_accepted_while_the_finished_one_lands(lands: str) -> None:
+    """`finish` hands the step to the training thread before its update lands (`applied`/`skipped` move
+    the queue position). In between, the step still counts: the next step after the ones accepted is in
+    its turn (it was refused as "step 2 out of order: the core expects 1", and a run with no fault
+    started a new attempt), the landing step is closed to feeders and shows in `steps` as training with
+    every gradient in, and a position cannot be loaded under it."""
+    from gyre_train.claimqueue import ClaimQueue
+    from gyre_train.protocol import Refusal
+
+    q = ClaimQueue(check=lambda _: None, inbox=4)
+    assert q.submit(0, [])[0] is Refusal.NONE
+    assert q.submit(1, [])[0] is Refusal.NONE
+    step = q.next_step(1.0)
+    assert step is not None and step.seq == 0
+    q.begin(step)
+    assert q.wait_complete(1.0)
+    q.finish()  # step 0 leaves the queue; its update has not landed
+    assert [(i.seq, i.training, i.queued, i.claimed) for i in q.steps()] == [(0, True, 0, 0), (1, False, 0, 0)]
+    assert q.open(1)[0] is Refusal.OUT_OF_ORDER  # accepted already
+    assert q.add(0, [])[0] is Refusal.NOT_OPEN and "closed" in q.add(0, [])[1]
+    with pytest.raises(RuntimeError, match="no step accepted"):
+        q.load_state_dict({"step": 0, "version": 0, "queue_position": 0})
+    assert q.open(2) == (Refusal.NONE, "")
+    getattr(q, lands)(*([7] if lands == "applied" else []))
+    assert [i.seq for i in q.steps()] == [1, 2]
+    assert q.position().queue_position == 1
+    assert q.open(3) == (Refusal.NONE, "")

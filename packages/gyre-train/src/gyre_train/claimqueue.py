@@ -103,6 +103,10 @@ class ClaimQueue:
         self._steps: deque[_Step] = deque()
         """Accepted and not yet finished, oldest first; the oldest may be training (`_state`)."""
         self._state: StepState | None = None
+        self._landing: _Step | None = None
+        """The step `finish` handed to the training thread, until its update lands (`applied` or
+        `skipped` move the queue position past it): still accepted and not applied, so it counts for
+        the next step's turn and shows in `steps`."""
         self._snapshot_of_step = 0
         self._metrics: dict[int, dict[str, float]] = {}
         self._pos = Position()
@@ -129,7 +133,7 @@ class ClaimQueue:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at a checkpoint's position; refused while any step is accepted."""
         with self._cv:
-            if self._steps:
+            if self._steps or self._landing is not None:
                 raise RuntimeError("load a position with no step accepted")
             self._pos = Position(
                 int(state["step"]), int(state["version"]), self._pos.snapshot, int(state["queue_position"])
@@ -203,7 +207,7 @@ class ClaimQueue:
             return why
 
     def _admissible(self, seq: int) -> Verdict:
-        want = self._pos.queue_position + len(self._steps)
+        want = self._pos.queue_position + (self._landing is not None) + len(self._steps)
         if seq != want:
             return Refusal.OUT_OF_ORDER, f"step {seq} out of order: the core expects {want}"
         if len(self._steps) - (self._state is not None) >= self._inbox:
@@ -214,13 +218,22 @@ class ClaimQueue:
         return next((st for st in self._steps if st.seq == seq and not st.closed), None)
 
     def _not_open(self, seq: int) -> Verdict:
-        closed = any(st.seq == seq for st in self._steps) or seq < self._pos.queue_position
+        landing = self._landing is not None and self._landing.seq == seq
+        closed = landing or any(st.seq == seq for st in self._steps) or seq < self._pos.queue_position
         return Refusal.NOT_OPEN, f"step {seq} is {'closed' if closed else 'not open'}"
 
     def steps(self) -> tuple[StepInfo, ...]:
-        """Every accepted step not yet applied, oldest first: what it holds and how far it is."""
+        """Every accepted step not yet applied, oldest first: what it holds and how far it is (a step whose
+        update is landing shows as training with every gradient in)."""
         with self._cv:
-            return tuple(self._info(st) for st in self._steps)
+            landing = self._landing
+            first = () if landing is None else (self._landed_info(landing),)
+            return first + tuple(self._info(st) for st in self._steps)
+
+    @staticmethod
+    def _landed_info(st: _Step) -> StepInfo:
+        n = len(st.microbatches)
+        return StepInfo(st.seq, True, True, n, 0, 0, n, st.executions)
 
     def _info(self, st: _Step) -> StepInfo:
         n = len(st.microbatches)
@@ -298,6 +311,7 @@ class ClaimQueue:
             if not st.complete:
                 raise RuntimeError(f"mini-batch {st.batch}: {len(st.done)} of {st.n} micro-batches done")
             head = self._steps.popleft()
+            self._landing = head
             res = StepResult(
                 head.seq,
                 st.batch,
@@ -330,6 +344,7 @@ class ClaimQueue:
         with self._cv:
             p = self._pos
             self._pos = Position(p.step + 1, p.version + 1, snapshot, p.queue_position + 1)
+            self._landing = None
             self._cv.notify_all()
             return self._pos
 
@@ -338,6 +353,7 @@ class ClaimQueue:
         with self._cv:
             p = self._pos
             self._pos = Position(p.step, p.version, p.snapshot, p.queue_position + 1)
+            self._landing = None
             self._cv.notify_all()
             return self._pos
 
