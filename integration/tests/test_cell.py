@@ -17,7 +17,7 @@ import pytest
 CELL = """
 import sys, time
 from pathlib import Path
-from gyre.cell import Cell, CellArgs
+from gyre.cell.cell import Cell, CellArgs
 from gyre_engine.server.model_factory import create_model
 from gyre_train.control import CoreClient
 
@@ -50,7 +50,7 @@ def test_the_core_skips_an_empty_step_while_in_rollout(tmp_path: Path) -> None:
     # No ready group counts for a step closed with no micro-batch, so no policy moves the core cell to
     # training for it: the cell, left in rollout, must still take and skip it (every execution of the
     # run timing out before its first call used to leave the run waiting until its deadline).
-    from gyre.cell import Cell, CellArgs
+    from gyre.cell.cell import Cell, CellArgs
     from gyre_engine.server.model_factory import create_model
     from gyre_train.control import CoreClient
 
@@ -85,7 +85,7 @@ def test_sigterm_while_the_engine_starts_stops_the_cell(tmp_path: Path) -> None:
     import os
     import signal
 
-    from gyre.procs import free_port, python_argv
+    from gyre.procs.group import free_port, python_argv
     from gyre_engine.server.model_factory import create_model
 
     model_dir = str(create_model(tmp_path / "model"))

@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from gyre.agent import Execution, run_execution
-from gyre.cell import load_engine_weights, model_config_of
-from gyre.procs import ProcessGroup, free_port, python_argv
-from gyre.tasks import make_task
+from gyre.cell.cell import load_engine_weights, model_config_of
+from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.rollout.agents.agent import Execution, run_execution
+from gyre.rollout.tasks.qa import make_task
 from gyre_traj.io import read_records
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Call, Score

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gyre import diskfull, ledger, recordlog
-from gyre.diskfull import EXIT_DISK_FULL, DiskFull, OutOfSpace
-from gyre.procs import ChildDied, ProcessGroup
-from gyre.resume import checkpoint_position, prepare
-from gyre.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
-from gyre.supervise import RestartAttempt, Supervisor
+from gyre.procs.group import ChildDied, ProcessGroup
+from gyre.system import diskfull
+from gyre.system.diskfull import EXIT_DISK_FULL, DiskFull, OutOfSpace
+from gyre.system.resume import checkpoint_position, prepare
+from gyre.system.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
+from gyre.system.supervise import RestartAttempt, Supervisor
+from gyre.trajsvc import ledger, recordlog
 from gyre_traj.io import MAGIC, Codec
 from gyre_traj.records import Call, Role
 
@@ -40,7 +41,7 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path: Path) -> None:
 
 def test_a_lock_held_by_a_killed_run_is_free(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from gyre.rundir import RunDir; import sys, time; "
+        [sys.executable, "-c", f"from gyre.system.rundir import RunDir; import sys, time; "
          f"RunDir.claim(__import__('pathlib').Path({str(tmp_path)!r}), {CFG!r}, resume=False); "
          f"print('held', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE,
@@ -297,8 +298,8 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
 
 
 def test_gyre_run_on_a_live_directory_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    from gyre.config import config_from_dict
-    from gyre.run import run
+    from gyre.config.runconfig import config_from_dict
+    from gyre.system.run import run
 
     (tmp_path / "records.msgpack").write_bytes(b"the only copy of untrained records")
     live = RunDir.claim(tmp_path, CFG, resume=False)
@@ -388,7 +389,7 @@ def test_a_full_disk_is_told_from_its_errors(tmp_path: Path) -> None:
     assert "(os error 2)" in str(missing) and diskfull.is_full(missing) is None
     # and from a write past a file-size limit (EFBIG), in a process of its own that has the limit
     probe = (
-        "import resource, torch; from safetensors.torch import save_file; from gyre import diskfull\n"
+        "import resource, torch; from safetensors.torch import save_file; from gyre.system import diskfull\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))\n"
         f"try: save_file({{'w': torch.zeros(1 << 16)}}, {str(tmp_path / 'w.safetensors')!r})\n"
         "except Exception as exc: print(type(exc).__name__, diskfull.is_full(exc) is exc)\n"

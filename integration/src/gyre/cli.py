@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from gyre.config import POLICIES
+from gyre.config.runconfig import POLICIES
 
 # Distributions that make up gyre; those not installed are shown as such.
 _COMPONENTS = ("gyre", "gyre-traj", "gyre-proxy", "gyre-engine", "gyre-sched", "gyre-xfer", "gyre-train")
@@ -52,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--policy", choices=POLICIES, help="override [run] policy")
     r.add_argument("--out", help="override [run] out_dir")
-    from gyre.config import RunSection
+    from gyre.config.runconfig import RunSection
 
     r.add_argument(
         "--ray",
@@ -86,12 +86,14 @@ def _build_parser() -> argparse.ArgumentParser:
     x.add_argument("--faults", type=int, default=20, help="faults to inject (default: 20)")
     x.add_argument("--seed", type=int, default=0, help="which faults, when (default: 0)")
     x.add_argument("--out", required=True, help="the run directory (new); the report is OUT/chaos.json")
-    x.add_argument("--kinds", default="", help="comma separated fault kinds (default: all; see gyre.chaos)")
+    x.add_argument(
+        "--kinds", default="", help="comma separated fault kinds (default: all; see gyre.scenarios.chaos)"
+    )
     x.add_argument(
         "--failure-timeout-s", type=float, default=8.0, help="gyre-sched's failure timeout during the run"
     )
-    from gyre.demo import DemoConfig
-    from gyre.warmstart import WarmStartConfig
+    from gyre.rollout.warmstart import WarmStartConfig
+    from gyre.scenarios.demo import DemoConfig
 
     d = sub.add_parser(
         "demo", help="warm start, then RL that measurably learns the built-in tasks (minutes on 2 CPU cores)"
@@ -142,10 +144,10 @@ def _fields(ns: argparse.Namespace, cls: type) -> Any:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from gyre.demo import DemoConfig, demo
-    from gyre.procs import ChildDied
-    from gyre.run import RunError
-    from gyre.rundir import RunDirError
+    from gyre.procs.group import ChildDied
+    from gyre.scenarios.demo import DemoConfig, demo
+    from gyre.system.run import RunError
+    from gyre.system.rundir import RunDirError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -160,8 +162,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     import json
 
-    from gyre.chaos import KINDS, chaos
-    from gyre.config import ConfigError, load_config
+    from gyre.config.runconfig import ConfigError, load_config
+    from gyre.scenarios.chaos import KINDS, chaos
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -184,7 +186,7 @@ def _chaos(args: argparse.Namespace) -> int:
 def _warmstart(args: argparse.Namespace) -> int:
     import json
 
-    from gyre.warmstart import WarmStartConfig, check, warm_start
+    from gyre.rollout.warmstart import WarmStartConfig, check, warm_start
 
     path, meta = warm_start(_fields(args, WarmStartConfig), say=lambda m: print(m, file=sys.stderr))
     print(path)
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "cell":
-        from gyre.cell import main as cell_main
+        from gyre.cell.cell import main as cell_main
 
         return cell_main(["--args", args.args, *rest])
     if rest:
@@ -213,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chaos":
         return _chaos(args)
     if args.command in ("run", "compare"):
-        from gyre.config import ConfigError, load_config
-        from gyre.rundir import RunDirError
+        from gyre.config.runconfig import ConfigError, load_config
+        from gyre.system.rundir import RunDirError
 
         logging.basicConfig(
             level=logging.INFO if args.verbose else logging.WARNING,
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
         try:
             if args.command == "run" and args.resume:
-                from gyre.run import resume_config
+                from gyre.system.run import resume_config
 
                 cfg = resume_config(Path(args.resume))
             else:
@@ -241,24 +243,24 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, RunDirError) as exc:
             print(f"gyre {args.command}: {exc}", file=sys.stderr)
             return 2
-        from gyre.launch import PlacementError
-        from gyre.procs import ChildDied
-        from gyre.run import RunError
+        from gyre.procs.group import ChildDied
+        from gyre.system.launch import PlacementError
+        from gyre.system.run import RunError
 
         try:
             if args.command == "run":
-                from gyre.run import run
+                from gyre.system.run import run
 
                 run(cfg, resume=bool(args.resume))
             else:
-                from gyre.compare import compare
+                from gyre.scenarios.compare import compare
 
                 arms = [p.strip() for p in args.policies.split(",") if p.strip()]
                 compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
         except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
             print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
             if args.command == "run" and args.resume:
-                from gyre.rundir import steps_done
+                from gyre.system.rundir import steps_done
 
                 if steps_done(Path(args.resume)) == 0:
                     print(
