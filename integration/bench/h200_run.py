@@ -239,12 +239,12 @@ def engine_standalone(cfg: Config, model_dir: Path, logs: Path, seconds: float, 
 def train_standalone(model_dir: Path, device: str, trunk: int, branches: int, branch: int) -> dict[str, Any]:
     import numpy as np
     import torch
-    from gyre.cell.cell import model_config_of
     from gyre_train.bench.run import Fan, fan_tree, packs, train_time
     from gyre_train.model import build_model
+    from gyre_train.modelconfig import ModelConfig
     from gyre_traj.loss import LossConfig
 
-    mc = model_config_of(str(model_dir))
+    mc = ModelConfig.from_model_dir(model_dir)
     attention = "flex" if device.startswith("cuda") else "dense"
     model = build_model(mc, attention, device)
     tree_b, _ = packs(fan_tree(Fan(trunk, branches, branch)), j_max=branches + 1)

@@ -16,14 +16,15 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_examples_load() -> None:
-    from gyre.rollout.harnesses import find_claude
+    from gyre.rollout.harnesses import check_harness, find_claude
 
     for p in sorted(EXAMPLES.glob("*.toml")):
         if p.name == "claude-code.toml" and find_claude() is None:  # refused, naming the key
             with pytest.raises(ConfigError, match=r"\[agent\] claude_bin"):
-                load_config(p)
+                check_harness(load_config(p).agent)
             continue
         cfg = load_config(p)
+        check_harness(cfg.agent)
         assert cfg.run.cells >= 2
 
 
@@ -185,7 +186,7 @@ def test_streaming_is_declared_once_and_the_simulator_gets_the_runs() -> None:
     variants (whole batches only); the simulator `gyre compare` predicts with is given the same flag, and
     each compare arm's `:streaming` / `:whole` overrides it."""
     from gyre.config.runconfig import POLICIES
-    from gyre.scenarios.compare import arm_config
+    from gyre.measure.arms import arm_config
 
     cfg = Config()
     assert cfg.driver.streaming

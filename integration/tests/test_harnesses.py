@@ -18,7 +18,7 @@ import pytest
 from gyre.config.runconfig import Config, ConfigError, config_from_dict
 from gyre.rollout.agents.agent import Execution
 from gyre.rollout.agents.branching import COMPACT_PROMPT, SUB_TURNS, Branching, run_branching
-from gyre.rollout.harnesses import CliHarness
+from gyre.rollout.harnesses import CliHarness, check_harness
 from gyre.rollout.tasks.coding import SOLUTION, make_code_task, run_tests
 from gyre.rollout.tasks.qa import make_task
 from gyre_traj.records import EvalStatus
@@ -27,7 +27,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _agent(**kw: object) -> Config:
-    return config_from_dict({"agent": kw})
+    cfg = config_from_dict({"agent": kw})
+    check_harness(cfg.agent)  # what `gyre run` checks once the file is loaded
+    return cfg
 
 
 @pytest.mark.parametrize(
@@ -66,6 +68,7 @@ def test_the_command_example_loads() -> None:
     from gyre.config.runconfig import load_config
 
     c = load_config(EXAMPLES / "command-openai.toml")
+    check_harness(c.agent)
     assert c.agent.harness == "command" and c.agent.tasks == "code"
 
 

@@ -5,10 +5,11 @@ import time
 from pathlib import Path
 
 import pytest
-from gyre.measure.metrics import Sample, role_accounting
+from gyre.measure.metrics import role_accounting
+from gyre.measure.runmetrics import switch_times as _switch_times
+from gyre.measure.samples import Sample
 from gyre.measure.trainwatch import TrainSample, TrainTrack, train_overlap
 from gyre.procs.group import ChildDied, ProcessGroup
-from gyre.system.run import _switch_times
 from gyre_sched.protocol import Role
 
 R, D, TT, T, TR = (

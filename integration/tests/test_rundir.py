@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gyre.procs.group import ChildDied, ProcessGroup
+from gyre.procs.nospace import EXIT_DISK_FULL, OutOfSpace
 from gyre.system import diskfull
-from gyre.system.diskfull import EXIT_DISK_FULL, DiskFull, OutOfSpace
+from gyre.system.diskfull import DiskFull
 from gyre.system.resume import checkpoint_position, prepare
 from gyre.system.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
 from gyre.system.supervise import RestartAttempt, Supervisor
@@ -125,6 +126,27 @@ def test_gyre_run_that_failed_at_start_starts_again_with_a_corrected_config(
     assert "the core cell not ready within 1 s" in said.err
     state = json.loads((out / "run.json").read_text())
     assert state["attempt"] == 2 and state["config"]["run"]["model_dir"] == str(model)
+
+
+def test_a_model_directory_gyre_train_does_not_build_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gyre.cli import main
+    from gyre_engine.server.model_factory import create_model
+
+    # A real model directory the engine would serve, but whose attention gyre-train does not compute
+    # (sliding windows): the trainer would train another forward than the engine samples from.
+    model = create_model(tmp_path / "model")
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "use_sliding_window": True, "sliding_window": 64}))
+    out = tmp_path / "run"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[run]\nmodel_dir = "{model}"\nout_dir = "{out}"\nstartup_timeout_s = 30.0\n')
+    assert main(["run", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"[run] model_dir {model}: " in err and "use_sliding_window" in err
+    assert not list((out / "logs").glob("*.log"))  # neither gyre-sched nor any cell was started
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"
 
 
 def test_resume_needs_a_run(tmp_path: Path) -> None:

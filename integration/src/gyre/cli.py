@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from gyre.config.runconfig import POLICIES
+from gyre.config.runconfig import POLICIES, Config
 
 # Distributions that make up gyre; those not installed are shown as such.
 _COMPONENTS = ("gyre", "gyre-traj", "gyre-proxy", "gyre-engine", "gyre-sched", "gyre-xfer", "gyre-train")
@@ -143,10 +143,23 @@ def _fields(ns: argparse.Namespace, cls: type) -> Any:
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
+def _load(path: str) -> Config:
+    """The run config in `path`, its harness checked too (`ConfigError`s name the file and the key)."""
+    from gyre.config.runconfig import ConfigError, load_config
+    from gyre.rollout.harnesses import check_harness
+
+    cfg = load_config(path)
+    try:
+        check_harness(cfg.agent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return cfg
+
+
 def _demo(args: argparse.Namespace) -> int:
     from gyre.procs.group import ChildDied
     from gyre.scenarios.demo import DemoConfig, demo
-    from gyre.system.run import RunError
+    from gyre.system.attempt import RunError
     from gyre.system.rundir import RunDirError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -162,14 +175,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     import json
 
-    from gyre.config.runconfig import ConfigError, load_config
+    from gyre.config.runconfig import ConfigError
     from gyre.scenarios.chaos import KINDS, chaos
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) or KINDS
     try:
-        cfg = load_config(args.config)
+        cfg = _load(args.config)
         report = chaos(
             cfg, args.faults, args.seed, Path(args.out), kinds, args.failure_timeout_s,
             say=lambda m: print(m, flush=True),
@@ -195,6 +208,72 @@ def _warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_or_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`gyre run` and `gyre compare`: the config loaded and checked (exit 2 on a refused one), then run
+    (exit 1 on a failed run, 130 when interrupted)."""
+    from gyre.config.runconfig import ConfigError
+    from gyre.rollout.harnesses import check_harness
+    from gyre.system.rundir import RunDirError
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.command == "run" and (args.resume is None) == (args.config is None):
+        parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
+    if args.command == "run" and args.resume and (args.out or args.policy):
+        parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
+    try:
+        if args.command == "run" and args.resume:
+            from gyre.system.run import resume_config
+
+            cfg = resume_config(Path(args.resume))
+            check_harness(cfg.agent)
+        else:
+            cfg = _load(args.config)
+        if args.out:
+            cfg = cfg.with_policy(cfg.run.policy, args.out)
+        if args.command == "run" and args.policy:
+            cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
+        if args.command == "run" and args.ray is not None:
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
+    except (ConfigError, RunDirError) as exc:
+        print(f"gyre {args.command}: {exc}", file=sys.stderr)
+        return 2
+    from gyre.procs.group import ChildDied
+    from gyre.system.attempt import RunError
+    from gyre.system.launch import PlacementError
+
+    try:
+        if args.command == "run":
+            from gyre.system.run import run
+
+            run(cfg, resume=bool(args.resume))
+        else:
+            from gyre.scenarios.compare import compare
+
+            arms = [p.strip() for p in args.policies.split(",") if p.strip()]
+            compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
+    except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
+        print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
+        if args.command == "run" and args.resume:
+            from gyre.system.rundir import steps_done
+
+            if steps_done(Path(args.resume)) == 0:
+                print(
+                    f"gyre run: {args.resume} never reached its first step, so --resume repeats its "
+                    f"configuration: start it again with a corrected one (gyre run CONFIG --out "
+                    f"{args.resume})",
+                    file=sys.stderr,
+                )
+        return 1
+    except KeyboardInterrupt:  # every child was stopped on the way out
+        print(f"gyre {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -215,65 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chaos":
         return _chaos(args)
     if args.command in ("run", "compare"):
-        from gyre.config.runconfig import ConfigError, load_config
-        from gyre.system.rundir import RunDirError
-
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
-            format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        )
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        if args.command == "run" and (args.resume is None) == (args.config is None):
-            parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
-        if args.command == "run" and args.resume and (args.out or args.policy):
-            parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
-        try:
-            if args.command == "run" and args.resume:
-                from gyre.system.run import resume_config
-
-                cfg = resume_config(Path(args.resume))
-            else:
-                cfg = load_config(args.config)
-            if args.out:
-                cfg = cfg.with_policy(cfg.run.policy, args.out)
-            if args.command == "run" and args.policy:
-                cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
-            if args.command == "run" and args.ray is not None:
-                cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
-        except (ConfigError, RunDirError) as exc:
-            print(f"gyre {args.command}: {exc}", file=sys.stderr)
-            return 2
-        from gyre.procs.group import ChildDied
-        from gyre.system.launch import PlacementError
-        from gyre.system.run import RunError
-
-        try:
-            if args.command == "run":
-                from gyre.system.run import run
-
-                run(cfg, resume=bool(args.resume))
-            else:
-                from gyre.scenarios.compare import compare
-
-                arms = [p.strip() for p in args.policies.split(",") if p.strip()]
-                compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
-        except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
-            print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
-            if args.command == "run" and args.resume:
-                from gyre.system.rundir import steps_done
-
-                if steps_done(Path(args.resume)) == 0:
-                    print(
-                        f"gyre run: {args.resume} never reached its first step, so --resume repeats its "
-                        f"configuration: start it again with a corrected one (gyre run CONFIG --out "
-                        f"{args.resume})",
-                        file=sys.stderr,
-                    )
-            return 1
-        except KeyboardInterrupt:  # every child was stopped on the way out
-            print(f"gyre {args.command}: interrupted", file=sys.stderr)
-            return 130
-        return 0
+        return _run_or_compare(args, parser)
     parser.print_help()
     return 0
 

@@ -15,7 +15,7 @@ with no micro-batch and skips it (nothing to compute): no ready group counts for
 moves the cell to training for it. The trainer thread and the satellite thread are gyre-train's
 `threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the traceback in its
 log), and `gyre run` ends naming it (or restarts it: `supervise.py`). A cell that cannot write for want
-of space (its steps line, its checkpoint, `core.json`) exits with `diskfull.EXIT_DISK_FULL` instead, and
+of space (its steps line, its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and
 the run stops once.
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,83 +58,16 @@ from gyre_sched.protocol import (
     Welcome,
 )
 
+from gyre.cell.args import CellArgs
+from gyre.cell.sglang_cell import SGLangEngine
+from gyre.procs import nospace
 from gyre.procs.group import ProcessGroup, python_argv
-from gyre.system import diskfull
 
 if TYPE_CHECKING:
     from gyre_train.claimqueue import QueuedStep
 
 log = logging.getLogger("gyre.cell")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class CellArgs:
-    sched: str
-    cell_id: int
-    is_core: bool
-    capacity: int
-    model_dir: str
-    engine_port: int
-    run_dir: str
-    core: str = ""
-    """The core's ROUTER address (satellites; the core writes its own to core.json)."""
-    publisher: str = ""
-    lr: float = 1e-4
-    token_budget: int = 4096
-    loss: str = "ppo"
-    temperature: float = 1.0
-    release_memory: bool = True
-    startup_timeout_s: float = 180.0
-    device: str = "cpu"
-    engine_argv: tuple[str, ...] = ("--max-running-requests", "64")
-    """Further `gyre-engine serve` options (`gyre.system.gpus.engine_argv`: memory, CUDA graphs)."""
-    host: str = "127.0.0.1"
-    """This node's address, which the engine and the trainer core bind and peers dial (`launch.py`)."""
-    engine: str = "gyre"
-    """gyre (gyre-engine) or sglang (`sglang_cell.py`)."""
-    sglang_module: str = "sglang.launch_server"
-    token_file: str = ""
-    """A file holding the run token (a cell started by a cluster's launcher, e.g. SLURM's srun); empty:
-    $GYRE_TOKEN, or none (a loopback scheduler without one)."""
-    checkpoint: str = ""
-    """Core: the checkpoint directory (resumed from if present, saved after every step); empty: none."""
-
-
-def model_config_of(model_dir: str) -> Any:
-    """gyre-train's ModelConfig for a gyre-engine model directory (same architecture and vocabulary)."""
-    from gyre_train.model import ModelConfig
-
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    return ModelConfig(
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"],
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c["num_key_value_heads"],
-        head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
-    )
-
-
-def load_engine_weights(model: Any, model_dir: str) -> None:
-    """Copy the engine's initial weights into the trainer's model; every parameter must be covered."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    state: dict[str, Any] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise ValueError(
-            f"{model_dir} does not match the trainer's model: missing {missing}, extra {unexpected}"
-        )
 
 
 class StoppedWhileStarting(Exception):
@@ -157,7 +90,7 @@ class Cell:
         self.client: Any = None  # CoreClient (weight thread + admit/dismiss)
         self.publisher = a.publisher
         self.fatal: BaseException | None = None
-        self.sglang: Any = None  # sglang_cell.SGLangEngine when [cell] engine = "sglang"
+        self.sglang: SGLangEngine | None = None  # when [cell] engine = "sglang"
 
     # ---- engine -------------------------------------------------------------------------------------
     def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
@@ -171,8 +104,6 @@ class Cell:
 
     def start_engine(self) -> None:
         if self.a.engine == "sglang":
-            from gyre.cell.sglang_cell import SGLangEngine
-
             self.sglang = SGLangEngine(self.a, self.procs)
             self.sglang.start()
             return
@@ -263,12 +194,13 @@ class Cell:
 
         if self.a.is_core:
             from gyre_train.core import Core, CoreConfig, OptimConfig
-            from gyre_train.model import Attention, build_model
+            from gyre_train.model import Attention, build_model, load_pretrained
+            from gyre_train.modelconfig import ModelConfig
 
-            mc = model_config_of(self.a.model_dir)
+            mc = ModelConfig.from_model_dir(self.a.model_dir)  # the directory's whole HF config
             attention: Attention = "flex" if self.a.device == "cuda" else "dense"
             model = build_model(mc, attention, self.a.device)
-            load_engine_weights(model, self.a.model_dir)
+            load_pretrained(model, mc, self.a.model_dir)
             cfg = CoreConfig(
                 attention=attention,
                 token_budget=self.a.token_budget,
@@ -319,8 +251,8 @@ class Cell:
         except Exception as exc:
             if self.stop.is_set():
                 return
-            if diskfull.is_full(exc) is not None:  # the steps line or the checkpoint: no room for it
-                diskfull.exit_process(f"cell {self.a.cell_id}: the core could not write", exc)
+            if nospace.is_full(exc) is not None:  # the steps line or the checkpoint: no room for it
+                nospace.exit_process(f"cell {self.a.cell_id}: the core could not write", exc)
             raise
 
     def _train_steps(self) -> None:
@@ -520,6 +452,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cell.run()
     except Exception as exc:
-        if diskfull.is_full(exc) is None:
+        if nospace.is_full(exc) is None:
             raise
-        diskfull.exit_process(f"cell {a.cell_id}", exc)
+        nospace.exit_process(f"cell {a.cell_id}", exc)

@@ -27,11 +27,10 @@ import logging
 import shlex
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from gyre.cell.cell import CellArgs
-    from gyre.procs.group import ProcessGroup
+from gyre.cell.args import CellArgs
+from gyre.procs.group import ProcessGroup
 
 T = TypeVar("T")
 log = logging.getLogger("gyre.sglang_cell")

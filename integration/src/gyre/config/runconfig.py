@@ -1,8 +1,10 @@
 """The `gyre run` configuration: a TOML or YAML file loaded into frozen dataclasses with defaults.
 
 Every section and key is checked: an unknown section or key, a wrong type or an out-of-range value is a
-`ConfigError` naming it (`[agent] turns must be >= 1`), so a typo never silently runs the default. The
-field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
+`ConfigError` naming it (`[agent] turns must be >= 1`), so a typo never silently runs the default. What
+only the harnesses know (which harness, its command line, whether its CLI is installed here) is theirs to
+check: `rollout.harnesses.check_harness`, which `gyre run` and the `gyre` command call once the file is
+loaded. The field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
 """
 
 from __future__ import annotations
@@ -15,11 +17,19 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from gyre_sched import tables
+from gyre_sched.workload import DriverConfig
+from gyre_traj.pack import PackConfig
 
 POLICIES = ("elastic", "colocate", "colocate-runahead", "async")
 """The gyre-sched policies `gyre run` can use (their meaning: gyre-sched's README, "Policies")."""
 WHOLE_POOL = ("colocate", "colocate-runahead")
 """Policies that train whole batches only, whatever `[driver] streaming` says."""
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field `name` of the dataclass `cls`: a setting the run config shares with the package
+    that declares it takes its default from there (`slots` dataclasses included)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 class ConfigError(tables.ConfigError):
@@ -74,7 +84,9 @@ class AgentSection:
     """max_tokens of each model call."""
     temperature: float = 1.0
     median_s: float = 2.0
-    """Execution duration profile (lognormal, as gyre-sched's workloads): median of a task's scale ..."""
+    """Execution duration profile (lognormal, as gyre-sched's workloads): median of a task's scale in
+    seconds (the simulator's workload for this run takes it from here, `predict.sim_workload`; gyre-sched's
+    own default, `durations.median_h`, is a cluster's profile in hours) ..."""
     sigma: float = 0.8
     """... its log-space spread (the heavy tail) ..."""
     exec_sigma: float = 0.3
@@ -117,8 +129,9 @@ class AgentSection:
 
 @dataclass(frozen=True)
 class DriverSection:
-    max_ahead: int = 1
-    """Batches rollout may run ahead of the trainer: batch k starts once k - steps applied <= this."""
+    max_ahead: int = default_of(DriverConfig, "max_ahead")
+    """Batches rollout may run ahead of the trainer: batch k starts once k - steps applied <= this
+    (gyre-sched's `driver.max_ahead`, and its default)."""
     report_s: float = 0.2
     """How often the water level and ready groups go to the scheduler."""
     streaming: bool = True
@@ -131,8 +144,8 @@ class DriverSection:
 @dataclass(frozen=True)
 class TrainSection:
     lr: float = 1e-4
-    token_budget: int = 4096
-    """Most tokens in one tree-packed micro-batch."""
+    token_budget: int = default_of(PackConfig, "token_budget")
+    """Most tokens in one tree-packed micro-batch (gyre-traj's `PackConfig.token_budget`, and its default)."""
     loss: str = "ppo"
     """ppo or tis (gyre-traj's policy loss)."""
     j_max: int = 5
@@ -256,9 +269,6 @@ class Config:
         _check(0 < a.model_fraction <= 1, "[agent] model_fraction must be in (0, 1]")
         _check(a.timeout_s > 0 and a.request_timeout_s > 0, "[agent] timeouts must be > 0")
         _check(a.compact_tokens >= 0 and a.call_retries >= 0, "[agent] compact_tokens, call_retries >= 0")
-        from gyre.rollout.harnesses import check_harness  # the harness module needs this one's sections
-
-        check_harness(a)
         _check(self.driver.max_ahead >= 0, "[driver] max_ahead must be >= 0")
         _check(self.driver.report_s > 0, "[driver] report_s must be > 0")
         _check(

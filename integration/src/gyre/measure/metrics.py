@@ -28,18 +28,10 @@ from gyre_engine.client import EngineClient
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 
+from gyre.measure.samples import Sample
 from gyre.measure.trainwatch import TrainTrack, TrainWatch
 
 log = logging.getLogger("gyre.metrics")
-
-
-@dataclass
-class Sample:
-    t: float
-    roles: dict[int, int]
-    engine_busy: dict[int, bool]
-    """The engine ran or queued a request at this sample, or computed anything since the last one."""
-    engine_version: dict[int, str]
 
 
 @dataclass

@@ -19,13 +19,12 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gyre_sched.protocol import Role
 from gyre_train.control import ControlError, CoreClient
 
-if TYPE_CHECKING:
-    from gyre.measure.metrics import Sample
+from gyre.measure.samples import Sample
 
 log = logging.getLogger("gyre.trainwatch")
 TRAINING = int(Role.TRAINING)

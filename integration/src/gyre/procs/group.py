@@ -31,7 +31,9 @@ class ChildDied(RuntimeError):
         self.returncode = returncode
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (a `preexec_fn`: runs in the child
+    between fork and exec)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -74,7 +76,7 @@ class ProcessGroup:
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
             )
         with open(self.log_dir / "pids.txt", "a") as fh:
             fh.write(f"{proc.pid} {name}\n")

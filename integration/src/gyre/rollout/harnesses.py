@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import random
@@ -37,22 +36,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 from gyre_traj.records import Score
 
+from gyre.config.runconfig import AgentSection, Config, ConfigError
+from gyre.procs.group import die_with_parent
 from gyre.rollout.agents import agent, branching
 from gyre.rollout.tasks import coding, qa
-
-if TYPE_CHECKING:
-    from gyre.config.runconfig import AgentSection, Config
 
 HARNESSES = ("builtin", "claude-code", "command")
 TASK_KINDS = ("qa", "code")
 COMMAND_FIELDS = ("prompt", "workdir", "python")
 PINNED_CLAUDE = (
-    Path(__file__).resolve().parents[3] / "packages/gyre-proxy/.claude-code/node_modules/.bin/claude"
+    Path(__file__).resolve().parents[4] / "packages/gyre-proxy/.claude-code/node_modules/.bin/claude"
 )
 """Where CI installs the pinned Claude Code (a source checkout; `.ci/run`)."""
 SETTLE_S = 0.5
@@ -81,7 +79,6 @@ def find_claude(configured: str = "") -> str | None:
 
 def check_harness(a: AgentSection) -> None:
     """Refuse a harness configuration that cannot run, naming the key and the fix (`ConfigError`)."""
-    from gyre.config.runconfig import ConfigError
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -221,11 +218,6 @@ class CliExecution:
         return {}
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _kill_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -298,7 +290,7 @@ class CliHarness:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *ex.argv, cwd=ex.workdir, env=self.env(ex, proxy_url), stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=_die_with_parent,
+                stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
             try:
                 out, _ = await proc.communicate()

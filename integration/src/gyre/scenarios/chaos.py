@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from gyre.config.runconfig import Config
+from gyre.system.attempt import proxy_up
 from gyre.system.resume import checkpoint_position
+from gyre.system.run import run
 from gyre.system.runparts import RunContext
 from gyre.trajsvc import ledger, recordlog
 
@@ -223,8 +225,6 @@ class Injector:
             up = self.out / "cells" / "1.up"
             return up.exists() and up.read_text() != inj.cell_up
         if inj.part == "proxy":
-            from gyre.system.run import proxy_up
-
             return self.ctx is not None and proxy_up(self.ctx.proxy_url)
         return True
 
@@ -262,8 +262,6 @@ def chaos(
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run `cfg` under `faults` injected faults; returns the report (also `out/chaos.json`)."""
-    from gyre.system.run import run
-
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")

@@ -25,13 +25,17 @@ from gyre.config.runconfig import (
     AgentSection,
     BatchSection,
     Config,
+    DriverSection,
     EvalSection,
     RunSection,
     SchedSection,
     TrainSection,
 )
-from gyre.rollout.evalset import Evaluator, engines_serve, eval_points
+from gyre.measure.samples import engines_serve
+from gyre.rollout.evalset import eval_points
 from gyre.rollout.warmstart import WarmStartConfig, warm_start
+from gyre.system import run as gyre_run
+from gyre.system.evaluator import Evaluator
 from gyre.system.rundir import RunFinished, RunUnfinished, read_state, steps_done
 from gyre.system.runparts import RunContext
 
@@ -77,6 +81,7 @@ def run_config(d: DemoConfig, model_dir: Path) -> Config:
             turns=3, max_tokens=48, temperature=1.0, median_s=0.05, sigma=0.0, exec_sigma=0.0,
             model_fraction=1.0, timeout_s=120.0, request_timeout_s=120.0,
         ),
+        driver=DriverSection(max_ahead=1),
         train=TrainSection(lr=lr, token_budget=2048, loss="ppo", j_max=5),
         eval=EvalSection(tasks=8 if d.quick else 48, every=2 if d.quick else 5, seed=0, max_tokens=48),
         sched=SchedSection(ready_fraction=0.5, hold_s=0.3),
@@ -133,7 +138,9 @@ class StepReporter:
                 return  # wait for its summary, and for the evaluation at its version
             self._step_line(r, sd.summary, evals)
         last = self.cfg.run.steps
-        finished = ctx.traj.applied >= last and len(self.rows) == last and engines_serve(ctx, last)
+        finished = (
+            ctx.traj.applied >= last and len(self.rows) == last and engines_serve(ctx.sampler.samples, last)
+        )
         if self.exported is None and finished:
             self.exported = export_policy(ctx, Path(self.cfg.run.model_dir), ctx.out / "policy")
             self.say(f"trained policy exported to {self.exported}")
@@ -210,11 +217,10 @@ class StepReporter:
 def export_policy(ctx: RunContext, model_dir: Path, out: Path) -> Path:
     """Pull the core's newest weight snapshot (gyre-xfer, shared memory) and write it as a model directory."""
     from gyre_train.export import export_model
+    from gyre_train.modelconfig import ModelConfig
     from gyre_xfer.subscriber import Subscriber, SubscriberConfig
     from gyre_xfer.transport import Config as XferConfig
     from gyre_xfer.transport import open_transport
-
-    from gyre.cell.cell import model_config_of
 
     tr = open_transport(XferConfig(kind="shm"))
     try:
@@ -223,7 +229,7 @@ def export_policy(ctx: RunContext, model_dir: Path, out: Path) -> Path:
             weights = {k: v.clone() for k, v in snap.torch().items()}
     finally:
         tr.close()
-    return export_model(model_config_of(str(model_dir)), weights, out, model_dir)
+    return export_model(ModelConfig.from_model_dir(model_dir), weights, out, model_dir)
 
 
 def finished_demo(out: Path) -> dict[str, Any] | None:
@@ -257,8 +263,6 @@ def _results_line(result: dict[str, Any], out: Path) -> str:
 
 
 def demo(d: DemoConfig, say: Any = print) -> dict[str, Any]:
-    from gyre.system import run as gyre_run
-
     t0 = time.time()
     out = Path(d.out).resolve()
     done = finished_demo(out)

@@ -1,43 +1,29 @@
 """A full disk under the run directory: told apart from a crash, named, and never retried.
 
-A part that cannot write because the disk is full (ENOSPC, EDQUOT, or EFBIG: a file-size limit) is not a
-crash a new attempt could fix: every attempt would meet the same disk. A cell process that meets one exits
-with `EXIT_DISK_FULL` (its log may be on the same disk and stay empty), which the supervisor reports as
-`OutOfSpace`; in `gyre run`'s own process the `OSError` itself says it. Either way, and whenever a part
-fails while the run directory has less free space than a step needs (`needed`), the run stops once with
-`DiskFull`, which names the directory, the space free and the space needed. `gyre run --resume DIR`
+A part that cannot write because the disk is full is not a crash a new attempt could fix: every attempt
+would meet the same disk. A cell process that meets one exits with `procs.nospace.EXIT_DISK_FULL` (its log
+may be on the same disk and stay empty), which the supervisor reports as `OutOfSpace`; in `gyre run`'s own
+process the `OSError` itself says it (`procs.nospace.is_full` recognises both). Either way, and whenever a
+part fails while the run directory has less free space than a step needs (`needed`), the run stops once
+with `DiskFull`, which names the directory, the space free and the space needed. `gyre run --resume DIR`
 continues it once there is room (nothing is lost: the checkpoint is written beside the old one and renamed,
 the record log is cut back to its whole frames), and is itself refused while there is not.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import re
 import shutil
-import sys
 from pathlib import Path
-from typing import NoReturn
 
-from gyre.procs.group import ChildDied
+from gyre.procs.nospace import OutOfSpace, is_full
 from gyre.system.resume import CHECKPOINT
 from gyre.system.rundir import RunDirError
 
-FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-"""Write errors that mean the disk (or the process's share of it) is full."""
-EXIT_DISK_FULL = 75
-"""Exit status of a `gyre cell` that could not write for want of space (EX_TEMPFAIL: it can succeed once
-there is room)."""
 MARGIN = 64 << 20
 """Room for what grows besides the checkpoint: logs, the record log, steps, the ledger, metrics."""
 
 
-class OutOfSpace(RuntimeError):
-    """A part of the run stopped because it could not write for want of space."""
-
-
-class DiskFull(RunDirError):
+class DiskFull(RunDirError, OutOfSpace):
     """The run stopped: the disk under its directory is full. The message names the directory, the
     space free and the space a step needs, and says how to go on."""
 
@@ -54,36 +40,6 @@ class DiskFull(RunDirError):
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
-
-
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-"""How Rust's `std::io::Error` shows an OS error; extensions written in Rust raise their own exception
-types with it in the text only (safetensors' `SafetensorError`, which writes gyre-train's checkpoints:
-`... I/O error: No space left on device (os error 28)`)."""
-
-
-def _errno(exc: BaseException) -> int | None:
-    if isinstance(exc, OSError):
-        return exc.errno
-    found = _RUST_OS_ERROR.search(str(exc))
-    return int(found.group(1)) if found else None
-
-
-def is_full(exc: BaseException | None) -> BaseException | None:
-    """The error in `exc`'s chain (causes and contexts) that says the disk is full, or None: an OSError
-    (or a Rust extension's I/O error) with a `FULL_ERRNOS` code, `OutOfSpace`, `DiskFull`, or a child that
-    exited with `EXIT_DISK_FULL`."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OutOfSpace | DiskFull):
-            return exc
-        if isinstance(exc, ChildDied) and exc.returncode == EXIT_DISK_FULL:
-            return exc
-        if _errno(exc) in FULL_ERRNOS:
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def _size(path: Path) -> int:
@@ -125,14 +81,3 @@ def check_room(out: Path, model_dir: Path | None = None) -> None:
     room, need = free(out), needed(out, model_dir)
     if room < need:
         raise DiskFull(out, "found before the attempt starts", room, need)
-
-
-def exit_process(what: str, exc: BaseException) -> NoReturn:
-    """End this process with `EXIT_DISK_FULL`, saying why on stderr if it still can (its log may be on the
-    full disk)."""
-    try:
-        sys.stderr.write(f"{what}: the disk is full: {exc}; exiting with status {EXIT_DISK_FULL}\n")
-        sys.stderr.flush()
-    except OSError:
-        pass
-    os._exit(EXIT_DISK_FULL)

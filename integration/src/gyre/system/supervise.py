@@ -21,7 +21,7 @@
   every process and starts the next attempt of the run in the same directory, exactly as
   `gyre run --resume` would (resume.py: from the core's checkpoint; steps not applied are run again).
 
-A part that exits with `diskfull.EXIT_DISK_FULL` (it could not write for want of space) is neither
+A part that exits with `procs.nospace.EXIT_DISK_FULL` (it could not write for want of space) is neither
 restarted nor given a new attempt: `OutOfSpace` is raised, and `gyre run` stops once (diskfull.py).
 
 Every restart is counted against `max_restarts` per part (and per run for attempts), after a wait of
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre.procs.group import ChildDied, ProcessGroup, tail
-from gyre.system.diskfull import EXIT_DISK_FULL, OutOfSpace
+from gyre.procs.nospace import EXIT_DISK_FULL, OutOfSpace
 
 BACKOFF_CAP_S = 30.0
 
