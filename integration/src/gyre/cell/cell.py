@@ -1,22 +1,22 @@
 """One cell of a single-machine run (`gyre cell`): a gyre-engine server it owns, and a trainer replica.
 
-The cell starts `gyre-engine serve` as its child and registers with gyre-sched as a CELL whose endpoint
-is that engine. Cell 0 is the trainer core (gyre-train `Core`, loaded with the engine's initial weights);
-the others run a gyre-train `Satellite` that stays connected and idle until admitted. On a
-`SwitchCommand` to TRAINING the cell releases its engine's memory and joins training (the core takes
-the oldest step, open or whole, and computes its micro-batches as they arrive; a satellite is admitted
-through `CoreClient` and claims at once what is queued); back to ROLLOUT it leaves training (the core stops
-computing micro-batches but still aggregates and applies the step in progress, which the cells that
-train, or the core when it returns, finish; a satellite is dismissed), resumes the engine, loads the
-newest weights and only then answers `SwitchDone`. While in rollout, a weight thread follows the core's
-version and pulls each new snapshot into the engine (gyre-xfer over shared memory). The core appends one
-JSON line per step to `steps.jsonl` in the run directory. In rollout the core still takes a step closed
-with no micro-batch and skips it (nothing to compute): no ready group counts for such a step, so no policy
-moves the cell to training for it. The trainer thread and the satellite thread are gyre-train's
-`threads.start_thread`: if one dies, the cell process ends at once (exit status 70, the traceback in its
-log), and `gyre run` ends naming it (or restarts it: `supervise.py`). A cell that cannot write for want
-of space (its steps line, its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and
-the run stops once.
+The cell starts `gyre-engine serve` as its child and registers with gyre-sched as a CELL whose endpoint is
+that engine. Cell 0 is the trainer core (gyre-train `Core`, its model built from the directory's whole HF
+config, `ModelConfig.from_model_dir`, and loaded with its weights, as the engine serves them); the others
+run a gyre-train `Satellite` that stays connected and idle until admitted. On a `SwitchCommand` to
+TRAINING the cell releases its engine's memory and joins training (the core takes the oldest step, open or
+whole, and computes its micro-batches as they arrive; a satellite is admitted through `CoreClient` and
+claims at once what is queued); back to ROLLOUT it leaves training (the core stops computing micro-batches
+but still aggregates and applies the step in progress, which the cells that train, or the core when it
+returns, finish; a satellite is dismissed), resumes the engine, loads the newest weights and only then
+answers `SwitchDone`. While in rollout, a weight thread follows the core's version and pulls each new
+snapshot into the engine (gyre-xfer over shared memory). The core appends one JSON line per step to
+`steps.jsonl` in the run directory. In rollout the core still takes a step closed with no micro-batch and
+skips it (nothing to compute): no ready group counts for such a step, so no policy moves the cell to
+training for it. The trainer thread and the satellite thread are gyre-train's `threads.start_thread`: if
+one dies, the cell process ends at once (exit status 70, the traceback in its log), and `gyre run` ends
+naming it (or restarts it: `supervise.py`). A cell that cannot write for want of space (its steps line,
+its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and the run stops once.
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
 `steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
