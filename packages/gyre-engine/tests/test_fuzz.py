@@ -1,5 +1,5 @@
 """Fuzzing every gyre-engine endpoint with hypothesis against a real `gyre-engine serve` process
-(issue 20), with a run token and 2 MiB body bounds.
+with a run token and 2 MiB body bounds.
 
 Each case is a batch of 1-5 concurrent requests to any route of `routes.ROUTES` (or an unknown one, or a
 wrong method): bodies of wrong types, nulls, huge numbers, huge and odd strings, batches, bad `input_ids`,

@@ -8,6 +8,7 @@ import pytest
 from gyre_xfer.cli import main
 
 
+@pytest.mark.mooncake
 def test_doctor_reports_a_working_mooncake(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["doctor"])

@@ -371,8 +371,9 @@ class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     """The gyre-xfer publisher's control address (`Publisher.address`), e.g. tcp://127.0.0.1:5555."""
     min_version: int = 0
     """Load the newest published version >= this one (the publisher answers NO_VERSION otherwise)."""
-    transport: Literal["mooncake", "shm"] = "mooncake"
-    """Mooncake Transfer Engine (TCP here, RDMA where present) or same-host shared memory."""
+    transport: Literal["mooncake", "shm"] = "shm"
+    """Same-host shared memory (the default: needs no system library and opens no port) or Mooncake
+    Transfer Engine (TCP here, RDMA where present; across hosts)."""
     timeout_s: Seconds = 120.0
     """Deadline for the bytes of the whole version."""
     control_timeout_s: Seconds = 10.0
@@ -401,7 +402,8 @@ class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Body of POST /offer_prefix: copy the cached prefix of `input_ids` into a registered KV pool."""
 
     input_ids: list[int]
-    transport: Literal["mooncake", "shm"] = "mooncake"
+    transport: Literal["mooncake", "shm"] = "shm"
+    """As in `UpdateFromXferRequest`: shared memory by default, Mooncake across hosts."""
     block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Tokens per KV block of the offered pool."""
     lease_s: Seconds = 120.0
