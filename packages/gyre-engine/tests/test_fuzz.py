@@ -221,6 +221,13 @@ control_bodies: dict[str, Any] = {
     ),
     "/resume_memory_occupation": st.fixed_dictionaries({}, optional={"tags": anything}),
     "/export_prefix": st.fixed_dictionaries({}, optional={"input_ids": st.one_of(st.just(USER), bad_ids)}),
+    "/get_weights_by_name": st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.one_of(st.sampled_from(["model.norm.weight", "lm_head.weight"]), odd_text, anything),
+            "truncate_size": st.one_of(st.integers(-3, 3), huge_ints, anything),
+        },
+    ),
     "/update_weights_from_xfer": st.fixed_dictionaries(
         {},
         optional={

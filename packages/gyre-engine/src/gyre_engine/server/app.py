@@ -3,7 +3,7 @@
 Every request passes the gate first (`gate.py`: the bearer token when the server has one, the bounds on
 body sizes). Each route group is a class over the engine (`generate.py`: /generate and the health probe;
 `control.py`: abort, pause, memory, cache; `updates.py`: weight updates; `prefixes.py`: prefix hand-off;
-`info.py`: model info, load, counters); their handlers decode bodies with msgspec, hand work to the engine
+`info.py`: model info, configuration, load, counters, a parameter's values); their handlers decode bodies with msgspec, hand work to the engine
 thread through `Engine.call`, and wait with a timeout (`routing.py`). Every error is in SGLang's shape
 (`errors.py`): bad input is a 400, a request the engine cannot take now (paused, released, updating) is a
 409 marked retryable, an unknown path or method is FastAPI's 404 / 405 as SGLang sends it; the server
@@ -78,7 +78,7 @@ def build_app(engine: Engine, config: AppConfig) -> Starlette:
         gen,
         ControlRoutes(engine, call),
         WeightRoutes(engine, call, groups, xfer),
-        InfoRoutes(engine, xfer, config.model_path, config.served_model_name),
+        InfoRoutes(engine, call, xfer, config.model_path, config.served_model_name),
         PrefixRoutes(engine, call, xfer),
     )
     routes = [r for g in groups_of_routes for r in g.routes()]
