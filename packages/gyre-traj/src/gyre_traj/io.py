@@ -34,6 +34,7 @@ from gyre_traj.records import (
     Role,
     Score,
     as_ids,
+    as_logprobs,
 )
 
 Record = Call | Score | CallBatch
@@ -415,14 +416,30 @@ class _ForeignTurn(msgspec.Struct):
     output_ids: list[int]
 
 
-def _foreign_logprobs(raw: Any, n: int, where: str) -> np.ndarray:
+def _foreign_logprobs(raw: Any, n: int) -> np.ndarray:
+    """The output logprobs of a foreign turn (ValueError, naming what is wrong, for bad ones)."""
     if raw is None:
-        raise RecordError(f"{where}: no output logprobs (looked for {', '.join(_LOGPROB_KEYS)})")
+        raise ValueError(f"no output logprobs (looked for {', '.join(_LOGPROB_KEYS)})")
+    if not isinstance(raw, list):
+        raise ValueError(f"output logprobs must be a list, got {type(raw).__name__}")
     # SGLang's shape is [[logprob, token_id, text], ...]; others give a flat list of floats.
-    vals = [item[0] if isinstance(item, list | tuple) else item for item in raw]
+    vals = [item[0] if isinstance(item, list) and item else item for item in raw]
     if len(vals) != n:
-        raise RecordError(f"{where}: {len(vals)} output logprobs for {n} output ids (must be equal)")
-    return np.asarray(vals, dtype=np.float64)
+        raise ValueError(f"{len(vals)} output logprobs for {n} output ids (must be equal)")
+    return as_logprobs(vals)  # every value checked before its cast to float32
+
+
+def _foreign_version(obj: dict[str, Any], where: str) -> int:
+    """The turn's weight version: an integer, or a string of one (0 when there is none)."""
+    key = next((k for k in _VERSION_KEYS if obj.get(k) is not None), None)
+    if key is None:
+        return 0
+    raw = obj[key]
+    if isinstance(raw, str) and (digits := raw.strip()).isascii() and digits.isdigit():
+        return int(digits)
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    raise RecordError(f"{where}: {key} must be an integer, got {raw!r:.60}")
 
 
 def iter_foreign(
@@ -454,7 +471,7 @@ def iter_foreign(
             raise RecordError(
                 f"{where}: unknown role {role_raw!r} (one of {[r.value for r in Role]})"
             ) from None
-        version = next((int(obj[k]) for k in _VERSION_KEYS if obj.get(k) is not None), 0)
+        version = _foreign_version(obj, where)
         try:
             yield Call(
                 execution_id=execution,
@@ -463,7 +480,7 @@ def iter_foreign(
                 role=role,
                 input_ids=as_ids(turn.prompt_ids),
                 output_ids=as_ids(turn.output_ids),
-                output_logprobs=_foreign_logprobs(lp, len(turn.output_ids), where),
+                output_logprobs=_foreign_logprobs(lp, len(turn.output_ids)),
                 weight_version=version,
                 finish_reason=str(obj.get("finish_reason", "stop")),
             )
