@@ -200,7 +200,9 @@ def test_a_step_handed_over_while_the_core_lands_an_update_is_accepted(streaming
         assert queue.wait_complete(5.0)
         queue.finish()  # step 0 leaves the queue; its update has not landed yet
         traj.register_batch(2, {})
-        _until("step 2 accepted while step 0 lands", lambda: [i.seq for i in queue.steps()] == [0, 1, 2], traj)
+        _until(
+            "step 2 accepted while step 0 lands", lambda: [i.seq for i in queue.steps()] == [0, 1, 2], traj
+        )
         queue.skipped()  # the update lands (an empty step: no update, its queue position taken)
         assert [i.seq for i in queue.steps()] == [1, 2]
         assert traj.failure() is None

@@ -235,7 +235,10 @@ def test_the_next_step_is_accepted_while_the_finished_one_lands(lands: str) -> N
     q.begin(step)
     assert q.wait_complete(1.0)
     q.finish()  # step 0 leaves the queue; its update has not landed
-    assert [(i.seq, i.training, i.queued, i.claimed) for i in q.steps()] == [(0, True, 0, 0), (1, False, 0, 0)]
+    assert [(i.seq, i.training, i.queued, i.claimed) for i in q.steps()] == [
+        (0, True, 0, 0),
+        (1, False, 0, 0),
+    ]
     assert q.open(1)[0] is Refusal.OUT_OF_ORDER  # accepted already
     assert q.add(0, [])[0] is Refusal.NOT_OPEN and "closed" in q.add(0, [])[1]
     with pytest.raises(RuntimeError, match="no step accepted"):
