@@ -7,9 +7,11 @@ required) and lenient elsewhere: `cache_control`, `context_management`, `metadat
 Claude Code sends several of them on every call. A conversation Anthropic's API refuses is refused here
 too, with Anthropic's wording and the path of the offending part (`messages.3.content.0`): a
 `tool_result` whose `tool_use` is not in the previous message, a `tool_use` not answered in the next
-message, a message with empty content (other than a final assistant message), a block type the API does
-not know, a `tool_use` whose `input` is not an object, `max_tokens` below 1. Empty text blocks, which
-Anthropic refuses, are accepted: harnesses (gyre's own built-in agent) send an empty reply back that way.
+message, a user message or a non-final assistant message with empty content, a block type the API
+does not know, a `tool_use` whose `input` is not an object, `max_tokens` below 1. Empty text blocks, which
+Anthropic refuses, are accepted: harnesses (gyre's own built-in agent) send an empty reply back that way;
+so are empty system-role messages (Claude Code sends one after `/compact`), rendered as an empty ChatML
+system turn, as Qwen's chat template renders a system message that is not the first.
 """
 
 from __future__ import annotations
@@ -155,7 +157,9 @@ def check(req: ARequest | ACountRequest) -> None:
             raise RequestError(
                 f"messages.{i}.role", f"unknown role {m.role!r} (expected user, assistant or system)"
             )
-        if not m.content and not (i == last and m.role == "assistant"):
+        # Claude Code 2.1.328 sends `{"role": "system", "content": []}` after `/compact` (its real
+        # traffic, covered by the real-CLI test): a system-role message may be empty
+        if not m.content and m.role != "system" and not (i == last and m.role == "assistant"):
             raise RequestError(
                 f"messages.{i}",
                 "all messages must have non-empty content except for the optional final assistant message",
