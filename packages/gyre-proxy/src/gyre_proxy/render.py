@@ -8,11 +8,13 @@ replaces every assistant turn the proxy produced by the exact ids it recorded an
 new, so a call's cost grows with the new content, not with the context.
 
 A recorded turn is found by tool-call id or thinking signature (both name the call), else by its text:
-first among outputs generated from exactly the conversation that precedes the turn (the same system,
-tools and earlier turns, compared by a chained hash), then among the same agent's outputs, then among the
-execution's; at each step several candidates with different ids narrow to those at the same conversation
-position. Candidates that still differ are an ambiguity: counted, and the turn is tokenized from its text
-rather than given another call's ids.
+first among the asking agent's outputs generated from exactly the conversation that precedes the turn
+(the same system, tools and earlier turns, compared by a chained hash), then among every agent's outputs
+from that conversation, then among the same agent's outputs, then among the execution's; at each step
+several candidates with different ids narrow to those at the same conversation position. Candidates that
+still differ are an ambiguity (a retried call): counted, and the turn is tokenized from its text rather
+than given another call's ids. Agents with one system prompt share a render cache; a render for another
+agent than the last one reuses its turns only as far as this agent's lookups agree.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class AgentCache:
     keys: list[Any] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     chain: list[int] = field(default_factory=list)
+    agent: str = ""  # the agent the last render was for (its recorded turns are that agent's lookups)
     last_call_id: str = ""
     last_full: np.ndarray | None = None  # last call's input + output
 
@@ -251,8 +254,10 @@ class Renderer:
         outs = ex.by_text.get(text_key(t.text))
         if not outs:
             return None, False
+        exact = [o for o in outs if o.context == context]
         for group in (
-            [o for o in outs if o.context == context],
+            [o for o in exact if o.agent == agent],  # the asking agent's own answer to exactly this
+            exact,
             [o for o in outs if o.agent == agent],
             outs,
         ):
@@ -275,6 +280,22 @@ class Renderer:
             chain.append(hash((chain[k - 1], conv.turns[k - 1])))
         return chain
 
+    def _same_lookups(
+        self, ex: ExecutionCache, ac: AgentCache, keys: list[Any], same: int, agent: str
+    ) -> int:
+        """How many of the `same` leading segments of another agent's last render `agent` may reuse: up to
+        the first assistant turn this agent's lookup would settle differently (another recorded output,
+        or none where that render found one, or one where it found none)."""
+        for j in range(1, same):
+            t = keys[j][0]
+            if not isinstance(t, Turn) or t.kind is not Kind.ASSISTANT:
+                continue
+            rec, _ = self.find_recorded(ex, t, j - 1, ac.chain[j - 1], agent)
+            old = ac.segments[j]
+            if (rec.segment is not old) if rec is not None else bool(old.call_id):
+                return j
+        return same
+
     def render(self, conv: Conversation, ex: ExecutionCache, agent: str = "") -> tuple[Rendered, AgentCache]:
         """The exact ids of `conv` for `agent` (whose recorded outputs are preferred for its turns)."""
         ac = ex.agent(self.agent_key(conv), self.max_agents)
@@ -293,6 +314,8 @@ class Renderer:
         limit = min(len(old), len(keys))
         while same < limit and old[same] == keys[same]:
             same += 1
+        if same > 1 and ac.agent != agent:
+            same = self._same_lookups(ex, ac, keys, same, agent)
         segs = ac.segments[:same]
         chain = self._chain(conv, ac, same)
         known: dict[Any, Segment] | None = None  # old segments by key, built only if a turn diverged
@@ -329,6 +352,7 @@ class Renderer:
         ac.keys = keys
         ac.segments = segs
         ac.chain = chain
+        ac.agent = agent
         return Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids, chain[-1], ambiguous), ac
 
     def render_full(self, conv: Conversation) -> Rendered:
