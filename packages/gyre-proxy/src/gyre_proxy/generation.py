@@ -39,6 +39,8 @@ log = logging.getLogger("gyre_proxy.generation")
 _enc = msgspec.json.Encoder()
 _chunk_dec = msgspec.json.Decoder(GenerateResponse)
 _stopping: set[asyncio.Task[None]] = set()  # readers being stopped in the background (kept referenced)
+PREFIX_MOVE_TIMEOUT_S = 30.0
+"""Longest wait on an engine's answer to a prefix export or import (then the call re-prefills)."""
 CONNECT_WAIT_S = 10.0
 """How long a reader whose call ended gets to receive its response's start before it is cancelled anyway."""
 
@@ -258,8 +260,8 @@ class Generation:
                     abort_deadline = loop.time() + self.abort_grace_s
                     if eng.state is EngineState.REMOVED:
                         raise _Moved()
-                    with contextlib.suppress(httpx.HTTPError, EngineError, TimeoutError):
-                        await asyncio.wait_for(eng.client.abort(attempt_rid), self.abort_grace_s)
+                    # shielded: if this call is cancelled meanwhile, the abort still goes out whole
+                    await asyncio.shield(self.pool.abort_soon(eng, attempt_rid, self.abort_grace_s))
                     if get not in done:
                         continue
                 if get not in done:
@@ -365,7 +367,7 @@ class Generation:
         if old.state is EngineState.REMOVED or old.supports_prefix_export is False:
             return None
         try:
-            rec = await asyncio.wait_for(old.client.export_prefix(self._ids()), 30.0)
+            rec = await old.client.export_prefix(self._ids(), timeout=PREFIX_MOVE_TIMEOUT_S)
         except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
             log.info("prefix export from engine %d failed (%r); re-prefilling", old.engine_id, exc)
             if isinstance(exc, EngineError) and exc.status == 405:
@@ -379,7 +381,7 @@ class Generation:
         moved = 0
         if rec is not None:
             try:
-                await asyncio.wait_for(new.client.import_prefix(rec), 30.0)
+                await new.client.import_prefix(rec, timeout=PREFIX_MOVE_TIMEOUT_S)
                 moved = len(rec.token_ids)
             except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
                 log.info("prefix import into engine %d failed (%r); re-prefilling", new.engine_id, exc)
