@@ -18,8 +18,10 @@ import os
 import secrets
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import msgspec
@@ -33,7 +35,7 @@ from gyre_proxy.config import ProxyConfig
 from gyre_proxy.engines import EnginePool
 from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
-from gyre_proxy.render import AgentCache, ExecutionCache, Rendered, Renderer
+from gyre_proxy.render import AgentCache, ContextTooLong, ExecutionCache, Rendered, Renderer
 from gyre_proxy.sink import RecordSink
 from gyre_proxy.stoptext import shown_text
 from gyre_proxy.strip import Stripper
@@ -61,13 +63,6 @@ def lcp(a: np.ndarray, b: np.ndarray | None) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
-
-
-class ContextTooLong(ValueError):
-    def __init__(self, n: int, limit: int) -> None:
-        super().__init__(f"prompt is {n} tokens; the model's context is {limit} tokens")
-        self.n = n
-        self.limit = limit
 
 
 @dataclass
@@ -101,6 +96,15 @@ class Proxy:
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
         self.sink: RecordSink | None = None
+        # The one thread that owns the render caches, the recorded outputs and the call counters: every
+        # piece of a call's work that grows with its request (decoding, checks, rendering, tokenizing,
+        # building the record) runs there, so the event loop only moves bytes and tokens.
+        self._worker: ThreadPoolExecutor | None = None
+
+    async def in_worker[T](self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the proxy's worker thread (in submission order), awaited from the event loop."""
+        assert self._worker is not None, "the proxy is not started"
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def start(self) -> None:
         self.pool = EnginePool(
@@ -120,6 +124,7 @@ class Proxy:
         self.https = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(16)]
         self.http = self.https[0]
         self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push, token=self.cfg.token)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gyre-proxy-worker")
         for i, url in enumerate(self.cfg.engines):
             self.pool.add(i, url)
 
@@ -128,6 +133,8 @@ class Proxy:
             await self.pool.aclose()
         for h in self.https:
             await h.aclose()
+        if self._worker is not None:
+            await asyncio.to_thread(self._worker.shutdown)
         if self.sink is not None:
             await asyncio.to_thread(self.sink.close)
 
@@ -164,8 +171,13 @@ class Proxy:
             self.stats.abandoned_calls += 1
 
     def count_tokens(self, conv: Conversation, ex_id: str) -> int:
-        rendered, _ = self.renderer.render(conv, self.execution(ex_id))
+        """Input tokens of `conv` (worker thread); one that cannot fit the context is `ContextTooLong`."""
+        rendered, _ = self.renderer.render(conv, self.execution(ex_id), limit=self.cfg.max_context_tokens)
         return rendered.n_tokens
+
+    def non_extensions_by_execution(self) -> dict[str, int]:
+        """Executions with non-extensions, and how many (worker thread: it owns the caches)."""
+        return {k: v.non_extensions for k, v in self.executions.items() if v.non_extensions}
 
     def start_call(
         self,
@@ -175,7 +187,8 @@ class Proxy:
         headers: Mapping[str, str],
         t0: float | None = None,
     ) -> CallRun:
-        """`t0`: when the request body was in hand (perf_counter), for the added-latency figure."""
+        """Classify and render a call (on the worker thread). `t0`: when the request body was in hand
+        (perf_counter), for the added-latency figure."""
         t0 = time.perf_counter() if t0 is None else t0
         ex = self.execution(ex_id)
         role, agent = classify(conv, headers, self.cfg.agent_headers)
@@ -185,13 +198,14 @@ class Proxy:
             conv, restored = last.restore(conv)
             self.stats.restored_empty_replies += restored
         extends = last if last is not None and last.only_appended(conv) else None
+        limit = self.cfg.max_context_tokens
         if self.cfg.incremental:
-            rendered, ac = self.renderer.render(conv, ex, agent)
+            rendered, ac = self.renderer.render(conv, ex, agent, limit)
         else:
-            rendered, ac = self.renderer.render_full(conv), ex.agent(self.renderer.agent_key(conv), 16)
+            rendered, ac = self.renderer.render_full(conv, limit), ex.agent(self.renderer.agent_key(conv), 16)
         n = rendered.n_tokens
-        if n >= self.cfg.max_context_tokens:
-            raise ContextTooLong(n, self.cfg.max_context_tokens)
+        if n >= limit:
+            raise ContextTooLong(n, limit, at_least=False)
         max_new = max(
             1, min(sampling.max_new_tokens, self.cfg.max_new_tokens_cap, self.cfg.max_context_tokens - n)
         )
@@ -324,7 +338,19 @@ class CallRun:
         return "max_tokens" if self.result.finish == "length" else "end_turn"
 
     async def finish(self) -> Call:
-        """Remember the output for later renders and write the record (returns once it is on disk)."""
+        """Remember the output for later renders and write the record (returns once it is on disk); the
+        work that grows with the input runs on the proxy's worker thread."""
+        p = self.proxy
+        rec = await p.in_worker(self._recorded_output)
+        assert p.sink is not None
+        written = p.sink.submit(rec)
+        self.recorded = True  # queued: the writer thread writes it, whatever happens to this task now
+        await written
+        await p.in_worker(self._written, rec)
+        return rec
+
+    def _recorded_output(self) -> Call:
+        """(worker thread) Keep the output for later renders; the call's record."""
         p = self.proxy
         out = np.asarray(self.result.output_ids, np.int32)
         tools = [self.tool_id(i) for i, b in enumerate(self.final_blocks) if b.kind is BlockKind.TOOL]
@@ -342,11 +368,12 @@ class CallRun:
             context=self.rendered.context,
             position=len(self.conv.turns),
         )
-        rec = self._record(out)
-        assert p.sink is not None
-        written = p.sink.submit(rec)
-        self.recorded = True  # queued: the writer thread writes it, whatever happens to this task now
-        await written
+        return self._record(out)
+
+    def _written(self, rec: Call) -> None:
+        """(worker thread) The record is on disk: this call is now its agent's last call."""
+        p = self.proxy
+        out = rec.output_ids
         self._count_extension()
         full = np.concatenate([self.input_ids, out])
         self.ac.last_call_id, self.ac.last_full = self.call_id, full
@@ -356,7 +383,6 @@ class CallRun:
         self.ex.remember(self.agent, last, p.renderer.max_agents)
         added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
         p.stats.added_ms.append(added)
-        return rec
 
     def _metadata(self) -> dict[str, str]:
         """The record's metadata: harness metadata stripped from the prompt, the call this one extends."""

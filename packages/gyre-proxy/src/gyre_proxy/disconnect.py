@@ -33,7 +33,9 @@ async def while_connected[T](request: Request, work: Coroutine[Any, Any, T]) -> 
     finally:
         if not task.done():
             task.cancel()
-        await _settle(watch)
+        # not waited for: it ends at the loop's next turn (one turn less per call under load)
+        watch.cancel()
+        watch.add_done_callback(_retrieved)
     if task.done() and not task.cancelled():
         return task.result()
     await _settle(task)
@@ -44,5 +46,10 @@ async def _settle(task: asyncio.Future[Any]) -> None:
     """Cancel `task` and wait until it has ended, whatever it ends with."""
     task.cancel()
     await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: nobody waits for it any more
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: nobody waits for it any more

@@ -33,12 +33,21 @@ class EngineState(enum.StrEnum):
 
 @dataclass(eq=False)
 class InFlight:
-    """One running /generate on an engine; `move` set means: abort it and continue elsewhere."""
+    """One running /generate on an engine; `move` set means: abort it and continue elsewhere (its owner,
+    reading the engine's stream, learns it through `wake`)."""
 
     rid: str
     execution: str
     work: int
     move: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: Callable[[], None] | None = None
+
+    def request_move(self) -> None:
+        """Tell the call's owner to abort this attempt and continue elsewhere."""
+        if not self.move.is_set():
+            self.move.set()
+            if self.wake is not None:
+                self.wake()
 
 
 @dataclass(eq=False)
@@ -122,7 +131,7 @@ class EnginePool:
         eng.state = EngineState.REMOVED
         self._drop_affinity(eng.engine_id)
         for f in list(eng.in_flight):
-            f.move.set()
+            f.request_move()
         self._spawn(eng.client.aclose())
 
     def mark_dead(self, eng: Engine) -> None:
@@ -165,7 +174,7 @@ class EnginePool:
             while eng.in_flight and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
         for f in list(eng.in_flight):
-            f.move.set()
+            f.request_move()
         while eng.in_flight:
             await asyncio.sleep(0.01)
         await self._notify_drained(eng.engine_id)

@@ -126,6 +126,10 @@ class _Moved(Exception):
     pass
 
 
+_MOVE = object()
+"""Put in an attempt's queue when its call is told to move (a drain, a removal)."""
+
+
 class Generation:
     """Run with `async for new_ids in gen.stream(): ...`; then read `gen.result`."""
 
@@ -232,7 +236,12 @@ class Generation:
         raise GenerationFailed(f"call {self.rid} did not complete after {self.max_attempts} engine attempts")
 
     async def _attempt(self, eng: Engine, f: InFlight, attempt_rid: str) -> AsyncIterator[list[int]]:
-        queue: asyncio.Queue[GenerateResponse | BaseException | None] = asyncio.Queue()
+        """One engine's stream. Its reader task fills one queue; being told to move (`f.wake`) puts a
+        marker in the same queue, so each chunk costs one wait, with no task of its own."""
+        queue: asyncio.Queue[GenerateResponse | BaseException | object | None] = asyncio.Queue()
+        f.wake = lambda: queue.put_nowait(_MOVE)
+        if f.move.is_set():  # told to move before this attempt began
+            queue.put_nowait(_MOVE)
         connected = asyncio.Event()  # the engine's response has started: the reader holds its connection
         reader = asyncio.create_task(self._read(eng, attempt_rid, queue, connected))
         base = len(self.result.output_ids)
@@ -240,37 +249,30 @@ class Generation:
         abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
         finished = False  # the engine reported a finish reason (its row is free)
         loop = asyncio.get_running_loop()
-        get: asyncio.Future[Any] | None = None
-        mv: asyncio.Future[Any] | None = None
         try:
             while True:
-                get = asyncio.ensure_future(queue.get())
-                waits: set[asyncio.Future[Any]] = {get}
-                mv = None
-                if not abort_deadline:
-                    mv = asyncio.ensure_future(f.move.wait())
-                    waits.add(mv)
-                timeout = max(0.0, abort_deadline - loop.time()) if abort_deadline else None
-                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if mv is not None and mv not in done:
-                    mv.cancel()
-                if get not in done:
-                    get.cancel()
-                if mv is not None and mv in done:
+                if abort_deadline:
+                    try:
+                        async with asyncio.timeout(max(0.0, abort_deadline - loop.time())):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise _Moved() from None  # the engine did not end the aborted stream in time
+                else:
+                    item = await queue.get()
+                if item is _MOVE:
+                    if abort_deadline:
+                        continue
                     abort_deadline = loop.time() + self.abort_grace_s
                     if eng.state is EngineState.REMOVED:
                         raise _Moved()
                     # shielded: if this call is cancelled meanwhile, the abort still goes out whole
                     await asyncio.shield(self.pool.abort_soon(eng, attempt_rid, self.abort_grace_s))
-                    if get not in done:
-                        continue
-                if get not in done:
-                    raise _Moved()  # the engine did not end the aborted stream in time: move anyway
-                item = get.result()
+                    continue
                 if item is None:
                     raise _Moved()  # the stream ended without a finish reason
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, GenerateResponse)
                 new = item.output_ids[seen:]
                 lps = item.meta_info.output_token_logprobs or []
                 if new:
@@ -304,9 +306,7 @@ class Generation:
                         self.result.matched = fin.matched
                     return
         finally:
-            for w in (get, mv):  # cancelled while waiting (the client left): these must not linger
-                if w is not None and not w.done():
-                    w.cancel()
+            f.wake = None
             if not reader.done():
                 # in the background: this task may itself be cancelled again while it waits
                 _stop_reader_soon(reader, connected, CONNECT_WAIT_S)
@@ -329,7 +329,7 @@ class Generation:
         self,
         eng: Engine,
         attempt_rid: str,
-        q: asyncio.Queue[GenerateResponse | BaseException | None],
+        q: asyncio.Queue[GenerateResponse | BaseException | object | None],
         connected: asyncio.Event,
     ) -> None:
         body = self._body(attempt_rid)
