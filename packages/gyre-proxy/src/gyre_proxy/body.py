@@ -2,8 +2,9 @@
 
 A body longer than the bound is refused with `BodyTooLarge` (a 413 in the API's error shape) before any
 of it is parsed: at once when its `Content-Length` says so, else as soon as the bytes received pass the
-bound, so a huge body is never held whole. The connection of a refused body is closed once answered
-(the server does not read the rest).
+bound, so a huge body is never held whole. The HTTP server reads the rest of a refused body and throws
+it away (nothing of it is kept), so a client that sends its body whole before it reads still gets its
+413 rather than a reset connection.
 """
 
 from __future__ import annotations
