@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -101,10 +102,16 @@ class Proxy:
         # building the record) runs there, so the event loop only moves bytes and tokens.
         self._worker: ThreadPoolExecutor | None = None
 
-    async def in_worker[T](self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the proxy's worker thread (in submission order), awaited from the event loop."""
+    def in_worker[T](self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` on the proxy's worker thread (in submission order), as a future of the loop."""
         assert self._worker is not None, "the proxy is not started"
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def after_written(self, fn: Callable[[Call], None], rec: Call) -> None:
+        """`fn(rec)` on the worker thread, not waited for (it runs before anything queued after it);
+        a failure is logged."""
+        fut = self.in_worker(fn, rec)
+        fut.add_done_callback(_log_failure)
 
     async def start(self) -> None:
         self.pool = EnginePool(
@@ -157,10 +164,11 @@ class Proxy:
         return ex
 
     def client_left(self, run: CallRun) -> None:
-        """Account for a call whose client disconnected before its response completed. Before the record
-        was written nothing of it is kept (the engine request was aborted); after, the record stays (it
-        was durable before the response could complete) and is counted and logged, never silent."""
-        if run.recorded:
+        """Account for a call whose client disconnected before its response completed. Before its record
+        was queued nothing of it is kept (the engine request was aborted, and no record is queued from
+        now on); after, the record stays (it is durable before the response can complete) and is counted
+        and logged, never silent."""
+        if run.client_left():
             self.stats.records_unanswered += 1
             log.warning(
                 "call %s of %s: recorded, but its client left before the response completed",
@@ -283,6 +291,8 @@ class CallRun:
         self.final_blocks: list[Block] = []
         self.text = ""
         self.recorded = False  # the record was handed to the log (it lands even if the client leaves)
+        self._left = False  # the client went away (set on the loop, read by the worker under the lock)
+        self._left_lock = threading.Lock()
 
     @property
     def n_input(self) -> int:
@@ -338,16 +348,47 @@ class CallRun:
         return "max_tokens" if self.result.finish == "length" else "end_turn"
 
     async def finish(self) -> Call:
-        """Remember the output for later renders and write the record (returns once it is on disk); the
-        work that grows with the input runs on the proxy's worker thread."""
+        """Remember the output for later renders and write the record (returns once it is on disk). The
+        worker thread builds the record and queues it to the log itself, so this waits once, for the
+        log; the agent's last call is updated on the worker after that (queued before any later call of
+        this execution, whose render it serves)."""
         p = self.proxy
-        rec = await p.in_worker(self._recorded_output)
-        assert p.sink is not None
-        written = p.sink.submit(rec)
-        self.recorded = True  # queued: the writer thread writes it, whatever happens to this task now
-        await written
-        await p.in_worker(self._written, rec)
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future[None] = loop.create_future()
+        box: list[Call] = []
+        queued = p.in_worker(self._record_and_queue, loop, written, box)
+        try:
+            await written
+        finally:
+            queued.cancel()  # nothing waits for it: `written` says all (a failure there fails `written`)
+        rec = box[0]
+        p.after_written(self._written, rec)
         return rec
+
+    def _record_and_queue(
+        self, loop: asyncio.AbstractEventLoop, written: asyncio.Future[None], box: list[Call]
+    ) -> None:
+        """(worker thread) Keep the output for later renders, build the record and queue it to the log,
+        unless the client already left (then nothing is queued)."""
+        try:
+            rec = self._recorded_output()
+        except Exception as exc:  # the call fails with it (a 500, the traceback in the log)
+            loop.call_soon_threadsafe(_fail, written, exc)
+            return
+        box.append(rec)
+        with self._left_lock:
+            if self._left:  # nobody waits for `written` any more
+                loop.call_soon_threadsafe(written.cancel)
+                return
+            assert self.proxy.sink is not None
+            self.proxy.sink.submit_for(rec, loop, written)
+            self.recorded = True  # queued: the writer thread writes it, whatever happens to the call now
+
+    def client_left(self) -> bool:
+        """(event loop) The client went away: from now on nothing is queued. Whether it was already."""
+        with self._left_lock:
+            self._left = True
+            return self.recorded
 
     def _recorded_output(self) -> Call:
         """(worker thread) Keep the output for later renders; the call's record."""
@@ -436,3 +477,13 @@ class CallRun:
         if keep > 0:
             return Call(input_delta=Delta(parent, keep, self.input_ids[keep:]), **common)  # type: ignore[arg-type]
         return Call(input_ids=self.input_ids, **common)  # type: ignore[arg-type]
+
+
+def _fail(fut: asyncio.Future[None], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("bookkeeping after a record was written failed", exc_info=fut.exception())
