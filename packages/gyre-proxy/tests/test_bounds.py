@@ -2,7 +2,7 @@
 shape before it is parsed, as soon as its `Content-Length` or its bytes pass the bound (a chunked body is
 not read to its end); text that cannot fit the context is refused before it is tokenized; and the work
 that grows with a request (decoding, rendering, tokenizing) runs on the proxy's worker thread, not on
-its event loop."""
+its event loop, for any request larger than `INLINE_BYTES`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from gyre_proxy.chat import Conversation, Kind, Turn
+from gyre_proxy.core import INLINE_BYTES
 from gyre_proxy.render import ContextTooLong, ExecutionCache, Renderer
 from gyre_traj.io import read_records
 from tokenizers import Tokenizer
@@ -104,7 +105,11 @@ def test_text_that_cannot_fit_the_context_is_not_tokenized(tokenizer: Tokenizer)
     assert np.array_equal(done.ids(), r.encode(r.full_text(small)))
 
 
-def test_decoding_and_rendering_run_off_the_event_loop(engine: Any, make_proxy: Any) -> None:
+def test_decoding_and_rendering_of_a_large_request_run_off_the_event_loop(
+    engine: Any, make_proxy: Any
+) -> None:
+    """A request over `INLINE_BYTES` is decoded, rendered and recorded on the proxy's worker thread; a
+    small one (bounded work) may be handled on the event loop's thread."""
     ps = make_proxy([engine.url])
     proxy = ps.proxy
     threads: list[str] = []
@@ -115,9 +120,13 @@ def test_decoding_and_rendering_run_off_the_event_loop(engine: Any, make_proxy: 
         return render(*a, **kw)
 
     proxy.renderer.render = spy  # type: ignore[method-assign]
-    ok = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    text = "word " * (INLINE_BYTES // 4)
+    big = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": text}]}
     for path in ("/v1/messages", "/v1/chat/completions", "/v1/messages/count_tokens"):
-        r = httpx.post(f"{ps.url}{path}", json=ok)
+        r = httpx.post(f"{ps.url}{path}", json=big)
         assert r.status_code == 200, r.text
     assert len(threads) == 3 and all(t.startswith("gyre-proxy-worker") for t in threads), threads
+    small = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{ps.url}/v1/messages", json=small).status_code == 200
+    assert len(threads) == 4
     assert Path(ps.log_path).exists()

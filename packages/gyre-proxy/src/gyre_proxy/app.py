@@ -95,14 +95,14 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     limit = proxy.cfg.max_body_bytes
 
     def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, AR.ARequest]:
-        """(worker thread) Decode, check, convert and render the request."""
+        """(holding the proxy's state) Decode, check, convert and render the request."""
         req = AR.decode(body)
         assert isinstance(req, AR.ARequest)
         conv = AR.to_conversation(req, proxy.stripper)
-        return proxy.start_call(conv, AR.to_sampling(req), ex, headers, t0), req
+        return proxy.start_call(conv, AR.to_sampling(req), ex, headers, t0, len(body)), req
 
     def count(body: bytes, ex: str) -> int:
-        """(worker thread) The request's input tokens."""
+        """(holding the proxy's state) The request's input tokens."""
         req = AR.decode(body, count=True)
         return proxy.count_tokens(AR.to_conversation(req, proxy.stripper), ex)
 
@@ -110,7 +110,7 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     async def messages(request: Request) -> Response:
         ex = execution_of(keys, request)
         body = await read_body(request, limit)
-        run, req = await proxy.in_worker(start, body, ex, request.headers, time.perf_counter())
+        run, req = await proxy.owned(len(body), start, body, ex, request.headers, time.perf_counter())
         del body
         await calls.engine_for(request, run)
         if req.stream:
@@ -121,7 +121,8 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     @answers_errors(Api.ANTHROPIC)
     async def count_tokens(request: Request) -> Response:
         ex = execution_of(keys, request)
-        n = await proxy.in_worker(count, await read_body(request, limit), ex)
+        body = await read_body(request, limit)
+        n = await proxy.owned(len(body), count, body, ex)
         return Response(_enc.encode({"input_tokens": n}), media_type=JSON)
 
     @answers_errors(Api.ANTHROPIC)
@@ -154,16 +155,16 @@ def openai_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     vocab = proxy.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, OR.ORequest]:
-        """(worker thread) Decode, check, convert and render the request."""
+        """(holding the proxy's state) Decode, check, convert and render the request."""
         req = OR.decode(body)
         conv = OR.to_conversation(req, proxy.stripper)
-        return proxy.start_call(conv, OR.to_sampling(req, 4096, vocab), ex, headers, t0), req
+        return proxy.start_call(conv, OR.to_sampling(req, 4096, vocab), ex, headers, t0, len(body)), req
 
     @answers_errors(Api.OPENAI)
     async def chat_completions(request: Request) -> Response:
         ex = execution_of(keys, request)
         body = await read_body(request, limit)
-        run, req = await proxy.in_worker(start, body, ex, request.headers, time.perf_counter())
+        run, req = await proxy.owned(len(body), start, body, ex, request.headers, time.perf_counter())
         del body
         await calls.engine_for(request, run)
         lps = bool(req.logprobs)
@@ -186,7 +187,7 @@ def _prefixed(routes: list[tuple[str, Any, str]]) -> list[Route]:
 
 
 def stats_body(proxy: Proxy, control: ControlLink | None, by_execution: dict[str, int]) -> dict[str, Any]:
-    """`/gyre/stats`; `by_execution`: `Proxy.non_extensions_by_execution()` (read on the worker thread)."""
+    """`/gyre/stats`; `by_execution`: `Proxy.non_extensions_by_execution()` (read holding the proxy's state)."""
     pool = proxy.pool
     engines = [
         {
@@ -252,7 +253,7 @@ def build_app(proxy: Proxy) -> Starlette:
     @answers_errors(Api.ANTHROPIC)
     async def stats(request: Request) -> Response:
         require_key(proxy.cfg.api_keys, request)
-        by_execution = await proxy.in_worker(proxy.non_extensions_by_execution)
+        by_execution = await proxy.owned(0, proxy.non_extensions_by_execution)
         body = stats_body(proxy, links[0] if links else None, by_execution)
         return Response(_enc.encode(body), media_type=JSON)
 

@@ -43,6 +43,9 @@ from gyre_proxy.strip import Stripper
 from gyre_proxy.toolparse import Block, BlockKind, parse
 
 log = logging.getLogger("gyre_proxy")
+INLINE_BYTES = 64 * 1024
+"""Requests up to this many bytes may be handled on the event loop (`Proxy.owned`): their work is bounded
+by that size, and they then take no turn of the loop to go to the worker thread and back."""
 EXTENDS = "extends"
 """Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
 
@@ -97,21 +100,44 @@ class Proxy:
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
         self.sink: RecordSink | None = None
-        # The one thread that owns the render caches, the recorded outputs and the call counters: every
-        # piece of a call's work that grows with its request (decoding, checks, rendering, tokenizing,
-        # building the record) runs there, so the event loop only moves bytes and tokens.
+        # The render caches, the recorded outputs and the call counters are touched only under
+        # `_state`. A request's work that grows with it (decoding, checks, rendering, tokenizing, building
+        # the record) runs on the worker thread; a small request's (at most INLINE_BYTES) runs on the event
+        # loop when the worker does not hold the state at that moment, so it takes no turn of the loop.
         self._worker: ThreadPoolExecutor | None = None
+        self._state = threading.Lock()
+        self._queued = 0  # jobs submitted to the worker and not done (counted on the event loop)
 
-    def in_worker[T](self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """`fn(*args)` on the proxy's worker thread (in submission order), as a future of the loop."""
+    def owned[T](self, size: int, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` holding the proxy's state, for a request of `size` bytes: here and now (a done
+        future: awaiting it takes no turn of the loop) if it is small and nothing waits for the worker,
+        else on the worker thread; either way after everything submitted before it."""
+        if size <= INLINE_BYTES and not self._queued and self._state.acquire(blocking=False):
+            done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as exc:
+                done.set_exception(exc)
+            finally:
+                self._state.release()
+            return done
         assert self._worker is not None, "the proxy is not started"
-        return asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        self._queued += 1  # while anything waits for the worker, later work goes behind it (in order)
+        fut = asyncio.get_running_loop().run_in_executor(self._worker, self._holding, fn, args)
+        fut.add_done_callback(self._dequeued)
+        return fut
 
-    def after_written(self, fn: Callable[[Call], None], rec: Call) -> None:
-        """`fn(rec)` on the worker thread, not waited for (it runs before anything queued after it);
-        a failure is logged."""
-        fut = self.in_worker(fn, rec)
-        fut.add_done_callback(_log_failure)
+    def _dequeued(self, fut: asyncio.Future[Any]) -> None:
+        self._queued -= 1
+
+    def _holding[T](self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        with self._state:
+            return fn(*args)
+
+    def after_written(self, size: int, fn: Callable[[Call], None], rec: Call) -> None:
+        """`owned(size, fn, rec)`, not waited for (on the worker it runs before anything queued after
+        it); a failure is logged."""
+        self.owned(size, fn, rec).add_done_callback(_log_failure)
 
     async def start(self) -> None:
         self.pool = EnginePool(
@@ -179,12 +205,12 @@ class Proxy:
             self.stats.abandoned_calls += 1
 
     def count_tokens(self, conv: Conversation, ex_id: str) -> int:
-        """Input tokens of `conv` (worker thread); one that cannot fit the context is `ContextTooLong`."""
+        """Input tokens of `conv` (holding the state); one that cannot fit the context is `ContextTooLong`."""
         rendered, _ = self.renderer.render(conv, self.execution(ex_id), limit=self.cfg.max_context_tokens)
         return rendered.n_tokens
 
     def non_extensions_by_execution(self) -> dict[str, int]:
-        """Executions with non-extensions, and how many (worker thread: it owns the caches)."""
+        """Executions with non-extensions, and how many (holding the state)."""
         return {k: v.non_extensions for k, v in self.executions.items() if v.non_extensions}
 
     def start_call(
@@ -194,8 +220,9 @@ class Proxy:
         ex_id: str,
         headers: Mapping[str, str],
         t0: float | None = None,
+        size: int = 0,
     ) -> CallRun:
-        """Classify and render a call (on the worker thread). `t0`: when the request body was in hand
+        """Classify and render a call (holding the state: `owned`). `t0`: when the request body was in hand
         (perf_counter), for the added-latency figure."""
         t0 = time.perf_counter() if t0 is None else t0
         ex = self.execution(ex_id)
@@ -226,7 +253,7 @@ class Proxy:
         self.stats.tokenized_tokens += rendered.tokenized_tokens
         self.stats.ambiguous_turns += rendered.ambiguous
         ident = CallIdentity(role, agent, call_id, extends, sent)
-        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, ident, t0)
+        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, ident, t0, size)
 
 
 @dataclass(frozen=True)
@@ -270,6 +297,7 @@ class CallRun:
         rendered: Rendered,
         ident: CallIdentity,
         t0: float,
+        size: int = 0,
     ) -> None:
         self.proxy = proxy
         self.conv = conv
@@ -284,6 +312,7 @@ class CallRun:
         self.extends = ident.extends
         self.sent = ident.sent
         self.t0 = t0
+        self.size = size  # the request's bytes (small ones are finished on the event loop: `Proxy.owned`)
         self.t_wall = time.time()
         self.input_ids = rendered.ids()
         self.input_json = rendered.ids_json()
@@ -349,26 +378,25 @@ class CallRun:
 
     async def finish(self) -> Call:
         """Remember the output for later renders and write the record (returns once it is on disk). The
-        worker thread builds the record and queues it to the log itself, so this waits once, for the
-        log; the agent's last call is updated on the worker after that (queued before any later call of
-        this execution, whose render it serves)."""
+        record is built and queued to the log in one `owned` step, so this waits once, for the log; the
+        agent's last call is updated after that, unawaited but ahead of any later call's render."""
         p = self.proxy
         loop = asyncio.get_running_loop()
         written: asyncio.Future[None] = loop.create_future()
         box: list[Call] = []
-        queued = p.in_worker(self._record_and_queue, loop, written, box)
+        queued = p.owned(self.size, self._record_and_queue, loop, written, box)
         try:
             await written
         finally:
             queued.cancel()  # nothing waits for it: `written` says all (a failure there fails `written`)
         rec = box[0]
-        p.after_written(self._written, rec)
+        p.after_written(self.size, self._written, rec)
         return rec
 
     def _record_and_queue(
         self, loop: asyncio.AbstractEventLoop, written: asyncio.Future[None], box: list[Call]
     ) -> None:
-        """(worker thread) Keep the output for later renders, build the record and queue it to the log,
+        """(holding the state) Keep the output for later renders, build the record and queue it to the log,
         unless the client already left (then nothing is queued)."""
         try:
             rec = self._recorded_output()
@@ -391,7 +419,7 @@ class CallRun:
             return self.recorded
 
     def _recorded_output(self) -> Call:
-        """(worker thread) Keep the output for later renders; the call's record."""
+        """(holding the state) Keep the output for later renders; the call's record."""
         p = self.proxy
         out = np.asarray(self.result.output_ids, np.int32)
         tools = [self.tool_id(i) for i, b in enumerate(self.final_blocks) if b.kind is BlockKind.TOOL]
@@ -412,7 +440,7 @@ class CallRun:
         return self._record(out)
 
     def _written(self, rec: Call) -> None:
-        """(worker thread) The record is on disk: this call is now its agent's last call."""
+        """(holding the state) The record is on disk: this call is now its agent's last call."""
         p = self.proxy
         out = rec.output_ids
         self._count_extension()
