@@ -6,6 +6,7 @@ its event loop, for any request larger than `INLINE_BYTES`."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -130,3 +131,43 @@ def test_decoding_and_rendering_of_a_large_request_run_off_the_event_loop(
     assert httpx.post(f"{ps.url}/v1/messages", json=small).status_code == 200
     assert len(threads) == 4
     assert Path(ps.log_path).exists()
+
+
+def test_messages_seen_before_are_decoded_once_with_the_same_result() -> None:
+    """The decoded-message cache changes nothing but the cost: the request and conversation equal the plain
+    decode's, a request that repeats the history decodes only its new messages, and a bad message is named
+    as the plain decode names it, whether or not its neighbours were seen before."""
+    from gyre_proxy import anthropic_request as AR
+    from gyre_proxy.chat import RequestError
+    from gyre_proxy.msgcache import MessageCache
+    from gyre_proxy.strip import Stripper
+
+    stripper = Stripper(())
+    cache = MessageCache(1 << 20)
+    tool = {"type": "tool_use", "id": "t1", "name": "bash", "input": {"command": "ls"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "a.txt"}
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}, tool]},
+        {"role": "user", "content": [result]},
+        {"role": "system", "content": []},
+    ]
+    for n in range(1, len(msgs) + 1):
+        body = json.dumps({"model": "m", "max_tokens": 5, "system": "s", "messages": msgs[:n]}).encode()
+        req, conv = AR.decode_conversation(body, stripper, cache)
+        want = AR.decode(body)
+        assert isinstance(want, AR.ARequest)
+        assert req == want and conv == AR.to_conversation(want, stripper)
+    assert cache.hits >= 4 and len(cache) == len(msgs)
+    bad = [*msgs, {"role": "user", "content": [{"type": "pictogram"}]}]
+    body = json.dumps({"model": "m", "max_tokens": 5, "messages": bad}).encode()
+    with pytest.raises(RequestError) as e:
+        AR.decode_conversation(body, stripper, cache)
+    assert e.value.field == "messages.4.content.0.type"
+    typed = [*msgs, {"role": 5, "content": "x"}]
+    body = json.dumps({"model": "m", "max_tokens": 5, "messages": typed}).encode()
+    with pytest.raises(RequestError) as e:
+        AR.decode_conversation(body, stripper, cache)
+    with pytest.raises(RequestError) as plain:
+        AR.decode(body)
+    assert (e.value.field, str(e.value)) == (plain.value.field, str(plain.value))

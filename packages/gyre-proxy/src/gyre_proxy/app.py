@@ -1,8 +1,9 @@
 """The HTTP front (Starlette): Anthropic and OpenAI routes, with or without an `/e/{execution}` prefix,
 plus `/gyre/stats` and `/health`.
 
-A request is checked whole before anything is rendered, run or recorded (`access.py` says which
-execution it belongs to and who may ask). A call's engine work lasts only while its client is there
+A request's body is read within `max_body_bytes` (`body.py`), then decoded, checked and rendered through
+`Proxy.owned` (on the worker thread when it is large); it is checked whole before anything is run or
+recorded (`access.py` says which execution it belongs to and who may ask). A call's engine work lasts only while its client is there
 (`disconnect.py`): a client that leaves gets its engine request aborted and nothing recorded. Every error
 is answered in the API's own shape (`errors.py`), routing's 404/405 and anything uncaught included; a
 stream that already started reports one in-band.
@@ -96,9 +97,7 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
 
     def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, AR.ARequest]:
         """(holding the proxy's state) Decode, check, convert and render the request."""
-        req = AR.decode(body)
-        assert isinstance(req, AR.ARequest)
-        conv = AR.to_conversation(req, proxy.stripper)
+        req, conv = AR.decode_conversation(body, proxy.stripper, proxy.messages)
         return proxy.start_call(conv, AR.to_sampling(req), ex, headers, t0, len(body)), req
 
     def count(body: bytes, ex: str) -> int:

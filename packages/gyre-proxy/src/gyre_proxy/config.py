@@ -94,6 +94,9 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     """The longest request body taken, in bytes (Anthropic's API takes 32 MB); a longer one is answered
     413 in the API's error shape as soon as that is known, before any of it is parsed or buffered whole."""
+    decoded_cache_bytes: int = 64 * 1024 * 1024
+    """Request messages kept decoded, by their exact bytes, in bytes of JSON (least recently used first to
+    go): the history a harness sends again on each call is then decoded and checked once."""
     max_new_tokens_cap: int = 32768
     """The most new tokens one call may ask for (a larger max_tokens is clipped)."""
     drain_grace_s: float = field(default=0.0, metadata=flag("--drain-grace"))

@@ -6,7 +6,10 @@ output ids, the agent's own first) and checks the context size; `CallRun.blocks`
 writes the call's TITO record (delta-encoded against the same agent's previous call, else the last call
 with the same system and tools; metadata: the call it `extends` when the harness only appended, and the
 harness metadata stripped from the prompt) to the fsynced log before the API layer completes its response.
-A call whose record could not be written fails with `RecordWriteFailed` (and is not in the log).
+A call whose record could not be written fails with `RecordWriteFailed` (and is not in the log). The
+proxy's state (render caches, recorded outputs, counters) is touched only through `Proxy.owned`, which
+runs a request's work on the worker thread when the request is large and on the event loop only when it
+is small (bounded work) and nothing waits for the worker.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from gyre_proxy.config import ProxyConfig
 from gyre_proxy.engines import EnginePool
 from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
+from gyre_proxy.msgcache import MessageCache
 from gyre_proxy.render import AgentCache, ContextTooLong, ExecutionCache, Rendered, Renderer
 from gyre_proxy.sink import RecordSink
 from gyre_proxy.stoptext import shown_text
@@ -96,6 +100,7 @@ class Proxy:
         self._seq = itertools.count()
         self._salt = secrets.token_hex(3)
         self.stripper = Stripper(cfg.strip_rules)
+        self.messages = MessageCache(cfg.decoded_cache_bytes)  # decoded request messages (the state lock)
         self.pool: EnginePool | None = None
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
@@ -390,6 +395,8 @@ class CallRun:
         finally:
             queued.cancel()  # nothing waits for it: `written` says all (a failure there fails `written`)
         rec = box[0]
+        # the proxy's own time for this call: the body in hand to the record on disk, less the engine's
+        p.stats.added_ms.append((time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0)
         p.after_written(self.size, self._written, rec)
         return rec
 
@@ -450,8 +457,6 @@ class CallRun:
         empty = not self.final_blocks
         last = LastCall(self.call_id, c.system, c.tools_json, self.sent, c.turns, full, empty)
         self.ex.remember(self.agent, last, p.renderer.max_agents)
-        added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
-        p.stats.added_ms.append(added)
 
     def _metadata(self) -> dict[str, str]:
         """The record's metadata: harness metadata stripped from the prompt, the call this one extends."""
