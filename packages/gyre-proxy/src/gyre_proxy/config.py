@@ -91,6 +91,12 @@ class ProxyConfig:
     403), and /gyre/stats needs a key too."""
     max_context_tokens: int = field(default=40960, metadata=flag("--max-context"))
     """Input tokens beyond this are answered 413; max_new_tokens is clipped to what is left."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """The longest request body taken, in bytes (Anthropic's API takes 32 MB); a longer one is answered
+    413 in the API's error shape as soon as that is known, before any of it is parsed or buffered whole."""
+    decoded_cache_bytes: int = 64 * 1024 * 1024
+    """Request messages kept decoded, by their exact bytes, in bytes of JSON (least recently used first to
+    go): the history a harness sends again on each call is then decoded and checked once."""
     max_new_tokens_cap: int = 32768
     """The most new tokens one call may ask for (a larger max_tokens is clipped)."""
     drain_grace_s: float = field(default=0.0, metadata=flag("--drain-grace"))
@@ -144,6 +150,8 @@ class ProxyConfig:
         self.engines = tuple(self.engines)
         self.agent_headers = tuple(h.lower() for h in self.agent_headers)
         self.strip_rules = tuple(self.strip_rules)
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
         if not is_loopback_host(self.host):
             if not self.allow_remote:
                 raise ConfigError(

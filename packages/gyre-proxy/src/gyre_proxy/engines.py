@@ -6,7 +6,8 @@ Draining an engine stops new calls; after `drain_grace_s` its in-flight calls ar
 another engine by their owners (`Generation`), and `on_drained` fires once none is left. Removing an engine
 makes its in-flight calls continue elsewhere at once; only the scheduler removes one (`EngineRemove`). An
 engine a connection to failed is only set aside (FAILED): its `/health` is polled with exponential backoff
-and it takes requests again as soon as it answers 200.
+and it takes requests again as soon as it answers 200; the probes go through the engine client's own
+probe pool, which no load (calls, aborts, prefix moves) can fill.
 """
 
 from __future__ import annotations
@@ -32,12 +33,21 @@ class EngineState(enum.StrEnum):
 
 @dataclass(eq=False)
 class InFlight:
-    """One running /generate on an engine; `move` set means: abort it and continue elsewhere."""
+    """One running /generate on an engine; `move` set means: abort it and continue elsewhere (its owner,
+    reading the engine's stream, learns it through `wake`)."""
 
     rid: str
     execution: str
     work: int
     move: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: Callable[[], None] | None = None
+
+    def request_move(self) -> None:
+        """Tell the call's owner to abort this attempt and continue elsewhere."""
+        if not self.move.is_set():
+            self.move.set()
+            if self.wake is not None:
+                self.wake()
 
 
 @dataclass(eq=False)
@@ -121,7 +131,7 @@ class EnginePool:
         eng.state = EngineState.REMOVED
         self._drop_affinity(eng.engine_id)
         for f in list(eng.in_flight):
-            f.move.set()
+            f.request_move()
         self._spawn(eng.client.aclose())
 
     def mark_dead(self, eng: Engine) -> None:
@@ -164,7 +174,7 @@ class EnginePool:
             while eng.in_flight and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
         for f in list(eng.in_flight):
-            f.move.set()
+            f.request_move()
         while eng.in_flight:
             await asyncio.sleep(0.01)
         await self._notify_drained(eng.engine_id)
@@ -173,13 +183,14 @@ class EnginePool:
         if self.on_drained is not None:
             await self.on_drained(engine_id)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:
             await coro
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ routing
     def active(self) -> list[Engine]:
@@ -211,20 +222,24 @@ class EnginePool:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
 
-    def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> None:
-        """Tell `eng` to stop `rid` (its caller is gone) without waiting for the answer: the abort is a
-        task of its own, so a cancelled caller still sends it. Failures are logged, not raised."""
+    def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> asyncio.Future[None]:
+        """Tell `eng` to stop `rid`: the abort is a task of its own, so a caller cancelled meanwhile still
+        sends it, and it is bounded by the client's timeout rather than cancelled (a request cancelled
+        while it waits for a connection leaks that connection in httpx 0.28). Failures are logged, not
+        raised; the returned future is done once the engine answered or the abort gave up."""
         if eng.state is EngineState.REMOVED:  # its client is closed; nothing runs there for us now
-            return
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         self.aborts_sent += 1
 
         async def send() -> None:
             try:
-                await asyncio.wait_for(eng.client.abort(rid), timeout_s)
+                await eng.client.abort(rid, timeout=timeout_s)
             except Exception as exc:  # a dead engine runs nothing; anything else is worth a line
-                log.info("abort of %s on engine %d failed: %s", rid, eng.engine_id, exc)
+                log.info("abort of %s on engine %d failed: %r", rid, eng.engine_id, exc)
 
-        self._spawn(send())
+        return self._spawn(send())
 
     def begin(self, eng: Engine, rid: str, execution: str, work: int) -> InFlight:
         f = InFlight(rid, execution, work)

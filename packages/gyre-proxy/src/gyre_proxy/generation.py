@@ -39,6 +39,8 @@ log = logging.getLogger("gyre_proxy.generation")
 _enc = msgspec.json.Encoder()
 _chunk_dec = msgspec.json.Decoder(GenerateResponse)
 _stopping: set[asyncio.Task[None]] = set()  # readers being stopped in the background (kept referenced)
+PREFIX_MOVE_TIMEOUT_S = 30.0
+"""Longest wait on an engine's answer to a prefix export or import (then the call re-prefills)."""
 CONNECT_WAIT_S = 10.0
 """How long a reader whose call ended gets to receive its response's start before it is cancelled anyway."""
 
@@ -122,6 +124,10 @@ class EngineRejected(ValueError):
 
 class _Moved(Exception):
     pass
+
+
+_MOVE = object()
+"""Put in an attempt's queue when its call is told to move (a drain, a removal)."""
 
 
 class Generation:
@@ -230,7 +236,12 @@ class Generation:
         raise GenerationFailed(f"call {self.rid} did not complete after {self.max_attempts} engine attempts")
 
     async def _attempt(self, eng: Engine, f: InFlight, attempt_rid: str) -> AsyncIterator[list[int]]:
-        queue: asyncio.Queue[GenerateResponse | BaseException | None] = asyncio.Queue()
+        """One engine's stream. Its reader task fills one queue; being told to move (`f.wake`) puts a
+        marker in the same queue, so each chunk costs one wait, with no task of its own."""
+        queue: asyncio.Queue[GenerateResponse | BaseException | object | None] = asyncio.Queue()
+        f.wake = lambda: queue.put_nowait(_MOVE)
+        if f.move.is_set():  # told to move before this attempt began
+            queue.put_nowait(_MOVE)
         connected = asyncio.Event()  # the engine's response has started: the reader holds its connection
         reader = asyncio.create_task(self._read(eng, attempt_rid, queue, connected))
         base = len(self.result.output_ids)
@@ -238,37 +249,30 @@ class Generation:
         abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
         finished = False  # the engine reported a finish reason (its row is free)
         loop = asyncio.get_running_loop()
-        get: asyncio.Future[Any] | None = None
-        mv: asyncio.Future[Any] | None = None
         try:
             while True:
-                get = asyncio.ensure_future(queue.get())
-                waits: set[asyncio.Future[Any]] = {get}
-                mv = None
-                if not abort_deadline:
-                    mv = asyncio.ensure_future(f.move.wait())
-                    waits.add(mv)
-                timeout = max(0.0, abort_deadline - loop.time()) if abort_deadline else None
-                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if mv is not None and mv not in done:
-                    mv.cancel()
-                if get not in done:
-                    get.cancel()
-                if mv is not None and mv in done:
+                if abort_deadline:
+                    try:
+                        async with asyncio.timeout(max(0.0, abort_deadline - loop.time())):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise _Moved() from None  # the engine did not end the aborted stream in time
+                else:
+                    item = await queue.get()
+                if item is _MOVE:
+                    if abort_deadline:
+                        continue
                     abort_deadline = loop.time() + self.abort_grace_s
                     if eng.state is EngineState.REMOVED:
                         raise _Moved()
-                    with contextlib.suppress(httpx.HTTPError, EngineError, TimeoutError):
-                        await asyncio.wait_for(eng.client.abort(attempt_rid), self.abort_grace_s)
-                    if get not in done:
-                        continue
-                if get not in done:
-                    raise _Moved()  # the engine did not end the aborted stream in time: move anyway
-                item = get.result()
+                    # shielded: if this call is cancelled meanwhile, the abort still goes out whole
+                    await asyncio.shield(self.pool.abort_soon(eng, attempt_rid, self.abort_grace_s))
+                    continue
                 if item is None:
                     raise _Moved()  # the stream ended without a finish reason
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, GenerateResponse)
                 new = item.output_ids[seen:]
                 lps = item.meta_info.output_token_logprobs or []
                 if new:
@@ -302,9 +306,7 @@ class Generation:
                         self.result.matched = fin.matched
                     return
         finally:
-            for w in (get, mv):  # cancelled while waiting (the client left): these must not linger
-                if w is not None and not w.done():
-                    w.cancel()
+            f.wake = None
             if not reader.done():
                 # in the background: this task may itself be cancelled again while it waits
                 _stop_reader_soon(reader, connected, CONNECT_WAIT_S)
@@ -327,7 +329,7 @@ class Generation:
         self,
         eng: Engine,
         attempt_rid: str,
-        q: asyncio.Queue[GenerateResponse | BaseException | None],
+        q: asyncio.Queue[GenerateResponse | BaseException | object | None],
         connected: asyncio.Event,
     ) -> None:
         body = self._body(attempt_rid)
@@ -365,7 +367,7 @@ class Generation:
         if old.state is EngineState.REMOVED or old.supports_prefix_export is False:
             return None
         try:
-            rec = await asyncio.wait_for(old.client.export_prefix(self._ids()), 30.0)
+            rec = await old.client.export_prefix(self._ids(), timeout=PREFIX_MOVE_TIMEOUT_S)
         except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
             log.info("prefix export from engine %d failed (%r); re-prefilling", old.engine_id, exc)
             if isinstance(exc, EngineError) and exc.status == 405:
@@ -379,7 +381,7 @@ class Generation:
         moved = 0
         if rec is not None:
             try:
-                await asyncio.wait_for(new.client.import_prefix(rec), 30.0)
+                await new.client.import_prefix(rec, timeout=PREFIX_MOVE_TIMEOUT_S)
                 moved = len(rec.token_ids)
             except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
                 log.info("prefix import into engine %d failed (%r); re-prefilling", new.engine_id, exc)
