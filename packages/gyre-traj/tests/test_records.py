@@ -147,7 +147,11 @@ def test_truncated_msgpack_stream(tmp_path: Path) -> None:
 def test_scores_validate() -> None:
     # any finite reward is a score (reward functions return any scale); NaN, infinities, a bool or an
     # int beyond float64 are not
-    assert [Score(execution_id="e", group_id="g", value=v).value for v in (1.5, -3, 1e300)] == [1.5, -3.0, 1e300]
+    assert [Score(execution_id="e", group_id="g", value=v).value for v in (1.5, -3, 1e300)] == [
+        1.5,
+        -3.0,
+        1e300,
+    ]
     for bad in (float("nan"), float("inf"), -float("inf"), True, 10**400, None):
         with pytest.raises(RecordError, match="needs a finite number"):
             Score(execution_id="e", group_id="g", value=bad)

@@ -102,55 +102,86 @@ def _assemble_stream(chunks: list[Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _prompt_ids(resp: dict[str, Any], choice: dict[str, Any], req: Any, where: str) -> np.ndarray:
+def _prompt_source(resp: dict[str, Any], choice: dict[str, Any], req: Any) -> tuple[Any, str] | None:
+    """(the prompt's ids as logged, the field they are in), or None when the log has none."""
     for raw, field in (
         (choice.get("prompt_token_ids"), "choices[].prompt_token_ids"),
         (resp.get("prompt_token_ids"), "prompt_token_ids"),
         (_get(req, "input_ids"), "request.input_ids"),
     ):
         if raw is not None:
-            return rows.ids(raw, where, field)
+            return raw, field
     prompt = _get(req, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-        return rows.ids(prompt, where, "request.prompt")
-    raise RecordError(f"{where}: {NO_PROMPT_IDS}")
+        return prompt, "request.prompt"
+    return None
+
+
+def _logprobs_of(resp: dict[str, Any], choice: dict[str, Any]) -> tuple[list[Any], list[Any]] | None:
+    """(logprob values, their tokens) as a choice logs them (chat: `logprobs.content[]`, completions:
+    `logprobs.token_logprobs` and `logprobs.tokens`), or None when it has no logprobs."""
+    lp = choice.get("logprobs")
+    if resp.get("object") == "text_completion":
+        values = _get(lp, "token_logprobs")
+        tokens = _get(lp, "tokens")
+        return (values, tokens if isinstance(tokens, list) else []) if isinstance(values, list) else None
+    content = _get(lp, "content")
+    if not isinstance(content, list):
+        return None
+    entries = [e if isinstance(e, dict) else {} for e in content]
+    return [e.get("logprob") for e in entries], [e.get("token") for e in entries]
+
+
+def _ids_in_tokens(tokens: list[Any]) -> list[int] | None:
+    """The ids vLLM writes as logprob tokens `token_id:<id>` (`return_tokens_as_token_ids`), when every
+    token is written so."""
+    found = [m.group(1) for t in tokens if isinstance(t, str) and (m := _TOKEN_ID.fullmatch(t))]
+    return [int(t) for t in found] if tokens and len(found) == len(tokens) else None
+
+
+def _missing(resp: dict[str, Any], choice: dict[str, Any], req: Any) -> list[str]:
+    """What of prompt ids, output ids and logprobs a choice lacks, each with where it would come from."""
+    out = [] if _prompt_source(resp, choice, req) is not None else [NO_PROMPT_IDS]
+    logged = _logprobs_of(resp, choice)
+    if choice.get("token_ids") is None and (logged is None or _ids_in_tokens(logged[1]) is None):
+        out.append(NO_OUTPUT_IDS)
+    if logged is None:
+        out.append(NO_LOGPROBS)
+    return out
+
+
+def _prompt_ids(resp: dict[str, Any], choice: dict[str, Any], req: Any, where: str) -> np.ndarray:
+    source = _prompt_source(resp, choice, req)
+    if source is None:
+        raise RecordError(f"{where}: {NO_PROMPT_IDS}")
+    return rows.ids(source[0], where, source[1])
 
 
 def _output(resp: dict[str, Any], choice: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(output ids, logprobs) of one choice."""
-    chat = resp.get("object") != "text_completion"
-    lp = choice.get("logprobs")
-    entries = _get(lp, "content") if chat else _get(lp, "token_logprobs")
-    if not isinstance(entries, list):
-        raise RecordError(f"{where}: {NO_LOGPROBS}")
-    if chat:
-        if not all(isinstance(e, dict) for e in entries):
-            raise RecordError(f"{where}: `logprobs.content` entries must be objects")
-        values = [e.get("logprob") for e in entries]
-        tokens = [e.get("token") for e in entries]
-    else:
-        values, tokens = entries, _get(lp, "tokens") or []
-    field = "logprobs.content[].logprob" if chat else "logprobs.token_logprobs"
+    """(output ids, logprobs) of one choice (`_missing` has found them there)."""
+    logged = _logprobs_of(resp, choice)
+    assert logged is not None
+    values, tokens = logged
+    field = (
+        "logprobs.token_logprobs" if resp.get("object") == "text_completion" else "logprobs.content[].logprob"
+    )
     if any(v is None for v in values):
         raise RecordError(f"{where}: `{field}` has a null entry (every output token needs its logprob)")
-    lps = rows.floats(values, where, field)
     try:
-        lps32 = as_logprobs(lps)
+        lps = as_logprobs(rows.floats(values, where, field))
     except ValueError as exc:
         raise RecordError(f"{where}: `{field}`: {exc}") from None
-    from_tokens = [m.group(1) for t in tokens if isinstance(t, str) and (m := _TOKEN_ID.fullmatch(t))]
-    raw_ids = choice.get("token_ids")
-    if raw_ids is not None:
-        out = rows.ids(raw_ids, where, "choices[].token_ids")
-        if len(from_tokens) == len(tokens) == out.shape[0] and [int(t) for t in from_tokens] != out.tolist():
+    by_token = _ids_in_tokens(tokens)
+    if choice.get("token_ids") is not None:
+        out = rows.ids(choice["token_ids"], where, "choices[].token_ids")
+        if by_token is not None and by_token != out.tolist():
             raise RecordError(f"{where}: `token_ids` disagree with the `token_id:<id>` logprob tokens")
-    elif tokens and len(from_tokens) == len(tokens):
-        out = rows.ids([int(t) for t in from_tokens], where, "logprob tokens")
     else:
-        raise RecordError(f"{where}: {NO_OUTPUT_IDS}")
-    if out.shape[0] != lps32.shape[0]:
-        raise RecordError(f"{where}: {lps32.shape[0]} output logprobs for {out.shape[0]} output ids")
-    return out, lps32
+        assert by_token is not None
+        out = rows.ids(by_token, where, "logprob tokens")
+    if out.shape[0] != lps.shape[0]:
+        raise RecordError(f"{where}: {lps.shape[0]} output logprobs for {out.shape[0]} output ids")
+    return out, lps
 
 
 def _anthropic(line: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -220,6 +251,8 @@ class MessageLogReader:
                 if not isinstance(choice, dict):
                     raise RecordError(f"{where}: `choices[{k}]` is not an object")
                 cid = base if len(choices) == 1 else f"{base}/{choice.get('index', k)}"
+                if missing := _missing(resp, choice, req):
+                    raise RecordError(f"{where}: " + "; ".join(missing))
                 prompt = _prompt_ids(resp, choice, req, where)
                 out, lps = _output(resp, choice, where)
                 finish = str(choice.get("finish_reason") or "stop")
