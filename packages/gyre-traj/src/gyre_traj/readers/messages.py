@@ -81,7 +81,10 @@ def _assemble_stream(chunks: list[Any], where: str) -> dict[str, Any]:
         for c in chunk.get("choices") or []:
             if not isinstance(c, dict):
                 raise RecordError(f"{where}: stream chunk {k} has a choice that is not an object")
-            acc = choices.setdefault(c.get("index", 0), {"index": c.get("index", 0), "_lps": None})
+            index = c.get("index", 0)
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise RecordError(f"{where}: stream chunk {k} has a choice `index` that is not an integer")
+            acc = choices.setdefault(index, {"index": index, "_lps": None})
             if c.get("prompt_token_ids") is not None:
                 acc["prompt_token_ids"] = c["prompt_token_ids"]
             if isinstance(c.get("token_ids"), list):
