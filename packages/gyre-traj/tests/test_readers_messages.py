@@ -188,3 +188,13 @@ def test_a_reward_dict_takes_its_key() -> None:
     line = _lines("vllm_chat.jsonl")[1]
     line["reward"] = {"score": 0.25, "format": 1.0}
     assert [r.value for r in _read([line], reward_key="score") if isinstance(r, Score)] == [0.25]
+
+
+def test_a_stream_chunk_whose_choice_index_is_not_an_integer_is_refused() -> None:
+    # found by the trace readers' fuzz test: a list as a chunk's choice index raised a TypeError
+    line = _lines("vllm_chat_stream.jsonl")[0]
+    line["response"][2]["choices"][0]["index"] = []
+    with pytest.raises(
+        RecordError, match=r"log\.jsonl:1: stream chunk 2 has a choice `index` that is not an integer"
+    ):
+        _read([line])
