@@ -195,3 +195,17 @@ def test_a_removed_sample_trains_nothing_but_counts_in_its_group() -> None:
     forest = Forest().add_all(_read(rows))
     assert forest.trees["1"].policy_tokens == 0 and forest.trees["1"].score is not None
     assert forest.trees["0"].policy_tokens > 0
+
+
+def test_inspect_takes_the_reward_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gyre_traj.cli import main
+
+    rows = _rows()[:4]
+    for k, r in enumerate(rows):
+        r["reward"] = {"score": float(k), "format": -float(k)}
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["inspect", str(path), "--json", "--reward-key", "format"]) == 0
+    assert [s["score"] for s in json.loads(capsys.readouterr().out)] == [0.0, -1.0, -2.0, -3.0]
+    assert main(["inspect", str(path)]) == 2
+    assert "`reward` is a dict" in capsys.readouterr().err

@@ -199,3 +199,16 @@ def test_float_ids_beyond_int32_or_not_finite_are_refused_without_a_numpy_warnin
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match=r"int32 range|must be integers"):
             as_ids(values)
+
+
+def test_a_row_of_no_known_layout_is_refused_listing_its_keys(tmp_path: Path) -> None:
+    path = tmp_path / "what.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
+    with pytest.raises(
+        RecordError,
+        match=r"what\.jsonl: cannot tell the format from the first row's keys \(completion, prompt\)",
+    ):
+        list(read_records(path))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert list(read_records(empty)) == []
