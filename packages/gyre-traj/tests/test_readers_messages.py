@@ -198,3 +198,35 @@ def test_a_stream_chunk_whose_choice_index_is_not_an_integer_is_refused() -> Non
         RecordError, match=r"log\.jsonl:1: stream chunk 2 has a choice `index` that is not an integer"
     ):
         _read([line])
+
+
+def test_a_streamed_anthropic_response_also_needs_the_loggers_ids() -> None:
+    line = _lines("anthropic_with_ids.jsonl")[0]
+    line["response"] = [
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_s",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "model": "m",
+                "stop_reason": None,
+                "usage": {"input_tokens": 1, "output_tokens": 0},
+            },
+        },
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Fixed."}},
+        {"type": "content_block_stop", "index": 0},
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+            "usage": {"input_tokens": 1, "output_tokens": 4},
+        },
+        {"type": "message_stop"},
+    ]
+    call, _score = _read([line])
+    assert isinstance(call, Call) and call.call_id == "msg_s" and call.finish_reason == "length"
+    del line["token_ids"]
+    with pytest.raises(RecordError, match="Anthropic Messages response carries no token ids"):
+        _read([line])

@@ -143,11 +143,17 @@ def test_an_unscored_sample_stays_unscored() -> None:
     assert [type(r).__name__ for r in _read(rows)] == ["Call", "Call"]
 
 
-def test_compacted_samples_that_disagree_on_the_reward_are_refused() -> None:
+def test_compacted_samples_that_disagree_on_the_reward_or_group_are_refused() -> None:
     rows = _rows()
     rows[5]["reward"] = 0.0  # sample 5 of rollout 7, whose sample 4 (line 5) says 1.0
     with pytest.raises(
         RecordError, match=r":6: execution '7' has reward 0.0, but samples\.jsonl:5 gave it 1.0"
+    ):
+        _read(rows)
+    rows = _rows()
+    rows[5]["group_index"] = 0
+    with pytest.raises(
+        RecordError, match=r":6: execution '7' has group '0', but samples\.jsonl:5 gave it '1'"
     ):
         _read(rows)
 

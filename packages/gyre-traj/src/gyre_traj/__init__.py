@@ -32,7 +32,14 @@ if TYPE_CHECKING:
     )
 
 _TORCH_NAMES = frozenset(
-    {"LossConfig", "TorchBatch", "combine_metrics", "policy_loss", "target_logprobs", "target_logprobs_entropy"}
+    {
+        "LossConfig",
+        "TorchBatch",
+        "combine_metrics",
+        "policy_loss",
+        "target_logprobs",
+        "target_logprobs_entropy",
+    }
 )
 
 __all__ = [

@@ -36,7 +36,9 @@ def _selection_args(p: argparse.ArgumentParser) -> None:
 
 
 def _format_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=FORMATS, default=None, help="input format (told from the file by default)")
+    p.add_argument(
+        "--format", choices=FORMATS, default=None, help="input format (told from the file by default)"
+    )
     p.add_argument(
         "--reward-key",
         default=None,

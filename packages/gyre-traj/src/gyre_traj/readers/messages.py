@@ -9,8 +9,8 @@ Token ids and logprobs come from what the servers return when asked: the prompt'
 `return_prompt_token_ids`), or the request's own ids (`input_ids`, a completions `prompt` of ids); each
 choice's output ids as `token_ids` (request `return_token_ids`), or vLLM's logprob tokens written as
 `token_id:<id>` (`return_tokens_as_token_ids`); its logprobs under `logprobs` (request `logprobs`).
-Anthropic Messages responses carry none of these, from any server: such a line is read when the logger
-added `prompt_token_ids`, `token_ids` and `output_logprobs` beside it. A line without them is an error
+Anthropic Messages responses (a message, or a stream's events) carry none of these, from any server:
+such a line is read when the logger added `prompt_token_ids`, `token_ids` and `output_logprobs` beside it. A line without them is an error
 naming what is missing and which request option supplies it.
 """
 
@@ -103,6 +103,25 @@ def _assemble_stream(chunks: list[Any], where: str) -> dict[str, Any]:
             acc["logprobs"] = {"content": lps} if chat else {"token_logprobs": lps}
         out["choices"].append(acc)
     return out
+
+
+def _is_anthropic_stream(events: list[Any]) -> bool:
+    return bool(events) and isinstance(events[0], dict) and events[0].get("type") == "message_start"
+
+
+def _assemble_anthropic_stream(events: list[Any]) -> dict[str, Any]:
+    """A streamed Anthropic Messages response as the message it adds up to (its id and stop reason: the
+    only parts read; the ids come from the logger's fields)."""
+    start = _get(events[0], "message") or {}
+    stop = next(
+        (
+            _get(_get(e, "delta"), "stop_reason")
+            for e in reversed(events)
+            if _get(e, "type") == "message_delta"
+        ),
+        None,
+    )
+    return {"type": "message", "id": _get(start, "id"), "stop_reason": stop}
 
 
 def _prompt_source(resp: dict[str, Any], choice: dict[str, Any], req: Any) -> tuple[Any, str] | None:
@@ -221,7 +240,11 @@ class MessageLogReader:
         resp = line["response"] if exchange else line
         req = line.get("request") if exchange else None
         if isinstance(resp, list):
-            resp = _assemble_stream(resp, where)
+            resp = (
+                _assemble_anthropic_stream(resp)
+                if _is_anthropic_stream(resp)
+                else _assemble_stream(resp, where)
+            )
         if not isinstance(resp, dict):
             raise RecordError(f"{where}: `response` must be a response object or a list of stream chunks")
         execution = self._execution(line, req)

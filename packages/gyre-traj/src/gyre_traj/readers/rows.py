@@ -134,6 +134,13 @@ def mask(raw: Any, where: str, field: str, n: int) -> np.ndarray:
     return np.array(raw, np.bool_)
 
 
+def sampled_runs(sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, end index) of each maximal run of True in `sampled`: the model's turns."""
+    starts = np.flatnonzero(sampled & ~np.concatenate(([False], sampled[:-1])))
+    ends = np.flatnonzero(sampled & ~np.concatenate((sampled[1:], [False]))) + 1
+    return starts, ends
+
+
 def trajectory_calls(
     *,
     where: str,
@@ -155,8 +162,7 @@ def trajectory_calls(
     results, the next turn's template). Tokens after the last sampled run were never seen by the policy
     and are left out. A trajectory with no sampled token is one call with an empty output (so the
     execution still counts in its group). `versions`: one per call, or one for all."""
-    starts = np.flatnonzero(sampled & ~np.concatenate(([False], sampled[:-1])))
-    ends = np.flatnonzero(sampled & ~np.concatenate((sampled[1:], [False]))) + 1
+    starts, ends = sampled_runs(sampled)
     n_calls = max(1, starts.shape[0])
     if len(versions) not in (1, n_calls):
         raise RecordError(f"{where}: {len(versions)} weight versions for {n_calls} calls")
@@ -204,10 +210,10 @@ def trajectory_calls(
 
 class ScoreBook:
     """One `Score` per execution however many rows carry its reward: the first row that does gives it,
-    a later one must agree (rows of one execution that disagree on its reward are refused)."""
+    a later one must agree (rows of one execution that disagree on its reward or group are refused)."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[float, str]] = {}
+        self._seen: dict[str, tuple[float, str, str]] = {}
 
     def score(self, execution_id: str, group_id: str, value: float | None, where: str) -> Score | None:
         """The execution's Score when this row is the first to carry its reward, else None."""
@@ -215,10 +221,11 @@ class ScoreBook:
             return None
         seen = self._seen.get(execution_id)
         if seen is None:
-            self._seen[execution_id] = (value, where)
+            self._seen[execution_id] = (value, group_id, where)
             return Score(execution_id=execution_id, group_id=group_id, value=value)
-        if seen[0] != value:
-            raise RecordError(
-                f"{where}: execution {execution_id!r} has reward {value}, but {seen[1]} gave it {seen[0]}"
-            )
+        for what, now, then in (("reward", value, seen[0]), ("group", group_id, seen[1])):
+            if now != then:
+                raise RecordError(
+                    f"{where}: execution {execution_id!r} has {what} {now!r}, but {seen[2]} gave it {then!r}"
+                )
         return None

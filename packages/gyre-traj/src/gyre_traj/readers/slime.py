@@ -83,7 +83,7 @@ def sample_records(
         raise RecordError(
             f"{where}: {lps.shape[0]} `rollout_log_probs` for `response_length` {n_resp} (must be equal)"
         )
-    n_calls = int((sampled & ~np.concatenate(([False], sampled[:-1]))).sum()) or 1
+    n_calls = max(1, rows.sampled_runs(sampled)[0].shape[0])
     status = obj.get("status", "completed")
     execution = _execution(obj, where)
     index = obj.get("index")
