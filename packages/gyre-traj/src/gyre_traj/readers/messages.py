@@ -1,17 +1,8 @@
-"""Logs of model calls made through OpenAI-compatible servers (vLLM, SGLang) become calls, and scores
-where the log gives rewards. One JSON object per line: a response as the server returned it, or
-`{"request": ..., "response": ...}` with extra keys of the logger's (`session_id` or another execution
-key, `group_id`, `reward`, `call_id`, `agent_id`, `role`, `weight_version`). A streamed response is the
-list of its chunks.
-
-Token ids and logprobs come from what the servers return when asked: the prompt's ids as vLLM's
-`prompt_token_ids` (request `return_token_ids`) or SGLang's per-choice `prompt_token_ids` (request
-`return_prompt_token_ids`), or the request's own ids (`input_ids`, a completions `prompt` of ids); each
-choice's output ids as `token_ids` (request `return_token_ids`), or vLLM's logprob tokens written as
-`token_id:<id>` (`return_tokens_as_token_ids`); its logprobs under `logprobs` (request `logprobs`).
-Anthropic Messages responses (a message, or a stream's events) carry none of these, from any server:
-such a line is read when the logger added `prompt_token_ids`, `token_ids` and `output_logprobs` beside it. A line without them is an error
-naming what is missing and which request option supplies it.
+"""Logs of model calls made through OpenAI-compatible servers (vLLM, SGLang), and Anthropic Messages
+calls, become calls (one per choice, with the exact ids the server tokenized and sampled) and scores
+where the logger recorded rewards. Ids and logprobs are read only from where those servers put them when
+asked (`MessageLogReader` lists them); a line without them is an error naming what is missing and the
+request option that supplies it.
 """
 
 from __future__ import annotations
@@ -221,7 +212,17 @@ def _anthropic(line: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray
 
 
 class MessageLogReader:
-    """Turns log lines into records (see the module docstring)."""
+    """Turns log lines into records. A line is one JSON object: a response as the server returned it,
+    or `{"request": ..., "response": ...}` with keys of the logger's (an execution key from
+    `EXECUTION_KEYS`, `group_id`, `reward`, `call_id`, `agent_id`, `role`, `weight_version`); a streamed
+    response is the list of its chunks (events, for Anthropic).
+
+    The prompt's ids: vLLM's `prompt_token_ids` (request `return_token_ids`), SGLang's per-choice
+    `prompt_token_ids` (request `return_prompt_token_ids`), or the request's own ids (`input_ids`, a
+    completions `prompt` of ids). Each choice's output ids: `token_ids` (request `return_token_ids`),
+    or vLLM's logprob tokens written `token_id:<id>` (`return_tokens_as_token_ids`); its logprobs under
+    `logprobs` (request `logprobs`). Anthropic Messages responses carry none of these, from any server:
+    such a line is read when the logger added `prompt_token_ids`, `token_ids` and `output_logprobs`."""
 
     def __init__(self, default_execution: str = "messages", reward_key: str | None = None) -> None:
         self.default_execution = default_execution
