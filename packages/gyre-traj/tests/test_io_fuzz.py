@@ -1,4 +1,5 @@
-"""Fuzzing gyre-traj's readers (msgpack, JSONL and the foreign turn shape) with hypothesis: streams of
+"""Fuzzing gyre-traj's readers (msgpack, JSONL, the foreign turn shape, and verl, slime and message-log
+rows) with hypothesis: streams of
 real records, then cut, flipped, spliced, given frames of the wrong types, or nothing but hostile bytes.
 A reader either returns records (every one a valid record, with a `TornTailWarning` when the stream ends
 in a torn record) or raises `RecordError`; never another exception, never another warning. A stream only
@@ -14,6 +15,7 @@ import json
 import struct
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -28,6 +30,7 @@ from gyre_traj.io import (
     iter_jsonl,
     iter_msgpack,
 )
+from gyre_traj.readers import iter_messages, iter_slime, iter_verl
 from gyre_traj.records import Call, CallBatch, Delta, EvalStatus, RecordError, Role, Score
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -414,3 +417,123 @@ def test_foreign_reader_fuzz_500_cases(shape: str, data: st.DataObject) -> None:
         raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
         line = bytes(raw) + b"\n"
     _read(lambda: iter_foreign([line]))
+
+
+_FIXTURES = Path(__file__).parent / "fixtures"
+_json_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+"""Any value Python's `json.dumps` writes (NaN and infinities included, as it writes them)."""
+TRACES: dict[str, tuple[Callable[[list[bytes]], Iterable[Record]], Path, list[tuple[str | int, ...]]]] = {
+    "slime": (
+        lambda lines: iter_slime(lines, reward_key="score"),
+        _FIXTURES / "slime" / "samples.jsonl",
+        [
+            ("tokens",),
+            ("response_length",),
+            ("loss_mask",),
+            ("rollout_log_probs",),
+            ("reward",),
+            ("weight_versions",),
+            ("index",),
+            ("rollout_id",),
+            ("group_index",),
+            ("status",),
+            ("remove_sample",),
+            ("multimodal_inputs",),
+        ],
+    ),
+    "verl": (
+        iter_verl,
+        _FIXTURES / "verl" / "with_ids" / "1.jsonl",
+        [
+            ("prompt_ids",),
+            ("response_ids",),
+            ("response_mask",),
+            ("response_logprobs",),
+            ("score",),
+            ("step",),
+            ("uid",),
+            ("input",),
+        ],
+    ),
+    "vllm": (
+        iter_messages,
+        _FIXTURES / "messages" / "vllm_chat.jsonl",
+        [
+            ("response",),
+            ("response", "prompt_token_ids"),
+            ("response", "choices"),
+            ("response", "choices", 0, "token_ids"),
+            ("response", "choices", 0, "logprobs"),
+            ("response", "choices", 0, "logprobs", "content"),
+            ("response", "choices", 0, "logprobs", "content", 0, "logprob"),
+            ("response", "choices", 0, "logprobs", "content", 0, "token"),
+            ("response", "created"),
+            ("response", "id"),
+            ("reward",),
+            ("session_id",),
+            ("request",),
+            ("weight_version",),
+            ("role",),
+        ],
+    ),
+    "stream": (
+        iter_messages,
+        _FIXTURES / "messages" / "vllm_chat_stream.jsonl",
+        [
+            ("response",),
+            ("response", 0),
+            ("response", 0, "prompt_token_ids"),
+            ("response", 1, "choices"),
+            ("response", 1, "choices", 0, "token_ids"),
+            ("response", 1, "choices", 0, "logprobs"),
+            ("response", 2, "choices", 0, "index"),
+        ],
+    ),
+    "anthropic": (
+        iter_messages,
+        _FIXTURES / "messages" / "anthropic_with_ids.jsonl",
+        [
+            ("prompt_token_ids",),
+            ("token_ids",),
+            ("output_logprobs",),
+            ("response", "type"),
+            ("response", "stop_reason"),
+            ("reward",),
+        ],
+    ),
+}
+"""Each reader of other systems' traces, a real-shaped row of its layout (the fixtures) and the paths a
+fuzzer puts values at."""
+
+
+@fuzz(600)
+@given(st.sampled_from(sorted(TRACES)), st.data())
+def test_trace_readers_fuzz_600_cases(shape: str, data: st.DataObject) -> None:
+    """A verl, slime or message-log row with a value of any type put at one of its fields (or in one
+    entry of a list there), a field removed, or a byte flipped: records or a `RecordError`, nothing
+    else (`_read` fails the test on any other exception or any warning)."""
+    reader, path, paths = TRACES[shape]
+    obj = json.loads(path.read_text().splitlines()[0])
+    how = data.draw(st.sampled_from(["set", "entry", "delete", "flip"]))
+    if how == "flip":
+        raw = bytearray(json.dumps(obj).encode())
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+        line = bytes(raw)
+    else:
+        *head, last = data.draw(st.sampled_from(paths))
+        parent: Any = obj
+        for key in head:
+            parent = parent[key]
+        here = parent.get(last) if isinstance(parent, dict) else parent[last]  # type: ignore[index]
+        if how == "delete":
+            parent.pop(last, None) if isinstance(parent, dict) else parent.pop(last)
+        elif how == "entry" and isinstance(here, list) and here:
+            parent[last][data.draw(st.integers(0, len(parent[last]) - 1))] = data.draw(_json_value)
+        else:
+            parent[last] = data.draw(_json_value)
+        line = json.dumps(obj).encode()  # Python's json: NaN and Infinity as verl and slime write them
+    _read(lambda: reader([line + b"\n"]))

@@ -464,6 +464,16 @@ class CallBatch(
             )
 
 
+def _finite_number(value: object) -> bool:
+    """Whether `value` is an int or float (not a bool) that float64 holds as a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float64
+        return False
+
+
 class EvalStatus(enum.StrEnum):
     OK = "ok"
     EVAL_FAILED = "eval_failed"
@@ -478,8 +488,9 @@ class Score(
     tag="score",
     tag_field="kind",
 ):
-    """The evaluation of one execution. `value` in [0, 1] when status is ok (partial scores of timed-out
-    executions included, flagged `timed_out`); an evaluation failure carries no value and is not a 0."""
+    """The evaluation of one execution. `value` is any finite number when status is ok (rewards come on
+    any scale; partial scores of timed-out executions included, flagged `timed_out`); an evaluation
+    failure carries no value and is not a 0."""
 
     execution_id: str
     group_id: str
@@ -492,7 +503,10 @@ class Score(
     def __post_init__(self) -> None:
         where = f"score execution={self.execution_id!r}"
         if self.status is EvalStatus.OK:
-            if self.value is None or not (0.0 <= self.value <= 1.0):
-                raise RecordError(f"{where}: an ok score needs a value in [0, 1], got {self.value!r}")
+            if not _finite_number(self.value):
+                raise RecordError(
+                    f"{where}: an ok score needs a finite number as its value, got {self.value!r:.60}"
+                )
+            msgspec.structs.force_setattr(self, "value", float(self.value))  # type: ignore[arg-type]
         elif self.value is not None:
             raise RecordError(f"{where}: an evaluation failure carries no value (got {self.value!r})")
