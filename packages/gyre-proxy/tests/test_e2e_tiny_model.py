@@ -251,3 +251,66 @@ def test_an_execution_id_with_a_line_separator_streams_whole(
     rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
     assert rec.execution_id == ex and rec.output_ids.size >= 1
     assert httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()["engine_errors"] == 0
+
+
+def test_executions_move_to_an_engine_that_joins_later_with_their_kv(
+    tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any
+) -> None:
+    """Four executions make their first call on engine 0, the only one; then engine 1 joins (a cell back
+    from training). Their next calls spread: two move to engine 1 (4 live vs 0, then 3 vs 1; at 2 vs 2
+    they stay), each taking its cached context along over gyre-xfer's shared memory, so engine 1
+    computes only the new turn; the records stay exact (each input extends the last input + output).
+    With affinity alone all four stayed on engine 0 and engine 1 idled."""
+    from gyre_sched.protocol import EngineAdd, Hello, Welcome
+
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint)
+    sched_stub.expect(Hello)
+    sched_stub.send(Welcome())
+    sched_stub.send(EngineAdd(0, urls[0]))
+    deadline = time.monotonic() + 10
+    while not ps.proxy.pool or not ps.proxy.pool.engines:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    before = [httpx.get(f"{u}/server_info").json() for u in urls]
+    convs: dict[str, list[Any]] = {}
+    for i in range(4):
+        ex = f"rebal-{i}"
+        msgs: list[Any] = [{"role": "user", "content": f"Question {i}: count the words of a long sentence."}]
+        r = _call(client, ps.url, ex, msgs)
+        convs[ex] = [*msgs, {"role": "assistant", "content": r}, {"role": "user", "content": "Go on."}]
+    sched_stub.send(EngineAdd(1, urls[1]))
+    while len(ps.proxy.pool.engines) < 2:
+        assert time.monotonic() < deadline + 10
+        time.sleep(0.02)
+    for ex, msgs in convs.items():
+        _call(client, ps.url, ex, msgs)
+    stats = httpx.get(f"{ps.url}/gyre/stats").json()
+    assert stats["rebalanced_calls"] == 2
+    assert stats["prefix_moved_calls"] == 2 and stats["prefix_moved_tokens"] > 0
+    after = [httpx.get(f"{u}/server_info").json() for u in urls]
+    served = {e["id"]: e["served"] for e in stats["engines"]}
+    assert served == {0: 6, 1: 2}
+    recs = [r for r in read_records(ps.log_path) if isinstance(r, Call)]
+    inputs = _full(recs)
+    by_ex: dict[str, list[int]] = {}
+    for r, inp in zip(recs, inputs, strict=True):
+        if r.execution_id in by_ex:  # the second call extends the first call's input + output exactly
+            first = by_ex[r.execution_id]
+            assert inp.tolist()[: len(first)] == first
+        by_ex[r.execution_id] = np.concatenate([inp, r.output_ids]).tolist()
+    moved_in = after[1]["prefill_tokens_cached"] - before[1]["prefill_tokens_cached"]
+    assert moved_in >= stats["prefix_moved_tokens"] - 2  # engine 1 reused what arrived (last token recomputed)
+
+
+def _call(client: anthropic.Anthropic, url: str, ex: str, msgs: list[Any]) -> list[dict[str, Any]]:
+    r = client.messages.create(
+        model="tiny",
+        max_tokens=8,
+        messages=msgs,
+        extra_headers={"x-gyre-execution": ex},
+        extra_body={"temperature": 0.0},
+    )
+    return [b.model_dump(exclude_none=True) for b in r.content] or [{"type": "text", "text": ""}]

@@ -504,6 +504,7 @@ class EngineClient:
         transport: str = "mooncake",
         block_tokens: int = 16,
         lease_s: float = 120.0,
+        timeout: float | None = None,
     ) -> PrefixOffer | None:
         """gyre-engine only: expose the cached prefix of `input_ids` in a registered KV pool (None if
         nothing is cached). Release it with `release_prefix_offer` (else it expires after `lease_s`)."""
@@ -513,7 +514,8 @@ class EngineClient:
             "block_tokens": block_tokens,
             "lease_s": lease_s,
         }
-        r = await self._http.post("/offer_prefix", content=_enc.encode(body))
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        r = await self._http.post("/offer_prefix", content=_enc.encode(body), **kw)
         if r.status_code == 404:
             return None
         if r.status_code >= 400:

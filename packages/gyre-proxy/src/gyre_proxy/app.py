@@ -222,6 +222,8 @@ def stats_body(proxy: Proxy, control: ControlLink | None, by_execution: dict[str
         "prefix_moved_tokens": proxy.counters.prefix_moved_tokens,
         "reprefilled_tokens": proxy.counters.reprefilled_tokens,
         "engine_errors": proxy.counters.engine_errors,
+        "rebalanced_calls": proxy.counters.rebalanced_calls,
+        "prefix_move_s": round(proxy.counters.prefix_move_s, 4),
         "records_written": sink.written if sink else 0,
         "records_pushed": sink.pushed if sink else 0,
         "records_push_dropped": sink.push_dropped if sink else 0,

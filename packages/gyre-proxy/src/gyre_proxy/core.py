@@ -150,6 +150,7 @@ class Proxy:
             self.cfg.request_timeout_s,
             retry_s=self.cfg.engine_retry_s,
             retry_max_s=self.cfg.engine_retry_max_s,
+            session_idle_s=self.cfg.session_idle_s,
         )
         # Several small connection pools: httpx's pool scans its connections on every request, so one
         # pool of hundreds of connections costs more CPU than the proxy itself under load. No cap on
@@ -358,6 +359,7 @@ class CallRun:
             self.sampling,
             pick_wait_s=p.cfg.pick_wait_s,
             stream_interval=p.cfg.stream_interval,
+            kv_transport=p.cfg.kv_transport,
         )
         self.result = gen.result
         detok = IncrementalText(p.tokenizer)

@@ -1,7 +1,12 @@
-"""The set of rollout engines the proxy routes to: session affinity, least outstanding work, drain, remove.
+"""The set of rollout engines the proxy routes to: session affinity, least outstanding work, rebalancing,
+drain, remove.
 
 An execution stays on the engine it first went to (its prefix cache lives there) while that engine takes
 requests; otherwise the active engine with the least outstanding work (tokens of in-flight calls) gets it.
+Affinity alone would leave an engine that joins late, or comes back from training, with nothing to do
+while the executions it lost stay elsewhere: so between two calls of an execution (`rebalance`), it moves
+to the engine with the fewest live executions (a call within `session_idle_s`) when its own engine has at
+least two more, and its cached prefix goes along (`kvmove.py`).
 Draining an engine stops new calls; after `drain_grace_s` its in-flight calls are aborted and continued on
 another engine by their owners (`Generation`), and `on_drained` fires once none is left. Removing an engine
 makes its in-flight calls continue elsewhere at once; only the scheduler removes one (`EngineRemove`). An
@@ -78,10 +83,18 @@ class EnginePool:
         on_drained: Callable[[int], Awaitable[None]] | None = None,
         retry_s: float = 0.2,
         retry_max_s: float = 5.0,
+        session_idle_s: float = 30.0,
     ) -> None:
-        """`retry_s`: first wait before a failed engine's health check, doubling up to `retry_max_s`."""
+        """`retry_s`: first wait before a failed engine's health check, doubling up to `retry_max_s`;
+        `session_idle_s`: an execution without a call for this long no longer counts as live on its engine
+        (0: no rebalancing)."""
         self.engines: dict[int, Engine] = {}
         self.affinity: dict[str, int] = {}
+        self.last_call: dict[str, float] = {}
+        """Execution -> when its last call was routed (event-loop time)."""
+        self.session_idle_s = session_idle_s
+        self.rebalanced = 0
+        """Executions moved to a less loaded engine between two of their calls."""
         self.drain_grace_s = drain_grace_s
         self.request_timeout_s = request_timeout_s
         self.on_drained = on_drained
@@ -196,7 +209,45 @@ class EnginePool:
     def active(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.state is EngineState.ACTIVE]
 
+    def live(self) -> dict[int, int]:
+        """Live executions (a call within `session_idle_s`) by the engine they are bound to (an execution
+        idle for ten times that is no longer tracked here; its affinity stays)."""
+        now = asyncio.get_running_loop().time()
+        out: dict[int, int] = {}
+        for ex, t in list(self.last_call.items()):
+            if now - t > 10 * self.session_idle_s:
+                del self.last_call[ex]
+            elif now - t <= self.session_idle_s and ex in self.affinity:
+                eid = self.affinity[ex]
+                out[eid] = out.get(eid, 0) + 1
+        return out
+
+    def rebalance(self, execution: str) -> tuple[Engine, Engine] | None:
+        """Before an execution's next call: move it from its engine to the active engine with the fewest
+        live executions when its own has at least two more (moving one then narrows the gap, never
+        reverses it); returns (from, to), or None if it stays."""
+        eid = self.affinity.get(execution)
+        cur = self.engines.get(eid) if eid is not None else None
+        if not self.session_idle_s or cur is None or cur.state is not EngineState.ACTIVE:
+            return None
+        others = [e for e in self.active() if e is not cur]
+        if not others:
+            return None
+        live = self.live()
+        here = live.get(cur.engine_id, 0) + (not self._is_live(execution))
+        to = min(others, key=lambda e: (live.get(e.engine_id, 0), e.outstanding, e.engine_id))
+        if here - live.get(to.engine_id, 0) < 2:
+            return None
+        self.affinity[execution] = to.engine_id
+        self.rebalanced += 1
+        return cur, to
+
+    def _is_live(self, execution: str) -> bool:
+        t = self.last_call.get(execution)
+        return t is not None and asyncio.get_running_loop().time() - t <= self.session_idle_s
+
     def pick(self, execution: str, exclude: frozenset[int] = frozenset()) -> Engine:
+        self.last_call[execution] = asyncio.get_running_loop().time()
         eid = self.affinity.get(execution)
         if eid is not None and eid not in exclude:
             eng = self.engines.get(eid)

@@ -4,8 +4,9 @@ A `Generation` streams SGLang's native `/generate` (input ids, logprobs, cumulat
 engine the pool picks. When the engine is drained (the call is told to move), removed, dies or aborts the
 request, the tokens generated so far are kept and the call continues on another engine with input =
 original input + partial output and the remaining token budget; both parts' logprobs are kept. Where
-both engines are gyre-engines the cached prefix is exported and imported, otherwise it is re-prefilled;
-both are counted. The request body is assembled from cached JSON fragments, never re-encoded from ints.
+both engines are gyre-engines the cached prefix goes along (`kvmove.py`), otherwise it is re-prefilled;
+both are counted. Before its first attempt a call may move its execution to a less loaded engine
+(`EnginePool.rebalance`); its cached prefix then goes along the same way. The request body is assembled from cached JSON fragments, never re-encoded from ints.
 
 A call cancelled mid-attempt (its client left) aborts its engine request (`/abort_request` with the
 attempt's rid, sent from a task of its own so the cancellation cannot stop it) and is never resubmitted:
@@ -29,9 +30,10 @@ import httpx
 import msgspec
 import numpy as np
 from gyre_engine.client import EngineError
-from gyre_engine.protocol import GenerateResponse, KvPrefix
+from gyre_engine.protocol import GenerateResponse
 from gyre_engine.sse import data_fields
 
+from gyre_proxy import kvmove
 from gyre_proxy.chat import Sampling
 from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
 
@@ -39,8 +41,6 @@ log = logging.getLogger("gyre_proxy.generation")
 _enc = msgspec.json.Encoder()
 _chunk_dec = msgspec.json.Decoder(GenerateResponse)
 _stopping: set[asyncio.Task[None]] = set()  # readers being stopped in the background (kept referenced)
-PREFIX_MOVE_TIMEOUT_S = 30.0
-"""Longest wait on an engine's answer to a prefix export or import (then the call re-prefills)."""
 CONNECT_WAIT_S = 10.0
 """How long a reader whose call ended gets to receive its response's start before it is cancelled anyway."""
 
@@ -72,6 +72,10 @@ class Counters:
     prefix_moved_tokens: int = 0
     reprefilled_tokens: int = 0
     engine_errors: int = 0
+    rebalanced_calls: int = 0
+    """Calls whose execution moved to a less loaded engine before the call began."""
+    prefix_move_s: float = 0.0
+    """Seconds spent taking prefixes out of engines and putting them into others."""
 
 
 @dataclass
@@ -148,6 +152,7 @@ class Generation:
         max_attempts: int = 8,
         stream_interval: int = 4,
         abort_grace_s: float = 5.0,
+        kv_transport: str = "shm",
     ) -> None:
         self.pool = pool
         self.http = http
@@ -161,6 +166,7 @@ class Generation:
         self.max_attempts = max_attempts
         self.stream_interval = stream_interval
         self.abort_grace_s = abort_grace_s
+        self.kv_transport = kv_transport
         self.result = GenResult()
         self._versions: list[int] = []
 
@@ -188,11 +194,18 @@ class Generation:
     async def stream(self) -> AsyncIterator[list[int]]:
         exclude: frozenset[int] = frozenset()
         prev: Engine | None = None
-        carried: KvPrefix | None = None
+        carried: kvmove.Carried | None = None
+        moving = self.pool.rebalance(self.execution)
+        if moving is not None:
+            self.counters.rebalanced_calls += 1
+            carried = await self._take_out(moving[0], self.input_ids.tolist())
         for attempt in range(self.max_attempts):
             eng = await self.pool.wait_pick(self.execution, self.pick_wait_s, exclude)
             if prev is not None:
-                await self._import_prefix(carried, eng)
+                await self._put_in(carried, eng)
+                carried = None
+            elif carried is not None:  # rebalanced: only the taken-out prefix would be prefilled again
+                await self._put_in(carried, eng, of=carried.tokens)
                 carried = None
             work = int(self.input_ids.size) + self.sampling.max_new_tokens
             attempt_rid = self.rid if attempt == 0 else f"{self.rid}.{attempt}"
@@ -212,9 +225,9 @@ class Generation:
                     eng.engine_id,
                     len(self.result.output_ids),
                 )
-                # Still in flight on the old engine: a drain waits for this export, so the engine's
-                # memory is not released (its prefix cache cleared) before the KV is out.
-                carried = await self._export_prefix(eng)
+                # Still in flight on the old engine: a drain waits for this, so the engine's memory is
+                # not released (its prefix cache cleared) before the KV is out.
+                carried = await self._take_out(eng, self._ids())
             except (httpx.TransportError, EngineError) as exc:
                 self.counters.engine_errors += 1
                 if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
@@ -361,30 +374,19 @@ class Generation:
     def _ids(self) -> list[int]:
         return [*self.input_ids.tolist(), *self.result.output_ids]
 
-    async def _export_prefix(self, old: Engine) -> KvPrefix | None:
-        """The cached prefix of this call on `old` (a gyre-engine that is not removed), else None. Only an
-        engine without the endpoint (405, or SGLang's 404 for an unknown route) is not asked again."""
-        if old.state is EngineState.REMOVED or old.supports_prefix_export is False:
-            return None
-        try:
-            rec = await old.client.export_prefix(self._ids(), timeout=PREFIX_MOVE_TIMEOUT_S)
-        except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
-            log.info("prefix export from engine %d failed (%r); re-prefilling", old.engine_id, exc)
-            if isinstance(exc, EngineError) and exc.status == 405:
-                old.supports_prefix_export = False
-            return None
-        old.supports_prefix_export = True
-        return rec
+    async def _take_out(self, old: Engine, ids: list[int]) -> kvmove.Carried | None:
+        got = await kvmove.take_out(old, ids, self.kv_transport)
+        if got is not None:
+            self.counters.prefix_move_s += got.out_s
+        return got
 
-    async def _import_prefix(self, rec: KvPrefix | None, new: Engine) -> None:
-        """Put an exported prefix into `new`; count the tokens moved and those to prefill again."""
-        moved = 0
-        if rec is not None:
-            try:
-                await new.client.import_prefix(rec, timeout=PREFIX_MOVE_TIMEOUT_S)
-                moved = len(rec.token_ids)
-            except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
-                log.info("prefix import into engine %d failed (%r); re-prefilling", new.engine_id, exc)
+    async def _put_in(self, carried: kvmove.Carried | None, new: Engine, of: int | None = None) -> None:
+        """Install a taken-out prefix in `new`; count the tokens moved and those to prefill again (of
+        `of` tokens the old engine held; default: the call's whole input so far)."""
+        t0 = time.perf_counter()
+        moved = await kvmove.put_in(carried, new)
+        if carried is not None:
+            self.counters.prefix_move_s += time.perf_counter() - t0
         self.counters.prefix_moved_calls += moved > 0
         self.counters.prefix_moved_tokens += moved
-        self.counters.reprefilled_tokens += len(self._ids()) - moved
+        self.counters.reprefilled_tokens += (len(self._ids()) if of is None else of) - moved
