@@ -302,7 +302,9 @@ def test_executions_move_to_an_engine_that_joins_later_with_their_kv(
             assert inp.tolist()[: len(first)] == first
         by_ex[r.execution_id] = np.concatenate([inp, r.output_ids]).tolist()
     moved_in = after[1]["prefill_tokens_cached"] - before[1]["prefill_tokens_cached"]
-    assert moved_in >= stats["prefix_moved_tokens"] - 2  # engine 1 reused what arrived (last token recomputed)
+    assert (
+        moved_in >= stats["prefix_moved_tokens"] - 2
+    )  # engine 1 reused what arrived (last token recomputed)
 
 
 def _call(client: anthropic.Anthropic, url: str, ex: str, msgs: list[Any]) -> list[dict[str, Any]]:
@@ -314,3 +316,27 @@ def _call(client: anthropic.Anthropic, url: str, ex: str, msgs: list[Any]) -> li
         extra_body={"temperature": 0.0},
     )
     return [b.model_dump(exclude_none=True) for b in r.content] or [{"type": "text", "text": ""}]
+
+
+def test_records_name_the_engines_and_the_cached_input(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """Each record's metadata says which engine served the call and how much of its input that engine
+    found in its prefix cache: what `gyre run` measures engine shares and prefix-cache hits from."""
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy(urls[1:], tokenizer=str(model))
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    msgs: list[Any] = [{"role": "user", "content": "Name three colours, then three more."}]
+    first = _call(client, ps.url, "meta-0", msgs)
+    _call(
+        client,
+        ps.url,
+        "meta-0",
+        [*msgs, {"role": "assistant", "content": first}, {"role": "user", "content": "More."}],
+    )
+    recs = [r for r in read_records(ps.log_path) if isinstance(r, Call)]
+    assert [r.metadata["engines"] for r in recs] == ["0", "0"]
+    first_in = _full(recs)[0].size
+    assert int(recs[0].metadata["cached_tokens"]) < first_in
+    assert int(recs[1].metadata["cached_tokens"]) >= first_in  # the first call's context came from the cache

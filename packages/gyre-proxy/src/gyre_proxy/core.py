@@ -52,6 +52,10 @@ INLINE_BYTES = 64 * 1024
 by that size, and they then take no turn of the loop to go to the worker thread and back."""
 EXTENDS = "extends"
 """Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
+ENGINES = "engines"
+"""Record metadata key: the ids of the engines that served the call, in order, comma-separated."""
+CACHED_TOKENS = "cached_tokens"
+"""Record metadata key: input tokens the call's first engine took from its prefix cache."""
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -461,8 +465,13 @@ class CallRun:
         self.ex.remember(self.agent, last, p.renderer.max_agents)
 
     def _metadata(self) -> dict[str, str]:
-        """The record's metadata: harness metadata stripped from the prompt, the call this one extends."""
+        """The record's metadata: harness metadata stripped from the prompt, the call this one extends,
+        the engines that served it (`engines`: ids in order, comma-separated; a moved call names several)
+        and the input tokens its first engine found in its prefix cache (`cached_tokens`)."""
         meta: dict[str, str] = {}
+        if self.result.engines:
+            meta[ENGINES] = ",".join(map(str, self.result.engines))
+            meta[CACHED_TOKENS] = str(self.result.cached_tokens)
         for name, text in self.conv.stripped:
             key = f"stripped.{name}"
             meta[key] = f"{meta[key]}\n\n{text}" if key in meta else text

@@ -168,8 +168,10 @@ class Call(
     """What the writer knows about the call beyond its tokens (empty by default, so older logs read as
     they are; `CallBatch` does not carry it). gyre-proxy writes `extends` (the call id of the same agent's
     previous call when the harness's request only appended to that call's conversation and output: this
-    call's input should then start with that call's input + output) and `stripped.<rule>` (harness
-    metadata text the proxy removed from what the policy saw)."""
+    call's input should then start with that call's input + output), `stripped.<rule>` (harness
+    metadata text the proxy removed from what the policy saw), `engines` (the ids of the rollout engines
+    that served the call, in order, comma-separated) and `cached_tokens` (input tokens its first engine
+    took from its prefix cache)."""
 
     def __post_init__(self) -> None:
         where = _where(self.execution_id, self.call_id)
