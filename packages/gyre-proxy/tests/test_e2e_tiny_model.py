@@ -340,3 +340,43 @@ def test_records_name_the_engines_and_the_cached_input(
     first_in = _full(recs)[0].size
     assert int(recs[0].metadata["cached_tokens"]) < first_in
     assert int(recs[1].metadata["cached_tokens"]) >= first_in  # the first call's context came from the cache
+
+
+def test_outputs_of_a_given_length_with_ignore_eos_and_the_next_call_extends_them(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """`ignore_eos` (SGLang's and vLLM's OpenAI extension) samples to the budget: exactly `max_tokens`
+    tokens, end-of-turn tokens included as sampled; the next call of the conversation still extends the
+    recorded input + output exactly. `min_tokens` beyond `max_tokens` is a 400 naming it."""
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy(urls[:1], tokenizer=str(model))
+    oa = openai.OpenAI(base_url=f"{ps.url}/v1", api_key="k", max_retries=0)
+    request.addfinalizer(oa.close)
+    msgs: list[Any] = [{"role": "user", "content": "Say something long."}]
+    r = oa.chat.completions.create(
+        model="tiny",
+        max_tokens=40,
+        messages=msgs,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-gyre-execution": "len-0"},
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 40
+    msgs += [
+        {"role": "assistant", "content": r.choices[0].message.content or ""},
+        {"role": "user", "content": "Go on."},
+    ]
+    r2 = oa.chat.completions.create(
+        model="tiny",
+        max_tokens=25,
+        messages=msgs,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-gyre-execution": "len-0"},
+    )
+    assert r2.usage is not None and r2.usage.completion_tokens == 25
+    recs = [c for c in read_records(ps.log_path) if isinstance(c, Call)]
+    assert [c.output_ids.size for c in recs] == [40, 25]
+    first = np.concatenate([_full(recs)[0], recs[0].output_ids]).tolist()
+    assert _full(recs)[1].tolist()[: len(first)] == first
+    assert httpx.get(f"{ps.url}/gyre/stats").json()["non_extensions"] == 0
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        oa.chat.completions.create(model="tiny", max_tokens=5, messages=msgs, extra_body={"min_tokens": 6})

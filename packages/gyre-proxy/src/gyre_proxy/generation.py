@@ -117,6 +117,10 @@ def sampling_params(s: Sampling, max_new: int) -> dict[str, Any]:
         sp["frequency_penalty"] = s.frequency_penalty
     if s.logit_bias:
         sp["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if s.min_new_tokens:
+        sp["min_new_tokens"] = s.min_new_tokens
+    if s.ignore_eos:
+        sp["ignore_eos"] = True
     sp["skip_special_tokens"] = False
     sp["no_stop_trim"] = True
     return sp
