@@ -1,5 +1,7 @@
 """Shared fixtures: the tiny default model (created once per session), a transformers reference copy of
-it in this process, and a real `gyre-engine serve` subprocess on a loopback port."""
+it in this process, and a real `gyre-engine serve` subprocess on a loopback port. Tests marked `mooncake`
+skip, naming what to install, where Mooncake cannot load (a machine without Debian's libibverbs1); with
+GYRE_REQUIRE_MOONCAKE=1 (CI, which installs it) they fail instead."""
 
 from __future__ import annotations
 
@@ -16,6 +18,19 @@ import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("mooncake") is None:
+        return
+    from gyre_xfer.mooncake import unavailable_reason  # the server extra's; only where a test needs it
+
+    if (why := unavailable_reason()) is None:
+        return
+    if os.environ.get("GYRE_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(f"GYRE_REQUIRE_MOONCAKE=1 and {why}", pytrace=False)
+    pytest.skip(why)
 
 
 def free_port() -> int:

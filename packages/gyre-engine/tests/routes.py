@@ -21,6 +21,8 @@ ROUTES: list[tuple[str, tuple[str, ...]]] = [
     ("/flush_cache", ("GET", "POST")),
     ("/model_info", ("GET",)),
     ("/get_model_info", ("GET",)),
+    ("/get_server_info", ("GET",)),
+    ("/get_weights_by_name", ("GET", "POST")),
     ("/server_info", ("GET",)),
     ("/health", ("GET",)),
     ("/health_generate", ("GET",)),

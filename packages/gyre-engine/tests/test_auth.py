@@ -1,4 +1,4 @@
-"""The engine's bearer token (issue 20): a bind beyond loopback without a token is refused; with one,
+"""The engine's bearer token: a bind beyond loopback without a token is refused; with one,
 every request but the health probes must carry it, and one that does not is SGLang's 401 and does no
 work; gyre-engine's client and SGLang launcher carry it. The token rule is gyre-xfer's, checked here to
 agree with `gyre_xfer.auth`."""

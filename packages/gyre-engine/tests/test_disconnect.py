@@ -1,4 +1,4 @@
-"""No generation outlives its client (issue 20): plain calls, batches and streams whose client leaves are
+"""No generation outlives its client: plain calls, batches and streams whose client leaves are
 aborted, and a batch refused halfway leaves none of its rows running. Against a real server subprocess
 with the tiny model; each long request asks for 30,000 tokens, minutes of work on this machine, so a
 server that did not abort it would still be running it when the wait below gives up."""

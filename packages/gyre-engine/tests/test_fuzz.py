@@ -1,5 +1,5 @@
 """Fuzzing every gyre-engine endpoint with hypothesis against a real `gyre-engine serve` process
-(issue 20), with a run token and 2 MiB body bounds.
+with a run token and 2 MiB body bounds.
 
 Each case is a batch of 1-5 concurrent requests to any route of `routes.ROUTES` (or an unknown one, or a
 wrong method): bodies of wrong types, nulls, huge numbers, huge and odd strings, batches, bad `input_ids`,
@@ -221,6 +221,13 @@ control_bodies: dict[str, Any] = {
     ),
     "/resume_memory_occupation": st.fixed_dictionaries({}, optional={"tags": anything}),
     "/export_prefix": st.fixed_dictionaries({}, optional={"input_ids": st.one_of(st.just(USER), bad_ids)}),
+    "/get_weights_by_name": st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.one_of(st.sampled_from(["model.norm.weight", "lm_head.weight"]), odd_text, anything),
+            "truncate_size": st.one_of(st.integers(-3, 3), huge_ints, anything),
+        },
+    ),
     "/update_weights_from_xfer": st.fixed_dictionaries(
         {},
         optional={

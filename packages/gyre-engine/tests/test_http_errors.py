@@ -1,4 +1,4 @@
-"""Bad HTTP traffic against a real server subprocess (issue 20): every error in the shape SGLang 0.5.23
+"""Bad HTTP traffic against a real server subprocess: every error in the shape SGLang 0.5.23
 answers it (compared with its recorded replies), bodies bounded by a configurable size (413), and a huge
 `text` that neither stalls other requests nor is tokenized when it cannot fit the context."""
 

@@ -71,7 +71,7 @@ def test_xfer_records_round_trip_and_pass_the_offer_through_untouched() -> None:
     back = msgspec.json.decode(body, type=ImportPrefixXferRequest)
     assert bytes(back.offer.kv_offer) == raw and back.offer.token_ids == [1, 2, 3]
     req = msgspec.json.decode(b'{"publisher": "tcp://127.0.0.1:5"}', type=UpdateFromXferRequest)
-    assert (req.transport, req.min_version, req.weight_version) == ("mooncake", 0, None)
+    assert (req.transport, req.min_version, req.weight_version) == ("shm", 0, None)  # needs no Mooncake
     for bad in (b'{"publisher": "p", "transport": "nccl"}', b'{"publisher": "p", "bogus": 1}'):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=UpdateFromXferRequest)

@@ -116,6 +116,14 @@ def test_unsupported_or_invalid_values_are_named(kw: dict[str, object], needle: 
         validate_params(SamplingParams(**kw), V)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("top_k", [0, -2, -(2**63)])
+def test_any_top_k_is_taken_at_temperature_0_where_sglang_makes_it_greedy(top_k: int) -> None:
+    validate_params(SamplingParams(temperature=0.0, top_k=top_k), V)
+    assert state(3, temperature=0.0, top_k=top_k).greedy
+    with pytest.raises(ProtocolError, match=rf"top_k must be -1 \(disable\) or at least 1, got {top_k}\."):
+        validate_params(SamplingParams(temperature=1e-6, top_k=top_k), V)  # SGLang's bound: under 1e-6
+
+
 @pytest.mark.parametrize("top_k", [V, V + 1, 2**31, 2**63, 2**64 - 1])
 def test_a_top_k_past_the_vocabulary_keeps_all_of_it(top_k: int) -> None:
     """SGLang takes any top_k >= 1; one at or past the vocabulary's size keeps every token, as -1 does.

@@ -143,6 +143,94 @@ def test_model_info_has_sglangs_fields(server: Any) -> None:
     assert not missing
 
 
+def test_top_k_0_at_temperature_0_is_greedy_and_refused_when_sampling_as_in_sglang(
+    server: Any, greedy: Any
+) -> None:
+    """SGLang 0.5.23 (`SamplingParams.__post_init__`) sets top_k to 1 when the temperature is under 1e-6,
+    so `top_k: 0` (or any top_k) is a greedy request then; at a sampling temperature its `verify` refuses
+    a top_k that is neither -1 nor at least 1, in these words."""
+    for top_k in (0, -5):
+        r = post(
+            server.url,
+            {"input_ids": USER, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "top_k": top_k}},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == greedy(USER, 6)
+    r = post(
+        server.url,
+        {"input_ids": USER, "sampling_params": {"max_new_tokens": 6, "temperature": 0.7, "top_k": 0}},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "top_k must be -1 (disable) or at least 1, got 0."
+
+
+def test_get_server_info_is_sglangs_configuration_with_its_field_names_and_types(server: Any) -> None:
+    """/get_server_info (SGLang's deprecated alias of its /server_info) answers with SGLang's own field
+    names, each with the JSON type SGLang's recorded reply has, and values true of this engine."""
+    r = httpx.get(f"{server.url}/get_server_info", timeout=30)
+    assert r.status_code == 200, r.text
+    ours, theirs = r.json(), fixture("get_server_info")["body"]
+    for mine, sglang in ((ours, theirs), (ours["internal_states"][0], theirs["internal_states"][0])):
+        assert set(mine) <= set(sglang), set(mine) - set(sglang)
+        for key, value in mine.items():
+            if sglang[key] is not None:
+                assert type(value) is type(sglang[key]), (key, value, sglang[key])
+    ctx = httpx.get(f"{server.url}/model_info", timeout=30).json()["max_context_length"]
+    assert (ours["context_length"], ours["max_req_input_len"]) == (ctx, ctx - 1)
+    assert ours["max_total_num_tokens"] == 16 * ctx  # --max-running-requests 16 (conftest), each up to ctx
+    assert (ours["tp_size"], ours["dp_size"], ours["device"], ours["version"]) == (1, 1, "cpu", "0.5.23")
+    assert "api_key" not in ours  # SGLang echoes its key here; gyre-engine never echoes its token
+
+
+def test_get_weights_by_name_reads_a_parameter_as_sglang_does(server: Any, hf_model: Any) -> None:
+    """SGLang's reading: the parameter in float32, the first `truncate_size` entries of its first
+    dimension as nested lists (default 100); GET or POST; a tied parameter under either name; a name the
+    model does not have is SGLang's 400 "Get parameter by name failed"."""
+    sd = {k: v.float() for k, v in hf_model.state_dict().items()}
+    url = f"{server.url}/get_weights_by_name"
+    q = "model.layers.0.self_attn.q_proj.weight"
+    got = httpx.post(url, json={"name": q}, timeout=30)
+    assert got.status_code == 200, got.text
+    assert got.json() == sd[q][:100].tolist()
+    got = httpx.request("GET", url, json={"name": q, "truncate_size": 3}, timeout=30).json()
+    assert got == sd[q][:3].tolist()
+    norm = "model.norm.weight"
+    assert (
+        httpx.post(url, json={"name": norm, "truncate_size": -60}, timeout=30).json()
+        == sd[norm][:-60].tolist()
+    )
+    assert (
+        httpx.post(url, json={"name": norm, "truncate_size": 2**70}, timeout=30).json() == sd[norm].tolist()
+    )
+    head = httpx.post(url, json={"name": "lm_head.weight", "truncate_size": 2}, timeout=30).json()
+    embed = httpx.post(url, json={"name": "model.embed_tokens.weight", "truncate_size": 2}, timeout=30).json()
+    assert head == embed == sd["model.embed_tokens.weight"][:2].tolist()  # tied in the tiny model
+    r = httpx.post(url, json={"name": "no.such.weight"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("Get parameter by name failed")
+
+
+@pytest.mark.parametrize("content_type", [None, "application/json"])
+def test_an_empty_body_is_an_empty_object_on_every_endpoint_whose_fields_have_defaults(
+    server: Any, content_type: str | None
+) -> None:
+    """A control call without a body is taken as `{}` (every field at its default), each pair leaving
+    the engine as it found it. (SGLang's FastAPI routes answer 400 "Field required" to an empty body and
+    take `{}`; gyre-engine takes both.)"""
+    headers = {"content-type": content_type} if content_type else {}
+    for path in (
+        "/pause_generation",
+        "/continue_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/abort_request",
+        "/flush_cache",
+    ):
+        r = httpx.post(f"{server.url}{path}", content=b"", headers=headers, timeout=60)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+
+
 def _meta_keys(evs: list[dict[str, Any]]) -> list[set[str]]:
     return [set(e["meta_info"]) for e in evs]
 

@@ -25,7 +25,6 @@ from gyre_engine.client import EngineClient, EngineError, handoff_prefix
 from gyre_engine.protocol import SamplingParams
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("mooncake")
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +115,7 @@ def pair(spawn_server: Callable[..., Any]) -> tuple[Any, Any]:
     return a, b
 
 
+@pytest.mark.mooncake
 def test_weight_update_from_a_published_snapshot(
     pair: tuple[Any, Any],
     publisher: PublisherProc,
@@ -134,7 +134,7 @@ def test_weight_update_from_a_published_snapshot(
         async with EngineClient(srv.url, timeout_s=120) as c:
             assert (await c.generate(ids, GREEDY)).output_ids == old_ref
             v = publisher.publish("publish", "mooncake", other_weights)
-            reply = await c.update_weights_from_xfer(mc, min_version=v, timeout_s=30)
+            reply = await c.update_weights_from_xfer(mc, transport="mooncake", min_version=v, timeout_s=30)
             assert (reply.snapshot_version, reply.weight_version) == (v, str(v))
             assert reply.num_tensors > 0 and reply.nbytes > 0
             r = await c.generate(ids, GREEDY)
@@ -144,16 +144,18 @@ def test_weight_update_from_a_published_snapshot(
             for cmd, needle in (("bad-shape", "shape of"), ("missing", "lacks 1 parameters")):
                 bad = publisher.publish(cmd, "mooncake", model_dir)
                 with pytest.raises(EngineError, match=needle) as ei:
-                    await c.update_weights_from_xfer(mc, min_version=bad, timeout_s=30)
+                    await c.update_weights_from_xfer(mc, transport="mooncake", min_version=bad, timeout_s=30)
                 assert ei.value.status == 400
             with pytest.raises(EngineError, match="no version >= 99"):
-                await c.update_weights_from_xfer(mc, min_version=99, timeout_s=30)
+                await c.update_weights_from_xfer(mc, transport="mooncake", min_version=99, timeout_s=30)
             r = await c.generate(ids, GREEDY)
             assert r.output_ids == new_ref and r.meta_info.weight_version == str(v)
 
             # a Megatron-layout trainer (fused QKV, fused gate/up): converted on the way in
             m = publisher.publish("megatron", "mooncake", model_dir)
-            reply = await c.update_weights_from_xfer(mc, min_version=m, layout="megatron")
+            reply = await c.update_weights_from_xfer(
+                mc, transport="mooncake", min_version=m, layout="megatron"
+            )
             r = await c.generate(ids, GREEDY)
             assert r.output_ids == old_ref and r.meta_info.weight_version == str(m)
 
@@ -169,7 +171,9 @@ def test_weight_update_from_a_published_snapshot(
             publisher.proc.wait(20)
             t0 = time.monotonic()
             with pytest.raises(EngineError) as ei:
-                await c.update_weights_from_xfer(mc, min_version=1, timeout_s=10, control_timeout_s=3)
+                await c.update_weights_from_xfer(
+                    mc, transport="mooncake", min_version=1, timeout_s=10, control_timeout_s=3
+                )
             took = time.monotonic() - t0
             print(f"dead publisher: HTTP {ei.value.status} after {took:.2f} s: {ei.value.message}")
             assert ei.value.status in (502, 504) and ("Peer" in ei.value.message)
@@ -181,6 +185,7 @@ def test_weight_update_from_a_published_snapshot(
     run(go())
 
 
+@pytest.mark.mooncake
 def test_a_snapshot_rewritten_during_the_pull_is_never_loaded(
     pair: tuple[Any, Any],
     churning_publisher: PublisherProc,
@@ -200,7 +205,9 @@ def test_a_snapshot_rewritten_during_the_pull_is_never_loaded(
             current = refs[0]
             for _ in range(8):
                 try:
-                    r = await c.update_weights_from_xfer(churning_publisher.address["mooncake"], timeout_s=30)
+                    r = await c.update_weights_from_xfer(
+                        churning_publisher.address["mooncake"], transport="mooncake", timeout_s=30
+                    )
                     current = refs[(r.snapshot_version - v0 - 1) % 2]
                     seen["loaded"] += 1
                 except EngineError as e:
@@ -215,7 +222,7 @@ def test_a_snapshot_rewritten_during_the_pull_is_never_loaded(
     print(f"pulls under a publisher rewriting its slots: {run(go())}")
 
 
-@pytest.mark.parametrize("transport", ["mooncake", "shm"])
+@pytest.mark.parametrize("transport", [pytest.param("mooncake", marks=pytest.mark.mooncake), "shm"])
 def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Path, transport: str) -> None:
     a, b = pair
 
@@ -258,9 +265,11 @@ def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Pa
     run(go())
 
 
+@pytest.mark.mooncake
 def test_source_killed_mid_transfer(pair: tuple[Any, Any]) -> None:
     """Kills engine A, so it stays the last test of this module (pytest runs a file in order); a spare
-    engine of its own would cost another start-up of torch on a loaded 2-core machine."""
+    engine of its own would cost another start-up of torch on a loaded 2-core machine. Over Mooncake TCP,
+    where a transfer stalls in flight when its source stops."""
     a, b = pair
 
     async def go() -> None:
@@ -268,7 +277,7 @@ def test_source_killed_mid_transfer(pair: tuple[Any, Any]) -> None:
             await cb.flush_cache()
             first = await ca.generate(SYSTEM + USER, GREEDY)
             context = SYSTEM + USER + first.output_ids
-            offer = await ca.offer_prefix(context)
+            offer = await ca.offer_prefix(context, transport="mooncake")
             assert offer is not None
             os.kill(a.proc.pid, signal.SIGSTOP)  # the source hangs; the transfer will stall in flight
             try:

@@ -149,6 +149,7 @@ class ScriptedEngine:
     weight_version: str = "3"
     reject_next: bool = False  # answer the next /generate with HTTP 400
     die_after: int | None = None  # close the connection after this many tokens of the next request
+    hold_aborts: threading.Event | None = None  # while set, /abort_request takes effect but is not answered
     seen: list[Seen] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     by_rid: dict[str, list[int]] = field(default_factory=dict)  # rid -> output ids sent
@@ -244,6 +245,8 @@ class ScriptedEngine:
         async def abort(request: Request) -> Response:
             body = msgspec.json.decode(await request.body())
             self.aborted.add(body.get("rid", ""))
+            while self.hold_aborts is not None and self.hold_aborts.is_set():  # an engine too busy to answer
+                await asyncio.sleep(0.5)
             return Response(b"")
 
         async def model_info(request: Request) -> Response:

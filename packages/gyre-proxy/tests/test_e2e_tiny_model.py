@@ -251,3 +251,132 @@ def test_an_execution_id_with_a_line_separator_streams_whole(
     rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
     assert rec.execution_id == ex and rec.output_ids.size >= 1
     assert httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()["engine_errors"] == 0
+
+
+def test_executions_move_to_an_engine_that_joins_later_with_their_kv(
+    tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any
+) -> None:
+    """Four executions make their first call on engine 0, the only one; then engine 1 joins (a cell back
+    from training). Their next calls spread: two move to engine 1 (4 live vs 0, then 3 vs 1; at 2 vs 2
+    they stay), each taking its cached context along over gyre-xfer's shared memory, so engine 1
+    computes only the new turn; the records stay exact (each input extends the last input + output).
+    With affinity alone all four stayed on engine 0 and engine 1 idled."""
+    from gyre_sched.protocol import EngineAdd, Hello, Welcome
+
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint)
+    sched_stub.expect(Hello)
+    sched_stub.send(Welcome())
+    sched_stub.send(EngineAdd(0, urls[0]))
+    deadline = time.monotonic() + 10
+    while not ps.proxy.pool or not ps.proxy.pool.engines:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    before = [httpx.get(f"{u}/server_info").json() for u in urls]
+    convs: dict[str, list[Any]] = {}
+    for i in range(4):
+        ex = f"rebal-{i}"
+        msgs: list[Any] = [{"role": "user", "content": f"Question {i}: count the words of a long sentence."}]
+        r = _call(client, ps.url, ex, msgs)
+        convs[ex] = [*msgs, {"role": "assistant", "content": r}, {"role": "user", "content": "Go on."}]
+    sched_stub.send(EngineAdd(1, urls[1]))
+    while len(ps.proxy.pool.engines) < 2:
+        assert time.monotonic() < deadline + 10
+        time.sleep(0.02)
+    for ex, msgs in convs.items():
+        _call(client, ps.url, ex, msgs)
+    stats = httpx.get(f"{ps.url}/gyre/stats").json()
+    assert stats["rebalanced_calls"] == 2
+    assert stats["prefix_moved_calls"] == 2 and stats["prefix_moved_tokens"] > 0
+    after = [httpx.get(f"{u}/server_info").json() for u in urls]
+    served = {e["id"]: e["served"] for e in stats["engines"]}
+    assert served == {0: 6, 1: 2}
+    recs = [r for r in read_records(ps.log_path) if isinstance(r, Call)]
+    inputs = _full(recs)
+    by_ex: dict[str, list[int]] = {}
+    for r, inp in zip(recs, inputs, strict=True):
+        if r.execution_id in by_ex:  # the second call extends the first call's input + output exactly
+            first = by_ex[r.execution_id]
+            assert inp.tolist()[: len(first)] == first
+        by_ex[r.execution_id] = np.concatenate([inp, r.output_ids]).tolist()
+    moved_in = after[1]["prefill_tokens_cached"] - before[1]["prefill_tokens_cached"]
+    assert (
+        moved_in >= stats["prefix_moved_tokens"] - 2
+    )  # engine 1 reused what arrived (last token recomputed)
+
+
+def _call(client: anthropic.Anthropic, url: str, ex: str, msgs: list[Any]) -> list[dict[str, Any]]:
+    r = client.messages.create(
+        model="tiny",
+        max_tokens=8,
+        messages=msgs,
+        extra_headers={"x-gyre-execution": ex},
+        extra_body={"temperature": 0.0},
+    )
+    return [b.model_dump(exclude_none=True) for b in r.content] or [{"type": "text", "text": ""}]
+
+
+def test_records_name_the_engines_and_the_cached_input(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """Each record's metadata says which engine served the call and how much of its input that engine
+    found in its prefix cache: what `gyre run` measures engine shares and prefix-cache hits from."""
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy(urls[1:], tokenizer=str(model))
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    msgs: list[Any] = [{"role": "user", "content": "Name three colours, then three more."}]
+    first = _call(client, ps.url, "meta-0", msgs)
+    _call(
+        client,
+        ps.url,
+        "meta-0",
+        [*msgs, {"role": "assistant", "content": first}, {"role": "user", "content": "More."}],
+    )
+    recs = [r for r in read_records(ps.log_path) if isinstance(r, Call)]
+    assert [r.metadata["engines"] for r in recs] == ["0", "0"]
+    first_in = _full(recs)[0].size
+    assert int(recs[0].metadata["cached_tokens"]) < first_in
+    assert int(recs[1].metadata["cached_tokens"]) >= first_in  # the first call's context came from the cache
+
+
+def test_outputs_of_a_given_length_with_ignore_eos_and_the_next_call_extends_them(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """`ignore_eos` (SGLang's and vLLM's OpenAI extension) samples to the budget: exactly `max_tokens`
+    tokens, end-of-turn tokens included as sampled; the next call of the conversation still extends the
+    recorded input + output exactly. `min_tokens` beyond `max_tokens` is a 400 naming it."""
+    urls, model = tiny_engines.urls, tiny_engines.model
+    ps = make_proxy(urls[:1], tokenizer=str(model))
+    oa = openai.OpenAI(base_url=f"{ps.url}/v1", api_key="k", max_retries=0)
+    request.addfinalizer(oa.close)
+    msgs: list[Any] = [{"role": "user", "content": "Say something long."}]
+    r = oa.chat.completions.create(
+        model="tiny",
+        max_tokens=40,
+        messages=msgs,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-gyre-execution": "len-0"},
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 40
+    msgs += [
+        {"role": "assistant", "content": r.choices[0].message.content or ""},
+        {"role": "user", "content": "Go on."},
+    ]
+    r2 = oa.chat.completions.create(
+        model="tiny",
+        max_tokens=25,
+        messages=msgs,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-gyre-execution": "len-0"},
+    )
+    assert r2.usage is not None and r2.usage.completion_tokens == 25
+    recs = [c for c in read_records(ps.log_path) if isinstance(c, Call)]
+    assert [c.output_ids.size for c in recs] == [40, 25]
+    first = np.concatenate([_full(recs)[0], recs[0].output_ids]).tolist()
+    assert _full(recs)[1].tolist()[: len(first)] == first
+    assert httpx.get(f"{ps.url}/gyre/stats").json()["non_extensions"] == 0
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        oa.chat.completions.create(model="tiny", max_tokens=5, messages=msgs, extra_body={"min_tokens": 6})

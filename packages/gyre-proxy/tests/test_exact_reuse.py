@@ -187,3 +187,55 @@ def test_openai_sampling_fields_and_logprobs(engine: Any, make_proxy: Any, reque
         for ch in chunk.choices:
             entries += ch.logprobs.content or [] if ch.logprobs else []
     assert [e.logprob for e in entries] == [engine.logprob(i, t) for i, t in enumerate(engine.outputs[1])]
+
+
+def _spelled(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text` one token per character, then the end token: the same text as other ids."""
+    ids = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False).ids]
+    return [*ids, tokenizer.token_to_id("<|im_end|>")]
+
+
+def test_harness_given_agent_ids_settle_which_output_a_turn_is(
+    engine: Any, make_proxy: Any, tokenizer: Tokenizer
+) -> None:
+    """Two agents named by `X-Gyre-Agent` in one execution, with the same system prompt and first user
+    turn, answer the same text as different ids and continue: each next input extends its own agent's
+    call (0 non-extensions, nothing ambiguous). A retry inside one agent that sampled other ids is a real
+    ambiguity: counted once in `ambiguous_turns` and once in `non_extensions`, however often the agent
+    continues after it."""
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    own = [*tokenizer.encode("Same answer.", add_special_tokens=False).ids, im_end]
+    engine.script = [own, _spelled(tokenizer, "Same answer."), "a", "b"]
+    ps = make_proxy([engine.url])
+    first = [{"role": "user", "content": "task"}]
+
+    def call(agent: str, messages: list[dict[str, Any]]) -> str:
+        body = {"model": "m", "max_tokens": 50, "system": "sys", "messages": messages}
+        r = httpx.post(f"{ps.url}/v1/messages", json=body, headers={"x-gyre-agent": agent})
+        assert r.status_code == 200, r.text
+        return "".join(b["text"] for b in r.json()["content"])
+
+    def stats() -> tuple[int, int, int]:
+        s = httpx.get(f"{ps.url}/gyre/stats").json()
+        return s["appended_calls"], s["non_extensions"], s["ambiguous_turns"]
+
+    texts = {a: call(a, first) for a in ("a1", "a2")}
+    assert texts == {"a1": "Same answer.", "a2": "Same answer."}
+    for a in ("a1", "a2"):
+        call(a, [*first, {"role": "assistant", "content": texts[a]}, {"role": "user", "content": "next"}])
+    outs = dict(zip(("a1", "a2"), engine.outputs[:2], strict=True))
+    for i, a in ((2, "a1"), (3, "a2")):
+        prefix = [*engine.seen[i - 2].input_ids, *outs[a]]
+        assert engine.seen[i].input_ids[: len(prefix)] == prefix, f"{a}'s call does not extend its own"
+    assert stats() == (2, 0, 0)
+
+    # a retry inside one agent: the same conversation answered twice, as other ids
+    engine.script = [own, _spelled(tokenizer, "Same answer."), "c", "d"]
+    other = [{"role": "user", "content": "other task"}]
+    call("r", other)
+    call("r", other)
+    convo = [*other, {"role": "assistant", "content": "Same answer."}, {"role": "user", "content": "next"}]
+    call("r", convo)
+    assert stats() == (3, 1, 1)
+    call("r", [*convo, {"role": "assistant", "content": "c"}, {"role": "user", "content": "more"}])
+    assert stats() == (4, 1, 1)

@@ -1,4 +1,4 @@
-"""The proxy serving from an engine that streams exactly as SGLang 0.5.23 does (issue 15, item 5).
+"""The proxy serving from an engine that streams exactly as SGLang 0.5.23 does.
 
 `ReplayEngine` is a TEST FIXTURE: a real HTTP server on loopback that answers the proxy's /generate with a
 stream recorded from sglang's own HTTP layer (gyre-engine's tests/fixtures/sglang-0.5.23, written by

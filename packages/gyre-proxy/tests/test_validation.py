@@ -82,6 +82,31 @@ def test_anthropic_accepts_what_the_api_accepts(engine: Any, make_proxy: Any) ->
     assert len(engine.seen) == 2
 
 
+def test_an_empty_system_message_after_compact_is_rendered_as_the_template_does(
+    engine: Any, make_proxy: Any, tokenizer: Any
+) -> None:
+    """Claude Code 2.1.328's first call of a session continued after `/compact` (its shape as captured):
+    the summary as a user message, then `{"role": "system", "content": []}`. It is accepted, rendered as
+    Qwen's template renders a system message that is not the first (an empty ChatML system turn), and
+    the record holds exactly what the engine received; an empty user message is still refused."""
+    engine.script = ["fine"]
+    ps = make_proxy([engine.url])
+    messages = [
+        {"role": "user", "content": "This session is being continued from a previous conversation."},
+        {"role": "system", "content": []},
+        {"role": "user", "content": [{"type": "text", "text": "and now?"}]},
+    ]
+    r = httpx.post(f"{ps.url}/v1/messages", json={"model": "m", "max_tokens": 20, "messages": messages})
+    assert r.status_code == 200, r.text
+    text = tokenizer.decode(engine.seen[0].input_ids, skip_special_tokens=False)
+    assert "conversation.<|im_end|>\n<|im_start|>system\n<|im_end|>\n<|im_start|>user\nand now?" in text
+    (rec,) = list(read_records(ps.log_path))
+    assert rec.input_ids is not None and rec.input_ids.tolist() == engine.seen[0].input_ids
+    bad = [{"role": "user", "content": []}, {"role": "system", "content": []}]
+    r = httpx.post(f"{ps.url}/v1/messages", json={"model": "m", "max_tokens": 20, "messages": bad})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.0: "), r.text
+
+
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
 def test_lone_surrogate_and_max_tokens_zero(engine: Any, make_proxy: Any, api: str) -> None:
     ps = make_proxy([engine.url])

@@ -311,6 +311,7 @@ def test_bad_gradient_headers_are_refused_and_the_claim_survives() -> None:
         core.close()
 
 
+@pytest.mark.mooncake
 def test_chunked_microbatches_in_the_core_and_a_satellite_match_unchunked() -> None:
     big = synthetic_minibatch(4, seed=6, token_budget=1500)  # micro-batches several times the chunk budget
     cfg = dict(token_budget=1500, loss=LossConfig(mode="tis"))

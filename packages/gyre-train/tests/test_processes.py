@@ -20,7 +20,7 @@ from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
 from gyre_train.model import ModelConfig, build_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mooncake]  # snapshots and gradients over Mooncake TCP
 
 MC = ModelConfig()
 A = synthetic_minibatch(4, seed=11)

@@ -211,3 +211,65 @@ def test_entropy_kl_and_metrics_over_micro_batches() -> None:
     assert total["entropy"] == pytest.approx(float(np.dot(w, [m["entropy"] for m in parts]) / w.sum()))
     assert total["loss"] == pytest.approx(sum(m["loss"] for m in parts))
     assert "entropy" not in combine_metrics([{"loss": 1.0, "weight": 1.0}])
+
+
+def _few_hundred_parameter_qwen3() -> object:
+    """A Qwen3 of 800 parameters (vocabulary 48, width 8, one layer, tied embeddings), on the CPU."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=48,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen3ForCausalLM._from_config(cfg, attn_implementation="sdpa").float().eval()
+    assert sum(p.numel() for p in model.parameters()) == 800
+    return model
+
+
+def test_target_logprobs_and_policy_loss_take_a_packed_batch() -> None:
+    """What the README says: `target_logprobs(model, packed_batch)` (a `PackedBatch` straight from
+    `pack`, no conversion by hand) gives each target's logprob as its path run alone, and
+    `policy_loss(logprobs, packed_batch)` takes the same batch. Token ids come from per-role bands of ten
+    (system 10s, user 20s, tool 30s, output 40s) to fit the tiny vocabulary."""
+    from gyre_traj.pack import PackedBatch
+
+    model = _few_hundred_parameter_qwen3()
+    tree = ExecutionTree("e")
+    tree.add(_small_call("c0", [10, 11, 20], [40, 41, 42]))
+    tree.add(_small_call("c1", [10, 11, 20, 40, 41, 42, 30, 31], [43, 44]))  # the agent's next turn
+    tree.add(_small_call("c2", [10, 11, 20, 40, 41, 42, 32], [45]))  # a branch at the tool result
+    tree.add(_small_call("c3", [10, 11, 21], [46, 47]))  # another user turn from the system prompt
+    sel = select(tree, SelectionConfig(j_max=None))
+    (batch,) = pack([PackItem(tree, sel, 0.5)], PackConfig(token_budget=1000))
+    assert isinstance(batch, PackedBatch)
+    assert batch.num_tokens < sum(int(tree.depth[lf.end]) + 1 for lf in sel.leaves)  # it shared prefixes
+    with torch.no_grad():
+        got = target_logprobs(model, batch)
+    ref = _alone_logprobs(model, tree, sel.leaves)
+    assert batch.num_loss_tokens == len(ref) == 8
+    expected = np.array([ref[int(n)] for n in batch.target_nodes])
+    np.testing.assert_allclose(got.numpy(), expected, atol=1e-6, rtol=0)
+    loss, metrics = policy_loss(target_logprobs(model, batch), batch)
+    loss.backward()
+    assert metrics["tokens"] == 8 and model.model.embed_tokens.weight.grad is not None  # type: ignore[attr-defined]
+
+
+def _small_call(cid: str, inp: list[int], out: list[int]) -> object:
+    from gyre_traj.records import Call, Role
+
+    return Call(
+        execution_id="e",
+        call_id=cid,
+        agent_id="main",
+        role=Role.MAIN,
+        input_ids=np.asarray(inp),
+        output_ids=np.asarray(out),
+        output_logprobs=-0.5 * np.ones(len(out)),
+        weight_version=0,
+    )

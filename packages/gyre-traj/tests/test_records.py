@@ -145,8 +145,16 @@ def test_truncated_msgpack_stream(tmp_path: Path) -> None:
 
 
 def test_scores_validate() -> None:
-    with pytest.raises(RecordError, match=r"value in \[0, 1\]"):
-        Score(execution_id="e", group_id="g", value=1.5)
+    # any finite reward is a score (reward functions return any scale); NaN, infinities, a bool or an
+    # int beyond float64 are not
+    assert [Score(execution_id="e", group_id="g", value=v).value for v in (1.5, -3, 1e300)] == [
+        1.5,
+        -3.0,
+        1e300,
+    ]
+    for bad in (float("nan"), float("inf"), -float("inf"), True, 10**400, None):
+        with pytest.raises(RecordError, match="needs a finite number"):
+            Score(execution_id="e", group_id="g", value=bad)
     with pytest.raises(RecordError, match="carries no value"):
         Score(execution_id="e", group_id="g", value=0.0, status=EvalStatus.EVAL_FAILED)
     assert Score(execution_id="e", group_id="g", status=EvalStatus.EVAL_FAILED).value is None
@@ -191,3 +199,16 @@ def test_float_ids_beyond_int32_or_not_finite_are_refused_without_a_numpy_warnin
         warnings.simplefilter("error")
         with pytest.raises(ValueError, match=r"int32 range|must be integers"):
             as_ids(values)
+
+
+def test_a_row_of_no_known_layout_is_refused_listing_its_keys(tmp_path: Path) -> None:
+    path = tmp_path / "what.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", "completion": "there"}) + "\n")
+    with pytest.raises(
+        RecordError,
+        match=r"what\.jsonl: cannot tell the format from the first row's keys \(completion, prompt\)",
+    ):
+        list(read_records(path))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert list(read_records(empty)) == []

@@ -295,6 +295,7 @@ def _listening_here() -> set[tuple[str, int]]:
     return out
 
 
+@pytest.mark.mooncake
 def test_mooncake_ports_listen_on_every_interface() -> None:
     """The fact SECURITY.md warns about, checked so a change in Mooncake is noticed: asked for
     127.0.0.1, Mooncake's handshake and data ports listen on 0.0.0.0 / [::], and take no token."""

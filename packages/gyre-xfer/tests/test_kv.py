@@ -19,7 +19,7 @@ from .peer_proc import block_pattern
 LAYERS, BLOCKS, NBYTES = 3, 64, 4096
 
 
-@pytest.fixture(params=["mooncake", "shm"])
+@pytest.fixture(params=[pytest.param("mooncake", marks=pytest.mark.mooncake), "shm"])
 def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
     tr = open_transport(Config(kind=str(request.param), progress_timeout_s=2))
     yield tr

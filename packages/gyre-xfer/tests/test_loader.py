@@ -75,7 +75,7 @@ def to_megatron(sd: dict[str, object]) -> dict[str, object]:
     return out
 
 
-@pytest.fixture(params=["mooncake", "shm"])
+@pytest.fixture(params=[pytest.param("mooncake", marks=pytest.mark.mooncake), "shm"])
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Transport, Transport]]:
     a = open_transport(Config(kind=str(request.param)))
     b = open_transport(Config(kind=str(request.param)))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 LAYERS, SRC_BLOCKS, DST_BLOCKS, NBYTES = 2, 24, 16, 256
 
 
-@pytest.fixture(scope="module", params=["shm", "mooncake"])
+@pytest.fixture(scope="module", params=["shm", pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def pools(request: pytest.FixtureRequest) -> Iterator[tuple[KvPool, KvPool]]:
     a: Transport = open_transport(Config(kind=str(request.param)))
     b: Transport = open_transport(Config(kind=str(request.param)))

@@ -40,7 +40,7 @@ from gyre_xfer.transport import Config, Transport, open_transport
 from .conftest import Peer
 from .peer_proc import fill_value
 
-KINDS = ["mooncake", "shm"]
+KINDS = [pytest.param("mooncake", marks=pytest.mark.mooncake), "shm"]
 
 
 @pytest.fixture(params=KINDS)
@@ -285,6 +285,7 @@ def test_bad_manifest_from_a_live_socket_is_rejected(
         fake.close()
 
 
+@pytest.mark.mooncake  # both cases: the publisher is of the other kind
 def test_no_version_yet_and_wrong_transport_are_errors(
     spawn: Callable[..., Peer], transport: Transport
 ) -> None:

@@ -3,6 +3,7 @@ range checks before any byte moves, shared memory peers that vanish, and errors 
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
+from pathlib import Path
 from types import ModuleType
 
 import msgspec
@@ -63,6 +65,7 @@ def metadata_server() -> Iterator[str]:
         proc.wait(timeout=10)
 
 
+@pytest.mark.mooncake
 def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
     a = open_transport(
         Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
@@ -84,6 +87,7 @@ def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.mooncake
 def test_peer_restarted_under_the_same_name_is_reached_again(
     metadata_server: str, spawn: Callable[..., Peer]
 ) -> None:
@@ -126,7 +130,7 @@ def test_peer_restarted_under_the_same_name_is_reached_again(
         reader.close()
 
 
-@pytest.mark.parametrize("kind", ["mooncake", "shm"])
+@pytest.mark.parametrize("kind", [pytest.param("mooncake", marks=pytest.mark.mooncake), "shm"])
 def test_ranges_are_checked_before_any_byte_moves(kind: str) -> None:
     a = open_transport(Config(kind=kind))
     b = open_transport(Config(kind=kind))
@@ -178,6 +182,7 @@ def test_shm_peer_that_went_away_is_peer_gone() -> None:
     a.close()
 
 
+@pytest.mark.mooncake
 def test_torch_tensors_register_without_copies() -> None:
     torch = pytest.importorskip("torch")
     a = open_transport(Config(kind="mooncake"))
@@ -195,8 +200,9 @@ def test_torch_tensors_register_without_copies() -> None:
 
 
 class _LinkerFailure(MetaPathFinder):
-    """Stands in for the dynamic linker: libibverbs1 IS installed here, so its absence is simulated by
-    raising the exact ImportError text Python gives when the shared library cannot be loaded."""
+    """Stands in for the dynamic linker of a machine without libibverbs1 (whether or not this one has
+    it): importing `mooncake.engine` raises the exact ImportError Python gives when the shared library
+    cannot be loaded."""
 
     def __init__(self, message: str) -> None:
         self.message = message
@@ -207,12 +213,66 @@ class _LinkerFailure(MetaPathFinder):
         return None
 
 
+NO_LIBIBVERBS = "libibverbs.so.1: cannot open shared object file: No such file or directory"
+
+
 def test_missing_libibverbs_names_the_apt_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
-    finder = _LinkerFailure("libibverbs.so.1: cannot open shared object file: No such file or directory")
+    finder = _LinkerFailure(NO_LIBIBVERBS)
     monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     with pytest.raises(TransportUnavailableError, match=r"apt-get install -y libibverbs1"):
         mc_mod.load_engine_class()
+
+
+def test_unavailable_reason_says_what_to_install_and_none_when_mooncake_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_LinkerFailure(NO_LIBIBVERBS), *sys.meta_path])
+    mc_mod.unavailable_reason.cache_clear()
+    try:
+        assert "Debian's libibverbs1" in (why := mc_mod.unavailable_reason() or "")
+        assert "apt-get install -y libibverbs1" in why
+        monkeypatch.undo()  # this machine as it is
+        mc_mod.unavailable_reason.cache_clear()
+        try:
+            mc_mod.load_engine_class()
+        except TransportUnavailableError as e:
+            assert mc_mod.unavailable_reason() == str(e)
+        else:
+            assert mc_mod.unavailable_reason() is None
+    finally:
+        mc_mod.unavailable_reason.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("required", [False, True], ids=["skips", "fails-under-GYRE_REQUIRE_MOONCAKE"])
+def test_mooncake_tests_skip_naming_libibverbs1_where_it_is_missing_and_fail_in_ci(
+    tmp_path: Path, required: bool
+) -> None:
+    """A machine without Debian's libibverbs1, whatever this one has: a `mooncake` package on PYTHONPATH
+    whose engine fails to import as the real wheel's does there. A test marked `mooncake` (run by pytest in
+    a subprocess) is skipped with the apt-get line; with GYRE_REQUIRE_MOONCAKE=1, as CI runs, it fails."""
+    (tmp_path / "mooncake").mkdir()
+    (tmp_path / "mooncake" / "__init__.py").write_text("")
+    (tmp_path / "mooncake" / "engine.py").write_text(f"raise ImportError({NO_LIBIBVERBS!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "GYRE_REQUIRE_MOONCAKE"}
+    env["PYTHONPATH"] = str(tmp_path)
+    if required:
+        env["GYRE_REQUIRE_MOONCAKE"] = "1"
+    node = f"{Path(__file__).with_name('test_cli.py')}::test_doctor_reports_a_working_mooncake"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", node, "-q", "-rse", "-p", "no:cacheprovider"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "apt-get install -y libibverbs1" in r.stdout, r.stdout + r.stderr
+    if required:
+        assert r.returncode == 1 and "1 error" in r.stdout, r.stdout
+    else:
+        assert r.returncode == 0 and "1 skipped" in r.stdout, r.stdout
 
 
 def test_missing_wheel_names_the_extras(monkeypatch: pytest.MonkeyPatch) -> None:

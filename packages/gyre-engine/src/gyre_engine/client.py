@@ -7,7 +7,9 @@ Every call has a timeout; an HTTP error, or an error event inside a stream, beco
 the server's message, status and whether a retry may help, whichever of SGLang's error shapes it came in.
 Every request carries the run token as `Authorization: Bearer <token>` when there is one (the `api_key`
 argument, else `$GYRE_TOKEN`: `gyre_engine.auth`), which is what gyre-engine beyond loopback and SGLang
-started with `--api-key` both check.
+started with `--api-key` both check. Health probes and aborts each have a small connection pool of their
+own, apart from the one generation and weight updates use, so a load that fills that pool (or requests
+that hang there) cannot keep an engine from being seen healthy again or told to stop a request.
 """
 
 from __future__ import annotations
@@ -95,11 +97,22 @@ def encode_safetensors_payload(tensors: Mapping[str, Any]) -> str:
     return base64.b64encode(save(dict(tensors))).decode()
 
 
+PROBE_CONNECTIONS = 2
+"""Connections of the health-probe pool (`health`, `ready`, `health_generate`): nothing else uses it."""
+ABORT_CONNECTIONS = 16
+"""Connections of the abort pool (`abort`, `abort_all`): aborts wait here for a free one, never behind
+generation or weight updates."""
+ABORT_TIMEOUT_S = 10.0
+"""Longest an abort takes, its wait for a connection included (an engine that does not answer by then
+is not running the request for anybody)."""
+
+
 class EngineClient:
     """One server's native API. Use as `async with EngineClient(url) as c: await c.generate(...)`.
 
     `api_key` is the token the server checks (gyre-engine's run token, SGLang's `--api-key`); "" reads
-    `$GYRE_TOKEN`, and with neither the requests carry no `Authorization` header."""
+    `$GYRE_TOKEN`, and with neither the requests carry no `Authorization` header. Three connection pools:
+    health probes and aborts have their own small ones (module docstring), the rest share the third."""
 
     def __init__(
         self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 5.0, *, api_key: str = ""
@@ -108,12 +121,19 @@ class EngineClient:
         self.headers: dict[str, str] = {"content-type": "application/json", **bearer(resolve_token(api_key))}
         """What every request of this client carries (JSON content type, the token); for callers that
         send their own requests to the same server (gyre-proxy's streaming /generate)."""
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            headers=self.headers,
+        self._http = self._pool(httpx.Timeout(timeout_s, connect=connect_timeout_s), httpx.Limits())
+        self._probe = self._pool(
+            httpx.Timeout(30.0, connect=connect_timeout_s),
+            httpx.Limits(max_connections=PROBE_CONNECTIONS, max_keepalive_connections=PROBE_CONNECTIONS),
+        )
+        self._abort = self._pool(
+            httpx.Timeout(ABORT_TIMEOUT_S, connect=min(connect_timeout_s, ABORT_TIMEOUT_S)),
+            httpx.Limits(max_connections=ABORT_CONNECTIONS, max_keepalive_connections=ABORT_CONNECTIONS),
         )
         self._sglang: bool | None = None  # SGLang or gyre-engine, once `load` has asked
+
+    def _pool(self, timeout: httpx.Timeout, limits: httpx.Limits) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits, headers=self.headers)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -124,7 +144,8 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for pool in (self._http, self._probe, self._abort):
+            await pool.aclose()
 
     # ----------------------------------------------------------------- plumbing
     async def _post(self, path: str, body: Any = None, timeout: float | None = None) -> httpx.Response:
@@ -213,11 +234,19 @@ class EngineClient:
                 yield _gen_dec.decode(data)
 
     # ----------------------------------------------------------------- control
-    async def abort(self, rid: str) -> None:
-        await self._post("/abort_request", {"rid": rid})
+    async def abort(self, rid: str, timeout: float = ABORT_TIMEOUT_S) -> None:
+        """Stop request `rid` (its own pool; `timeout` bounds the wait for a connection too). Cancelling
+        the caller while this waits for a connection may leak it in httpx 0.28 / httpcore 1.0.9
+        (encode/httpcore#1093): bound it with `timeout`, not with a cancellation."""
+        await self._abort_post({"rid": rid}, timeout)
 
-    async def abort_all(self) -> None:
-        await self._post("/abort_request", {"abort_all": True})
+    async def abort_all(self, timeout: float = ABORT_TIMEOUT_S) -> None:
+        await self._abort_post({"abort_all": True}, timeout)
+
+    async def _abort_post(self, body: dict[str, Any], timeout: float) -> None:
+        r = await self._abort.post("/abort_request", content=_enc.encode(body), timeout=timeout)
+        if r.status_code >= 400:
+            raise _error_from(r.status_code, r.content)
 
     async def pause(self, mode: str = "abort") -> StatusReply:
         return msgspec.json.decode(
@@ -406,28 +435,32 @@ class EngineClient:
         return await self._ok("/ready", timeout)
 
     async def _ok(self, path: str, timeout: float) -> bool:
+        """Whether `path` answers 200 within `timeout` (the probe pool: load cannot fill it)."""
         try:
-            r = await self._http.get(path, timeout=timeout)
+            r = await self._probe.get(path, timeout=timeout)
         except httpx.HTTPError:
             return False
         return r.status_code == 200
 
     # ----------------------------------------------------------------- gyre-engine's KV prefix hand-off
-    async def export_prefix(self, input_ids: list[int]) -> KvPrefix | None:
+    async def export_prefix(self, input_ids: list[int], timeout: float | None = None) -> KvPrefix | None:
         """gyre-engine only: the KV of the longest cached prefix of `input_ids` (None if none)."""
-        r = await self._http.post("/export_prefix", content=_enc.encode({"input_ids": input_ids}))
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        r = await self._http.post("/export_prefix", content=_enc.encode({"input_ids": input_ids}), **kw)
         if r.status_code == 404:
             return None
         if r.status_code >= 400:
             raise _error_from(r.status_code, r.content)
         return KV_PREFIX_DECODER.decode(r.content)
 
-    async def import_prefix(self, rec: KvPrefix) -> SuccessReply:
+    async def import_prefix(self, rec: KvPrefix, timeout: float | None = None) -> SuccessReply:
         """gyre-engine only: put an exported prefix into this server's prefix cache."""
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         r = await self._http.post(
             "/import_prefix",
             content=KV_PREFIX_ENCODER.encode(rec),
             headers={"content-type": "application/msgpack"},
+            **kw,
         )
         if r.status_code >= 400:
             raise _error_from(r.status_code, r.content)
@@ -471,6 +504,7 @@ class EngineClient:
         transport: str = "mooncake",
         block_tokens: int = 16,
         lease_s: float = 120.0,
+        timeout: float | None = None,
     ) -> PrefixOffer | None:
         """gyre-engine only: expose the cached prefix of `input_ids` in a registered KV pool (None if
         nothing is cached). Release it with `release_prefix_offer` (else it expires after `lease_s`)."""
@@ -480,7 +514,8 @@ class EngineClient:
             "block_tokens": block_tokens,
             "lease_s": lease_s,
         }
-        r = await self._http.post("/offer_prefix", content=_enc.encode(body))
+        kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        r = await self._http.post("/offer_prefix", content=_enc.encode(body), **kw)
         if r.status_code == 404:
             return None
         if r.status_code >= 400:

@@ -241,6 +241,67 @@ class ServerInfo(msgspec.Struct, frozen=True):
     """KV prefix offers (/offer_prefix) not yet released or expired."""
 
 
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose native protocol gyre-engine speaks (reported as `version` by /get_server_info)."""
+
+
+class SGLangServerArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """The part of SGLang's server arguments gyre-engine can state truly, under SGLang's names and types
+    (its /get_server_info carries about 550; the rest, which describe SGLang's own machinery, are left
+    out, and so is `api_key`, which SGLang echoes and gyre never does)."""
+
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    skip_tokenizer_init: bool
+    load_format: str = "auto"
+    context_length: int
+    is_embedding: bool = False
+    dtype: str
+    device: str
+    max_running_requests: int
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    page_size: int = 1
+    weight_version: str
+    """As SGLang's: the version the server started with (/model_info has the current one)."""
+
+
+class SGLangInternalState(SGLangServerArgs, frozen=True, kw_only=True):
+    """One data-parallel rank of `internal_states` (gyre-engine has one)."""
+
+    world_size: int = 1
+    effective_max_running_requests_per_dp: int
+
+
+class SGLangServerInfo(SGLangServerArgs, frozen=True, kw_only=True):
+    """GET /get_server_info: SGLang's deprecated alias of its /server_info (gyre-engine's /server_info is
+    its own counters, `ServerInfo`), with the fields of `SGLangServerArgs` and these."""
+
+    status: str = "ready"
+    max_total_num_tokens: int
+    """The most KV tokens the running requests can hold: max_running_requests x context length."""
+    max_req_input_len: int
+    """Context length - 1, as SGLang's."""
+    internal_states: list[SGLangInternalState]
+    version: str = SGLANG_VERSION
+    """The SGLang protocol version spoken (SGLang's own release number in its reply)."""
+    frontend: str = "gyre-engine"
+    """Who answers ("python" or "rust" for SGLang's own servers)."""
+
+
+class GetWeightsByNameRequest(msgspec.Struct, frozen=True):
+    """Body of GET or POST /get_weights_by_name (SGLang's `GetWeightsByNameReqInput`; other keys are
+    ignored, as SGLang does)."""
+
+    name: str
+    truncate_size: int = 100
+
+
 class LoadSnapshot(msgspec.Struct, frozen=True):
     """One data-parallel rank in SGLang's GET /v1/loads (its `LoadSnapshot`; the optional sections
     `memory`, `queues`, ... are ignored). `total_prefill_uncached_tokens` and `decode_moments[0]`
@@ -371,8 +432,9 @@ class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     """The gyre-xfer publisher's control address (`Publisher.address`), e.g. tcp://127.0.0.1:5555."""
     min_version: int = 0
     """Load the newest published version >= this one (the publisher answers NO_VERSION otherwise)."""
-    transport: Literal["mooncake", "shm"] = "mooncake"
-    """Mooncake Transfer Engine (TCP here, RDMA where present) or same-host shared memory."""
+    transport: Literal["mooncake", "shm"] = "shm"
+    """Same-host shared memory (the default: needs no system library and opens no port) or Mooncake
+    Transfer Engine (TCP here, RDMA where present; across hosts)."""
     timeout_s: Seconds = 120.0
     """Deadline for the bytes of the whole version."""
     control_timeout_s: Seconds = 10.0
@@ -401,7 +463,8 @@ class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Body of POST /offer_prefix: copy the cached prefix of `input_ids` into a registered KV pool."""
 
     input_ids: list[int]
-    transport: Literal["mooncake", "shm"] = "mooncake"
+    transport: Literal["mooncake", "shm"] = "shm"
+    """As in `UpdateFromXferRequest`: shared memory by default, Mooncake across hosts."""
     block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Tokens per KV block of the offered pool."""
     lease_s: Seconds = 120.0

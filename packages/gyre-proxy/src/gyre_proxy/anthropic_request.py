@@ -7,9 +7,11 @@ required) and lenient elsewhere: `cache_control`, `context_management`, `metadat
 Claude Code sends several of them on every call. A conversation Anthropic's API refuses is refused here
 too, with Anthropic's wording and the path of the offending part (`messages.3.content.0`): a
 `tool_result` whose `tool_use` is not in the previous message, a `tool_use` not answered in the next
-message, a message with empty content (other than a final assistant message), a block type the API does
-not know, a `tool_use` whose `input` is not an object, `max_tokens` below 1. Empty text blocks, which
-Anthropic refuses, are accepted: harnesses (gyre's own built-in agent) send an empty reply back that way.
+message, a user message or a non-final assistant message with empty content, a block type the API
+does not know, a `tool_use` whose `input` is not an object, `max_tokens` below 1. Empty text blocks, which
+Anthropic refuses, are accepted: harnesses (gyre's own built-in agent) send an empty reply back that way;
+so are empty system-role messages (Claude Code sends one after `/compact`), rendered as an empty ChatML
+system turn, as Qwen's chat template renders a system message that is not the first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import msgspec
 
 from gyre_proxy.chat import Conversation, Kind, RequestError, Sampling, ToolCall, Turn, json_error
+from gyre_proxy.msgcache import MessageCache
 from gyre_proxy.render import tool_json
 from gyre_proxy.strip import Stripper
 
@@ -114,8 +117,27 @@ class ACountRequest(msgspec.Struct):
     thinking: AThinking | None = None
 
 
+class _ARequestRaw(msgspec.Struct):
+    """`ARequest` with each message left as its raw JSON (decoded one by one, through the cache)."""
+
+    model: str
+    messages: list[msgspec.Raw]
+    max_tokens: int
+    system: str | list[ABlock] | None = None
+    stream: bool = False
+    tools: list[ATool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: AThinking | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+
+
 _req_dec = msgspec.json.Decoder(ARequest)
 _count_dec = msgspec.json.Decoder(ACountRequest)
+_raw_dec = msgspec.json.Decoder(_ARequestRaw)
+_msg_dec = msgspec.json.Decoder(AMessage)
 
 
 def _field_of(exc: msgspec.ValidationError) -> str:
@@ -136,10 +158,43 @@ def decode(body: bytes, count: bool = False) -> ARequest | ACountRequest:
     return req
 
 
+def decode_conversation(
+    body: bytes, stripper: Stripper, cache: MessageCache
+) -> tuple[ARequest, Conversation]:
+    """`decode` then `to_conversation`, with each message decoded, checked and converted only the first
+    time its exact bytes are seen (`cache`). Anything the fast way cannot decode is decoded the plain
+    way, so every error is named as `decode` names it."""
+    try:
+        raw = _raw_dec.decode(body)
+        keys = [bytes(m) for m in raw.messages]
+        hits = [cache.get(k) for k in keys]
+        messages = [h[0] if h is not None else _msg_dec.decode(k) for k, h in zip(keys, hits, strict=True)]
+    except msgspec.MsgspecError:
+        req = decode(body)
+        assert isinstance(req, ARequest)
+        return req, to_conversation(req, stripper)
+    fields = {f: getattr(raw, f) for f in raw.__struct_fields__ if f != "messages"}
+    req = ARequest(messages=messages, **fields)
+    check(req, checked={i for i, h in enumerate(hits) if h is not None})
+    turns: list[Turn] = []
+    for key, m, hit in zip(keys, messages, hits, strict=True):
+        if hit is None:
+            made = _message_turns(m)
+            cache.put(key, m, made)
+            turns += made
+        else:
+            turns += hit[1]
+    system, stripped = _system(req.system, stripper)
+    conv = Conversation(system, _tools(req.tools), tuple(turns), _thinking_on(req.thinking), stripped)
+    return req, conv
+
+
 # ------------------------------------------------------------------------------------------- checks
 
 
-def check(req: ARequest | ACountRequest) -> None:
+def check(req: ARequest | ACountRequest, checked: set[int] | frozenset[int] = frozenset()) -> None:
+    """Anthropic's checks (module docstring); `checked`: messages whose blocks passed before (the same
+    bytes: their block checks are skipped)."""
     if isinstance(req, ARequest):
         if req.max_tokens < 1:
             raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
@@ -155,12 +210,14 @@ def check(req: ARequest | ACountRequest) -> None:
             raise RequestError(
                 f"messages.{i}.role", f"unknown role {m.role!r} (expected user, assistant or system)"
             )
-        if not m.content and not (i == last and m.role == "assistant"):
+        # Claude Code 2.1.328 sends `{"role": "system", "content": []}` after `/compact` (its real
+        # traffic, covered by the real-CLI test): a system-role message may be empty
+        if not m.content and m.role != "system" and not (i == last and m.role == "assistant"):
             raise RequestError(
                 f"messages.{i}",
                 "all messages must have non-empty content except for the optional final assistant message",
             )
-        if isinstance(m.content, list):
+        if isinstance(m.content, list) and i not in checked:
             _check_blocks(m.content, f"messages.{i}.content")
     _check_tool_pairs(req.messages)
 
@@ -288,18 +345,19 @@ def _assistant_turn(content: list[ABlock]) -> Turn:
     return Turn(Kind.ASSISTANT, "".join(text), "\n".join(reasoning), signature, tuple(calls))
 
 
+def _message_turns(m: AMessage) -> tuple[Turn, ...]:
+    """The turns of one message (a function of that message alone)."""
+    if m.role == "system":
+        return (Turn(Kind.SYSTEM, _text_of(m.content)),)
+    if isinstance(m.content, str):
+        return (Turn(Kind.USER if m.role == "user" else Kind.ASSISTANT, m.content),)
+    if m.role == "user":
+        return tuple(_user_turns(m.content))
+    return (_assistant_turn(m.content),)
+
+
 def _turns(messages: list[AMessage]) -> tuple[Turn, ...]:
-    turns: list[Turn] = []
-    for m in messages:
-        if m.role == "system":
-            turns.append(Turn(Kind.SYSTEM, _text_of(m.content)))
-        elif isinstance(m.content, str):
-            turns.append(Turn(Kind.USER if m.role == "user" else Kind.ASSISTANT, m.content))
-        elif m.role == "user":
-            turns += _user_turns(m.content)
-        else:
-            turns.append(_assistant_turn(m.content))
-    return tuple(turns)
+    return tuple(t for m in messages for t in _message_turns(m))
 
 
 def _thinking_on(t: AThinking | None) -> bool:

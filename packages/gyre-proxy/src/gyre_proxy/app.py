@@ -1,8 +1,9 @@
 """The HTTP front (Starlette): Anthropic and OpenAI routes, with or without an `/e/{execution}` prefix,
 plus `/gyre/stats` and `/health`.
 
-A request is checked whole before anything is rendered, run or recorded (`access.py` says which
-execution it belongs to and who may ask). A call's engine work lasts only while its client is there
+A request's body is read within `max_body_bytes` (`body.py`), then decoded, checked and rendered through
+`Proxy.owned` (on the worker thread when it is large); it is checked whole before anything is run or
+recorded (`access.py` says which execution it belongs to and who may ask). A call's engine work lasts only while its client is there
 (`disconnect.py`): a client that leaves gets its engine request aborted and nothing recorded. Every error
 is answered in the API's own shape (`errors.py`), routing's 404/405 and anything uncaught included; a
 stream that already started reports one in-band.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,6 +29,7 @@ from gyre_proxy import anthropic_request as AR
 from gyre_proxy import openai_api as O
 from gyre_proxy import openai_request as OR
 from gyre_proxy.access import execution_of, require_key
+from gyre_proxy.body import read_body
 from gyre_proxy.control import ControlLink
 from gyre_proxy.core import CallRun, Proxy
 from gyre_proxy.disconnect import while_connected
@@ -44,11 +46,13 @@ class Calls:
         self.proxy = proxy
 
     async def engine_for(self, request: Request, run: CallRun) -> None:
-        """Wait (up to `pick_wait_s`) until an engine takes calls of this execution."""
-        assert self.proxy.pool is not None
-        await self._while_connected(
-            request, run, self.proxy.pool.wait_pick(run.ex_id, self.proxy.cfg.pick_wait_s)
-        )
+        """Wait (up to `pick_wait_s`) until an engine takes calls of this execution: at once when one
+        does (no task, no watcher), else while its client is there."""
+        pool = self.proxy.pool
+        assert pool is not None
+        if pool.active():
+            return
+        await self._while_connected(request, run, pool.wait_pick(run.ex_id, self.proxy.cfg.pick_wait_s))
 
     async def whole(self, request: Request, run: CallRun) -> None:
         """Generate and record the call; if the client leaves first, its engine work is aborted."""
@@ -89,16 +93,24 @@ class Calls:
 
 def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     keys = proxy.cfg.api_keys
+    limit = proxy.cfg.max_body_bytes
+
+    def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, AR.ARequest]:
+        """(holding the proxy's state) Decode, check, convert and render the request."""
+        req, conv = AR.decode_conversation(body, proxy.stripper, proxy.messages)
+        return proxy.start_call(conv, AR.to_sampling(req), ex, headers, t0, len(body)), req
+
+    def count(body: bytes, ex: str) -> int:
+        """(holding the proxy's state) The request's input tokens."""
+        req = AR.decode(body, count=True)
+        return proxy.count_tokens(AR.to_conversation(req, proxy.stripper), ex)
 
     @answers_errors(Api.ANTHROPIC)
     async def messages(request: Request) -> Response:
         ex = execution_of(keys, request)
-        body = await request.body()
-        t0 = time.perf_counter()
-        req = AR.decode(body)
-        assert isinstance(req, AR.ARequest)
-        conv = AR.to_conversation(req, proxy.stripper)
-        run = proxy.start_call(conv, AR.to_sampling(req), ex, request.headers, t0)
+        body = await read_body(request, limit)
+        run, req = await proxy.owned(len(body), start, body, ex, request.headers, time.perf_counter())
+        del body
         await calls.engine_for(request, run)
         if req.stream:
             return calls.stream(Api.ANTHROPIC, run, A.stream_events(run, req.model))
@@ -108,8 +120,8 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     @answers_errors(Api.ANTHROPIC)
     async def count_tokens(request: Request) -> Response:
         ex = execution_of(keys, request)
-        req = AR.decode(await request.body(), count=True)
-        n = proxy.count_tokens(AR.to_conversation(req, proxy.stripper), ex)
+        body = await read_body(request, limit)
+        n = await proxy.owned(len(body), count, body, ex)
         return Response(_enc.encode({"input_tokens": n}), media_type=JSON)
 
     @answers_errors(Api.ANTHROPIC)
@@ -138,16 +150,21 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
 
 def openai_routes(proxy: Proxy, calls: Calls) -> list[Route]:
     keys = proxy.cfg.api_keys
+    limit = proxy.cfg.max_body_bytes
     vocab = proxy.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, OR.ORequest]:
+        """(holding the proxy's state) Decode, check, convert and render the request."""
+        req = OR.decode(body)
+        conv = OR.to_conversation(req, proxy.stripper)
+        return proxy.start_call(conv, OR.to_sampling(req, 4096, vocab), ex, headers, t0, len(body)), req
 
     @answers_errors(Api.OPENAI)
     async def chat_completions(request: Request) -> Response:
         ex = execution_of(keys, request)
-        body = await request.body()
-        t0 = time.perf_counter()
-        req = OR.decode(body)
-        conv = OR.to_conversation(req, proxy.stripper)
-        run = proxy.start_call(conv, OR.to_sampling(req, 4096, vocab), ex, request.headers, t0)
+        body = await read_body(request, limit)
+        run, req = await proxy.owned(len(body), start, body, ex, request.headers, time.perf_counter())
+        del body
         await calls.engine_for(request, run)
         lps = bool(req.logprobs)
         if req.stream:
@@ -168,7 +185,8 @@ def _prefixed(routes: list[tuple[str, Any, str]]) -> list[Route]:
     ]
 
 
-def stats_body(proxy: Proxy, control: ControlLink | None) -> dict[str, Any]:
+def stats_body(proxy: Proxy, control: ControlLink | None, by_execution: dict[str, int]) -> dict[str, Any]:
+    """`/gyre/stats`; `by_execution`: `Proxy.non_extensions_by_execution()` (read holding the proxy's state)."""
     pool = proxy.pool
     engines = [
         {
@@ -194,9 +212,7 @@ def stats_body(proxy: Proxy, control: ControlLink | None) -> dict[str, Any]:
         "ambiguous_turns": s.ambiguous_turns,
         "appended_calls": s.appended_calls,
         "non_extensions": s.non_extensions,
-        "non_extensions_by_execution": {
-            k: v.non_extensions for k, v in proxy.executions.items() if v.non_extensions
-        },
+        "non_extensions_by_execution": by_execution,
         "restored_empty_replies": s.restored_empty_replies,
         "abandoned_calls": s.abandoned_calls,
         "records_unanswered": s.records_unanswered,
@@ -206,6 +222,8 @@ def stats_body(proxy: Proxy, control: ControlLink | None) -> dict[str, Any]:
         "prefix_moved_tokens": proxy.counters.prefix_moved_tokens,
         "reprefilled_tokens": proxy.counters.reprefilled_tokens,
         "engine_errors": proxy.counters.engine_errors,
+        "rebalanced_calls": proxy.counters.rebalanced_calls,
+        "prefix_move_s": round(proxy.counters.prefix_move_s, 4),
         "records_written": sink.written if sink else 0,
         "records_pushed": sink.pushed if sink else 0,
         "records_push_dropped": sink.push_dropped if sink else 0,
@@ -236,7 +254,9 @@ def build_app(proxy: Proxy) -> Starlette:
     @answers_errors(Api.ANTHROPIC)
     async def stats(request: Request) -> Response:
         require_key(proxy.cfg.api_keys, request)
-        return Response(_enc.encode(stats_body(proxy, links[0] if links else None)), media_type=JSON)
+        by_execution = await proxy.owned(0, proxy.non_extensions_by_execution)
+        body = stats_body(proxy, links[0] if links else None, by_execution)
+        return Response(_enc.encode(body), media_type=JSON)
 
     async def health(request: Request) -> Response:
         return Response(b"ok")

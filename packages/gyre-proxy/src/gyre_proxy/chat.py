@@ -61,6 +61,8 @@ class Sampling(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     top_logprobs: int = 0  # alternatives per output token (SGLang `top_logprobs_num`)
+    min_new_tokens: int = 0  # SGLang `min_new_tokens` (the end-of-turn token is held back until then)
+    ignore_eos: bool = False  # SGLang `ignore_eos`: sample past the end-of-turn token, to the budget
 
 
 class RequestError(ValueError):

@@ -67,6 +67,10 @@ def parse_token_file(path: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+KV_TRANSPORTS = ("shm", "mooncake", "http")
+"""Ways a cached prefix goes from one engine to another (`kvmove.py`)."""
+
+
 @dataclass
 class ProxyConfig:
     """Everything the proxy needs; `gyre-proxy serve` takes one flag per field."""
@@ -91,12 +95,28 @@ class ProxyConfig:
     403), and /gyre/stats needs a key too."""
     max_context_tokens: int = field(default=40960, metadata=flag("--max-context"))
     """Input tokens beyond this are answered 413; max_new_tokens is clipped to what is left."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """The longest request body taken, in bytes (Anthropic's API takes 32 MB); a longer one is answered
+    413 in the API's error shape as soon as that is known, before any of it is parsed or buffered whole."""
+    decoded_cache_bytes: int = 64 * 1024 * 1024
+    """Request messages kept decoded, by their exact bytes, in bytes of JSON (least recently used first to
+    go): the history a harness sends again on each call is then decoded and checked once."""
     max_new_tokens_cap: int = 32768
     """The most new tokens one call may ask for (a larger max_tokens is clipped)."""
     drain_grace_s: float = field(default=0.0, metadata=flag("--drain-grace"))
     """How long a drained engine may finish its in-flight calls before they move to another engine."""
     pick_wait_s: float = field(default=5.0, metadata=flag("--pick-wait"))
     """How long a call waits for an engine to take it before the harness gets 529/503 (it retries)."""
+    kv_transport: str = "shm"
+    """How a call's cached prefix (KV) goes along when its execution moves to another engine (a drain, a
+    rebalance): shm (gyre-xfer over shared memory, engines on one host), mooncake (gyre-xfer over Mooncake
+    Transfer Engine, across hosts) or http (the KV in HTTP bodies). Whatever does not arrive, the next
+    engine prefills again."""
+    session_idle_s: float = 30.0
+    """An execution with a call in the last this-many seconds is live on its engine; between two calls
+    an execution moves to the engine with the fewest live executions when its own has at least two more
+    (an engine that joins, or comes back from training, gets its share). 0: executions never move but
+    for a drain or a failure."""
     request_timeout_s: float = 600.0
     """Longest wait on an engine's answer (connect: 5 s)."""
     stream_interval: int = 4
@@ -144,6 +164,14 @@ class ProxyConfig:
         self.engines = tuple(self.engines)
         self.agent_headers = tuple(h.lower() for h in self.agent_headers)
         self.strip_rules = tuple(self.strip_rules)
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ConfigError(
+                f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}"
+            )
+        if self.session_idle_s < 0:
+            raise ConfigError(f"session_idle_s must be >= 0, got {self.session_idle_s}")
         if not is_loopback_host(self.host):
             if not self.allow_remote:
                 raise ConfigError(

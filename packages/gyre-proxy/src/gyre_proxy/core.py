@@ -6,7 +6,10 @@ output ids, the agent's own first) and checks the context size; `CallRun.blocks`
 writes the call's TITO record (delta-encoded against the same agent's previous call, else the last call
 with the same system and tools; metadata: the call it `extends` when the harness only appended, and the
 harness metadata stripped from the prompt) to the fsynced log before the API layer completes its response.
-A call whose record could not be written fails with `RecordWriteFailed` (and is not in the log).
+A call whose record could not be written fails with `RecordWriteFailed` (and is not in the log). The
+proxy's state (render caches, recorded outputs, counters) is touched only through `Proxy.owned`, which
+runs a request's work on the worker thread when the request is large and on the event loop only when it
+is small (bounded work) and nothing waits for the worker.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import itertools
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import msgspec
@@ -33,15 +39,23 @@ from gyre_proxy.config import ProxyConfig
 from gyre_proxy.engines import EnginePool
 from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
-from gyre_proxy.render import AgentCache, ExecutionCache, Rendered, Renderer
+from gyre_proxy.msgcache import MessageCache
+from gyre_proxy.render import AgentCache, ContextTooLong, ExecutionCache, Rendered, Renderer
 from gyre_proxy.sink import RecordSink
 from gyre_proxy.stoptext import shown_text
 from gyre_proxy.strip import Stripper
 from gyre_proxy.toolparse import Block, BlockKind, parse
 
 log = logging.getLogger("gyre_proxy")
+INLINE_BYTES = 64 * 1024
+"""Requests up to this many bytes may be handled on the event loop (`Proxy.owned`): their work is bounded
+by that size, and they then take no turn of the loop to go to the worker thread and back."""
 EXTENDS = "extends"
 """Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
+ENGINES = "engines"
+"""Record metadata key: the ids of the engines that served the call, in order, comma-separated."""
+CACHED_TOKENS = "cached_tokens"
+"""Record metadata key: input tokens the call's first engine took from its prefix cache."""
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -61,13 +75,6 @@ def lcp(a: np.ndarray, b: np.ndarray | None) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
-
-
-class ContextTooLong(ValueError):
-    def __init__(self, n: int, limit: int) -> None:
-        super().__init__(f"prompt is {n} tokens; the model's context is {limit} tokens")
-        self.n = n
-        self.limit = limit
 
 
 @dataclass
@@ -97,10 +104,49 @@ class Proxy:
         self._seq = itertools.count()
         self._salt = secrets.token_hex(3)
         self.stripper = Stripper(cfg.strip_rules)
+        self.messages = MessageCache(cfg.decoded_cache_bytes)  # decoded request messages (the state lock)
         self.pool: EnginePool | None = None
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
         self.sink: RecordSink | None = None
+        # The render caches, the recorded outputs and the call counters are touched only under
+        # `_state`. A request's work that grows with it (decoding, checks, rendering, tokenizing, building
+        # the record) runs on the worker thread; a small request's (at most INLINE_BYTES) runs on the event
+        # loop when the worker does not hold the state at that moment, so it takes no turn of the loop.
+        self._worker: ThreadPoolExecutor | None = None
+        self._state = threading.Lock()
+        self._queued = 0  # jobs submitted to the worker and not done (counted on the event loop)
+
+    def owned[T](self, size: int, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`fn(*args)` holding the proxy's state, for a request of `size` bytes: here and now (a done
+        future: awaiting it takes no turn of the loop) if it is small and nothing waits for the worker,
+        else on the worker thread; either way after everything submitted before it."""
+        if size <= INLINE_BYTES and not self._queued and self._state.acquire(blocking=False):
+            done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as exc:
+                done.set_exception(exc)
+            finally:
+                self._state.release()
+            return done
+        assert self._worker is not None, "the proxy is not started"
+        self._queued += 1  # while anything waits for the worker, later work goes behind it (in order)
+        fut = asyncio.get_running_loop().run_in_executor(self._worker, self._holding, fn, args)
+        fut.add_done_callback(self._dequeued)
+        return fut
+
+    def _dequeued(self, fut: asyncio.Future[Any]) -> None:
+        self._queued -= 1
+
+    def _holding[T](self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        with self._state:
+            return fn(*args)
+
+    def after_written(self, size: int, fn: Callable[[Call], None], rec: Call) -> None:
+        """`owned(size, fn, rec)`, not waited for (on the worker it runs before anything queued after
+        it); a failure is logged."""
+        self.owned(size, fn, rec).add_done_callback(_log_failure)
 
     async def start(self) -> None:
         self.pool = EnginePool(
@@ -108,6 +154,7 @@ class Proxy:
             self.cfg.request_timeout_s,
             retry_s=self.cfg.engine_retry_s,
             retry_max_s=self.cfg.engine_retry_max_s,
+            session_idle_s=self.cfg.session_idle_s,
         )
         # Several small connection pools: httpx's pool scans its connections on every request, so one
         # pool of hundreds of connections costs more CPU than the proxy itself under load. No cap on
@@ -120,6 +167,7 @@ class Proxy:
         self.https = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(16)]
         self.http = self.https[0]
         self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push, token=self.cfg.token)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gyre-proxy-worker")
         for i, url in enumerate(self.cfg.engines):
             self.pool.add(i, url)
 
@@ -128,6 +176,8 @@ class Proxy:
             await self.pool.aclose()
         for h in self.https:
             await h.aclose()
+        if self._worker is not None:
+            await asyncio.to_thread(self._worker.shutdown)
         if self.sink is not None:
             await asyncio.to_thread(self.sink.close)
 
@@ -150,10 +200,11 @@ class Proxy:
         return ex
 
     def client_left(self, run: CallRun) -> None:
-        """Account for a call whose client disconnected before its response completed. Before the record
-        was written nothing of it is kept (the engine request was aborted); after, the record stays (it
-        was durable before the response could complete) and is counted and logged, never silent."""
-        if run.recorded:
+        """Account for a call whose client disconnected before its response completed. Before its record
+        was queued nothing of it is kept (the engine request was aborted, and no record is queued from
+        now on); after, the record stays (it is durable before the response can complete) and is counted
+        and logged, never silent."""
+        if run.client_left():
             self.stats.records_unanswered += 1
             log.warning(
                 "call %s of %s: recorded, but its client left before the response completed",
@@ -164,8 +215,13 @@ class Proxy:
             self.stats.abandoned_calls += 1
 
     def count_tokens(self, conv: Conversation, ex_id: str) -> int:
-        rendered, _ = self.renderer.render(conv, self.execution(ex_id))
+        """Input tokens of `conv` (holding the state); one that cannot fit the context is `ContextTooLong`."""
+        rendered, _ = self.renderer.render(conv, self.execution(ex_id), limit=self.cfg.max_context_tokens)
         return rendered.n_tokens
+
+    def non_extensions_by_execution(self) -> dict[str, int]:
+        """Executions with non-extensions, and how many (holding the state)."""
+        return {k: v.non_extensions for k, v in self.executions.items() if v.non_extensions}
 
     def start_call(
         self,
@@ -174,8 +230,10 @@ class Proxy:
         ex_id: str,
         headers: Mapping[str, str],
         t0: float | None = None,
+        size: int = 0,
     ) -> CallRun:
-        """`t0`: when the request body was in hand (perf_counter), for the added-latency figure."""
+        """Classify and render a call (holding the state: `owned`). `t0`: when the request body was in hand
+        (perf_counter), for the added-latency figure."""
         t0 = time.perf_counter() if t0 is None else t0
         ex = self.execution(ex_id)
         role, agent = classify(conv, headers, self.cfg.agent_headers)
@@ -185,13 +243,14 @@ class Proxy:
             conv, restored = last.restore(conv)
             self.stats.restored_empty_replies += restored
         extends = last if last is not None and last.only_appended(conv) else None
+        limit = self.cfg.max_context_tokens
         if self.cfg.incremental:
-            rendered, ac = self.renderer.render(conv, ex, agent)
+            rendered, ac = self.renderer.render(conv, ex, agent, limit)
         else:
-            rendered, ac = self.renderer.render_full(conv), ex.agent(self.renderer.agent_key(conv), 16)
+            rendered, ac = self.renderer.render_full(conv, limit), ex.agent(self.renderer.agent_key(conv), 16)
         n = rendered.n_tokens
-        if n >= self.cfg.max_context_tokens:
-            raise ContextTooLong(n, self.cfg.max_context_tokens)
+        if n >= limit:
+            raise ContextTooLong(n, limit, at_least=False)
         max_new = max(
             1, min(sampling.max_new_tokens, self.cfg.max_new_tokens_cap, self.cfg.max_context_tokens - n)
         )
@@ -204,7 +263,7 @@ class Proxy:
         self.stats.tokenized_tokens += rendered.tokenized_tokens
         self.stats.ambiguous_turns += rendered.ambiguous
         ident = CallIdentity(role, agent, call_id, extends, sent)
-        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, ident, t0)
+        return CallRun(self, conv, sampling, ex_id, ex, ac, rendered, ident, t0, size)
 
 
 @dataclass(frozen=True)
@@ -248,6 +307,7 @@ class CallRun:
         rendered: Rendered,
         ident: CallIdentity,
         t0: float,
+        size: int = 0,
     ) -> None:
         self.proxy = proxy
         self.conv = conv
@@ -262,6 +322,7 @@ class CallRun:
         self.extends = ident.extends
         self.sent = ident.sent
         self.t0 = t0
+        self.size = size  # the request's bytes (small ones are finished on the event loop: `Proxy.owned`)
         self.t_wall = time.time()
         self.input_ids = rendered.ids()
         self.input_json = rendered.ids_json()
@@ -269,6 +330,8 @@ class CallRun:
         self.final_blocks: list[Block] = []
         self.text = ""
         self.recorded = False  # the record was handed to the log (it lands even if the client leaves)
+        self._left = False  # the client went away (set on the loop, read by the worker under the lock)
+        self._left_lock = threading.Lock()
 
     @property
     def n_input(self) -> int:
@@ -300,6 +363,7 @@ class CallRun:
             self.sampling,
             pick_wait_s=p.cfg.pick_wait_s,
             stream_interval=p.cfg.stream_interval,
+            kv_transport=p.cfg.kv_transport,
         )
         self.result = gen.result
         detok = IncrementalText(p.tokenizer)
@@ -324,7 +388,51 @@ class CallRun:
         return "max_tokens" if self.result.finish == "length" else "end_turn"
 
     async def finish(self) -> Call:
-        """Remember the output for later renders and write the record (returns once it is on disk)."""
+        """Remember the output for later renders and write the record (returns once it is on disk). The
+        record is built and queued to the log in one `owned` step, so this waits once, for the log; the
+        agent's last call is updated after that, unawaited but ahead of any later call's render."""
+        p = self.proxy
+        loop = asyncio.get_running_loop()
+        written: asyncio.Future[None] = loop.create_future()
+        box: list[Call] = []
+        queued = p.owned(self.size, self._record_and_queue, loop, written, box)
+        try:
+            await written
+        finally:
+            queued.cancel()  # nothing waits for it: `written` says all (a failure there fails `written`)
+        rec = box[0]
+        # the proxy's own time for this call: the body in hand to the record on disk, less the engine's
+        p.stats.added_ms.append((time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0)
+        p.after_written(self.size, self._written, rec)
+        return rec
+
+    def _record_and_queue(
+        self, loop: asyncio.AbstractEventLoop, written: asyncio.Future[None], box: list[Call]
+    ) -> None:
+        """(holding the state) Keep the output for later renders, build the record and queue it to the log,
+        unless the client already left (then nothing is queued)."""
+        try:
+            rec = self._recorded_output()
+        except Exception as exc:  # the call fails with it (a 500, the traceback in the log)
+            loop.call_soon_threadsafe(_fail, written, exc)
+            return
+        box.append(rec)
+        with self._left_lock:
+            if self._left:  # nobody waits for `written` any more
+                loop.call_soon_threadsafe(written.cancel)
+                return
+            assert self.proxy.sink is not None
+            self.proxy.sink.submit_for(rec, loop, written)
+            self.recorded = True  # queued: the writer thread writes it, whatever happens to the call now
+
+    def client_left(self) -> bool:
+        """(event loop) The client went away: from now on nothing is queued. Whether it was already."""
+        with self._left_lock:
+            self._left = True
+            return self.recorded
+
+    def _recorded_output(self) -> Call:
+        """(holding the state) Keep the output for later renders; the call's record."""
         p = self.proxy
         out = np.asarray(self.result.output_ids, np.int32)
         tools = [self.tool_id(i) for i, b in enumerate(self.final_blocks) if b.kind is BlockKind.TOOL]
@@ -342,11 +450,12 @@ class CallRun:
             context=self.rendered.context,
             position=len(self.conv.turns),
         )
-        rec = self._record(out)
-        assert p.sink is not None
-        written = p.sink.submit(rec)
-        self.recorded = True  # queued: the writer thread writes it, whatever happens to this task now
-        await written
+        return self._record(out)
+
+    def _written(self, rec: Call) -> None:
+        """(holding the state) The record is on disk: this call is now its agent's last call."""
+        p = self.proxy
+        out = rec.output_ids
         self._count_extension()
         full = np.concatenate([self.input_ids, out])
         self.ac.last_call_id, self.ac.last_full = self.call_id, full
@@ -354,13 +463,15 @@ class CallRun:
         empty = not self.final_blocks
         last = LastCall(self.call_id, c.system, c.tools_json, self.sent, c.turns, full, empty)
         self.ex.remember(self.agent, last, p.renderer.max_agents)
-        added = (time.perf_counter() - self.t0 - self.result.engine_s) * 1000.0
-        p.stats.added_ms.append(added)
-        return rec
 
     def _metadata(self) -> dict[str, str]:
-        """The record's metadata: harness metadata stripped from the prompt, the call this one extends."""
+        """The record's metadata: harness metadata stripped from the prompt, the call this one extends,
+        the engines that served it (`engines`: ids in order, comma-separated; a moved call names several)
+        and the input tokens its first engine found in its prefix cache (`cached_tokens`)."""
         meta: dict[str, str] = {}
+        if self.result.engines:
+            meta[ENGINES] = ",".join(map(str, self.result.engines))
+            meta[CACHED_TOKENS] = str(self.result.cached_tokens)
         for name, text in self.conv.stripped:
             key = f"stripped.{name}"
             meta[key] = f"{meta[key]}\n\n{text}" if key in meta else text
@@ -410,3 +521,13 @@ class CallRun:
         if keep > 0:
             return Call(input_delta=Delta(parent, keep, self.input_ids[keep:]), **common)  # type: ignore[arg-type]
         return Call(input_ids=self.input_ids, **common)  # type: ignore[arg-type]
+
+
+def _fail(fut: asyncio.Future[None], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("bookkeeping after a record was written failed", exc_info=fut.exception())

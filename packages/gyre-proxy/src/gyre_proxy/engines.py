@@ -1,12 +1,18 @@
-"""The set of rollout engines the proxy routes to: session affinity, least outstanding work, drain, remove.
+"""The set of rollout engines the proxy routes to: session affinity, least outstanding work, rebalancing,
+drain, remove.
 
 An execution stays on the engine it first went to (its prefix cache lives there) while that engine takes
 requests; otherwise the active engine with the least outstanding work (tokens of in-flight calls) gets it.
+Affinity alone would leave an engine that joins late, or comes back from training, with nothing to do
+while the executions it lost stay elsewhere: so between two calls of an execution (`rebalance`), it moves
+to the engine with the fewest live executions (a call within `session_idle_s`) when its own engine has at
+least two more, and its cached prefix goes along (`kvmove.py`).
 Draining an engine stops new calls; after `drain_grace_s` its in-flight calls are aborted and continued on
 another engine by their owners (`Generation`), and `on_drained` fires once none is left. Removing an engine
 makes its in-flight calls continue elsewhere at once; only the scheduler removes one (`EngineRemove`). An
 engine a connection to failed is only set aside (FAILED): its `/health` is polled with exponential backoff
-and it takes requests again as soon as it answers 200.
+and it takes requests again as soon as it answers 200; the probes go through the engine client's own
+probe pool, which no load (calls, aborts, prefix moves) can fill.
 """
 
 from __future__ import annotations
@@ -32,12 +38,21 @@ class EngineState(enum.StrEnum):
 
 @dataclass(eq=False)
 class InFlight:
-    """One running /generate on an engine; `move` set means: abort it and continue elsewhere."""
+    """One running /generate on an engine; `move` set means: abort it and continue elsewhere (its owner,
+    reading the engine's stream, learns it through `wake`)."""
 
     rid: str
     execution: str
     work: int
     move: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: Callable[[], None] | None = None
+
+    def request_move(self) -> None:
+        """Tell the call's owner to abort this attempt and continue elsewhere."""
+        if not self.move.is_set():
+            self.move.set()
+            if self.wake is not None:
+                self.wake()
 
 
 @dataclass(eq=False)
@@ -68,10 +83,18 @@ class EnginePool:
         on_drained: Callable[[int], Awaitable[None]] | None = None,
         retry_s: float = 0.2,
         retry_max_s: float = 5.0,
+        session_idle_s: float = 30.0,
     ) -> None:
-        """`retry_s`: first wait before a failed engine's health check, doubling up to `retry_max_s`."""
+        """`retry_s`: first wait before a failed engine's health check, doubling up to `retry_max_s`;
+        `session_idle_s`: an execution without a call for this long no longer counts as live on its engine
+        (0: no rebalancing)."""
         self.engines: dict[int, Engine] = {}
         self.affinity: dict[str, int] = {}
+        self.last_call: dict[str, float] = {}
+        """Execution -> when its last call was routed (event-loop time)."""
+        self.session_idle_s = session_idle_s
+        self.rebalanced = 0
+        """Executions moved to a less loaded engine between two of their calls."""
         self.drain_grace_s = drain_grace_s
         self.request_timeout_s = request_timeout_s
         self.on_drained = on_drained
@@ -121,7 +144,7 @@ class EnginePool:
         eng.state = EngineState.REMOVED
         self._drop_affinity(eng.engine_id)
         for f in list(eng.in_flight):
-            f.move.set()
+            f.request_move()
         self._spawn(eng.client.aclose())
 
     def mark_dead(self, eng: Engine) -> None:
@@ -164,7 +187,7 @@ class EnginePool:
             while eng.in_flight and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
         for f in list(eng.in_flight):
-            f.move.set()
+            f.request_move()
         while eng.in_flight:
             await asyncio.sleep(0.01)
         await self._notify_drained(eng.engine_id)
@@ -173,19 +196,58 @@ class EnginePool:
         if self.on_drained is not None:
             await self.on_drained(engine_id)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         async def run() -> None:
             await coro
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ routing
     def active(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.state is EngineState.ACTIVE]
 
+    def live(self) -> dict[int, int]:
+        """Live executions (a call within `session_idle_s`) by the engine they are bound to (an execution
+        idle for ten times that is no longer tracked here; its affinity stays)."""
+        now = asyncio.get_running_loop().time()
+        out: dict[int, int] = {}
+        for ex, t in list(self.last_call.items()):
+            if now - t > 10 * self.session_idle_s:
+                del self.last_call[ex]
+            elif now - t <= self.session_idle_s and ex in self.affinity:
+                eid = self.affinity[ex]
+                out[eid] = out.get(eid, 0) + 1
+        return out
+
+    def rebalance(self, execution: str) -> tuple[Engine, Engine] | None:
+        """Before an execution's next call: move it from its engine to the active engine with the fewest
+        live executions when its own has at least two more (moving one then narrows the gap, never
+        reverses it); returns (from, to), or None if it stays."""
+        eid = self.affinity.get(execution)
+        cur = self.engines.get(eid) if eid is not None else None
+        if not self.session_idle_s or cur is None or cur.state is not EngineState.ACTIVE:
+            return None
+        others = [e for e in self.active() if e is not cur]
+        if not others:
+            return None
+        live = self.live()
+        here = live.get(cur.engine_id, 0) + (not self._is_live(execution))
+        to = min(others, key=lambda e: (live.get(e.engine_id, 0), e.outstanding, e.engine_id))
+        if here - live.get(to.engine_id, 0) < 2:
+            return None
+        self.affinity[execution] = to.engine_id
+        self.rebalanced += 1
+        return cur, to
+
+    def _is_live(self, execution: str) -> bool:
+        t = self.last_call.get(execution)
+        return t is not None and asyncio.get_running_loop().time() - t <= self.session_idle_s
+
     def pick(self, execution: str, exclude: frozenset[int] = frozenset()) -> Engine:
+        self.last_call[execution] = asyncio.get_running_loop().time()
         eid = self.affinity.get(execution)
         if eid is not None and eid not in exclude:
             eng = self.engines.get(eid)
@@ -211,20 +273,24 @@ class EnginePool:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
 
-    def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> None:
-        """Tell `eng` to stop `rid` (its caller is gone) without waiting for the answer: the abort is a
-        task of its own, so a cancelled caller still sends it. Failures are logged, not raised."""
+    def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> asyncio.Future[None]:
+        """Tell `eng` to stop `rid`: the abort is a task of its own, so a caller cancelled meanwhile still
+        sends it, and it is bounded by the client's timeout rather than cancelled (a request cancelled
+        while it waits for a connection leaks that connection in httpx 0.28). Failures are logged, not
+        raised; the returned future is done once the engine answered or the abort gave up."""
         if eng.state is EngineState.REMOVED:  # its client is closed; nothing runs there for us now
-            return
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         self.aborts_sent += 1
 
         async def send() -> None:
             try:
-                await asyncio.wait_for(eng.client.abort(rid), timeout_s)
+                await eng.client.abort(rid, timeout=timeout_s)
             except Exception as exc:  # a dead engine runs nothing; anything else is worth a line
-                log.info("abort of %s on engine %d failed: %s", rid, eng.engine_id, exc)
+                log.info("abort of %s on engine %d failed: %r", rid, eng.engine_id, exc)
 
-        self._spawn(send())
+        return self._spawn(send())
 
     def begin(self, eng: Engine, rid: str, execution: str, work: int) -> InFlight:
         f = InFlight(rid, execution, work)

@@ -20,10 +20,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gyre_proxy.body import BodyTooLarge
 from gyre_proxy.chat import RequestError
-from gyre_proxy.core import ContextTooLong
 from gyre_proxy.engines import NoEngine
 from gyre_proxy.generation import EngineRejected, GenerationFailed
+from gyre_proxy.render import ContextTooLong
 from gyre_proxy.sink import RecordWriteFailed
 
 log = logging.getLogger("gyre_proxy.errors")
@@ -63,6 +64,7 @@ _TABLE: list[tuple[type[BaseException], Kind]] = [
     (Unauthorized, Kind(401, "authentication_error", "invalid_request_error")),
     (Forbidden, Kind(403, "permission_error", "permission_error")),
     (ContextTooLong, Kind(413, "request_too_large", "invalid_request_error")),
+    (BodyTooLarge, Kind(413, "request_too_large", "invalid_request_error")),
     (NoEngine, Kind(529, "overloaded_error", "server_error")),  # harnesses retry these
     (GenerationFailed, Kind(529, "overloaded_error", "server_error")),
     (RecordWriteFailed, Kind(500, "api_error", "server_error")),

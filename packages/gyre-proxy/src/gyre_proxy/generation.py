@@ -4,8 +4,9 @@ A `Generation` streams SGLang's native `/generate` (input ids, logprobs, cumulat
 engine the pool picks. When the engine is drained (the call is told to move), removed, dies or aborts the
 request, the tokens generated so far are kept and the call continues on another engine with input =
 original input + partial output and the remaining token budget; both parts' logprobs are kept. Where
-both engines are gyre-engines the cached prefix is exported and imported, otherwise it is re-prefilled;
-both are counted. The request body is assembled from cached JSON fragments, never re-encoded from ints.
+both engines are gyre-engines the cached prefix goes along (`kvmove.py`), otherwise it is re-prefilled;
+both are counted. Before its first attempt a call may move its execution to a less loaded engine
+(`EnginePool.rebalance`); its cached prefix then goes along the same way. The request body is assembled from cached JSON fragments, never re-encoded from ints.
 
 A call cancelled mid-attempt (its client left) aborts its engine request (`/abort_request` with the
 attempt's rid, sent from a task of its own so the cancellation cannot stop it) and is never resubmitted:
@@ -29,9 +30,10 @@ import httpx
 import msgspec
 import numpy as np
 from gyre_engine.client import EngineError
-from gyre_engine.protocol import GenerateResponse, KvPrefix
+from gyre_engine.protocol import GenerateResponse
 from gyre_engine.sse import data_fields
 
+from gyre_proxy import kvmove
 from gyre_proxy.chat import Sampling
 from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
 
@@ -70,6 +72,10 @@ class Counters:
     prefix_moved_tokens: int = 0
     reprefilled_tokens: int = 0
     engine_errors: int = 0
+    rebalanced_calls: int = 0
+    """Calls whose execution moved to a less loaded engine before the call began."""
+    prefix_move_s: float = 0.0
+    """Seconds spent taking prefixes out of engines and putting them into others."""
 
 
 @dataclass
@@ -111,6 +117,10 @@ def sampling_params(s: Sampling, max_new: int) -> dict[str, Any]:
         sp["frequency_penalty"] = s.frequency_penalty
     if s.logit_bias:
         sp["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if s.min_new_tokens:
+        sp["min_new_tokens"] = s.min_new_tokens
+    if s.ignore_eos:
+        sp["ignore_eos"] = True
     sp["skip_special_tokens"] = False
     sp["no_stop_trim"] = True
     return sp
@@ -122,6 +132,10 @@ class EngineRejected(ValueError):
 
 class _Moved(Exception):
     pass
+
+
+_MOVE = object()
+"""Put in an attempt's queue when its call is told to move (a drain, a removal)."""
 
 
 class Generation:
@@ -142,6 +156,7 @@ class Generation:
         max_attempts: int = 8,
         stream_interval: int = 4,
         abort_grace_s: float = 5.0,
+        kv_transport: str = "shm",
     ) -> None:
         self.pool = pool
         self.http = http
@@ -155,6 +170,7 @@ class Generation:
         self.max_attempts = max_attempts
         self.stream_interval = stream_interval
         self.abort_grace_s = abort_grace_s
+        self.kv_transport = kv_transport
         self.result = GenResult()
         self._versions: list[int] = []
 
@@ -182,11 +198,18 @@ class Generation:
     async def stream(self) -> AsyncIterator[list[int]]:
         exclude: frozenset[int] = frozenset()
         prev: Engine | None = None
-        carried: KvPrefix | None = None
+        carried: kvmove.Carried | None = None
+        moving = self.pool.rebalance(self.execution)
+        if moving is not None:
+            self.counters.rebalanced_calls += 1
+            carried = await self._take_out(moving[0], self.input_ids.tolist())
         for attempt in range(self.max_attempts):
             eng = await self.pool.wait_pick(self.execution, self.pick_wait_s, exclude)
             if prev is not None:
-                await self._import_prefix(carried, eng)
+                await self._put_in(carried, eng)
+                carried = None
+            elif carried is not None:  # rebalanced: only the taken-out prefix would be prefilled again
+                await self._put_in(carried, eng, of=carried.tokens)
                 carried = None
             work = int(self.input_ids.size) + self.sampling.max_new_tokens
             attempt_rid = self.rid if attempt == 0 else f"{self.rid}.{attempt}"
@@ -206,9 +229,9 @@ class Generation:
                     eng.engine_id,
                     len(self.result.output_ids),
                 )
-                # Still in flight on the old engine: a drain waits for this export, so the engine's
-                # memory is not released (its prefix cache cleared) before the KV is out.
-                carried = await self._export_prefix(eng)
+                # Still in flight on the old engine: a drain waits for this, so the engine's memory is
+                # not released (its prefix cache cleared) before the KV is out.
+                carried = await self._take_out(eng, self._ids())
             except (httpx.TransportError, EngineError) as exc:
                 self.counters.engine_errors += 1
                 if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
@@ -230,7 +253,12 @@ class Generation:
         raise GenerationFailed(f"call {self.rid} did not complete after {self.max_attempts} engine attempts")
 
     async def _attempt(self, eng: Engine, f: InFlight, attempt_rid: str) -> AsyncIterator[list[int]]:
-        queue: asyncio.Queue[GenerateResponse | BaseException | None] = asyncio.Queue()
+        """One engine's stream. Its reader task fills one queue; being told to move (`f.wake`) puts a
+        marker in the same queue, so each chunk costs one wait, with no task of its own."""
+        queue: asyncio.Queue[GenerateResponse | BaseException | object | None] = asyncio.Queue()
+        f.wake = lambda: queue.put_nowait(_MOVE)
+        if f.move.is_set():  # told to move before this attempt began
+            queue.put_nowait(_MOVE)
         connected = asyncio.Event()  # the engine's response has started: the reader holds its connection
         reader = asyncio.create_task(self._read(eng, attempt_rid, queue, connected))
         base = len(self.result.output_ids)
@@ -238,37 +266,30 @@ class Generation:
         abort_deadline = 0.0  # set once the call was told to move: how long the engine gets to stop
         finished = False  # the engine reported a finish reason (its row is free)
         loop = asyncio.get_running_loop()
-        get: asyncio.Future[Any] | None = None
-        mv: asyncio.Future[Any] | None = None
         try:
             while True:
-                get = asyncio.ensure_future(queue.get())
-                waits: set[asyncio.Future[Any]] = {get}
-                mv = None
-                if not abort_deadline:
-                    mv = asyncio.ensure_future(f.move.wait())
-                    waits.add(mv)
-                timeout = max(0.0, abort_deadline - loop.time()) if abort_deadline else None
-                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if mv is not None and mv not in done:
-                    mv.cancel()
-                if get not in done:
-                    get.cancel()
-                if mv is not None and mv in done:
+                if abort_deadline:
+                    try:
+                        async with asyncio.timeout(max(0.0, abort_deadline - loop.time())):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise _Moved() from None  # the engine did not end the aborted stream in time
+                else:
+                    item = await queue.get()
+                if item is _MOVE:
+                    if abort_deadline:
+                        continue
                     abort_deadline = loop.time() + self.abort_grace_s
                     if eng.state is EngineState.REMOVED:
                         raise _Moved()
-                    with contextlib.suppress(httpx.HTTPError, EngineError, TimeoutError):
-                        await asyncio.wait_for(eng.client.abort(attempt_rid), self.abort_grace_s)
-                    if get not in done:
-                        continue
-                if get not in done:
-                    raise _Moved()  # the engine did not end the aborted stream in time: move anyway
-                item = get.result()
+                    # shielded: if this call is cancelled meanwhile, the abort still goes out whole
+                    await asyncio.shield(self.pool.abort_soon(eng, attempt_rid, self.abort_grace_s))
+                    continue
                 if item is None:
                     raise _Moved()  # the stream ended without a finish reason
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, GenerateResponse)
                 new = item.output_ids[seen:]
                 lps = item.meta_info.output_token_logprobs or []
                 if new:
@@ -302,9 +323,7 @@ class Generation:
                         self.result.matched = fin.matched
                     return
         finally:
-            for w in (get, mv):  # cancelled while waiting (the client left): these must not linger
-                if w is not None and not w.done():
-                    w.cancel()
+            f.wake = None
             if not reader.done():
                 # in the background: this task may itself be cancelled again while it waits
                 _stop_reader_soon(reader, connected, CONNECT_WAIT_S)
@@ -327,7 +346,7 @@ class Generation:
         self,
         eng: Engine,
         attempt_rid: str,
-        q: asyncio.Queue[GenerateResponse | BaseException | None],
+        q: asyncio.Queue[GenerateResponse | BaseException | object | None],
         connected: asyncio.Event,
     ) -> None:
         body = self._body(attempt_rid)
@@ -359,30 +378,19 @@ class Generation:
     def _ids(self) -> list[int]:
         return [*self.input_ids.tolist(), *self.result.output_ids]
 
-    async def _export_prefix(self, old: Engine) -> KvPrefix | None:
-        """The cached prefix of this call on `old` (a gyre-engine that is not removed), else None. Only an
-        engine without the endpoint (405, or SGLang's 404 for an unknown route) is not asked again."""
-        if old.state is EngineState.REMOVED or old.supports_prefix_export is False:
-            return None
-        try:
-            rec = await asyncio.wait_for(old.client.export_prefix(self._ids()), 30.0)
-        except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
-            log.info("prefix export from engine %d failed (%r); re-prefilling", old.engine_id, exc)
-            if isinstance(exc, EngineError) and exc.status == 405:
-                old.supports_prefix_export = False
-            return None
-        old.supports_prefix_export = True
-        return rec
+    async def _take_out(self, old: Engine, ids: list[int]) -> kvmove.Carried | None:
+        got = await kvmove.take_out(old, ids, self.kv_transport)
+        if got is not None:
+            self.counters.prefix_move_s += got.out_s
+        return got
 
-    async def _import_prefix(self, rec: KvPrefix | None, new: Engine) -> None:
-        """Put an exported prefix into `new`; count the tokens moved and those to prefill again."""
-        moved = 0
-        if rec is not None:
-            try:
-                await asyncio.wait_for(new.client.import_prefix(rec), 30.0)
-                moved = len(rec.token_ids)
-            except (httpx.HTTPError, EngineError, TimeoutError, msgspec.MsgspecError) as exc:
-                log.info("prefix import into engine %d failed (%r); re-prefilling", new.engine_id, exc)
+    async def _put_in(self, carried: kvmove.Carried | None, new: Engine, of: int | None = None) -> None:
+        """Install a taken-out prefix in `new`; count the tokens moved and those to prefill again (of
+        `of` tokens the old engine held; default: the call's whole input so far)."""
+        t0 = time.perf_counter()
+        moved = await kvmove.put_in(carried, new)
+        if carried is not None:
+            self.counters.prefix_move_s += time.perf_counter() - t0
         self.counters.prefix_moved_calls += moved > 0
         self.counters.prefix_moved_tokens += moved
-        self.counters.reprefilled_tokens += len(self._ids()) - moved
+        self.counters.reprefilled_tokens += (len(self._ids()) if of is None else of) - moved

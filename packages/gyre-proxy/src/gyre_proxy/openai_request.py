@@ -6,7 +6,9 @@ other than text, `parallel_tool_calls: false` and a `tool_choice` other than "au
 enforced without constrained decoding), `top_logprobs` without `logprobs`. Honoured beyond messages and
 tools: `max_completion_tokens` / `max_tokens` (>= 1, as OpenAI requires), `temperature`, `top_p`, `stop`,
 `seed` (SGLang `sampling_seed`), `presence_penalty`, `frequency_penalty`, `logit_bias`, `logprobs` and
-`top_logprobs` (SGLang `top_logprobs_num`), `reasoning_effort` (thinking on or off), `stream_options`.
+`top_logprobs` (SGLang `top_logprobs_num`), `reasoning_effort` (thinking on or off), `stream_options`,
+and the two sampling extensions SGLang's and vLLM's OpenAI servers take: `min_tokens` (SGLang
+`min_new_tokens`) and `ignore_eos` (keep sampling past the end-of-turn token, up to the token budget).
 
 Conversations are checked as OpenAI checks them: a `tool` message answers a tool call of the assistant
 message before it (other tool messages in between), an assistant message's tool calls are all answered
@@ -91,6 +93,8 @@ class ORequest(msgspec.Struct, forbid_unknown_fields=True):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     n: int | None = None
     response_format: dict[str, Any] | None = None
     # accepted and ignored (IGNORED)
@@ -146,6 +150,10 @@ def _check_fields(req: ORequest) -> None:
         v = getattr(req, name)
         if v is not None and v < 1:
             _refuse(name, f"must be >= 1, got {v}")
+    if req.min_tokens is not None:
+        most = req.max_completion_tokens or req.max_tokens
+        if req.min_tokens < 0 or (most is not None and req.min_tokens > most):
+            _refuse("min_tokens", f"must be in [0, max_tokens], got {req.min_tokens}")
     if req.n not in (None, 1):
         _refuse("n", f"only n=1 is supported (one sample per call), got {req.n}")
     if req.response_format is not None and req.response_format.get("type") != "text":
@@ -294,4 +302,6 @@ def to_sampling(req: ORequest, default_max: int, vocab_size: int) -> Sampling:
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=tuple(bias),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        min_new_tokens=req.min_tokens or 0,
+        ignore_eos=bool(req.ignore_eos),
     )

@@ -8,11 +8,13 @@ replaces every assistant turn the proxy produced by the exact ids it recorded an
 new, so a call's cost grows with the new content, not with the context.
 
 A recorded turn is found by tool-call id or thinking signature (both name the call), else by its text:
-first among outputs generated from exactly the conversation that precedes the turn (the same system,
-tools and earlier turns, compared by a chained hash), then among the same agent's outputs, then among the
-execution's; at each step several candidates with different ids narrow to those at the same conversation
-position. Candidates that still differ are an ambiguity: counted, and the turn is tokenized from its text
-rather than given another call's ids.
+first among the asking agent's outputs generated from exactly the conversation that precedes the turn
+(the same system, tools and earlier turns, compared by a chained hash), then among every agent's outputs
+from that conversation, then among the same agent's outputs, then among the execution's; at each step
+several candidates with different ids narrow to those at the same conversation position. Candidates that
+still differ are an ambiguity (a retried call): counted, and the turn is tokenized from its text rather
+than given another call's ids. Agents with one system prompt share a render cache; a render for another
+agent than the last one reuses its turns only as far as this agent's lookups agree.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ def tool_json(tool: dict[str, Any]) -> str:
     return json.dumps(tool, ensure_ascii=False)
 
 
+class ContextTooLong(ValueError):
+    """A prompt longer than the model's context (413); `at_least`: counted only until it could not fit."""
+
+    def __init__(self, n: int, limit: int, at_least: bool = True) -> None:
+        what = f"at least {n}" if at_least else str(n)
+        super().__init__(f"prompt is {what} tokens; the model's context is {limit} tokens")
+        self.n = n
+        self.limit = limit
+
+
 class Segment:
     """Token ids of one piece of the rendered input, with their JSON text cached for the engine body."""
 
@@ -62,6 +74,39 @@ def _ids_json(ids: np.ndarray) -> bytes:
     return ",".join(map(str, ids.tolist())).encode()
 
 
+class Joined:
+    """The concatenated ids and JSON of a list of segments, with where each segment ends in both, so a
+    render that keeps the first k segments of the last one copies their joined prefix instead of
+    joining thousands of small pieces again."""
+
+    __slots__ = ("ends", "ids", "json", "json_ends")
+
+    def __init__(self) -> None:
+        self.ids = np.zeros(0, np.int32)
+        self.json = b""
+        self.ends = [0]  # ends[k]: tokens in the first k segments
+        self.json_ends = [0]  # json_ends[k]: bytes of the first k segments' JSON, joined by ","
+
+    def extended(self, keep: int, segments: list[Segment]) -> Joined:
+        """The first `keep` segments of this one, then `segments`."""
+        out = Joined()
+        out.ends = self.ends[: keep + 1]
+        out.json_ends = self.json_ends[: keep + 1]
+        pieces = [s.json for s in segments if s.ids.size]
+        head = self.json[: out.json_ends[-1]]
+        tail = b",".join(pieces)
+        out.json = head + b"," + tail if head and tail else head or tail
+        out.ids = np.concatenate([self.ids[: out.ends[-1]], *(s.ids for s in segments)])
+        n, j = out.ends[-1], out.json_ends[-1]
+        for s in segments:
+            if s.ids.size:
+                n += int(s.ids.size)
+                j += len(s.json) + (1 if j else 0)
+            out.ends.append(n)
+            out.json_ends.append(j)
+        return out
+
+
 @dataclass
 class Rendered:
     """A rendered input: its segments, and how much of it was reused, recorded or newly tokenized."""
@@ -74,16 +119,22 @@ class Rendered:
     gen_prompt: np.ndarray
     context: int = 0  # chained hash of the system, tools and every turn (names the exact conversation)
     ambiguous: int = 0  # assistant turns with several recorded candidates (tokenized from text instead)
+    joined: Joined | None = None  # the segments' ids and JSON, joined (built on first use if None)
+
+    def _joined(self) -> Joined:
+        if self.joined is None:
+            self.joined = Joined().extended(0, self.segments)
+        return self.joined
 
     def ids(self) -> np.ndarray:
-        return np.concatenate([s.ids for s in self.segments]) if self.segments else np.zeros(0, np.int32)
+        return self._joined().ids
 
     def ids_json(self) -> bytes:
-        return b",".join(s.json for s in self.segments if s.ids.size)
+        return self._joined().json
 
     @property
     def n_tokens(self) -> int:
-        return sum(int(s.ids.size) for s in self.segments)
+        return int(self._joined().ids.size)
 
 
 @dataclass
@@ -105,7 +156,9 @@ class AgentCache:
 
     keys: list[Any] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
+    joined: Joined = field(default_factory=Joined)
     chain: list[int] = field(default_factory=list)
+    agent: str = ""  # the agent the last render was for (its recorded turns are that agent's lookups)
     last_call_id: str = ""
     last_full: np.ndarray | None = None  # last call's input + output
 
@@ -183,6 +236,9 @@ class Renderer:
         self.newline = self.encode("\n")
         eos = tokenizer.token_to_id("<|endoftext|>")
         self.stop_ids = {self.im_end} | ({int(eos)} if eos is not None else set())
+        # The most characters one token can stand for: a byte-level BPE token's vocabulary entry has one
+        # character per byte, so a text of c characters has at least c // max_token_chars tokens.
+        self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab(with_added_tokens=True))))
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -251,8 +307,10 @@ class Renderer:
         outs = ex.by_text.get(text_key(t.text))
         if not outs:
             return None, False
+        exact = [o for o in outs if o.context == context]
         for group in (
-            [o for o in outs if o.context == context],
+            [o for o in exact if o.agent == agent],  # the asking agent's own answer to exactly this
+            exact,
             [o for o in outs if o.agent == agent],
             outs,
         ):
@@ -275,8 +333,28 @@ class Renderer:
             chain.append(hash((chain[k - 1], conv.turns[k - 1])))
         return chain
 
-    def render(self, conv: Conversation, ex: ExecutionCache, agent: str = "") -> tuple[Rendered, AgentCache]:
-        """The exact ids of `conv` for `agent` (whose recorded outputs are preferred for its turns)."""
+    def _same_lookups(
+        self, ex: ExecutionCache, ac: AgentCache, keys: list[Any], same: int, agent: str
+    ) -> int:
+        """How many of the `same` leading segments of another agent's last render `agent` may reuse: up to
+        the first assistant turn this agent's lookup would settle differently (another recorded output,
+        or none where that render found one, or one where it found none)."""
+        for j in range(1, same):
+            t = keys[j][0]
+            if not isinstance(t, Turn) or t.kind is not Kind.ASSISTANT:
+                continue
+            rec, _ = self.find_recorded(ex, t, j - 1, ac.chain[j - 1], agent)
+            old = ac.segments[j]
+            if (rec.segment is not old) if rec is not None else bool(old.call_id):
+                return j
+        return same
+
+    def render(
+        self, conv: Conversation, ex: ExecutionCache, agent: str = "", limit: int = 0
+    ) -> tuple[Rendered, AgentCache]:
+        """The exact ids of `conv` for `agent` (whose recorded outputs are preferred for its turns). With
+        `limit`, a prompt that has at least `limit` tokens raises `ContextTooLong`, and new text is
+        tokenized only while it can still fit (so the work and memory a request costs are bounded)."""
         ac = ex.agent(self.agent_key(conv), self.max_agents)
         turns = conv.turns
         n = len(turns)
@@ -290,13 +368,15 @@ class Renderer:
         keys.append(("g", conv.thinking))
         same = 0
         old = ac.keys
-        limit = min(len(old), len(keys))
-        while same < limit and old[same] == keys[same]:
+        common = min(len(old), len(keys))
+        while same < common and old[same] == keys[same]:
             same += 1
+        if same > 1 and ac.agent != agent:
+            same = self._same_lookups(ex, ac, keys, same, agent)
         segs = ac.segments[:same]
         chain = self._chain(conv, ac, same)
         known: dict[Any, Segment] | None = None  # old segments by key, built only if a turn diverged
-        reused = sum(int(s.ids.size) for s in segs)
+        reused = ac.joined.ends[same]
         recorded = tokenized = chars = ambiguous = 0
         for j in range(same, len(keys)):
             if j == 0:
@@ -322,18 +402,27 @@ class Renderer:
                     reused += int(hit.ids.size)
                     continue
                 text = self.turn_text(t, prev_tool, next_tool, after)
+            least = reused + recorded + tokenized + len(text) // self.max_token_chars
+            if limit and least >= limit:  # refused before tokenizing text that cannot fit anyway
+                raise ContextTooLong(least, limit)
             seg = Segment(self.encode(text)) if text else Segment(np.zeros(0, np.int32))
             tokenized += int(seg.ids.size)
             chars += len(text)
             segs.append(seg)
+        joined = ac.joined.extended(same, segs[same:])
         ac.keys = keys
         ac.segments = segs
+        ac.joined = joined
         ac.chain = chain
-        return Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids, chain[-1], ambiguous), ac
+        ac.agent = agent
+        out = Rendered(segs, reused, recorded, tokenized, chars, segs[-1].ids, chain[-1], ambiguous, joined)
+        return out, ac
 
-    def render_full(self, conv: Conversation) -> Rendered:
+    def render_full(self, conv: Conversation, limit: int = 0) -> Rendered:
         """Render and tokenize the whole prompt from scratch (what a proxy without a cache does)."""
         text = self.full_text(conv)
+        if limit and len(text) // self.max_token_chars >= limit:
+            raise ContextTooLong(len(text) // self.max_token_chars, limit)
         ids = self.encode(text)
         gen = self.encode(self.gen_prompt_text(conv.thinking))
         return Rendered([Segment(ids)], 0, 0, int(ids.size), len(text), gen)

@@ -162,8 +162,12 @@ class RecordSink:
         could not be written (then it is not in the log). Cancelling the future does not unqueue it."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._q.put((rec, loop, fut))
+        self.submit_for(rec, loop, fut)
         return fut
+
+    def submit_for(self, rec: Call, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+        """`submit` from any thread: `fut` (a future of `loop`) is resolved on `loop` as `submit`'s is."""
+        self._q.put((rec, loop, fut))
 
     async def write(self, rec: Call) -> None:
         """Returns once `rec` is on disk (see `submit`)."""

@@ -1,7 +1,8 @@
 """The `gyre-traj` command: `inspect` a record file, `pack` it into training micro-batches, `compact` it
 into call batches, `bench`.
 
-Works without torch. Record files are JSONL, framed msgpack or the foreign per-turn shape (sniffed).
+Works without torch. Input is gyre's JSONL or framed msgpack records, or another system's traces (per-turn
+rows, verl dumps, slime samples, message logs); the format is told from the file unless `--format` names it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre_traj import __version__
-from gyre_traj.io import Record, batch_calls, iter_msgpack, read_records, sniff_format, write_records
+from gyre_traj.io import FORMATS, Record, batch_calls, iter_msgpack, read_records, sniff_format, write_records
 from gyre_traj.pack import PackConfig, PackError, PackItem, pack
 from gyre_traj.records import Call, CallBatch, RecordError, Role, Score, defer_input_sign_check
 from gyre_traj.select import SelectionConfig, select
@@ -31,11 +32,17 @@ def _selection_args(p: argparse.ArgumentParser) -> None:
         default=",".join(r.value for r in Role),
         help="roles in selection priority order, comma separated",
     )
+    _format_args(p)
+
+
+def _format_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--format",
-        choices=["jsonl", "msgpack", "foreign"],
+        "--format", choices=FORMATS, default=None, help="input format (told from the file by default)"
+    )
+    p.add_argument(
+        "--reward-key",
         default=None,
-        help="record format (sniffed by default)",
+        help="where rewards are dicts (slime samples, message logs), the entry to train on",
     )
 
 
@@ -47,11 +54,13 @@ def _selection_cfg(args: argparse.Namespace) -> SelectionConfig:
     return SelectionConfig(j_max=None if args.j_max == 0 else args.j_max, priority=prio)
 
 
-def _load(path: str, fmt: str | None) -> Forest:
-    return _load_with_extends(path, fmt)[0]
+def _load(path: str, fmt: str | None, reward_key: str | None = None) -> Forest:
+    return _load_with_extends(path, fmt, reward_key)[0]
 
 
-def _load_with_extends(path: str, fmt: str | None) -> tuple[Forest, dict[str, dict[str, str]]]:
+def _load_with_extends(
+    path: str, fmt: str | None, reward_key: str | None = None
+) -> tuple[Forest, dict[str, dict[str, str]]]:
     """The forest, and per execution the calls whose metadata names a call they extend."""
     forest = Forest()
     extends: dict[str, dict[str, str]] = {}
@@ -66,7 +75,7 @@ def _load_with_extends(path: str, fmt: str | None) -> tuple[Forest, dict[str, di
         with defer_input_sign_check():  # as Forest.add_msgpack: the tree checks what it stores
             add(iter_msgpack(Path(path).read_bytes(), path))
     else:
-        add(read_records(path, fmt))  # type: ignore[arg-type]
+        add(read_records(path, fmt, reward_key=reward_key))  # type: ignore[arg-type]
     return forest, extends
 
 
@@ -113,7 +122,7 @@ def _print_summary(s: ExecutionSummary) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    forest, extends = _load_with_extends(args.file, args.format)
+    forest, extends = _load_with_extends(args.file, args.format, args.reward_key)
     cfg = _selection_cfg(args)
     summaries = [summarize(tree, cfg, extends=extends.get(tree.execution_id)) for tree in forest]
     for tree in forest:
@@ -140,7 +149,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    forest = _load(args.file, args.format)
+    forest = _load(args.file, args.format, args.reward_key)
     cfg = _selection_cfg(args)
     scores = [t.score for t in forest if t.score is not None]
     adv, adv_stats = group_advantages(scores, AdvantageConfig(std_normalize=args.std_normalize))
@@ -236,7 +245,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
     # Records are validated on the way in; nothing is written when one is bad.
     tmp = dst.with_name(dst.name + ".partial")
     try:
-        write_records(tmp, counted(batch_calls(read_records(src, args.format), args.batch)), "msgpack")
+        recs = read_records(src, args.format, reward_key=args.reward_key)
+        write_records(tmp, counted(batch_calls(recs, args.batch)), "msgpack")
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -292,9 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("file")
     pc.add_argument("--out", required=True, help="output file (framed msgpack)")
     pc.add_argument("--batch", type=int, default=1024, help="calls per batch and execution")
-    pc.add_argument(
-        "--format", choices=["jsonl", "msgpack", "foreign"], default=None, help="input format (sniffed)"
-    )
+    _format_args(pc)
     pc.set_defaults(func=cmd_compact)
     pb = sub.add_parser("bench", help="ingest/packing benchmark; prints one JSON object last")
     pb.add_argument("--quick", action="store_true", help="smaller workload (under a minute)")

@@ -1,7 +1,8 @@
 """Reading and writing TITO record streams: JSONL (one tagged object per line, readable) and a framed
 msgpack stream (magic header, then length-prefixed frames; token arrays as raw little-endian bytes, so
-decoding a 700k-token context is a memcpy, not 700k Python ints). Also imports the common foreign shape:
-one JSON object per turn with `prompt_ids` / `output_ids` / output logprobs.
+decoding a 700k-token context is a memcpy, not 700k Python ints). `read_records` also reads other
+systems' traces (per-turn rows, verl dumps, slime samples, message logs: `gyre_traj.readers`), telling
+the format from a file's first bytes or row.
 
 Readers validate every record and raise `RecordError` naming the file, line or frame, and the call.
 A **torn tail** (a writer stopped mid-append: the bytes after the last whole frame cannot hold a frame, or
@@ -13,6 +14,7 @@ else that does not decode is corrupt, wherever it is (the last whole frame inclu
 from __future__ import annotations
 
 import io
+import json
 import os
 import struct
 import threading
@@ -25,15 +27,14 @@ from typing import IO, Any, Literal
 import msgspec
 import numpy as np
 
+from gyre_traj.readers import iter_foreign, iter_messages, iter_slime, iter_verl
 from gyre_traj.records import (
     ID_DTYPE,
     LOGPROB_DTYPE,
     Call,
     CallBatch,
     RecordError,
-    Role,
     Score,
-    as_ids,
 )
 
 Record = Call | Score | CallBatch
@@ -45,7 +46,10 @@ _EXT_F64 = 4
 _I64 = np.dtype("<i8")
 _F64 = np.dtype("<f8")
 _FRAME = struct.Struct("<I")
-Format = Literal["jsonl", "msgpack", "foreign"]
+Format = Literal["jsonl", "msgpack", "foreign", "verl", "slime", "messages"]
+FORMATS: tuple[Format, ...] = ("jsonl", "msgpack", "foreign", "verl", "slime", "messages")
+"""gyre's own JSONL and msgpack streams; the per-turn shape; verl's rollout dumps; slime's rollout
+samples; logs of OpenAI-compatible / Anthropic calls (`gyre_traj.readers`)."""
 
 
 def _json_enc_hook(obj: Any) -> Any:
@@ -371,101 +375,112 @@ def iter_msgpack(
         frame += 1
 
 
+def _first_row_keys(path: Path) -> set[str] | None:
+    """The keys of the first non-blank line's JSON object; None for an empty file or a line that is not
+    one (a torn line, say: the reader then says what is wrong, naming the line)."""
+    with path.open("rb") as fh:
+        for line in fh:
+            if line.strip():
+                break
+        else:
+            return None
+    try:
+        return set(_KEYS.decode(line))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        try:
+            obj = json.loads(line)  # Python's writers put NaN / Infinity in rows: keys are still keys
+        except (ValueError, RecursionError):
+            return None
+        return set(obj) if isinstance(obj, dict) else None
+
+
+_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_VERL_DUMP = {"input", "output", "score", "step"}
+
+
+def _layout(keys: set[str]) -> Format | None:
+    """The format a JSONL file's first row says it is in, from its keys."""
+    if "kind" in keys:
+        return "jsonl"
+    if {"request", "response"} <= keys or "choices" in keys or {"type", "role", "content"} <= keys:
+        return "messages"
+    if {"tokens", "response_length"} <= keys:
+        return "slime"
+    if "response_ids" in keys or keys >= _VERL_DUMP:
+        return "verl"
+    if "prompt_ids" in keys or "output_ids" in keys:
+        return "foreign"
+    return None
+
+
+def dump_files(path: Path) -> list[Path]:
+    """The JSONL files of a dump directory in step order (verl names them `<step>.jsonl`; other names
+    come after, by name)."""
+    files = [p for p in path.iterdir() if p.suffix == ".jsonl" and p.is_file()]
+    return sorted(files, key=lambda p: (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.name))
+
+
 def sniff_format(path: str | os.PathLike[str]) -> Format:
-    with Path(path).open("rb") as fh:
-        head = fh.read(4096)
+    """A file's format: gyre's msgpack stream (its magic), else a JSONL layout told by the keys of its
+    first row (a directory: by its first dump file). A row whose keys match no layout is an error that
+    lists them."""
+    path = Path(path)
+    if path.is_dir():
+        files = dump_files(path)
+        if not files:
+            raise RecordError(f"{path}: a directory with no .jsonl file")
+        return sniff_format(files[0])
+    with path.open("rb") as fh:
+        head = fh.read(len(MAGIC))
     if head.startswith(MAGIC) or (head and MAGIC.startswith(head)):  # the latter: torn in its magic
         return "msgpack"
-    first = head.lstrip().split(b"\n", 1)[0]
-    if b'"kind"' in first:
+    keys = _first_row_keys(path)
+    if keys is None:
         return "jsonl"
-    if b'"prompt_ids"' in first or b'"output_ids"' in first:
-        return "foreign"
-    return "jsonl"
+    fmt = _layout(keys)
+    if fmt is None:
+        raise RecordError(
+            f"{path}: cannot tell the format from the first row's keys ({', '.join(sorted(keys)[:12])}): "
+            "gyre records have `kind`; message logs `choices` or `request`+`response`; slime samples "
+            "`tokens`+`response_length`; verl dump rows `input`, `output`, `score`, `step` (token ids "
+            "in `prompt_ids`/`response_ids`); per-turn rows `prompt_ids`/`output_ids`. Name it with "
+            f"fmt= (one of {', '.join(FORMATS)})"
+        )
+    return fmt
 
 
 def read_records(
-    path: str | os.PathLike[str], fmt: Format | None = None, *, tolerate_torn_tail: bool = True
+    path: str | os.PathLike[str],
+    fmt: Format | None = None,
+    *,
+    tolerate_torn_tail: bool = True,
+    reward_key: str | None = None,
 ) -> Iterator[Record]:
-    """All records of a file, in order. The format is sniffed unless given. A torn tail (a writer stopped
-    mid-append) is left out with a `TornTailWarning` unless `tolerate_torn_tail=False`."""
+    """All records of a file (or of a dump directory's `.jsonl` files, in step order), in order. The
+    format is sniffed unless given (`FORMATS`). A torn tail of gyre's own streams (a writer stopped
+    mid-append) is left out with a `TornTailWarning` unless `tolerate_torn_tail=False`. `reward_key`
+    names the entry to train on where rewards are dicts (slime's `--reward-key`)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such record file: {path}")
     fmt = fmt or sniff_format(path)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown record format {fmt!r}; one of {', '.join(FORMATS)}")
+    if path.is_dir():
+        for file in dump_files(path):
+            yield from read_records(file, fmt, tolerate_torn_tail=tolerate_torn_tail, reward_key=reward_key)
+        return
     if fmt == "msgpack":
         yield from iter_msgpack(path.read_bytes(), str(path), tolerate_torn_tail=tolerate_torn_tail)
-    elif fmt == "foreign":
-        with path.open("rb") as fh:
-            yield from iter_foreign(fh, str(path))
-    else:
-        with path.open("rb") as fh:
+        return
+    with path.open("rb") as fh:
+        if fmt == "jsonl":
             yield from iter_jsonl(fh, str(path), tolerate_torn_tail=tolerate_torn_tail)
-
-
-# ---------------------------------------------------------------------------------------------- foreign
-
-_EXEC_KEYS = ("execution_id", "session_id", "trajectory_id", "sample_id", "instance_id", "rollout_id")
-_LOGPROB_KEYS = ("output_logprobs", "output_token_logprobs", "rollout_log_probs", "logprobs")
-_VERSION_KEYS = ("weight_version", "policy_version", "model_version")
-
-
-class _ForeignTurn(msgspec.Struct):
-    prompt_ids: list[int]
-    output_ids: list[int]
-
-
-def _foreign_logprobs(raw: Any, n: int, where: str) -> np.ndarray:
-    if raw is None:
-        raise RecordError(f"{where}: no output logprobs (looked for {', '.join(_LOGPROB_KEYS)})")
-    # SGLang's shape is [[logprob, token_id, text], ...]; others give a flat list of floats.
-    vals = [item[0] if isinstance(item, list | tuple) else item for item in raw]
-    if len(vals) != n:
-        raise RecordError(f"{where}: {len(vals)} output logprobs for {n} output ids (must be equal)")
-    return np.asarray(vals, dtype=np.float64)
-
-
-def iter_foreign(
-    lines: Iterable[bytes | str], name: str = "<stream>", default_execution: str = "foreign"
-) -> Iterator[Call]:
-    """Turns in the common foreign shape (one JSON object per turn: `prompt_ids`, `output_ids`, and
-    output logprobs under one of several usual keys) become `Call`s with full inputs. Execution ids come
-    from the usual keys, else `default_execution`; call ids are `turn-<n>` within each execution."""
-    dec = msgspec.json.Decoder(dict[str, Any])
-    counters: dict[str, int] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{name}:{lineno}"
-        try:
-            obj = dec.decode(line)
-            turn = msgspec.convert(obj, _ForeignTurn)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise _wrap(exc, where) from None
-        execution = next((str(obj[k]) for k in _EXEC_KEYS if obj.get(k) is not None), default_execution)
-        index = counters.get(execution, 0)
-        counters[execution] = index + 1
-        call_id = str(obj.get("call_id", f"turn-{obj.get('turn', index)}"))
-        lp = next((obj[k] for k in _LOGPROB_KEYS if obj.get(k) is not None), None)
-        role_raw = obj.get("role", "main")
-        try:
-            role = Role(role_raw)
-        except ValueError:
-            raise RecordError(
-                f"{where}: unknown role {role_raw!r} (one of {[r.value for r in Role]})"
-            ) from None
-        version = next((int(obj[k]) for k in _VERSION_KEYS if obj.get(k) is not None), 0)
-        try:
-            yield Call(
-                execution_id=execution,
-                call_id=call_id,
-                agent_id=str(obj.get("agent_id", "main")),
-                role=role,
-                input_ids=as_ids(turn.prompt_ids),
-                output_ids=as_ids(turn.output_ids),
-                output_logprobs=_foreign_logprobs(lp, len(turn.output_ids), where),
-                weight_version=version,
-                finish_reason=str(obj.get("finish_reason", "stop")),
-            )
-        except (RecordError, ValueError) as exc:
-            raise _wrap(exc, where) from None
+        elif fmt == "foreign":
+            yield from iter_foreign(fh, str(path))
+        elif fmt == "verl":
+            yield from iter_verl(fh, str(path))
+        elif fmt == "slime":
+            yield from iter_slime(fh, str(path), reward_key=reward_key)
+        else:
+            yield from iter_messages(fh, str(path), default_execution=path.stem, reward_key=reward_key)

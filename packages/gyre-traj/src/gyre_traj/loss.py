@@ -1,9 +1,9 @@
 """Policy-gradient loss over packed batches (needs the `torch` extra: `pip install 'gyre-traj[torch]'`).
 
-`target_logprobs` runs a transformers causal LM over a `PackedBatch` (tree position ids plus an
-ancestor-only mask: dense boolean for "sdpa"/"eager", a FlexAttention `BlockMask` for "flex_attention")
-and returns the log-probability of every loss target under the current policy, computing the vocabulary
-projection only at the positions that predict a target. `policy_loss` turns those into the token-level
+`target_logprobs` runs a transformers causal LM over a `PackedBatch` as `pack` makes it (or its tensors,
+a `TorchBatch`), with tree position ids and an ancestor-only mask (dense boolean for "sdpa"/"eager", a
+FlexAttention `BlockMask` for "flex_attention"), and returns the log-probability of every loss target
+under the current policy, computing the vocabulary projection only at the positions that predict one. `policy_loss` turns those into the token-level
 PPO-clipped (or truncated-importance-sampling) loss, weighted so the batch loss is a token mean per
 execution, then a mean over executions.
 """
@@ -111,21 +111,39 @@ def flex_block_mask(tb: TorchBatch, block: int = 128) -> Any:
     )
 
 
+def as_torch(batch: PackedBatch | TorchBatch, device: torch.device | str) -> TorchBatch:
+    """The batch as tensors on `device`: a `PackedBatch` is validated and converted, a `TorchBatch`
+    moved there if it is elsewhere."""
+    if isinstance(batch, PackedBatch):
+        return TorchBatch.from_packed(batch, device)
+    if not isinstance(batch, TorchBatch):
+        raise TypeError(f"expected a PackedBatch or a TorchBatch, got {type(batch).__name__}")
+    if batch.input_ids.device == torch.device(device):
+        return batch
+    return TorchBatch(**{k: v.to(device) for k, v in batch.__dict__.items()})
+
+
+def _model_device(model: Any) -> torch.device:
+    param = next(model.parameters(), None)
+    return torch.device("cpu") if param is None else param.device
+
+
 def target_logprobs(
     model: Any,
-    tb: TorchBatch,
+    batch: PackedBatch | TorchBatch,
     *,
     attention: Literal["dense", "flex"] = "dense",
     temperature: float = 1.0,
     chunk: int = 2048,
 ) -> torch.Tensor:
-    """Log-probabilities [L] of the batch's loss targets under `model` (a transformers causal LM)."""
-    return target_logprobs_entropy(model, tb, attention=attention, temperature=temperature, chunk=chunk)[0]
+    """Log-probabilities [L] of the batch's loss targets under `model` (a transformers causal LM), on
+    the model's device. `batch` is a `PackedBatch` as `pack` makes it (or its `TorchBatch`)."""
+    return target_logprobs_entropy(model, batch, attention=attention, temperature=temperature, chunk=chunk)[0]
 
 
 def target_logprobs_entropy(
     model: Any,
-    tb: TorchBatch,
+    batch: PackedBatch | TorchBatch,
     *,
     attention: Literal["dense", "flex"] = "dense",
     temperature: float = 1.0,
@@ -133,6 +151,7 @@ def target_logprobs_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`target_logprobs` and, detached, the entropy [L] of the policy's distribution (at `temperature`)
     at each target's position: the figure that shows a policy collapsing onto a few tokens."""
+    tb = as_torch(batch, _model_device(model))
     mask = dense_mask(tb) if attention == "dense" else flex_block_mask(tb)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     out = backbone(
@@ -158,18 +177,20 @@ def target_logprobs_entropy(
 
 def policy_loss(
     new_logprobs: torch.Tensor,
-    tb: TorchBatch,
+    batch: PackedBatch | TorchBatch,
     cfg: LossConfig | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Weighted token-level policy loss and its metrics. Summing this over the micro-batches of a
     mini-batch gives the mini-batch loss (weights already include the per-execution normalization).
+    `batch` is the one `new_logprobs` were computed on (a `PackedBatch` or its `TorchBatch`).
 
     Metrics are means over the loss tokens under the loss weights: `ratio_mean`, `clip_frac` (share
     clipped), `approx_kl` (0.5 (log pi - log mu)^2, an estimate of KL(mu || pi) to the behaviour policy)
     and, with `entropy` given, `entropy`; `weight` is the weight sum they are taken over, so the means
     of several micro-batches combine (`combine_metrics`)."""
     cfg = cfg or LossConfig()
+    tb = as_torch(batch, new_logprobs.device)
     if new_logprobs.shape != tb.old_logprobs.shape:
         raise ValueError(f"{tuple(new_logprobs.shape)} logprobs for {tuple(tb.old_logprobs.shape)} targets")
     log_ratio = new_logprobs - tb.old_logprobs

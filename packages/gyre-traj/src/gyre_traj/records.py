@@ -24,6 +24,11 @@ SCHEMA_VERSION = 1
 
 ID_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+_I32 = np.iinfo(np.int32)
+_I64 = np.iinfo(np.int64)
+_F32_MAX = float(np.finfo(np.float32).max)
+MAX_WEIGHT_VERSION = int(_I32.max)
+"""Weight versions are stored as int32 in the tree and in packed batches: a record's must fit."""
 
 
 class Role(enum.StrEnum):
@@ -59,26 +64,45 @@ def defer_input_sign_check() -> Iterator[None]:
         _deferred.on = prev
 
 
+def _out_of_int_range(raw: np.ndarray, what: str, lo: int, hi: int, bits: int) -> ValueError | None:
+    """The error for an integer (or integral float) array holding a value outside [lo, hi], checked
+    before any cast (numpy wraps integers silently and warns on floats)."""
+    small, big = raw.min(), raw.max()
+    if big > hi or small < lo:
+        bad = big if big > hi else small
+        shown = f"{float(bad):g}" if raw.dtype.kind == "f" else str(int(bad))
+        return ValueError(f"{what} contain a value outside int{bits} range ({shown})")
+    return None
+
+
+def _python_ints_beyond_numpy(raw: np.ndarray, what: str) -> ValueError:
+    """The error for an array numpy could not type: integers beyond 64 bits read as Python ints give an
+    object array; anything else there is not an integer at all."""
+    if raw.size and all(type(x) is int for x in raw.flat):
+        return ValueError(f"{what} contain a value outside int64 range")
+    return ValueError(f"{what} must be integers, got dtype {raw.dtype}")
+
+
 def as_ids(values: Any, what: str = "token ids", check_sign: bool = True) -> np.ndarray:
-    """Token ids as a contiguous int32 array; rejects negative, fractional or out-of-range values."""
+    """Token ids as a contiguous int32 array; rejects negative, fractional or out-of-range values (every
+    range checked before the cast to int32)."""
     if isinstance(values, np.ndarray) and values.dtype == ID_DTYPE:
         arr = values
     else:
         raw = np.asarray(values)
         if raw.size == 0:
             return np.zeros(0, ID_DTYPE)
-        if raw.dtype.kind not in "iu":
-            if raw.dtype.kind == "f" and np.all(np.isfinite(raw)) and np.all(np.floor(raw) == raw):
-                if float(np.abs(raw).max()) > np.iinfo(ID_DTYPE).max:
-                    # checked before the cast: a float beyond int64 would cast with a RuntimeWarning
-                    raise ValueError(f"{what} contain a value outside int32 range ({float(raw.max()):g})")
-                raw = raw.astype(np.int64)
-            else:
+        if raw.dtype.kind == "O":
+            raise _python_ints_beyond_numpy(raw, what)
+        if raw.dtype.kind == "f":
+            if not (np.all(np.isfinite(raw)) and np.all(np.floor(raw) == raw)):
                 raise ValueError(f"{what} must be integers, got dtype {raw.dtype}")
+        elif raw.dtype.kind not in "iu":
+            raise ValueError(f"{what} must be integers, got dtype {raw.dtype}")
         if raw.ndim != 1:
             raise ValueError(f"{what} must be a flat list, got shape {raw.shape}")
-        if raw.size and (int(raw.max()) > np.iinfo(ID_DTYPE).max):
-            raise ValueError(f"{what} contain a value above int32 range ({int(raw.max())})")
+        if (err := _out_of_int_range(raw, what, int(_I32.min), int(_I32.max), 32)) is not None:
+            raise err
         arr = raw.astype(ID_DTYPE)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a flat list, got shape {arr.shape}")
@@ -89,9 +113,18 @@ def as_ids(values: Any, what: str = "token ids", check_sign: bool = True) -> np.
 
 
 def as_logprobs(values: Any) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values
+    """Logprobs as a float32 array: numbers <= 0 (a rounding margin of 1e-4 allowed), none NaN, none
+    beyond float32's range (checked before the cast, which would make them infinite)."""
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"logprobs must be numbers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"logprobs must be a flat list, got shape {arr.shape}")
+    if arr.dtype.kind == "f" and arr.dtype.itemsize > LOGPROB_DTYPE.itemsize and arr.size:
+        big = np.isfinite(arr) & (np.abs(arr) > _F32_MAX)
+        if big.any():
+            pos = int(np.flatnonzero(big)[0])
+            raise ValueError(f"logprobs must fit float32, got {float(arr[pos]):g} at position {pos}")
     arr = arr.astype(LOGPROB_DTYPE, copy=False)
     if arr.size and not float(arr.max()) <= 1e-4:  # max propagates NaN, so NaN fails this too
         pos = int(np.flatnonzero(~(arr <= 1e-4))[0])
@@ -135,8 +168,10 @@ class Call(
     """What the writer knows about the call beyond its tokens (empty by default, so older logs read as
     they are; `CallBatch` does not carry it). gyre-proxy writes `extends` (the call id of the same agent's
     previous call when the harness's request only appended to that call's conversation and output: this
-    call's input should then start with that call's input + output) and `stripped.<rule>` (harness
-    metadata text the proxy removed from what the policy saw)."""
+    call's input should then start with that call's input + output), `stripped.<rule>` (harness
+    metadata text the proxy removed from what the policy saw), `engines` (the ids of the rollout engines
+    that served the call, in order, comma-separated) and `cached_tokens` (input tokens its first engine
+    took from its prefix cache)."""
 
     def __post_init__(self) -> None:
         where = _where(self.execution_id, self.call_id)
@@ -161,6 +196,8 @@ class Call(
                 d = self.input_delta
                 if d.keep < 0:
                     raise ValueError(f"input_delta.keep must be >= 0, got {d.keep}")
+                if d.keep > _I64.max:
+                    raise ValueError(f"input_delta.keep must be <= {_I64.max} (int64), got {d.keep}")
                 if d.parent == self.call_id:
                     raise ValueError("input_delta.parent names the call itself")
                 msgspec.structs.force_setattr(d, "append", as_ids(d.append, "input_delta.append ids"))
@@ -172,6 +209,10 @@ class Call(
             )
         if self.weight_version < 0:
             raise RecordError(f"{where}: weight_version must be >= 0, got {self.weight_version}")
+        if self.weight_version > MAX_WEIGHT_VERSION:
+            raise RecordError(
+                f"{where}: weight_version must be <= {MAX_WEIGHT_VERSION} (int32), got {self.weight_version}"
+            )
         if math.isnan(self.t_start) or math.isnan(self.t_end):
             raise RecordError(f"{where}: timestamps must not be NaN")
 
@@ -184,24 +225,46 @@ class Call(
         return msgspec.structs.replace(self, input_ids=as_ids(input_ids), input_delta=None)
 
 
-def _int_column(values: Any, what: str, n: int) -> np.ndarray:
+def _int_column(values: Any, what: str, n: int, hi: int = int(_I64.max)) -> np.ndarray:
+    """One non-negative integer per call, as int64, each at most `hi` (checked before the cast)."""
     if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.shape == (n,):
-        # As decoded (the common case): only the sign to check.
+        # As decoded (the common case): only the sign and the bound to check.
         if n and int(values.min()) < 0:
             pos = int(np.flatnonzero(values < 0)[0])
             raise ValueError(f"{what} must be >= 0, got {int(values[pos])} for call #{pos}")
+        if n and hi < _I64.max and int(values.max()) > hi:
+            pos = int(np.flatnonzero(values > hi)[0])
+            raise ValueError(f"{what} must be <= {hi}, got {int(values[pos])} for call #{pos}")
         return values
     arr = np.asarray(values)
     if arr.size == 0:
         arr = np.zeros(0, np.int64)
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"{what} must hold one integer per call ({n}), got shape {arr.shape}")
+    if arr.dtype.kind == "O":
+        raise _python_ints_beyond_numpy(arr, what)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
     if n and int(arr.min()) < 0:
         pos = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"{what} must be >= 0, got {int(arr[pos])} for call #{pos}")
+    if n and int(arr.max()) > hi:  # a uint64 above int64's range would wrap in the cast
+        pos = int(np.flatnonzero(arr > hi)[0])
+        raise ValueError(f"{what} must be <= {hi}, got {int(arr[pos])} for call #{pos}")
     return arr.astype(np.int64, copy=False)
+
+
+def _float_column(values: Any, what: str, n: int) -> np.ndarray:
+    """One number per call, as float64, none NaN (an integer beyond float64 is refused, not cast)."""
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{what} must be numbers, got dtype {arr.dtype}")
+    if arr.shape != (n,):
+        raise ValueError(f"{what} must hold one value per call ({n}), got shape {arr.shape}")
+    arr = arr.astype(np.float64, copy=False)
+    if bool(np.isnan(arr).any()):
+        raise ValueError(f"{what}: timestamps must not be NaN")
+    return arr
 
 
 def _indices_of_empty(items: list[str]) -> list[int]:
@@ -276,13 +339,9 @@ class CallBatch(
             keeps = _int_column(self.keeps, "keeps", n)
             n_in = _int_column(self.input_lens, "input_lens", n)
             n_out = _int_column(self.output_lens, "output_lens", n)
-            versions = _int_column(self.weight_versions, "weight_versions", n)
-            t0 = np.asarray(self.t_start, np.float64)
-            t1 = np.asarray(self.t_end, np.float64)
-            if t0.shape != (n,) or t1.shape != (n,):
-                raise ValueError(f"t_start / t_end must hold one value per call ({n})")
-            if bool(np.isnan(t0).any() or np.isnan(t1).any()):
-                raise ValueError("timestamps must not be NaN")
+            versions = _int_column(self.weight_versions, "weight_versions", n, MAX_WEIGHT_VERSION)
+            t0 = _float_column(self.t_start, "t_start", n)
+            t1 = _float_column(self.t_end, "t_end", n)
             lps = as_logprobs(self.logprobs)
             toks = as_ids(self.tokens, "token ids", check_sign=False)
         except ValueError as exc:
@@ -407,6 +466,16 @@ class CallBatch(
             )
 
 
+def _finite_number(value: object) -> bool:
+    """Whether `value` is an int or float (not a bool) that float64 holds as a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float64
+        return False
+
+
 class EvalStatus(enum.StrEnum):
     OK = "ok"
     EVAL_FAILED = "eval_failed"
@@ -421,8 +490,9 @@ class Score(
     tag="score",
     tag_field="kind",
 ):
-    """The evaluation of one execution. `value` in [0, 1] when status is ok (partial scores of timed-out
-    executions included, flagged `timed_out`); an evaluation failure carries no value and is not a 0."""
+    """The evaluation of one execution. `value` is any finite number when status is ok (rewards come on
+    any scale; partial scores of timed-out executions included, flagged `timed_out`); an evaluation
+    failure carries no value and is not a 0."""
 
     execution_id: str
     group_id: str
@@ -435,7 +505,10 @@ class Score(
     def __post_init__(self) -> None:
         where = f"score execution={self.execution_id!r}"
         if self.status is EvalStatus.OK:
-            if self.value is None or not (0.0 <= self.value <= 1.0):
-                raise RecordError(f"{where}: an ok score needs a value in [0, 1], got {self.value!r}")
+            if not _finite_number(self.value):
+                raise RecordError(
+                    f"{where}: an ok score needs a finite number as its value, got {self.value!r:.60}"
+                )
+            msgspec.structs.force_setattr(self, "value", float(self.value))  # type: ignore[arg-type]
         elif self.value is not None:
             raise RecordError(f"{where}: an evaluation failure carries no value (got {self.value!r})")

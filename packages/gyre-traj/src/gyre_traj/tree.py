@@ -134,6 +134,104 @@ class _Undo(NamedTuple):
     drifts: int
 
 
+@dataclass(slots=True)
+class _Stretch:
+    """Inside `ExecutionTree.add_batch`: the calls placed since the last compared call start at batch
+    index `w0`, and their tokens sit in the arena at batch token index + `delta`."""
+
+    w0: int
+    delta: int
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchPlan:
+    """Step 1 of `ExecutionTree.add_batch`: a batch's columns as the placing loop reads them, which calls
+    are chained to the one before them (placed with it, never visited), and which must be visited."""
+
+    batch: CallBatch
+    m: int
+    toks: np.ndarray
+    toks_u: np.ndarray
+    """The tokens as unsigned ints: a negative id is a maximum >= 2**31."""
+    lps_all: np.ndarray
+    """The batch's logprobs, owned (one copy for the whole batch)."""
+    lp_arr: np.ndarray
+    keep_arr: np.ndarray
+    lengths: np.ndarray
+    """Each call's input + output length."""
+    seg_lo: np.ndarray
+    seg_hi: np.ndarray
+    """Each call's output relative to the batch: its policy segment once placed (empty without output)."""
+    call_ids: list[str]
+    parents: list[str]
+    agents: list[str]
+    roles: list[Role]
+    fins: list[str]
+    tok_off: list[int]
+    inputs_l: list[int]
+    n_out_l: list[int]
+    vers_l: list[int]
+    t0_l: list[float]
+    t1_l: list[float]
+    dup: set[str]
+    """Call ids already in the tree: compared, and rejected there."""
+    visit: list[int]
+    """The calls the loop visits (ascending), then m."""
+    index: dict[str, int]
+    """Batch index of each call the next visited call follows: the only placed calls that can still be
+    extended without comparison (nothing follows them in the arena yet)."""
+
+    @classmethod
+    def of(cls, batch: CallBatch, calls: dict[str, CallInfo]) -> _BatchPlan:
+        m = len(batch)
+        toks = batch.tokens
+        tok_arr, lp_arr = batch.offsets()
+        keep_arr, n_out_arr = batch.keeps, batch.output_lens
+        inputs = keep_arr + batch.input_lens  # each call's input length
+        lengths = inputs + n_out_arr
+        call_ids, parents = batch.call_ids, batch.parents
+        dup = set() if calls.keys().isdisjoint(call_ids) else calls.keys() & set(call_ids)
+        # Chains: call k extends the whole of call k-1 and carries tokens. Placed right after call k-1,
+        # it continues call k-1's run, which ends at the arena's last token: nothing to look up. Only
+        # the other calls (and a call right after a compared one) are visited.
+        chain = np.zeros(m, np.bool_)
+        if m > 1:
+            np.equal(keep_arr[1:], lengths[:-1], out=chain[1:])
+            chain[1:] &= lengths[1:] > keep_arr[1:]  # it carries tokens
+            chain[1:] &= np.fromiter(map(operator.eq, parents[1:], call_ids[:-1]), np.bool_, m - 1)
+        if dup:  # a call id already in the tree is compared (and rejected there)
+            chain[[k for k, cid in enumerate(call_ids) if cid in dup]] = False
+        visit = np.flatnonzero(~chain).tolist()
+        visit.append(m)
+        seg_hi = tok_arr[1:]
+        return cls(
+            batch=batch,
+            m=m,
+            toks=toks,
+            toks_u=toks.view(np.uint32),
+            lps_all=np.array(batch.logprobs, LOGPROB_DTYPE),
+            lp_arr=lp_arr,
+            keep_arr=keep_arr,
+            lengths=lengths,
+            seg_lo=seg_hi - n_out_arr,
+            seg_hi=seg_hi,
+            call_ids=call_ids,
+            parents=parents,
+            agents=batch.agent_ids,
+            roles=batch.roles,
+            fins=batch.finish_reasons,
+            tok_off=tok_arr.tolist(),
+            inputs_l=inputs.tolist(),
+            n_out_l=n_out_arr.tolist(),
+            vers_l=batch.weight_versions.tolist(),
+            t0_l=batch.t_start.tolist(),
+            t1_l=batch.t_end.tolist(),
+            dup=dup,
+            visit=visit,
+            index={call_ids[v - 1]: v - 1 for v in visit if v},
+        )
+
+
 class ExecutionTree:
     """Prefix tree of one execution's calls. Add calls in an order where delta parents come first.
 
@@ -568,237 +666,32 @@ class ExecutionTree:
         are copied into the arena at the end of the batch, all stretches in one pass, each piece checked
         for negative ids where it landed (a compared call in between reads the ones it needs from the
         batch: `_span`). A negative id in a placed call is reported before the error of any compared
-        call after it, as if each stretch had been copied in turn."""
+        call after it, as if each stretch had been copied in turn.
+
+        Three steps: plan (`_BatchPlan.of`: the batch's columns, its chains and the calls to visit),
+        place (`_place_batch`: every call placed or compared, tokens left pending), commit
+        (`_commit_pending`: the pending tokens copied and checked); any failure rolls the tree back."""
         if batch.execution_id != self.execution_id:
             raise RecordError(
                 f"call batch of execution {batch.execution_id!r} given to the tree of {self.execution_id!r}"
             )
-        m = len(batch)
-        if m == 0:
+        if len(batch) == 0:
             return
-        toks = batch.tokens
-        toks_u = toks.view(np.uint32)
-        lps_all = np.array(batch.logprobs, LOGPROB_DTYPE)  # owned, one copy for the whole batch
-        tok_arr, lp_arr = batch.offsets()
-        keep_arr, n_out_arr = batch.keeps, batch.output_lens
-        inputs = keep_arr + batch.input_lens  # each call's input length
-        lengths = inputs + n_out_arr  # each call's input + output
-        call_ids, parents = batch.call_ids, batch.parents
-        calls, start_set, branches = self.calls, self._start_set, self._branches
-        dup = set() if calls.keys().isdisjoint(call_ids) else calls.keys() & set(call_ids)
-        # Chains: call k extends the whole of call k-1 and carries tokens. Placed right after call k-1,
-        # it continues call k-1's run, which ends at the arena's last token: nothing to look up. Only
-        # the other calls (and a call right after a compared one) are visited in the loop below.
-        chain = np.zeros(m, np.bool_)
-        if m > 1:
-            np.equal(keep_arr[1:], lengths[:-1], out=chain[1:])
-            chain[1:] &= lengths[1:] > keep_arr[1:]  # it carries tokens
-            chain[1:] &= np.fromiter(map(operator.eq, parents[1:], call_ids[:-1]), np.bool_, m - 1)
-        if dup:  # a call id already in the tree is compared (and rejected there)
-            chain[[k for k, cid in enumerate(call_ids) if cid in dup]] = False
-        visit = np.flatnonzero(~chain).tolist()
-        visit.append(m)
-        tok_off = tok_arr.tolist()
-        # A placed call can only be extended without comparison while nothing follows it in the arena:
-        # when the call after it is visited (or it is the last). Those are the batch indices needed.
-        index = {call_ids[v - 1]: v - 1 for v in visit if v}
-        # Columns of the calls' CallInfo, registered a stretch at a time.
-        agents, roles, fins = batch.agent_ids, batch.roles, batch.finish_reasons
-        inputs_l = inputs.tolist()
-        n_out_l, vers_l = n_out_arr.tolist(), batch.weight_versions.tolist()
-        t0_l, t1_l = batch.t_start.tolist(), batch.t_end.tolist()
-        # Policy segments of the placed calls: each call's output, relative to the batch (a call without
-        # output has an empty one: it marks nothing). A stretch adds its bounds to the arrays that
-        # `_is_policy` reads and a group (for `_derive`) with its offset.
-        seg_hi = tok_arr[1:]
-        seg_lo = seg_hi - n_out_arr
+        plan = _BatchPlan.of(batch, self.calls)
         undo = self._checkpoint()
         # One growth for the whole batch (bounded: a batch of full inputs mostly matches the tree).
-        self._reserve(min(toks.shape[0], 1 << 26))
-        pending = self._pending
-        w0 = 0  # first call of the stretch placed since the last compared call
-        delta = self.n  # arena index = batch token index + delta, inside the stretch
-
-        def place(w1: int) -> None:
-            """Place calls [w0, w1): their tokens (copied at the end), segments and CallInfos."""
-            if w1 == w0:
-                return
-            a0, a1 = tok_off[w0], tok_off[w1]
-            lo, hi = a0 + delta, a1 + delta
-            self.n = lo
-            self._reserve(hi - lo)
-            if not pending:
-                self._pend_lo = lo
-            pending.append((lo, hi, toks, delta))
-            self.n = hi
-            # A placed call ends where its tokens end, with its output.
-            ends_l = (seg_hi[w0:w1] + (delta - 1)).tolist()
-            self._seg_lo.extend((seg_lo[w0:w1] + delta).tolist())
-            self._seg_hi.extend((seg_hi[w0:w1] + delta).tolist())
-            self._seg_groups.append(
-                (seg_lo[w0:w1], seg_hi[w0:w1], lp_arr[w0:w1], batch.weight_versions[w0:w1], lps_all, delta)
-            )
-            self._policy_count += int(lp_arr[w1]) - int(lp_arr[w0])
-            cids = call_ids[w0:w1]
-            infos = map(
-                CallInfo,
-                cids,
-                agents[w0:w1],
-                roles[w0:w1],
-                ends_l,
-                inputs_l[w0:w1],
-                n_out_l[w0:w1],
-                vers_l[w0:w1],
-                fins[w0:w1],
-                t0_l[w0:w1],
-                t1_l[w0:w1],
-            )
-            self.order.extend(cids)
-            calls.update(zip(cids, infos, strict=True))
-
+        self._reserve(min(plan.toks.shape[0], 1 << 26))
         try:
-            k = visit[0]
-            while k < m:
-                par_id, a = parents[k], tok_off[k]
-                n = a + delta  # where this call's tokens go if it is placed
-                start = NO_NODE
-                if tok_off[k + 1] > a and call_ids[k] not in dup:
-                    if par_id:
-                        par = calls.get(par_id)
-                        if par is not None:
-                            s, plen, pin = par.end, par.length, par.n_input
-                        else:  # a parent placed in this stretch is registered with it, later
-                            j = index.get(par_id, m)
-                            s, plen, pin = (
-                                (tok_off[j + 1] - 1 + delta, int(lengths[j]), inputs_l[j])
-                                if w0 <= j < k
-                                else (ROOT, -1, -1)
-                            )
-                        keep = int(keep_arr[k])
-                        if s == ROOT:
-                            pass
-                        elif keep == plen:
-                            if (s + 1 >= n or s + 1 in start_set) and s not in branches:
-                                start = s
-                        elif 0 < keep < pin and tok_off[k + 1] - n_out_l[k] > a:
-                            # It keeps part of its parent's input and appends to it: when its first
-                            # appended token starts no child of the node it continues, and that node is
-                            # context (so no drift either), it all is a new branch there.
-                            s = self.node_at_depth(s, keep - 1)
-                            first, c = int(toks[a]), s + 1
-                            here = tok_off[w0] + delta  # this stretch's first node (not in the arena yet)
-                            if (
-                                (
-                                    c >= n
-                                    or c in start_set
-                                    or first != (int(toks[c - delta]) if c >= here else self._token(c))
-                                )
-                                and first not in branches.get(s, ())
-                                and not (
-                                    self._placed_policy(s - delta, tok_off, n_out_l)
-                                    if s >= here
-                                    else self._is_policy(s)
-                                )
-                            ):
-                                start = s
-                    elif n > 0:
-                        # A new branch at the root (a sub-agent's first call) is all new too.
-                        first = int(toks[a])
-                        if first != self._token(0) and first not in branches.get(ROOT, ()):
-                            start = ROOT
-                    else:
-                        # The first tokens of an empty tree. Its first token is written now, ahead of
-                        # its stretch, for the root-branch test above.
-                        start = ROOT
-                        self._ids[0] = toks[a]
-                if start != NO_NODE:
-                    if start != n - 1 or start == ROOT:
-                        self._new_run(start, n, int(toks[a]))
-                    k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
-                    continue
-                no = n_out_l[k]
-                b = tok_off[k + 1] - no  # where its output starts
-                if par_id and w0 < k and no and parents[k - 1] == par_id and call_ids[k] not in dup:
-                    # A retry: the call before it (placed) has the same delta parent, keep and appended
-                    # input, so this input ends where that one's does; when its output starts with a
-                    # token no child there has, the output is all new: a branch, placed like the rest.
-                    p, ni = k - 1, b - a
-                    p_out = tok_off[k] - n_out_l[p]  # where the output of call p starts in the batch
-                    in_end = p_out - 1 + delta
-                    first = int(toks[b])
-                    if (
-                        ni
-                        and p_out - tok_off[p] == ni
-                        and n_out_l[p]
-                        and int(keep_arr[k]) == int(keep_arr[p])
-                        and first != int(toks[p_out])
-                        and first not in branches.get(in_end, ())
-                        and _first_mismatch(toks[a:b], toks[tok_off[p] : p_out]) == ni
-                    ):
-                        place(k)
-                        lo = self.n
-                        self._new_run(in_end, lo, first)
-                        pending.append((lo, lo + no, toks, lo - b))
-                        self.n = hi = lo + no
-                        self._seg_lo.append(lo)
-                        self._seg_hi.append(hi)
-                        self._seg_groups.append((lo, hi, int(lp_arr[k]), vers_l[k], lps_all, 0))
-                        self._policy_count += no
-                        calls[call_ids[k]] = CallInfo(
-                            call_ids[k],
-                            agents[k],
-                            roles[k],
-                            hi - 1,
-                            inputs_l[k],
-                            no,
-                            vers_l[k],
-                            fins[k],
-                            t0_l[k],
-                            t1_l[k],
-                        )
-                        self.order.append(call_ids[k])
-                        w0, delta = k + 1, hi - tok_off[k + 1]
-                        k += 1  # visited whatever it is: a chain needs its parent placed
-                        continue
-                place(k)
-                self._add(
-                    call_ids[k],
-                    agents[k],
-                    roles[k],
-                    vers_l[k],
-                    fins[k],
-                    t0_l[k],
-                    t1_l[k],
-                    par_id or None,
-                    int(keep_arr[k]),
-                    toks[a:b],
-                    toks[b : b + no],
-                    lps_all[int(lp_arr[k]) : int(lp_arr[k]) + no],
-                    check_output=True,
-                )
-                w0, delta = k + 1, self.n - tok_off[k + 1]
-                k += 1  # visited whatever it is: a chain needs its parent placed
-            place(m)
-            # The placed tokens, copied into the arena in one pass at the end (the Python work above
-            # runs with the batch's columns still in cache), each piece checked for negative ids where
-            # it landed: the arena is aligned and the piece still in cache (a decoded batch's tokens
-            # are a view into the stream, at any byte offset, where numpy's reductions are slower).
-            ids = self._ids.view(np.uint32)  # unsigned: a negative id is a maximum >= 2**31
-            for lo, hi, _, d in pending:
-                for off in range(lo, hi, _COPY_CHUNK):
-                    dst = ids[off : min(hi, off + _COPY_CHUNK)]
-                    np.copyto(dst, toks_u[off - d : off - d + dst.shape[0]])
-                    if _umax(dst) >= 1 << 31:
-                        batch.raise_negative()
-            pending.clear()
-            self._pend_lo = _NO_PENDING
+            self._place_batch(plan)
+            self._commit_pending(plan)
         except BaseException as exc:
             # A negative id in a placed call comes before the compared call that failed (or is the
             # failure): that is the error to report, as if each stretch had been checked in turn.
+            toks_u = plan.toks_u
             negative = isinstance(exc, RecordError) and any(
-                int(_umax(toks_u[lo - d : hi - d])) >= 1 << 31 for lo, hi, _, d in pending
+                int(_umax(toks_u[lo - d : hi - d])) >= 1 << 31 for lo, hi, _, d in self._pending
             )
-            pending.clear()
+            self._pending.clear()
             self._pend_lo = _NO_PENDING
             self._rollback(undo)
             if negative:
@@ -810,9 +703,220 @@ class ExecutionTree:
         # Every call of the batch is in: the counters are the batch's totals (`_add` counted its own
         # calls along the way; they are part of these totals, so they are set, not added).
         st = self.stats
-        st.calls = undo.counts[0] + m
-        st.call_tokens = undo.counts[1] + int(lengths.sum())
-        st.delta_calls = undo.counts[2] + m - parents.count("")
+        st.calls = undo.counts[0] + plan.m
+        st.call_tokens = undo.counts[1] + int(plan.lengths.sum())
+        st.delta_calls = undo.counts[2] + plan.m - plan.parents.count("")
+
+    def _place_batch(self, plan: _BatchPlan) -> None:
+        """Step 2 of `add_batch`: visit the calls that are not chained to the one before them; each is
+        placed (with the chain after it) when it carries only new tokens, placed as a retry's branch, or
+        compared against the tree (`_add`). Placed tokens stay pending (`_commit_pending`)."""
+        st = _Stretch(0, self.n)
+        visit, tok_off, toks, m = plan.visit, plan.tok_off, plan.toks, plan.m
+        k = visit[0]
+        while k < m:
+            start = self._start_of_new_tokens(plan, st, k)
+            if start != NO_NODE:
+                a = tok_off[k]
+                n = a + st.delta  # where this call's tokens go
+                if n == 0:
+                    # The first tokens of an empty tree. Its first token is written now, ahead of
+                    # its stretch, for the root-branch test of the calls after it.
+                    self._ids[0] = toks[a]
+                if start != n - 1 or start == ROOT:
+                    self._new_run(start, n, int(toks[a]))
+                k = visit[bisect.bisect_right(visit, k)]  # the chain after it is placed with it
+                continue
+            if not self._place_retry(plan, st, k):
+                self._compare(plan, st, k)
+            k += 1  # visited whatever it is: a chain needs its parent placed
+        self._place_stretch(plan, st, m)
+
+    def _start_of_new_tokens(self, plan: _BatchPlan, st: _Stretch, k: int) -> int:
+        """Where call k's tokens start hanging when all of them are new to the tree, so it can be placed
+        without a look at its tokens: below the end of its delta parent (nothing there yet), below a
+        context node of its parent's input that no child there starts with its first token, at the
+        root (a new root branch, or the first call of an empty tree). NO_NODE when it must be compared."""
+        par_id, tok_off = plan.parents[k], plan.tok_off
+        a = tok_off[k]
+        if tok_off[k + 1] <= a or plan.call_ids[k] in plan.dup:
+            return NO_NODE
+        delta, toks, branches, start_set = st.delta, plan.toks, self._branches, self._start_set
+        n = a + delta  # where this call's tokens go if it is placed
+        if not par_id:
+            if n <= 0:
+                return ROOT  # the first tokens of an empty tree
+            # A new branch at the root (a sub-agent's first call) is all new too.
+            first = int(toks[a])
+            if first != self._token(0) and first not in branches.get(ROOT, ()):
+                return ROOT
+            return NO_NODE
+        par = self.calls.get(par_id)
+        if par is not None:
+            s, plen, pin = par.end, par.length, par.n_input
+        else:  # a parent placed in this stretch is registered with it, later
+            j = plan.index.get(par_id, plan.m)
+            if not st.w0 <= j < k:
+                return NO_NODE
+            s, plen, pin = tok_off[j + 1] - 1 + delta, int(plan.lengths[j]), plan.inputs_l[j]
+        keep = int(plan.keep_arr[k])
+        if s == ROOT:
+            return NO_NODE
+        if keep == plen:
+            if (s + 1 >= n or s + 1 in start_set) and s not in branches:
+                return s
+            return NO_NODE
+        if 0 < keep < pin and tok_off[k + 1] - plan.n_out_l[k] > a:
+            # It keeps part of its parent's input and appends to it: when its first appended token
+            # starts no child of the node it continues, and that node is context (so no drift either),
+            # it all is a new branch there.
+            s = self.node_at_depth(s, keep - 1)
+            first, c = int(toks[a]), s + 1
+            here = tok_off[st.w0] + delta  # this stretch's first node (not in the arena yet)
+            if (
+                (c >= n or c in start_set or first != (int(toks[c - delta]) if c >= here else self._token(c)))
+                and first not in branches.get(s, ())
+                and not (
+                    self._placed_policy(s - delta, tok_off, plan.n_out_l) if s >= here else self._is_policy(s)
+                )
+            ):
+                return s
+        return NO_NODE
+
+    def _place_retry(self, plan: _BatchPlan, st: _Stretch, k: int) -> bool:
+        """Place call k as a retry's branch when it is one: the call before it (placed) has the same delta
+        parent, keep and appended input, so this input ends where that one's does; when its output starts
+        with a token no child there has, the output is all new. False (nothing done) otherwise."""
+        par_id, tok_off, n_out_l, toks = plan.parents[k], plan.tok_off, plan.n_out_l, plan.toks
+        no = n_out_l[k]
+        if not (
+            par_id and st.w0 < k and no and plan.parents[k - 1] == par_id and plan.call_ids[k] not in plan.dup
+        ):
+            return False
+        a, b = tok_off[k], tok_off[k + 1] - no  # where its input and its output start
+        p, ni = k - 1, b - a
+        p_out = tok_off[k] - n_out_l[p]  # where the output of call p starts in the batch
+        in_end = p_out - 1 + st.delta
+        first = int(toks[b])
+        if not (
+            ni
+            and p_out - tok_off[p] == ni
+            and n_out_l[p]
+            and int(plan.keep_arr[k]) == int(plan.keep_arr[p])
+            and first != int(toks[p_out])
+            and first not in self._branches.get(in_end, ())
+            and _first_mismatch(toks[a:b], toks[tok_off[p] : p_out]) == ni
+        ):
+            return False
+        self._place_stretch(plan, st, k)
+        lo = self.n
+        self._new_run(in_end, lo, first)
+        self._pending.append((lo, lo + no, toks, lo - b))
+        self.n = hi = lo + no
+        self._seg_lo.append(lo)
+        self._seg_hi.append(hi)
+        self._seg_groups.append((lo, hi, int(plan.lp_arr[k]), plan.vers_l[k], plan.lps_all, 0))
+        self._policy_count += no
+        cid = plan.call_ids[k]
+        self.calls[cid] = CallInfo(
+            cid,
+            plan.agents[k],
+            plan.roles[k],
+            hi - 1,
+            plan.inputs_l[k],
+            no,
+            plan.vers_l[k],
+            plan.fins[k],
+            plan.t0_l[k],
+            plan.t1_l[k],
+        )
+        self.order.append(cid)
+        st.w0, st.delta = k + 1, hi - tok_off[k + 1]
+        return True
+
+    def _compare(self, plan: _BatchPlan, st: _Stretch, k: int) -> None:
+        """Place the stretch before call k, then merge call k as `add` does (compared with the tree)."""
+        self._place_stretch(plan, st, k)
+        tok_off, no = plan.tok_off, plan.n_out_l[k]
+        a, b = tok_off[k], tok_off[k + 1] - no
+        lp = int(plan.lp_arr[k])
+        self._add(
+            plan.call_ids[k],
+            plan.agents[k],
+            plan.roles[k],
+            plan.vers_l[k],
+            plan.fins[k],
+            plan.t0_l[k],
+            plan.t1_l[k],
+            plan.parents[k] or None,
+            int(plan.keep_arr[k]),
+            plan.toks[a:b],
+            plan.toks[b : b + no],
+            plan.lps_all[lp : lp + no],
+            check_output=True,
+        )
+        st.w0, st.delta = k + 1, self.n - tok_off[k + 1]
+
+    def _place_stretch(self, plan: _BatchPlan, st: _Stretch, w1: int) -> None:
+        """Place calls [st.w0, w1): their tokens (pending, copied at commit), segments and CallInfos."""
+        w0, delta, tok_off = st.w0, st.delta, plan.tok_off
+        if w1 == w0:
+            return
+        lo, hi = tok_off[w0] + delta, tok_off[w1] + delta
+        self.n = lo
+        self._reserve(hi - lo)
+        if not self._pending:
+            self._pend_lo = lo
+        self._pending.append((lo, hi, plan.toks, delta))
+        self.n = hi
+        seg_lo, seg_hi, lp_arr = plan.seg_lo, plan.seg_hi, plan.lp_arr
+        # A placed call ends where its tokens end, with its output.
+        ends_l = (seg_hi[w0:w1] + (delta - 1)).tolist()
+        self._seg_lo.extend((seg_lo[w0:w1] + delta).tolist())
+        self._seg_hi.extend((seg_hi[w0:w1] + delta).tolist())
+        self._seg_groups.append(
+            (
+                seg_lo[w0:w1],
+                seg_hi[w0:w1],
+                lp_arr[w0:w1],
+                plan.batch.weight_versions[w0:w1],
+                plan.lps_all,
+                delta,
+            )
+        )
+        self._policy_count += int(lp_arr[w1]) - int(lp_arr[w0])
+        cids = plan.call_ids[w0:w1]
+        infos = map(
+            CallInfo,
+            cids,
+            plan.agents[w0:w1],
+            plan.roles[w0:w1],
+            ends_l,
+            plan.inputs_l[w0:w1],
+            plan.n_out_l[w0:w1],
+            plan.vers_l[w0:w1],
+            plan.fins[w0:w1],
+            plan.t0_l[w0:w1],
+            plan.t1_l[w0:w1],
+        )
+        self.order.extend(cids)
+        self.calls.update(zip(cids, infos, strict=True))
+
+    def _commit_pending(self, plan: _BatchPlan) -> None:
+        """Step 3 of `add_batch`: the placed tokens, copied into the arena in one pass at the end (the
+        Python work before runs with the batch's columns still in cache), each piece checked for negative
+        ids where it landed: the arena is aligned and the piece still in cache (a decoded batch's tokens
+        are a view into the stream, at any byte offset, where numpy's reductions are slower)."""
+        ids = self._ids.view(np.uint32)  # unsigned: a negative id is a maximum >= 2**31
+        toks_u = plan.toks_u
+        for lo, hi, _, d in self._pending:
+            for off in range(lo, hi, _COPY_CHUNK):
+                dst = ids[off : min(hi, off + _COPY_CHUNK)]
+                np.copyto(dst, toks_u[off - d : off - d + dst.shape[0]])
+                if _umax(dst) >= 1 << 31:
+                    plan.batch.raise_negative()
+        self._pending.clear()
+        self._pend_lo = _NO_PENDING
 
     def _checkpoint(self) -> _Undo:
         st = self.stats

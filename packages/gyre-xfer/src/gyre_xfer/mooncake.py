@@ -8,6 +8,7 @@ configured time = TIMEOUT, otherwise entries are retried one by one so the resul
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -64,11 +65,22 @@ def load_engine_class(log_level: int = 2) -> Any:
         for lib, pkg in _SYSTEM_LIBS.items():
             if lib in msg:
                 raise TransportUnavailableError(
-                    f"Mooncake Transfer Engine needs the system library {lib}, even over TCP. "
-                    f"Install it with: apt-get install -y {pkg}   (Debian/Ubuntu, as root). ({msg})"
+                    f"Mooncake Transfer Engine needs Debian's {pkg} (the system library {lib}), even "
+                    f"over TCP: apt-get install -y {pkg}   (Debian/Ubuntu, as root). ({msg})"
                 ) from e
         raise TransportUnavailableError(f"mooncake failed to import: {msg}") from e
     return TransferEngine
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None when Mooncake Transfer Engine loads in this process, else why not (what to install), as
+    `load_engine_class` would raise it. Asked once per process: a library installed later needs a new one."""
+    try:
+        load_engine_class()
+    except TransportUnavailableError as e:
+        return str(e)
+    return None
 
 
 def _probe(peer: str, timeout_s: float) -> bool | None:

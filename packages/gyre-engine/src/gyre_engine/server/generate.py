@@ -21,6 +21,7 @@ import msgspec
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from gyre_engine.protocol import ErrorBody, GenerateRequest, GenerateResponse, ProtocolError, SamplingParams
 from gyre_engine.server.engine import Engine
@@ -28,6 +29,7 @@ from gyre_engine.server.errors import ClientGone, json_response
 from gyre_engine.server.parse import is_single, parse_generate
 from gyre_engine.server.request import EngineRequest, TokenEvent
 from gyre_engine.server.response import ResponseBuilder
+from gyre_engine.server.routing import route
 
 _json = msgspec.json.Encoder()
 
@@ -100,6 +102,13 @@ class GenerateRoutes:
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    def routes(self) -> list[Route]:
+        return [
+            route("/generate", self.generate, "POST"),
+            route("/health", self.health_generate, "GET"),
+            route("/health_generate", self.health_generate, "GET"),
+        ]
 
     # ------------------------------------------------------------------ parsing
     def _tokenize(self, text: str) -> list[int]:

@@ -125,8 +125,12 @@ def _check_numbers(params: SamplingParams) -> None:
         raise ProtocolError(f"temperature must be a non-negative finite number, got {params.temperature}.")
     if not 0 < params.top_p <= 1:
         raise ProtocolError("sampling_params.top_p must be in (0, 1]")
-    if params.top_k == 0 or params.top_k < -1:
-        raise ProtocolError("sampling_params.top_k must be -1 (off) or >= 1")
+    # SGLang makes a request with temperature under GREEDY_EPS greedy by setting its top_k to 1, so then
+    # any top_k is taken (0 included); otherwise top_k must be -1 (the whole vocabulary) or at least 1.
+    if params.temperature >= GREEDY_EPS and (params.top_k == 0 or params.top_k < -1):
+        raise ProtocolError(
+            f"top_k must be -1 (disable) or at least 1, got {params.top_k}."
+        )  # SGLang's words
     if not 0 <= params.min_p <= 1:
         raise ProtocolError("sampling_params.min_p must be in [0, 1]")
     if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):

@@ -1,0 +1,97 @@
+"""An agent's cached prefix handed from one engine to another, so the second continues it without
+re-prefill: in the body of an HTTP call (`/export_prefix`, `/import_prefix`: a msgpack `KvPrefix`), or
+through gyre-xfer (`/offer_prefix` copies the KV into a registered pool, the target's
+`/import_prefix_xfer` pulls every block and installs the prefix only if all arrived, and
+`/release_prefix_offer` frees the pool). A prefix of another model or weight version is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gyre_engine.protocol import (
+    KV_PREFIX_DECODER,
+    KV_PREFIX_ENCODER,
+    ImportPrefixXferRequest,
+    OfferPrefixRequest,
+    PrefixImportReply,
+    ReleaseOfferRequest,
+    SuccessReply,
+)
+from gyre_engine.server.engine import Engine
+from gyre_engine.server.errors import error_response, json_response
+from gyre_engine.server.kv_transfer import (
+    cached_prefix,
+    check_offer_fits,
+    export_prefix,
+    import_prefix,
+    install_prefix,
+)
+from gyre_engine.server.routing import EngineCalls, body_as, route
+from gyre_engine.server.xfer import XferHub, block_reports
+
+
+class _ExportBody(msgspec.Struct, frozen=True):
+    input_ids: list[int]
+
+
+class PrefixRoutes:
+    """The prefix hand-off endpoints over one engine and its gyre-xfer hub."""
+
+    def __init__(self, engine: Engine, call: EngineCalls, xfer: XferHub) -> None:
+        self.engine = engine
+        self.call = call
+        self.xfer = xfer
+
+    def routes(self) -> list[Route]:
+        return [
+            route("/export_prefix", self.export_kv, "POST"),
+            route("/import_prefix", self.import_kv, "POST"),
+            route("/offer_prefix", self.offer_prefix, "POST"),
+            route("/import_prefix_xfer", self.import_prefix_xfer, "POST"),
+            route("/release_prefix_offer", self.release_prefix_offer, "POST"),
+        ]
+
+    async def export_kv(self, request: Request) -> Response:
+        body = await body_as(request, _ExportBody)
+        rec = await self.call(export_prefix, self.engine, body.input_ids)
+        if rec is None:
+            return error_response("no cached prefix of these input_ids", 404, "NotFound")
+        return Response(KV_PREFIX_ENCODER.encode(rec), media_type="application/msgpack")
+
+    async def import_kv(self, request: Request) -> Response:
+        rec = KV_PREFIX_DECODER.decode(await request.body())
+        n = await self.call(import_prefix, self.engine, rec)
+        return json_response(SuccessReply(True, f"imported a prefix of {n} tokens"))
+
+    async def offer_prefix(self, request: Request) -> Response:
+        body = await body_as(request, OfferPrefixRequest)
+        got = await self.call(cached_prefix, self.engine, body.input_ids)
+        if got is None:
+            return error_response("no cached prefix of these input_ids", 404, "NotFound")
+        offer = await asyncio.to_thread(self.xfer.offer, body, *got)
+        return json_response(offer)
+
+    async def import_prefix_xfer(self, request: Request) -> Response:
+        body = await body_as(request, ImportPrefixXferRequest)
+        o = body.offer
+        engine = self.engine
+        layers = check_offer_fits(engine, o.model_fingerprint, o.weight_version, o.token_ids)
+        kv, res = await asyncio.wait_for(
+            asyncio.to_thread(self.xfer.pull_prefix, o, layers, engine.device, body.timeout_s),
+            body.timeout_s + 10,
+        )
+        n = await self.call(install_prefix, engine, o.token_ids, kv, o.weight_version)
+        msg = f"imported a prefix of {n} tokens in {len(res.blocks)} blocks"
+        return json_response(PrefixImportReply(True, msg, n, block_reports(res), res.nbytes, res.elapsed_s))
+
+    async def release_prefix_offer(self, request: Request) -> Response:
+        body = await body_as(request, ReleaseOfferRequest)
+        if not await asyncio.to_thread(self.xfer.release, body.offer_id):
+            return error_response(f"no open offer {body.offer_id!r} (released or expired)", 404, "NotFound")
+        return json_response(SuccessReply(True, f"offer {body.offer_id} released"))
