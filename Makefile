@@ -7,9 +7,10 @@ export UV_PYTHON_DOWNLOADS ?= never
 install:            ## the whole workspace, every extra (but the CUDA Mooncake wheel and sglang), dev and lint tools, as locked
 	$(UV) sync --frozen --all-packages --all-extras --no-extra mooncake-cuda13 --no-extra sglang
 
-lint:               ## ruff: lint and format check
+lint:               ## ruff (lint and format check), and the import floors and no-circle contracts (import-linter)
 	$(UV) run --frozen ruff check .
 	$(UV) run --frozen ruff format --check .
+	$(UV) run --frozen lint-imports
 
 typecheck:          ## mypy over every member's src/
 	$(UV) run --frozen mypy packages/*/src integration/src

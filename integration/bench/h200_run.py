@@ -5,7 +5,7 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
    start on the device (`--warmstart-steps`; gyre's warm-start transcripts of the built-in tasks, so the
    model emits calls the proxy parses and its scores vary: steps get a real gradient);
 2. copy bandwidths (host<->device pinned and pageable, host memcpy) and the weight push path (gyre-xfer
-   publish + pull of the model's own tensors) -> the floors (`gyre.floors`, formula in its docstring);
+   publish + pull of the model's own tensors) -> the floors (`gyre.measure.floors`, formula in its docstring);
 3. gyre-engine standalone: `gyre-engine serve` with the run's engine options on the run's first GPU,
    `--concurrency` clients each sending calls of `--prompt-len` tokens and the run's max_tokens
    (temperature 1, EOS ignored) for `--engine-seconds`; output tokens/s and the start-up time;
@@ -36,9 +36,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from gyre import floors, gpus
-from gyre.config import Config, load_config
-from gyre.procs import ProcessGroup, free_port, python_argv
+from gyre.config.runconfig import Config, load_config
+from gyre.measure import floors
+from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.system import gpus
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parent / "examples" / "h200-shared.toml"
@@ -83,10 +84,10 @@ def warm_start(
     model_dir: Path, device: str, steps: int, lr: float, max_tokens: int, seed: int
 ) -> dict[str, Any]:
     """Supervised fine-tune of `model_dir` in place on `device` (float32 master weights, bf16 autocast on
-    CUDA) on gyre's warm-start transcripts (`gyre.warmstart`); the weights are written back in the
+    CUDA) on gyre's warm-start transcripts (`gyre.rollout.warmstart`); the weights are written back in the
     model's dtype, under the same names."""
     import torch
-    from gyre import warmstart
+    from gyre.rollout import warmstart
     from gyre_traj.loss import TorchBatch, target_logprobs
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -238,12 +239,12 @@ def engine_standalone(cfg: Config, model_dir: Path, logs: Path, seconds: float, 
 def train_standalone(model_dir: Path, device: str, trunk: int, branches: int, branch: int) -> dict[str, Any]:
     import numpy as np
     import torch
-    from gyre.cell import model_config_of
     from gyre_train.bench.run import Fan, fan_tree, packs, train_time
     from gyre_train.model import build_model
+    from gyre_train.modelconfig import ModelConfig
     from gyre_traj.loss import LossConfig
 
-    mc = model_config_of(str(model_dir))
+    mc = ModelConfig.from_model_dir(model_dir)
     attention = "flex" if device.startswith("cuda") else "dense"
     model = build_model(mc, attention, device)
     tree_b, _ = packs(fan_tree(Fan(trunk, branches, branch)), j_max=branches + 1)
@@ -373,7 +374,7 @@ def main() -> int:
     if tr is not None:
         res["train_standalone"] = tr
         res["train_tok_s_standalone"] = tr["train_tok_s_standalone"]
-    from gyre.run import run
+    from gyre.system.run import run
 
     # The run's deadline counts from its first batch: leave its start-up and teardown room in the budget.
     budget = a.budget_s or (1500.0 if small else 570.0)

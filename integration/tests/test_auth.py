@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 import zmq
-from gyre import runtoken
-from gyre.trajsvc import TrajectoryService
+from gyre.config import runtoken
+from gyre.trajsvc.service import TrajectoryService
 from gyre_traj.io import Codec
 from gyre_traj.records import Call, Role
 from gyre_xfer import auth

@@ -17,7 +17,8 @@ import pytest
 CELL = """
 import sys, time
 from pathlib import Path
-from gyre.cell import Cell, CellArgs
+from gyre.cell.args import CellArgs
+from gyre.cell.cell import Cell
 from gyre_engine.server.model_factory import create_model
 from gyre_train.control import CoreClient
 
@@ -50,7 +51,8 @@ def test_the_core_skips_an_empty_step_while_in_rollout(tmp_path: Path) -> None:
     # No ready group counts for a step closed with no micro-batch, so no policy moves the core cell to
     # training for it: the cell, left in rollout, must still take and skip it (every execution of the
     # run timing out before its first call used to leave the run waiting until its deadline).
-    from gyre.cell import Cell, CellArgs
+    from gyre.cell.args import CellArgs
+    from gyre.cell.cell import Cell
     from gyre_engine.server.model_factory import create_model
     from gyre_train.control import CoreClient
 
@@ -78,6 +80,35 @@ def test_the_core_skips_an_empty_step_while_in_rollout(tmp_path: Path) -> None:
         cell.core.close()
 
 
+def test_the_core_cell_trains_the_model_its_directory_describes(tmp_path: Path) -> None:
+    # The trainer's model is built from the directory's whole HF config (here a Llama with RoPE theta and
+    # RMSNorm epsilon off their defaults), as the engine serves it: the same logits from the same weights.
+    import torch
+    from gyre.cell.args import CellArgs
+    from gyre.cell.cell import Cell
+    from gyre_engine.server.model_factory import create_model
+    from gyre_train.modelconfig import ModelConfig
+    from transformers import AutoModelForCausalLM
+
+    model_dir = create_model(
+        tmp_path / "model", family="llama", overrides={"rope_theta": 1e6, "rms_norm_eps": 1e-5}
+    )
+    cell = Cell(CellArgs(sched="tcp://127.0.0.1:9", cell_id=0, is_core=True, capacity=1, model_dir=str(model_dir),
+                         engine_port=9, run_dir=str(tmp_path), release_memory=False))  # fmt: skip
+    cell.start_trainer()
+    try:
+        assert cell.core.model_cfg == ModelConfig.from_model_dir(model_dir)
+        served = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        trained = cell.core.model.eval()
+        ids = torch.tensor([[5, 17, 300, 42, 7, 99]])
+        with torch.no_grad():
+            torch.testing.assert_close(trained(ids).logits, served(ids).logits, rtol=0, atol=1e-5)
+    finally:
+        cell.stop.set()
+        cell.client.close()
+        cell.core.close()
+
+
 @pytest.mark.slow
 def test_sigterm_while_the_engine_starts_stops_the_cell(tmp_path: Path) -> None:
     # A cell used to wait for its engine to come up (minutes on a loaded machine) before it looked at
@@ -85,7 +116,7 @@ def test_sigterm_while_the_engine_starts_stops_the_cell(tmp_path: Path) -> None:
     import os
     import signal
 
-    from gyre.procs import free_port, python_argv
+    from gyre.procs.group import free_port, python_argv
     from gyre_engine.server.model_factory import create_model
 
     model_dir = str(create_model(tmp_path / "model"))

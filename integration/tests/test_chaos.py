@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from gyre import ledger
-from gyre.chaos import chaos
-from gyre.config import load_config
-from gyre.rundir import processes_of, segments_of
+from gyre.config.runconfig import load_config
+from gyre.scenarios.chaos import chaos
+from gyre.system.rundir import processes_of, segments_of
+from gyre.trajsvc import ledger
 
 
 @pytest.fixture(scope="module")

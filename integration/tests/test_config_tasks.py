@@ -5,25 +5,26 @@ import random
 from pathlib import Path
 
 import pytest
-from gyre import tasks as tasks_mod
 from gyre.cli import main
-from gyre.config import Config, ConfigError, config_from_dict, load_config
-from gyre.predict import durations, sim_workload
-from gyre.tasks import FAMILIES, eval_set, evaluate, make_task, run_tool
+from gyre.config.runconfig import Config, ConfigError, config_from_dict, load_config
+from gyre.measure.predict import durations, sim_workload
+from gyre.rollout.tasks import qa as tasks_mod
+from gyre.rollout.tasks.qa import FAMILIES, eval_set, evaluate, make_task, run_tool
 from gyre_traj.records import EvalStatus
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_examples_load() -> None:
-    from gyre.harnesses import find_claude
+    from gyre.rollout.harnesses import check_harness, find_claude
 
     for p in sorted(EXAMPLES.glob("*.toml")):
         if p.name == "claude-code.toml" and find_claude() is None:  # refused, naming the key
             with pytest.raises(ConfigError, match=r"\[agent\] claude_bin"):
-                load_config(p)
+                check_harness(load_config(p).agent)
             continue
         cfg = load_config(p)
+        check_harness(cfg.agent)
         assert cfg.run.cells >= 2
 
 
@@ -63,7 +64,7 @@ def test_bad_configs_name_the_key(tmp_path: Path, text: str, message: str) -> No
 
 
 def test_config_error_is_gyre_scheds() -> None:
-    # the section checks are gyre_sched.tables'; callers here still catch gyre.config.ConfigError
+    # the section checks are gyre_sched.tables'; callers here still catch gyre.config.runconfig.ConfigError
     from gyre_sched.tables import ConfigError as TableError
 
     assert issubclass(ConfigError, TableError) and issubclass(ConfigError, ValueError)
@@ -184,8 +185,8 @@ def test_streaming_is_declared_once_and_the_simulator_gets_the_runs() -> None:
     """`[driver] streaming` (default on) decides whether the run streams steps, except under the Colocate
     variants (whole batches only); the simulator `gyre compare` predicts with is given the same flag, and
     each compare arm's `:streaming` / `:whole` overrides it."""
-    from gyre.compare import arm_config
-    from gyre.config import POLICIES
+    from gyre.config.runconfig import POLICIES
+    from gyre.measure.arms import arm_config
 
     cfg = Config()
     assert cfg.driver.streaming
@@ -208,7 +209,7 @@ def test_streaming_is_declared_once_and_the_simulator_gets_the_runs() -> None:
 def test_only_the_models_own_calls_are_scored() -> None:
     """The driver and the evaluator score `Execution.model_calls()`: a call the scripted fallback made is
     not the model's, so it earns nothing; the model's call after it still counts."""
-    from gyre.agent import Execution, ToolSource, TurnLog
+    from gyre.rollout.agents.agent import Execution, ToolSource, TurnLog
 
     t = make_task(random.Random(4), "t", family="measure")
     ex = Execution("e", "g", t, 0.0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gyre.cli import main
-from gyre.tasks import FAMILIES
+from gyre.rollout.tasks.qa import FAMILIES
 
 
 @pytest.mark.slow

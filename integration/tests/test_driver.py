@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from gyre.config import config_from_dict
-from gyre.driver import Driver, NoWelcome
-from gyre.trajsvc import TrajectoryService
+from gyre.config.runconfig import config_from_dict
+from gyre.rollout.driver import Driver, NoWelcome
+from gyre.trajsvc.service import TrajectoryService
 from gyre_sched.service import Scheduler, ServiceConfig
 from gyre_sched.sim import make_policy
 from gyre_sched.workload import Workload

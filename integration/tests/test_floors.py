@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gyre import floors
+from gyre.measure import floors
 
 
 def test_floors_from_bytes_and_bandwidths() -> None:

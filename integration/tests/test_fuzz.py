@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from gyre.trajsvc import TrajectoryService
+from gyre.trajsvc.service import TrajectoryService
 from gyre_traj.io import Codec
 from gyre_traj.records import Call, CallBatch, Delta, EvalStatus, Role, Score
 from gyre_xfer import auth

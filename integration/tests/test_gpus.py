@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from gyre import gpus
-from gyre.config import ConfigError, config_from_dict
+from gyre.config.runconfig import ConfigError, config_from_dict
+from gyre.system import gpus
 
 
 def test_two_cells_share_gpu_0() -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gyre.config import Config, load_config
-from gyre.harnesses import find_claude
-from gyre.run import run
+from gyre.config.runconfig import Config, load_config
+from gyre.rollout.harnesses import find_claude
+from gyre.system.run import run
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 from gyre_traj.select import SelectionConfig, select

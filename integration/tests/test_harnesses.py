@@ -15,19 +15,21 @@ from typing import Any
 
 import httpx
 import pytest
-from gyre.agent import Execution
-from gyre.branching import COMPACT_PROMPT, SUB_TURNS, Branching, run_branching
-from gyre.codetasks import SOLUTION, make_code_task, run_tests
-from gyre.config import Config, ConfigError, config_from_dict
-from gyre.harnesses import CliHarness
-from gyre.tasks import make_task
+from gyre.config.runconfig import Config, ConfigError, config_from_dict
+from gyre.rollout.agents.agent import Execution
+from gyre.rollout.agents.branching import COMPACT_PROMPT, SUB_TURNS, Branching, run_branching
+from gyre.rollout.harnesses import CliHarness, check_harness
+from gyre.rollout.tasks.coding import SOLUTION, make_code_task, run_tests
+from gyre.rollout.tasks.qa import make_task
 from gyre_traj.records import EvalStatus
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _agent(**kw: object) -> Config:
-    return config_from_dict({"agent": kw})
+    cfg = config_from_dict({"agent": kw})
+    check_harness(cfg.agent)  # what `gyre run` checks once the file is loaded
+    return cfg
 
 
 @pytest.mark.parametrize(
@@ -63,9 +65,10 @@ def test_claude_code_needs_temperature_one(tmp_path: Path) -> None:
 
 
 def test_the_command_example_loads() -> None:
-    from gyre.config import load_config
+    from gyre.config.runconfig import load_config
 
     c = load_config(EXAMPLES / "command-openai.toml")
+    check_harness(c.agent)
     assert c.agent.harness == "command" and c.agent.tasks == "code"
 
 
@@ -88,7 +91,7 @@ def test_code_task_partial_scores_and_evaluation_failures(tmp_path: Path) -> Non
 
 
 def test_a_test_run_that_cannot_report_is_an_evaluation_failure(tmp_path: Path) -> None:
-    from gyre.codetasks import evaluate_code
+    from gyre.rollout.tasks.coding import evaluate_code
 
     task = make_code_task(random.Random(0), "g", family="add")
     ok = asyncio.run(

@@ -24,10 +24,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from gyre.agent import Execution, run_execution
-from gyre.cell import load_engine_weights, model_config_of
-from gyre.procs import ProcessGroup, free_port, python_argv
-from gyre.tasks import make_task
+from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.rollout.agents.agent import Execution, run_execution
+from gyre.rollout.tasks.qa import make_task
 from gyre_traj.io import read_records
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Call, Score
@@ -122,7 +121,8 @@ def test_one_step_moves_the_rewarded_tokens_and_the_engine_serves_it(system: dic
     from gyre_engine.client import EngineClient
     from gyre_engine.protocol import SamplingParams
     from gyre_train.core import Core, CoreConfig, OptimConfig
-    from gyre_train.model import build_model
+    from gyre_train.model import build_model, load_pretrained
+    from gyre_train.modelconfig import ModelConfig
 
     exs = asyncio.run(_two_executions(system["proxy"]))
     assert all(ex.calls == 2 for ex in exs)
@@ -166,9 +166,9 @@ def test_one_step_moves_the_rewarded_tokens_and_the_engine_serves_it(system: dic
         assert sorted(got) == want
         np.testing.assert_allclose(sorted(got_lp), want_lp, rtol=0, atol=1e-6)
 
-    mc = model_config_of(str(system["model_dir"]))
+    mc = ModelConfig.from_model_dir(system["model_dir"])  # as the core cell builds its model
     model = build_model(mc)
-    load_engine_weights(model, str(system["model_dir"]))
+    load_pretrained(model, mc, system["model_dir"])
     core = Core(model, mc, CoreConfig(token_budget=4096, optim=OptimConfig(lr=3e-3)))
     try:
         model.eval()

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import uvicorn
-from gyre.metrics import engine_activity
+from gyre.measure.metrics import engine_activity
 from gyre_engine.client import EngineClient
 from gyre_engine.protocol import ServerInfo
 from starlette.applications import Starlette

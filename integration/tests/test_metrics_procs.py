@@ -5,10 +5,11 @@ import time
 from pathlib import Path
 
 import pytest
-from gyre.metrics import Sample, role_accounting
-from gyre.procs import ChildDied, ProcessGroup
-from gyre.run import _switch_times
-from gyre.trainwatch import TrainSample, TrainTrack, train_overlap
+from gyre.measure.metrics import role_accounting
+from gyre.measure.runmetrics import switch_times as _switch_times
+from gyre.measure.samples import Sample
+from gyre.measure.trainwatch import TrainSample, TrainTrack, train_overlap
+from gyre.procs.group import ChildDied, ProcessGroup
 from gyre_sched.protocol import Role
 
 R, D, TT, T, TR = (
@@ -95,7 +96,7 @@ def test_work_done_between_two_samples_counts_as_busy() -> None:
     """A tiny model computes a micro-batch in milliseconds, between two 0.05 s samples: the interval in
     which a step's `done` count rose is busy on that step (it used to read as idle, so a run whose
     training all fell between samples reported no training and no overlap). Worked by hand."""
-    from gyre.trainwatch import credit_done
+    from gyre.measure.trainwatch import credit_done
 
     samples = [
         TrainSample(0.0, -1, False),
@@ -122,7 +123,7 @@ def test_a_step_applied_between_samples_counts_as_busy_and_a_skipped_one_not() -
     """The core's queue position moving on between two samples means the earlier step was taken in
     between: trained if the weight version moved too, else skipped (nothing to train), which is no
     training at all (it used to be counted busy, and a run of empty steps reported training time)."""
-    from gyre.trainwatch import credit_done
+    from gyre.measure.trainwatch import credit_done
 
     samples = [
         TrainSample(0.0, 0, False, 0, 0),

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from gyre.launch import Host, LocalLauncher
-from gyre.procs import free_port
+from gyre.procs.group import free_port
+from gyre.system.launch import Host, LocalLauncher
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 from gyre_xfer.auth import TOKEN_ENV, new_token
@@ -265,8 +265,8 @@ _DEAD_PART = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from gyre.launch import Part, RayLauncher
-    from gyre.procs import ChildDied
+    from gyre.system.launch import Part, RayLauncher
+    from gyre.procs.group import ChildDied
 
     launcher = RayLauncher(sys.argv[1], Path(sys.argv[2]), [Part("boom")], 300.0)
     try:

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from gyre import ledger
 from gyre.cli import main
-from gyre.rundir import processes_of, segments_of
+from gyre.system.rundir import processes_of, segments_of
+from gyre.trajsvc import ledger
 
 
 @pytest.fixture(scope="module")

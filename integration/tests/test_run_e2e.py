@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from gyre.cli import main
-from gyre.config import load_config
-from gyre.diskfull import DiskFull
-from gyre.run import RunError, resume_config, run
+from gyre.config.runconfig import load_config
+from gyre.system.attempt import RunError
+from gyre.system.diskfull import DiskFull
+from gyre.system.run import resume_config, run
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 

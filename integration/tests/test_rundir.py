@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gyre import diskfull, ledger, recordlog
-from gyre.diskfull import EXIT_DISK_FULL, DiskFull, OutOfSpace
-from gyre.procs import ChildDied, ProcessGroup
-from gyre.resume import checkpoint_position, prepare
-from gyre.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
-from gyre.supervise import RestartAttempt, Supervisor
+from gyre.procs.group import ChildDied, ProcessGroup
+from gyre.procs.nospace import EXIT_DISK_FULL, OutOfSpace
+from gyre.system import diskfull
+from gyre.system.diskfull import DiskFull
+from gyre.system.resume import checkpoint_position, prepare
+from gyre.system.rundir import NothingToResume, RunBusy, RunDir, RunFinished, RunUnfinished, sweep_segments
+from gyre.system.supervise import RestartAttempt, Supervisor
+from gyre.trajsvc import ledger, recordlog
 from gyre_traj.io import MAGIC, Codec
 from gyre_traj.records import Call, Role
 
@@ -40,7 +42,7 @@ def test_a_second_run_on_a_live_directory_is_refused(tmp_path: Path) -> None:
 
 def test_a_lock_held_by_a_killed_run_is_free(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from gyre.rundir import RunDir; import sys, time; "
+        [sys.executable, "-c", f"from gyre.system.rundir import RunDir; import sys, time; "
          f"RunDir.claim(__import__('pathlib').Path({str(tmp_path)!r}), {CFG!r}, resume=False); "
          f"print('held', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE,
@@ -124,6 +126,27 @@ def test_gyre_run_that_failed_at_start_starts_again_with_a_corrected_config(
     assert "the core cell not ready within 1 s" in said.err
     state = json.loads((out / "run.json").read_text())
     assert state["attempt"] == 2 and state["config"]["run"]["model_dir"] == str(model)
+
+
+def test_a_model_directory_gyre_train_does_not_build_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gyre.cli import main
+    from gyre_engine.server.model_factory import create_model
+
+    # A real model directory the engine would serve, but whose attention gyre-train does not compute
+    # (sliding windows): the trainer would train another forward than the engine samples from.
+    model = create_model(tmp_path / "model")
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "use_sliding_window": True, "sliding_window": 64}))
+    out = tmp_path / "run"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[run]\nmodel_dir = "{model}"\nout_dir = "{out}"\nstartup_timeout_s = 30.0\n')
+    assert main(["run", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert f"[run] model_dir {model}: " in err and "use_sliding_window" in err
+    assert not list((out / "logs").glob("*.log"))  # neither gyre-sched nor any cell was started
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"
 
 
 def test_resume_needs_a_run(tmp_path: Path) -> None:
@@ -297,8 +320,8 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
 
 
 def test_gyre_run_on_a_live_directory_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    from gyre.config import config_from_dict
-    from gyre.run import run
+    from gyre.config.runconfig import config_from_dict
+    from gyre.system.run import run
 
     (tmp_path / "records.msgpack").write_bytes(b"the only copy of untrained records")
     live = RunDir.claim(tmp_path, CFG, resume=False)
@@ -388,7 +411,7 @@ def test_a_full_disk_is_told_from_its_errors(tmp_path: Path) -> None:
     assert "(os error 2)" in str(missing) and diskfull.is_full(missing) is None
     # and from a write past a file-size limit (EFBIG), in a process of its own that has the limit
     probe = (
-        "import resource, torch; from safetensors.torch import save_file; from gyre import diskfull\n"
+        "import resource, torch; from safetensors.torch import save_file; from gyre.system import diskfull\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))\n"
         f"try: save_file({{'w': torch.zeros(1 << 16)}}, {str(tmp_path / 'w.safetensors')!r})\n"
         "except Exception as exc: print(type(exc).__name__, diskfull.is_full(exc) is exc)\n"

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from gyre.stepbook import RecordsMissing, StepBook
-from gyre.trajsvc import TrajectoryService
+from gyre.trajsvc.service import TrajectoryService
+from gyre.trajsvc.stepbook import RecordsMissing, StepBook
 from gyre_train.claimqueue import ClaimQueue
 from gyre_train.protocol import PROTOCOL, StepInfo, Welcome
 from gyre_train.server import ReplicaServer, ServerConfig

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gyre import tasks
-from gyre.warmstart import (
+from gyre.rollout.tasks import qa as tasks
+from gyre.rollout.warmstart import (
     TranscriptMaker,
     WarmStartConfig,
     _torch_batch,
@@ -54,7 +54,7 @@ def test_transcripts_are_what_the_proxy_renders_and_parses(model_dir: Path) -> N
             between = tok.decode(tr.ids[e1:s2].tolist(), skip_special_tokens=False)
             assert result in between  # the tool's output: context only
     # the whole prompt of the first call is the model's own chat template (what the proxy is tested on)
-    from gyre.agent import SYSTEM
+    from gyre.rollout.agents.agent import SYSTEM
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(model_dir)
@@ -93,7 +93,7 @@ def test_the_teacher_prefers_the_default_and_rarely_makes_the_questions_choice()
     quarter (never looking at what the question asks), so the warm-started model's greedy call is the
     default, which no question asks for, and a sampled call is right about one time in four: the reward
     varies within a group, which is RL's signal."""
-    from gyre.warmstart import teacher_choices
+    from gyre.rollout.warmstart import teacher_choices
 
     rng_tasks = random.Random(2)
     todo = [tasks.make_task(rng_tasks, f"t{i}", "train") for i in range(4000)]
@@ -127,7 +127,7 @@ def test_deterministic_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         WarmStartConfig(shape="tiny", steps=3, batch=2, warmup=1, seed=6)
     )
     # the same config trained again elsewhere gives the same weights
-    from gyre.warmstart import train
+    from gyre.rollout.warmstart import train
 
     train(cfg, tmp_path / "again", progress=False)
     a, b = (

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from gyre.config import POLICIES
+from gyre.config.runconfig import POLICIES, Config
 
 # Distributions that make up gyre; those not installed are shown as such.
 _COMPONENTS = ("gyre", "gyre-traj", "gyre-proxy", "gyre-engine", "gyre-sched", "gyre-xfer", "gyre-train")
@@ -52,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--policy", choices=POLICIES, help="override [run] policy")
     r.add_argument("--out", help="override [run] out_dir")
-    from gyre.config import RunSection
+    from gyre.config.runconfig import RunSection
 
     r.add_argument(
         "--ray",
@@ -86,12 +86,14 @@ def _build_parser() -> argparse.ArgumentParser:
     x.add_argument("--faults", type=int, default=20, help="faults to inject (default: 20)")
     x.add_argument("--seed", type=int, default=0, help="which faults, when (default: 0)")
     x.add_argument("--out", required=True, help="the run directory (new); the report is OUT/chaos.json")
-    x.add_argument("--kinds", default="", help="comma separated fault kinds (default: all; see gyre.chaos)")
+    x.add_argument(
+        "--kinds", default="", help="comma separated fault kinds (default: all; see gyre.scenarios.chaos)"
+    )
     x.add_argument(
         "--failure-timeout-s", type=float, default=8.0, help="gyre-sched's failure timeout during the run"
     )
-    from gyre.demo import DemoConfig
-    from gyre.warmstart import WarmStartConfig
+    from gyre.rollout.warmstart import WarmStartConfig
+    from gyre.scenarios.demo import DemoConfig
 
     d = sub.add_parser(
         "demo", help="warm start, then RL that measurably learns the built-in tasks (minutes on 2 CPU cores)"
@@ -141,11 +143,24 @@ def _fields(ns: argparse.Namespace, cls: type) -> Any:
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
+def _load(path: str) -> Config:
+    """The run config in `path`, its harness checked too (`ConfigError`s name the file and the key)."""
+    from gyre.config.runconfig import ConfigError, load_config
+    from gyre.rollout.harnesses import check_harness
+
+    cfg = load_config(path)
+    try:
+        check_harness(cfg.agent)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return cfg
+
+
 def _demo(args: argparse.Namespace) -> int:
-    from gyre.demo import DemoConfig, demo
-    from gyre.procs import ChildDied
-    from gyre.run import RunError
-    from gyre.rundir import RunDirError
+    from gyre.procs.group import ChildDied
+    from gyre.scenarios.demo import DemoConfig, demo
+    from gyre.system.attempt import RunError
+    from gyre.system.rundir import RunDirError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -160,14 +175,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _chaos(args: argparse.Namespace) -> int:
     import json
 
-    from gyre.chaos import KINDS, chaos
-    from gyre.config import ConfigError, load_config
+    from gyre.config.runconfig import ConfigError
+    from gyre.scenarios.chaos import KINDS, chaos
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) or KINDS
     try:
-        cfg = load_config(args.config)
+        cfg = _load(args.config)
         report = chaos(
             cfg, args.faults, args.seed, Path(args.out), kinds, args.failure_timeout_s,
             say=lambda m: print(m, flush=True),
@@ -184,7 +199,7 @@ def _chaos(args: argparse.Namespace) -> int:
 def _warmstart(args: argparse.Namespace) -> int:
     import json
 
-    from gyre.warmstart import WarmStartConfig, check, warm_start
+    from gyre.rollout.warmstart import WarmStartConfig, check, warm_start
 
     path, meta = warm_start(_fields(args, WarmStartConfig), say=lambda m: print(m, file=sys.stderr))
     print(path)
@@ -193,11 +208,77 @@ def _warmstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_or_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`gyre run` and `gyre compare`: the config loaded and checked (exit 2 on a refused one), then run
+    (exit 1 on a failed run, 130 when interrupted)."""
+    from gyre.config.runconfig import ConfigError
+    from gyre.rollout.harnesses import check_harness
+    from gyre.system.rundir import RunDirError
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.command == "run" and (args.resume is None) == (args.config is None):
+        parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
+    if args.command == "run" and args.resume and (args.out or args.policy):
+        parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
+    try:
+        if args.command == "run" and args.resume:
+            from gyre.system.run import resume_config
+
+            cfg = resume_config(Path(args.resume))
+            check_harness(cfg.agent)
+        else:
+            cfg = _load(args.config)
+        if args.out:
+            cfg = cfg.with_policy(cfg.run.policy, args.out)
+        if args.command == "run" and args.policy:
+            cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
+        if args.command == "run" and args.ray is not None:
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
+    except (ConfigError, RunDirError) as exc:
+        print(f"gyre {args.command}: {exc}", file=sys.stderr)
+        return 2
+    from gyre.procs.group import ChildDied
+    from gyre.system.attempt import RunError
+    from gyre.system.launch import PlacementError
+
+    try:
+        if args.command == "run":
+            from gyre.system.run import run
+
+            run(cfg, resume=bool(args.resume))
+        else:
+            from gyre.scenarios.compare import compare
+
+            arms = [p.strip() for p in args.policies.split(",") if p.strip()]
+            compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
+    except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
+        print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
+        if args.command == "run" and args.resume:
+            from gyre.system.rundir import steps_done
+
+            if steps_done(Path(args.resume)) == 0:
+                print(
+                    f"gyre run: {args.resume} never reached its first step, so --resume repeats its "
+                    f"configuration: start it again with a corrected one (gyre run CONFIG --out "
+                    f"{args.resume})",
+                    file=sys.stderr,
+                )
+        return 1
+    except KeyboardInterrupt:  # every child was stopped on the way out
+        print(f"gyre {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "cell":
-        from gyre.cell import main as cell_main
+        from gyre.cell.cell import main as cell_main
 
         return cell_main(["--args", args.args, *rest])
     if rest:
@@ -213,65 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "chaos":
         return _chaos(args)
     if args.command in ("run", "compare"):
-        from gyre.config import ConfigError, load_config
-        from gyre.rundir import RunDirError
-
-        logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
-            format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        )
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        if args.command == "run" and (args.resume is None) == (args.config is None):
-            parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
-        if args.command == "run" and args.resume and (args.out or args.policy):
-            parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
-        try:
-            if args.command == "run" and args.resume:
-                from gyre.run import resume_config
-
-                cfg = resume_config(Path(args.resume))
-            else:
-                cfg = load_config(args.config)
-            if args.out:
-                cfg = cfg.with_policy(cfg.run.policy, args.out)
-            if args.command == "run" and args.policy:
-                cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
-            if args.command == "run" and args.ray is not None:
-                cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
-        except (ConfigError, RunDirError) as exc:
-            print(f"gyre {args.command}: {exc}", file=sys.stderr)
-            return 2
-        from gyre.launch import PlacementError
-        from gyre.procs import ChildDied
-        from gyre.run import RunError
-
-        try:
-            if args.command == "run":
-                from gyre.run import run
-
-                run(cfg, resume=bool(args.resume))
-            else:
-                from gyre.compare import compare
-
-                arms = [p.strip() for p in args.policies.split(",") if p.strip()]
-                compare(cfg, arms, reuse=args.reuse, repeats=args.repeats)
-        except (RunError, ChildDied, ConfigError, PlacementError, RunDirError) as exc:
-            print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
-            if args.command == "run" and args.resume:
-                from gyre.rundir import steps_done
-
-                if steps_done(Path(args.resume)) == 0:
-                    print(
-                        f"gyre run: {args.resume} never reached its first step, so --resume repeats its "
-                        f"configuration: start it again with a corrected one (gyre run CONFIG --out "
-                        f"{args.resume})",
-                        file=sys.stderr,
-                    )
-            return 1
-        except KeyboardInterrupt:  # every child was stopped on the way out
-            print(f"gyre {args.command}: interrupted", file=sys.stderr)
-            return 130
-        return 0
+        return _run_or_compare(args, parser)
     parser.print_help()
     return 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_traj.loss import LossConfig
+from gyre_traj.pack import PackConfig
 
 
 def _token(args: argparse.Namespace) -> str:
@@ -287,7 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--feed-idle-s", type=float, default=600.0, help="--feed: stop after this long without one"
     )
-    c.add_argument("--budget", type=int, default=1024)
+    c.add_argument(
+        "--budget",
+        type=int,
+        default=PackConfig.token_budget,
+        help="tokens in one micro-batch: the largest the core accepts, and the synthetic mini-batches' packing "
+        "budget (default: gyre-traj's PackConfig, %(default)s)",
+    )
     c.add_argument("--attention", default="dense", choices=["dense", "flex"])
     c.add_argument("--device", default="cpu")
     c.add_argument("--loss", default="ppo", choices=["ppo", "tis"])

@@ -280,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp = sub.add_parser("pack", help="select, weight and pack executions into micro-batches (.npz)")
     pp.add_argument("file")
     pp.add_argument("--out", required=True, help="output directory")
-    pp.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch")
+    pp.add_argument(
+        "--budget",
+        type=int,
+        default=PackConfig.token_budget,
+        help="tokens per micro-batch (default: %(default)s)",
+    )
     pp.add_argument("--mode", choices=["tree", "paths"], default="tree")
     pp.add_argument("--std-normalize", action="store_true", help="divide advantages by the group std")
     pp.add_argument(

@@ -1,0 +1,457 @@
+"""One cell of a single-machine run (`gyre cell`): a gyre-engine server it owns, and a trainer replica.
+
+The cell starts `gyre-engine serve` as its child and registers with gyre-sched as a CELL whose endpoint is
+that engine. Cell 0 is the trainer core (gyre-train `Core`, its model built from the directory's whole HF
+config, `ModelConfig.from_model_dir`, and loaded with its weights, as the engine serves them); the others
+run a gyre-train `Satellite` that stays connected and idle until admitted. On a `SwitchCommand` to
+TRAINING the cell releases its engine's memory and joins training (the core takes the oldest step, open or
+whole, and computes its micro-batches as they arrive; a satellite is admitted through `CoreClient` and
+claims at once what is queued); back to ROLLOUT it leaves training (the core stops computing micro-batches
+but still aggregates and applies the step in progress, which the cells that train, or the core when it
+returns, finish; a satellite is dismissed), resumes the engine, loads the newest weights and only then
+answers `SwitchDone`. While in rollout, a weight thread follows the core's version and pulls each new
+snapshot into the engine (gyre-xfer over shared memory). The core appends one JSON line per step to
+`steps.jsonl` in the run directory. In rollout the core still takes a step closed with no micro-batch and
+skips it (nothing to compute): no ready group counts for such a step, so no policy moves the cell to
+training for it. The trainer thread and the satellite thread are gyre-train's `threads.start_thread`: if
+one dies, the cell process ends at once (exit status 70, the traceback in its log), and `gyre run` ends
+naming it (or restarts it: `supervise.py`). A cell that cannot write for want of space (its steps line,
+its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and the run stops once.
+
+With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
+`steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
+version into its engine before it registers, so a restarted or resumed cell never serves older weights.
+A cell the scheduler refuses at Hello (a restarted one whose old self is not yet failed) asks again
+until `startup_timeout_s`; once welcomed it writes its pid to `cells/<id>.up` in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import zmq
+from gyre_sched.client import dealer
+from gyre_sched.protocol import (
+    CellLost,
+    Codec,
+    GetState,
+    Heartbeat,
+    Hello,
+    PeerKind,
+    Reject,
+    Role,
+    SwitchCommand,
+    SwitchDone,
+    Welcome,
+)
+
+from gyre.cell.args import CellArgs
+from gyre.cell.sglang_cell import SGLangEngine
+from gyre.procs import nospace
+from gyre.procs.group import ProcessGroup, python_argv
+
+if TYPE_CHECKING:
+    from gyre_train.claimqueue import QueuedStep
+
+log = logging.getLogger("gyre.cell")
+T = TypeVar("T")
+
+
+class StoppedWhileStarting(Exception):
+    """SIGTERM arrived while the cell's engine was still starting (the cell stops at once)."""
+
+
+class Cell:
+    def __init__(self, a: CellArgs) -> None:
+        self.a = a
+        self.run_dir = Path(a.run_dir)
+        self.url = f"http://{a.host}:{a.engine_port}"
+        self.name = f"cell-{a.cell_id}"
+        self.procs = ProcessGroup(self.run_dir / "logs")
+        self.stop = threading.Event()
+        self.role = Role.ROLLOUT
+        self.training = threading.Event()  # the trainer side may work (core: take steps and compute)
+        self.engine_version = 0
+        self.weights_lock = threading.Lock()  # one weight update or memory change at a time
+        self.core: Any = None
+        self.client: Any = None  # CoreClient (weight thread + admit/dismiss)
+        self.publisher = a.publisher
+        self.fatal: BaseException | None = None
+        self.sglang: SGLangEngine | None = None  # when [cell] engine = "sglang"
+
+    # ---- engine -------------------------------------------------------------------------------------
+    def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
+        from gyre_engine.client import EngineClient
+
+        async def go() -> T:
+            async with EngineClient(self.url, timeout_s=timeout_s) as c:
+                return await fn(c)
+
+        return asyncio.run(go())
+
+    def start_engine(self) -> None:
+        if self.a.engine == "sglang":
+            self.sglang = SGLangEngine(self.a, self.procs)
+            self.sglang.start()
+            return
+        argv = python_argv(
+            "gyre_engine", "serve", "--model", self.a.model_dir, "--port", str(self.a.engine_port),
+            "--device", self.a.device, *self.a.engine_argv, "--host", self.a.host,
+            *(["--allow-remote"] if self.a.host != "127.0.0.1" else []),
+        )  # fmt: skip
+        self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + self.a.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.stop.is_set():
+                raise StoppedWhileStarting(f"cell {self.a.cell_id} stopped while its engine was starting")
+            self.procs.check()
+            with contextlib.suppress(Exception):
+                if self._engine(lambda c: c.health(timeout=2.0), timeout_s=5.0):
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"engine of cell {self.a.cell_id} not healthy within {self.a.startup_timeout_s}s")
+
+    def release_engine(self) -> None:
+        """Free the engine for training; it must be idle (the proxy drained it), so retry a 409."""
+        from gyre_engine.client import EngineError
+
+        if not self.a.release_memory:
+            return
+        if self.sglang is not None:
+            with self.weights_lock:
+                self.sglang.release()
+                self.engine_version = -1  # SGLang keeps no copy: the next sync sends the whole model
+            return
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                with self.weights_lock:
+                    self._engine(lambda c: c.release_memory(None))
+                return
+            except EngineError as exc:
+                if exc.status != 409 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def resume_engine(self) -> None:
+        if self.a.release_memory:
+            with self.weights_lock:
+                if self.sglang is not None:
+                    self.sglang.resume()
+                else:
+                    self._engine(lambda c: c.resume_memory(None))
+
+    def sync_weights(self) -> bool:
+        """Load the core's newest version into the engine if it is newer; True if it changed."""
+        st = self.client.status()
+        if st.version <= self.engine_version:
+            return False
+        if self.sglang is not None:
+            with self.weights_lock:
+                push_s = self.sglang.load(self.publisher, st.snapshot, st.version)
+            self.engine_version = st.version
+            log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
+            return True
+        with self.weights_lock:
+            rep = self._engine(
+                lambda c: c.update_weights_from_xfer(
+                    self.publisher, min_version=st.snapshot, transport="shm", weight_version=str(st.version)
+                )
+            )
+        if not rep.success:
+            raise RuntimeError(f"cell {self.a.cell_id}: weight update failed: {rep.message}")
+        self.engine_version = st.version
+        log.info("cell %d: engine at version %d (%.3fs pull)", self.a.cell_id, st.version, rep.pull_s)
+        return True
+
+    def weight_loop(self) -> None:
+        while not self.stop.is_set():
+            if self.role is Role.ROLLOUT:
+                try:
+                    self.sync_weights()
+                except Exception as exc:  # the next round retries; a dead core ends the run elsewhere
+                    log.warning("cell %d: weight sync failed: %s", self.a.cell_id, exc)
+            self.stop.wait(0.05)  # a status request to the core: the push waits for this poll
+
+    # ---- trainer ------------------------------------------------------------------------------------
+    def start_trainer(self) -> None:
+        from gyre_train.control import CoreClient
+        from gyre_train.threads import start_thread
+        from gyre_traj.loss import LossConfig
+
+        if self.a.is_core:
+            from gyre_train.core import Core, CoreConfig, OptimConfig
+            from gyre_train.model import Attention, build_model, load_pretrained
+            from gyre_train.modelconfig import ModelConfig
+
+            mc = ModelConfig.from_model_dir(self.a.model_dir)  # the directory's whole HF config
+            attention: Attention = "flex" if self.a.device == "cuda" else "dense"
+            model = build_model(mc, attention, self.a.device)
+            load_pretrained(model, mc, self.a.model_dir)
+            cfg = CoreConfig(
+                attention=attention,
+                token_budget=self.a.token_budget,
+                loss=LossConfig(
+                    mode="tis" if self.a.loss == "tis" else "ppo", temperature=self.a.temperature
+                ),
+                optim=OptimConfig(lr=self.a.lr),
+                dead_after_s=30.0,
+                bind=f"tcp://{self.a.host}:0",
+            )
+            self.core = Core(model, mc, cfg)
+            ckpt = Path(self.a.checkpoint) if self.a.checkpoint else None
+            if ckpt is not None and (ckpt / "state.json").exists():
+                self.core.load(ckpt)
+                log.info("core resumed from %s at version %d", ckpt, self.core.version)
+            self.core.set_computing(False)  # the cell starts in rollout
+            self.publisher = self.core.publisher.address
+            info = {"core": self.core.address, "publisher": self.publisher}
+            tmp = self.run_dir / "core.json.tmp"
+            tmp.write_text(json.dumps(info))
+            tmp.rename(self.run_dir / "core.json")
+            self.client = CoreClient(self.core.address, timeout_s=30.0)
+            start_thread(self.train_loop, "core-train")
+        else:
+            from gyre_train.satellite import Satellite, SatelliteConfig
+
+            self.client = CoreClient(self.a.core, timeout_s=30.0)
+            sat = Satellite(
+                SatelliteConfig(core=self.a.core, name=self.name, device=self.a.device, reply_timeout_s=60.0)
+            )
+
+            def serve() -> None:
+                try:
+                    sat.run()
+                except Exception:
+                    if self.stop.is_set():  # the run is ending: the core went first
+                        return
+                    raise  # start_thread ends the cell, loudly
+
+            start_thread(serve, "satellite")
+
+    def train_loop(self) -> None:
+        """Core only: while in training, take the oldest step (open or whole) and train it to its update,
+        which may outlast the cell's training role (see the module docstring). An error ends the cell
+        (`start_thread`), unless the cell is already closing."""
+        try:
+            self._train_steps()
+        except Exception as exc:
+            if self.stop.is_set():
+                return
+            if nospace.is_full(exc) is not None:  # the steps line or the checkpoint: no room for it
+                nospace.exit_process(f"cell {self.a.cell_id}: the core could not write", exc)
+            raise
+
+    def _train_steps(self) -> None:
+        steps = self.run_dir / "steps.jsonl"
+        while not self.stop.is_set():
+            step = self._next_step()
+            if step is None:
+                continue
+            t0 = time.time()
+            rep = self.core.train_step(step)
+            row = {**asdict(rep), "t_start": t0, "t_end": time.time()}
+            with open(steps, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            if self.a.checkpoint:
+                self.core.save(Path(self.a.checkpoint))
+            log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
+
+    def _next_step(self) -> QueuedStep | None:
+        """The step to train next (a gyre-train `QueuedStep`), or None after a short wait. In training:
+        the oldest accepted step, open or whole. In rollout: only one closed with no micro-batch, which
+        the core skips with nothing to compute (no ready group counts for it, so no policy would move the
+        cell to training for it)."""
+        if self.training.is_set():
+            return self.core.next_step(0.2)
+        head = next(iter(self.core.steps()), None)
+        if head is not None and head.closed and head.microbatches == 0:
+            return self.core.next_step(0.0)
+        self.training.wait(0.2)
+        return None
+
+    # ---- switches -----------------------------------------------------------------------------------
+    def to_training(self) -> dict[str, float]:
+        """Switch this cell to training; returns the seconds of each part (logged as `switch parts`)."""
+        t0 = time.monotonic()
+        self.release_engine()
+        t1 = time.monotonic()
+        if self.a.is_core:
+            self.core.set_computing(True)
+            self.training.set()
+        else:
+            self.client.admit(self.name)
+        return {"release_s": t1 - t0, "join_s": time.monotonic() - t1}
+
+    def to_rollout(self) -> dict[str, float]:
+        """Switch this cell back to rollout; returns the seconds of each part."""
+        t0 = time.monotonic()
+        if self.a.is_core:
+            self.training.clear()
+            self.core.set_computing(False)  # the micro-batch in hand still counts
+        else:
+            self.client.dismiss(self.name)
+        t1 = time.monotonic()
+        self.resume_engine()
+        t2 = time.monotonic()
+        self.sync_weights()
+        t3 = time.monotonic()
+        if self.sglang is not None and self.a.release_memory:
+            self.sglang.continue_()  # paused by release_engine; its weights are current again
+        return {"leave_s": t1 - t0, "resume_s": t2 - t1, "weights_s": t3 - t2}
+
+    # ---- the scheduler side -------------------------------------------------------------------------
+    def serve(self) -> None:
+        codec = Codec()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        sock = dealer(ctx, self.a.sched)  # the run token: $GYRE_TOKEN (main() reads token_file into it)
+        try:
+            hb = self._register(sock, codec)
+            last_sent = last_heard = last_probe = time.monotonic()
+            done: list[SwitchDone] = []
+            worker: threading.Thread | None = None
+
+            def send(msg: Any) -> None:
+                try:
+                    sock.send(codec.encode(msg), zmq.NOBLOCK)
+                except zmq.Again as exc:  # no connection to the scheduler right now
+                    log.warning("cell %d: could not send %s: %s", self.a.cell_id, type(msg).__name__, exc)
+
+            while not self.stop.is_set():
+                # A main loop stuck for 20 s dumps every thread's stack into the log (diagnosis only).
+                faulthandler.dump_traceback_later(20.0, exit=False)
+                self.procs.check()
+                if self.fatal is not None:
+                    raise RuntimeError(f"cell {self.a.cell_id}: switch failed: {self.fatal}") from self.fatal
+                now = time.monotonic()
+                # The scheduler only speaks when it has something to say: ask it, and fail if it stays silent.
+                if now - last_heard > 60.0:
+                    raise TimeoutError(f"scheduler at {self.a.sched} did not answer for 60 s")
+                if now - last_heard > 5.0 and now - last_probe > 5.0:
+                    send(GetState())
+                    last_probe = now
+                while done:
+                    send(done.pop())
+                    last_sent = now
+                if now - last_sent >= hb / 2:
+                    send(Heartbeat(self.a.cell_id, self.role))
+                    last_sent = now
+                if not sock.poll(50):
+                    continue
+                msg = codec.decode(sock.recv())
+                last_heard = time.monotonic()
+                if isinstance(msg, SwitchCommand):
+                    if worker is not None and worker.is_alive():
+                        worker.join()
+                    worker = threading.Thread(target=self._switch, args=(msg, done), daemon=True)
+                    worker.start()
+                elif isinstance(msg, CellLost):
+                    log.warning("cell %d lost (the core re-queues its claims itself)", msg.cell_id)
+                elif isinstance(msg, Reject):
+                    log.warning("scheduler: %s", msg.reason)
+                # State (the answer to a probe), Welcome: nothing to do
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            sock.close(0)
+            ctx.term()
+
+    def _register(self, sock: zmq.Socket[bytes], codec: Codec) -> float:
+        """Hello until welcomed (a refusal is asked again until `startup_timeout_s`); the heartbeat."""
+        hello = Hello(
+            PeerKind.CELL,
+            cell_id=self.a.cell_id,
+            is_core=self.a.is_core,
+            capacity=self.a.capacity,
+            endpoint=self.url,
+        )
+        deadline = time.monotonic() + self.a.startup_timeout_s
+        while True:
+            sock.send(codec.encode(hello))
+            if not sock.poll(30_000):
+                raise TimeoutError(f"no Welcome from the scheduler at {self.a.sched} within 30 s")
+            w = codec.decode(sock.recv())
+            if isinstance(w, Welcome):
+                up = self.run_dir / "cells" / f"{self.a.cell_id}.up"
+                up.parent.mkdir(exist_ok=True)
+                up.write_text(str(os.getpid()))
+                return w.heartbeat_s
+            if not isinstance(w, Reject):
+                raise RuntimeError(f"expected Welcome, got {type(w).__name__}")
+            if time.monotonic() > deadline or self.stop.is_set():
+                raise RuntimeError(f"scheduler rejected cell {self.a.cell_id}: {w.reason}")
+            log.warning("cell %d: scheduler refused (%s); asking again", self.a.cell_id, w.reason)
+            self.stop.wait(1.0)
+
+    def _switch(self, cmd: SwitchCommand, done: list[SwitchDone]) -> None:
+        try:
+            self._do_switch(cmd, done)
+        except BaseException as exc:  # the main loop raises it: a cell that cannot switch stops
+            log.exception("cell %d: switch to %s failed", self.a.cell_id, cmd.role.name)
+            self.fatal = exc
+
+    def _do_switch(self, cmd: SwitchCommand, done: list[SwitchDone]) -> None:
+        t0 = time.monotonic()
+        if cmd.role is Role.TRAINING:
+            self.role = Role.TO_TRAINING
+            parts = self.to_training()
+        else:
+            self.role = Role.TO_ROLLOUT
+            parts = self.to_rollout()
+        self.role = cmd.role
+        log.info("cell %d: now %s (%.2fs)", self.a.cell_id, cmd.role.name, time.monotonic() - t0)
+        log.info("switch parts %s", json.dumps({"cell": self.a.cell_id, "to": cmd.role.name, **parts}))
+        done.append(SwitchDone(self.a.cell_id, cmd.role, cmd.decision))
+
+    def run(self) -> int:
+        try:
+            self.start_engine()
+            self.start_trainer()
+            self.sync_weights()  # a resumed core's version (or the running core's, on a restart)
+            threading.Thread(target=self.weight_loop, name="weights", daemon=True).start()
+            self.serve()
+        except StoppedWhileStarting as exc:
+            log.info("%s", exc)  # SIGTERM during start-up: a clean stop, not a failure
+        finally:
+            self.stop.set()
+            self.training.clear()
+            if self.core is not None:
+                self.core.close()
+            if self.sglang is not None:
+                self.sglang.close()
+            self.procs.close()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gyre cell", description="one cell of a single-machine gyre run")
+    p.add_argument("--args", required=True, help="the cell's settings as JSON (written by `gyre run`)")
+    ns = p.parse_args(argv)
+    a = CellArgs(**json.loads(ns.args))
+    if a.token_file:
+        from gyre_xfer.auth import TOKEN_ENV, read_token_file
+
+        os.environ[TOKEN_ENV] = read_token_file(a.token_file)  # its engine, publisher and sockets too
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cell = Cell(a)
+    signal.signal(signal.SIGTERM, lambda *_: cell.stop.set())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        return cell.run()
+    except Exception as exc:
+        if nospace.is_full(exc) is None:
+            raise
+        nospace.exit_process(f"cell {a.cell_id}", exc)

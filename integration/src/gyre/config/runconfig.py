@@ -1,0 +1,389 @@
+"""The `gyre run` configuration: a TOML or YAML file loaded into frozen dataclasses with defaults.
+
+Every section and key is checked: an unknown section or key, a wrong type or an out-of-range value is a
+`ConfigError` naming it (`[agent] turns must be >= 1`), so a typo never silently runs the default. What
+only the harnesses know (which harness, its command line, whether its CLI is installed here) is theirs to
+check: `rollout.harnesses.check_harness`, which `gyre run` and the `gyre` command call once the file is
+loaded. The field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from gyre_sched import tables
+from gyre_sched.workload import DriverConfig
+from gyre_traj.pack import PackConfig
+
+POLICIES = ("elastic", "colocate", "colocate-runahead", "async")
+"""The gyre-sched policies `gyre run` can use (their meaning: gyre-sched's README, "Policies")."""
+WHOLE_POOL = ("colocate", "colocate-runahead")
+"""Policies that train whole batches only, whatever `[driver] streaming` says."""
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field `name` of the dataclass `cls`: a setting the run config shares with the package
+    that declares it takes its default from there (`slots` dataclasses included)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+class ConfigError(tables.ConfigError):
+    """A configuration that cannot be used, with the offending section and key in the message. A
+    `ValueError`, and a `gyre_sched.tables.ConfigError`: the section checks are gyre-sched's, raising
+    this class."""
+
+
+@dataclass(frozen=True)
+class RunSection:
+    policy: str = "elastic"
+    """Who decides the cells' roles (gyre-sched's policies): elastic (water level), colocate (the report's:
+    whole pool, batches in cohorts), colocate-runahead (whole pool, batches start under a tail) or async
+    (a fixed split)."""
+    cells: int = 2
+    """Cells, each a gyre-engine rollout server or a trainer replica; cell 0 is the trainer core."""
+    steps: int = 2
+    """Optimizer steps to run; the run ends when the last one is applied and reached the engines."""
+    seed: int = 0
+    out_dir: str = "gyre-run"
+    """Where logs, records, metrics.json and the plot go (created; a policy subdirectory for compare)."""
+    model_dir: str = ""
+    """A gyre-engine model directory; empty: a random-init model of `model_shape`, created under out_dir."""
+    model_shape: str = "tiny"
+    """`gyre-engine create-model --shape`: tiny (the embedded default), mini, small or qwen3-0.6b."""
+    model_dtype: str = "float32"
+    """dtype of a created model (float32 or bfloat16)."""
+    deadline_s: float = 900.0
+    """The whole run fails (every process stopped) if it has not finished in this long."""
+    startup_timeout_s: float = 180.0
+    """Processes that are not up within this long are an error."""
+    ray_address: str = ""
+    """Empty: every process on this machine (the local launcher). Else a Ray cluster's address ("auto",
+    "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
+    its GPUs) are placed through one placement group, bind their node's address, and share a run token
+    ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
+
+
+@dataclass(frozen=True)
+class BatchSection:
+    queries: int = 2
+    """Groups (tasks) per optimizer step."""
+    group_size: int = 2
+    """Executions per task; advantages are taken within a group."""
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    turns: int = 3
+    """Model calls of one execution when it does not time out (the built-in harness is scripted)."""
+    max_tokens: int = 12
+    """max_tokens of each model call."""
+    temperature: float = 1.0
+    median_s: float = 2.0
+    """Execution duration profile (lognormal, as gyre-sched's workloads): median of a task's scale in
+    seconds (the simulator's workload for this run takes it from here, `predict.sim_workload`; gyre-sched's
+    own default, `durations.median_h`, is a cluster's profile in hours) ..."""
+    sigma: float = 0.8
+    """... its log-space spread (the heavy tail) ..."""
+    exec_sigma: float = 0.3
+    """... and the spread of the executions inside a group."""
+    model_fraction: float = 0.5
+    """Share of the nominal duration the simulator counts as model time; the harness sleeps the rest
+    (1 - model_fraction) as tool time between calls."""
+    timeout_s: float = 8.0
+    """Hard timeout of one execution; a timed-out one is scored on what it produced (flagged)."""
+    request_timeout_s: float = 60.0
+    """Give up one HTTP call after this long (inside the execution's timeout)."""
+    scripted_fallback: bool = False
+    """When the model makes no tool call, run the task's next scripted tool itself (for a random model,
+    which rarely emits a parseable call); off: the model's answer ends the execution."""
+    harness: str = "builtin"
+    """Who runs an execution: builtin (this package's tool-using agent, `agent.py` / `branching.py`),
+    claude-code (one real Claude Code CLI process per execution) or command (any command-line agent from
+    `command`); README "Harnesses"."""
+    tasks: str = "qa"
+    """qa: the built-in question families (`tasks.py`, scored on the final answer); code: write code in
+    the working directory, scored by hidden unit tests (`codetasks.py`; claude-code and command only)."""
+    command: str = ""
+    """command harness: the agent's command line, split like a shell's (no shell runs it), with
+    `{prompt}` (required) and `{workdir}` replaced in each word; its environment names the execution's
+    Anthropic and OpenAI base URLs; its standard output, stripped, is the final answer. Example:
+    `python -m gyre.rollout.agents.openai_agent {prompt}`."""
+    claude_bin: str = ""
+    """claude-code: the `claude` executable; empty: $GYRE_CLAUDE_BIN, else the pinned install at
+    packages/gyre-proxy/.claude-code, else `claude` on PATH."""
+    compact_tokens: int = 0
+    """builtin: once a call's context (its input and output tokens) passes this, the agent asks for a
+    summary (role main_summary) and restarts from it; 0: never."""
+    subagents: bool = False
+    """builtin: each tool step is delegated to a sub-agent (its own conversation, role subagent) whose
+    answer returns to the main agent as the tool's result."""
+    call_retries: int = 0
+    """builtin: a reply cut at max_tokens, or with an unparseable tool call, is sent again unchanged up to
+    this many times (the cut reply stays in the tree as a dead branch)."""
+
+
+@dataclass(frozen=True)
+class DriverSection:
+    max_ahead: int = default_of(DriverConfig, "max_ahead")
+    """Batches rollout may run ahead of the trainer: batch k starts once k - steps applied <= this
+    (gyre-sched's `driver.max_ahead`, and its default)."""
+    report_s: float = 0.2
+    """How often the water level and ready groups go to the scheduler."""
+    streaming: bool = True
+    """Stream each step: the trajectory service opens it on gyre-train's core and hands it every group
+    as soon as the group is scored and its records have arrived, so training starts under the batch's
+    tail (True); or submit the step whole once its batch is complete (False). The Colocate variants
+    train whole batches only either way (`Config.streams`)."""
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    lr: float = 1e-4
+    token_budget: int = default_of(PackConfig, "token_budget")
+    """Most tokens in one tree-packed micro-batch (gyre-traj's `PackConfig.token_budget`, and its default)."""
+    loss: str = "ppo"
+    """ppo or tis (gyre-traj's policy loss)."""
+    j_max: int = 5
+    """Trajectories selected per execution."""
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    tasks: int = 0
+    """Held-out tasks scored at each evaluation (greedy, through the proxy and engines); 0 = none."""
+    every: int = 5
+    """Evaluate at weight versions 0, every, 2 x every, ... and the last; the step after an evaluation
+    point is held until it is done, so every evaluation sees one weight version."""
+    seed: int = 0
+    """Which held-out tasks (the same set at every evaluation)."""
+    max_tokens: int = 48
+    """max_tokens of each evaluation call."""
+
+
+@dataclass(frozen=True)
+class CellSection:
+    capacity: int = 8
+    """Concurrent executions one rollout cell serves at full speed (the scheduler's water level unit)."""
+    release_memory: bool = True
+    """Release the engine's memory while its cell trains (gyre-engine's /release_memory_occupation)."""
+    device: str = "cpu"
+    """cpu, or cuda: each cell sees one GPU alone (CUDA_VISIBLE_DEVICES; which one: `gpus`) for its
+    engine and its replica, and training uses FlexAttention."""
+    gpus: list[int] = field(default_factory=list)
+    """With device = "cuda": the GPU index of each cell, one per cell; cells may share a GPU (`[0, 0]`:
+    two cells on GPU 0). Empty: cell i takes GPU i (`gyre.system.gpus`)."""
+    engine: str = "gyre"
+    """The cell's rollout engine: gyre (gyre-engine), or sglang (an SGLang server started through
+    gyre-engine's launcher and driven through SGLang's endpoints only: weights by its distributed update,
+    memory release and resume, pause and continue; a moved call is re-prefilled)."""
+    sglang_module: str = "sglang.launch_server"
+    """engine = "sglang": what `python -m` runs, SGLang's server or, where SGLang cannot serve (no
+    supported GPU), gyre_engine.standin (gyre-engine with SGLang's flags and endpoints only)."""
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """Options of each cell's `gyre-engine serve` (its memory and its CUDA-graph start-up)."""
+
+    max_running: int = 64
+    """Requests decoding at once at most (`--max-running-requests`; also the largest graph bucket)."""
+    kv_fraction: float = 0.2
+    """Device memory for the decode slots' KV, as a fraction of the GPU's (`--slot-kv-fraction`); the
+    cells sharing a GPU must leave room for each other and the trainers (checked: <= 0.8 together)."""
+    warmup_tokens: int = 1024
+    """CUDA graphs captured before serving, for rows up to this length (`--warmup-decode-tokens`; 0: each
+    graph on first use)."""
+    compile_decode: bool = True
+    """Capture the decode step over a `torch.compile`d forward (minutes of start-up per engine for a
+    0.6B model); false: capture the eager forward (seconds)."""
+    decode_slots: str = "auto"
+    """auto (CUDA graphs on CUDA), graphs, eager or off (`--decode-slots`)."""
+
+
+@dataclass(frozen=True)
+class SchedSection:
+    ready_fraction: float = 0.5
+    """elastic: ready groups must stay at this fraction of the batch ..."""
+    hold_s: float = 0.5
+    """... for this long before a cell moves to training."""
+    async_train_cells: int = 1
+    """async: cells that train for the whole run (the core first)."""
+    heartbeat_s: float = 1.0
+    failure_timeout_s: float = 30.0
+    """A cell silent this long is failed (generous: 2 loaded CPU cores)."""
+    drain_timeout_s: float = 10.0
+    switch_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class ProxySection:
+    pick_wait_s: float = 30.0
+    """A call waits this long for a rollout engine (none while the whole pool trains) before 529."""
+    drain_grace_s: float = 0.0
+    """Seconds a draining engine's calls may finish before they are moved."""
+
+
+@dataclass(frozen=True)
+class SurviveSection:
+    restart: bool = True
+    """Restart what dies and go on (supervise.py): a satellite cell or the proxy in place, anything else by
+    a new attempt of the run from the core's checkpoint; false: the run fails at once on any dead part,
+    naming it (the behaviour before supervision)."""
+    max_restarts: int = 5
+    """Restarts of one part, and new attempts of the run, before the run fails."""
+    backoff_s: float = 1.0
+    """Wait before the n-th restart of a part: backoff_s x 2^(n-1), at most 30 s."""
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    batch: BatchSection = field(default_factory=BatchSection)
+    agent: AgentSection = field(default_factory=AgentSection)
+    driver: DriverSection = field(default_factory=DriverSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    cell: CellSection = field(default_factory=CellSection)
+    sched: SchedSection = field(default_factory=SchedSection)
+    proxy: ProxySection = field(default_factory=ProxySection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    survive: SurviveSection = field(default_factory=SurviveSection)
+
+    def __post_init__(self) -> None:
+        r, b, a, t = self.run, self.batch, self.agent, self.train
+        _check(r.policy in POLICIES, f"[run] policy must be one of {', '.join(POLICIES)}, got {r.policy!r}")
+        _check(r.cells >= 2, "[run] cells must be >= 2 (a core and at least one rollout cell)")
+        _check(r.steps >= 1, "[run] steps must be >= 1")
+        _check(r.deadline_s > 0 and r.startup_timeout_s > 0, "[run] deadline_s and startup_timeout_s > 0")
+        _check(b.queries >= 1, "[batch] queries must be >= 1")
+        _check(b.group_size >= 2, "[batch] group_size must be >= 2 (advantages need two scores)")
+        _check(a.turns >= 1, "[agent] turns must be >= 1")
+        _check(a.max_tokens >= 1, "[agent] max_tokens must be >= 1")
+        _check(a.temperature > 0, "[agent] temperature must be > 0 (logprobs of sampled tokens)")
+        _check(a.median_s > 0 and a.sigma >= 0 and a.exec_sigma >= 0, "[agent] duration profile >= 0")
+        _check(0 < a.model_fraction <= 1, "[agent] model_fraction must be in (0, 1]")
+        _check(a.timeout_s > 0 and a.request_timeout_s > 0, "[agent] timeouts must be > 0")
+        _check(a.compact_tokens >= 0 and a.call_retries >= 0, "[agent] compact_tokens, call_retries >= 0")
+        _check(self.driver.max_ahead >= 0, "[driver] max_ahead must be >= 0")
+        _check(self.driver.report_s > 0, "[driver] report_s must be > 0")
+        _check(
+            t.lr >= 0 and t.token_budget >= 64, "[train] lr >= 0 (0: a control run) and token_budget >= 64"
+        )
+        _check(self.eval.tasks >= 0 and self.eval.every >= 1, "[eval] tasks must be >= 0 and every >= 1")
+        _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
+        _check(t.j_max >= 0, "[train] j_max must be >= 0")
+        _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
+        _check(
+            self.cell.engine in ("gyre", "sglang"),
+            f"[cell] engine must be gyre or sglang, got {self.cell.engine!r}",
+        )
+        _check(
+            self.cell.device in ("cpu", "cuda"),
+            f"[cell] device must be cpu or cuda, got {self.cell.device!r}",
+        )
+        self._check_placement()
+        _check(
+            r.model_shape in ("tiny", "mini", "small", "qwen3-0.6b"),
+            "[run] model_shape must be tiny, mini, small or qwen3-0.6b",
+        )
+        _check(r.model_dtype in ("float32", "bfloat16"), "[run] model_dtype must be float32 or bfloat16")
+        s = self.sched
+        _check(0 < s.ready_fraction <= 1, "[sched] ready_fraction must be in (0, 1]")
+        _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")
+        _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
+        _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
+        _check(self.survive.max_restarts >= 0, "[survive] max_restarts must be >= 0")
+        _check(self.survive.backoff_s >= 0, "[survive] backoff_s must be >= 0")
+
+    def _check_placement(self) -> None:
+        c, e = self.cell, self.engine
+        _check(e.max_running >= 1 and e.warmup_tokens >= 0, "[engine] max_running >= 1, warmup_tokens >= 0")
+        _check(0 < e.kv_fraction < 1, "[engine] kv_fraction must be in (0, 1)")
+        _check(
+            e.decode_slots in ("auto", "graphs", "eager", "off"),
+            "[engine] decode_slots: auto|graphs|eager|off",
+        )
+        if not c.gpus:
+            return
+        _check(c.device == "cuda", '[cell] gpus needs device = "cuda"')
+        _check(
+            len(c.gpus) == self.run.cells,
+            f"[cell] gpus must name one GPU per cell ({self.run.cells}), got {len(c.gpus)}",
+        )
+        _check(
+            all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in c.gpus),
+            f"[cell] gpus must be GPU indices >= 0, got {c.gpus!r}",
+        )
+        most = max(c.gpus.count(g) for g in c.gpus)
+        _check(
+            most * e.kv_fraction <= 0.8,
+            f"[engine] kv_fraction {e.kv_fraction} x {most} engines on one GPU exceeds 0.8 of its memory",
+        )
+
+    @property
+    def streams(self) -> bool:
+        """Whether this run streams steps: `[driver] streaming`, unless the policy trains whole batches."""
+        return self.driver.streaming and self.run.policy not in WHOLE_POOL
+
+    def with_policy(self, policy: str, out_dir: str) -> Config:
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, policy=policy, out_dir=out_dir))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+_SECTIONS = get_type_hints(Config)
+"""Section name -> its dataclass (every field of `Config` is a section)."""
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _SECTIONS:
+            raise ConfigError(f"unknown section [{key}]; known: {', '.join(_SECTIONS)}")
+        kwargs[key] = tables.dataclass_from_table(_SECTIONS[key], key, value, error=ConfigError)
+    return Config(**kwargs)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a .toml, .yaml/.yml or .json file; errors name the file and the key."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {p}: {exc.strerror or exc}") from exc
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            raw = json.loads(text)
+        elif p.suffix == ".toml":
+            raw = tomllib.loads(text)
+        else:
+            raise ConfigError(f"{p}: use a .toml, .yaml, .yml or .json file")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
+    except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
+        raise ConfigError(f"{p}: YAML needs pyyaml ({exc})") from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith("yaml"):
+            raise ConfigError(f"{p}: {exc}") from exc
+        raise
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a table of sections")
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc

@@ -1,0 +1,161 @@
+"""The gyre-sched simulator's view of a `gyre run` configuration.
+
+`sim_workload` turns a run config into gyre-sched's `Workload` (cells, steps, batch, the duration profile
+in hours, the execution timeout, the water-level and Async settings). The same workload's
+`sample_durations` drives the real run's executions, so measurement and prediction share one sample.
+What the config cannot know (seconds of training per group, optimizer step and weight push, switch
+times, the model-time share) comes from `Calibration`: defaults before a measurement, or figures measured
+in a run (`calibrate`), which is what `gyre compare` feeds the simulator.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from gyre_sched.policy import WaterLevelConfig
+from gyre_sched.sim import run_one
+from gyre_sched.workload import (
+    AsyncConfig,
+    BatchConfig,
+    CellConfig,
+    DriverConfig,
+    DurationConfig,
+    RunConfig,
+    Workload,
+    sample_durations,
+)
+
+from gyre.config.runconfig import Config
+
+
+@dataclass(frozen=True)
+class Calibration:
+    train_group_s: float = 2.0
+    """Cell-seconds to train one group: the training cells' busy time on a step (sampled: micro-batches
+    queued, being computed or applied), over its groups."""
+    update_s: float = 0.5
+    """Optimizer step plus the weight push to the engines."""
+    to_training_s: float = 0.5
+    to_rollout_s: float = 0.5
+    model_call_s: float | None = None
+    """Measured seconds per model call (wall time of finished executions minus their tool time, per
+    call). With it the simulator's executions are the harness's tool time plus `turns` such calls,
+    instead of the nominal profile's model share (which the tiny model on a CPU does not fill)."""
+
+
+def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
+    cal = cal or Calibration()
+    a = cfg.agent
+    return Workload(
+        name=f"gyre-run-{cfg.run.policy}",
+        run=RunConfig(
+            steps=cfg.run.steps,
+            cells=cfg.run.cells,
+            seed=cfg.run.seed,
+            timeout_h=a.timeout_s / 3600.0,
+            timeout_counts_pauses=True,  # the harness's clock keeps running while no engine serves it
+        ),
+        batch=BatchConfig(queries=cfg.batch.queries, group_size=cfg.batch.group_size),
+        durations=DurationConfig(
+            kind="lognormal",
+            median_h=a.median_s / 3600.0,
+            sigma=a.sigma,
+            exec_sigma=a.exec_sigma,
+            model_fraction=a.model_fraction
+            if cal.model_call_s is None
+            else _model_share(cfg, cal.model_call_s),
+        ),
+        cell=CellConfig(
+            rollout_capacity=cfg.cell.capacity,
+            train_group_s=max(cal.train_group_s, 1e-3),
+            update_s=cal.update_s,
+            to_training_s=cal.to_training_s,
+            to_rollout_s=cal.to_rollout_s,
+        ),
+        driver=DriverConfig(
+            max_ahead=cfg.driver.max_ahead,
+            staleness_target=1e9,  # the real driver bounds staleness by max_ahead only
+            streaming=cfg.streams,
+            decision_interval_s=0.2,
+        ),
+        elastic=WaterLevelConfig(ready_fraction=cfg.sched.ready_fraction, hold_s=cfg.sched.hold_s),
+        async_=AsyncConfig(train_cells=cfg.sched.async_train_cells),
+    )
+
+
+def _model_share(cfg: Config, call_s: float) -> float:
+    model = cfg.agent.turns * call_s
+    tool = float(np.median(durations(cfg))) * (1.0 - cfg.agent.model_fraction)
+    return float(min(1.0, max(1e-3, model / (model + tool))))
+
+
+def sim_durations(cfg: Config, cal: Calibration) -> np.ndarray:
+    """Full-service durations the simulator is given: the run's nominal sample, or, calibrated, the
+    harness's tool time plus `turns` measured model calls."""
+    d = durations(cfg)
+    if cal.model_call_s is None:
+        return d
+    out: np.ndarray = d * (1.0 - cfg.agent.model_fraction) + cfg.agent.turns * cal.model_call_s
+    return out
+
+
+def durations(cfg: Config) -> np.ndarray:
+    """Nominal seconds per execution, shape (steps, queries, group_size): the real run's and the sim's."""
+    return sample_durations(sim_workload(cfg))
+
+
+def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
+    """Machine-dependent times measured in runs (medians over every run given)."""
+    group_s: list[float] = []
+    update_s: list[float] = []
+    to_t: list[float] = []
+    to_r: list[float] = []
+    call_s: list[float] = []
+    for m in metrics:
+        for o in m.get("outcomes", []):
+            if not o["timed_out"] and not o["error"] and o["calls"] > 0:
+                call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / o["calls"])
+        for s in m["steps"]:
+            if s.get("skipped") or not s.get("groups"):
+                continue
+            if "busy_cell_s" in s:  # sampled busy training (a streamed step's elapsed_s includes waits)
+                if s["busy_cell_s"] > 0:
+                    group_s.append(s["busy_cell_s"] / s["groups"])
+            elif s.get("elapsed_s"):  # metrics written before training was sampled
+                group_s.append(s["elapsed_s"] * max(1, s.get("training_cells", 1)) / s["groups"])
+            if s.get("push_s") is not None:
+                update_s.append(s["push_s"])
+        to_t += m["switch_times"]["to_training_s"]
+        to_r += m["switch_times"]["to_rollout_s"]
+    med = statistics.median
+    return Calibration(
+        train_group_s=med(group_s) if group_s else Calibration.train_group_s,
+        update_s=med(update_s) if update_s else Calibration.update_s,
+        to_training_s=med(to_t) if to_t else Calibration.to_training_s,
+        to_rollout_s=med(to_r) if to_r else Calibration.to_rollout_s,
+        model_call_s=med(call_s) if call_s else None,
+    )
+
+
+def predict(cfg: Config, cal: Calibration) -> dict[str, Any]:
+    """The simulator's figures for this config's policy (on the run's duration sample)."""
+    w = sim_workload(cfg, cal)
+    r = run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=sim_durations(cfg, cal))
+    return {
+        "end_to_end_s": r.end_to_end_h * 3600.0,
+        "idle_rollout": r.idle_rollout,
+        "idle_training": r.idle_training,
+        "switching_share": r.switching_share,
+        "idle_total": r.idle_total,
+        "staleness_mean": r.staleness_mean,
+        "staleness_max": r.staleness_max,
+        "switches": r.switches,
+        "timeouts": r.timeouts,
+    }
+
+
+def with_policy(cfg: Config, policy: str) -> Config:
+    return replace(cfg, run=replace(cfg.run, policy=policy))

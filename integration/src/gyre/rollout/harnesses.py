@@ -1,0 +1,350 @@
+"""Harnesses: who runs one execution of `gyre run` (`[agent] harness`), and how it is scored.
+
+- `builtin`: this package's tool-using agent over the Anthropic Messages API (`agent.py`; with
+  compaction, sub-agents or call retries configured, `branching.py`), on the built-in question tasks.
+- `claude-code`: one real Claude Code CLI process per execution (`claude -p`), in a fresh working
+  directory holding the task's files, with its own HOME and TMPDIR, `ANTHROPIC_BASE_URL` pointed at the
+  execution's route on gyre-proxy (`/e/{execution}`), the offline settings (no telemetry, no
+  non-essential traffic, no auto-update, no error reporting), `CLAUDE_CODE_MAX_OUTPUT_TOKENS` =
+  `[agent] max_tokens`, `--max-turns` = `[agent] turns` and the task's tool allow-list (`--tools` and
+  `--allowedTools`). Its final answer is the JSON result's `result`.
+- `command`: any command-line agent from `[agent] command` (`{prompt}`, `{workdir}`, `{python}` replaced in
+  each word; no shell), given `ANTHROPIC_BASE_URL` and `OPENAI_BASE_URL` of its execution; its standard
+  output, stripped, is the final answer. `gyre.rollout.agents.openai_agent` is an example on the OpenAI front.
+
+A CLI harness's process is the leader of its own process group; the driver's timeout (a cancellation)
+ends the whole group (SIGTERM, then SIGKILL after `KILL_GRACE_S`), and so does a normal exit (whatever
+its tools left running). The model calls an execution made are the records the trajectory service
+received for it, counted once the count has stayed put for `SETTLE_S` after the process ended. The
+working directory is scored (coding tasks: `tasks/coding.py`) or the final answer (questions: `tasks/qa.py`),
+then the execution's directory is removed: nothing of one execution is visible to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import string
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+from gyre_traj.records import Score
+
+from gyre.config.runconfig import AgentSection, Config, ConfigError
+from gyre.procs.group import die_with_parent
+from gyre.rollout.agents import agent, branching
+from gyre.rollout.tasks import coding, qa
+
+HARNESSES = ("builtin", "claude-code", "command")
+TASK_KINDS = ("qa", "code")
+COMMAND_FIELDS = ("prompt", "workdir", "python")
+PINNED_CLAUDE = (
+    Path(__file__).resolve().parents[4] / "packages/gyre-proxy/.claude-code/node_modules/.bin/claude"
+)
+"""Where CI installs the pinned Claude Code (a source checkout; `.ci/run`)."""
+SETTLE_S = 0.5
+KILL_GRACE_S = 2.0
+OFFLINE_ENV = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_BUG_COMMAND": "1",
+    "IS_SANDBOX": "1",
+}
+"""Claude Code's settings for a machine with nothing to reach but the proxy."""
+
+
+def find_claude(configured: str = "") -> str | None:
+    """The Claude Code executable: `configured`, else $GYRE_CLAUDE_BIN, else the pinned install, else
+    `claude` on PATH; None if the chosen one is not an executable file."""
+    for c in (configured, os.environ.get("GYRE_CLAUDE_BIN", "")):
+        if c:  # an explicit choice is used or refused, never skipped
+            return c if Path(c).is_file() and os.access(c, os.X_OK) else None
+    if PINNED_CLAUDE.is_file() and os.access(PINNED_CLAUDE, os.X_OK):
+        return str(PINNED_CLAUDE)
+    return shutil.which("claude")
+
+
+def check_harness(a: AgentSection) -> None:
+    """Refuse a harness configuration that cannot run, naming the key and the fix (`ConfigError`)."""
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(a.harness in HARNESSES, f"[agent] harness must be one of {', '.join(HARNESSES)}, got {a.harness!r}")
+    need(a.tasks in TASK_KINDS, f"[agent] tasks must be one of {', '.join(TASK_KINDS)}, got {a.tasks!r}")
+    if a.harness == "builtin":
+        need(
+            a.tasks == "qa", '[agent] tasks = "code" needs a harness with file tools: claude-code or command'
+        )
+    else:
+        need(
+            a.compact_tokens == 0 and not a.subagents and a.call_retries == 0,
+            "[agent] compact_tokens, subagents and call_retries are the builtin harness's; a CLI harness "
+            "compacts, delegates and retries on its own: remove them",
+        )
+    if a.harness == "claude-code":
+        chosen = a.claude_bin or os.environ.get("GYRE_CLAUDE_BIN", "")
+        where = f"at {chosen!r}" if chosen else "found ($GYRE_CLAUDE_BIN, the pinned install, PATH)"
+        need(
+            find_claude(a.claude_bin) is not None,
+            f"[agent] claude_bin: no Claude Code CLI {where}; install it: npm install --prefix "
+            "packages/gyre-proxy/.claude-code @anthropic-ai/claude-code@2.1.328, or set [agent] claude_bin "
+            "or $GYRE_CLAUDE_BIN",
+        )
+        need(
+            a.temperature == 1.0,
+            "[agent] temperature must be 1.0 with claude-code (it sends none; the proxy samples at 1.0)",
+        )
+    if a.harness == "command":
+        _check_command(a.command, need)
+
+
+def _check_command(template: str, need: Callable[[bool, str], None]) -> None:
+    need(bool(template.strip()), '[agent] command is required with harness = "command"; e.g. '
+         '"{python} -m gyre.rollout.agents.openai_agent {prompt}"')  # fmt: skip
+    try:
+        words = shlex.split(template)
+        fields = {f for w in words for _, f, _, _ in string.Formatter().parse(w) if f is not None}
+    except ValueError as exc:
+        need(False, f"[agent] command cannot be split into words: {exc}")
+        return
+    bad = fields - set(COMMAND_FIELDS)
+    need(not bad, f"[agent] command: unknown placeholder(s) {sorted(bad)}; known: {{prompt}}, {{workdir}}, "
+         "{python} (double other braces: {{ }})")  # fmt: skip
+    need("prompt" in fields, "[agent] command must contain {prompt} (where the task's prompt goes), e.g. "
+         f"{template.strip()} {{prompt}}")  # fmt: skip
+    exe = words[0]
+    if exe != "{python}":
+        found = shutil.which(exe) if "/" not in exe else (exe if os.access(exe, os.X_OK) else None)
+        need(found is not None, f"[agent] command: {exe!r} is not an executable on PATH; give its full path "
+             "or install it ({python} is this interpreter)")  # fmt: skip
+
+
+class Run(Protocol):
+    """What the driver reads of an execution, whatever harness ran it."""
+
+    execution_id: str
+    group_id: str
+    tool_s: float
+    calls: int
+    final_text: str | None
+
+    def tool_calls(self) -> dict[str, int]: ...
+
+
+class Harness(Protocol):
+    def task(self, rng: random.Random, group_id: str) -> Any: ...
+
+    def execution(self, execution_id: str, group_id: str, task: Any, tool_s: float) -> Run: ...
+
+    async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: Any) -> None: ...
+
+    async def settle(self, ex: Any, recorded: Callable[[str], int]) -> None: ...
+
+    async def score(self, ex: Any, timed_out: bool, error: str) -> Score: ...
+
+
+def make_harness(cfg: Config) -> Harness:
+    a = cfg.agent
+    if a.harness == "builtin":
+        return BuiltinHarness(cfg)
+    return CliHarness(cfg)
+
+
+@dataclass
+class BuiltinHarness:
+    cfg: Config
+
+    def task(self, rng: random.Random, group_id: str) -> qa.Task:
+        return qa.make_task(rng, group_id)
+
+    def execution(self, execution_id: str, group_id: str, task: qa.Task, tool_s: float) -> agent.Execution:
+        return agent.Execution(execution_id, group_id, task, tool_s)
+
+    async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: agent.Execution) -> None:
+        a = self.cfg.agent
+        kw: dict[str, Any] = dict(
+            turns=a.turns, max_tokens=a.max_tokens, temperature=a.temperature,
+            retry_for_s=a.timeout_s, scripted_fallback=a.scripted_fallback,
+        )  # fmt: skip
+        if a.compact_tokens or a.subagents or a.call_retries:
+            policy = branching.Branching(a.compact_tokens, a.subagents, a.call_retries)
+            await branching.run_branching(http, proxy_url, ex, policy, **kw)
+        else:
+            await agent.run_execution(http, proxy_url, ex, **kw)
+
+    async def settle(self, ex: agent.Execution, recorded: Callable[[str], int]) -> None:
+        return None  # the agent counts its own completed calls
+
+    async def score(self, ex: agent.Execution, timed_out: bool, error: str) -> Score:
+        return qa.evaluate(
+            ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error, ex.model_calls()
+        )
+
+
+@dataclass
+class CliExecution:
+    execution_id: str
+    group_id: str
+    task: qa.Task | coding.CodeTask
+    root: Path
+    """The execution's own directory: `work/` (its working directory), `home/`, `tmp/`, `output.log`."""
+    tool_s: float = 0.0
+    """A CLI harness's tool time is its own (nothing is slept)."""
+    calls: int = 0
+    final_text: str | None = None
+    returncode: int | None = None
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def workdir(self) -> Path:
+        return self.root / "work"
+
+    def tool_calls(self) -> dict[str, int]:
+        return {}
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+@dataclass
+class CliHarness:
+    cfg: Config
+    keep: bool = False
+    """Keep each execution's directory after scoring (debugging); off: removed once scored."""
+
+    @property
+    def base(self) -> Path:
+        return Path(self.cfg.run.out_dir).resolve() / "executions"
+
+    def task(self, rng: random.Random, group_id: str) -> qa.Task | coding.CodeTask:
+        if self.cfg.agent.tasks == "code":
+            return coding.make_code_task(rng, group_id)
+        return qa.make_task(rng, group_id)
+
+    def execution(
+        self, execution_id: str, group_id: str, task: qa.Task | coding.CodeTask, tool_s: float
+    ) -> CliExecution:
+        return CliExecution(execution_id, group_id, task, self.base / execution_id)
+
+    def argv(self, ex: CliExecution) -> list[str]:
+        a = self.cfg.agent
+        if a.harness == "claude-code":
+            exe = find_claude(a.claude_bin)
+            assert exe is not None  # the config check refused a missing CLI
+            tools = ",".join(ex.task.tools) if isinstance(ex.task, coding.CodeTask) else ""
+            return [
+                exe, "-p", ex.task.prompt, "--output-format", "json", "--max-turns", str(a.turns),
+                "--tools", tools, "--allowedTools", tools,
+            ]  # fmt: skip
+        values = {"prompt": ex.task.prompt, "workdir": str(ex.workdir), "python": sys.executable}
+        return [w.format(**values) for w in shlex.split(a.command)]
+
+    def env(self, ex: CliExecution, proxy_url: str) -> dict[str, str]:
+        a = self.cfg.agent
+        route = f"{proxy_url}/e/{ex.execution_id}"
+        own = {
+            "HOME": str(ex.root / "home"),
+            "TMPDIR": str(ex.root / "tmp"),
+            "ANTHROPIC_BASE_URL": route,
+            "ANTHROPIC_API_KEY": "gyre",
+            "OPENAI_BASE_URL": f"{route}/v1",
+            "OPENAI_API_KEY": "gyre",
+            "GYRE_EXECUTION": ex.execution_id,
+            "GYRE_WORKDIR": str(ex.workdir),
+            "GYRE_MAX_TOKENS": str(a.max_tokens),
+            "GYRE_TURNS": str(a.turns),
+            "GYRE_TEMPERATURE": str(a.temperature),
+        }
+        if a.harness == "claude-code":  # a clean environment: nothing of this machine's user leaks in
+            keep = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
+            return {**keep, **OFFLINE_ENV, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(a.max_tokens), **own}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_"))}
+        return {**inherited, **own}
+
+    async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: CliExecution) -> None:
+        if ex.root.exists():
+            shutil.rmtree(ex.root)
+        for d in ("work", "home", "tmp"):
+            (ex.root / d).mkdir(parents=True)
+        if isinstance(ex.task, coding.CodeTask):
+            coding.populate(ex.task, ex.workdir)
+        ex.argv = self.argv(ex)
+        log = open(ex.root / "output.log", "wb")  # noqa: SIM115 - closed in the finally below
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *ex.argv, cwd=ex.workdir, env=self.env(ex, proxy_url), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent,
+            )  # fmt: skip
+            try:
+                out, _ = await proc.communicate()
+            finally:  # finished, failed or cancelled by the driver's timeout: end the whole group
+                await self._end_group(proc)
+            ex.returncode = proc.returncode
+            log.write(b"\n--- stdout ---\n" + out)
+            ex.final_text = self._final(out.decode(errors="replace"), ex)
+        finally:
+            log.close()
+
+    async def _end_group(self, proc: asyncio.subprocess.Process) -> None:
+        _kill_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
+        _kill_group(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
+
+    def _final(self, out: str, ex: CliExecution) -> str | None:
+        if self.cfg.agent.harness != "claude-code":
+            return out.strip() if (out.strip() or ex.returncode == 0) else None
+        lines = out.strip().splitlines()
+        try:
+            res = json.loads(lines[-1]) if lines else None
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(res, dict):
+            return None
+        text = res.get("result")
+        return text if isinstance(text, str) else ""
+
+    async def settle(self, ex: CliExecution, recorded: Callable[[str], int]) -> None:
+        """Count the execution's calls: the records received for it, once stable for SETTLE_S."""
+        n, since = recorded(ex.execution_id), time.monotonic()
+        deadline = since + 30.0
+        while time.monotonic() - since < SETTLE_S and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            m = recorded(ex.execution_id)
+            if m != n:
+                n, since = m, time.monotonic()
+        ex.calls = n
+
+    async def score(self, ex: CliExecution, timed_out: bool, error: str) -> Score:
+        if not error and ex.final_text is None and ex.returncode not in (0, None):
+            error = f"the harness exited {ex.returncode} (see {ex.root / 'output.log'})"
+        try:
+            if isinstance(ex.task, coding.CodeTask):
+                return await coding.evaluate_code(
+                    ex.task, ex.workdir, ex.execution_id, ex.group_id, timed_out, error
+                )
+            return qa.evaluate(ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
+        finally:
+            if not self.keep:
+                shutil.rmtree(ex.root / "work", ignore_errors=True)
+                shutil.rmtree(ex.root / "home", ignore_errors=True)
+                shutil.rmtree(ex.root / "tmp", ignore_errors=True)

@@ -1,0 +1,479 @@
+"""One attempt of a `gyre run`, in four steps: build, start, watch, collect.
+
+- **build**: the run directory lined up with the core's checkpoint (`resume.prepare`: the queue position
+  the driver and the trajectory service start from), the run token installed in `$GYRE_TOKEN` (every
+  child inherits it, every ZeroMQ link carries it), the launcher (`launch.py`: this machine or a Ray
+  placement group) and the supervisor of what may be restarted in place (`supervise.py`).
+- **start**: the model directory (made, or checked: `ensure_model`), then gyre-sched's service (the
+  configured policy), cell 0 (engine + trainer core), the other cells (engine + satellite), and in this
+  process the trajectory service, then gyre-proxy (engines come from the scheduler, records PUSHed to the
+  trajectory service) and the sampler; it returns once every cell is registered and the proxy answers.
+- **watch**: the parts that ride along start (`runparts.py`), the rollout driver starts the first batch,
+  and every 0.1 s the health of every part is checked (a dead satellite cell or proxy is restarted by the
+  supervisor; anything else fails the attempt, naming it: `RestartAttempt` when a new attempt may go on,
+  `RunError` or `ChildDied` when not) and the parts are ticked, until the core has applied `steps` updates,
+  the driver and every part are done, and every rollout engine serves the last version; or the deadline.
+- **collect**, after every part and child process is stopped: `metrics.json` (`measure.runmetrics`, with
+  the ledger's `accounting` of the records, the proxy's moved calls and the attempt's survival events),
+  the samples, `timeline.png`; the run directory's state says `finished`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gyre_sched.protocol import Role
+from gyre_train.modelconfig import ModelConfig, ModelConfigError
+
+from gyre.cell.args import CellArgs
+from gyre.config import runtoken
+from gyre.config.runconfig import Config
+from gyre.measure import predict as sim
+from gyre.measure import runmetrics
+from gyre.measure.metrics import Sampler, write_json, write_plot
+from gyre.measure.runmetrics import read_steps
+from gyre.measure.samples import engines_serve
+from gyre.procs.group import ProcessGroup, python_argv, tail
+from gyre.rollout.driver import Driver
+from gyre.system import gpus
+from gyre.system.evaluator import Evaluator
+from gyre.system.launch import LOOPBACK, Launcher, Part, launcher_for
+from gyre.system.resume import CHECKPOINT, prepare
+from gyre.system.rundir import RunDir
+from gyre.system.runparts import RunContext, RunPart
+from gyre.system.supervise import Event, RestartAttempt, Supervisor, kill_leftover
+from gyre.trajsvc import ledger, recordlog
+from gyre.trajsvc.service import TrajectoryService
+
+log = logging.getLogger("gyre.run")
+
+
+class RunError(RuntimeError):
+    """The run could not complete; the message says which part failed."""
+
+
+def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
+    """The run's model directory: `[run] model_dir`, refused unless gyre-train builds it exactly (its
+    `ModelConfig`, read as the core cell will read it); else a new random-init model of `model_shape`
+    under `out` (made once, by `gyre-engine create-model`)."""
+    if cfg.run.model_dir:
+        p = Path(cfg.run.model_dir)
+        if not (p / "config.json").exists():
+            raise RunError(f"[run] model_dir {p} is not a model directory (no config.json)")
+        try:
+            ModelConfig.from_model_dir(p)
+        except ModelConfigError as exc:
+            raise RunError(f"[run] model_dir {p}: {exc}") from exc
+        return p
+    p = out / "model"
+    if not (p / "config.json").exists():
+        child = procs.start(
+            "create-model",
+            python_argv(
+                "gyre_engine", "create-model", str(p), "--seed", str(cfg.run.seed),
+                "--shape", cfg.run.model_shape, "--dtype", cfg.run.model_dtype,
+            ),
+        )  # fmt: skip
+        rc = child.proc.wait(300)
+        procs.children.remove(child)
+        if rc != 0:
+            raise RunError(f"gyre-engine create-model failed; see {child.log}")
+    return p
+
+
+def parts_of(cfg: Config) -> list[Part]:
+    """What a launcher places: the scheduler, the proxy and each cell with its GPUs."""
+    gpus = 1 if cfg.cell.device == "cuda" else 0
+    return [Part("sched"), Part("proxy"), *(Part(f"cell-{i}", gpus) for i in range(cfg.run.cells))]
+
+
+def proxy_up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def attempt(
+    cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequence[RunPart], events: list[Event]
+) -> dict[str, Any]:
+    """One attempt of the run in `rd`; returns its metrics (module docstring)."""
+    a = Attempt.build(cfg, rd, say, parts, events)
+    try:
+        a.start()
+        a.watch()
+    finally:
+        a.stop()
+    return a.collect()
+
+
+class Attempt:
+    """The parts of one attempt while it runs (`attempt` drives it through its steps)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        rd: RunDir,
+        say: Callable[[str], None],
+        parts: Sequence[RunPart],
+        events: list[Event],
+        position: int,
+        token: runtoken.RunToken,
+        procs: Launcher,
+        sup: Supervisor,
+    ) -> None:
+        self.cfg, self.rd, self.out, self.say, self.parts = cfg, rd, rd.path, say, parts
+        self.events = events
+        self.position = position
+        """The queue position this attempt starts at (the core's checkpoint's; 0 for a new run)."""
+        self.log_path = self.out / "records.msgpack"
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        """Where this attempt's records begin in the proxy's log (replayed from here after a restart)."""
+        self.token, self.procs, self.sup = token, procs, sup
+        self.sched = ""
+        self.ports: list[int] = []
+        self.core: dict[str, str] = {}
+        """The core's addresses (`core.json`): its ROUTER ("core") and its weight publisher."""
+        self.proxy_url = ""
+        self.traj: TrajectoryService | None = None
+        self.sampler: Sampler | None = None
+        self.driver: Driver | None = None
+        self.t_start = self.t_end = 0.0
+        self.proxy_stats: dict[str, Any] = {}
+
+    # ---- build --------------------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        cfg: Config,
+        rd: RunDir,
+        say: Callable[[str], None],
+        parts: Sequence[RunPart],
+        events: list[Event],
+    ) -> Attempt:
+        """The run directory lined up with the checkpoint, the run token, the launcher and the supervisor;
+        with `[eval] tasks`, the held-out evaluator rides along."""
+        if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
+            parts = [Evaluator(cfg), *parts]
+        at = prepare(rd.path, rd.attempt)
+        if rd.attempt:
+            say(
+                f"gyre run: attempt {rd.attempt} resumes {rd.path} at step {at.position} (version {at.version})"
+            )
+        c, sv = cfg.run, cfg.survive
+        token = runtoken.install()  # $GYRE_TOKEN: every child inherits it, every link carries it
+        procs = launcher_for(c.ray_address, rd.path / "logs", parts_of(cfg), c.startup_timeout_s)
+        # parts placed by Ray are not restarted in place: supervision watches this host's processes only
+        group = procs if isinstance(procs, ProcessGroup) else procs.local
+        sup = Supervisor(group, sv.max_restarts, sv.backoff_s, say, sv.restart and group is procs, events)
+        return cls(cfg, rd, say, parts, events, at.position, token, procs, sup)
+
+    # ---- start --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Every process of the run, and in this process the trajectory service and the sampler, until
+        every cell is registered with gyre-sched and the proxy answers."""
+        c = self.cfg.run
+        model_dir = ensure_model(self.cfg, self.out, self.procs.local)
+        self._start_sched()
+        self.ports = [self.procs.free_port(f"cell-{i}") for i in range(c.cells)]
+        self.say(f"gyre run: policy {c.policy}, {c.cells} cells, {c.steps} steps -> {self.out}")
+        self._start_cells(model_dir)
+        self.traj = TrajectoryService(
+            self.core["core"], self.sched, self.cfg.batch.queries, streaming=self.cfg.streams,
+            token_budget=self.cfg.train.token_budget, j_max=self.cfg.train.j_max,
+            report_s=self.cfg.driver.report_s, first_step=self.position,
+            on_closed=ledger.Ledger(self.out, self.rd.attempt).closed,
+        )  # fmt: skip
+        self._start_proxy(model_dir, self.traj)
+        engines = {i: f"http://{self.procs.host(f'cell-{i}')}:{p}" for i, p in enumerate(self.ports)}
+        self.sampler = Sampler(self.sched, engines, core=self.core["core"])
+        self.sampler.start()
+        self._wait(
+            "the cells (engines up, registered with gyre-sched)", self._registered, c.startup_timeout_s
+        )
+        self._wait("gyre-proxy", lambda: proxy_up(self.proxy_url), c.startup_timeout_s)
+        self.say(f"gyre run: {c.cells} cells registered, proxy at {self.proxy_url}; rollout starts")
+
+    def _start_sched(self) -> None:
+        s = self.cfg.sched
+        self.sched = f"tcp://{self.procs.host('sched')}:{self.procs.free_port('sched')}"
+        self.procs.start(
+            "sched",
+            python_argv(
+                "gyre_sched.cli", "serve", "--bind", self.sched, "--policy", self.cfg.run.policy,
+                "--async-train-cells", str(s.async_train_cells), "--ready-fraction", str(s.ready_fraction),
+                "--hold-s", str(s.hold_s), "--timeout-h", str(self.cfg.agent.timeout_s / 3600.0),
+                "--heartbeat-s", str(s.heartbeat_s), "--failure-timeout-s", str(s.failure_timeout_s),
+                "--switch-timeout-s", str(s.switch_timeout_s), "--drain-timeout-s", str(s.drain_timeout_s),
+            ),
+        )  # fmt: skip
+
+    def _start_cells(self, model_dir: Path) -> None:
+        """Cell 0 (the core), once it wrote its addresses the others, each watched by the supervisor."""
+        self._start_cell(model_dir, 0)
+        self._wait(
+            "the core cell", (self.out / "core.json").exists, self.cfg.run.startup_timeout_s, self.procs.check
+        )
+        self.core = json.loads((self.out / "core.json").read_text())
+        for i in range(1, self.cfg.run.cells):
+            start = partial(self._start_cell, model_dir, i, self.core["core"], self.core["publisher"])
+            start()
+            self.sup.watch(
+                f"cell-{i}",
+                partial(_restart_cell, self.out, i, start),
+                partial(lambda i: _cell_back(self.out, i, self.sampler), i),
+            )
+
+    def _start_cell(self, model_dir: Path, i: int, core: str = "", publisher: str = "") -> None:
+        cfg, c = self.cfg, self.cfg.run
+        a = CellArgs(
+            sched=self.sched, cell_id=i, is_core=i == 0, capacity=cfg.cell.capacity, model_dir=str(model_dir),
+            engine_port=self.ports[i], run_dir=str(self.out), core=core, publisher=publisher, lr=cfg.train.lr,
+            token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
+            release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
+            device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
+            host=self.procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
+            checkpoint=str(self.out / CHECKPOINT) if i == 0 else "",
+        )  # fmt: skip
+        (self.out / "cells" / f"{i}.up").unlink(missing_ok=True)
+        self.procs.start(
+            f"cell-{i}",
+            python_argv("gyre.cli", "cell", "--args", json.dumps(a.__dict__)),
+            env=gpus.cell_env(cfg, i),
+        )
+
+    def _start_proxy(self, model_dir: Path, traj: TrajectoryService) -> None:
+        host = self.procs.host("proxy")
+        self.proxy_url = f"http://{host}:{self.procs.free_port('proxy')}"
+        argv = python_argv(
+            "gyre_proxy.cli", "serve", "--tokenizer", str(model_dir), "--port", self.proxy_url.rsplit(":", 1)[1],
+            "--host", host, *(["--allow-remote"] if host != LOOPBACK else []),
+            "--sched", self.sched, "--record-log", str(self.log_path), "--record-push", traj.address,
+            "--pick-wait", str(self.cfg.proxy.pick_wait_s), "--drain-grace", str(self.cfg.proxy.drain_grace_s),
+        )  # fmt: skip
+        self.procs.start("proxy", argv)
+        self.sup.watch(
+            "proxy",
+            partial(_restart_proxy, self.procs, argv, self.log_path, self.log_start, traj),
+            lambda: proxy_up(self.proxy_url),
+        )
+
+    def _registered(self) -> bool:
+        st = self.sampler.last_state if self.sampler else None
+        return st is not None and len(st.cells) == self.cfg.run.cells
+
+    def _healthy(self) -> None:
+        check_health(self.procs, self.traj, self.driver, self.sampler, self.sup)
+
+    def _wait(
+        self, what: str, ok: Callable[[], bool], timeout_s: float, check: Callable[[], None] | None = None
+    ) -> None:
+        """Until `ok()`, checking the run's health (or `check`) meanwhile; RunError after `timeout_s`."""
+        check = check or self._healthy
+        deadline = time.monotonic() + timeout_s
+        while not ok():
+            check()
+            if time.monotonic() > deadline:
+                raise RunError(f"{what} not ready within {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    # ---- watch --------------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """The parts and the driver started, then the run watched until its last step is applied and
+        served by every rollout engine (or it fails, or passes its deadline)."""
+        c = self.cfg.run
+        traj, sampler = self.traj, self.sampler
+        assert traj is not None and sampler is not None, "start() comes first"
+        traj.start()
+        driver = self.driver = Driver(
+            self.cfg, self.proxy_url, self.sched, traj, sim.durations(self.cfg),
+            first_step=self.position, attempt=self.rd.attempt,
+        )  # fmt: skip
+        ctx = RunContext(self.cfg, self.out, self.proxy_url, driver, traj, sampler, self.core["publisher"])
+        for rider in self.parts:
+            rider.start(ctx)
+        self.t_start = time.time()
+        driver.start()
+        deadline = time.monotonic() + c.deadline_s
+        last_say = 0.0
+        while True:
+            self._healthy()
+            for rider in self.parts:
+                rider.tick(ctx)
+            if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in self.parts):
+                break
+            if time.monotonic() > deadline:
+                raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
+            if time.monotonic() - last_say > 5.0:
+                last_say = time.monotonic()
+                self.say(_progress(self.t_start, driver, traj, sampler, self.out))
+            time.sleep(0.1)
+        self.t_end = _last_step_end(self.out)
+        final = traj.version  # from the same core status as `applied`; below `steps` if any was skipped
+        self._wait(
+            "the last weight version on every rollout engine",
+            lambda: engines_serve(sampler.samples, final),
+            60.0 + (c.startup_timeout_s if self.sup.pending() else 0.0),
+        )
+        self.proxy_stats = _proxy_stats(self.proxy_url)
+        self.say(_progress(self.t_start, driver, traj, sampler, self.out))
+
+    def stop(self) -> None:
+        """Every part, the driver, the trajectory service and the sampler stopped, every child process
+        stopped, the run token uninstalled (also after an error)."""
+        for rider in self.parts:
+            rider.stop()
+        for part in (self.driver, self.traj, self.sampler):
+            if part is not None:
+                part.stop()
+        self.procs.close()
+        self.token.uninstall()
+
+    # ---- collect ------------------------------------------------------------------------------------
+    def collect(self) -> dict[str, Any]:
+        """`metrics.json`, the samples and the plot of the finished attempt; the run marked finished."""
+        driver, traj, sampler, out = self.driver, self.traj, self.sampler, self.out
+        assert driver is not None and traj is not None and sampler is not None
+        summaries = {int(r["step"]): r for r in ledger.read(out / ledger.LEDGER)}  # earlier attempts'
+        summaries.update({k: sd.summary for k, sd in traj.steps.items()})
+        metrics = runmetrics.collect(
+            self.cfg, out, self.t_start, self.t_end, driver.outcomes(), summaries, traj.records,
+            traj.dropped, sampler,
+        )  # fmt: skip
+        metrics["moves"] = _moves(self.proxy_stats)
+        metrics["attempt"] = self.rd.attempt
+        metrics["attempts"] = (
+            self.rd.attempt + 1
+        )  # attempts of the run so far, resumes and new attempts included
+        metrics["survival"] = {"events": [e.to_dict() for e in self.events]}
+        metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
+        write_json(out / "metrics.json", metrics)
+        with open(out / "samples.jsonl", "w") as fh:
+            for smp in sampler.samples:
+                fh.write(json.dumps(smp.__dict__) + "\n")
+        with open(out / "train-samples.jsonl", "w") as fh:
+            for ts in sampler.training().samples:
+                fh.write(json.dumps(ts.__dict__) + "\n")
+        plot = write_plot(metrics, sampler.samples, sampler.training(), out / "timeline.png")
+        self.say(
+            f"gyre run: done in {metrics['end_to_end_s']:.1f} s; idle rollout {metrics['roles']['idle_rollout']}, "
+            f"idle training {metrics['roles']['idle_training']}, switches {metrics['switches']}; "
+            f"metrics {out / 'metrics.json'}" + (f", plot {plot}" if plot else "")
+        )
+        self.rd.mark("finished")
+        return metrics
+
+
+def check_health(
+    procs: Launcher,
+    traj: TrajectoryService | None,
+    driver: Driver | None,
+    sampler: Sampler | None,
+    sup: Supervisor | None = None,
+) -> None:
+    """Raise (ChildDied, RunError or, when supervising, RestartAttempt; naming the part and why) if any
+    part of the run has failed and cannot be restarted in place; restart those that can (`sup`)."""
+    if sup is not None:
+        sup.check()
+    else:
+        procs.check()
+    fatal = RestartAttempt if sup is not None and sup.restart else RunError
+    why = traj.failure() if traj is not None else None
+    if traj is not None and why is not None:
+        raise fatal(f"the trajectory service failed: {why}") from traj.error
+    if driver is not None and driver.error is not None:
+        raise fatal(f"the rollout driver failed: {driver.error}") from driver.error
+    st = sampler.last_state if sampler is not None else None
+    failed = [v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED]
+    if sup is not None and sup.restart:  # a stopped or stuck satellite is killed, then restarted
+        failed = [v for v in failed if v.is_core or not _restart_failed(sup, f"cell-{v.cell_id}")]
+    if failed:
+        sched = next((ch.log for ch in procs.children if ch.name == "sched"), None)
+        said = [ln for ln in tail(sched, 200).splitlines() if " failed (" in ln] if sched else []
+        names = ", ".join(f"cell {v.cell_id}" + (" (the trainer core)" if v.is_core else "") for v in failed)
+        raise fatal(
+            f"gyre-sched marked {names} failed"
+            + (f": {said[-1].strip()}" if said else "")
+            + ("; a new attempt continues the run" if fatal is RestartAttempt else "; restarts are off")
+        )
+
+
+def _restart_failed(sup: Supervisor, part: str) -> bool:
+    """A satellite cell gyre-sched failed is being restarted, or is killed now to be restarted."""
+    return sup.restarting(part) or sup.kill(part, "was failed by gyre-sched")
+
+
+def _cell_back(out: Path, i: int, sampler: Sampler | None) -> bool:
+    """The restarted cell `i` was welcomed by gyre-sched (`cells/<i>.up`) and gyre-sched's state shows
+    it registered again (not the failed old one); until then a failed cell `i` is not killed again."""
+    st = sampler.last_state if sampler is not None else None
+    me = [v for v in (st.cells if st is not None else ()) if v.cell_id == i]
+    return (out / "cells" / f"{i}.up").exists() and bool(me) and me[0].role is not Role.FAILED
+
+
+def _restart_cell(out: Path, i: int, start: Callable[[], None]) -> None:
+    """A satellite cell again: its old engine killed if it outlived the cell (it holds the port)."""
+    kill_leftover(out / "logs", f"engine-{i}")
+    start()
+
+
+def _restart_proxy(
+    procs: Launcher, argv: list[str], log_path: Path, log_start: int, traj: TrajectoryService
+) -> None:
+    """The proxy again, on its port and log (a torn last frame set aside first); every record of this
+    attempt in the log replayed into the trajectory service (calls already there are skipped)."""
+    aside = recordlog.set_aside_torn_tail(log_path)
+    if aside is not None:
+        log.warning("the proxy's log had a torn last frame; moved to %s", aside)
+    procs.start("proxy", argv)
+    traj.replay(c for _, c in recordlog.calls(log_path, log_start))
+
+
+def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampler | None, out: Path) -> str:
+    with driver.lock:
+        running = len(driver.state.running)
+        finished = len(driver.state.outcomes)
+    roles = ""
+    if sampler is not None and sampler.samples:
+        last = sampler.samples[-1]
+        roles = " ".join(f"{cid}:{Role(r).name.lower()}" for cid, r in sorted(last.roles.items()))
+    skipped = sum(bool(r.get("skipped")) for r in read_steps(out))
+    return (
+        f"[{time.time() - t0:6.1f}s] executions running {running}, finished {finished}; records {traj.records}; "
+        f"steps handed to the trainer {traj.steps_closed}, applied {traj.applied}"
+        + (f" ({skipped} skipped: nothing to train)" if skipped else "")
+        + f"; cells {roles}"
+    )
+
+
+def _last_step_end(out: Path) -> float:
+    rows = read_steps(out)
+    if not rows:
+        raise RunError("the core reported no step")
+    return float(rows[-1]["t_end"])
+
+
+def _proxy_stats(url: str) -> dict[str, Any]:
+    """gyre-proxy's `/gyre/stats` at the end of the run ({} if it cannot be read: the metrics say null)."""
+    try:
+        r = httpx.get(f"{url}/gyre/stats", timeout=10.0)
+        r.raise_for_status()
+        return dict(r.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        log.warning("gyre-proxy's stats could not be read: %s", exc)
+        return {}
+
+
+def _moves(stats: dict[str, Any]) -> dict[str, Any]:
+    """Calls the proxy moved off a draining engine, and how many took their KV along (`kv_migrations`)."""
+    keys = ("moved_calls", "prefix_moved_calls", "prefix_moved_tokens", "reprefilled_tokens", "engine_errors")
+    m: dict[str, Any] = {k: stats.get(k) for k in keys}
+    m["kv_migrations"] = stats.get("prefix_moved_calls")
+    return m

@@ -1,0 +1,295 @@
+"""Where the processes of a run start: this machine (`LocalLauncher`, the default) or a Ray cluster
+(`RayLauncher`, the `gyre[ray]` extra, `[run] ray_address`).
+
+A launcher knows the parts of a run by name before any starts (the scheduler, the proxy, each cell with
+its GPU count). `host(name)` is the address of the node the part runs on, which its listeners bind and
+its peers dial; `free_port(name)` a port free there a moment ago; `start(name, argv, env)` starts the
+part's process on that node with its output in `log_dir/<name>.log`; `check()` raises `ChildDied`, naming
+the part and the tail of its log, once any started process has exited; `close()` stops them all. `local`
+is a `ProcessGroup` on this machine for one-off helpers (creating the model). `token` is the run token
+every part is given as `$GYRE_TOKEN` ("" for a local run without one): the scheduler then binds its
+CURVE listener (gyre_xfer.auth) and every peer connects with it.
+
+On Ray one placement group holds one bundle per part ({CPU: 1} plus the cell's GPUs), gang-reserved
+before anything starts (PACK: as few nodes as fit), and one small actor per bundle, `Host`, starts the
+part's process on its node through a `ProcessGroup` there, so the process dies with its actor (the
+kernel's parent-death signal) and the actor with the run's Ray driver (`gyre run`). The actor sees the
+bundle's GPUs (Ray sets CUDA_VISIBLE_DEVICES) and the process inherits them. Ray carries only argv
+lists, environment strings and log tails between the driver and the actors; gyre's own traffic goes
+over its ZeroMQ and HTTP endpoints as it does locally. `log_dir` and the run directory must be on a
+filesystem every node sees (as on SLURM clusters), since cells write `core.json` and `steps.jsonl` there.
+Where each part landed is written to `log_dir/placement.json`. A placement that fits on the node of `gyre
+run` itself stays on loopback (nothing listens beyond the machine); one that spans nodes binds each
+part's node address, where the token is what keeps others out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from gyre_xfer.auth import TOKEN_ENV, new_token, resolve_token
+
+from gyre.procs.group import ChildDied, ProcessGroup, free_port
+
+LOOPBACK = "127.0.0.1"
+_THIS_PYTHON = "{python}"
+"""Stands for the interpreter in an argv sent to a Host: each node runs its own environment's Python."""
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot place the run's parts (not enough CPUs or GPUs, or Ray is unreachable)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One placed process of a run."""
+
+    name: str
+    gpus: int = 0
+
+
+class Logged(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def log(self) -> Path: ...
+
+
+class Launcher(Protocol):
+    token: str
+
+    @property
+    def local(self) -> ProcessGroup:
+        """A group on this machine for one-off helpers."""
+        ...
+
+    @property
+    def children(self) -> Sequence[Logged]:
+        """The started parts, each with its name and log file."""
+        ...
+
+    def host(self, name: str) -> str: ...
+
+    def free_port(self, name: str) -> int: ...
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> object: ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalLauncher(ProcessGroup):
+    """Every part on this machine, bound to loopback (the default; what `gyre run` always did)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(log_dir)
+        self.token = resolve_token()
+        self.local = self
+
+    def host(self, name: str) -> str:
+        return LOOPBACK
+
+    def free_port(self, name: str) -> int:
+        return free_port()
+
+
+def launcher_for(ray_address: str, log_dir: Path, parts: list[Part], timeout_s: float) -> Launcher:
+    """The local launcher for an empty `ray_address`, else a `RayLauncher` with `parts` placed."""
+    if not ray_address:
+        return LocalLauncher(log_dir)
+    return RayLauncher(ray_address, log_dir, parts, timeout_s)
+
+
+class Host:
+    """A Ray actor on one bundle: starts and watches one part's process on its node (module docstring).
+    Plain methods on plain values, so the class also runs as is (tests call it in-process)."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.procs = ProcessGroup(Path(log_dir))
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, the node's address)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()), str(ray.util.get_node_ip_address())
+
+    def free_port(self, host: str) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> int:
+        argv = [sys.executable if a == _THIS_PYTHON else a for a in argv]
+        return int(self.procs.start(name, argv, env).proc.pid)
+
+    def failure(self) -> str | None:
+        """Why a started process is gone (ChildDied's message: name, exit code, tail of its log), or None."""
+        try:
+            self.procs.check()
+        except ChildDied as exc:
+            return str(exc)
+        return None
+
+    def stop(self, timeout_s: float) -> None:
+        self.procs.close(timeout_s)
+
+
+@dataclass
+class _Placed:
+    name: str
+    log: Path
+    actor: Any
+    host: str
+    started: bool = False
+
+
+class RayLauncher:
+    """Parts placed on a Ray cluster through one placement group (module docstring)."""
+
+    CHECK_EVERY_S = 0.5
+
+    def __init__(self, address: str, log_dir: Path, parts: list[Part], timeout_s: float) -> None:
+        # The parts run in the Ray nodes' own Python environment (gyre installed there), never in one Ray
+        # rebuilds for each worker from the driver's `uv run` (its default: `uv run` per worker process,
+        # with the driver's working directory uploaded).
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as exc:
+            raise PlacementError(
+                "[run] ray_address needs Ray: install the extra, `pip install 'gyre[ray]'`"
+            ) from exc
+        self._ray = ray
+        self.address = address
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.local = ProcessGroup(log_dir)
+        self._own_token = not resolve_token()
+        self.token = resolve_token() or new_token()
+        os.environ[TOKEN_ENV] = self.token  # this process's own peers (driver, sampler) use it too
+        self._placed: dict[str, _Placed] = {}
+        self._pg: Any = None
+        self._checked = 0.0
+        self.children: list[_Placed] = []
+        """Started parts (`name`, `log`), as `ProcessGroup.children`."""
+        try:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        except Exception as exc:
+            raise PlacementError(f"cannot reach the Ray cluster at {address!r}: {exc}") from exc
+        try:
+            self._place(parts, timeout_s, placement_group, PlacementGroupSchedulingStrategy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _place(self, parts: list[Part], timeout_s: float, placement_group: Any, strategy: Any) -> None:
+        ray = self._ray
+        bundles = [{"CPU": 1.0, **({"GPU": float(p.gpus)} if p.gpus else {})} for p in parts]
+        self._pg = placement_group(bundles, strategy="PACK", name=f"gyre-{os.getpid()}")
+        try:
+            ray.get(self._pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            free = ray.available_resources()
+            raise PlacementError(
+                f"the Ray cluster could not place {bundles} within {timeout_s:.0f} s "
+                f"(available now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g})"
+            ) from exc
+        remote = ray.remote(Host)
+        for i, p in enumerate(parts):
+            actor = remote.options(
+                num_cpus=1,
+                num_gpus=p.gpus,
+                scheduling_strategy=strategy(placement_group=self._pg, placement_group_bundle_index=i),
+                name=None,
+            ).remote(str(self.log_dir))
+            self._placed[p.name] = _Placed(p.name, self.log_dir / f"{p.name}.log", actor, "")
+        nodes = ray.get([pl.actor.node.remote() for pl in self._placed.values()], timeout=timeout_s)
+        here = ray.get_runtime_context().get_node_id()
+        self.one_node = all(node_id == here for node_id, _ in nodes)
+        hosts = [LOOPBACK if self.one_node else ip for _, ip in nodes]
+        for pl, h in zip(self._placed.values(), hosts, strict=True):
+            pl.host = h
+        where: list[dict[str, Any]] = [
+            {"name": p.name, "bind": h, "node_id": n, "node_address": ip, "gpus": p.gpus, "bundle": i}
+            for i, (p, h, (n, ip)) in enumerate(zip(parts, hosts, nodes, strict=True))
+        ]
+        doc = {
+            "ray_address": self.address,
+            "driver_node_id": here,
+            "one_node": self.one_node,
+            "run_token": "new" if self._own_token else "given",
+            "parts": where,
+        }
+        (self.log_dir / "placement.json").write_text(json.dumps(doc, indent=1))
+
+    def _part(self, name: str) -> _Placed:
+        if name not in self._placed:
+            raise PlacementError(f"{name} is not one of the placed parts ({', '.join(self._placed)})")
+        return self._placed[name]
+
+    def host(self, name: str) -> str:
+        return self._part(name).host
+
+    def free_port(self, name: str) -> int:
+        pl = self._part(name)
+        return int(self._ray.get(pl.actor.free_port.remote(pl.host), timeout=60))
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> object:
+        pl = self._part(name)
+        env = {k: v for k, v in (env or {}).items() if k != "CUDA_VISIBLE_DEVICES"}  # Ray assigns GPUs
+        argv = [_THIS_PYTHON if a == sys.executable else a for a in argv]
+        self._ray.get(pl.actor.start.remote(name, argv, {**env, TOKEN_ENV: self.token}), timeout=60)
+        pl.started = True
+        self.children.append(pl)
+        return pl
+
+    def check(self) -> None:
+        """Raise ChildDied once any started part's process (or its actor, or its node) is gone."""
+        self.local.check()
+        if time.monotonic() - self._checked < self.CHECK_EVERY_S:
+            return
+        ray = self._ray
+        for pl in self.children:
+            try:
+                why = ray.get(pl.actor.failure.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                msg = f"{pl.name}: its Ray actor on {pl.host} is gone ({type(exc).__name__}): {exc}"
+                raise ChildDied(msg) from exc
+            if why is not None:
+                raise ChildDied(f"{why} (on {pl.host})")
+        self._checked = time.monotonic()
+
+    def close(self) -> None:
+        """Stop every part (SIGTERM, then SIGKILL), end the actors, free the bundles, leave the cluster."""
+        ray = self._ray
+        self.local.close()
+        with contextlib.suppress(Exception):
+            ray.get([pl.actor.stop.remote(10.0) for pl in reversed(self.children)], timeout=30)
+        for pl in self._placed.values():
+            with contextlib.suppress(Exception):
+                ray.kill(pl.actor)
+        self._placed.clear()
+        self.children.clear()
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
+            self._pg = None
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        if self._own_token:
+            os.environ.pop(TOKEN_ENV, None)
