@@ -160,3 +160,28 @@ def test_command_openai_example_end_to_end(tmp_path: Path, model_dir: Path) -> N
     m, records, _ = _cli_run("command-openai.toml", tmp_path, model_dir)
     assert {str(r.role) for r in records} == {"main"}
     assert {r.execution_id for r in records} == {o["execution_id"] for o in m["outcomes"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_profile_harness_end_to_end(tmp_path: Path, model_dir: Path) -> None:
+    """The profile workload scaled to the CPU: every output has exactly its planned length (sampled by the
+    model with `ignore_eos`), contexts grow by the tool outputs, the trees branch by compaction
+    (main_summary) and sub-agents (subagent), and every step trains what was recorded, once."""
+    from gyre.rollout.agents import profile
+
+    cfg = _example("profile-cpu.toml", tmp_path / "run", model_dir)
+    m = run(cfg, say=lambda _: None)
+    records = _check_trained_once(m, tmp_path / "run", cfg.run.steps, cfg.train.j_max)
+    assert {str(r.role) for r in records} >= {"main", "main_summary", "subagent"}
+    p = cfg.profile
+    for r in records:
+        k, q, j = (int(x[1:]) for x in r.execution_id.split("-"))
+        planned = profile.plan(p, cfg.run.seed, k, q, j, 0.0).outputs
+        assert r.output_ids.size in planned, (r.execution_id, r.call_id, r.output_ids.size, planned)
+    longest = max(
+        (r.input_delta.keep + r.input_delta.append.size if r.input_delta else r.input_ids.size)  # type: ignore[union-attr]
+        for r in records
+    )
+    assert longest > p.prompt_tokens + p.tool_tokens_min
+    assert m["executions"] == cfg.run.steps * cfg.batch.queries * cfg.batch.group_size

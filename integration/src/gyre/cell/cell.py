@@ -1,7 +1,8 @@
 """One cell of a single-machine run (`gyre cell`): a gyre-engine server it owns, and a trainer replica.
 
-The cell starts `gyre-engine serve` as its child and registers with gyre-sched as a CELL whose endpoint is
-that engine. Cell 0 is the trainer core (gyre-train `Core`, its model built from the directory's whole HF
+The cell starts `gyre-engine serve` as its child and, while the engine loads, its trainer side (so the
+core's addresses reach the other cells at once and their engines start beside this one, not after it);
+then it registers with gyre-sched as a CELL whose endpoint is that engine. Cell 0 is the trainer core (gyre-train `Core`, its model built from the directory's whole HF
 config, `ModelConfig.from_model_dir`, and loaded with its weights, as the engine serves them); the others
 run a gyre-train `Satellite` that stays connected and idle until admitted. On a `SwitchCommand` to
 TRAINING the cell releases its engine's memory and joins training (the core takes the oldest step, open or
@@ -91,6 +92,7 @@ class Cell:
         self.publisher = a.publisher
         self.fatal: BaseException | None = None
         self.sglang: SGLangEngine | None = None  # when [cell] engine = "sglang"
+        self._engine_deadline = 0.0
 
     # ---- engine -------------------------------------------------------------------------------------
     def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
@@ -102,7 +104,10 @@ class Cell:
 
         return asyncio.run(go())
 
-    def start_engine(self) -> None:
+    def launch_engine(self) -> None:
+        """Start the engine's process (or SGLang's, which `SGLangEngine.start` waits for); `wait_engine`
+        waits for it, so the trainer side starts while the engine loads (and the core's addresses reach
+        the other cells, whose engines then start beside this one instead of after it)."""
         if self.a.engine == "sglang":
             self.sglang = SGLangEngine(self.a, self.procs)
             self.sglang.start()
@@ -113,8 +118,13 @@ class Cell:
             *(["--allow-remote"] if self.a.host != "127.0.0.1" else []),
         )  # fmt: skip
         self.procs.start(f"engine-{self.a.cell_id}", argv, env={"OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + self.a.startup_timeout_s
-        while time.monotonic() < deadline:
+        self._engine_deadline = time.monotonic() + self.a.startup_timeout_s
+
+    def wait_engine(self) -> None:
+        """Until the launched engine answers its health check (SIGTERM meanwhile stops the cell)."""
+        if self.sglang is not None:
+            return
+        while time.monotonic() < self._engine_deadline:
             if self.stop.is_set():
                 raise StoppedWhileStarting(f"cell {self.a.cell_id} stopped while its engine was starting")
             self.procs.check()
@@ -123,6 +133,17 @@ class Cell:
                     return
             time.sleep(0.3)
         raise TimeoutError(f"engine of cell {self.a.cell_id} not healthy within {self.a.startup_timeout_s}s")
+
+    def _startup_record(self, launched: float, trainer_ready: float, engine_ready: float) -> None:
+        """`cells/<id>.startup.json` in the run directory: when the engine was launched, the trainer side
+        was ready and the engine answered (wall times; `gyre run`'s metrics read them)."""
+        d = self.run_dir / "cells"
+        d.mkdir(parents=True, exist_ok=True)
+        rec = {"cell": self.a.cell_id, "engine_launched": launched, "trainer_ready": trainer_ready,
+               "engine_ready": engine_ready}  # fmt: skip
+        tmp = d / f"{self.a.cell_id}.startup.json.tmp"
+        tmp.write_text(json.dumps(rec))
+        tmp.rename(d / f"{self.a.cell_id}.startup.json")
 
     def release_engine(self) -> None:
         """Free the engine for training; it must be idle (the proxy drained it), so retry a 409."""
@@ -417,8 +438,12 @@ class Cell:
 
     def run(self) -> int:
         try:
-            self.start_engine()
-            self.start_trainer()
+            t_launch = time.time()
+            self.launch_engine()
+            self.start_trainer()  # while the engine loads: the core's addresses go out at once
+            t_trainer = time.time()
+            self.wait_engine()
+            self._startup_record(t_launch, t_trainer, time.time())
             self.sync_weights()  # a resumed core's version (or the running core's, on a restart)
             threading.Thread(target=self.weight_loop, name="weights", daemon=True).start()
             self.serve()

@@ -103,6 +103,7 @@ class AgentSection:
     which rarely emits a parseable call); off: the model's answer ends the execution."""
     harness: str = "builtin"
     """Who runs an execution: builtin (this package's tool-using agent, `agent.py` / `branching.py`),
+    profile (executions shaped like the report's long agent runs, `[profile]`),
     claude-code (one real Claude Code CLI process per execution) or command (any command-line agent from
     `command`); README "Harnesses"."""
     tasks: str = "qa"
@@ -241,6 +242,43 @@ class SurviveSection:
 
 
 @dataclass(frozen=True)
+class ProfileSection:
+    """`[agent] harness = "profile"`: executions shaped like the report's long agent runs (many calls,
+    contexts growing by tool outputs, outputs of hundreds of tokens, compaction and sub-agents, a heavy
+    tail ending at the timeout), for measuring the system at that shape. Each execution's plan is drawn
+    from these lognormals (median, log-space sigma, clipped to [min, max]) with the run's seed; its tool
+    time is the duration profile's (`[agent] median_s`, `sigma`, `exec_sigma`, `model_fraction`) spread
+    over its calls."""
+
+    calls_median: float = 16.0
+    """Main-agent calls of an execution (it may end earlier at `context_max` or the timeout) ..."""
+    calls_sigma: float = 0.5
+    calls_min: int = 8
+    calls_max: int = 40
+    output_median: float = 150.0
+    """Output tokens of each call (sampled by the model to exactly this length: `ignore_eos`) ..."""
+    output_sigma: float = 0.6
+    output_min: int = 50
+    output_max: int = 400
+    tool_tokens_median: float = 1500.0
+    """Tokens of the tool output that follows each call ..."""
+    tool_tokens_sigma: float = 0.6
+    tool_tokens_min: int = 512
+    tool_tokens_max: int = 4096
+    prompt_tokens: int = 1024
+    """Tokens of the task's prompt (one per group: its executions share it)."""
+    context_max: int = 32768
+    """An execution whose context would pass this ends with its next call."""
+    compact_tokens: int = 24576
+    """Once a call's context passes this, the agent compacts (a summary call, role main_summary) and
+    goes on from the task and the summary; 0: never."""
+    subagent_share: float = 0.15
+    """Share of tool steps delegated to a sub-agent (two calls of its own, role subagent)."""
+    tool_s_sigma: float = 0.6
+    """Spread of each call's tool time around the execution's mean (lognormal weights)."""
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunSection = field(default_factory=RunSection)
     batch: BatchSection = field(default_factory=BatchSection)
@@ -253,6 +291,7 @@ class Config:
     proxy: ProxySection = field(default_factory=ProxySection)
     engine: EngineSection = field(default_factory=EngineSection)
     survive: SurviveSection = field(default_factory=SurviveSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     def __post_init__(self) -> None:
         r, b, a, t = self.run, self.batch, self.agent, self.train
@@ -298,7 +337,21 @@ class Config:
         _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
         _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
         _check(self.survive.max_restarts >= 0, "[survive] max_restarts must be >= 0")
+        self._check_profile()
         _check(self.survive.backoff_s >= 0, "[survive] backoff_s must be >= 0")
+
+    def _check_profile(self) -> None:
+        p = self.profile
+        for name in ("calls", "output", "tool_tokens"):
+            lo, hi = getattr(p, f"{name}_min"), getattr(p, f"{name}_max")
+            med, sig = getattr(p, f"{name}_median"), getattr(p, f"{name}_sigma")
+            _check(1 <= lo <= hi, f"[profile] {name}_min must be >= 1 and <= {name}_max")
+            _check(med > 0 and sig >= 0, f"[profile] {name}_median must be > 0 and {name}_sigma >= 0")
+        _check(p.prompt_tokens >= 1, "[profile] prompt_tokens must be >= 1")
+        _check(p.context_max > p.prompt_tokens, "[profile] context_max must exceed prompt_tokens")
+        _check(p.compact_tokens >= 0, "[profile] compact_tokens must be >= 0")
+        _check(0 <= p.subagent_share <= 1, "[profile] subagent_share must be in [0, 1]")
+        _check(p.tool_s_sigma >= 0, "[profile] tool_s_sigma must be >= 0")
 
     def _check_placement(self) -> None:
         c, e = self.cell, self.engine

@@ -192,7 +192,7 @@ class Driver:
                 eid = f"{gid}-e{j}"
                 groups[gid].append(eid)
                 tool_s = float(self.durations[k, q, j]) * (1.0 - c.agent.model_fraction)
-                runs.append(self.harness.execution(eid, gid, task, tool_s))
+                runs.append(self.harness.execution(eid, gid, task, tool_s, (k, q, j)))
         self.traj.register_batch(k, groups)
         with self.lock:
             self.state.batches_started[k] = time.time()

@@ -8,6 +8,9 @@
   non-essential traffic, no auto-update, no error reporting), `CLAUDE_CODE_MAX_OUTPUT_TOKENS` =
   `[agent] max_tokens`, `--max-turns` = `[agent] turns` and the task's tool allow-list (`--tools` and
   `--allowedTools`). Its final answer is the JSON result's `result`.
+- `profile`: executions shaped like the report's long agent runs (`agents/profile.py`, `[profile]`):
+  planned call counts, output lengths, growing tool outputs, compaction, sub-agents and the duration
+  profile's heavy tail, over the OpenAI front; for measuring the system at that shape.
 - `command`: any command-line agent from `[agent] command` (`{prompt}`, `{workdir}`, `{python}` replaced in
   each word; no shell), given `ANTHROPIC_BASE_URL` and `OPENAI_BASE_URL` of its execution; its standard
   output, stripped, is the final answer. `gyre.rollout.agents.openai_agent` is an example on the OpenAI front.
@@ -39,14 +42,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
-from gyre_traj.records import Score
+from gyre_traj.records import EvalStatus, Score
 
 from gyre.config.runconfig import AgentSection, Config, ConfigError
 from gyre.procs.group import die_with_parent
-from gyre.rollout.agents import agent, branching
+from gyre.rollout.agents import agent, branching, profile
 from gyre.rollout.tasks import coding, qa
 
-HARNESSES = ("builtin", "claude-code", "command")
+HARNESSES = ("builtin", "claude-code", "command", "profile")
 TASK_KINDS = ("qa", "code")
 COMMAND_FIELDS = ("prompt", "workdir", "python")
 PINNED_CLAUDE = (
@@ -94,8 +97,11 @@ def check_harness(a: AgentSection) -> None:
         need(
             a.compact_tokens == 0 and not a.subagents and a.call_retries == 0,
             "[agent] compact_tokens, subagents and call_retries are the builtin harness's; a CLI harness "
-            "compacts, delegates and retries on its own: remove them",
+            "compacts, delegates and retries on its own, and the profile harness takes them from "
+            "[profile]: remove them",
         )
+    if a.harness == "profile":
+        need(a.tasks == "qa", "[agent] tasks: the profile harness writes its own tasks; leave tasks unset")
     if a.harness == "claude-code":
         chosen = a.claude_bin or os.environ.get("GYRE_CLAUDE_BIN", "")
         where = f"at {chosen!r}" if chosen else "found ($GYRE_CLAUDE_BIN, the pinned install, PATH)"
@@ -149,7 +155,11 @@ class Run(Protocol):
 class Harness(Protocol):
     def task(self, rng: random.Random, group_id: str) -> Any: ...
 
-    def execution(self, execution_id: str, group_id: str, task: Any, tool_s: float) -> Run: ...
+    def execution(
+        self, execution_id: str, group_id: str, task: Any, tool_s: float, where: tuple[int, int, int]
+    ) -> Run:
+        """The execution `execution_id` of `task`; `where` is its (batch, query, index in the group)."""
+        ...
 
     async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: Any) -> None: ...
 
@@ -162,7 +172,64 @@ def make_harness(cfg: Config) -> Harness:
     a = cfg.agent
     if a.harness == "builtin":
         return BuiltinHarness(cfg)
+    if a.harness == "profile":
+        return ProfileHarness(cfg)
     return CliHarness(cfg)
+
+
+@dataclass
+class ProfileHarness:
+    """Executions shaped like the report's (`agents/profile.py`), each with the plan of its place in the
+    run; a group's executions share one task prompt of `[profile] prompt_tokens`."""
+
+    cfg: Config
+    filler: profile.Filler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.filler = profile.Filler(model_dir_of(self.cfg))
+
+    def task(self, rng: random.Random, group_id: str) -> str:
+        body = self.filler.text(
+            random.Random(f"{self.cfg.run.seed}/{group_id}"), self.cfg.profile.prompt_tokens
+        )
+        return f"Task {group_id}. Read the notes, use the tools, end with an answer full of digits.\n{body}"
+
+    def execution(
+        self, execution_id: str, group_id: str, task: str, tool_s: float, where: tuple[int, int, int]
+    ) -> profile.ProfileExecution:
+        p = profile.plan(self.cfg.profile, self.cfg.run.seed, *where, tool_s)
+        return profile.ProfileExecution(execution_id, group_id, task, tool_s, p)
+
+    async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: profile.ProfileExecution) -> None:
+        a = self.cfg.agent
+        await profile.run_profile(
+            http,
+            proxy_url,
+            ex,
+            self.cfg.profile,
+            self.filler,
+            temperature=a.temperature,
+            retry_for_s=a.timeout_s,
+        )
+
+    async def settle(self, ex: profile.ProfileExecution, recorded: Callable[[str], int]) -> None:
+        return None  # the agent counts its own completed calls
+
+    async def score(self, ex: profile.ProfileExecution, timed_out: bool, error: str) -> Score:
+        if error:
+            return Score(
+                execution_id=ex.execution_id, group_id=ex.group_id, status=EvalStatus.EVAL_FAILED,
+                timed_out=timed_out, detail=error,
+            )  # fmt: skip
+        return Score(
+            execution_id=ex.execution_id, group_id=ex.group_id, value=profile.score_text(ex.final_text),
+            timed_out=timed_out,
+        )  # fmt: skip
+
+
+def model_dir_of(cfg: Config) -> Path:
+    """The policy's model directory: `[run] model_dir`, else the one `gyre run` creates in out_dir."""
+    return Path(cfg.run.model_dir) if cfg.run.model_dir else Path(cfg.run.out_dir) / "model"
 
 
 @dataclass
@@ -172,7 +239,9 @@ class BuiltinHarness:
     def task(self, rng: random.Random, group_id: str) -> qa.Task:
         return qa.make_task(rng, group_id)
 
-    def execution(self, execution_id: str, group_id: str, task: qa.Task, tool_s: float) -> agent.Execution:
+    def execution(
+        self, execution_id: str, group_id: str, task: qa.Task, tool_s: float, where: tuple[int, int, int]
+    ) -> agent.Execution:
         return agent.Execution(execution_id, group_id, task, tool_s)
 
     async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: agent.Execution) -> None:
@@ -239,7 +308,12 @@ class CliHarness:
         return qa.make_task(rng, group_id)
 
     def execution(
-        self, execution_id: str, group_id: str, task: qa.Task | coding.CodeTask, tool_s: float
+        self,
+        execution_id: str,
+        group_id: str,
+        task: qa.Task | coding.CodeTask,
+        tool_s: float,
+        where: tuple[int, int, int],
     ) -> CliExecution:
         return CliExecution(execution_id, group_id, task, self.base / execution_id)
 
