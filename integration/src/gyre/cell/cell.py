@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -248,6 +249,8 @@ class Cell:
         else:
             from gyre_train.satellite import Satellite, SatelliteConfig
 
+            if not self.a.core:  # started beside the core: its addresses come with its core.json
+                self._await_core()
             self.client = CoreClient(self.a.core, timeout_s=30.0)
             sat = Satellite(
                 SatelliteConfig(core=self.a.core, name=self.name, device=self.a.device, reply_timeout_s=60.0)
@@ -262,6 +265,21 @@ class Cell:
                     raise  # start_thread ends the cell, loudly
 
             start_thread(serve, "satellite")
+
+    def _await_core(self) -> None:
+        """A satellite started beside the core: wait for the core's `core.json` in the run directory and
+        take its addresses (SIGTERM meanwhile stops the cell)."""
+        path = self.run_dir / "core.json"
+        deadline = time.monotonic() + self.a.startup_timeout_s
+        while not path.exists():
+            if self.stop.is_set():
+                raise StoppedWhileStarting(f"cell {self.a.cell_id} stopped while waiting for the core")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell {self.a.cell_id}: no {path} within {self.a.startup_timeout_s} s")
+            time.sleep(0.1)
+        info = json.loads(path.read_text())
+        self.a = dataclasses.replace(self.a, core=info["core"], publisher=info["publisher"])
+        self.publisher = self.a.publisher
 
     def train_loop(self) -> None:
         """Core only: while in training, take the oldest step (open or whole) and train it to its update,

@@ -35,8 +35,8 @@ from gyre_train.modelconfig import ModelConfig, ModelConfigError
 from gyre.cell.args import CellArgs
 from gyre.config import runtoken
 from gyre.config.runconfig import Config
+from gyre.measure import efficiency, runmetrics
 from gyre.measure import predict as sim
-from gyre.measure import runmetrics
 from gyre.measure.metrics import Sampler, write_json, write_plot
 from gyre.measure.runmetrics import read_steps
 from gyre.measure.samples import engines_serve
@@ -216,26 +216,28 @@ class Attempt:
         )  # fmt: skip
 
     def _start_cells(self, model_dir: Path) -> None:
-        """Cell 0 (the core), once it wrote its addresses the others, each watched by the supervisor."""
+        """Every cell at once, each satellite watched by the supervisor (a satellite takes the core's
+        addresses from the `core.json` the core writes, so their engines load side by side); then the
+        core's addresses."""
         self._start_cell(model_dir, 0)
-        self._wait(
-            "the core cell", (self.out / "core.json").exists, self.cfg.run.startup_timeout_s, self.procs.check
-        )
-        self.core = json.loads((self.out / "core.json").read_text())
         for i in range(1, self.cfg.run.cells):
-            start = partial(self._start_cell, model_dir, i, self.core["core"], self.core["publisher"])
+            start = partial(self._start_cell, model_dir, i)
             start()
             self.sup.watch(
                 f"cell-{i}",
                 partial(_restart_cell, self.out, i, start),
                 partial(lambda i: _cell_back(self.out, i, self.sampler), i),
             )
+        self._wait(
+            "the core cell", (self.out / "core.json").exists, self.cfg.run.startup_timeout_s, self.procs.check
+        )
+        self.core = json.loads((self.out / "core.json").read_text())
 
-    def _start_cell(self, model_dir: Path, i: int, core: str = "", publisher: str = "") -> None:
+    def _start_cell(self, model_dir: Path, i: int) -> None:
         cfg, c = self.cfg, self.cfg.run
         a = CellArgs(
             sched=self.sched, cell_id=i, is_core=i == 0, capacity=cfg.cell.capacity, model_dir=str(model_dir),
-            engine_port=self.ports[i], run_dir=str(self.out), core=core, publisher=publisher, lr=cfg.train.lr,
+            engine_port=self.ports[i], run_dir=str(self.out), lr=cfg.train.lr,
             token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
             release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
             device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
@@ -348,6 +350,10 @@ class Attempt:
             traj.dropped, sampler,
         )  # fmt: skip
         metrics["moves"] = _moves(self.proxy_stats)
+        metrics["efficiency"] = efficiency.efficiency(
+            self.cfg, out, (c for _, c in recordlog.calls(self.log_path)), sampler.samples, sampler.training(),
+            self.t_start, self.t_end,
+        )  # fmt: skip
         metrics["attempt"] = self.rd.attempt
         metrics["attempts"] = (
             self.rd.attempt + 1

@@ -1,0 +1,161 @@
+"""How well a run used its machines, from what it recorded: the cells' start-up, each engine's share of
+the calls, the prefix cache's hits, the longest context, and the busy seconds of each device.
+
+Read after the run from the run directory (`cells/<id>.startup.json`, the proxy's records with their
+`engines` and `cached_tokens` metadata) and the sampler's readings. Device seconds count a device once
+however many cells share it: two cells on one GPU that are both busy in rollout are one busy GPU-second
+per second, not two, which is the time a standalone engine or trainer on that GPU is compared with
+(`integration/bench/h200_agentic.py`). Cells on the CPU share one device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gyre_sched.protocol import Role
+from gyre_traj.records import Call
+
+from gyre.config.runconfig import Config
+from gyre.measure.samples import Sample
+from gyre.measure.trainwatch import TrainTrack
+
+
+def startup(out: Path) -> dict[str, Any]:
+    """Per cell: seconds from launching its engine to the trainer side being ready and to the engine
+    answering; `engines_started_together`: every engine was launched before the first one was up."""
+    recs = []
+    for p in sorted((out / "cells").glob("*.startup.json")):
+        recs.append(json.loads(p.read_text()))
+    if not recs:
+        return {}
+    per_cell = {
+        str(r["cell"]): {
+            "engine_s": round(r["engine_ready"] - r["engine_launched"], 3),
+            "trainer_s": round(r["trainer_ready"] - r["engine_launched"], 3),
+        }
+        for r in recs
+    }
+    first_up = min(r["engine_ready"] for r in recs)
+    return {
+        "per_cell": per_cell,
+        "engine_startup_s": [per_cell[str(r["cell"])]["engine_s"] for r in recs],
+        "engines_started_together": all(r["engine_launched"] < first_up for r in recs),
+        "all_up_s": round(max(r["engine_ready"] for r in recs) - min(r["engine_launched"] for r in recs), 3),
+    }
+
+
+def input_lengths(records: Iterable[Call]) -> list[tuple[Call, int]]:
+    """Each call with the length of its input (a delta-encoded input is its parent's kept part plus what
+    it appends)."""
+    out = []
+    for r in records:
+        if r.input_ids is not None:
+            n = int(r.input_ids.size)
+        else:
+            assert r.input_delta is not None
+            n = r.input_delta.keep + int(r.input_delta.append.size)
+        out.append((r, n))
+    return out
+
+
+def calls_and_cache(calls: Sequence[tuple[Call, int]]) -> dict[str, Any]:
+    """Input tokens, those the first engine found in its prefix cache, and the longest context."""
+    inp = sum(n for _, n in calls)
+    cached = sum(int(r.metadata.get("cached_tokens", 0)) for r, _ in calls)
+    return {
+        "calls": len(calls),
+        "input_tokens": inp,
+        "cached_tokens": cached,
+        "prefix_cache_hit_share": round(cached / inp, 4) if inp else None,
+        "context_tokens_max": max((n + int(r.output_ids.size) for r, n in calls), default=0),
+        "output_tokens": sum(int(r.output_ids.size) for r, _ in calls),
+    }
+
+
+def engine_call_share(calls: Sequence[tuple[Call, int]], samples: Sequence[Sample]) -> dict[str, Any]:
+    """Each engine's share of the calls that began while every cell was in rollout (a call's engine is
+    the first that served it)."""
+    spans = _all_rollout_spans(samples)
+    counts: dict[str, int] = {}
+    for r, _ in calls:
+        engines = r.metadata.get("engines", "")
+        if not engines or not any(a <= r.t_start < b for a, b in spans):
+            continue
+        first = engines.split(",")[0]
+        counts[first] = counts.get(first, 0) + 1
+    n = sum(counts.values())
+    cells = sorted({str(c) for s in samples for c in s.roles})
+    return {
+        "engine_call_share": {c: round(counts.get(c, 0) / n, 4) for c in cells} if n else {},
+        "calls_while_all_rollout": n,
+    }
+
+
+def _all_rollout_spans(samples: Sequence[Sample]) -> list[tuple[float, float]]:
+    out = []
+    for prev, cur in itertools.pairwise(samples):
+        if prev.roles and all(r == int(Role.ROLLOUT) for r in prev.roles.values()):
+            out.append((prev.t, cur.t))
+    return out
+
+
+def device_of(cfg: Config) -> dict[int, str]:
+    """The device each cell runs on: its GPU (`[cell] gpus`, else cell i on GPU i), or one CPU."""
+    n = cfg.run.cells
+    if cfg.cell.device != "cuda":
+        return {i: "cpu" for i in range(n)}
+    gpus = cfg.cell.gpus or list(range(n))
+    return {i: f"cuda:{gpus[i]}" for i in range(n)}
+
+
+def device_seconds(
+    samples: Sequence[Sample], track: TrainTrack, devices: dict[int, str], t0: float, t1: float
+) -> dict[str, Any]:
+    """Per device: seconds in which any of its cells was busy in rollout (its engine running or queueing
+    a request) and busy in training (in the training role while the core's step had work); and the same
+    summed over devices."""
+    per: dict[str, dict[str, float]] = {}
+    for prev, cur in itertools.pairwise(samples):
+        a, b = max(prev.t, t0), min(cur.t, t1)
+        if b <= a:
+            continue
+        roll: set[str] = set()
+        train: set[str] = set()
+        for cid, role in prev.roles.items():
+            dev = devices.get(cid, "cpu")
+            if role == int(Role.ROLLOUT) and (
+                cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False)
+            ):
+                roll.add(dev)
+            elif role == int(Role.TRAINING):
+                train.add(dev)
+        busy_train = track.busy_s(a, b) if train else 0.0
+        for dev in roll | train:
+            acc = per.setdefault(dev, {"rollout_busy_s": 0.0, "training_busy_s": 0.0})
+            if dev in roll:
+                acc["rollout_busy_s"] += b - a
+            if dev in train:
+                acc["training_busy_s"] += busy_train
+    tot = {k: round(sum(d[k] for d in per.values()), 3) for k in ("rollout_busy_s", "training_busy_s")}
+    return {
+        "per_device": {d: {k: round(v, 3) for k, v in acc.items()} for d, acc in sorted(per.items())},
+        **tot,
+    }
+
+
+def efficiency(
+    cfg: Config, out: Path, records: Iterable[Call], samples: Sequence[Sample], track: TrainTrack, t0: float,
+    t1: float,
+) -> dict[str, Any]:  # fmt: skip
+    """The `efficiency` entry of metrics.json."""
+    calls = input_lengths(records)
+    return {
+        "startup": startup(out),
+        **calls_and_cache(calls),
+        **engine_call_share(calls, samples),
+        "device_seconds": device_seconds(samples, track, device_of(cfg), t0, t1),
+    }
