@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from gyre_xfer import auth
+from gyre_base.sockets import bind, connected, make_socket
 from gyre_xfer.buffers import DTYPES, nbytes_of
 from gyre_xfer.errors import XferError
 from gyre_xfer.protocol import (
@@ -51,9 +51,7 @@ PUBLISHER_CASES = 1000
 SUBSCRIBER_CASES = 500
 
 
-@pytest.fixture(autouse=True)
-def _no_token_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_token")
 
 
 def _settings(cases: int) -> settings:
@@ -127,10 +125,7 @@ def test_publisher_decoder_fuzz_1000_batches() -> None:
         good = Subscriber(sub_tr, SubscriberConfig(pub.address, token=TOKEN, control_timeout_s=10.0))
         socks = []
         for _ in range(3):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            auth.connect(s, pub.address, TOKEN)
-            socks.append(s)
+            socks.append(connected(ctx, zmq.DEALER, pub.address, TOKEN))
 
         @_settings(PUBLISHER_CASES)
         @given(st.lists(st.tuples(st.integers(0, 2), _send), min_size=1, max_size=6))
@@ -265,9 +260,8 @@ class HostilePublisher:
     its timeout; Hellos in `good` mode get a real Welcome."""
 
     def __init__(self, ctx: Ctx, transport: Transport) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.address = auth.bind(self.sock, "tcp://127.0.0.1:0", TOKEN)
+        self.sock = make_socket(ctx, zmq.ROUTER)
+        self.address = bind(self.sock, "tcp://127.0.0.1:0", TOKEN)
         self.transport = transport
         self.plan: queue.Queue[list[Message]] = queue.Queue()
         self.good = threading.Event()

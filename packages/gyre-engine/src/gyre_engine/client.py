@@ -6,7 +6,7 @@ sends (tested against fixtures recorded from sglang's own HTTP layer, `tests/fix
 Every call has a timeout; an HTTP error, or an error event inside a stream, becomes `EngineError` with
 the server's message, status and whether a retry may help, whichever of SGLang's error shapes it came in.
 Every request carries the run token as `Authorization: Bearer <token>` when there is one (the `api_key`
-argument, else `$GYRE_TOKEN`: `gyre_engine.auth`), which is what gyre-engine beyond loopback and SGLang
+argument, else `$GYRE_TOKEN`: `gyre_base.token`), which is what gyre-engine beyond loopback and SGLang
 started with `--api-key` both check. Health probes and aborts each have a small connection pool of their
 own, apart from the one generation and weight updates use, so a load that fills that pool (or requests
 that hang there) cannot keep an engine from being seen healthy again or told to stop a request.
@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 import httpx
 import msgspec
+from gyre_base.token import bearer, resolve_token
 
-from gyre_engine.auth import bearer, resolve_token
 from gyre_engine.protocol import (
     KV_PREFIX_DECODER,
     KV_PREFIX_ENCODER,
