@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import tomllib
-from pathlib import Path
 
-import gyre_xfer
 import pytest
 from gyre_xfer.cli import main
 

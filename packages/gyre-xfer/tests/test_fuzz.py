@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 from gyre_base.sockets import bind, connected, make_socket
+from gyre_base.testing import fuzz_settings
 from gyre_xfer.buffers import DTYPES, nbytes_of
 from gyre_xfer.errors import XferError
 from gyre_xfer.protocol import (
@@ -42,7 +43,7 @@ from gyre_xfer.protocol import (
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.subscriber import Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, Transport, open_transport
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -50,18 +51,7 @@ TOKEN = "xfer-fuzz-token-0123456789abcdef"
 PUBLISHER_CASES = 1000
 SUBSCRIBER_CASES = 500
 
-
 pytestmark = pytest.mark.usefixtures("no_token")
-
-
-def _settings(cases: int) -> settings:
-    return settings(
-        max_examples=cases,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -127,7 +117,7 @@ def test_publisher_decoder_fuzz_1000_batches() -> None:
         for _ in range(3):
             socks.append(connected(ctx, zmq.DEALER, pub.address, TOKEN))
 
-        @_settings(PUBLISHER_CASES)
+        @fuzz_settings(PUBLISHER_CASES)
         @given(st.lists(st.tuples(st.integers(0, 2), _send), min_size=1, max_size=6))
         def case(batch: list[tuple[int, list[bytes]]]) -> None:
             nonlocal ran
@@ -310,7 +300,7 @@ def test_subscriber_decoder_fuzz_500_cases() -> None:
     ran = 0
     try:
 
-        @_settings(SUBSCRIBER_CASES)
+        @fuzz_settings(SUBSCRIBER_CASES)
         @given(plans)
         def case(plan: list[list[Message]]) -> None:
             nonlocal ran

@@ -1,6 +1,7 @@
 """Helpers for gyre's tests, importable without pytest: poll until a condition holds (or fail naming it
 after a deadline), a free loopback port, an address of this machine beyond loopback, an environment
-without the run token. The fixtures built on them are in `gyre_base.pytest_plugin`."""
+without the run token, and the hypothesis settings of a fuzz test (hypothesis is imported only there).
+The fixtures built on them are in `gyre_base.pytest_plugin`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gyre_base.token import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from hypothesis import settings
 
 POLL_S = 0.02
 """How often `until` and `until_async` look again."""
@@ -79,3 +84,19 @@ def non_loopback_host() -> str | None:
 def env_without_token() -> dict[str, str]:
     """This process's environment without `$GYRE_TOKEN`, for child processes that must have no token."""
     return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+
+
+def fuzz_settings(cases: int) -> settings:
+    """Hypothesis settings for a fuzz test over real sockets: `cases` generated cases, no deadline (the
+    machine is shared), no example database (each run draws afresh) and no replay of stored examples,
+    shrinking kept; the health checks for slow data generation off, since each case does real IO."""
+    from hypothesis import HealthCheck, Phase
+    from hypothesis import settings as hypothesis_settings
+
+    return hypothesis_settings(
+        max_examples=cases,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
