@@ -1,7 +1,8 @@
 """Helpers for gyre's tests, importable without pytest: poll until a condition holds (or fail naming it
 after a deadline), a free loopback port, an address of this machine beyond loopback, an environment
-without the run token, and the hypothesis settings of a fuzz test (hypothesis is imported only there).
-The fixtures built on them are in `gyre_base.pytest_plugin`."""
+without the run token, an ASGI app served on loopback from a thread, and the hypothesis settings of a
+fuzz test (uvicorn and hypothesis are imported only where used). The fixtures built on them are in
+`gyre_base.pytest_plugin`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from gyre_base.token import TOKEN_ENV
 
@@ -84,6 +86,37 @@ def non_loopback_host() -> str | None:
 def env_without_token() -> dict[str, str]:
     """This process's environment without `$GYRE_TOKEN`, for child processes that must have no token."""
     return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+
+
+class AppThread:
+    """Serves an ASGI app over real HTTP on 127.0.0.1 with uvicorn, on a thread of this process (needs
+    uvicorn); the constructor returns once the server listens, or raises RuntimeError after `timeout_s`
+    or if the thread died. `stop()` shuts it down."""
+
+    def __init__(
+        self,
+        app: Any,
+        port: int | None = None,
+        lifespan: Literal["auto", "on", "off"] = "auto",
+        timeout_s: float = 30.0,
+    ) -> None:
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan=lifespan)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, name="gyre-test-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the test server on {self.url} did not start")
+            time.sleep(POLL_S)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
 
 
 def fuzz_settings(cases: int) -> settings:
