@@ -4,13 +4,9 @@ a gyre-engine server; the default model's tokenizer and chat template; `create-m
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import sys
-import tomllib
-from pathlib import Path
 from typing import Any
 
-import gyre_engine
 import pytest
 from gyre_engine.cli import main
 from gyre_engine.launcher import SGLangConfig, WeightGroup, wait_healthy

@@ -69,9 +69,7 @@ class LeaderLink:
         beat = make_socket(self._ctx, zmq.PUB)
         socks = (self._work, self._fetch, beat)
         try:
-            bound = [
-                bind(s, f"tcp://{host}:0", token, "ParallelConfig.token, --token-file") for s in socks
-            ]
+            bound = [bind(s, f"tcp://{host}:0", token, "ParallelConfig.token, --token-file") for s in socks]
         except BaseException:
             for s in socks:
                 s.close(0)
