@@ -36,7 +36,15 @@ MEMBERS = _members()
 
 def test_every_member_is_found() -> None:
     names = {m[0] for m in MEMBERS}
-    assert {"gyre-base", "gyre-traj", "gyre-xfer", "gyre-sched", "gyre-engine", "gyre-proxy", "gyre-train"} <= names
+    assert {
+        "gyre-base",
+        "gyre-traj",
+        "gyre-xfer",
+        "gyre-sched",
+        "gyre-engine",
+        "gyre-proxy",
+        "gyre-train",
+    } <= names
     assert "gyre" in names
 
 
@@ -67,7 +75,10 @@ def test_every_command_says_the_pyproject_version() -> None:
     """`<script> --version` of every member, run as the installed console scripts, side by side."""
     bindir = Path(sysconfig.get_path("scripts"))
     procs = {
-        dist: (version, subprocess.Popen([str(bindir / script), "--version"], stdout=subprocess.PIPE, text=True))
+        dist: (
+            version,
+            subprocess.Popen([str(bindir / script), "--version"], stdout=subprocess.PIPE, text=True),
+        )
         for dist, version, _, script in MEMBERS
     }
     for dist, (version, proc) in procs.items():

@@ -169,14 +169,16 @@ def test_bearer_check_is_sglangs() -> None:
     assert needs_token("POST", "/generate") and needs_token("GET", "/model_info")
 
 
-def test_the_token_module_imports_without_pyzmq(tmp_path: Path) -> None:
-    """A `zmq` that fails to import shadows the real one: the token module (and so gyre-engine's client)
-    does not notice, and `gyre_base.sockets` says which extra to install."""
-    (tmp_path / "zmq").mkdir()
-    (tmp_path / "zmq" / "__init__.py").write_text("raise ImportError('pyzmq is not installed here')\n")
+def test_the_base_install_imports_without_pyzmq_or_test_tools(tmp_path: Path) -> None:
+    """`zmq`, `pytest`, `hypothesis` and `uvicorn` that fail to import shadow the real ones: the token
+    module (and so gyre-engine's client), the tables, the version helper and the test helpers do not
+    notice, and `gyre_base.sockets` says which extra to install."""
+    for name in ("zmq", "pytest", "hypothesis", "uvicorn"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
     code = (
-        "import sys, gyre_base.token, gyre_base.tables, gyre_base.testing, gyre_base.version\n"
-        "assert 'zmq' not in sys.modules\n"
+        "import sys, gyre_base.token, gyre_base.tables, gyre_base.testing, gyre_base.version, gyre_base.cli\n"
+        "assert not {'zmq', 'pytest', 'hypothesis', 'uvicorn'} & set(sys.modules)\n"
         "try:\n"
         "    import gyre_base.sockets\n"
         "except ImportError as exc:\n"

@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-import gyre_traj
 import numpy as np
 import pytest
 from gyre_traj.cli import main
