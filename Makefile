@@ -19,6 +19,7 @@ test:               ## the README's test command
 	$(UV) run --frozen pytest
 
 bench:              ## quick benchmarks of every member that has one
+	$(UV) run --frozen gyre-base bench --quick
 	$(UV) run --frozen gyre-traj bench --quick
 	$(UV) run --frozen gyre-sched bench --quick
 	$(UV) run --frozen gyre-xfer bench --quick
@@ -27,7 +28,7 @@ bench:              ## quick benchmarks of every member that has one
 	$(UV) run --frozen python packages/gyre-engine/bench/handoff.py --context 4096 --reps 1
 	$(UV) run --frozen gyre-train bench --quick
 
-wheels-check:       ## build every wheel and smoke-install gyre-traj alone, outside the workspace
+wheels-check:       ## build every wheel and smoke-install gyre-traj alone (with gyre-base), outside the workspace
 	bash .ci/wheels-check
 
 example:            ## what a newcomer runs first

@@ -6,10 +6,7 @@ children and puts the environment back afterwards."""
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
-import shutil
-import subprocess
 import time
 
 import numpy as np
@@ -17,34 +14,17 @@ import pytest
 import zmq
 from gyre.config import runtoken
 from gyre.trajsvc.service import TrajectoryService
+from gyre_base import sockets
+from gyre_base.token import MIN_TOKEN_CHARS, TOKEN_ENV, TokenRequiredError
 from gyre_traj.io import Codec
 from gyre_traj.records import Call, Role
-from gyre_xfer import auth
-from gyre_xfer.auth import TOKEN_ENV, TokenRequiredError
 
 TOKEN = "integration-test-token-0123456789"
 WRONG = "integration-test-token-9876543210"
 NOWHERE = "tcp://127.0.0.1:1"  # no core and no scheduler: the service never reports (report_s = inf)
 
 
-def _non_loopback_host() -> str | None:
-    """The first IPv4 address of this machine that is not loopback (from `ip -4 addr`), or None."""
-    ip = shutil.which("ip")
-    if ip is None:
-        return None
-    out = subprocess.run([ip, "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            addr = parts[parts.index("inet") + 1].split("/")[0]
-            if not ipaddress.ip_address(addr).is_loopback:
-                return addr
-    return None
-
-
-@pytest.fixture(autouse=True)
-def _no_token_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_token")
 
 
 def _service(bind: str, token: str) -> TrajectoryService:
@@ -84,10 +64,8 @@ def test_records_pull_beyond_loopback_without_a_token_is_refused(bind: str) -> N
         _service(bind, "")
 
 
-def test_records_pull_hears_token_holders_only() -> None:
-    host = _non_loopback_host()
-    if host is None:
-        pytest.skip("this machine has no IPv4 address beyond loopback (`ip -4 addr`)")
+def test_records_pull_hears_token_holders_only(beyond_loopback: str) -> None:
+    host = beyond_loopback
     traj = _service(f"tcp://{host}:0", TOKEN)
     assert traj.address.startswith(f"tcp://{host}:")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -95,10 +73,7 @@ def test_records_pull_hears_token_holders_only() -> None:
     try:
         pushers = {}
         for name, token in (("none", ""), ("wrong", WRONG), ("holder", TOKEN)):
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            auth.connect(s, traj.address, token)
-            pushers[name] = s
+            pushers[name] = sockets.connected(ctx, zmq.PUSH, traj.address, token)
         for n, name in enumerate(("none", "wrong")):
             with contextlib.suppress(zmq.Again):  # a refused handshake leaves no connection to queue on
                 pushers[name].send(_call(n), zmq.NOBLOCK)
@@ -124,8 +99,8 @@ def test_gyre_run_puts_one_token_in_the_environment_and_takes_it_back(
     rt = runtoken.install()
     try:
         assert os.environ[TOKEN_ENV] == rt.token
-        assert len(rt.token) >= auth.MIN_TOKEN_CHARS
-        auth.derive_keys(rt.token)  # a token CURVE accepts
+        assert len(rt.token) >= MIN_TOKEN_CHARS
+        sockets.derive_keys(rt.token)  # a token CURVE accepts
     finally:
         rt.uninstall()
     assert TOKEN_ENV not in os.environ

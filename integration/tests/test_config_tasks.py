@@ -63,9 +63,9 @@ def test_bad_configs_name_the_key(tmp_path: Path, text: str, message: str) -> No
     assert message in str(err.value) and str(p) in str(err.value)
 
 
-def test_config_error_is_gyre_scheds() -> None:
-    # the section checks are gyre_sched.tables'; callers here still catch gyre.config.runconfig.ConfigError
-    from gyre_sched.tables import ConfigError as TableError
+def test_config_error_is_gyre_bases() -> None:
+    # the section checks are gyre_base.tables'; callers here still catch gyre.config.runconfig.ConfigError
+    from gyre_base.tables import ConfigError as TableError
 
     assert issubclass(ConfigError, TableError) and issubclass(ConfigError, ValueError)
     with pytest.raises(ConfigError, match=r"^\[cell\] capacity must be int, got 2\.5$"):

@@ -117,7 +117,7 @@ def test_a_scheduler_refusing_the_handshake_does_not_keep_the_driver_from_stoppi
     # With the run token set, the driver's report socket speaks CURVE; a ROUTER without it never
     # completes the handshake. The report thread used to block in send() for good, so stop() waited out
     # its 30 s join limit and left the thread behind.
-    from gyre_xfer.auth import TOKEN_ENV
+    from gyre_base.token import TOKEN_ENV
 
     monkeypatch.setenv(TOKEN_ENV, "t" * 32)
     with _driver_that_gave_up() as d:

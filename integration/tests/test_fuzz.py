@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import zmq
 from gyre.trajsvc.service import TrajectoryService
+from gyre_base import sockets
 from gyre_traj.io import Codec
 from gyre_traj.records import Call, CallBatch, Delta, EvalStatus, Role, Score
-from gyre_xfer import auth
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -32,9 +32,7 @@ NOWHERE = "tcp://127.0.0.1:1"  # no core and no scheduler: the service never rep
 CASES = 600
 
 
-@pytest.fixture(autouse=True)
-def _no_token_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+pytestmark = pytest.mark.usefixtures("no_token")
 
 
 _codec = Codec()
@@ -149,10 +147,7 @@ def test_records_pull_fuzz_600_batches() -> None:
     with _serving() as traj:
         pushers = []
         for _ in range(3):
-            s = ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            auth.connect(s, traj.address, TOKEN)
-            pushers.append(s)
+            pushers.append(sockets.connected(ctx, zmq.PUSH, traj.address, TOKEN))
 
         @settings(
             max_examples=CASES,

@@ -25,9 +25,10 @@ import pytest
 import zmq
 from gyre.procs.group import free_port
 from gyre.system.launch import Host, LocalLauncher
+from gyre_base.testing import env_without_token
+from gyre_base.token import TOKEN_ENV, new_token
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
-from gyre_xfer.auth import TOKEN_ENV, new_token
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "integration" / "examples" / "tiny.toml"
@@ -102,7 +103,7 @@ def test_cell_registers_with_a_remote_scheduler_by_address_and_token_file(tmp_pa
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     addr = f"tcp://127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env = env_without_token()
     env["OMP_NUM_THREADS"] = "1"
     logs = tmp_path / "logs"
     logs.mkdir()

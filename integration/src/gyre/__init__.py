@@ -11,4 +11,6 @@ import-linter, imports inside functions and under TYPE_CHECKING included, and th
     config | procs               the run config and run token; child processes
 """
 
-__version__ = "0.3.0"
+from gyre_base.version import package_version
+
+__version__ = package_version("gyre", __file__)

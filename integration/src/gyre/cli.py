@@ -20,7 +20,16 @@ from typing import Any
 from gyre.config.runconfig import POLICIES, Config
 
 # Distributions that make up gyre; those not installed are shown as such.
-_COMPONENTS = ("gyre", "gyre-traj", "gyre-proxy", "gyre-engine", "gyre-sched", "gyre-xfer", "gyre-train")
+_COMPONENTS = (
+    "gyre",
+    "gyre-base",
+    "gyre-traj",
+    "gyre-proxy",
+    "gyre-engine",
+    "gyre-sched",
+    "gyre-xfer",
+    "gyre-train",
+)
 
 
 def _versions() -> list[tuple[str, str | None]]:

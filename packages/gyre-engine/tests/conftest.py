@@ -6,7 +6,6 @@ GYRE_REQUIRE_MOONCAKE=1 (CI, which installs it) they fail instead."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from gyre_base.testing import free_port
 
 torch = pytest.importorskip("torch")
 
@@ -31,12 +31,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if os.environ.get("GYRE_REQUIRE_MOONCAKE") == "1":
         pytest.fail(f"GYRE_REQUIRE_MOONCAKE=1 and {why}", pytrace=False)
     pytest.skip(why)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,10 @@ exactly what SGLang sent.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
+
+from gyre_base.testing import AppThread
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.23"
 
@@ -46,17 +45,10 @@ def sse(evs: list[Any]) -> bytes:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class ReplayServer:
     """TEST FIXTURE: replays fixtures over real HTTP on loopback (see the module docstring)."""
 
     def __init__(self) -> None:
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.requests import Request
         from starlette.responses import Response
@@ -77,17 +69,8 @@ class ReplayServer:
                 Route("/{path:path}", other, methods=["GET", "POST"]),
             ]
         )
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("replay server did not start")
-            time.sleep(0.01)
+        self.http = AppThread(app, lifespan="off")
+        self.url = self.http.url
 
     @staticmethod
     def reply(fx: dict[str, Any]) -> Any:
@@ -101,5 +84,4 @@ class ReplayServer:
         return Response(content, fx["status"], media_type="application/json")
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        self.http.stop()

@@ -1,7 +1,7 @@
 """The engine's bearer token: a bind beyond loopback without a token is refused; with one,
 every request but the health probes must carry it, and one that does not is SGLang's 401 and does no
-work; gyre-engine's client and SGLang launcher carry it. The token rule is gyre-xfer's, checked here to
-agree with `gyre_xfer.auth`."""
+work; gyre-engine's client and SGLang launcher carry it. The rule and the bearer check are gyre-base's
+(`gyre_base.token`, tested there); here they are proved on the engine's own server, client and launcher."""
 
 from __future__ import annotations
 
@@ -14,15 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
-from gyre_engine import auth
+from gyre_base import token
+from gyre_base.testing import env_without_token
 from gyre_engine.client import EngineClient, EngineError
 from gyre_engine.launcher import SGLangConfig, wait_healthy
 from gyre_engine.protocol import SamplingParams
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
-xfer_auth = pytest.importorskip("gyre_xfer.auth")
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
 from routes import ROUTES  # noqa: E402
@@ -41,10 +39,6 @@ WRONG = [
 ]
 
 
-def _env_without_token() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != auth.TOKEN_ENV}
-
-
 # ---- the rule ------------------------------------------------------------------------------------------
 
 
@@ -52,55 +46,8 @@ def test_the_default_bind_is_loopback() -> None:
     from gyre_engine.cli import main  # noqa: F401 - the CLI's default is the config's
     from gyre_engine.server.serve import ServeConfig
 
-    assert ServeConfig("m").host == "127.0.0.1" and auth.is_loopback_host("127.0.0.1")
+    assert ServeConfig("m").host == "127.0.0.1" and token.is_loopback_host("127.0.0.1")
     assert SGLangConfig("m").host == "127.0.0.1"
-    for host in ("127.0.0.1", "127.3.4.5", "localhost", "::1", "[::1]"):
-        assert auth.is_loopback_host(host), host
-    for host in ("0.0.0.0", "::", "10.0.0.1", "example.org", "localhost.example.org", ""):
-        assert not auth.is_loopback_host(host), host
-
-
-@settings(max_examples=200, deadline=None)
-@given(configured=st.text(max_size=40), env=st.one_of(st.none(), st.text(max_size=40)))
-def test_token_resolution_agrees_with_gyre_xfer(configured: str, env: str | None) -> None:
-    """200 cases: the setting, else $GYRE_TOKEN, stripped; as `gyre_xfer.auth.resolve_token`."""
-    if "\x00" in (env or ""):
-        return  # cannot be an environment variable
-    saved = os.environ.pop(auth.TOKEN_ENV, None)
-    try:
-        if env is not None:
-            os.environ[auth.TOKEN_ENV] = env
-        assert auth.resolve_token(configured) == xfer_auth.resolve_token(configured)
-    finally:
-        os.environ.pop(auth.TOKEN_ENV, None)
-        if saved is not None:
-            os.environ[auth.TOKEN_ENV] = saved
-    assert auth.TOKEN_ENV == xfer_auth.TOKEN_ENV and auth.MIN_TOKEN_CHARS == xfer_auth.MIN_TOKEN_CHARS
-
-
-@pytest.mark.parametrize("content", [f"{TOKEN}\nrest\n", f"  {TOKEN}  ", "", "\n\n", None])
-def test_token_files_read_as_gyre_xfer_reads_them(tmp_path: Path, content: str | None) -> None:
-    path = tmp_path / "token"
-    if content is not None:
-        path.write_text(content)
-    try:
-        theirs: str | None = xfer_auth.read_token_file(str(path))
-    except xfer_auth.AuthError:
-        theirs = None
-    try:
-        ours: str | None = auth.read_token_file(str(path))
-    except auth.TokenError:
-        ours = None
-    assert ours == theirs
-
-
-def test_bearer_check_is_sglangs() -> None:
-    assert auth.authorized(f"Bearer {TOKEN}", TOKEN) and auth.authorized(f"bearer {TOKEN}", TOKEN)
-    for headers in WRONG:
-        assert not auth.authorized(headers.get("Authorization"), TOKEN), headers
-    assert not auth.needs_token("GET", "/health") and not auth.needs_token("GET", "/health_generate")
-    assert not auth.needs_token("GET", "/ready") and not auth.needs_token("OPTIONS", "/generate")
-    assert auth.needs_token("POST", "/generate") and auth.needs_token("GET", "/model_info")
 
 
 @pytest.mark.parametrize(
@@ -116,9 +63,9 @@ def test_serve_beyond_loopback_without_a_token_is_refused(
 ) -> None:
     """Before the model loads (the model path does not even exist): exit status 2 and a message naming
     the setting."""
-    env = _env_without_token()
+    env = env_without_token()
     if env_token is not None:
-        env[auth.TOKEN_ENV] = env_token
+        env[token.TOKEN_ENV] = env_token
     cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(tmp_path / "none"), *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
@@ -135,16 +82,16 @@ def token_server(spawn_server: Any, tmp_path_factory: pytest.TempPathFactory) ->
     """Listening on every interface, with the token from a file (GYRE_TOKEN unset)."""
     path = tmp_path_factory.mktemp("token") / "token"
     path.write_text(TOKEN + "\n")
-    saved = os.environ.pop(auth.TOKEN_ENV, None)
+    saved = os.environ.pop(token.TOKEN_ENV, None)
     try:
         return spawn_server("--host", "0.0.0.0", "--allow-remote", "--token-file", str(path))
     finally:
         if saved is not None:
-            os.environ[auth.TOKEN_ENV] = saved
+            os.environ[token.TOKEN_ENV] = saved
 
 
 def _counters(url: str) -> dict[str, Any]:
-    info = httpx.get(f"{url}/server_info", headers=auth.bearer(TOKEN), timeout=30).json()
+    info = httpx.get(f"{url}/server_info", headers=token.bearer(TOKEN), timeout=30).json()
     return {k: info[k] for k in info if k != "cached_prefix_tokens"}
 
 
@@ -162,7 +109,7 @@ def test_requests_without_the_token_get_sglangs_401_and_do_no_work(token_server:
         "abort_all": True,
     }
     for path, methods in [*ROUTES, ("/no_such_route", ("POST",))]:
-        if path.startswith(auth.OPEN_PATH_PREFIXES):
+        if path.startswith(token.OPEN_PATH_PREFIXES):
             continue
         for method in methods:
             for headers in WRONG:
@@ -195,7 +142,7 @@ def test_the_client_with_the_token_works(token_server: Any, monkeypatch: pytest.
             rec = await c.export_prefix(USER + r.output_ids)
             assert rec is not None and await c.offer_prefix(USER, transport="shm") is not None
         monkeypatch.setenv(
-            auth.TOKEN_ENV, TOKEN
+            token.TOKEN_ENV, TOKEN
         )  # the token from the environment, as gyre's processes get it
         async with EngineClient(url, timeout_s=60) as c:
             assert (await c.generate(USER, sp)).output_ids == r.output_ids
@@ -212,14 +159,14 @@ def test_the_client_with_the_token_works(token_server: Any, monkeypatch: pytest.
 
 
 def test_the_sglang_launcher_passes_the_token_as_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(token.TOKEN_ENV, raising=False)
     cmd = SGLangConfig("m", api_key=TOKEN).command()
     assert cmd[cmd.index("--api-key") + 1] == TOKEN
     assert "--api-key" not in SGLangConfig("m").command()
-    with pytest.raises(auth.TokenRequiredError, match="GYRE_TOKEN"):
+    with pytest.raises(token.TokenRequiredError, match="GYRE_TOKEN"):
         SGLangConfig("m", host="0.0.0.0").command()
     assert TOKEN not in repr(SGLangConfig("m", api_key=TOKEN))
-    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(token.TOKEN_ENV, TOKEN)
     cmd = SGLangConfig("m", host="0.0.0.0").command()
     assert cmd[cmd.index("--api-key") + 1] == TOKEN
 
@@ -229,7 +176,7 @@ def test_sglang_command_reads_the_token_at_run_time(
 ) -> None:
     from gyre_engine.cli import main
 
-    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(token.TOKEN_ENV, TOKEN)
     main(["sglang-command", "--model", "/m", "--host", "0.0.0.0"])
     out = capsys.readouterr().out
     assert '--api-key "$GYRE_TOKEN"' in out and TOKEN not in out
@@ -238,7 +185,7 @@ def test_sglang_command_reads_the_token_at_run_time(
     main(["sglang-command", "--model", "/m", "--token-file", str(path)])
     out = capsys.readouterr().out
     assert f'--api-key "$(head -n1 {path})"' in out and TOKEN not in out
-    monkeypatch.delenv(auth.TOKEN_ENV)
+    monkeypatch.delenv(token.TOKEN_ENV)
     with pytest.raises(SystemExit) as exc:
         main(["sglang-command", "--model", "/m", "--host", "0.0.0.0"])
     assert exc.value.code == 2 and "GYRE_TOKEN" in capsys.readouterr().err

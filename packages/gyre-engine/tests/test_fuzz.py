@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ from typing import Any
 
 import httpx
 import pytest
-from gyre_engine.auth import bearer
+from gyre_base.testing import free_port
+from gyre_base.token import bearer
 from gyre_engine.protocol import SAMPLING_KEYS
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
@@ -52,13 +52,7 @@ DIALING = {"/init_weights_update_group", "/update_weights_from_xfer", "/import_p
 HEALTH = {"/health", "/health_generate", "/ready"}
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again once this returns: nobody listens there
-
-
-CLOSED = _closed_port()
+CLOSED = free_port()  # nobody listens there
 
 # ---- values -------------------------------------------------------------------------------------------
 

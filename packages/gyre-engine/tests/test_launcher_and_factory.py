@@ -4,13 +4,9 @@ a gyre-engine server; the default model's tokenizer and chat template; `create-m
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import sys
-import tomllib
-from pathlib import Path
 from typing import Any
 
-import gyre_engine
 import pytest
 from gyre_engine.cli import main
 from gyre_engine.launcher import SGLangConfig, WeightGroup, wait_healthy
@@ -100,23 +96,3 @@ def test_create_model_writes_each_family(
     assert cfg["rms_norm_eps"] == 1e-5 and not cfg["tie_word_embeddings"]
     with pytest.raises(ValueError, match="unknown family 'gpt2'"):
         create_model(tmp_path / "g", family="gpt2")
-
-
-PYPROJECT_VERSION = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
-    "project"
-]["version"]
-
-
-def test_version_is_the_one_in_pyproject(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gyre_engine.__version__ == PYPROJECT_VERSION
-    with pytest.raises(SystemExit):
-        main(["--version"])
-    assert capsys.readouterr().out.strip() == f"gyre-engine {PYPROJECT_VERSION}"
-
-
-def test_version_of_a_source_tree_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    def not_installed(name: str) -> str:
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    assert gyre_engine._version() == PYPROJECT_VERSION

@@ -15,12 +15,11 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from gyre_base.testing import free_port
 from gyre_engine.client import EngineClient
 from gyre_engine.launcher import SGLangConfig, wait_healthy
 from gyre_engine.protocol import Loads, LoadSnapshot
 from gyre_engine.server.app import GYRE_ONLY
-
-from .conftest import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang-0.5.23"
 

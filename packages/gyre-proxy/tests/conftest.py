@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -25,8 +24,8 @@ from typing import IO, Any
 import httpx
 import msgspec
 import pytest
-import uvicorn
 import zmq
+from gyre_base.testing import AppThread, free_port
 from gyre_proxy.app import build_app
 from gyre_proxy.config import ProxyConfig
 from gyre_proxy.core import Proxy
@@ -36,12 +35,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -56,27 +49,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-
-
-class UvicornThread:
-    """Serves an ASGI app on 127.0.0.1 in a background thread; `stop()` shuts it down."""
-
-    def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
@@ -154,7 +126,7 @@ class ScriptedEngine:
     outputs: list[list[int]] = field(default_factory=list)
     by_rid: dict[str, list[int]] = field(default_factory=dict)  # rid -> output ids sent
     aborted: set[str] = field(default_factory=set)
-    server: UvicornThread | None = None
+    server: AppThread | None = None
 
     @property
     def url(self) -> str:
@@ -264,7 +236,7 @@ class ScriptedEngine:
                 Route("/ready", ok),
             ]
         )
-        self.server = UvicornThread(app, port)
+        self.server = AppThread(app, port, lifespan="on")
         return self
 
     def stop(self) -> None:
@@ -291,7 +263,7 @@ def engines2(tokenizer: Tokenizer) -> Iterator[tuple[ScriptedEngine, ScriptedEng
 @dataclass
 class ProxyServer:
     proxy: Proxy
-    server: UvicornThread
+    server: AppThread
     log_path: Path
 
     @property
@@ -309,7 +281,7 @@ def make_proxy(tokenizer_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Pr
         log_path = Path(kw["record_log"])
         cfg = ProxyConfig(engines=tuple(engines), sched=sched, **kw)
         proxy = Proxy(cfg)
-        ps = ProxyServer(proxy, UvicornThread(build_app(proxy)), log_path)
+        ps = ProxyServer(proxy, AppThread(build_app(proxy), lifespan="on"), log_path)
         started.append(ps)
         return ps
 
@@ -432,12 +404,3 @@ def tiny_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyEngin
     finally:
         for e in engines.procs:
             e.stop()
-
-
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    """Poll `cond` until it holds; a dead peer or a lost abort fails with `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(0.05)

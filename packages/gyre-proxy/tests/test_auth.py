@@ -1,4 +1,4 @@
-"""The run token on the proxy's ZeroMQ sockets (gyre_xfer.auth): the control DEALER reaches a scheduler
+"""The run token on the proxy's ZeroMQ sockets (`gyre_base.sockets`): the control DEALER reaches a scheduler
 that requires the token only when it holds the token, and records reach a token-bound PULL only from a
 proxy holding it (configured, or from $GYRE_TOKEN). A proxy without the token is refused by both, keeps
 serving and keeps its log."""
@@ -14,6 +14,8 @@ import anthropic
 import httpx
 import pytest
 import zmq
+from gyre_base.sockets import bind, make_socket
+from gyre_base.token import TOKEN_ENV
 from gyre_sched.client import dealer
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import Codec as SchedCodec
@@ -21,19 +23,13 @@ from gyre_sched.protocol import Hello, PeerKind, Welcome
 from gyre_sched.service import Scheduler, ServiceConfig
 from gyre_traj.io import Codec, read_records
 from gyre_traj.records import Call
-from gyre_xfer import auth
 
 TOKEN = "proxy-test-run-token-0123456789"
 ASK: dict[str, Any] = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
-def no_env_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
-
-
-@pytest.fixture
-def scheduler(engine: Any, no_env_token: None) -> Iterator[Scheduler]:
+def scheduler(engine: Any, no_token: None) -> Iterator[Scheduler]:
     """A real gyre-sched Scheduler bound with the token, and a cell registered through it."""
     cfg = ServiceConfig(bind="tcp://127.0.0.1:0", heartbeat_s=0.1, failure_timeout_s=5.0, token=TOKEN)
     sched = Scheduler(WaterLevelPolicy(WaterLevelConfig(hold_s=60.0, ready_fraction=1.0)), cfg)
@@ -77,11 +73,10 @@ def test_control_link_without_the_token_is_refused_and_the_proxy_keeps_serving(
 
 
 @pytest.fixture
-def pull(no_env_token: None) -> Iterator[tuple[zmq.Socket[bytes], str]]:
+def pull(no_token: None) -> Iterator[tuple[zmq.Socket[bytes], str]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    endpoint = auth.bind(sock, "tcp://127.0.0.1:0", TOKEN)
+    sock = make_socket(ctx, zmq.PULL)
+    endpoint = bind(sock, "tcp://127.0.0.1:0", TOKEN)
     try:
         yield sock, endpoint
     finally:
@@ -109,12 +104,12 @@ def test_records_reach_a_token_bound_pull_only_with_the_token(
     logged = [r.call_id for r in read_records(holder.log_path) if isinstance(r, Call)]
     assert _received(sock, 1, 10.0) == logged
     # the token from the environment, as every gyre process reads it
-    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     from_env = make_proxy([engine.url], record_push=endpoint)
     assert httpx.post(f"{from_env.url}/v1/messages", json=ASK).status_code == 200
     assert len(_received(sock, 1, 10.0)) == 1
     # no token: the PULL never hears from it; the call is answered and its record is in the log
-    monkeypatch.delenv(auth.TOKEN_ENV)
+    monkeypatch.delenv(TOKEN_ENV)
     intruder = make_proxy([engine.url], record_push=endpoint)
     assert httpx.post(f"{intruder.url}/v1/messages", json=ASK).status_code == 200
     assert len([r for r in read_records(intruder.log_path) if isinstance(r, Call)]) == 1

@@ -27,8 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
+from gyre_base.testing import free_port, until
 
-from .conftest import ScriptedEngine, free_port, wait_until
+from .conftest import ScriptedEngine
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.slow]
 
@@ -73,7 +74,7 @@ def target(engine: ScriptedEngine, tokenizer_dir: Path, tmp_path: Path) -> Itera
             return False
 
     try:
-        wait_until(up, "gyre-proxy serve up", 120)
+        until(up, "gyre-proxy serve up", 120)
         yield t
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from gyre_base.testing import free_port
 from gyre_proxy.cli import main, parser
 from gyre_proxy.config import ConfigError, ProxyConfig
 from gyre_proxy.flags import config_from, field_docs
@@ -21,11 +22,7 @@ from gyre_traj.io import read_records
 
 
 def test_serve_subprocess(engine: Any, tokenizer_dir: Path, tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"secret-1": "run-1"}))
     log = tmp_path / "rec.msgpack"

@@ -15,10 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
+from gyre_base.testing import until
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 
-from .conftest import EngineProc, TinyEngines, wait_until
+from .conftest import EngineProc, TinyEngines
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ def _calls(ps: Any) -> list[Call]:
 
 def _engine(tiny: TinyEngines) -> EngineProc:
     eng = tiny.procs[0]
-    wait_until(lambda: eng.rows() == 0, "engine 0 idle before the test")
+    until(lambda: eng.rows() == 0, "engine 0 idle before the test")
     return eng
 
 
@@ -83,12 +84,12 @@ def test_a_client_that_leaves_mid_generation_leaves_nothing_running_or_recorded(
     ps = make_proxy([eng.url], tokenizer=str(tiny_engines.model))
     path, body = _body(api, stream)
     sock = _send(ps.url, path, body)
-    wait_until(lambda: eng.rows() == 1, "the call generating on the engine")
+    until(lambda: eng.rows() == 1, "the call generating on the engine")
     if stream:
         assert sock.recv(1), "the stream started"
     sock.close()  # the client leaves mid-generation
-    wait_until(lambda: eng.rows() == 0, "the engine no longer generating for the client that left")
-    wait_until(lambda: _in_flight(ps.url) == 0, "no call in flight in the proxy")
+    until(lambda: eng.rows() == 0, "the engine no longer generating for the client that left")
+    until(lambda: _in_flight(ps.url) == 0, "no call in flight in the proxy")
     st = _stats(ps.url)
     assert (st["abandoned_calls"], st["records_written"], st["records_unanswered"]) == (1, 0, 0)
     assert _calls(ps) == []
@@ -108,12 +109,12 @@ def test_an_engine_side_abort_does_not_bring_back_a_call_whose_client_left(
     eng = _engine(tiny_engines)
     ps = make_proxy([eng.url], tokenizer=str(tiny_engines.model))
     socks = [_send(ps.url, *_body("anthropic" if i % 2 else "openai", False)) for i in range(8)]
-    wait_until(lambda: eng.rows() == 8, "all eight calls on the engine")
+    until(lambda: eng.rows() == 8, "all eight calls on the engine")
     for s in socks:
         s.close()
     httpx.post(f"{eng.url}/abort_request", json={"abort_all": True}, timeout=10).raise_for_status()
-    wait_until(lambda: _in_flight(ps.url) == 0, "no call in flight in the proxy")
-    wait_until(lambda: eng.rows() == 0, "nothing generating on the engine")
+    until(lambda: _in_flight(ps.url) == 0, "no call in flight in the proxy")
+    until(lambda: eng.rows() == 0, "nothing generating on the engine")
     time.sleep(0.5)  # a resubmission would have reached the engine by now
     assert eng.rows() == 0 and _in_flight(ps.url) == 0
     assert _stats(ps.url)["abandoned_calls"] == 8 and _calls(ps) == []
@@ -135,7 +136,7 @@ def test_clients_leaving_while_calls_wait_for_an_engine_connection_leak_nothing(
         for s in rng.sample(socks, len(socks)):
             time.sleep(rng.random() * 0.002)
             s.close()
-        wait_until(lambda: _in_flight(ps.url) == 0, "no call in flight in the proxy")
+        until(lambda: _in_flight(ps.url) == 0, "no call in flight in the proxy")
     path, body = _body("anthropic", False)
     r = httpx.post(f"{ps.url}{path}", json=dict(body, max_tokens=3), timeout=30)
     assert r.status_code == 200, r.text

@@ -26,10 +26,11 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from gyre_base.testing import free_port, until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from .conftest import EngineProc, TinyEngines, free_port, wait_until
+from .conftest import EngineProc, TinyEngines
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.slow]
 
@@ -60,8 +61,8 @@ class FuzzTarget:
         self.alive()
         r = httpx.post(f"{self.url}/v1/messages", json=GOOD, timeout=120)
         assert r.status_code == 200, r.text
-        wait_until(lambda: self.engine.rows() == 0, "the engine has nothing generating", 60)
-        wait_until(lambda: self.in_flight() == 0, "the proxy has no call in flight", 60)
+        until(lambda: self.engine.rows() == 0, "the engine has nothing generating", 60)
+        until(lambda: self.in_flight() == 0, "the proxy has no call in flight", 60)
         self.alive()
 
     def in_flight(self) -> int:
@@ -86,7 +87,7 @@ def target(tiny_engines: TinyEngines, tmp_path_factory: pytest.TempPathFactory) 
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
     t = FuzzTarget(f"http://127.0.0.1:{port}", proc, engine, log)
     try:
-        wait_until(lambda: _up(t), "gyre-proxy serve up", 120)
+        until(lambda: _up(t), "gyre-proxy serve up", 120)
         yield t
     finally:
         proc.terminate()

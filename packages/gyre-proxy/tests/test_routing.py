@@ -16,6 +16,7 @@ import anthropic
 import httpx
 import numpy as np
 import pytest
+from gyre_base.testing import until_async
 from gyre_sched.protocol import (
     EngineAdd,
     EngineDrain,
@@ -262,24 +263,18 @@ def test_an_engine_set_aside_is_revived_while_a_thousand_calls_are_in_flight(
         writer.close()
         await writer.wait_closed()
 
-    async def until(cond: Any, what: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-            await asyncio.sleep(0.05)
-
     async def main() -> list[str]:
         limits = httpx.Limits(max_connections=n)
         async with httpx.AsyncClient(timeout=300, limits=limits) as c:
             stayed = [asyncio.create_task(stay(c, i)) for i in range(n - leaving)]
             await asyncio.gather(*(leave(i) for i in range(leaving)))
-            await until(lambda: pool.aborts_sent >= leaving, "an abort sent for every client gone", 60)
-            await until(lambda: len(engine.aborted) >= 16, "aborts hanging at the engine", 60)
+            await until_async(lambda: pool.aborts_sent >= leaving, "an abort sent for every client gone", 60)
+            await until_async(lambda: len(engine.aborted) >= 16, "aborts hanging at the engine", 60)
             engine.die_after = 0  # the next call's connection breaks: the engine is set aside
             broken = asyncio.create_task(stay(c, n))
             eng = pool.engines[0]
-            await until(lambda: eng.failures == 1, "the engine set aside", 60)
-            await until(lambda: eng.revived == 1, "the engine revived", 15)
+            await until_async(lambda: eng.failures == 1, "the engine set aside", 60)
+            await until_async(lambda: eng.revived == 1, "the engine revived", 15)
             assert sum(not t.done() for t in stayed) > 0 and len(eng.in_flight) > 0  # still under load
             out = await asyncio.gather(*stayed, broken)
             engine.hold_aborts.clear()

@@ -13,9 +13,6 @@ logprobs.
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,7 @@ import msgspec
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from gyre_base.testing import AppThread
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 from starlette.applications import Starlette
@@ -75,22 +72,11 @@ class ReplayEngine:
                 Route("/ready", ok),
             ]
         )
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("replay engine did not start")
-            time.sleep(0.01)
+        self.http = AppThread(app)
+        self.url = self.http.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        self.http.stop()
 
 
 @pytest.fixture

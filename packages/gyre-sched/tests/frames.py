@@ -1,12 +1,8 @@
-"""Shared by the hostile, fuzz and authentication tests: hostile frames for gyre-sched's decoders (valid
-messages, truncated ones, real tags over values of any type, garbage, empty frames) and an address of
-this machine beyond loopback."""
+"""Shared by the hostile and fuzz tests: hostile frames for gyre-sched's decoders (valid messages, truncated
+ones, real tags over values of any type, garbage, empty frames)."""
 
 from __future__ import annotations
 
-import ipaddress
-import shutil
-import subprocess
 import typing
 from typing import Any
 
@@ -91,18 +87,3 @@ def frame(draw: Any) -> bytes:
 
 frames = st.lists(frame(), min_size=1, max_size=3)
 """One send: one frame or several (which the decoders must refuse as a whole)."""
-
-
-def non_loopback_host() -> str | None:
-    """The first IPv4 address of this machine that is not loopback (from `ip -4 addr`), or None."""
-    ip = shutil.which("ip")
-    if ip is None:
-        return None
-    out = subprocess.run([ip, "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            addr = parts[parts.index("inet") + 1].split("/")[0]
-            if not ipaddress.ip_address(addr).is_loopback:
-                return addr
-    return None

@@ -6,7 +6,6 @@ reach the decoder, and the service keeps serving the good peers."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -16,29 +15,20 @@ from pathlib import Path
 
 import pytest
 import zmq
+from gyre_base.sockets import derive_keys, make_socket
+from gyre_base.testing import env_without_token
+from gyre_base.token import TOKEN_ENV, TokenRequiredError, is_loopback_endpoint
 from gyre_sched.client import dealer
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import Codec, GetState, Hello, Message, PeerKind, State, Welcome
 from gyre_sched.service import Scheduler, ServiceConfig
-from gyre_xfer.auth import TOKEN_ENV, TokenRequiredError, derive_keys
-
-from .frames import non_loopback_host
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 TOKEN = "sched-test-token-0123456789abcdef"
 WRONG = "sched-test-token-fedcba9876543210"
 
 
-@pytest.fixture
-def host() -> str:
-    h = non_loopback_host()
-    if h is None:
-        pytest.skip("this machine has no IPv4 address beyond loopback (`ip -4 addr`)")
-    return h
-
-
-def _env_without_token() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+pytestmark = pytest.mark.usefixtures("no_token")
 
 
 @contextmanager
@@ -66,38 +56,38 @@ def ask(sock: zmq.Socket[bytes], msg: Message, timeout_s: float = 5.0) -> Messag
     return codec.decode(sock.recv())
 
 
-def test_bind_beyond_loopback_without_a_token_is_refused(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    for bind in (f"tcp://{host}:0", "tcp://*:0", "tcp://0.0.0.0:0"):
+def test_bind_beyond_loopback_without_a_token_is_refused(beyond_loopback: str) -> None:
+    for bind in (f"tcp://{beyond_loopback}:0", "tcp://*:0", "tcp://0.0.0.0:0"):
         with pytest.raises(TokenRequiredError, match=rf"refusing to bind .* {TOKEN_ENV} .*--token-file"):
             Scheduler(WaterLevelPolicy(), ServiceConfig(bind=bind))
 
 
-def test_serve_beyond_loopback_without_a_token_exits_naming_the_setting(host: str) -> None:
+def test_serve_beyond_loopback_without_a_token_exits_naming_the_setting(beyond_loopback: str) -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "gyre_sched.cli", "serve", "--bind", f"tcp://{host}:0"],
+        [sys.executable, "-m", "gyre_sched.cli", "serve", "--bind", f"tcp://{beyond_loopback}:0"],
         capture_output=True,
         text=True,
         timeout=60,
-        env=_env_without_token(),
+        env=env_without_token(),
         check=False,
     )
     assert p.returncode == 2
-    assert f"refusing to bind tcp://{host}:0 beyond loopback without a token: set {TOKEN_ENV}" in p.stderr
+    assert (
+        f"refusing to bind tcp://{beyond_loopback}:0 beyond loopback without a token: set {TOKEN_ENV}"
+        in p.stderr
+    )
 
 
 def test_token_holders_are_served_and_nobody_else_reaches_the_decoder(
-    host: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    beyond_loopback: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
     caplog.set_level(logging.WARNING)
     ctx: Ctx = zmq.Context()
-    with serving(f"tcp://{host}:0", TOKEN) as s:
-        assert s.endpoint.startswith(f"tcp://{host}:")
+    with serving(f"tcp://{beyond_loopback}:0", TOKEN) as s:
+        assert s.endpoint.startswith(f"tcp://{beyond_loopback}:")
         obs = dealer(ctx, s.endpoint, TOKEN)
         assert isinstance(ask(obs, Hello(PeerKind.OBSERVER)), Welcome)
-        keyed = ctx.socket(zmq.DEALER)  # knows the server's public key, not the token's client key
-        keyed.setsockopt(zmq.LINGER, 0)
+        keyed = make_socket(ctx, zmq.DEALER)  # knows the server's public key, not the token's client key
         keyed.curve_serverkey = derive_keys(TOKEN).server_public
         keyed.curve_publickey, keyed.curve_secretkey = zmq.curve_keypair()
         keyed.connect(s.endpoint)
@@ -118,7 +108,7 @@ def test_token_holders_are_served_and_nobody_else_reaches_the_decoder(
     ctx.destroy(0)
     texts = [r.getMessage() for r in caplog.records]
     assert not [t for t in texts if "refused a message" in t], "a frame of an intruder reached the decoder"
-    assert [t for t in texts if t.startswith(f"refused a ZeroMQ peer from {host}")]  # ZAP said no
+    assert [t for t in texts if t.startswith(f"refused a ZeroMQ peer from {beyond_loopback}")]  # ZAP said no
 
 
 def test_a_token_on_loopback_is_required_of_peers_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,13 +126,13 @@ def test_a_token_on_loopback_is_required_of_peers_too(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.slow
-def test_cell_processes_with_and_without_the_token(host: str, tmp_path: Path) -> None:
+def test_cell_processes_with_and_without_the_token(beyond_loopback: str, tmp_path: Path) -> None:
     """Real `gyre-sched serve` and `gyre-sched cell` processes: a cell given the token by file and one
     given it by GYRE_TOKEN register; one with a wrong token exits 2 saying why it may have been refused."""
     good, wrong = tmp_path / "token", tmp_path / "wrong"
     good.write_text(TOKEN + "\n")
     wrong.write_text(WRONG + "\n")
-    env = _env_without_token()
+    env = env_without_token()
     serve = subprocess.Popen(
         [
             sys.executable,
@@ -150,7 +140,7 @@ def test_cell_processes_with_and_without_the_token(host: str, tmp_path: Path) ->
             "gyre_sched.cli",
             "serve",
             "--bind",
-            f"tcp://{host}:0",
+            f"tcp://{beyond_loopback}:0",
             "--token-file",
             str(good),
         ],
@@ -164,7 +154,7 @@ def test_cell_processes_with_and_without_the_token(host: str, tmp_path: Path) ->
     try:
         assert serve.stdout is not None
         endpoint = serve.stdout.readline().split()[3]
-        assert endpoint.startswith(f"tcp://{host}:")
+        assert endpoint.startswith(f"tcp://{beyond_loopback}:")
 
         def cell(i: int, extra: list[str], cell_env: dict[str, str]) -> subprocess.Popen[str]:
             argv = ["cell", "--connect", endpoint, "--id", str(i), "--hello-timeout-s", "3", *extra]
@@ -199,17 +189,14 @@ def test_cell_processes_with_and_without_the_token(host: str, tmp_path: Path) ->
         ctx.destroy(0)
 
 
-def test_default_binds_are_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_binds_are_loopback() -> None:
     from gyre_sched.cli import build_parser
-    from gyre_xfer.auth import is_loopback
 
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    assert is_loopback(ServiceConfig().bind)
-    assert is_loopback(build_parser().parse_args(["serve"]).bind)
+    assert is_loopback_endpoint(ServiceConfig().bind)
+    assert is_loopback_endpoint(build_parser().parse_args(["serve"]).bind)
     with serving("tcp://127.0.0.1:0", "") as s:  # no token: as before, any local peer is served
         ctx: Ctx = zmq.Context()
-        plain = ctx.socket(zmq.DEALER)
-        plain.setsockopt(zmq.LINGER, 0)
+        plain = make_socket(ctx, zmq.DEALER)
         plain.connect(s.endpoint)
         assert s.endpoint.startswith("tcp://127.0.0.1:")
         assert isinstance(ask(plain, Hello(PeerKind.OBSERVER)), Welcome)

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 import zmq
+from gyre_base.sockets import bind, make_socket
+from gyre_base.testing import fuzz_settings
+from gyre_base.token import TOKEN_ENV
 from gyre_sched.client import dealer
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import (
@@ -31,8 +34,7 @@ from gyre_sched.protocol import (
     Welcome,
 )
 from gyre_sched.service import Scheduler, ServiceConfig
-from gyre_xfer import auth
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from .frames import frames
@@ -41,16 +43,6 @@ Ctx = zmq.Context[zmq.Socket[bytes]]
 TOKEN = "sched-fuzz-token-0123456789abcdef"
 SERVICE_CASES = 1000
 CELL_CASES = 500
-
-
-def _settings(cases: int) -> settings:
-    return settings(
-        max_examples=cases,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
 
 
 @contextmanager
@@ -87,7 +79,7 @@ def test_service_decoder_fuzz_1000_batches() -> None:
         assert obs.poll(5000) and isinstance(codec.decode(obs.recv()), Welcome)
         peers = [dealer(ctx, s.endpoint, TOKEN) for _ in range(3)]
 
-        @_settings(SERVICE_CASES)
+        @fuzz_settings(SERVICE_CASES)
         @given(st.lists(st.tuples(st.integers(0, 2), frames), min_size=1, max_size=8))
         def case(batch: list[tuple[int, list[bytes]]]) -> None:
             nonlocal ran
@@ -112,9 +104,8 @@ def test_cell_process_decoder_fuzz_500_batches(tmp_path: Path) -> None:
     its scheduler, then a SwitchCommand it must answer with the matching SwitchDone."""
     ctx: Ctx = zmq.Context()
     codec = Codec()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    endpoint = auth.bind(router, "tcp://127.0.0.1:0", TOKEN)
+    router = make_socket(ctx, zmq.ROUTER)
+    endpoint = bind(router, "tcp://127.0.0.1:0", TOKEN)
     log = (tmp_path / "cell.log").open("w")
     argv = [
         "cell",
@@ -129,7 +120,7 @@ def test_cell_process_decoder_fuzz_500_batches(tmp_path: Path) -> None:
         "120",
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre_sched.cli", *argv], stderr=log, env={**os.environ, auth.TOKEN_ENV: TOKEN}
+        [sys.executable, "-m", "gyre_sched.cli", *argv], stderr=log, env={**os.environ, TOKEN_ENV: TOKEN}
     )
     decisions = itertools.count(100)
     ran = 0
@@ -139,7 +130,7 @@ def test_cell_process_decoder_fuzz_500_batches(tmp_path: Path) -> None:
         assert isinstance(codec.decode(data), Hello)
         router.send_multipart([ident, codec.encode(Welcome(heartbeat_s=1.0))])
 
-        @_settings(CELL_CASES)
+        @fuzz_settings(CELL_CASES)
         @given(st.lists(frames, min_size=1, max_size=6))
         def case(batch: list[list[bytes]]) -> None:
             nonlocal ran

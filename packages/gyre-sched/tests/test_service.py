@@ -7,10 +7,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
+from gyre_base.testing import until
 from gyre_sched.policy import WaterLevelConfig, WaterLevelPolicy
 from gyre_sched.protocol import (
     Admission,
@@ -56,15 +57,6 @@ class Peer:
     def drain(self) -> None:
         while self.sock.poll(0):
             self.inbox.append(self.codec.decode(self.sock.recv()))
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -119,7 +111,7 @@ def test_switch_and_failure(sched: Scheduler) -> None:
         def roles() -> dict[int, Role]:
             return {c.cell_id: c.role for c in state().cells}
 
-        wait_for(lambda: len(roles()) == 3, 20.0, "three cells registered")
+        until(lambda: len(roles()) == 3, "three cells registered", 20.0)
         # Plenty of demand: nobody may leave rollout even with a full batch ready.
         driver.send(WaterLevel(25))
         traj.send(ReadyGroups(16, 16))
@@ -127,11 +119,11 @@ def test_switch_and_failure(sched: Scheduler) -> None:
         assert set(roles().values()) == {Role.ROLLOUT}
         # The water level drops: the core drains, the proxy is asked to drain its engine.
         driver.send(WaterLevel(8))
-        wait_for(lambda: roles()[0] is Role.DRAINING, 5.0, "core draining")
+        until(lambda: roles()[0] is Role.DRAINING, "core draining", 5.0)
         proxy.drain()
         assert any(isinstance(m, EngineDrain) and m.cell_id == 0 for m in proxy.inbox)
         proxy.send(EngineDrained(0))
-        wait_for(lambda: roles()[0] is Role.TRAINING, 5.0, "core training")
+        until(lambda: roles()[0] is Role.TRAINING, "core training", 5.0)
         proxy.drain()
         assert any(isinstance(m, EngineRemove) and m.cell_id == 0 and not m.failed for m in proxy.inbox)
         d = state().decisions[0]
@@ -139,13 +131,13 @@ def test_switch_and_failure(sched: Scheduler) -> None:
         # Kill a rollout cell: after the failure timeout it is FAILED and the proxy reroutes its work.
         procs[2].kill()
         procs[2].wait(5.0)
-        wait_for(lambda: roles()[2] is Role.FAILED, 5.0, "cell 2 failed")
+        until(lambda: roles()[2] is Role.FAILED, "cell 2 failed", 5.0)
         proxy.drain()
         assert any(isinstance(m, EngineRemove) and m.cell_id == 2 and m.failed for m in proxy.inbox)
         # Demand returns above the one cell left: the core comes back to rollout and is re-added.
         traj.send(ReadyGroups(0, 16))
         driver.send(WaterLevel(15))
-        wait_for(lambda: roles()[0] is Role.ROLLOUT, 5.0, "core back in rollout")
+        until(lambda: roles()[0] is Role.ROLLOUT, "core back in rollout", 5.0)
         proxy.drain()
         assert any(isinstance(m, EngineAdd) and m.cell_id == 0 for m in proxy.inbox)
         # Bad input is refused and changes nothing.
@@ -187,15 +179,15 @@ def test_colocate_satellite_drained_before_the_core() -> None:
             assert isinstance(st, State)
             return {c.cell_id: c.role for c in st.cells}
 
-        wait_for(lambda: len(roles()) == 3, 20.0, "three cells registered")
+        until(lambda: len(roles()) == 3, "three cells registered", 20.0)
         traj.send(ReadyGroups(4, 4))  # the batch is complete: the whole pool drains
-        wait_for(lambda: set(roles().values()) == {Role.DRAINING}, 5.0, "all cells draining")
+        until(lambda: set(roles().values()) == {Role.DRAINING}, "all cells draining", 5.0)
         proxy.send(EngineDrained(2))
         time.sleep(0.3)
         assert th.is_alive() and roles()[2] is Role.DRAINING  # waits for the core
         proxy.send(EngineDrained(0))
         proxy.send(EngineDrained(1))
-        wait_for(lambda: set(roles().values()) == {Role.TRAINING}, 10.0, "the whole pool training")
+        until(lambda: set(roles().values()) == {Role.TRAINING}, "the whole pool training", 10.0)
         assert th.is_alive()
     finally:
         for p in procs:

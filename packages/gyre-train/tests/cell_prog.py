@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import torch
+from gyre_base.testing import until
 from gyre_train.cell import ParallelConfig, join_cell
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
@@ -33,14 +33,6 @@ def model_config(backend: str) -> ModelConfig:
 
 def core_config(wire_dtype: str) -> CoreConfig:
     return CoreConfig(token_budget=512, loss=LossConfig(mode="tis"), wire_dtype=wire_dtype, heartbeat_s=0.25)
-
-
-def wait_for(cond: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -81,7 +73,7 @@ def main() -> int:
             result["loss"] = g.loss
         sat = args.satellite
         if sat:
-            wait_for(lambda: core.replicas().get(sat, {}).get("ready", False), 300.0, "the satellite cell")
+            until(lambda: core.replicas().get(sat, {}).get("ready", False), "the satellite cell", 300.0)
 
             joined: list[bool] = []
 
@@ -89,9 +81,7 @@ def main() -> int:
                 if not joined:
                     joined.append(True)
                     core.admit(sat)
-                    wait_for(
-                        lambda: core.replicas()[sat]["claims"] > 0 or core.pending() == 0, 120.0, "a claim"
-                    )
+                    until(lambda: core.replicas()[sat]["claims"] > 0 or core.pending() == 0, "a claim", 120.0)
 
             if args.burst:
                 reports = core.train_burst([A, B], on_progress=join_after_first)

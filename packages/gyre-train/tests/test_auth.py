@@ -6,15 +6,14 @@ no answer: a typed error at their deadline, never a hang."""
 
 from __future__ import annotations
 
-import ipaddress
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gyre_base.testing import env_without_token
+from gyre_base.token import TOKEN_ENV, TokenRequiredError
 from gyre_train.cell import ParallelConfig
 from gyre_train.cellctl import FollowerLink, LeaderLink, RankSilentError
 from gyre_train.cli import build_parser, main
@@ -23,7 +22,6 @@ from gyre_train.core import Core, CoreConfig
 from gyre_train.model import ModelConfig, build_model
 from gyre_train.protocol import Publish, RankReply
 from gyre_train.satellite import CoreGoneError, Satellite, SatelliteConfig
-from gyre_xfer.auth import TOKEN_ENV, TokenRequiredError
 
 MC = ModelConfig()
 TOKEN = "train-test-token-0123456789abcdef"
@@ -31,37 +29,13 @@ WRONG = "train-test-token-fedcba9876543210"
 BEYOND = ("tcp://*:0", "tcp://0.0.0.0:0")
 
 
-def _non_loopback_host() -> str | None:
-    """The first IPv4 address of this machine that is not loopback (from `ip -4 addr`), or None."""
-    ip = shutil.which("ip")
-    if ip is None:
-        return None
-    out = subprocess.run([ip, "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            addr = parts[parts.index("inet") + 1].split("/")[0]
-            if not ipaddress.ip_address(addr).is_loopback:
-                return addr
-    return None
+pytestmark = pytest.mark.usefixtures("no_token")
 
 
 @pytest.fixture
-def host() -> str:
-    h = _non_loopback_host()
-    if h is None:
-        pytest.skip("this machine has no IPv4 address beyond loopback (`ip -4 addr`)")
-    return h
-
-
-@pytest.fixture(autouse=True)
-def _no_token_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-
-
-@pytest.fixture
-def core(host: str) -> Iterator[Core]:
-    c = Core(build_model(MC), MC, CoreConfig(bind=f"tcp://{host}:0", token=TOKEN, admit_on_hello=True))
+def core(beyond_loopback: str) -> Iterator[Core]:
+    bind = f"tcp://{beyond_loopback}:0"
+    c = Core(build_model(MC), MC, CoreConfig(bind=bind, token=TOKEN, admit_on_hello=True))
     try:
         yield c
     finally:
@@ -88,7 +62,7 @@ def test_core_bind_beyond_loopback_without_a_token_is_refused(bind: str) -> None
 
 @pytest.mark.slow
 def test_core_process_beyond_loopback_without_a_token_exits_naming_the_setting() -> None:
-    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env = env_without_token()
     argv = [sys.executable, "-m", "gyre_train.cli", "core", "--bind", "tcp://0.0.0.0:0", "--synthetic", "0"]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert p.returncode == 2, p.stderr
@@ -144,8 +118,8 @@ def test_cell_link_beyond_loopback_without_a_token_is_refused(bind_host: str) ->
         LeaderLink(bind_host, 2, heartbeat_s=0.1)
 
 
-def test_cell_link_hears_ranks_holding_the_token_only(host: str) -> None:
-    leader = LeaderLink(host, 2, heartbeat_s=0.1, token=TOKEN)
+def test_cell_link_hears_ranks_holding_the_token_only(beyond_loopback: str) -> None:
+    leader = LeaderLink(beyond_loopback, 2, heartbeat_s=0.1, token=TOKEN)
     try:
         for token in ("", WRONG):
             intruder = FollowerLink(leader.addresses, 1, dead_after_s=600.0, token=token)

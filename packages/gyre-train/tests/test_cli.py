@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from gyre_base.testing import free_port
 from gyre_train.cli import main
 from gyre_traj.cli import main as traj_main
 
@@ -35,16 +36,12 @@ def test_core_trains_packed_dirs_and_resumes(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_core_trains_what_the_feed_submits(tmp_path: Path) -> None:
-    import socket
     import threading
 
     from gyre_train.control import CoreClient
     from gyre_train.data import synthetic_minibatch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    addr = f"tcp://127.0.0.1:{port}"
+    addr = f"tcp://127.0.0.1:{free_port()}"
     rc: list[int] = []
     args = [
         "core",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from gyre_base.testing import until
 from gyre_train.checkpoint import CheckpointError
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
@@ -64,14 +64,6 @@ def reference() -> dict[str, torch.Tensor]:
         core.close()
 
 
-def wait_for(cond: object, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def core_and_satellite() -> Iterator[tuple[Core, Satellite]]:
     core = new_core()
@@ -94,7 +86,7 @@ def test_mu_2_burst_with_a_satellite_equals_one_replica(
     def join_after_first(k: int) -> None:
         if k == 1:
             core.admit("sat-t")
-            wait_for(lambda: core.replicas()["sat-t"]["claims"] > 0)
+            until(lambda: core.replicas()["sat-t"]["claims"] > 0, "sat-t to claim", 60.0)
 
     assert sat.warmup_s > 0 and sat.snapshot == core.snapshot  # pulled and computed at start
     reports = core.train_burst([A, B], on_progress=join_after_first)
@@ -328,9 +320,12 @@ def test_chunked_microbatches_in_the_core_and_a_satellite_match_unchunked() -> N
     th.start()
     try:
         core.admit("sat-c")
-        wait_for(lambda: core.replicas().get("sat-c", {}).get("ready", False))
+        until(lambda: core.replicas().get("sat-c", {}).get("ready", False), "sat-c ready", 60.0)
         r = core.train_step(
-            big, on_progress=lambda k: wait_for(lambda: core.replicas()["sat-c"]["claims"] > 0)
+            big,
+            on_progress=lambda k: until(
+                lambda: core.replicas()["sat-c"]["claims"] > 0, "sat-c to claim", 60.0
+            ),
         )
         assert r.by_replica.get("sat-c", 0) >= 1 and max(b.num_tokens for b in big) > 200
         assert_same(weights(core), want, atol=1e-6)
@@ -361,7 +356,7 @@ def test_bfloat16_wire_is_the_same_whoever_computes_and_rounds_each_gradient(
         def join_after_first(k: int) -> None:
             if k == 1:
                 core.admit("sat-bf16")
-                wait_for(lambda: core.replicas()["sat-bf16"]["claims"] > 0)
+                until(lambda: core.replicas()["sat-bf16"]["claims"] > 0, "sat-bf16 to claim", 60.0)
 
         reports = core.train_burst([A, B], on_progress=join_after_first)
         assert sum(r.by_replica.get("sat-bf16", 0) for r in reports) >= 1
@@ -382,12 +377,17 @@ def test_a_controller_admits_and_dismisses_over_the_socket() -> None:
     th.start()
     ctl = CoreClient(core.address)
     try:
-        wait_for(lambda: ctl.status().replicas and ctl.status().replicas[0].ready)
+        until(lambda: ctl.status().replicas and ctl.status().replicas[0].ready, "sat-x ready", 60.0)
         st = ctl.status()
         assert (st.version, st.pending, [r.name for r in st.replicas]) == (0, 0, ["sat-x"])
         assert not st.replicas[0].admitted
         ctl.admit("sat-x")
-        r = core.train_step(A, on_progress=lambda k: wait_for(lambda: core.replicas()["sat-x"]["claims"] > 0))
+        r = core.train_step(
+            A,
+            on_progress=lambda k: until(
+                lambda: core.replicas()["sat-x"]["claims"] > 0, "sat-x to claim", 60.0
+            ),
+        )
         assert r.by_replica.get("sat-x", 0) >= 1
         info = ctl.status().replicas[0]
         assert info.admitted and info.gradients >= 1 and info.join_s > 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from gyre_base.testing import free_port
 from gyre_engine.client import EngineClient, EngineError
 from gyre_engine.protocol import SamplingParams
 from gyre_train.core import Core, CoreConfig, OptimConfig
@@ -35,12 +35,6 @@ from gyre_traj.pack import PackedBatch
 PROMPT = [5, 17, 300, 41, 999, 7, 123]
 N = 10
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gyre_base.testing import until
 from gyre_train.checkpoint import TrainerState
 from gyre_train.control import CoreClient, SubmitRefused
 from gyre_train.core import Core, CoreConfig
@@ -47,14 +48,6 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: fl
     assert a.keys() == b.keys()
     for n in a:
         torch.testing.assert_close(a[n], b[n], atol=atol, rtol=0.0, msg=n)
-
-
-def wait_for(cond: object, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.01)
 
 
 @dataclass
@@ -219,7 +212,7 @@ def test_steps_stream_behind_a_step_in_progress_and_status_shows_them(rig: Rig) 
         done: list[object] = []
         runner = threading.Thread(target=lambda: done.append(core.train_step(first)))
         runner.start()
-        wait_for(lambda: client.status().steps[0].training)
+        until(lambda: client.status().steps[0].training, "the step training", 60.0)
         s0 = client.status().steps[0]
         assert (s0.training, s0.queued, s0.claimed, s0.done) == (True, 2, 0, 0)
         core.set_computing(True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gyre_base.testing import until
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
 from gyre_train.model import ModelConfig, build_model
@@ -27,14 +28,6 @@ A = synthetic_minibatch(4, seed=11)
 B = synthetic_minibatch(4, seed=12)
 SATS = ("sat-0", "sat-1")
 CRASHER = "sat-crash"
-
-
-def wait_for(cond: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class Cluster:
@@ -63,7 +56,7 @@ class Cluster:
                 cmd += ["--crash-after-claims", "1"]
             with open(tmp / f"{name}.log", "wb") as log:
                 self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(lambda: len(self.core.replicas()) == 3, 180.0, "three satellites to say hello")
+        until(lambda: len(self.core.replicas()) == 3, "three satellites to say hello", 180.0)
 
     def reset(self) -> None:
         for name in self.core.replicas():
@@ -131,7 +124,7 @@ def test_satellites_joining_at_random_points_change_nothing(
             if at == k:
                 core.admit(name)
             if at <= k:
-                wait_for(lambda n=name: joined(n), 120.0, f"{name} to claim")
+                until(lambda n=name: joined(n), f"{name} to claim", 120.0)
 
     reports = []
     for i, mb in enumerate((A, B)):
@@ -168,13 +161,13 @@ def test_satellite_killed_mid_micro_batch_of_a_streamed_step_is_requeued(
             feeder.open_step(seq)
             for lo in range(0, len(A), 2):
                 if lo == 2:
-                    wait_for(
+                    until(
                         lambda: (
                             core.replicas().get(CRASHER, {}).get("claims", 0) > 0
                             or CRASHER in core.presumed_dead()
                         ),
-                        120.0,
                         "the crasher to claim",
+                        120.0,
                     )
                     core.set_computing(True)
                     core.admit(SATS[0])

@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-import gyre_traj
 import numpy as np
 import pytest
 from gyre_traj.cli import main
@@ -166,23 +163,3 @@ def test_a_record_without_metadata_reads(tmp_path: Path) -> None:
     )
     (rec,) = read_records(old)
     assert isinstance(rec, Call) and rec.metadata == {}
-
-
-PYPROJECT_VERSION = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
-    "project"
-]["version"]
-
-
-def test_version_is_the_one_in_pyproject(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gyre_traj.__version__ == PYPROJECT_VERSION
-    with pytest.raises(SystemExit):
-        main(["--version"])
-    assert capsys.readouterr().out.strip() == f"gyre-traj {PYPROJECT_VERSION}"
-
-
-def test_version_of_a_source_tree_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    def not_installed(name: str) -> str:
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", not_installed)
-    assert gyre_traj._version() == PYPROJECT_VERSION

@@ -1,15 +1,13 @@
-"""Shared fixtures: start the peer process (tests/peer_proc.py) and always reap it; an address of this
-machine beyond loopback (skipped, with the reason, where there is none). Tests marked `mooncake` skip,
-naming what to install, where Mooncake cannot load (a machine without Debian's libibverbs1); with
-GYRE_REQUIRE_MOONCAKE=1 (CI, which installs it) they fail instead."""
+"""Shared fixtures: start the peer process (tests/peer_proc.py) and always reap it (`beyond_loopback` and
+`no_token` come from gyre-base's pytest plugin). Tests marked `mooncake` skip, naming what to install,
+where Mooncake cannot load (a machine without Debian's libibverbs1); with GYRE_REQUIRE_MOONCAKE=1 (CI,
+which installs it) they fail instead."""
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -91,21 +89,3 @@ def spawn() -> Iterator[Callable[..., Peer]]:
             os.kill(p.proc.pid, signal.SIGCONT)  # in case a test stopped it
         p.stop()
     sweep_orphans()  # segments of peers a test killed
-
-
-@pytest.fixture
-def beyond_loopback() -> str:
-    """The first IPv4 address of this machine that is not loopback (from `ip -4 addr`)."""
-    ip = shutil.which("ip")
-    out = (
-        ""
-        if ip is None
-        else subprocess.run([ip, "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
-    )
-    for line in out.splitlines():
-        parts = line.split()
-        if "inet" in parts:
-            addr = parts[parts.index("inet") + 1].split("/")[0]
-            if not ipaddress.ip_address(addr).is_loopback:
-                return addr
-    pytest.skip("this machine has no IPv4 address beyond loopback (`ip -4 addr`)")

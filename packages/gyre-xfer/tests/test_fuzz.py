@@ -18,7 +18,8 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from gyre_xfer import auth
+from gyre_base.sockets import bind, connected, make_socket
+from gyre_base.testing import fuzz_settings
 from gyre_xfer.buffers import DTYPES, nbytes_of
 from gyre_xfer.errors import XferError
 from gyre_xfer.protocol import (
@@ -42,7 +43,7 @@ from gyre_xfer.protocol import (
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.subscriber import Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, Transport, open_transport
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -50,20 +51,7 @@ TOKEN = "xfer-fuzz-token-0123456789abcdef"
 PUBLISHER_CASES = 1000
 SUBSCRIBER_CASES = 500
 
-
-@pytest.fixture(autouse=True)
-def _no_token_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
-
-
-def _settings(cases: int) -> settings:
-    return settings(
-        max_examples=cases,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+pytestmark = pytest.mark.usefixtures("no_token")
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -127,12 +115,9 @@ def test_publisher_decoder_fuzz_1000_batches() -> None:
         good = Subscriber(sub_tr, SubscriberConfig(pub.address, token=TOKEN, control_timeout_s=10.0))
         socks = []
         for _ in range(3):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            auth.connect(s, pub.address, TOKEN)
-            socks.append(s)
+            socks.append(connected(ctx, zmq.DEALER, pub.address, TOKEN))
 
-        @_settings(PUBLISHER_CASES)
+        @fuzz_settings(PUBLISHER_CASES)
         @given(st.lists(st.tuples(st.integers(0, 2), _send), min_size=1, max_size=6))
         def case(batch: list[tuple[int, list[bytes]]]) -> None:
             nonlocal ran
@@ -265,9 +250,8 @@ class HostilePublisher:
     its timeout; Hellos in `good` mode get a real Welcome."""
 
     def __init__(self, ctx: Ctx, transport: Transport) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.address = auth.bind(self.sock, "tcp://127.0.0.1:0", TOKEN)
+        self.sock = make_socket(ctx, zmq.ROUTER)
+        self.address = bind(self.sock, "tcp://127.0.0.1:0", TOKEN)
         self.transport = transport
         self.plan: queue.Queue[list[Message]] = queue.Queue()
         self.good = threading.Event()
@@ -316,7 +300,7 @@ def test_subscriber_decoder_fuzz_500_cases() -> None:
     ran = 0
     try:
 
-        @_settings(SUBSCRIBER_CASES)
+        @fuzz_settings(SUBSCRIBER_CASES)
         @given(plans)
         def case(plan: list[list[Message]]) -> None:
             nonlocal ran

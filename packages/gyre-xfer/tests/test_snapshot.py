@@ -5,7 +5,6 @@ subscriber that carries on after the publisher restarts."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Callable, Iterator
 
@@ -13,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from gyre_base.testing import free_port
 from gyre_xfer.errors import (
     ChecksumError,
     ManifestError,
@@ -198,16 +198,10 @@ def test_wrong_shapes_are_rejected_and_lose_nothing(spawn: Callable[..., Peer], 
         check_whole(sub.pull())  # and the lease was given back: the next pull works
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_publisher_restart_is_picked_up(spawn: Callable[..., Peer], transport: Transport) -> None:
     kind = transport.kind.name.lower()
-    control = f"tcp://127.0.0.1:{_free_port()}"
+    control = f"tcp://127.0.0.1:{free_port()}"
     first = spawn("publisher", kind, control=control)
     with Subscriber(transport, SubscriberConfig(control, control_timeout_s=2.0)) as sub:
         check_whole(sub.pull())

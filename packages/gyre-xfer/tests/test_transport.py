@@ -17,6 +17,7 @@ from types import ModuleType
 import msgspec
 import numpy as np
 import pytest
+from gyre_base.testing import free_port
 from gyre_xfer import mooncake as mc_mod
 from gyre_xfer.errors import OutOfRangeError, TransportUnavailableError
 from gyre_xfer.kv import KvPool
@@ -27,16 +28,10 @@ from .conftest import Peer
 from .peer_proc import block_pattern
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def metadata_server() -> Iterator[str]:
     """Mooncake's own HTTP metadata server (shipped in its wheel), in its own process on loopback."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -68,10 +63,10 @@ def metadata_server() -> Iterator[str]:
 @pytest.mark.mooncake
 def test_mooncake_through_a_metadata_server(metadata_server: str) -> None:
     a = open_transport(
-        Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
+        Config(kind="mooncake", hostname=f"127.0.0.1:{free_port()}", metadata_server=metadata_server)
     )
     b = open_transport(
-        Config(kind="mooncake", hostname=f"127.0.0.1:{_free_port()}", metadata_server=metadata_server)
+        Config(kind="mooncake", hostname=f"127.0.0.1:{free_port()}", metadata_server=metadata_server)
     )
     try:
         src = b.alloc(1 << 20)
@@ -93,7 +88,7 @@ def test_peer_restarted_under_the_same_name_is_reached_again(
 ) -> None:
     """With a metadata server a restarted peer keeps its name: its stale keys are replaced, and the
     reader, told of the new incarnation, rebuilds its engine and reaches the new process."""
-    name = f"127.0.0.1:{_free_port()}"
+    name = f"127.0.0.1:{free_port()}"
     pool_args = {
         "layers": 1,
         "blocks": 4,
@@ -104,7 +99,7 @@ def test_peer_restarted_under_the_same_name_is_reached_again(
     reader = open_transport(
         Config(
             kind="mooncake",
-            hostname=f"127.0.0.1:{_free_port()}",
+            hostname=f"127.0.0.1:{free_port()}",
             metadata_server=metadata_server,
             progress_timeout_s=2,
         )

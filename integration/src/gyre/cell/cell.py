@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     a = CellArgs(**json.loads(ns.args))
     if a.token_file:
-        from gyre_xfer.auth import TOKEN_ENV, read_token_file
+        from gyre_base.token import TOKEN_ENV, read_token_file
 
         os.environ[TOKEN_ENV] = read_token_file(a.token_file)  # its engine, publisher and sockets too
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from gyre_sched import tables
+from gyre_base import tables
 from gyre_sched.workload import DriverConfig
 from gyre_traj.pack import PackConfig
 
@@ -34,7 +34,7 @@ def default_of(cls: type, name: str) -> Any:
 
 class ConfigError(tables.ConfigError):
     """A configuration that cannot be used, with the offending section and key in the message. A
-    `ValueError`, and a `gyre_sched.tables.ConfigError`: the section checks are gyre-sched's, raising
+    `ValueError`, and a `gyre_base.tables.ConfigError`: the section checks are gyre-base's, raising
     this class."""
 
 

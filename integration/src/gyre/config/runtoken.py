@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from gyre_xfer.auth import TOKEN_ENV, new_token
+from gyre_base.token import TOKEN_ENV, new_token
 
 
 @dataclass

@@ -8,7 +8,7 @@ part's process on that node with its output in `log_dir/<name>.log`; `check()` r
 the part and the tail of its log, once any started process has exited; `close()` stops them all. `local`
 is a `ProcessGroup` on this machine for one-off helpers (creating the model). `token` is the run token
 every part is given as `$GYRE_TOKEN` ("" for a local run without one): the scheduler then binds its
-CURVE listener (gyre_xfer.auth) and every peer connects with it.
+CURVE listener (gyre_base.sockets) and every peer connects with it.
 
 On Ray one placement group holds one bundle per part ({CPU: 1} plus the cell's GPUs), gang-reserved
 before anything starts (PACK: as few nodes as fit), and one small actor per bundle, `Host`, starts the
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gyre_xfer.auth import TOKEN_ENV, new_token, resolve_token
+from gyre_base.token import TOKEN_ENV, new_token, resolve_token
 
 from gyre.procs.group import ChildDied, ProcessGroup, free_port
 

@@ -15,7 +15,7 @@ and tells gyre-sched the ready groups not yet trained (`StepBook.report`). Each 
 checkpoint's queue position); `replay` adds records read back from the proxy's log, each call once.
 
 Every link carries the run token (`token`, else `$GYRE_TOKEN`; gyre-xfer `auth`): the PULL binds through
-`auth.bind` (beyond loopback only with a token; with one, only pushers holding it are heard), the
+`gyre_base.sockets.bind` (beyond loopback only with a token; with one, only pushers holding it are heard), the
 scheduler DEALER is `gyre_sched.client.dealer`, and the core is reached through a `CoreClient` with it.
 The PULL survives any message from a peer holding the token: one that is not a single frame holding a
 call record the forest accepts is logged, counted (`dropped`) and dropped, and the service carries on.
@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from gyre_base import sockets
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec as SchedCodec
 from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
@@ -42,7 +43,6 @@ from gyre_traj.io import Codec
 from gyre_traj.pack import PackItem
 from gyre_traj.records import Call, RecordError, Score
 from gyre_traj.weights import group_advantages
-from gyre_xfer import auth
 
 from gyre.trajsvc.stepbook import StepBook, StepData
 
@@ -86,7 +86,7 @@ class TrajectoryService:
         self._pull.setsockopt(zmq.RCVHWM, 100_000)
         self._token = token
         try:
-            self.address = auth.bind(self._pull, bind, token, "TrajectoryService token, GYRE_TOKEN")
+            self.address = sockets.bind(self._pull, bind, token, "TrajectoryService token, GYRE_TOKEN")
         except BaseException:
             self._pull.close(0)
             self._ctx.term()

@@ -1,21 +1,6 @@
 """gyre-engine: an embedded rollout engine that speaks SGLang's native HTTP protocol (extra `server`), and
 the client and launcher for SGLang itself (base install, no torch)."""
 
-import importlib.metadata
-import tomllib
-from pathlib import Path
+from gyre_base.version import package_version
 
-
-def _version() -> str:
-    """The version in this package's metadata, as installed; run from a source tree without installing
-    (its `src/` on PYTHONPATH), the one in its pyproject.toml."""
-    try:
-        return importlib.metadata.version("gyre-engine")
-    except importlib.metadata.PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        if not pyproject.is_file():
-            return "0+unknown"
-        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
-
-
-__version__ = _version()
+__version__ = package_version("gyre-engine", __file__)

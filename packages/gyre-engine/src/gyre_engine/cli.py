@@ -10,8 +10,9 @@ import argparse
 import shlex
 import sys
 
+from gyre_base.token import TokenError, read_token_file
+
 from gyre_engine import __version__
-from gyre_engine.auth import TokenError, read_token_file
 from gyre_engine.launcher import SGLangConfig
 
 

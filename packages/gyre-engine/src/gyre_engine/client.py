@@ -1,12 +1,13 @@
 """Typed async client for SGLang's native HTTP protocol; works against SGLang and gyre-engine alike.
 
-It sends only keys SGLang accepts (sampling parameters are a closed `SamplingParams` record, encoded
-without defaults) and parses responses into the records of `protocol.py`, which read what SGLang 0.5.23
+Every request body is the request struct of `protocol.py` that the server decodes (sampling parameters
+are a closed `SamplingParams` record; structs are encoded without their defaults, which are SGLang's), so
+it sends only keys SGLang accepts. Responses are parsed into the records of `protocol.py`, which read what SGLang 0.5.23
 sends (tested against fixtures recorded from sglang's own HTTP layer, `tests/fixtures/sglang-0.5.23`).
 Every call has a timeout; an HTTP error, or an error event inside a stream, becomes `EngineError` with
 the server's message, status and whether a retry may help, whichever of SGLang's error shapes it came in.
 Every request carries the run token as `Authorization: Bearer <token>` when there is one (the `api_key`
-argument, else `$GYRE_TOKEN`: `gyre_engine.auth`), which is what gyre-engine beyond loopback and SGLang
+argument, else `$GYRE_TOKEN`: `gyre_base.token`), which is what gyre-engine beyond loopback and SGLang
 started with `--api-key` both check. Health probes and aborts each have a small connection pool of their
 own, apart from the one generation and weight updates use, so a load that fills that pool (or requests
 that hang there) cannot keep an engine from being seen healthy again or told to stop a request.
@@ -18,26 +19,44 @@ import base64
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 import msgspec
+from gyre_base.token import bearer, resolve_token
 
-from gyre_engine.auth import bearer, resolve_token
 from gyre_engine.protocol import (
     KV_PREFIX_DECODER,
     KV_PREFIX_ENCODER,
+    AbortRequest,
+    ContinueRequest,
+    DestroyWeightsUpdateGroupRequest,
     EngineLoad,
+    ExportPrefixRequest,
+    GenerateRequest,
     GenerateResponse,
+    ImportPrefixXferRequest,
+    InitWeightsUpdateGroupRequest,
     KvPrefix,
     Loads,
+    MemoryRequest,
     ModelInfo,
+    OfferPrefixRequest,
+    PauseMode,
+    PauseRequest,
     PrefixImportReply,
     PrefixOffer,
+    ReleaseOfferRequest,
     SamplingParams,
     ServerInfo,
     StatusReply,
     SuccessReply,
+    Transport,
+    UpdateFromDiskRequest,
+    UpdateFromDistributedRequest,
+    UpdateFromTensorRequest,
+    UpdateFromXferRequest,
+    WeightLayout,
     XferWeightsReply,
 )
 from gyre_engine.sse import data_fields
@@ -148,8 +167,11 @@ class EngineClient:
             await pool.aclose()
 
     # ----------------------------------------------------------------- plumbing
-    async def _post(self, path: str, body: Any = None, timeout: float | None = None) -> httpx.Response:
-        kw: dict[str, Any] = {"content": _enc.encode(body if body is not None else {})}
+    async def _post(
+        self, path: str, body: msgspec.Struct | None = None, timeout: float | None = None
+    ) -> httpx.Response:
+        """POST `body` (its struct as JSON; `{}` for none) and return the reply, or raise EngineError."""
+        kw: dict[str, Any] = {"content": _enc.encode(body) if body is not None else b"{}"}
         if timeout is not None:
             kw["timeout"] = timeout
         r = await self._http.post(path, **kw)
@@ -164,27 +186,24 @@ class EngineClient:
         return r
 
     @staticmethod
-    def _generate_body(
-        input_ids: list[int],
-        sampling: SamplingParams | None,
-        rid: str | None,
-        return_logprob: bool,
-        top_logprobs_num: int,
-        stream: bool,
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": msgspec.to_builtins(sampling or SamplingParams()),
-        }
-        if rid is not None:
-            body["rid"] = rid
-        if return_logprob:
-            body["return_logprob"] = True
-            if top_logprobs_num:
-                body["top_logprobs_num"] = top_logprobs_num
-        if stream:
-            body["stream"] = True
-        return body
+    def generate_request(
+        input_ids: list[int] | list[list[int]],
+        sampling: SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ) -> GenerateRequest:
+        """The /generate body for one input (or a batch of them): top logprobs only with logprobs."""
+        return GenerateRequest(
+            input_ids=cast("list[int | list[int]]", input_ids),
+            sampling_params=msgspec.to_builtins(sampling or SamplingParams()),
+            rid=rid,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            stream=stream,
+        )
 
     # ----------------------------------------------------------------- generation
     async def generate(
@@ -197,18 +216,15 @@ class EngineClient:
         top_logprobs_num: int = 0,
         timeout: float | None = None,
     ) -> GenerateResponse:
-        body = self._generate_body(input_ids, sampling, rid, return_logprob, top_logprobs_num, False)
+        body = self.generate_request(
+            input_ids, sampling, rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
+        )
         return _gen_dec.decode((await self._post("/generate", body, timeout)).content)
 
     async def generate_batch(
         self, batch: list[list[int]], sampling: SamplingParams | None = None, *, return_logprob: bool = False
     ) -> list[GenerateResponse]:
-        body: dict[str, Any] = {
-            "input_ids": batch,
-            "sampling_params": msgspec.to_builtins(sampling or SamplingParams()),
-        }
-        if return_logprob:
-            body["return_logprob"] = True
+        body = self.generate_request(batch, sampling, return_logprob=return_logprob)
         return _gen_list_dec.decode((await self._post("/generate", body)).content)
 
     async def stream(
@@ -221,7 +237,14 @@ class EngineClient:
         top_logprobs_num: int = 0,
     ) -> AsyncIterator[GenerateResponse]:
         """Cumulative chunks as the server sends them; ends at `[DONE]`."""
-        body = self._generate_body(input_ids, sampling, rid, return_logprob, top_logprobs_num, True)
+        body = self.generate_request(
+            input_ids,
+            sampling,
+            rid=rid,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            stream=True,
+        )
         async with self._http.stream("POST", "/generate", content=_enc.encode(body)) as r:
             if r.status_code >= 400:
                 raise _error_from(r.status_code, await r.aread())
@@ -238,23 +261,22 @@ class EngineClient:
         """Stop request `rid` (its own pool; `timeout` bounds the wait for a connection too). Cancelling
         the caller while this waits for a connection may leak it in httpx 0.28 / httpcore 1.0.9
         (encode/httpcore#1093): bound it with `timeout`, not with a cancellation."""
-        await self._abort_post({"rid": rid}, timeout)
+        await self._abort_post(AbortRequest(rid=rid), timeout)
 
     async def abort_all(self, timeout: float = ABORT_TIMEOUT_S) -> None:
-        await self._abort_post({"abort_all": True}, timeout)
+        await self._abort_post(AbortRequest(abort_all=True), timeout)
 
-    async def _abort_post(self, body: dict[str, Any], timeout: float) -> None:
+    async def _abort_post(self, body: AbortRequest, timeout: float) -> None:
         r = await self._abort.post("/abort_request", content=_enc.encode(body), timeout=timeout)
         if r.status_code >= 400:
             raise _error_from(r.status_code, r.content)
 
-    async def pause(self, mode: str = "abort") -> StatusReply:
-        return msgspec.json.decode(
-            (await self._post("/pause_generation", {"mode": mode})).content, type=StatusReply
-        )
+    async def pause(self, mode: PauseMode = "abort") -> StatusReply:
+        r = await self._post("/pause_generation", PauseRequest(mode))
+        return msgspec.json.decode(r.content, type=StatusReply)
 
     async def continue_generation(self, torch_empty_cache: bool = False) -> StatusReply:
-        r = await self._post("/continue_generation", {"torch_empty_cache": torch_empty_cache})
+        r = await self._post("/continue_generation", ContinueRequest(torch_empty_cache))
         return msgspec.json.decode(r.content, type=StatusReply)
 
     async def begin_weight_update(self) -> SuccessReply:
@@ -274,15 +296,13 @@ class EngineClient:
     ) -> SuccessReply:
         """SGLang wants its own (pickled) serialization, made by SGLang's helpers on the trainer side;
         gyre-engine wants load_format='safetensors' and `encode_safetensors_payload` entries."""
-        body: dict[str, Any] = {
-            "serialized_named_tensors": serialized_named_tensors,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if load_format is not None:
-            body["load_format"] = load_format
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+        body = UpdateFromTensorRequest(
+            serialized_named_tensors,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+        )
         return msgspec.json.decode(
             (await self._post("/update_weights_from_tensor", body)).content, type=SuccessReply
         )
@@ -295,13 +315,12 @@ class EngineClient:
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> SuccessReply:
-        body: dict[str, Any] = {
-            "model_path": model_path,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+        body = UpdateFromDiskRequest(
+            model_path,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
+        )
         return msgspec.json.decode(
             (await self._post("/update_weights_from_disk", body)).content, type=SuccessReply
         )
@@ -321,16 +340,11 @@ class EngineClient:
         `rank_offset`). Returns once the whole group has formed, so the trainer must form its rank 0 at
         the same time. `timeout_s` (gyre-engine; SGLang ignores it) bounds the forming and each
         broadcast; the HTTP wait is that plus 30 s."""
-        body: dict[str, Any] = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        if timeout_s is not None:
-            body["timeout_s"] = timeout_s
+        body = InitWeightsUpdateGroupRequest(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+        if timeout_s is not None:  # else the server's default (`WEIGHT_GROUP_TIMEOUT_S`), and SGLang's wait
+            body = msgspec.structs.replace(body, timeout_s=timeout_s)
         wait = None if timeout_s is None else timeout_s + 30.0
         return msgspec.json.decode(
             (await self._post("/init_weights_update_group", body, timeout=wait)).content, type=SuccessReply
@@ -351,16 +365,15 @@ class EngineClient:
         """The trainer's rank 0 then broadcasts each tensor over the group, in the order of `names`;
         the reply comes once they are all received and loaded. `dtypes` are torch dtype names
         ("bfloat16", "float32", ...)."""
-        body: dict[str, Any] = {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+        body = UpdateFromDistributedRequest(
+            names,
+            dtypes,
+            shapes,
+            group_name,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            weight_version=weight_version,
+        )
         return msgspec.json.decode(
             (await self._post("/update_weights_from_distributed", body, timeout=http_timeout_s)).content,
             type=SuccessReply,
@@ -368,16 +381,14 @@ class EngineClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> SuccessReply:
         """Leave the weight-update group `group_name`."""
-        return msgspec.json.decode(
-            (await self._post("/destroy_weights_update_group", {"group_name": group_name})).content,
-            type=SuccessReply,
-        )
+        r = await self._post("/destroy_weights_update_group", DestroyWeightsUpdateGroupRequest(group_name))
+        return msgspec.json.decode(r.content, type=SuccessReply)
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
-        await self._post("/release_memory_occupation", {"tags": tags})
+        await self._post("/release_memory_occupation", MemoryRequest(tags))
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
-        await self._post("/resume_memory_occupation", {"tags": tags})
+        await self._post("/resume_memory_occupation", MemoryRequest(tags))
 
     async def flush_cache(self) -> None:
         await self._post("/flush_cache")
@@ -446,7 +457,8 @@ class EngineClient:
     async def export_prefix(self, input_ids: list[int], timeout: float | None = None) -> KvPrefix | None:
         """gyre-engine only: the KV of the longest cached prefix of `input_ids` (None if none)."""
         kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        r = await self._http.post("/export_prefix", content=_enc.encode({"input_ids": input_ids}), **kw)
+        body = _enc.encode(ExportPrefixRequest(input_ids))
+        r = await self._http.post("/export_prefix", content=body, **kw)
         if r.status_code == 404:
             return None
         if r.status_code >= 400:
@@ -472,28 +484,27 @@ class EngineClient:
         publisher: str,
         *,
         min_version: int = 0,
-        transport: str = "mooncake",
+        transport: Transport = "shm",
         timeout_s: float = 120.0,
         control_timeout_s: float = 10.0,
         weight_version: str | None = None,
-        layout: str = "transformers",
+        layout: WeightLayout = "transformers",
         flush_cache: bool = True,
         abort_all_requests: bool = False,
     ) -> XferWeightsReply:
         """gyre-engine only: pull the newest gyre-xfer snapshot >= `min_version` from `publisher` (its
         control address) and load it between two decode steps; any failure changes nothing."""
-        body: dict[str, Any] = {
-            "publisher": publisher,
-            "min_version": min_version,
-            "transport": transport,
-            "timeout_s": timeout_s,
-            "control_timeout_s": control_timeout_s,
-            "layout": layout,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+        body = UpdateFromXferRequest(
+            publisher,
+            min_version=min_version,
+            transport=transport,
+            timeout_s=timeout_s,
+            control_timeout_s=control_timeout_s,
+            weight_version=weight_version,
+            layout=layout,
+            flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+        )
         r = await self._post("/update_weights_from_xfer", body, timeout_s + 2 * control_timeout_s + 30)
         return msgspec.json.decode(r.content, type=XferWeightsReply)
 
@@ -501,19 +512,14 @@ class EngineClient:
         self,
         input_ids: list[int],
         *,
-        transport: str = "mooncake",
+        transport: Transport = "shm",
         block_tokens: int = 16,
         lease_s: float = 120.0,
         timeout: float | None = None,
     ) -> PrefixOffer | None:
         """gyre-engine only: expose the cached prefix of `input_ids` in a registered KV pool (None if
         nothing is cached). Release it with `release_prefix_offer` (else it expires after `lease_s`)."""
-        body = {
-            "input_ids": input_ids,
-            "transport": transport,
-            "block_tokens": block_tokens,
-            "lease_s": lease_s,
-        }
+        body = OfferPrefixRequest(input_ids, transport=transport, block_tokens=block_tokens, lease_s=lease_s)
         kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         r = await self._http.post("/offer_prefix", content=_enc.encode(body), **kw)
         if r.status_code == 404:
@@ -525,7 +531,7 @@ class EngineClient:
     async def import_prefix_xfer(self, offer: PrefixOffer, *, timeout_s: float = 30.0) -> PrefixImportReply:
         """gyre-engine only: pull an offer's KV blocks from the source engine and install them in this
         engine's prefix cache; all or nothing (EngineError 502/504 naming the blocks that failed)."""
-        body = {"offer": offer, "timeout_s": timeout_s}
+        body = ImportPrefixXferRequest(offer, timeout_s=timeout_s)
         r = await self._post("/import_prefix_xfer", body, timeout_s + 30)
         return msgspec.json.decode(r.content, type=PrefixImportReply)
 
@@ -533,7 +539,7 @@ class EngineClient:
         self, offer_id: str, arrived: list[int] | None = None, failed: list[int] | None = None
     ) -> SuccessReply:
         """gyre-engine only: the receipt; the source frees the offer's pool."""
-        body = {"offer_id": offer_id, "arrived": arrived or [], "failed": failed or []}
+        body = ReleaseOfferRequest(offer_id, arrived=arrived or [], failed=failed or [])
         return msgspec.json.decode(
             (await self._post("/release_prefix_offer", body)).content, type=SuccessReply
         )
@@ -554,7 +560,7 @@ async def handoff_prefix(
     target: EngineClient,
     input_ids: list[int],
     *,
-    transport: str = "mooncake",
+    transport: Transport = "shm",
     timeout_s: float = 30.0,
     block_tokens: int = 16,
 ) -> PrefixImportReply | None:

@@ -6,7 +6,7 @@ gyre-engine server, which answers /health_generate the same way). The flags are 
 
 The server gets the run token as SGLang's `--api-key` (the `api_key` setting, else `$GYRE_TOKEN`), which
 makes it require `Authorization: Bearer <token>` on every path but its health probes; a host beyond
-loopback without a token is refused (`gyre_engine.auth`), as gyre-engine's own server refuses it. SGLang
+loopback without a token is refused (`gyre_base.token`), as gyre-engine's own server refuses it. SGLang
 takes the key only on its command line (or in a `--config` file), so it shows in the host's process list.
 """
 
@@ -19,7 +19,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from gyre_engine.auth import listener_token
+from gyre_base.token import listener_token
+
 from gyre_engine.client import EngineClient
 
 

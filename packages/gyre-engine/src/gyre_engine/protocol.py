@@ -5,7 +5,9 @@ request bodies); the set of `sampling_params` keys is closed, and `check_samplin
 key the way SGLang does. `KvPrefix` is gyre's own record for handing a cached prefix (KV arrays plus the
 token ids they cover) from one engine to another; it carries a protocol version and encodes to msgpack.
 The gyre-xfer records at the end (weight snapshots, prefix offers) carry gyre-xfer's own messages as raw
-JSON, so this module and the client need neither gyre-xfer nor torch.
+JSON, so this module and the client need neither gyre-xfer nor torch. Every request body is a struct here,
+decoded by the server and encoded by the client (`client.py`), so the two cannot drift apart; requests
+omit their defaults on the wire, which are SGLang's where SGLang has the field.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def sampling_params_from(params: dict[str, Any]) -> SamplingParams:
         raise ProtocolError(f"sampling_params: {exc}") from exc
 
 
-class GenerateRequest(msgspec.Struct, omit_defaults=True):
+class GenerateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Body of POST /generate (one request; SGLang's list form is accepted by the server too).
 
     As in SGLang, `null` means the default, and in a batch the logprob fields may be one value for all
@@ -359,24 +361,42 @@ class ErrorReply(msgspec.Struct, frozen=True):
     error: ErrorBody
 
 
-class PauseRequest(msgspec.Struct, frozen=True):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+PauseMode = Literal["abort", "retract", "in_place"]
+Transport = Literal["mooncake", "shm"]
+"""How gyre-engine moves weights and KV blocks through gyre-xfer: same-host shared memory (the default: it
+needs no system library and opens no port) or Mooncake Transfer Engine (TCP here, RDMA where present;
+across hosts)."""
+WeightLayout = Literal["transformers", "megatron"]
+"""Tensor names and layout of a weight snapshot: transformers', or Megatron-core GPT's (fused QKV and
+gate/up), converted on the way in."""
 
 
-class ContinueRequest(msgspec.Struct, frozen=True):
+class PauseRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /pause_generation."""
+
+    mode: PauseMode = "abort"
+
+
+class ContinueRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /continue_generation."""
+
     torch_empty_cache: bool = False
 
 
-class MemoryRequest(msgspec.Struct, frozen=True):
+class MemoryRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /release_memory_occupation and /resume_memory_occupation (`None`: all)."""
+
     tags: list[str] | None = None
 
 
-class AbortRequest(msgspec.Struct, frozen=True):
+class AbortRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /abort_request: one request by `rid`, or every one."""
+
     rid: str = ""
     abort_all: bool = False
 
 
-class UpdateFromTensorRequest(msgspec.Struct, frozen=True):
+class UpdateFromTensorRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Same-host tensors. gyre-engine reads `load_format="safetensors"`: each entry of
     `serialized_named_tensors` is base64 of a safetensors file (never a pickle); SGLang reads pickles."""
 
@@ -387,7 +407,9 @@ class UpdateFromTensorRequest(msgspec.Struct, frozen=True):
     weight_version: str | None = None
 
 
-class UpdateFromDiskRequest(msgspec.Struct, frozen=True):
+class UpdateFromDiskRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /update_weights_from_disk."""
+
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -395,8 +417,54 @@ class UpdateFromDiskRequest(msgspec.Struct, frozen=True):
     flush_cache: bool = True
 
 
-class BeginWeightUpdateRequest(msgspec.Struct, frozen=True):
+class BeginWeightUpdateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /begin_weight_update (/end_weight_update takes `{}`)."""
+
     selector: str | None = None
+
+
+WEIGHT_GROUP_TIMEOUT_S = 300.0
+"""gyre-engine's default deadline for forming a weight-update group and for each of its broadcasts."""
+
+
+class InitWeightsUpdateGroupRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /init_weights_update_group (SGLang's fields; `timeout_s` is gyre-engine's own, and
+    SGLang ignores it)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    timeout_s: float = WEIGHT_GROUP_TIMEOUT_S
+    """gyre-engine: deadline for forming the group and for each broadcast."""
+
+
+class UpdateFromDistributedRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /update_weights_from_distributed (SGLang's fields): rank 0 of the group then
+    broadcasts each tensor in the order of `names`."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of POST /destroy_weights_update_group."""
+
+    group_name: str = "weight_update_group"
+
+
+class ExportPrefixRequest(msgspec.Struct, frozen=True):
+    """Body of POST /export_prefix (gyre-engine only): the tokens whose longest cached prefix to export."""
+
+    input_ids: list[int]
 
 
 class KvPrefix(msgspec.Struct, frozen=True, tag="kv_prefix", array_like=True):
@@ -425,23 +493,22 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 `timeout_s`); anything else is refused with the body (400)."""
 
 
-class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class UpdateFromXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Body of POST /update_weights_from_xfer: pull a gyre-xfer snapshot and load it between two steps."""
 
     publisher: str
     """The gyre-xfer publisher's control address (`Publisher.address`), e.g. tcp://127.0.0.1:5555."""
     min_version: int = 0
     """Load the newest published version >= this one (the publisher answers NO_VERSION otherwise)."""
-    transport: Literal["mooncake", "shm"] = "shm"
-    """Same-host shared memory (the default: needs no system library and opens no port) or Mooncake
-    Transfer Engine (TCP here, RDMA where present; across hosts)."""
+    transport: Transport = "shm"
+    """Same-host shared memory (the default) or Mooncake across hosts (`Transport`)."""
     timeout_s: Seconds = 120.0
     """Deadline for the bytes of the whole version."""
     control_timeout_s: Seconds = 10.0
     """Deadline for one control message to the publisher (lease, release)."""
     weight_version: str | None = None
     """The engine's new `weight_version`; default: the snapshot's version number."""
-    layout: Literal["transformers", "megatron"] = "transformers"
+    layout: WeightLayout = "transformers"
     """The publisher's tensor names and layout: "megatron" (Megatron-core GPT: fused QKV, fused gate/up)
     is converted on the way in with gyre-xfer's `megatron_to_hf`."""
     flush_cache: bool = True
@@ -459,11 +526,11 @@ class XferWeightsReply(msgspec.Struct, frozen=True):
     apply_s: float
 
 
-class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Body of POST /offer_prefix: copy the cached prefix of `input_ids` into a registered KV pool."""
 
     input_ids: list[int]
-    transport: Literal["mooncake", "shm"] = "shm"
+    transport: Transport = "shm"
     """As in `UpdateFromXferRequest`: shared memory by default, Mooncake across hosts."""
     block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Tokens per KV block of the offered pool."""
@@ -488,7 +555,7 @@ class PrefixOffer(msgspec.Struct, frozen=True):
     kv_offer: msgspec.Raw
 
 
-class ImportPrefixXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ImportPrefixXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Body of POST /import_prefix_xfer: pull an offer's blocks and install them in the prefix cache."""
 
     offer: PrefixOffer
@@ -513,7 +580,7 @@ class PrefixImportReply(msgspec.Struct, frozen=True):
     elapsed_s: float
 
 
-class ReleaseOfferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ReleaseOfferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Body of POST /release_prefix_offer (a receipt): the source frees the offer's pool."""
 
     offer_id: str

@@ -1,3 +1,5 @@
 """gyre-proxy: token-in/token-out HTTP front for black-box agent harnesses."""
 
-__version__ = "0.1.0"
+from gyre_base.version import package_version
+
+__version__ = package_version("gyre-proxy", __file__)

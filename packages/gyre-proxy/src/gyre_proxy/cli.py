@@ -12,6 +12,8 @@ import json
 import logging
 import sys
 
+from gyre_proxy import __version__
+
 
 def parser() -> argparse.ArgumentParser:
     """`gyre-proxy`'s flags; `serve`'s are derived from `ProxyConfig`."""
@@ -19,6 +21,7 @@ def parser() -> argparse.ArgumentParser:
     from gyre_proxy.flags import add_flags
 
     p = argparse.ArgumentParser(prog="gyre-proxy", description=__doc__)
+    p.add_argument("--version", action="version", version=f"gyre-proxy {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser(
         "serve", help="serve the Anthropic and OpenAI APIs in front of SGLang-protocol engines"
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
-    from gyre_xfer.auth import AuthError, derive_keys, resolve_token
+    from gyre_base.sockets import derive_keys
+    from gyre_base.token import TokenError, resolve_token
 
     from gyre_proxy.app import build_app
     from gyre_proxy.config import ConfigError, ProxyConfig
@@ -63,7 +67,7 @@ def serve(args: argparse.Namespace) -> None:
         if token:
             derive_keys(token)  # a weak token is refused now, before anything starts
         app = build_app(Proxy(cfg))
-    except (ConfigError, AuthError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, TokenError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"gyre-proxy: {exc}")
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
 

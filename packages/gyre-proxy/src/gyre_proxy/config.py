@@ -4,7 +4,7 @@ flags are derived from (each field's docstring is its help).
 The listener rule sits with the settings it governs and is checked on construction: the HTTP listener
 binds 127.0.0.1 unless `allow_remote`, and a listener beyond loopback needs per-execution API keys (every
 call then carries a key that binds its execution). The ZeroMQ sockets (control DEALER, record PUSH) use
-the run token (`token`, else `$GYRE_TOKEN`) through `gyre_xfer.auth`.
+the run token (`token`, else `$GYRE_TOKEN`) through `gyre_base.token`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gyre_xfer.auth import AuthError, read_token_file
+from gyre_base.token import TokenError, read_token_file
 
 from gyre_proxy.flags import flag
 from gyre_proxy.strip import CLAUDE_CODE_BILLING, StripRule
@@ -63,7 +63,7 @@ def parse_strip_rule(text: str) -> StripRule:
 def parse_token_file(path: str) -> str:
     try:
         return read_token_file(path)
-    except AuthError as exc:
+    except TokenError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 

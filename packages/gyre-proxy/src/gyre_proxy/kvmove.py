@@ -16,11 +16,12 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import httpx
 import msgspec
 from gyre_engine.client import EngineError
-from gyre_engine.protocol import KvPrefix, PrefixOffer
+from gyre_engine.protocol import KvPrefix, PrefixOffer, Transport
 
 from gyre_proxy.engines import Engine, EngineState
 
@@ -57,7 +58,9 @@ async def take_out(old: Engine, ids: list[int], transport: str) -> Carried | Non
             rec = await old.client.export_prefix(ids, timeout=MOVE_TIMEOUT_S)
             got = None if rec is None else Carried(old, record=rec)
         else:
-            offer = await old.client.offer_prefix(ids, transport=transport, timeout=MOVE_TIMEOUT_S)
+            offer = await old.client.offer_prefix(
+                ids, transport=cast(Transport, transport), timeout=MOVE_TIMEOUT_S
+            )
             got = None if offer is None else Carried(old, offer=offer)
     except _FAILURES as exc:
         log.info("prefix from engine %d not taken out (%r); the next engine prefills it", old.engine_id, exc)

@@ -6,7 +6,7 @@ complete: a crash loses no completed call. A batch that cannot be written whole 
 error) is cut off again (`ftruncate` to where the log ended before it) and its calls fail with
 `RecordWriteFailed`: the log never holds a partial frame, and nothing of a failed call is written later
 (the log is unbuffered). The same bytes then go out over PUSH without blocking (a finite high-water mark;
-a record the socket cannot take now is counted and stays in the log), through `gyre_xfer.auth` with the
+a record the socket cannot take now is counted and stays in the log), through `gyre_base.sockets` with the
 run token.
 
 Opening a log whose last frame is torn (a crash mid-append) cuts the torn bytes off before appending,
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from gyre_base import sockets
 from gyre_traj.io import MAGIC, Codec, scan_msgpack
 from gyre_traj.records import Call, RecordError
-from gyre_xfer import auth
 
 from gyre_proxy.fatal import run_or_die
 
@@ -151,7 +151,7 @@ class RecordSink:
             self._push = self._ctx.socket(zmq.PUSH)
             self._push.setsockopt(zmq.SNDHWM, hwm)
             self._push.setsockopt(zmq.LINGER, 2000)
-            auth.connect(self._push, push_endpoint, token)
+            sockets.connect(self._push, push_endpoint, token)
         self._thread = threading.Thread(
             target=run_or_die, args=(self._run, "record writer"), name="gyre-proxy-sink", daemon=True
         )

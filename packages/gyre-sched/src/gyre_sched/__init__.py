@@ -1,3 +1,5 @@
 """gyre-sched: elastic rollout/training scheduler for long-horizon agent RL, and its simulator."""
 
-__version__ = "0.2.0"
+from gyre_base.version import package_version
+
+__version__ = package_version("gyre-sched", __file__)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-from gyre_xfer import auth
+from gyre_base.token import TOKEN_ENV
 
 from gyre_sched.client import dealer
 from gyre_sched.protocol import (
@@ -101,7 +101,7 @@ def _welcome(sock: zmq.Socket[bytes], codec: Codec, cfg: CellConfig) -> Welcome:
             log.warning("expected Welcome, got %s: ignored", type(reply).__name__)
     raise SchedulerGone(
         f"no Welcome from {cfg.connect} within {cfg.hello_timeout_s}s (a scheduler with a run token "
-        f"answers only cells holding the same one: {auth.TOKEN_ENV} or --token-file)"
+        f"answers only cells holding the same one: {TOKEN_ENV} or --token-file)"
     )
 
 

@@ -9,8 +9,9 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from gyre_xfer.auth import AuthError
+from gyre_base.token import TokenError
 
+from gyre_sched import __version__
 from gyre_sched.policy import POLICY_NAMES
 from gyre_sched.workload import ConfigError
 
@@ -19,7 +20,7 @@ POLICY_HELP = "; ".join(f"{k}: {v}" for k, v in POLICY_NAMES.items())
 
 def _token(a: argparse.Namespace) -> str:
     """The run token of `--token-file`, or "" (then $GYRE_TOKEN, or none)."""
-    from gyre_xfer.auth import read_token_file
+    from gyre_base.token import read_token_file
 
     return read_token_file(a.token_file) if a.token_file else ""
 
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gyre-sched", description="Elastic rollout/training scheduler and its simulator."
     )
+    p.add_argument("--version", action="version", version=f"gyre-sched {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run the scheduler service on a ZeroMQ socket")
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         rc: int = a.fn(a)
-    except (ConfigError, AuthError) as exc:
+    except (ConfigError, TokenError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return rc

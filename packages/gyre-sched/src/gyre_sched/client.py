@@ -9,21 +9,9 @@ token)` and then speak protocol.py over it. `token` is the peer's configured run
 from __future__ import annotations
 
 import zmq
-from gyre_xfer import auth
-
-SNDHWM = 1000
-RCVHWM = 1000
+from gyre_base.sockets import connected
 
 
 def dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str, token: str = "") -> zmq.Socket[bytes]:
     """A DEALER connected to the scheduler's ROUTER at `address` (no linger, finite high-water marks)."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, SNDHWM)
-    sock.setsockopt(zmq.RCVHWM, RCVHWM)
-    try:
-        auth.connect(sock, address, token)
-    except BaseException:
-        sock.close(0)
-        raise
-    return sock
+    return connected(ctx, zmq.DEALER, address, token)

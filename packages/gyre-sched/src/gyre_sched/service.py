@@ -6,7 +6,7 @@ a switch past `switch_timeout_s`), asks the policy, and carries out its decision
 in protocol.py: EngineDrain -> (EngineDrained or drain timeout) -> EngineRemove + SwitchCommand ->
 SwitchDone, and back: SwitchCommand -> SwitchDone -> EngineAdd.
 
-The ROUTER binds through `gyre_xfer.auth.bind`: beyond loopback only with a run token, and then only
+The ROUTER binds through `gyre_base.sockets.bind`: beyond loopback only with a run token, and then only
 peers holding it (CURVE, checked by ZAP) get a frame to the decoder.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
-from gyre_xfer import auth
+from gyre_base import sockets
 
 from gyre_sched.cells import TRAINING_SIDE, CellTable, InvariantError, TableConfig
 from gyre_sched.policy import Observation, Policy, PredictivePolicy
@@ -104,13 +104,10 @@ class Scheduler:
     def __post_init__(self) -> None:
         self.table = CellTable(TableConfig(max_concurrent_switches=self.config.max_concurrent_switches))
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 10000)
-        self._sock.setsockopt(zmq.RCVHWM, 10000)
+        self._sock = sockets.make_socket(self._ctx, zmq.ROUTER, hwm=10000)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            self.endpoint = auth.bind(
+            self.endpoint = sockets.bind(
                 self._sock, self.config.bind, self.config.token, "ServiceConfig.token, --token-file"
             )
         except BaseException:

@@ -1,6 +1,6 @@
 """Workload configuration for the simulator: plain TOML or JSON, loaded into frozen dataclasses.
 
-Every section and key is checked (`gyre_sched.tables.dataclass_from_table`): an unknown key, a wrong type
+Every section and key is checked (gyre-base's `gyre_base.tables.dataclass_from_table`): an unknown key, a wrong type
 or an out-of-range value is a `ConfigError` naming it. `sample_durations` draws every execution's nominal
 duration for a run from the configured distributions with one seeded generator, so all policies can be
 run on the same sample.
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import numpy as np
+from gyre_base.tables import ConfigError as ConfigError  # defined there, raised from here too
+from gyre_base.tables import dataclass_from_table
 
 from gyre_sched.policy import WaterLevelConfig
 from gyre_sched.predict import PredictConfig
-from gyre_sched.tables import ConfigError as ConfigError  # defined there, imported from here too
-from gyre_sched.tables import dataclass_from_table
 
 
 @dataclass(frozen=True, slots=True)

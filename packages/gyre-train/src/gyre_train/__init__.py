@@ -1,3 +1,5 @@
 """gyre-train: streaming trainer (core replica + satellites)."""
 
-__version__ = "0.4.0"
+from gyre_base.version import package_version
+
+__version__ = package_version("gyre-train", __file__)

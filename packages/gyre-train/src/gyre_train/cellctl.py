@@ -9,7 +9,7 @@ SUB to the PUB. Rank 0 sends a command to every rank and waits for every reply w
 (`RankSilentError` past it); a rank that hears no heartbeat for `dead_after_s` ends its process (status
 70), so a dead rank 0 never leaves the others waiting forever.
 
-The three sockets bind through `gyre_xfer.auth.bind` with the cell's run token (`ParallelConfig.token`,
+The three sockets bind through `gyre_base.sockets.bind` with the cell's run token (`ParallelConfig.token`,
 else `$GYRE_TOKEN`): a `control_host` beyond loopback needs one, and with one only ranks holding it are
 heard (CURVE + ZAP). Every rank has its own copy of the setting; the token never crosses the link.
 """
@@ -25,8 +25,7 @@ from typing import Any
 
 import msgspec
 import zmq
-from gyre_xfer import auth
-from gyre_xfer.sockets import make_socket
+from gyre_base.sockets import bind, connect, make_socket
 
 from gyre_train.protocol import (
     CellCommand,
@@ -70,9 +69,7 @@ class LeaderLink:
         beat = make_socket(self._ctx, zmq.PUB)
         socks = (self._work, self._fetch, beat)
         try:
-            bound = [
-                auth.bind(s, f"tcp://{host}:0", token, "ParallelConfig.token, --token-file") for s in socks
-            ]
+            bound = [bind(s, f"tcp://{host}:0", token, "ParallelConfig.token, --token-file") for s in socks]
         except BaseException:
             for s in socks:
                 s.close(0)
@@ -207,13 +204,13 @@ class FollowerLink:
         self._stopping = threading.Event()
         sub = make_socket(self._ctx, zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        auth.connect(sub, addresses.beat, token)
+        connect(sub, addresses.beat, token)
         self._watch = start_thread(lambda: self._watchdog(sub, dead_after_s), "gyre-train-cell-watchdog")
 
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
         s = make_socket(self._ctx, zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, _identity(self.rank))
-        auth.connect(s, address, self._token)
+        connect(s, address, self._token)
         s.send(msgspec.msgpack.encode(RankHello(self.rank)))
         return s
 

@@ -23,13 +23,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gyre_base.token import TokenError
 from gyre_traj.loss import LossConfig
 from gyre_traj.pack import PackConfig
+
+from gyre_train import __version__
 
 
 def _token(args: argparse.Namespace) -> str:
     """The run token of `--token-file`, or "" (then $GYRE_TOKEN, or none)."""
-    from gyre_xfer.auth import read_token_file
+    from gyre_base.token import read_token_file
 
     return read_token_file(args.token_file) if args.token_file else ""
 
@@ -270,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gyre-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--version", action="version", version=f"gyre-train {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("core", help="run the core replica over synthetic or packed mini-batches")
     c.add_argument("--bind", default="tcp://127.0.0.1:0", help="ROUTER address (beyond loopback: a token)")
@@ -382,11 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gyre_xfer.auth import AuthError
-
     try:
         return int(args.fn(args))
-    except AuthError as exc:  # no token for a bind beyond loopback, an unreadable token file
+    except TokenError as exc:  # no token for a bind beyond loopback, an unreadable token file
         print(f"gyre-train {args.cmd}: {exc}", file=sys.stderr)
         return 2
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 import zmq
+from gyre_base.sockets import connected
+from gyre_base.token import TOKEN_ENV
 from gyre_traj.pack import PackedBatch
-from gyre_xfer import auth
-from gyre_xfer.sockets import make_socket
 
 from gyre_train.protocol import (
     PROTOCOL,
@@ -88,13 +88,7 @@ class CoreClient:
         self._dec = reply_decoder()
 
     def _dealer(self) -> zmq.Socket[bytes]:
-        sock = make_socket(self._ctx, zmq.DEALER)
-        try:
-            auth.connect(sock, self.address, self._token)
-        except BaseException:
-            sock.close(0)
-            raise
-        return sock
+        return connected(self._ctx, zmq.DEALER, self.address, self._token)
 
     def _ask(self, req: Any) -> Reply:
         self._sock.send(self._enc.encode(req))
@@ -107,7 +101,7 @@ class CoreClient:
             self._sock = self._dealer()
             raise ControlError(
                 f"core at {self.address} did not answer within {self.timeout_s} s (a core with a run "
-                f"token answers only clients holding the same one: {auth.TOKEN_ENV})"
+                f"token answers only clients holding the same one: {TOKEN_ENV})"
             )
         rep = self._dec.decode(self._sock.recv())
         if isinstance(rep, ErrorReply):

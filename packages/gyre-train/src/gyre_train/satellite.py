@@ -30,9 +30,9 @@ from typing import Any
 
 import msgspec
 import zmq
+from gyre_base.sockets import connected
+from gyre_base.token import TOKEN_ENV
 from gyre_traj.loss import LossConfig
-from gyre_xfer import auth
-from gyre_xfer.sockets import make_socket
 
 from gyre_train.cell import Cell
 from gyre_train.claimqueue import Assignment
@@ -109,8 +109,7 @@ class Satellite:
         self.cell = cell
         self.shape = cell.cfg.shape if cell is not None else CellShape()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER)
-        auth.connect(self._sock, cfg.core, cfg.token)
+        self._sock = connected(self._ctx, zmq.DEALER, cfg.core, cfg.token)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = reply_decoder()
         try:
@@ -189,7 +188,7 @@ class Satellite:
         if not self._sock.poll(int(limit * 1000)):
             raise CoreGoneError(
                 f"core at {self.cfg.core} did not answer within {limit} s (a core with a run token "
-                f"answers only satellites holding the same one: {auth.TOKEN_ENV} or --token-file)"
+                f"answers only satellites holding the same one: {TOKEN_ENV} or --token-file)"
             )
         msg = self._sock.recv_multipart(copy=False)
         rep = self._dec.decode(msg[0].buffer)
@@ -202,8 +201,7 @@ class Satellite:
         return rep
 
     def _heartbeat(self) -> None:
-        sock = make_socket(self._ctx, zmq.DEALER)
-        auth.connect(sock, self.cfg.core, self.cfg.token)
+        sock = connected(self._ctx, zmq.DEALER, self.cfg.core, self.cfg.token)
         enc = msgspec.msgpack.Encoder()
         try:
             while not self._stop.wait(self.welcome.heartbeat_s):

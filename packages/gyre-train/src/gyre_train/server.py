@@ -10,7 +10,7 @@ transfer that fails re-queues the claim). A satellite that sends nothing (no cla
 heartbeat) for `dead_after_s` is declared dead and its claims go back to the queue. Admitting or dismissing a satellite touches only the admitted set: no sockets or process
 groups are created or torn down.
 
-The ROUTER binds through `gyre_xfer.auth.bind`: beyond loopback only with the run token
+The ROUTER binds through `gyre_base.sockets.bind`: beyond loopback only with the run token
 (`ServerConfig.token`, else `$GYRE_TOKEN`), and with a token it is a CURVE server that admits only peers
 holding it (satellites, `CoreClient`s), so nothing from anyone else reaches the decoder.
 
@@ -30,9 +30,8 @@ from typing import Any
 
 import msgspec
 import zmq
+from gyre_base.sockets import bind, make_socket
 from gyre_traj.pack import PackedBatch
-from gyre_xfer import auth
-from gyre_xfer.sockets import make_socket
 
 from gyre_train.claimqueue import ClaimQueue
 from gyre_train.claims import ClaimError
@@ -125,7 +124,7 @@ class ReplicaServer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = make_socket(self._ctx, zmq.ROUTER)
         try:
-            self.address: str = auth.bind(self._sock, cfg.bind, cfg.token, "CoreConfig.token, --token-file")
+            self.address: str = bind(self._sock, cfg.bind, cfg.token, "CoreConfig.token, --token-file")
         except BaseException:
             self._sock.close(0)
             self._ctx.term()

@@ -9,10 +9,9 @@ loss. The loss names need PyTorch (`pip install 'gyre-traj[torch]'`) and are imp
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import tomllib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gyre_base.version import package_version
 
 from gyre_traj.io import FORMATS, RecordWriter, TornTailWarning, read_records, write_records
 from gyre_traj.pack import PackConfig, PackedBatch, PackError, PackItem, pack
@@ -92,16 +91,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | _TORCH_NAMES)
 
 
-def _version() -> str:
-    """The version in this package's metadata, as installed; run from a source tree without installing
-    (its `src/` on PYTHONPATH), the one in its pyproject.toml."""
-    try:
-        return importlib.metadata.version("gyre-traj")
-    except importlib.metadata.PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        if not pyproject.is_file():
-            return "0+unknown"
-        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
-
-
-__version__ = _version()
+__version__ = package_version("gyre-traj", __file__)

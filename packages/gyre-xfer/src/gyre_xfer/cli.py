@@ -55,6 +55,6 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "doctor":
         sys.exit(_doctor())
     elif args.cmd == "token":
-        from .auth import new_token
+        from gyre_base.token import new_token
 
         print(new_token())

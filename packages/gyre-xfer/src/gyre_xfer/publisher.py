@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+from gyre_base import sockets
 
-from . import auth
 from .buffers import BufferView, view_of
 from .errors import PublisherDeadError, XferError
 from .manifest import layout
@@ -44,7 +44,6 @@ from .protocol import (
     Welcome,
     request_decoder,
 )
-from .sockets import make_socket
 from .transport import Region, Transport
 
 _log = logging.getLogger(__name__)
@@ -104,9 +103,9 @@ class Publisher:
             max_workers=self.config.hash_threads, thread_name_prefix="gyre-xfer-crc"
         )
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.ROUTER)
+        self._sock = sockets.make_socket(self._ctx, zmq.ROUTER)
         try:
-            self.address: str = auth.bind(
+            self.address: str = sockets.bind(
                 self._sock, self.config.control, self.config.token, "PublisherConfig.token"
             )
         except BaseException:

@@ -20,8 +20,9 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+from gyre_base.sockets import connected, tcp_port_refuses
+from gyre_base.token import TOKEN_ENV
 
-from . import auth
 from .buffers import BufferView, numpy_view, torch_view, view_of
 from .errors import (
     ChecksumError,
@@ -49,10 +50,9 @@ from .protocol import (
     Welcome,
     reply_decoder,
 )
-from .sockets import make_socket, tcp_port_refuses
 from .transport import Op, Region, Transport
 
-_TOKEN_HINT = f"a publisher with a token answers only subscribers with the same one (${auth.TOKEN_ENV})"
+_TOKEN_HINT = f"a publisher with a token answers only subscribers with the same one (${TOKEN_ENV})"
 
 Converter = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 """A layout hook: takes the pulled tensors by name, returns the tensors the consumer wants (e.g. split a
@@ -117,8 +117,7 @@ class Subscriber:
         self.transport = transport
         self.config = config
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER)
-        auth.connect(self._sock, config.publisher, config.token)
+        self._sock = connected(self._ctx, zmq.DEALER, config.publisher, config.token)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = reply_decoder()
         self._rids = itertools.count(1)

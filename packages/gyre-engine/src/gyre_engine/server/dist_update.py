@@ -23,12 +23,13 @@ import asyncio
 import math
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
+from gyre_engine.protocol import (
+    InitWeightsUpdateGroupRequest,
+    UpdateFromDistributedRequest,
+)
 from gyre_engine.weight_group import BACKENDS, WeightGroup, WeightGroupError, WeightGroupTimeout
-
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class DistUpdateError(ValueError):
@@ -37,36 +38,6 @@ class DistUpdateError(ValueError):
 
 class GroupBusy(RuntimeError):
     """The group is running another update (409)."""
-
-
-class InitWeightsUpdateGroupRequest(msgspec.Struct, frozen=True):
-    """Body of POST /init_weights_update_group (SGLang's fields; `timeout_s` is gyre-engine's own)."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    """gyre-engine: deadline for forming the group and for each broadcast (SGLang ignores the key)."""
-
-
-class UpdateFromDistributedRequest(msgspec.Struct, frozen=True):
-    """Body of POST /update_weights_from_distributed (SGLang's fields)."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-
-
-class DestroyWeightsUpdateGroupRequest(msgspec.Struct, frozen=True):
-    group_name: str = "weight_update_group"
 
 
 @dataclass(frozen=True)

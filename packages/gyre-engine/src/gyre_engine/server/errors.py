@@ -5,7 +5,7 @@ A refused request is `{"error": {"message", "type", "code", "retryable"}}` (SGLa
 validation error as SGLang rewrites it, 400 `{"object": "error", "message", "type": "Bad Request",
 "param": null, "code": 400}`; a control call SGLang refuses is `{"success": false, "message"}`; an unknown
 path or a wrong method is FastAPI's `{"detail": "Not Found"}` / `{"detail": "Method Not Allowed"}` (with
-`Allow`); a missing or wrong token is SGLang's 401 `{"error": "Unauthorized"}` (`gyre_engine.auth`). Each
+`Allow`); a missing or wrong token is SGLang's 401 `{"error": "Unauthorized"}` (`gyre_base.token`). Each
 is checked against SGLang's recorded replies (`tests/fixtures/sglang-0.5.23`: `error_malformed_json`,
 `unknown_route`, `wrong_method_generate`, `unauthorized_no_key`). Exceptions map to statuses by type in
 `error_for`; anything unforeseen is a 500 in the first shape, logged.

@@ -1,6 +1,6 @@
 """The gate in front of every route: the bearer token and the bounds on request bodies (ASGI middleware).
 
-With a token, a request that does not carry it (`gyre_engine.auth`: SGLang's `--api-key` rule) is answered
+With a token, a request that does not carry it (`gyre_base.token`: SGLang's `--api-key` rule) is answered
 401 `{"error": "Unauthorized"}` before its body is read and before routing, so it reaches no route and
 does no work. A body longer than its path's bound is 413 in SGLang's error shape and the connection
 closes: when its `Content-Length` says so, before any route runs, else as soon as the bytes read pass the
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gyre_base.token import UNAUTHORIZED_BODY, authorized, needs_token
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gyre_engine.auth import UNAUTHORIZED_BODY, authorized, needs_token
 from gyre_engine.server.errors import BodyTooLarge, too_large
 
 DRAIN_BYTES = 64 << 20

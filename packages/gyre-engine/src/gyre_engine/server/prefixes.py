@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -17,6 +16,7 @@ from starlette.routing import Route
 from gyre_engine.protocol import (
     KV_PREFIX_DECODER,
     KV_PREFIX_ENCODER,
+    ExportPrefixRequest,
     ImportPrefixXferRequest,
     OfferPrefixRequest,
     PrefixImportReply,
@@ -34,10 +34,6 @@ from gyre_engine.server.kv_transfer import (
 )
 from gyre_engine.server.routing import EngineCalls, body_as, route
 from gyre_engine.server.xfer import XferHub, block_reports
-
-
-class _ExportBody(msgspec.Struct, frozen=True):
-    input_ids: list[int]
 
 
 class PrefixRoutes:
@@ -58,7 +54,7 @@ class PrefixRoutes:
         ]
 
     async def export_kv(self, request: Request) -> Response:
-        body = await body_as(request, _ExportBody)
+        body = await body_as(request, ExportPrefixRequest)
         rec = await self.call(export_prefix, self.engine, body.input_ids)
         if rec is None:
             return error_response("no cached prefix of these input_ids", 404, "NotFound")

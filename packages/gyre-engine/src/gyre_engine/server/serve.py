@@ -16,9 +16,9 @@ from typing import NoReturn
 
 import torch
 import uvicorn
+from gyre_base.token import TokenError, is_loopback_host, listener_token
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gyre_engine.auth import TokenError, is_loopback_host, listener_token
 from gyre_engine.server.app import AppConfig, build_app
 from gyre_engine.server.engine import Engine
 from gyre_engine.server.xfer import XferConfig

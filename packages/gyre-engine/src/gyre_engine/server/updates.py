@@ -15,18 +15,16 @@ from starlette.routing import Route
 
 from gyre_engine.protocol import (
     BeginWeightUpdateRequest,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
     SuccessReply,
     UpdateFromDiskRequest,
+    UpdateFromDistributedRequest,
     UpdateFromTensorRequest,
     UpdateFromXferRequest,
     XferWeightsReply,
 )
-from gyre_engine.server.dist_update import (
-    DestroyWeightsUpdateGroupRequest,
-    InitWeightsUpdateGroupRequest,
-    UpdateFromDistributedRequest,
-    WeightGroups,
-)
+from gyre_engine.server.dist_update import WeightGroups
 from gyre_engine.server.engine import Engine
 from gyre_engine.server.errors import error_response, json_response, refused
 from gyre_engine.server.routing import EngineCalls, body_as, route

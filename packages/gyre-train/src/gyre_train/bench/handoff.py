@@ -29,8 +29,8 @@ import msgspec
 import numpy as np
 import torch
 import zmq
+from gyre_base.sockets import make_socket
 from gyre_xfer.shm import SHM_DIR
-from gyre_xfer.sockets import make_socket
 from gyre_xfer.transport import Config, open_transport
 
 from gyre_train.handoff import GradReader, GradStaging, wire_dtype

@@ -1,12 +1,12 @@
-"""dataclass_from_table: the strict table -> dataclass loading that workloads and `gyre run` configs share."""
+"""dataclass_from_table: the strict table -> dataclass loading that gyre-sched's workloads and `gyre run`'s
+configuration share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
-from gyre_sched import workload
-from gyre_sched.tables import ConfigError, dataclass_from_table
+from gyre_base.tables import ConfigError, dataclass_from_table
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,6 @@ def test_caller_chooses_the_error_class() -> None:
     with pytest.raises(MyError, match=r"\[s\] unknown key 'x'"):
         dataclass_from_table(Section, "s", {"x": 1}, error=MyError)
     assert issubclass(ConfigError, ValueError)
-    assert workload.ConfigError is ConfigError  # the workload loader raises the same class
 
 
 def test_programming_errors_are_type_errors() -> None:
@@ -73,12 +72,3 @@ def test_programming_errors_are_type_errors() -> None:
         dataclass_from_table(NoDefault, "s", {})
     with pytest.raises(TypeError, match="not a dataclass"):
         dataclass_from_table(dict, "s", {})
-
-
-def test_workload_sections_use_it() -> None:
-    with pytest.raises(ConfigError, match=r"^\[async\] train_cells must be int, got '1'$"):
-        workload.workload_from_dict({"async": {"train_cells": "1"}})
-    with pytest.raises(ConfigError, match=r"^\[elastic\] must be a table, got list$"):
-        workload.workload_from_dict({"elastic": []})
-    w = workload.workload_from_dict({"async": {"train_cells": 2}, "run": {"timeout_h": 3}})
-    assert w.async_.train_cells == 2 and w.run.timeout_h == 3.0

@@ -1,12 +1,11 @@
-"""What token authentication costs, measured side by side in one run: a DEALER -> ROUTER echo over
-loopback TCP with no security (NULL) and with CURVE + ZAP (`gyre_xfer.auth`), alternating blocks so the
-two see the same machine load; plus key derivation and connection set-up. One JSON object is printed as
-the last line (`--out FILE` also writes it). Run: `python -m gyre_xfer.bench.auth [--quick] [--out F]`.
+"""What the run token costs a ZeroMQ link, measured side by side in one run: a DEALER -> ROUTER echo over
+loopback TCP with no security (NULL) and with CURVE + ZAP (`gyre_base.sockets`), alternating blocks so
+the two see the same machine load; plus key derivation and connection set-up. One JSON object is printed
+as the last line (`--out FILE` also writes it). Run: `gyre-base bench [--quick] [--out F]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -16,10 +15,11 @@ from typing import Any
 
 import zmq
 
-from gyre_xfer import auth
+from gyre_base import sockets
 
 TOKEN = "bench-token-0123456789abcdef0123"
 PAYLOAD = os.urandom(5000)  # about the size of a gyre-sched State or a snapshot manifest
+HWM = 10_000  # the flood keeps 256 in flight: far below it
 
 
 class Echo:
@@ -27,11 +27,8 @@ class Echo:
 
     def __init__(self, token: str) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, 10_000)
-        self.address = auth.bind(self.sock, "tcp://127.0.0.1:0", token)
+        self.sock = sockets.make_socket(self.ctx, zmq.ROUTER, hwm=HWM)
+        self.address = sockets.bind(self.sock, "tcp://127.0.0.1:0", token)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.serve, daemon=True)
         self.thread.start()
@@ -53,12 +50,7 @@ class Echo:
 
 
 def _client(ctx: zmq.Context[zmq.Socket[bytes]], address: str, token: str) -> zmq.Socket[bytes]:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 10_000)
-    s.setsockopt(zmq.RCVHWM, 10_000)
-    auth.connect(s, address, token)
-    return s
+    return sockets.connected(ctx, zmq.DEALER, address, token, hwm=HWM)
 
 
 def _round_trips(sock: zmq.Socket[bytes], n: int) -> list[float]:
@@ -99,9 +91,9 @@ def run(quick: bool) -> dict[str, Any]:
     blocks, per_block, flood, connects = (4, 250, 5_000, 10) if quick else (10, 500, 20_000, 30)
     derive = []
     for _ in range(3 if quick else 7):
-        auth.derive_keys.cache_clear()
+        sockets.derive_keys.cache_clear()
         t0 = time.perf_counter()
-        auth.derive_keys(TOKEN)
+        sockets.derive_keys(TOKEN)
         derive.append(time.perf_counter() - t0)
     servers = {"null": Echo(""), "curve": Echo(TOKEN)}
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -145,18 +137,11 @@ def run(quick: bool) -> dict[str, Any]:
     return r
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out")
-    a = p.parse_args()
-    r = run(a.quick)
-    if a.out:
-        with open(a.out, "w") as f:
+def main(quick: bool, out: str | None) -> None:
+    """Run, print the JSON object as the last line, and also write it (indented) to `out`."""
+    r = run(quick)
+    if out:
+        with open(out, "w") as f:
             json.dump(r, f, indent=1)
             f.write("\n")
     print(json.dumps(r))
-
-
-if __name__ == "__main__":
-    main()

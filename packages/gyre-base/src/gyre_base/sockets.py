@@ -1,13 +1,12 @@
-"""Token authentication for every ZeroMQ listener of gyre: one rule for binds, CURVE keys derived from a
-shared run token, and a ZAP handler that admits only peers holding that token.
+"""ZeroMQ sockets for gyre: made one way (no linger, finite high-water marks), bound and connected under
+the run token's rule. Needs pyzmq: `pip install 'gyre-base[zmq]'`.
 
-`bind(sock, address, token)` is the rule every listener goes through. Beyond loopback without a token it
-raises `TokenRequiredError` naming the setting; with a token the socket becomes a CURVE server (every
-frame encrypted) whose ZAP handler admits only peers holding the token's client key, so nothing from
-anyone else reaches the service's decoder; on loopback without a token it binds as it always did.
-Clients call `connect(sock, address, token)`. A token is the listener's own setting or else
-`$GYRE_TOKEN` (`resolve_token`). Both keypairs come from it through scrypt and HKDF-SHA256, so anyone
-holding the token derives them and nobody else can.
+`bind(sock, address, token, setting)` is the rule every listener goes through: beyond loopback without a
+token it raises `TokenRequiredError` naming the setting; with a token the socket becomes a CURVE server
+(every frame encrypted) whose ZAP handler admits only peers holding the token's client key, so nothing
+from anyone else reaches the service's decoder; on loopback without a token it binds plainly. Clients
+call `connect(sock, address, token)` (or `connected(ctx, kind, address, token)`). Both keypairs come from
+the token through scrypt and HKDF-SHA256, so anyone holding it derives them and nobody else can.
 """
 
 from __future__ import annotations
@@ -15,25 +14,27 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
-import secrets
+import socket
 import sys
 import threading
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
-import zmq
-from zmq.utils import z85
+try:
+    import zmq
+    from zmq.utils import z85
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"gyre_base.sockets needs pyzmq, which is not installed ({exc}): pip install 'gyre-base[zmq]'"
+    ) from exc
 
-from .errors import XferError
+from gyre_base.token import TokenError, check_strength, listener_token, resolve_token
 
-TOKEN_ENV = "GYRE_TOKEN"
-"""The environment variable every gyre process reads its run token from when not configured."""
-MIN_TOKEN_CHARS = 16
+HWM = 1000
+"""Default send and receive high-water mark (messages): finite, so a slow peer pushes back."""
 ZAP_DOMAIN = b"gyre"
 THREAD_DIED = 70
 """Exit status of a process whose ZAP handler thread died (EX_SOFTWARE)."""
@@ -41,54 +42,58 @@ THREAD_DIED = 70
 _SALT = b"gyre/zeromq-curve/v1"
 _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1}  # 16 MiB, tens of ms: slows guessing a captured handshake
 
-log = logging.getLogger("gyre_xfer.auth")
+log = logging.getLogger("gyre_base.sockets")
+
+Context = zmq.Context[zmq.Socket[bytes]]
 
 
-class AuthError(XferError):
-    """A listener or client cannot be set up as the authentication rule requires."""
+class CurveUnavailableError(TokenError):
+    """This libzmq was built without CURVE (libsodium), so a token cannot be used."""
 
 
-class TokenRequiredError(AuthError):
-    """A bind beyond loopback was asked for without a token."""
-
-
-class WeakTokenError(AuthError):
-    """The token is too short to protect anything."""
-
-
-class CurveUnavailableError(AuthError):
-    """This libzmq was built without CURVE (libsodium)."""
-
-
-class TokenConflictError(AuthError):
+class TokenConflictError(TokenError):
     """Two listeners of one ZeroMQ context were given different tokens (one ZAP handler serves both)."""
 
 
-# ---- the token -------------------------------------------------------------------------------------------
+# ---- making sockets ----------------------------------------------------------------------------------------
 
 
-def resolve_token(configured: str = "") -> str:
-    """The run token: `configured` if set, else `$GYRE_TOKEN`, else "" (none). Surrounding whitespace
-    (a token file's newline) is not part of it."""
-    return (configured or os.environ.get(TOKEN_ENV, "")).strip()
+def make_socket(ctx: Context, kind: int, hwm: int = HWM) -> zmq.Socket[bytes]:
+    """A socket of `kind` that drops unsent messages on close and queues at most `hwm` each way."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, hwm)
+    s.setsockopt(zmq.RCVHWM, hwm)
+    return s
 
 
-def read_token_file(path: str) -> str:
-    """The token held in a file (its first line); for `--token-file` flags, which keep it out of `ps`.
-    A file that cannot be read or holds no token is an `AuthError`, never "no token"."""
+def connected(ctx: Context, kind: int, address: str, token: str = "", hwm: int = HWM) -> zmq.Socket[bytes]:
+    """`make_socket(ctx, kind, hwm)` connected to `address` with `token` (`connect`); closed again if
+    the connect fails."""
+    s = make_socket(ctx, kind, hwm)
     try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AuthError(f"cannot read the token file {path}: {exc}") from exc
-    token = lines[0].strip() if lines else ""
-    if not token:
-        raise AuthError(f"the token file {path} holds no token on its first line")
-    return token
+        connect(s, address, token)
+    except BaseException:
+        s.close(0)
+        raise
+    return s
 
 
-def new_token() -> str:
-    """A fresh random token (256 bits, 43 URL-safe characters)."""
-    return secrets.token_urlsafe(32)
+def tcp_port_refuses(address: str, timeout_s: float = 0.5) -> bool:
+    """True when a tcp:// address actively refuses connections (its process is gone)."""
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        return False
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+# ---- the keys ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, repr=False)
@@ -110,11 +115,7 @@ def derive_keys(token: str) -> CurveKeys:
         raise CurveUnavailableError(
             "this libzmq has no CURVE support; install pyzmq's own wheel (it bundles libsodium)"
         )
-    if len(token) < MIN_TOKEN_CHARS:
-        raise WeakTokenError(
-            f"the token is {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
-            f"(`gyre-xfer token` prints a new random one)"
-        )
+    check_strength(token)
     prk = hashlib.scrypt(token.encode(), salt=_SALT, dklen=32, **_SCRYPT)
 
     def pair(role: bytes) -> tuple[bytes, bytes]:
@@ -126,27 +127,14 @@ def derive_keys(token: str) -> CurveKeys:
     return CurveKeys(server_public, server_secret, client_public, client_secret)
 
 
-# ---- the rule --------------------------------------------------------------------------------------------
+# ---- the rule ----------------------------------------------------------------------------------------------
 
 
-def is_loopback(address: str) -> bool:
-    """Whether a ZeroMQ bind address stays on this machine: ipc://, inproc://, or a tcp host that is a
-    loopback IP or "localhost". Interface names, "*" and other host names are not."""
-    scheme, _, _ = address.partition("://")
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = urlsplit(address).hostname or ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def bind(sock: zmq.Socket[bytes], address: str, token: str = "", setting: str = "token") -> str:
+def bind(sock: zmq.Socket[bytes], address: str, token: str = "", setting: str = "its token setting") -> str:
     """Bind a listener under the rule (module docstring) and return the address it bound (port 0 is
     resolved). `token` is the listener's configured token ("" reads `$GYRE_TOKEN`); `setting` names
     where that token is configured, for the error."""
-    token = resolve_token(token)
+    token = listener_token(address, token, setting)
     if token:
         keys = derive_keys(token)
         _zap_for(sock.context, keys)
@@ -155,11 +143,6 @@ def bind(sock: zmq.Socket[bytes], address: str, token: str = "", setting: str = 
         sock.curve_publickey = keys.server_public
         sock.zap_domain = ZAP_DOMAIN
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never admit
-    elif not is_loopback(address):
-        raise TokenRequiredError(
-            f"refusing to bind {address} beyond loopback without a token: set {TOKEN_ENV} "
-            f"(or this listener's `{setting}` setting) to the run token"
-        )
     sock.bind(address)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -175,13 +158,13 @@ def connect(sock: zmq.Socket[bytes], address: str, token: str = "") -> None:
     sock.connect(address)
 
 
-# ---- the ZAP handler -------------------------------------------------------------------------------------
+# ---- the ZAP handler ---------------------------------------------------------------------------------------
 
-_handlers: dict[zmq.Context[zmq.Socket[bytes]], _ZapHandler] = {}
+_handlers: dict[Context, _ZapHandler] = {}
 _handlers_lock = threading.Lock()
 
 
-def _zap_for(ctx: zmq.Context[zmq.Socket[bytes]], keys: CurveKeys) -> None:
+def _zap_for(ctx: Context, keys: CurveKeys) -> None:
     """Make sure `ctx` has a ZAP handler admitting `keys`' client (one per context, as libzmq allows)."""
     with _handlers_lock:
         h = _handlers.get(ctx)
@@ -198,7 +181,7 @@ class _ZapHandler:
     closes the socket and leaves. If it dies of anything else the process ends loudly, since a listener
     whose ZAP handler is gone refuses every peer."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], client_public: bytes) -> None:
+    def __init__(self, ctx: Context, client_public: bytes) -> None:
         self.ctx = ctx
         self.client_public = client_public
         self._client_raw = z85.decode(client_public)
@@ -252,7 +235,7 @@ class _ZapHandler:
 
 def _die() -> None:
     try:
-        sys.stderr.write(f"gyre-xfer: the ZAP handler thread died; the process exits ({THREAD_DIED})\n")
+        sys.stderr.write(f"gyre: the ZAP handler thread died; the process exits ({THREAD_DIED})\n")
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
     finally:
