@@ -127,7 +127,7 @@ def test_the_drivers_timeout_ends_the_whole_process_tree(tmp_path: Path) -> None
         }
     )
     h = CliHarness(cfg, keep=True)
-    ex = h.execution("s0-q0-e0", "s0-q0", make_code_task(random.Random(1), "s0-q0"), 1.0)
+    ex = h.execution("s0-q0-e0", "s0-q0", make_code_task(random.Random(1), "s0-q0"), 1.0, (0, 0, 0))
 
     async def go() -> None:
         async with httpx.AsyncClient() as http:

@@ -42,3 +42,5 @@ class CellArgs:
     $GYRE_TOKEN, or none (a loopback scheduler without one)."""
     checkpoint: str = ""
     """Core: the checkpoint directory (resumed from if present, saved after every step); empty: none."""
+    keep_batches: str = ""
+    """Core: where each applied step's micro-batches are kept (`[train] keep_batches`); empty: nowhere."""

@@ -232,6 +232,7 @@ class Cell:
                 optim=OptimConfig(lr=self.a.lr),
                 dead_after_s=30.0,
                 bind=f"tcp://{self.a.host}:0",
+                keep_batches=self.a.keep_batches,
             )
             self.core = Core(model, mc, cfg)
             ckpt = Path(self.a.checkpoint) if self.a.checkpoint else None

@@ -151,6 +151,9 @@ class TrainSection:
     """ppo or tis (gyre-traj's policy loss)."""
     j_max: int = 5
     """Trajectories selected per execution."""
+    keep_batches: bool = False
+    """Keep every applied step's micro-batches in the run directory (`batches/`, gyre-train's
+    `batchlog`), so a benchmark can train the same batches again alone."""
 
 
 @dataclass(frozen=True)

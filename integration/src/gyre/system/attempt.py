@@ -243,6 +243,7 @@ class Attempt:
             device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
             host=self.procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
             checkpoint=str(self.out / CHECKPOINT) if i == 0 else "",
+            keep_batches=str(self.out / "batches") if i == 0 and cfg.train.keep_batches else "",
         )  # fmt: skip
         (self.out / "cells" / f"{i}.up").unlink(missing_ok=True)
         self.procs.start(

@@ -30,9 +30,9 @@ import msgspec
 import numpy as np
 import torch
 from gyre_traj.loss import LossConfig, combine_metrics
-from gyre_traj.pack import PackedBatch
+from gyre_traj.pack import PackConfig, PackedBatch
 
-from gyre_train import checkpoint
+from gyre_train import batchlog, checkpoint
 from gyre_train.cell import Cell
 from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
@@ -77,7 +77,7 @@ class CoreConfig:
     """Largest bucket of a gradient shard (one transfer entry; the header names every bucket)."""
     transfer_timeout_s: float = 30.0
     """Deadline for reading one gradient's shards; past it the claim is re-queued."""
-    token_budget: int = 16384
+    token_budget: int = PackConfig.token_budget
     """Largest micro-batch accepted (tokens)."""
     attention: Attention = "dense"
     """"dense" 4D boolean ancestor mask (CPU) or "flex" FlexAttention BlockMask (GPU)."""
@@ -108,8 +108,11 @@ class CoreConfig:
     engines: SGLangSyncConfig | None = None
     """Also push every version to these engines through SGLang's weight-update endpoints
     (`engine_sync.py`; the group is formed once, in the constructor). None: gyre-xfer snapshots only."""
+    keep_batches: str = ""
+    """A directory: each applied step's micro-batches are written there (`batchlog.py`), so the same
+    training can be timed again alone; empty: none kept."""
     token: str = field(default="", repr=False)
-    """The run token (gyre-xfer `auth`): satellites and `CoreClient`s must hold it to be answered, and the
+    """The run token (gyre-base `sockets`): satellites and `CoreClient`s must hold it to be answered, and the
     weight publishers use it too; empty: $GYRE_TOKEN, or none (then every listener stays on loopback)."""
 
 
@@ -390,6 +393,8 @@ class Core:
             raise
         if not res.microbatches:
             return self._skip(t0)
+        if self.cfg.keep_batches:
+            batchlog.write_step(Path(self.cfg.keep_batches), res.seq, res.microbatches, res.executions)
         with self._updating:
             grad_norm = self._cell.apply(res.batch, len(res.microbatches), res.executions)
             pos = self._queue.applied(self._cell.publish())

@@ -1,0 +1,360 @@
+"""The report-shaped workload on one H200, one device call per policy (or several policies in one call):
+`gyre run` of `integration/examples/h200-agentic.toml` (the profile harness: long agent contexts, outputs
+of hundreds of tokens, tool time, compaction, sub-agents, a heavy tail ending at the timeout), measured
+against what the same machine does alone with the same work.
+
+In one process, in order (each part's seconds land in the results as `phase_s`):
+1. the model: `gyre-engine create-model` of the config's shape, and a short supervised warm start
+   (`h200_run.warm_start`);
+2. the floors: copy bandwidths and the weight push path (`h200_run.bandwidths`);
+3. per policy, `gyre run` (its metrics.json, timeline and efficiency entry kept per policy);
+4. `replay` (first policy only): one standalone engine serves each engine's recorded calls again, with
+   their inputs and output lengths, at that engine's mean in-run concurrency: `rollout_efficiency` =
+   the standalone seconds / the run's busy rollout GPU-seconds;
+5. `migrate`: two standalone engines; a moved call's time to first token with its 16k/32k-token prefix
+   handed over (gyre-xfer, shared memory) against the same call prefilled again;
+6. `train` (first policy only): a core alone trains the run's kept steps again:
+   `train_efficiency` = its seconds / the run's busy training GPU-seconds (the first step counts).
+Results go to OUT/results-h200-agentic.json (every figure, per policy, and the issue's goals), the
+timelines to OUT/timeline-<policy>.png.
+
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate,async --skip replay,migrate,train
+    uv run python integration/bench/h200_agentic.py --cpu --tiny --out /tmp/agentic-cpu   # the same path, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import h200_run
+import replay
+from gyre.config.runconfig import Config, load_config
+from gyre.measure import floors
+from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.system import gpus
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE.parent / "examples" / "h200-agentic.toml"
+RESULTS = "results-h200-agentic.json"
+
+
+def tiny(cfg: Config, out_dir: str) -> Config:
+    """The CPU variant: the same sections and code path, the tiny model, the CPU profile's sizes."""
+    r = dataclasses.replace
+    cpu = load_config(HERE.parent / "examples" / "profile-cpu.toml")
+    return r(
+        cfg,
+        run=r(
+            cfg.run,
+            model_shape="tiny",
+            model_dtype="float32",
+            steps=2,
+            deadline_s=600.0,
+            out_dir=out_dir,
+            startup_timeout_s=600.0,
+        ),
+        batch=r(cfg.batch, queries=2, group_size=2),
+        agent=r(cpu.agent),
+        profile=cpu.profile,
+        train=r(cfg.train, token_budget=4096),
+        cell=r(cfg.cell, device="cpu", gpus=[], capacity=8),
+        engine=r(cfg.engine, max_running=16),
+        sched=r(cfg.sched, hold_s=0.5),
+    )
+
+
+def say(msg: str) -> None:
+    print(f"[h200_agentic {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Engines:
+    """Standalone `gyre-engine serve` processes with the run's engine options, on the run's first GPU."""
+
+    def __init__(self, cfg: Config, model_dir: Path, logs: Path, n: int) -> None:
+        self.procs = ProcessGroup(logs)
+        self.urls = []
+        self.t0 = time.monotonic()
+        for i in range(n):
+            port = free_port()
+            argv = python_argv("gyre_engine", "serve", "--model", str(model_dir), "--port", str(port),
+                               "--device", cfg.cell.device, *gpus.engine_argv(cfg))  # fmt: skip
+            self.procs.start(f"engine-alone-{i}", argv, env={"OMP_NUM_THREADS": "1", **gpus.cell_env(cfg, 0)})
+            self.urls.append(f"http://127.0.0.1:{port}")
+        self.cfg = cfg
+
+    def wait(self) -> float:
+        from gyre_engine.client import EngineClient
+
+        async def up(url: str) -> None:
+            async with EngineClient(url, timeout_s=10.0) as c:
+                while True:
+                    self.procs.check()
+                    try:
+                        if await c.health(timeout=5.0):
+                            return
+                    except Exception:
+                        pass
+                    if time.monotonic() - self.t0 > self.cfg.run.startup_timeout_s:
+                        raise TimeoutError("standalone engine not healthy in time")
+                    await asyncio.sleep(0.3)
+
+        async def all_up() -> None:
+            await asyncio.gather(*(up(u) for u in self.urls))
+
+        asyncio.run(all_up())
+        return time.monotonic() - self.t0
+
+    def close(self) -> None:
+        self.procs.close()
+
+
+def replay_phase(
+    cfg: Config, model_dir: Path, run_dir: Path, metrics: dict[str, Any], logs: Path
+) -> dict[str, Any]:
+    calls = replay.recorded_calls(run_dir / "records.msgpack")
+    by_engine: dict[str, list[replay.RecordedCall]] = {}
+    for c in calls:
+        by_engine.setdefault(c.engine, []).append(c)
+    eng = Engines(cfg, model_dir, logs, 1)
+    try:
+        up = eng.wait()
+        per = {}
+        for e, cs in sorted(by_engine.items()):
+            conc, busy = replay.concurrency_of(cs)
+            r = asyncio.run(replay.serve_again(eng.urls[0], cs, max(1, round(conc)), cfg.agent.temperature))
+            per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
+    finally:
+        eng.close()
+    alone = sum(p["wall_s"] for p in per.values())
+    dev = metrics.get("efficiency", {}).get("device_seconds", {})
+    busy = dev.get("rollout_busy_s")
+    return {
+        "standalone_startup_s": round(up, 2),
+        "per_engine": per,
+        "standalone_s": round(alone, 3),
+        "rollout_busy_gpu_s": busy,
+        "rollout_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("rollout_busy_s"),
+        "rollout_efficiency": round(alone / busy, 4) if busy else None,
+    }
+
+
+def migrate_phase(cfg: Config, model_dir: Path, logs: Path, contexts: list[int]) -> dict[str, Any]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    eng = Engines(cfg, model_dir, logs, 2)
+    try:
+        eng.wait()
+        return asyncio.run(
+            replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, min(vocab, 2000))
+        )
+    finally:
+        eng.close()
+
+
+def train_phase(
+    cfg: Config, model_dir: Path, run_dir: Path, metrics: dict[str, Any], device: str
+) -> dict[str, Any]:
+    r = replay.train_again(model_dir, run_dir / "batches", device, cfg.train.token_budget, cfg.train.lr)
+    busy = metrics.get("efficiency", {}).get("device_seconds", {}).get("training_busy_s")
+    return {
+        **r,
+        "training_busy_gpu_s": busy,
+        "training_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("training_busy_s"),
+        "train_efficiency": round(r["total_s"] / busy, 4) if busy else None,
+    }
+
+
+def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
+    """The run's figures (`floors.run_figures`) with its efficiency entry and per-step training times."""
+    out = floors.run_figures(metrics, h200_run.output_tokens(records))
+    eff = metrics.get("efficiency", {})
+    steps = [s for s in metrics.get("steps", []) if not s.get("skipped")]
+    train_s = [float(s.get("busy_cell_s") or s.get("elapsed_s") or 0.0) for s in steps]
+    out.update(
+        engine_call_share=eff.get("engine_call_share"),
+        prefix_cache_hit_share=eff.get("prefix_cache_hit_share"),
+        context_tokens_max=eff.get("context_tokens_max"),
+        engine_startup_s=eff.get("startup", {}).get("engine_startup_s"),
+        engines_started_together=eff.get("startup", {}).get("engines_started_together"),
+        device_seconds=eff.get("device_seconds"),
+        first_step_train_s=train_s[0] if train_s else None,
+        later_step_train_s_median=statistics.median(train_s[1:]) if len(train_s) > 1 else None,
+        timeouts=metrics.get("timeouts"),
+        executions=metrics.get("executions"),
+        moves=metrics.get("moves"),
+    )
+    return out
+
+
+def goals(res: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals, per policy where they differ (None where a figure is missing)."""
+
+    def le(x: Any, bound: Any) -> bool | None:
+        return None if x is None or bound is None else bool(x <= bound)
+
+    out: dict[str, Any] = {}
+    ft, fr, pf = res.get("floor_to_training_s"), res.get("floor_to_rollout_s"), res.get("push_floor_s")
+    for pol, p in res.get("policies", {}).items():
+        share = p.get("engine_call_share") or {}
+        pushes = [v for v in (p.get("push_s") or {}).values() if v is not None]
+        out[pol] = {
+            "engine_call_share_40_60": bool(share) and all(0.4 <= v <= 0.6 for v in share.values()),
+            "prefix_cache_hit_share_0_9": None
+            if p.get("prefix_cache_hit_share") is None
+            else p["prefix_cache_hit_share"] >= 0.9,
+            "switch_to_training_2x_floor_plus_1s": le(p.get("switch_to_training_s"), ft and 2 * ft + 1.0),
+            "switch_to_rollout_2x_floor_plus_1s": le(p.get("switch_to_rollout_s"), fr and 2 * fr + 1.0),
+            "push_2x_floor_plus_0_5s": None
+            if not pushes or pf is None
+            else statistics.median(pushes) <= 2 * pf + 0.5,
+            "engine_startup_60s": None
+            if not p.get("engine_startup_s")
+            else max(p["engine_startup_s"]) <= 60.0,
+            "engines_started_together": p.get("engines_started_together"),
+        }
+    rp, tp, mg = res.get("replay"), res.get("train_again"), res.get("migrate")
+    out["rollout_efficiency_0_7"] = (
+        None if not rp or rp.get("rollout_efficiency") is None else rp["rollout_efficiency"] >= 0.7
+    )
+    out["train_efficiency_0_7"] = (
+        None if not tp or tp.get("train_efficiency") is None else tp["train_efficiency"] >= 0.7
+    )
+    out["migration_3x_faster"] = None if not mg else all(v["speedup"] >= 3.0 for v in mg.values())
+    e2e = {k: v.get("end_to_end_s") for k, v in res.get("policies", {}).items()}
+    if {"elastic", "colocate", "async"} <= e2e.keys() and all(e2e.values()):
+        out["elastic_ahead_of_both"] = e2e["elastic"] < min(e2e["colocate"], e2e["async"])
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--policies", default="", help="comma list (default: the config's policy)")
+    p.add_argument("--out", default=os.environ.get("OUT", "h200-agentic-out"), help="results folder ($OUT)")
+    p.add_argument("--work", default="", help="work directory (default: /tmp/h200-agentic-<pid>)")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--warmstart-steps", type=int, default=None, help="default: 100 (GPU), 4 (--tiny)")
+    p.add_argument(
+        "--contexts", default="", help="migration contexts (default: 16384,32768; --tiny: 256,512)"
+    )
+    p.add_argument("--skip", default="", help="comma list: warmstart,floors,replay,migrate,train")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="the call's wall budget (default 575 s; 3000 tiny)"
+    )
+    a = p.parse_args()
+    t_begin = time.monotonic()
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work or f"/tmp/h200-agentic-{os.getpid()}").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(a.config)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, keep_batches=True))
+    if a.tiny:
+        cfg = tiny(cfg, str(work / "run"))
+    if a.cpu:
+        cfg = dataclasses.replace(cfg, cell=dataclasses.replace(cfg.cell, device="cpu", gpus=[]))
+    device = "cuda" if cfg.cell.device == "cuda" else "cpu"
+    if device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus.cell_env(cfg, 0)["CUDA_VISIBLE_DEVICES"]
+    policies = [x for x in (a.policies or cfg.run.policy).split(",") if x]
+    skip = set(filter(None, a.skip.split(",")))
+    budget = a.budget_s or (3000.0 if a.tiny else 575.0)
+    res: dict[str, Any] = {"config": a.config, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
+                           "machine": h200_run.machine(device), "policies": {}}  # fmt: skip
+    say(f"device {device}; policies {policies}; work {work}")
+
+    def save() -> None:
+        res["goals"] = goals(res)
+        (out / RESULTS).write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    def phase(name: str, fn: Any) -> Any:
+        if name in skip:
+            return None
+        t0 = time.monotonic()
+        say(f"{name} ...")
+        try:
+            return fn()
+        except Exception as exc:
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            return None
+        finally:
+            res["phase_s"][name] = round(time.monotonic() - t0, 2)
+            say(f"{name} done in {res['phase_s'][name]} s")
+            save()
+
+    model_dir = phase("model", lambda: h200_run.create_model(cfg, work / "model"))
+    if model_dir is None:
+        return finish(out, res, 1)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, model_dir=str(model_dir)))
+    steps = a.warmstart_steps if a.warmstart_steps is not None else (4 if a.tiny else 100)
+    if steps > 0:
+        res["warmstart"] = phase("warmstart", lambda: h200_run.warm_start(
+            model_dir, device, steps, 3e-3 if a.tiny else 3e-4, 64, cfg.run.seed))  # fmt: skip
+    fl = phase("floors", lambda: h200_run.bandwidths(model_dir, device))
+    if fl is not None:
+        res["bandwidth"] = {"copies": fl["copies"], "xfer": fl["xfer"]}
+        res.update(
+            {k: fl[k] for k in ("weight_bytes", "floor_to_training_s", "floor_to_rollout_s", "push_floor_s")}
+        )
+    from gyre.system.run import run
+
+    first_metrics: dict[str, Any] | None = None
+    first_dir: Path | None = None
+    for i, pol in enumerate(policies):
+        run_dir = work / f"run-{pol}"
+        left = (
+            budget
+            - (time.monotonic() - t_begin)
+            - 60.0
+            - (150.0 if i == 0 and not skip >= {"replay", "migrate", "train"} else 0.0)
+        )
+        c = cfg.with_policy(pol, str(run_dir))
+        if left < c.run.deadline_s:
+            say(f"run deadline cut to {left:.0f} s to stay within the budget")
+            c = dataclasses.replace(c, run=dataclasses.replace(c.run, deadline_s=max(30.0, left)))
+        m = phase(f"run-{pol}", lambda c=c: run(c, say=say))
+        if m is not None:
+            res["policies"][pol] = policy_figures(m, run_dir / "records.msgpack")
+            res["policies"][pol]["switch_parts"] = floors.switch_parts(run_dir / "logs")
+            if first_metrics is None:
+                first_metrics, first_dir = m, run_dir
+        for name in ("timeline.png", "metrics.json"):
+            if (run_dir / name).exists():
+                shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
+    if first_metrics is not None and first_dir is not None:
+        res["replay"] = phase(
+            "replay", lambda: replay_phase(cfg, model_dir, first_dir, first_metrics, work / "alone-logs")
+        )
+        res["train_again"] = phase(
+            "train", lambda: train_phase(cfg, model_dir, first_dir, first_metrics, device)
+        )
+    ctx = [int(x) for x in (a.contexts or ("256,512" if a.tiny else "16384,32768")).split(",")]
+    res["migrate"] = phase("migrate", lambda: migrate_phase(cfg, model_dir, work / "alone-logs", ctx))
+    return finish(out, res, 0 if res["policies"] else 1)
+
+
+def finish(out: Path, res: dict[str, Any], rc: int) -> int:
+    res["goals"] = goals(res)
+    (out / RESULTS).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    rows = [f"{pol}: e2e {p.get('end_to_end_s')} s, shares {p.get('engine_call_share')}, hits "
+            f"{p.get('prefix_cache_hit_share')}, ctx max {p.get('context_tokens_max')}" for pol, p in res["policies"].items()]  # fmt: skip
+    say("\n  ".join(["results", *rows, f"replay {res.get('replay')}", f"train {res.get('train_again')}",
+                     f"migrate {res.get('migrate')}", f"goals {res['goals']}", f"errors {res['errors'] or 'none'}"]))  # fmt: skip
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""What a standalone engine and a standalone trainer need to do the work of a `gyre run`, measured on the
+same machine after the run: its recorded calls served again, its kept micro-batches trained again, and a
+moved call's prefix taken along against prefilled again.
+
+- `recorded_calls`: every call of the run's record log with its whole input (delta inputs resolved),
+  output length, times and the engine that served it first.
+- `serve_again`: one engine serves a list of calls with exactly their inputs and output lengths (sampled
+  at the run's temperature, EOS ignored), each execution's calls in their order (a call starts once the
+  execution's previous one is done, so the prefix cache sees what it saw in the run), `concurrency`
+  calls in flight at most, the earliest-recorded ready call first. Returns the wall seconds.
+- `concurrency_of`: the run's mean number of calls in flight on an engine while it had any.
+- `train_again`: a core alone trains the run's kept steps (`[train] keep_batches`), the first step
+  included (compile and allocation are part of the run's time too).
+- `migration_vs_reprefill`: two engines; a context cached on the first is handed to the second over
+  gyre-xfer, and the next call's time to its first token is timed, against the same call after the
+  second engine's cache was flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(order=True)
+class RecordedCall:
+    t_start: float
+    execution: str = field(compare=False)
+    call_id: str = field(compare=False)
+    input_ids: list[int] = field(compare=False, repr=False)
+    output_len: int = field(compare=False)
+    t_end: float = field(compare=False)
+    engine: str = field(compare=False)
+
+
+def recorded_calls(records: Path) -> list[RecordedCall]:
+    from gyre_traj.io import read_records
+    from gyre_traj.records import Call
+
+    full: dict[tuple[str, str], np.ndarray] = {}
+    out = []
+    for r in read_records(records):
+        if not isinstance(r, Call):
+            continue
+        if r.input_ids is not None:
+            inp = r.input_ids
+        else:
+            assert r.input_delta is not None
+            d = r.input_delta
+            inp = np.concatenate([full[(r.execution_id, d.parent)][: d.keep], d.append])
+        full[(r.execution_id, r.call_id)] = np.concatenate([inp, r.output_ids])
+        engine = r.metadata.get("engines", "0").split(",")[0]
+        out.append(
+            RecordedCall(
+                r.t_start, r.execution_id, r.call_id, inp.tolist(), int(r.output_ids.size), r.t_end, engine
+            )
+        )
+    return sorted(out)
+
+
+def concurrency_of(calls: list[RecordedCall]) -> tuple[float, float]:
+    """(mean calls in flight while any was, seconds with any in flight) over these calls' intervals."""
+    spans = sorted((c.t_start, c.t_end) for c in calls)
+    busy = 0.0
+    lo, hi = None, None
+    for a, b in spans:
+        if hi is None or a > hi:
+            if hi is not None and lo is not None:
+                busy += hi - lo
+            lo, hi = a, b
+        else:
+            hi = max(hi, b)
+    if hi is not None and lo is not None:
+        busy += hi - lo
+    total = sum(b - a for a, b in spans)
+    return (total / busy if busy > 0 else 0.0), busy
+
+
+async def serve_again(
+    url: str, calls: list[RecordedCall], concurrency: int, temperature: float
+) -> dict[str, Any]:
+    from gyre_engine.client import EngineClient
+    from gyre_engine.protocol import SamplingParams
+
+    chains: dict[str, list[RecordedCall]] = {}
+    for c in sorted(calls):
+        chains.setdefault(c.execution, []).append(c)
+    ready: list[tuple[float, int, str]] = []
+    seq = itertools.count()
+    for ex, chain in chains.items():
+        heapq.heappush(ready, (chain[0].t_start, next(seq), ex))
+    nxt = dict.fromkeys(chains, 0)
+    left = len(calls)
+    cond = asyncio.Condition()
+    cached = [0, 0]  # cached input tokens, input tokens
+
+    async def worker(c: Any) -> None:
+        nonlocal left
+        while True:
+            async with cond:
+                while not ready and left > 0:
+                    await cond.wait()
+                if not ready:
+                    return
+                _, _, ex = heapq.heappop(ready)
+                call = chains[ex][nxt[ex]]
+            sp = SamplingParams(max_new_tokens=call.output_len, temperature=temperature, ignore_eos=True)
+            r = await c.generate(call.input_ids, sp, return_logprob=True)
+            cached[0] += int(r.meta_info.cached_tokens or 0)
+            cached[1] += len(call.input_ids)
+            async with cond:
+                left -= 1
+                nxt[ex] += 1
+                if nxt[ex] < len(chains[ex]):
+                    heapq.heappush(ready, (chains[ex][nxt[ex]].t_start, next(seq), ex))
+                cond.notify_all()
+
+    async with EngineClient(url, timeout_s=900.0) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(max(1, concurrency))))
+        wall = time.perf_counter() - t0
+    return {
+        "calls": len(calls),
+        "concurrency": concurrency,
+        "wall_s": round(wall, 3),
+        "output_tokens": sum(c.output_len for c in calls),
+        "prefix_cache_hit_share": round(cached[0] / cached[1], 4) if cached[1] else None,
+    }
+
+
+def train_again(model_dir: Path, batches: Path, device: str, token_budget: int, lr: float) -> dict[str, Any]:
+    """A core alone (the run's model, attention and budget) trains every kept step in order; seconds per
+    step (the first included) and in all."""
+    import torch
+    from gyre_train import batchlog
+    from gyre_train.core import Core, CoreConfig, OptimConfig
+    from gyre_train.model import Attention, build_model, load_pretrained
+    from gyre_train.modelconfig import ModelConfig
+
+    steps = batchlog.read_steps(batches)
+    mc = ModelConfig.from_model_dir(model_dir)
+    attention: Attention = "flex" if device.startswith("cuda") else "dense"
+    model = build_model(mc, attention, device)
+    load_pretrained(model, mc, model_dir)
+    core = Core(
+        model, mc, CoreConfig(attention=attention, token_budget=token_budget, optim=OptimConfig(lr=lr))
+    )
+    per_step = []
+    try:
+        for _, mbs in steps:
+            t0 = time.perf_counter()
+            core.train_step(mbs)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            per_step.append(round(time.perf_counter() - t0, 3))
+    finally:
+        core.close()
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return {
+        "steps": len(steps),
+        "microbatches": sum(len(m) for _, m in steps),
+        "tokens": sum(int(b.input_ids.size) for _, m in steps for b in m),
+        "step_s": per_step,
+        "total_s": round(sum(per_step), 3),
+    }
+
+
+async def migration_vs_reprefill(
+    a: str, b: str, contexts: list[int], reps: int, vocab: int
+) -> dict[str, Any]:
+    """Per context length: the median seconds to a moved call's first token with its prefix handed from
+    engine `a` to engine `b` over gyre-xfer's shared memory (offer, pull, install, then the call), and
+    the same call on `b` with its cache flushed (prefilled again); also the hand-off alone."""
+    from gyre_engine.client import EngineClient, handoff_prefix
+    from gyre_engine.protocol import SamplingParams
+
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {}
+    async with EngineClient(a, timeout_s=600) as ca, EngineClient(b, timeout_s=600) as cb:
+        warm = [random.Random(0).randrange(10, vocab) for _ in range(256)]
+        await ca.generate(warm, one)
+        await handoff_prefix(ca, cb, warm, transport="shm")  # transports opened before timing
+        for n in contexts:
+            rng = random.Random(n)
+            moved, again, hand = [], [], []
+            for r in range(reps):
+                ids = [rng.randrange(10, vocab) for _ in range(n)]
+                call = [*ids, rng.randrange(10, vocab)]
+                await ca.generate(ids, one)  # the drained engine holds the context
+                await cb.flush_cache()
+                t0 = time.perf_counter()
+                await handoff_prefix(ca, cb, ids, transport="shm")
+                t1 = time.perf_counter()
+                got = await cb.generate(call, one)
+                t2 = time.perf_counter()
+                assert (got.meta_info.cached_tokens or 0) >= 0.9 * n, "the moved prefix was not used"
+                await cb.flush_cache()
+                t3 = time.perf_counter()
+                await cb.generate(call, one)
+                t4 = time.perf_counter()
+                if r:  # the first round of each length captures its shapes
+                    moved.append(t2 - t0)
+                    hand.append(t1 - t0)
+                    again.append(t4 - t3)
+            out[str(n)] = {
+                "ttft_migrated_s": round(statistics.median(moved), 4),
+                "handoff_s": round(statistics.median(hand), 4),
+                "ttft_reprefill_s": round(statistics.median(again), 4),
+                "speedup": round(statistics.median(again) / statistics.median(moved), 2),
+            }
+    return out
