@@ -147,6 +147,9 @@ def train_again(model_dir: Path, batches: Path, device: str, token_budget: int, 
     from gyre_train.modelconfig import ModelConfig
 
     steps = batchlog.read_steps(batches)
+    if not device.startswith("cuda"):
+        torch.set_num_threads(1)  # as the run's cells (OMP_NUM_THREADS=1): two threads on two busy cores
+        # made a micro-batch 25x slower here
     mc = ModelConfig.from_model_dir(model_dir)
     attention: Attention = "flex" if device.startswith("cuda") else "dense"
     model = build_model(mc, attention, device)
