@@ -65,3 +65,27 @@ def test_profile_settings_are_checked_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"unknown key 'calls'"):
         config_from_dict({"profile": {"calls": 3}})
     assert Config().profile == ProfileSection()
+
+
+def test_the_simulator_counts_each_executions_planned_calls() -> None:
+    """A profile run's executions last their tool time plus their own planned calls at the measured
+    seconds per call (calibrated per planned call), not `turns` calls each."""
+    from gyre.measure import predict
+
+    cfg = config_from_dict({"agent": {"harness": "profile"}, "run": {"steps": 2}})
+    calls = profile.calls_array(cfg.profile, cfg.run.seed, (2, cfg.batch.queries, cfg.batch.group_size))
+    d = predict.durations(cfg)
+    # one finished execution per place, its wall time = tool time + 0.5 s per planned call
+    outcomes = [
+        {"timed_out": False, "error": "", "calls": 99, "start": 0.0, "tool_s": 1.0, "where": [k, q, j],
+         "end": 1.0 + 0.5 * int(calls[k, q, j])}
+        for k, q, j in np.ndindex(*calls.shape)
+    ]  # fmt: skip
+    cal = predict.calibrate(
+        [{"outcomes": outcomes, "steps": [], "switch_times": {"to_training_s": [], "to_rollout_s": []}}],
+        calls,
+    )
+    assert cal.model_call_s == pytest.approx(0.5)
+    got = predict.sim_durations(cfg, cal, calls)
+    np.testing.assert_allclose(got, d * (1 - cfg.agent.model_fraction) + calls * 0.5)
+    assert not np.allclose(got, predict.sim_durations(cfg, cal))  # `turns` calls each is another sample

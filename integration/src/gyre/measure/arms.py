@@ -13,6 +13,8 @@ import statistics
 from dataclasses import asdict, replace
 from typing import Any
 
+import numpy as np
+
 from gyre.config.runconfig import POLICIES, Config, ConfigError
 from gyre.measure import predict as sim
 
@@ -80,11 +82,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def tabulate(
-    cfg: Config, configs: dict[str, Config], measured: dict[str, list[dict[str, Any]]], repeats: int
+    cfg: Config,
+    configs: dict[str, Config],
+    measured: dict[str, list[dict[str, Any]]],
+    repeats: int,
+    calls: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The comparison of the arms `configs` from their measured runs (`metrics.json` of each repeat): per
-    arm the medians and each repeat, the simulator's prediction, the calibration and the ratios."""
-    cal = sim.calibrate([m for ms in measured.values() for m in ms])
+    arm the medians and each repeat, the simulator's prediction, the calibration and the ratios
+    (`calls`: each execution's planned calls, when the harness plans them)."""
+    cal = sim.calibrate([m for ms in measured.values() for m in ms], calls)
     rows: list[dict[str, Any]] = []
     for a, ms in measured.items():
         reps = [_figures(m) for m in ms]
@@ -95,7 +102,7 @@ def tabulate(
                 "streaming": configs[a].streams,
                 "measured": {k: _median([r[k] for r in reps]) for k in FIGURES},
                 "repeats": reps,
-                "predicted": sim.predict(configs[a], cal),
+                "predicted": sim.predict(configs[a], cal, calls),
             }
         )
     ratios: dict[str, float] = {}

@@ -42,8 +42,9 @@ class Calibration:
     to_rollout_s: float = 0.5
     model_call_s: float | None = None
     """Measured seconds per model call (wall time of finished executions minus their tool time, per
-    call). With it the simulator's executions are the harness's tool time plus `turns` such calls,
-    instead of the nominal profile's model share (which the tiny model on a CPU does not fill)."""
+    call). With it the simulator's executions are the harness's tool time plus `turns` such calls (or each
+    execution's planned calls, when the harness plans them: the profile harness), instead of the nominal
+    profile's model share (which the tiny model on a CPU does not fill)."""
 
 
 def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
@@ -92,13 +93,15 @@ def _model_share(cfg: Config, call_s: float) -> float:
     return float(min(1.0, max(1e-3, model / (model + tool))))
 
 
-def sim_durations(cfg: Config, cal: Calibration) -> np.ndarray:
+def sim_durations(cfg: Config, cal: Calibration, calls: np.ndarray | None = None) -> np.ndarray:
     """Full-service durations the simulator is given: the run's nominal sample, or, calibrated, the
-    harness's tool time plus `turns` measured model calls."""
+    harness's tool time plus its calls at the measured seconds per call (`calls`: each execution's planned
+    calls, shape (steps, queries, group_size); else `turns` each)."""
     d = durations(cfg)
     if cal.model_call_s is None:
         return d
-    out: np.ndarray = d * (1.0 - cfg.agent.model_fraction) + cfg.agent.turns * cal.model_call_s
+    n = calls if calls is not None else cfg.agent.turns
+    out: np.ndarray = d * (1.0 - cfg.agent.model_fraction) + n * cal.model_call_s
     return out
 
 
@@ -107,8 +110,9 @@ def durations(cfg: Config) -> np.ndarray:
     return sample_durations(sim_workload(cfg))
 
 
-def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
-    """Machine-dependent times measured in runs (medians over every run given)."""
+def calibrate(metrics: list[dict[str, Any]], calls: np.ndarray | None = None) -> Calibration:
+    """Machine-dependent times measured in runs (medians over every run given); with `calls` (each
+    execution's planned calls), seconds per call are per planned call of each execution."""
     group_s: list[float] = []
     update_s: list[float] = []
     to_t: list[float] = []
@@ -116,8 +120,10 @@ def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
     call_s: list[float] = []
     for m in metrics:
         for o in m.get("outcomes", []):
-            if not o["timed_out"] and not o["error"] and o["calls"] > 0:
-                call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / o["calls"])
+            if o["timed_out"] or o["error"] or o["calls"] <= 0:
+                continue
+            n = o["calls"] if calls is None or "where" not in o else int(calls[tuple(o["where"])])
+            call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / n)
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
                 continue
@@ -140,10 +146,10 @@ def calibrate(metrics: list[dict[str, Any]]) -> Calibration:
     )
 
 
-def predict(cfg: Config, cal: Calibration) -> dict[str, Any]:
+def predict(cfg: Config, cal: Calibration, calls: np.ndarray | None = None) -> dict[str, Any]:
     """The simulator's figures for this config's policy (on the run's duration sample)."""
     w = sim_workload(cfg, cal)
-    r = run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=sim_durations(cfg, cal))
+    r = run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=sim_durations(cfg, cal, calls))
     return {
         "end_to_end_s": r.end_to_end_h * 3600.0,
         "idle_rollout": r.idle_rollout,

@@ -70,6 +70,8 @@ class Outcome:
     error: str = ""
     tools: dict[str, int] = field(default_factory=dict)
     """Tool calls the task needed, by who made them: model, script (fallback) or missed."""
+    where: tuple[int, int, int] = (0, 0, 0)
+    """Its place in the run: (batch, query, index in the group)."""
 
 
 @dataclass
@@ -192,17 +194,17 @@ class Driver:
                 eid = f"{gid}-e{j}"
                 groups[gid].append(eid)
                 tool_s = float(self.durations[k, q, j]) * (1.0 - c.agent.model_fraction)
-                runs.append(self.harness.execution(eid, gid, task, tool_s, (k, q, j)))
+                runs.append((self.harness.execution(eid, gid, task, tool_s, (k, q, j)), (k, q, j)))
         self.traj.register_batch(k, groups)
         with self.lock:
             self.state.batches_started[k] = time.time()
         log.info("batch %d started: %d executions", k, len(runs))
-        await asyncio.gather(*(self._one(http, k, ex) for ex in runs))
+        await asyncio.gather(*(self._one(http, k, ex, where) for ex, where in runs))
 
     def _group_id(self, k: int, q: int) -> str:
         return f"s{k}-q{q}" + (f"-a{self.attempt}" if self.attempt else "")
 
-    async def _one(self, http: httpx.AsyncClient, k: int, ex: Run) -> None:
+    async def _one(self, http: httpx.AsyncClient, k: int, ex: Run, where: tuple[int, int, int]) -> None:
         c = self.cfg
         t0 = time.monotonic()
         start = time.time()
@@ -235,6 +237,7 @@ class Driver:
                     ex.tool_s,
                     error,
                     ex.tool_calls(),
+                    where,
                 )
             )
 

@@ -22,6 +22,7 @@ from gyre.config.runconfig import Config, ConfigError
 from gyre.measure.arms import arm_config, table, tabulate
 from gyre.measure.metrics import write_json
 from gyre.procs.group import ProcessGroup
+from gyre.rollout.agents import profile
 from gyre.system.attempt import RunError, ensure_model
 from gyre.system.run import run
 
@@ -61,7 +62,11 @@ def compare(
                 say(f"gyre compare: {a}, run {i + 1} of {repeats}")
                 m = run(c.with_policy(c.run.policy, str(d)), say=say)
             measured.setdefault(a, []).append(m)
-    result = tabulate(cfg, configs, measured, repeats)
+    calls = None
+    if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
+        shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
+        calls = profile.calls_array(cfg.profile, cfg.run.seed, shape)
+    result = tabulate(cfg, configs, measured, repeats, calls)
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / "compare.json", result)
     say(table(result["rows"]))
