@@ -29,7 +29,7 @@ bench:              ## quick benchmarks of every member that has one
 	$(UV) run --frozen gyre-train bench --quick
 
 wheels-check:       ## build every wheel and smoke-install gyre-traj alone (with gyre-base), outside the workspace
-	bash .ci/wheels-check
+	UV="$(UV)" bash .ci/wheels-check
 
 example:            ## what a newcomer runs first
 	$(UV) run --frozen gyre-traj inspect packages/gyre-traj/examples/branching.jsonl
