@@ -24,13 +24,22 @@ def test_default_is_cell_i_on_gpu_i_and_nothing_on_the_cpu() -> None:
 def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[str]) -> None:
     argv = gpus.engine_argv(
         config_from_dict(
-            {"engine": {"max_running": 16, "kv_fraction": 0.1, "warmup_tokens": 256, "compile_decode": False}}
+            {
+                "engine": {
+                    "max_running": 16,
+                    "kv_fraction": 0.1,
+                    "warmup_tokens": 256,
+                    "compile_decode": False,
+                    "max_cached_tokens": 65536,
+                }
+            }
         )
     )
     assert argv == [
         "--max-running-requests", "16", "--slot-kv-fraction", "0.1", "--warmup-decode-tokens", "256",
-        "--decode-slots", "auto", "--no-compile-decode",
+        "--decode-slots", "auto", "--max-cached-tokens", "65536", "--no-compile-decode",
     ]  # fmt: skip
+    assert "--max-cached-tokens" not in gpus.engine_argv(config_from_dict({}))  # 0: the engine's default
     from gyre_engine.cli import main
 
     with pytest.raises(SystemExit):
@@ -50,6 +59,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         ({"cell": {"device": "cuda", "gpus": [0, 0]}, "engine": {"kv_fraction": 0.5}}, "exceeds 0.8"),
         ({"engine": {"kv_fraction": 0.0}}, "kv_fraction must be in (0, 1)"),
         ({"engine": {"decode_slots": "fast"}}, "decode_slots"),
+        ({"engine": {"max_cached_tokens": -1}}, "max_cached_tokens must be >= 0"),
         ({"engine": {"graphs": 1}}, "unknown key 'graphs'"),
     ],
 )
