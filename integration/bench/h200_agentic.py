@@ -334,6 +334,8 @@ def main() -> int:
         for name in ("timeline.png", "metrics.json"):
             if (run_dir / name).exists():
                 shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
+        if (run_dir / "logs").is_dir():  # every process's log, for the note on where the time went
+            shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
     if first_metrics is not None and first_dir is not None:
         res["replay"] = phase(
             "replay", lambda: replay_phase(cfg, model_dir, first_dir, first_metrics, work / "alone-logs")
