@@ -8,14 +8,15 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
    (`h200_run.warm_start`);
 2. the floors: copy bandwidths and the weight push path (`h200_run.bandwidths`);
 3. per policy, `gyre run` (its metrics.json, timeline and efficiency entry kept per policy);
-4. `replay` (first policy only): one standalone engine serves each engine's recorded calls again, with
-   their inputs and output lengths, at that engine's mean in-run concurrency: `rollout_efficiency` =
-   the standalone seconds / the run's busy rollout GPU-seconds;
-5. `migrate`: two standalone engines; a moved call's time to first token with its 16k/32k-token prefix
-   handed over (gyre-xfer, shared memory) against the same call prefilled again;
-6. `train` (first policy only): a core alone trains the run's kept steps again:
-   `train_efficiency` = its seconds / the run's busy training GPU-seconds (the first step counts).
-Results go to OUT/results-h200-agentic.json (every figure, per policy, and the issue's goals), the
+4. `train` (first policy only): a core alone trains the run's kept steps again:
+   `train_efficiency` = its seconds / the run's busy training GPU-seconds (the first step counts);
+5. `alone`: two standalone engines on the run's GPU, started once, for
+   - `replay` (first policy only): each engine's recorded calls served again by one of them, both at
+     once as in the run, with their inputs and output lengths, at that engine's mean in-run
+     concurrency: `rollout_efficiency` = their wall seconds / the run's busy rollout GPU-seconds;
+   - `migrate`: a moved call's time to first token with its 16k-token prefix handed over (gyre-xfer,
+     shared memory) against the same call prefilled again.
+Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
 timelines to OUT/timeline-<policy>.png.
 
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic
@@ -120,46 +121,67 @@ class Engines:
         self.procs.close()
 
 
-def replay_phase(
-    cfg: Config, model_dir: Path, run_dir: Path, metrics: dict[str, Any], logs: Path
+def alone_phase(
+    cfg: Config,
+    model_dir: Path,
+    run_dir: Path | None,
+    metrics: dict[str, Any] | None,
+    logs: Path,
+    contexts: list[int],
+    skip: set[str],
 ) -> dict[str, Any]:
+    """Two standalone engines on the run's GPU, started once: `replay` (each engine of the run has its
+    recorded calls served again by one of them, both at once, as the two shared the GPU in the run), then
+    `migrate` (a moved call's first token with its prefix handed over, against prefilled again)."""
+    eng = Engines(cfg, model_dir, logs, 2)
+    out: dict[str, Any] = {}
+    try:
+        out["standalone_startup_s"] = round(eng.wait(), 2)
+        if run_dir is not None and metrics is not None and "replay" not in skip:
+            out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics)
+        if "migrate" not in skip:
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            out["migrate"] = asyncio.run(
+                replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, min(vocab, 2000))
+            )
+    finally:
+        eng.close()
+    return out
+
+
+def replay_both(cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+    """`rollout_efficiency` = the seconds two standalone engines sharing the GPU take to serve the run's
+    recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
+    concurrency, both at once) / the run's busy rollout GPU-seconds."""
     calls = replay.recorded_calls(run_dir / "records.msgpack")
     by_engine: dict[str, list[replay.RecordedCall]] = {}
     for c in calls:
         by_engine.setdefault(c.engine, []).append(c)
-    eng = Engines(cfg, model_dir, logs, 1)
-    try:
-        up = eng.wait()
-        per = {}
-        for e, cs in sorted(by_engine.items()):
-            conc, busy = replay.concurrency_of(cs)
-            r = asyncio.run(replay.serve_again(eng.urls[0], cs, max(1, round(conc)), cfg.agent.temperature))
-            per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
-    finally:
-        eng.close()
-    alone = sum(p["wall_s"] for p in per.values())
+    engines = sorted(by_engine)
+
+    async def both() -> list[dict[str, Any]]:
+        jobs = []
+        for url, e in zip(urls, engines, strict=False):
+            conc, _ = replay.concurrency_of(by_engine[e])
+            jobs.append(replay.serve_again(url, by_engine[e], max(1, round(conc)), cfg.agent.temperature))
+        return list(await asyncio.gather(*jobs))
+
+    t0 = time.monotonic()
+    got = asyncio.run(both())
+    wall = time.monotonic() - t0
+    per = {}
+    for e, r in zip(engines, got, strict=False):
+        conc, busy = replay.concurrency_of(by_engine[e])
+        per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
     dev = metrics.get("efficiency", {}).get("device_seconds", {})
     busy = dev.get("rollout_busy_s")
     return {
-        "standalone_startup_s": round(up, 2),
         "per_engine": per,
-        "standalone_s": round(alone, 3),
+        "standalone_s": round(wall, 3),
         "rollout_busy_gpu_s": busy,
         "rollout_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("rollout_busy_s"),
-        "rollout_efficiency": round(alone / busy, 4) if busy else None,
+        "rollout_efficiency": round(wall / busy, 4) if busy else None,
     }
-
-
-def migrate_phase(cfg: Config, model_dir: Path, logs: Path, contexts: list[int]) -> dict[str, Any]:
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    eng = Engines(cfg, model_dir, logs, 2)
-    try:
-        eng.wait()
-        return asyncio.run(
-            replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, min(vocab, 2000))
-        )
-    finally:
-        eng.close()
 
 
 def train_phase(
@@ -198,7 +220,7 @@ def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
 
 
 def goals(res: dict[str, Any]) -> dict[str, Any]:
-    """The issue's goals, per policy where they differ (None where a figure is missing)."""
+    """The goals this workload is held to, per policy where they differ (None where a figure is missing)."""
 
     def le(x: Any, bound: Any) -> bool | None:
         return None if x is None or bound is None else bool(x <= bound)
@@ -246,9 +268,7 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--warmstart-steps", type=int, default=None, help="default: 100 (GPU), 4 (--tiny)")
-    p.add_argument(
-        "--contexts", default="", help="migration contexts (default: 16384,32768; --tiny: 256,512)"
-    )
+    p.add_argument("--contexts", default="", help="migration contexts (default: 16384; --tiny: 256,512)")
     p.add_argument("--skip", default="", help="comma list: warmstart,floors,replay,migrate,train")
     p.add_argument(
         "--budget-s", type=float, default=None, help="the call's wall budget (default 575 s; 3000 tiny)"
@@ -319,7 +339,7 @@ def main() -> int:
             budget
             - (time.monotonic() - t_begin)
             - 60.0
-            - (150.0 if i == 0 and not skip >= {"replay", "migrate", "train"} else 0.0)
+            - (200.0 if i == 0 and not skip >= {"replay", "migrate", "train"} else 0.0)
         )
         c = cfg.with_policy(pol, str(run_dir))
         if left < c.run.deadline_s:
@@ -337,14 +357,19 @@ def main() -> int:
         if (run_dir / "logs").is_dir():  # every process's log, for the note on where the time went
             shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
     if first_metrics is not None and first_dir is not None:
-        res["replay"] = phase(
-            "replay", lambda: replay_phase(cfg, model_dir, first_dir, first_metrics, work / "alone-logs")
-        )
         res["train_again"] = phase(
             "train", lambda: train_phase(cfg, model_dir, first_dir, first_metrics, device)
         )
-    ctx = [int(x) for x in (a.contexts or ("256,512" if a.tiny else "16384,32768")).split(",")]
-    res["migrate"] = phase("migrate", lambda: migrate_phase(cfg, model_dir, work / "alone-logs", ctx))
+        save()
+    ctx = [int(x) for x in (a.contexts or ("256,512" if a.tiny else "16384")).split(",")]
+    if not skip >= {"replay", "migrate"}:
+        alone = phase(
+            "alone",
+            lambda: alone_phase(cfg, model_dir, first_dir, first_metrics, work / "alone-logs", ctx, skip),
+        )
+        if alone is not None:
+            res["standalone_startup_s"] = alone["standalone_startup_s"]
+            res["replay"], res["migrate"] = alone.get("replay"), alone.get("migrate")
     return finish(out, res, 0 if res["policies"] else 1)
 
 

@@ -1,4 +1,4 @@
-"""Issue 19's device call: `gyre run` with two cells sharing one H200, measured against its floors.
+"""One GPU benchmark call: `gyre run` with two cells sharing one H200, measured against its floors.
 
 In one process, in order (each part's seconds land in the results as `phase_s`):
 1. the model: `gyre-engine create-model` of the config's shape, then an optional short supervised warm

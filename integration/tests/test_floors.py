@@ -1,4 +1,4 @@
-"""The floors of issue 19's switches and pushes, and the run's figures set against them, worked by hand."""
+"""The floors of the H200 run's switches and pushes, and the run's figures set against them, worked by hand."""
 
 from __future__ import annotations
 

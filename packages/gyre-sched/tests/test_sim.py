@@ -1,5 +1,5 @@
 """The simulator: configs load strictly, invariants hold, each policy means what policy.py says, and the
-presets meet issue 17's acceptance: 2p4t near the report's ratios, tb122b losing more to Colocate."""
+presets meet their acceptance: 2p4t near the report's ratios, tb122b losing more to Colocate."""
 
 from __future__ import annotations
 

@@ -480,3 +480,53 @@ def test_state_dict_round_trips_in_memory(reference: dict[str, torch.Tensor]) ->
             resumed.load_state_dict(bad)
     finally:
         resumed.close()
+
+
+def test_replicas_give_device_memory_back_once_they_stop_computing(
+    core_and_satellite: tuple[Core, Satellite],
+    reference: dict[str, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cell that goes back to rollout mid-step leaves its micro-batch in hand to finish; then the core
+    (and a dismissed satellite, at its next idle claim) hands the allocator's idle blocks back, so the
+    engine beside it finds the memory training used. The step's result is unchanged."""
+    import gyre_train.core as core_mod
+    import gyre_train.satellite as sat_mod
+
+    calls: dict[str, int] = {"core": 0, "sat": 0}
+
+    def counter(who: str) -> object:
+        def release() -> int:
+            calls[who] += 1
+            return 1024
+
+        return release
+
+    monkeypatch.setattr(core_mod, "release_cached_memory", counter("core"))
+    monkeypatch.setattr(sat_mod, "release_cached_memory", counter("sat"))
+    core, sat = core_and_satellite
+
+    def leave_after_first(k: int) -> None:
+        if k == 1:
+            core.admit("sat-t")
+            core.set_computing(False)  # the core's cell goes back to rollout; the satellite finishes
+
+    r1 = core.train_step(A, on_progress=leave_after_first)
+    assert calls["core"] >= 1 and core.released_bytes == 1024 * calls["core"]
+    before = calls["core"]
+    core.set_computing(True)
+    r2 = core.train_step(B)
+    assert calls["core"] == before  # computing all along: the cache stays for the next micro-batch
+    assert [r1.version, r2.version] == [1, 2]
+    assert_same(weights(core), reference)
+    assert r1.by_replica.get("sat-t", 0) >= 1  # the satellite finished what the core left
+    core.dismiss("sat-t")
+    until(lambda: calls["sat"] >= 1, "the dismissed satellite to give its cache back", 30.0)
+    assert sat.released_bytes >= 1024
+
+
+def test_release_cached_memory_is_a_no_op_where_cuda_was_never_used() -> None:
+    from gyre_train.devmem import release_cached_memory
+
+    assert release_cached_memory() == 0
+    assert not torch.cuda.is_initialized()  # asking did not start CUDA

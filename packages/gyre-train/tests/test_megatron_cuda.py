@@ -1,4 +1,4 @@
-"""Megatron-core backend on a CUDA GPU (skipped without one; run on an H200 through the device tool):
+"""Megatron-core backend on a CUDA GPU (skipped without one; run on an H200):
 on a model with Qwen3-0.6B-shaped layers, tree-packed logprobs with RoPE from tree position ids equal
 each path run alone and the same weights in transformers; the tree-packed gradient equals the
 path-expanded one; a core step trains it on the GPU."""

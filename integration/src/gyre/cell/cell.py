@@ -338,12 +338,15 @@ class Cell:
 
     def to_rollout(self) -> dict[str, float]:
         """Switch this cell back to rollout; returns the seconds of each part."""
+        from gyre_train.devmem import release_cached_memory
+
         t0 = time.monotonic()
         if self.a.is_core:
             self.training.clear()
             self.core.set_computing(False)  # the micro-batch in hand still counts
         else:
             self.client.dismiss(self.name)
+        release_cached_memory()  # what training left reserved goes back before the engine asks for it
         t1 = time.monotonic()
         self.resume_engine()
         t2 = time.monotonic()

@@ -40,7 +40,7 @@ POLICY_NAMES: dict[str, str] = {
     "colocate": "the report's Colocate: the whole pool switches; a cohort of batches starts only once "
     "every earlier batch is trained",
     "colocate-runahead": "whole-pool switches, but batches start under earlier batches' tails (what "
-    "colocate meant before issue 17)",
+    "colocate meant in earlier versions)",
     "async": "a fixed split of training and rollout cells",
 }
 """Every policy name the service, the simulator and `gyre run` accept, with what it means."""

@@ -38,6 +38,7 @@ from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
 from gyre_train.corerank import CoreRank, OptimConfig, RankWork
+from gyre_train.devmem import release_cached_memory
 from gyre_train.engine_sync import (
     PushReport,
     SGLangSyncConfig,
@@ -205,6 +206,8 @@ class Core:
         """Where the gradient sum is kept (the model's device)."""
         self.optimizer = rank0.optimizer
         self._computing = threading.Event()
+        self.released_bytes = 0
+        """Device memory given back to the driver after computing stopped (`devmem`), in total."""
         if c.core_computes:
             self._computing.set()
         self._updating = threading.Lock()
@@ -399,6 +402,8 @@ class Core:
             grad_norm = self._cell.apply(res.batch, len(res.microbatches), res.executions)
             pos = self._queue.applied(self._cell.publish())
         push = self.push_to_engines() if self.engine_sync is not None else None
+        if not self._computing.is_set():  # applied after the cell went back to rollout
+            self.released_bytes += release_cached_memory()
         by_replica: dict[str, int] = {}
         for r in res.done.values():
             by_replica[r] = by_replica.get(r, 0) + 1
@@ -425,6 +430,7 @@ class Core:
         closed and every one is in, satellites' included; StepTimeoutError past the deadlines."""
         started = time.monotonic()
         closed_at: float | None = None
+        computed = False
         while True:
             assignments = self._claim_round() if self._computing.is_set() else []
             if assignments:
@@ -434,7 +440,11 @@ class Core:
                     self._queue.deliver(CORE, a.batch, a.index, a.version, m)
                 if on_progress is not None:
                     on_progress(self._queue.progress().done)
+                computed = True
                 continue
+            if computed and not self._computing.is_set():  # the cell went back to rollout mid-step
+                self.released_bytes += release_cached_memory()
+                computed = False
             if self._queue.wait_complete(0.05):
                 return
             info = self._queue.progress()

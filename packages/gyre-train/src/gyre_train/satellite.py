@@ -36,6 +36,7 @@ from gyre_traj.loss import LossConfig
 
 from gyre_train.cell import Cell
 from gyre_train.claimqueue import Assignment
+from gyre_train.devmem import release_cached_memory
 from gyre_train.model import Attention, ModelConfig, build_model
 from gyre_train.protocol import (
     PROTOCOL,
@@ -161,6 +162,8 @@ class Satellite:
         self.layout = rank0.layout
         self.version = -1
         self.claims = 0
+        self.released_bytes = 0
+        """Device memory given back to the driver when the core had no work for this replica (`devmem`)."""
         self.rejoins = 0
         cuda = rank0.device.type == "cuda"
         self.warmup_s = self._warm_up(cfg.warmup if cfg.warmup is not None else (2 if cuda else 0))
@@ -268,6 +271,7 @@ class Satellite:
         """Serve until the core says Shutdown (or `idle_exit_s` passes without work); returns the number
         of micro-batches computed."""
         done = 0
+        done_since_idle = 0
         idle_since = time.monotonic()
         while True:
             got = self._claim_round()
@@ -278,6 +282,9 @@ class Satellite:
                     break
                 continue
             if isinstance(got, Idle):
+                if done_since_idle:  # dismissed or between steps: the rollout engine beside may need it
+                    self.released_bytes += release_cached_memory()
+                    done_since_idle = 0
                 if self.cfg.idle_exit_s and time.monotonic() - idle_since > self.cfg.idle_exit_s:
                     self._request(Goodbye(self.cfg.name))
                     break
@@ -294,6 +301,7 @@ class Satellite:
             if accepted < 0:  # presumed dead while computing and the core is shutting down
                 break
             done += accepted
+            done_since_idle += len(got)
             idle_since = time.monotonic()
         return done
 
