@@ -15,7 +15,10 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
      once as in the run, with their inputs and output lengths, at that engine's mean in-run
      concurrency: `rollout_efficiency` = their wall seconds / the run's busy rollout GPU-seconds;
    - `migrate`: a moved call's time to first token with its 16k-token prefix handed over (gyre-xfer,
-     shared memory) against the same call prefilled again.
+     shared memory) against the same call prefilled again;
+   - `probe`: the engine alone at its full batch on fresh contexts of 1k-14k tokens: prefill seconds,
+     then seconds per decode step continuing them from the prefix cache (`decode_vs_context`).
+   With `replay` skipped this part runs first, before the policies.
 Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
 timelines to OUT/timeline-<policy>.png.
 
@@ -139,10 +142,15 @@ def alone_phase(
         out["standalone_startup_s"] = round(eng.wait(), 2)
         if run_dir is not None and metrics is not None and "replay" not in skip:
             out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics)
+        vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
         if "migrate" not in skip:
-            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
             out["migrate"] = asyncio.run(
-                replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, min(vocab, 2000))
+                replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab)
+            )
+        if "probe" not in skip:
+            lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
+            out["decode_vs_context"] = asyncio.run(
+                replay.decode_vs_context(eng.urls[0], lengths, cfg.engine.max_running, 64, vocab)
             )
     finally:
         eng.close()
@@ -269,7 +277,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--warmstart-steps", type=int, default=None, help="default: 100 (GPU), 4 (--tiny)")
     p.add_argument("--contexts", default="", help="migration contexts (default: 16384; --tiny: 256,512)")
-    p.add_argument("--skip", default="", help="comma list: warmstart,floors,replay,migrate,train")
+    p.add_argument("--skip", default="", help="comma list: warmstart,floors,replay,migrate,probe,train")
     p.add_argument(
         "--budget-s", type=float, default=None, help="the call's wall budget (default 575 s; 3000 tiny)"
     )
@@ -331,16 +339,34 @@ def main() -> int:
         )
     from gyre.system.run import run
 
+    alone_parts = {"replay", "migrate", "probe"} - skip
+    ctx = [int(x) for x in (a.contexts or ("256,512" if a.tiny else "16384")).split(",")]
+
+    def alone(run_dir: Path | None, metrics: dict[str, Any] | None) -> None:
+        got = phase(
+            "alone", lambda: alone_phase(cfg, model_dir, run_dir, metrics, work / "alone-logs", ctx, skip)
+        )
+        if got is not None:
+            res["standalone_startup_s"] = got["standalone_startup_s"]
+            for k in ("replay", "migrate", "decode_vs_context"):
+                if k in got:
+                    res[k] = got[k]
+            save()
+
+    if alone_parts and "replay" not in alone_parts:  # nothing of the runs needed: measure first
+        alone(None, None)
+        alone_parts = set()
+    # seconds kept for what follows the first run: the lone trainer, the standalone engines' parts
+    after = (0.0 if "train" in skip else 60.0) + (
+        (40.0 + 150.0 * ("replay" in alone_parts) + 30.0 * len(alone_parts - {"replay"}))
+        if alone_parts
+        else 0.0
+    )
     first_metrics: dict[str, Any] | None = None
     first_dir: Path | None = None
     for i, pol in enumerate(policies):
         run_dir = work / f"run-{pol}"
-        left = (
-            budget
-            - (time.monotonic() - t_begin)
-            - 60.0
-            - (200.0 if i == 0 and not skip >= {"replay", "migrate", "train"} else 0.0)
-        )
+        left = budget - (time.monotonic() - t_begin) - 60.0 - (after if i == 0 else 0.0)
         c = cfg.with_policy(pol, str(run_dir))
         if left < c.run.deadline_s:
             say(f"run deadline cut to {left:.0f} s to stay within the budget")
@@ -361,15 +387,8 @@ def main() -> int:
             "train", lambda: train_phase(cfg, model_dir, first_dir, first_metrics, device)
         )
         save()
-    ctx = [int(x) for x in (a.contexts or ("256,512" if a.tiny else "16384")).split(",")]
-    if not skip >= {"replay", "migrate"}:
-        alone = phase(
-            "alone",
-            lambda: alone_phase(cfg, model_dir, first_dir, first_metrics, work / "alone-logs", ctx, skip),
-        )
-        if alone is not None:
-            res["standalone_startup_s"] = alone["standalone_startup_s"]
-            res["replay"], res["migrate"] = alone.get("replay"), alone.get("migrate")
+    if alone_parts:
+        alone(first_dir, first_metrics)
     return finish(out, res, 0 if res["policies"] else 1)
 
 

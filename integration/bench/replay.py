@@ -14,6 +14,9 @@ moved call's prefix taken along against prefilled again.
 - `migration_vs_reprefill`: two engines; a context cached on the first is handed to the second over
   gyre-xfer, and the next call's time to its first token is timed, against the same call after the
   second engine's cache was flushed.
+- `decode_vs_context`: where a call's time goes as contexts grow: `batch` calls at once, each a fresh
+  context of L tokens, prefilled (one output token), then continued from the cache for `new` tokens;
+  the engine's seconds per decode step at each L.
 """
 
 from __future__ import annotations
@@ -221,5 +224,40 @@ async def migration_vs_reprefill(
                 "handoff_s": round(statistics.median(hand), 4),
                 "ttft_reprefill_s": round(statistics.median(again), 4),
                 "speedup": round(statistics.median(again) / statistics.median(moved), 2),
+            }
+    return out
+
+
+async def decode_vs_context(url: str, lengths: list[int], batch: int, new: int, vocab: int) -> dict[str, Any]:
+    """Per context length L: `batch` fresh contexts of L tokens at once, prefilled with one output token
+    (`prefill_s`, the wall of the batch), then the same contexts plus that token continued from the
+    prefix cache for `new` tokens (`decode_s`; `step_ms` = its wall / `new`, `tok_s` = batch x new / its
+    wall, `cached_share` = the continued calls' cached input tokens / their input tokens)."""
+    from gyre_engine.client import EngineClient
+    from gyre_engine.protocol import SamplingParams
+
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    more = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True)
+    out: dict[str, Any] = {}
+    async with EngineClient(url, timeout_s=600) as c:
+        await c.generate([11, 12, 13], one)
+        for n in lengths:
+            rng = random.Random(n)
+            ctxs = [[rng.randrange(10, vocab) for _ in range(n)] for _ in range(batch)]
+            await c.flush_cache()
+            t0 = time.perf_counter()
+            firsts = await asyncio.gather(*(c.generate(x, one) for x in ctxs))
+            t1 = time.perf_counter()
+            calls = [[*x, f.output_ids[0]] for x, f in zip(ctxs, firsts, strict=True)]
+            got = await asyncio.gather(*(c.generate(x, more) for x in calls))
+            t2 = time.perf_counter()
+            cached = sum(int(g.meta_info.cached_tokens or 0) for g in got)
+            out[str(n)] = {
+                "batch": batch,
+                "prefill_s": round(t1 - t0, 4),
+                "decode_s": round(t2 - t1, 4),
+                "step_ms": round(1000 * (t2 - t1) / new, 2),
+                "tok_s": round(batch * new / (t2 - t1), 1),
+                "cached_share": round(cached / sum(len(x) for x in calls), 4),
             }
     return out

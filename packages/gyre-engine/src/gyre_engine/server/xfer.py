@@ -147,7 +147,7 @@ class XferHub:
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
             for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
                 dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
-                dst[:n] = t[0].transpose(0, 1).cpu()
+                dst[:n].copy_(t[0].transpose(0, 1))  # transposed where it lives, one copy into the pool
                 dst[n:] = 0
         offer_id = uuid.uuid4().hex
         kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
@@ -217,7 +217,8 @@ class XferHub:
 
             def layer(plane: int) -> torch.Tensor:
                 t = _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n]
-                return t.transpose(0, 1).unsqueeze(0).contiguous().to(device)  # a copy: the pool is freed
+                t = t.to(device, copy=True)  # one contiguous copy out of the pool (freed below) ...
+                return t.transpose(0, 1).unsqueeze(0).contiguous()  # ... transposed on the device
 
             kv = RowKV([layer(2 * i) for i in range(layers)], [layer(2 * i + 1) for i in range(layers)])
         finally:
