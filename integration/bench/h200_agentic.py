@@ -277,7 +277,7 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--warmstart-steps", type=int, default=None, help="default: 100 (GPU), 4 (--tiny)")
     p.add_argument("--contexts", default="", help="migration contexts (default: 16384; --tiny: 256,512)")
-    p.add_argument("--skip", default="", help="comma list: warmstart,floors,replay,migrate,probe,train")
+    p.add_argument("--skip", default="", help="comma list: warmstart,floors,run,replay,migrate,probe,train")
     p.add_argument(
         "--budget-s", type=float, default=None, help="the call's wall budget (default 575 s; 3000 tiny)"
     )
@@ -296,8 +296,8 @@ def main() -> int:
     device = "cuda" if cfg.cell.device == "cuda" else "cpu"
     if device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus.cell_env(cfg, 0)["CUDA_VISIBLE_DEVICES"]
-    policies = [x for x in (a.policies or cfg.run.policy).split(",") if x]
     skip = set(filter(None, a.skip.split(",")))
+    policies = [] if "run" in skip else [x for x in (a.policies or cfg.run.policy).split(",") if x]
     budget = a.budget_s or (3000.0 if a.tiny else 575.0)
     res: dict[str, Any] = {"config": a.config, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
                            "machine": h200_run.machine(device), "policies": {}}  # fmt: skip
@@ -389,7 +389,7 @@ def main() -> int:
         save()
     if alone_parts:
         alone(first_dir, first_metrics)
-    return finish(out, res, 0 if res["policies"] else 1)
+    return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
 
 
 def finish(out: Path, res: dict[str, Any], rc: int) -> int:
