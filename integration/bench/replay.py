@@ -232,7 +232,8 @@ async def decode_vs_context(url: str, lengths: list[int], batch: int, new: int, 
     """Per context length L: `batch` fresh contexts of L tokens at once, prefilled with one output token
     (`prefill_s`, the wall of the batch), then the same contexts plus that token continued from the
     prefix cache for `new` tokens (`decode_s`; `step_ms` = its wall / `new`, `tok_s` = batch x new / its
-    wall, `cached_share` = the continued calls' cached input tokens / their input tokens)."""
+    wall, `cached_share` = the continued calls' cached input tokens / their input tokens, and the engine's
+    counters over the decode part: decode and prefill seconds, CUDA graphs captured and their seconds)."""
     from gyre_engine.client import EngineClient
     from gyre_engine.protocol import SamplingParams
 
@@ -248,9 +249,11 @@ async def decode_vs_context(url: str, lengths: list[int], batch: int, new: int, 
             t0 = time.perf_counter()
             firsts = await asyncio.gather(*(c.generate(x, one) for x in ctxs))
             t1 = time.perf_counter()
+            before = await c.server_info()
             calls = [[*x, f.output_ids[0]] for x, f in zip(ctxs, firsts, strict=True)]
             got = await asyncio.gather(*(c.generate(x, more) for x in calls))
             t2 = time.perf_counter()
+            after = await c.server_info()
             cached = sum(int(g.meta_info.cached_tokens or 0) for g in got)
             out[str(n)] = {
                 "batch": batch,
@@ -259,5 +262,12 @@ async def decode_vs_context(url: str, lengths: list[int], batch: int, new: int, 
                 "step_ms": round(1000 * (t2 - t1) / new, 2),
                 "tok_s": round(batch * new / (t2 - t1), 1),
                 "cached_share": round(cached / sum(len(x) for x in calls), 4),
+                # the engine's own counters over the decode part: its decode and prefill seconds, and
+                # the CUDA graphs it captured on the way (first use of a batch or length bucket)
+                "engine_decode_s": round(after.decode_time_s - before.decode_time_s, 4),
+                "engine_prefill_s": round(after.prefill_time_s - before.prefill_time_s, 4),
+                "graph_captures": after.graph_captures - before.graph_captures,
+                "graph_capture_s": round(after.graph_capture_s - before.graph_capture_s, 4),
+                "slot_grows": after.slot_grows - before.slot_grows,
             }
     return out

@@ -79,6 +79,9 @@ def test_pause_in_place_then_continue_keeps_the_request_exact(server: Any, greed
             info = await c.server_info()
             assert info.paused and info.running_requests == 1  # paused mid-request
             a = info.decode_tokens
+            # the engine's time counters have run; no CUDA here, so no graph was captured
+            assert info.decode_time_s > 0 and info.prefill_time_s > 0
+            assert (info.graph_captures, info.graph_capture_s, info.slot_grows) == (0, 0.0, 0)
             await asyncio.sleep(0.3)
             b = (await c.server_info()).decode_tokens
             with pytest.raises(EngineError) as info:

@@ -241,6 +241,17 @@ class ServerInfo(msgspec.Struct, frozen=True):
     cached_prefix_tokens: int
     open_prefix_offers: int = 0
     """KV prefix offers (/offer_prefix) not yet released or expired."""
+    prefill_time_s: float = 0.0
+    """Seconds the engine thread spent in prefill steps since start."""
+    decode_time_s: float = 0.0
+    """Seconds the engine thread spent decoding since start (graph captures on first use included)."""
+    graph_captures: int = 0
+    """CUDA graphs of the decode step captured since start (one per batch bucket, length bucket and run
+    length; a slot buffer that grows drops them all)."""
+    graph_capture_s: float = 0.0
+    """Seconds those captures took."""
+    slot_grows: int = 0
+    """Times the decode slots' KV buffer grew (doubling up to its bound, copying, dropping the graphs)."""
 
 
 SGLANG_VERSION = "0.5.23"

@@ -146,6 +146,7 @@ class InfoRoutes:
     async def server_info(self, request: Request) -> Response:
         engine = self.engine
         st = engine.stats()
+        slots = engine.slot_stats()
         running, waiting = engine.counts()
         return json_response(
             ServerInfo(
@@ -160,6 +161,11 @@ class InfoRoutes:
                 decode_tokens=st.decode_tokens,
                 cached_prefix_tokens=engine.prefix.total_tokens,
                 open_prefix_offers=self.xfer.open_offers,
+                prefill_time_s=round(st.prefill_time_s, 4),
+                decode_time_s=round(st.decode_time_s, 4),
+                graph_captures=int(slots.get("captures", 0)),
+                graph_capture_s=round(float(slots.get("capture_s", 0.0)), 4),
+                slot_grows=int(slots.get("grows", 0)),
             )
         )
 
