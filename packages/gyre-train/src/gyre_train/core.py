@@ -38,6 +38,7 @@ from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
 from gyre_train.corerank import CoreRank, OptimConfig, RankWork
+from gyre_train.defaults import MISMATCH_WARN
 from gyre_train.engine_sync import (
     PushReport,
     SGLangSyncConfig,
@@ -108,7 +109,7 @@ class CoreConfig:
     engines: SGLangSyncConfig | None = None
     """Also push every version to these engines through SGLang's weight-update endpoints
     (`engine_sync.py`; the group is formed once, in the constructor). None: gyre-xfer snapshots only."""
-    mismatch_warn: float = 0.1
+    mismatch_warn: float = MISMATCH_WARN
     """Log a warning for a step whose train-inference mismatch (`StepReport.mismatch`: mean |trainer -
     behaviour logprob| over its on-policy tokens) is above this; 0: never."""
     keep_batches: str = ""
