@@ -53,7 +53,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # colocate switches cells as elastic does (its policy is tested against the scheduler in gyre-sched and in
 # test_driver.py); its whole run is in `-m long` to keep the default suite short
 @pytest.mark.parametrize("policy", ["elastic", pytest.param("colocate", marks=pytest.mark.long), "async"])
-def test_gyre_run_tiny(tmp_path: Path, model_dir: Path, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gyre_run_tiny(
+    tmp_path: Path,
+    model_dir: Path,
+    policy: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -78,6 +84,8 @@ scripted_fallback = true
 max_tokens = 8
 median_s = 2.0
 timeout_s = 8.0
+[train]
+mismatch_warn = 1e-9
 [log]
 wandb_project = "gyre-e2e"
 """
@@ -153,6 +161,10 @@ wandb_project = "gyre-e2e"
     assert first["tokens"] == m["steps"][0]["loss_tokens"]
     assert all(s["mismatch"]["abs_max"] < 1e-3 for s in m["steps"])
     assert m["mismatch_abs_mean_max"] == max(s["mismatch"]["abs_mean"] for s in m["steps"])
+    # Above [train] mismatch_warn (set below the noise here): said on the run's output and in the core's log.
+    assert first["abs_mean"] > 1e-9
+    assert "gyre run: WARNING step 1: train-inference mismatch" in capsys.readouterr().out
+    assert "step 1: train-inference mismatch mean |logprob diff|" in (out / "logs" / "cell-0.log").read_text()
 
     # Every step's scalars, in TensorBoard's event files and the W&B offline run, at the step's number.
     tb = tb_scalars(out / "tb")
