@@ -163,7 +163,7 @@ class Attempt:
         events: list[Event],
     ) -> Attempt:
         """The run directory lined up with the checkpoint, the run token, the launcher and the supervisor;
-        with `[eval] tasks`, the held-out evaluator rides along."""
+        with `[eval] tasks`, the held-out evaluator rides along; the per-step log (`runlog.RunLog`) always."""
         if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
             parts = [Evaluator(cfg), *parts]
         parts = [*parts, RunLog(cfg, say)]
@@ -373,7 +373,11 @@ class Attempt:
         metrics["survival"] = {"events": [e.to_dict() for e in self.events]}
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
         assert self.model_dir is not None
-        metrics["policy_dir"] = str(policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir))
+        try:
+            metrics["policy_dir"] = str(policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir))
+        except policy.NotExported as exc:  # the run is done: it is said, not lost
+            metrics["policy_dir"] = None
+            self.say(f"gyre run: the trained policy was not exported: {exc}")
         write_json(out / "metrics.json", metrics)
         with open(out / "samples.jsonl", "w") as fh:
             for smp in sampler.samples:

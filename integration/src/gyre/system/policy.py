@@ -13,6 +13,10 @@ from pathlib import Path
 POLICY = "policy"
 
 
+class NotExported(Exception):
+    """The checkpoint or the tokenizer files are not there (gyre-train's `ExportError`, which says which)."""
+
+
 def checkpoint_version(ckpt: Path) -> int | None:
     """The weight version of the checkpoint in `ckpt`, or None while there is none (or it is being
     replaced)."""
@@ -23,7 +27,12 @@ def checkpoint_version(ckpt: Path) -> int | None:
 
 
 def export(ckpt: Path, out: Path, model_dir: Path) -> Path:
-    """Write the checkpoint in `ckpt` to `out` as a model directory with `model_dir`'s tokenizer."""
-    from gyre_train.export import export_checkpoint
+    """Write the checkpoint in `ckpt` to `out` as a model directory with `model_dir`'s tokenizer
+    (`NotExported`: the checkpoint or the tokenizer is not there). gyre-train's export loads torch: only
+    here, so reading a run's configuration does not."""
+    from gyre_train.export import ExportError, export_checkpoint
 
-    return export_checkpoint(ckpt, out, model_dir)
+    try:
+        return export_checkpoint(ckpt, out, model_dir)
+    except ExportError as exc:
+        raise NotExported(str(exc)) from exc

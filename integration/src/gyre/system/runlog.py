@@ -20,8 +20,9 @@ from gyre.system.runparts import RunContext
 
 
 class RunLog:
+    """Made by each attempt of the run (`Attempt.build`), so a new attempt starts one of its own."""
+
     name = "run-log"
-    restartable = True
 
     def __init__(self, cfg: Config, say: Any = print) -> None:
         self.cfg = cfg
