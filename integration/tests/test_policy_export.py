@@ -1,5 +1,6 @@
-"""The run's policy export says what is missing instead of failing a finished run: no checkpoint, or a
-model directory without a tokenizer (the export itself is checked on the tiny run, test_run_e2e.py)."""
+"""The run's policy export says what is missing instead of failing a finished run (gyre-train's export
+error, e.g. no checkpoint), and reads the checkpoint's version only when it is whole (the export itself
+is checked on the tiny run, test_run_e2e.py)."""
 
 from __future__ import annotations
 
