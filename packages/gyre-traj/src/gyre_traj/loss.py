@@ -5,7 +5,8 @@ a `TorchBatch`), with tree position ids and an ancestor-only mask (dense boolean
 FlexAttention `BlockMask` for "flex_attention"), and returns the log-probability of every loss target
 under the current policy, computing the vocabulary projection only at the positions that predict one. `policy_loss` turns those into the token-level
 PPO-clipped (or truncated-importance-sampling) loss, weighted so the batch loss is a token mean per
-execution, then a mean over executions.
+execution, then a mean over executions, and reports with its metrics the train-inference mismatch of the
+micro-batch's newest tokens as sums (`mismatch_sums`) that a step adds up exactly (`combine_mismatch`).
 """
 
 from __future__ import annotations
