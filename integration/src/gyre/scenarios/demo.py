@@ -7,10 +7,10 @@ model_tool_call_share, warmstart_s, wall_s, and the per-step figures), `reward.p
 score per step), the run's `timeline.png` and `metrics.json`, TensorBoard event files under `tb/` (the
 run's per-step scalars, and the demo's own: train and eval score per weight version), and the trained
 policy as a Hugging Face model directory under `policy/` (every `gyre run` writes both). `--control`
-runs the same seeds with learning rate 0, so a rise that is not learning shows; `--quick` is the small run CI uses. A demo
-on a directory that holds a finished one shows that one's results and leaves it as it is; one that stopped
-after its first step is not resumed (give another `--out`); one that never reached its first step starts
-again.
+runs the same seeds with learning rate 0, so a rise that is not learning shows; `--quick` is the small
+run CI uses. A demo on a directory that holds a finished one shows that one's results and leaves it as
+it is; one that stopped after its first step is not resumed (give another `--out`); one that never
+reached its first step starts again.
 """
 
 from __future__ import annotations
