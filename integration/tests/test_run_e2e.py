@@ -14,13 +14,17 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from gyre.cli import main
 from gyre.config.runconfig import load_config
 from gyre.system.attempt import RunError
 from gyre.system.diskfull import DiskFull
 from gyre.system.run import resume_config, run
+from gyre_train.export import read_checkpoint
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
+
+from .logfiles import tb_scalars, wandb_history
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -49,7 +53,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # colocate switches cells as elastic does (its policy is tested against the scheduler in gyre-sched and in
 # test_driver.py); its whole run is in `-m long` to keep the default suite short
 @pytest.mark.parametrize("policy", ["elastic", pytest.param("colocate", marks=pytest.mark.long), "async"])
-def test_gyre_run_tiny(tmp_path: Path, model_dir: Path, policy: str) -> None:
+def test_gyre_run_tiny(
+    tmp_path: Path,
+    model_dir: Path,
+    policy: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(
@@ -71,6 +84,10 @@ scripted_fallback = true
 max_tokens = 8
 median_s = 2.0
 timeout_s = 8.0
+[train]
+mismatch_warn = 1e-9
+[log]
+wandb_project = "gyre-e2e"
 """
     )
     assert main(["run", str(cfg)]) == 0
@@ -134,6 +151,46 @@ timeout_s = 8.0
         assert m["switches_to_training"] >= (1 if policy == "elastic" else 2)
         assert m["final_cells"]["0"]["role"] == "rollout"
     assert {r for s in m["steps"] for r in s["by_replica"]} >= {"core"}
+
+    # Train-inference mismatch of each step's on-policy tokens, in steps.jsonl and metrics.json: the
+    # engine and the trainer hold the same float32 weights on the CPU, so it is float noise. Step 1 trains
+    # batch 0, all sampled at version 0.
+    lines = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    assert [line["mismatch"] for line in lines] == [s["mismatch"] for s in m["steps"]]
+    first = m["steps"][0]["mismatch"]
+    assert first["tokens"] == m["steps"][0]["loss_tokens"]
+    assert all(s["mismatch"]["abs_max"] < 1e-3 for s in m["steps"])
+    assert m["mismatch_abs_mean_max"] == max(s["mismatch"]["abs_mean"] for s in m["steps"])
+    # Above [train] mismatch_warn (set below the noise here): said on the run's output and in the core's log.
+    assert first["abs_mean"] > 1e-9
+    assert "gyre run: WARNING step 1: train-inference mismatch" in capsys.readouterr().out
+    assert "step 1: train-inference mismatch mean |logprob diff|" in (out / "logs" / "cell-0.log").read_text()
+
+    # Every step's scalars, in TensorBoard's event files and the W&B offline run, at the step's number.
+    tb = tb_scalars(out / "tb")
+    for name in ("train/loss", "train/mismatch/abs_mean", "train/mismatch/k3", "rollout/mean_score",
+                 "train/tokens_per_s", "train/grad_norm", "train/staleness/mean"):  # fmt: skip
+        assert set(tb[name]) == {1, 2}, name
+    assert tb["train/loss"][2] == pytest.approx(m["steps"][1]["loss"])
+    assert tb["rollout/mean_score"][1] == pytest.approx(m["steps"][0]["mean_score"])
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    rows = wandb_history(run_file)
+    assert [r["_step"] for r in rows] == [1, 2]
+    assert [r["train/mismatch/abs_mean"] for r in rows] == [s["mismatch"]["abs_mean"] for s in m["steps"]]
+
+    # The trained policy (version 2) as a model directory transformers loads, with its tokenizer.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert m["policy_dir"] == str(out / "policy")
+    assert json.loads((out / "policy" / "gyre_export.json").read_text())["version"] == 2
+    policy_model = AutoModelForCausalLM.from_pretrained(out / "policy")
+    tok = AutoTokenizer.from_pretrained(out / "policy")
+    assert policy_model.config.vocab_size >= len(tok)
+    ids = tok("2 + 2 =", return_tensors="pt").input_ids
+    assert policy_model(ids).logits.shape[:2] == ids.shape  # it runs
+    _, trained, _ = read_checkpoint(out / "checkpoint")  # the core's weights at version 2
+    exported = policy_model.state_dict()
+    assert all(torch.equal(exported[n], w) for n, w in trained.items())
 
     # No process of the run is left.
     assert _processes_mentioning(str(out)) == []

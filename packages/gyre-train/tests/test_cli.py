@@ -27,8 +27,12 @@ def test_core_trains_packed_dirs_and_resumes(tmp_path: Path, capsys: pytest.Capt
     assert main(args) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[0]["version"] == 0 and lines[1]["step"] == 1 and lines[1]["queue_position"] == 1
+    mismatch = lines[1]["mismatch"]  # the example's recorded logprobs are not this random model's
+    assert mismatch["tokens"] == lines[1]["metrics"]["tokens"] and mismatch["abs_mean"] > 0.1
     # Resume with a longer queue: it starts where it stopped (position 1), not from the beginning.
-    assert main(["core", "--data", *dirs, "--budget", "4096", "--checkpoint", str(ck)]) == 0
+    assert (
+        main(["core", "--data", *dirs, "--budget", "4096", "--checkpoint", str(ck), "--tis-cap", "1.5"]) == 0
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert lines[0]["version"] == 1
     assert [x["step"] for x in lines[1:]] == [2]

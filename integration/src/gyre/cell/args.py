@@ -26,6 +26,8 @@ class CellArgs:
     lr: float = TrainSection.lr
     token_budget: int = TrainSection.token_budget
     loss: str = TrainSection.loss
+    tis_cap: float = TrainSection.tis_cap
+    mismatch_warn: float = TrainSection.mismatch_warn
     temperature: float = AgentSection.temperature
     release_memory: bool = CellSection.release_memory
     startup_timeout_s: float = RunSection.startup_timeout_s

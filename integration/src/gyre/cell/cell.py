@@ -67,6 +67,7 @@ from gyre.procs.group import ProcessGroup, python_argv
 
 if TYPE_CHECKING:
     from gyre_train.claimqueue import QueuedStep
+    from gyre_traj.loss import LossConfig
 
 log = logging.getLogger("gyre.cell")
 T = TypeVar("T")
@@ -212,7 +213,6 @@ class Cell:
     def start_trainer(self) -> None:
         from gyre_train.control import CoreClient
         from gyre_train.threads import start_thread
-        from gyre_traj.loss import LossConfig
 
         if self.a.is_core:
             from gyre_train.core import Core, CoreConfig, OptimConfig
@@ -226,9 +226,8 @@ class Cell:
             cfg = CoreConfig(
                 attention=attention,
                 token_budget=self.a.token_budget,
-                loss=LossConfig(
-                    mode="tis" if self.a.loss == "tis" else "ppo", temperature=self.a.temperature
-                ),
+                loss=loss_config(self.a),
+                mismatch_warn=self.a.mismatch_warn,
                 optim=OptimConfig(lr=self.a.lr),
                 dead_after_s=30.0,
                 bind=f"tcp://{self.a.host}:0",
@@ -480,6 +479,17 @@ class Cell:
                 self.sglang.close()
             self.procs.close()
         return 0
+
+
+def loss_config(a: CellArgs) -> LossConfig:
+    """The core's policy loss: `[train] loss` with `[train] tis_cap` (0: off, or the tis loss's default
+    cap) and the sampling temperature."""
+    from gyre_traj.loss import LossConfig
+
+    if a.loss == "tis":
+        cap = {"tis_cap": a.tis_cap} if a.tis_cap > 0 else {}
+        return LossConfig(mode="tis", temperature=a.temperature, **cap)
+    return LossConfig(mode="ppo", temperature=a.temperature, ppo_tis_cap=a.tis_cap)
 
 
 def main(argv: list[str] | None = None) -> int:

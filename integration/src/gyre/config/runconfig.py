@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 
 from gyre_base import tables
 from gyre_sched.workload import DriverConfig
+from gyre_train.defaults import MISMATCH_WARN
 from gyre_traj.pack import PackConfig
 
 POLICIES = ("elastic", "colocate", "colocate-runahead", "async")
@@ -149,11 +150,34 @@ class TrainSection:
     """Most tokens in one tree-packed micro-batch (gyre-traj's `PackConfig.token_budget`, and its default)."""
     loss: str = "ppo"
     """ppo or tis (gyre-traj's policy loss)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling of the train-inference mismatch (verl's TIS); 0: off. With loss = ppo,
+    each token's term is weighted by min(exp(trainer - behaviour logprob), tis_cap), the clipped ratio
+    taken to the trainer's own logprob (gyre-traj's `LossConfig.ppo_tis_cap`); with loss = tis, the cap
+    of that loss (0 there: gyre-traj's default, 2.0)."""
+    mismatch_warn: float = MISMATCH_WARN
+    """The core logs a warning for a step whose train-inference mismatch (mean |trainer - behaviour
+    logprob| over its on-policy tokens, `mismatch.abs_mean` in steps.jsonl) is above this; 0: never
+    (gyre-train's `CoreConfig.mismatch_warn`, and its default)."""
     j_max: int = 5
     """Trajectories selected per execution."""
     keep_batches: bool = False
     """Keep every applied step's micro-batches in the run directory (`batches/`, gyre-train's
     `batchlog`), so a benchmark can train the same batches again alone."""
+
+
+@dataclass(frozen=True)
+class LogSection:
+    """Where each applied step's scalars go besides steps.jsonl and metrics.json: TensorBoard event files
+    under out_dir/tb/ always; Weights & Biases with a project (the `gyre[wandb]` extra)."""
+
+    wandb_project: str = ""
+    """A Weights & Biases project to log every step's scalars to; empty: none."""
+    wandb_mode: str = "offline"
+    """offline (written under out_dir/wandb/, uploaded later with `wandb sync`), online (needs a login)
+    or disabled."""
+    wandb_entity: str = ""
+    """The W&B entity (team or user); empty: the login's default."""
 
 
 @dataclass(frozen=True)
@@ -298,6 +322,7 @@ class Config:
     engine: EngineSection = field(default_factory=EngineSection)
     survive: SurviveSection = field(default_factory=SurviveSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
         r, b, a, t = self.run, self.batch, self.agent, self.train
@@ -322,6 +347,12 @@ class Config:
         _check(self.eval.tasks >= 0 and self.eval.every >= 1, "[eval] tasks must be >= 0 and every >= 1")
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")
+        _check(t.tis_cap >= 0, "[train] tis_cap must be >= 0 (0: off)")
+        _check(t.mismatch_warn >= 0, "[train] mismatch_warn must be >= 0 (0: never)")
+        _check(
+            self.log.wandb_mode in ("offline", "online", "disabled"),
+            f"[log] wandb_mode must be offline, online or disabled, got {self.log.wandb_mode!r}",
+        )
         _check(self.cell.capacity >= 1, "[cell] capacity must be >= 1")
         _check(
             self.cell.engine in ("gyre", "sglang"),

@@ -1,5 +1,5 @@
 """The metrics of a finished `gyre run` attempt (`metrics.json`): per applied step what the core trained
-and when (its `steps.jsonl` lines), how long the new version took to reach the serving engines, what the
+and when (its `steps.jsonl` lines, with the train-inference mismatch of its on-policy tokens), how long the new version took to reach the serving engines, what the
 trajectory service handed over for it; over the run the cells' role accounting, training overlap,
 switches and their times, staleness, the executions' outcomes and the held-out evaluations.
 
@@ -94,6 +94,7 @@ def _step_row(
         "loss": r["loss"],
         "grad_norm": r["grad_norm"],
         "loss_metrics": r.get("metrics", {}),
+        "mismatch": r.get("mismatch", {}),
         "staleness_mean": r["staleness"]["mean"],
         "staleness_max": r["staleness"]["max"],
         "busy_cell_s": 0.0,
@@ -156,6 +157,7 @@ def collect(
         ],
         "staleness_mean": round(sum(stale) / len(stale), 4) if stale else 0.0,
         "staleness_max": max((s["staleness_max"] for s in steps), default=0),
+        "mismatch_abs_mean_max": max((s["mismatch"].get("abs_mean", 0.0) for s in steps), default=0.0),
         "executions": len(outcomes),
         "timeouts": sum(o["timed_out"] for o in outcomes),
         "records": records,

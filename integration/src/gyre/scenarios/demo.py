@@ -4,12 +4,13 @@ fixed interval, one line per step, and the results.
 
 Writes into `--out`: `demo.json` (eval_before, eval_after, train_score_first/last, steps,
 model_tool_call_share, warmstart_s, wall_s, and the per-step figures), `reward.png` (train and eval
-score per step), the run's `timeline.png` and `metrics.json`, TensorBoard event files under `tb/`, and
-the trained policy as a Hugging Face model directory under `policy/`. `--control` runs the same seeds
-with learning rate 0, so a rise that is not learning shows; `--quick` is the small run CI uses. A demo
-on a directory that holds a finished one shows that one's results and leaves it as it is; one that stopped
-after its first step is not resumed (give another `--out`); one that never reached its first step starts
-again.
+score per step), the run's `timeline.png` and `metrics.json`, TensorBoard event files under `tb/` (the
+run's per-step scalars, and the demo's own: train and eval score per weight version), and the trained
+policy as a Hugging Face model directory under `policy/` (every `gyre run` writes both). `--control`
+runs the same seeds with learning rate 0, so a rise that is not learning shows; `--quick` is the small
+run CI uses. A demo on a directory that holds a finished one shows that one's results and leaves it as
+it is; one that stopped after its first step is not resumed (give another `--out`); one that never
+reached its first step starts again.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from gyre.config.runconfig import (
     TrainSection,
 )
 from gyre.measure.samples import engines_serve
+from gyre.measure.scalars import ScalarLog
 from gyre.rollout.evalset import eval_points
 from gyre.rollout.warmstart import WarmStartConfig, warm_start
 from gyre.system import run as gyre_run
@@ -89,8 +91,8 @@ def run_config(d: DemoConfig, model_dir: Path) -> Config:
 
 
 class StepReporter:
-    """Prints one line per applied step (with the evaluation at that version, when there is one),
-    writes TensorBoard scalars, and at the end exports the trained policy from the core's snapshot."""
+    """Prints one line per applied step (with the evaluation at that version, when there is one) and
+    writes the demo's scalars (`measure.scalars.ScalarLog`, TensorBoard only) by weight version."""
 
     name = "demo-report"
 
@@ -102,20 +104,18 @@ class StepReporter:
         self.rows: list[dict[str, Any]] = []
         self.printed_evals = 0
         self.entropy0: float | None = None
-        self.exported: Path | None = None
-        self._tb: Any = None
-        """The TensorBoard writer, opened when the run starts (a run refused at start writes no file)."""
+        self.finished = False
+        self._tb: ScalarLog | None = None
+        """The writer, opened when the run starts (a run refused at start writes no file)."""
 
     @property
-    def tb(self) -> Any:
+    def tb(self) -> ScalarLog:
         assert self._tb is not None, "the reporter writes scalars once the run started it"
         return self._tb
 
     def start(self, ctx: RunContext) -> None:
-        from tensorboardX import SummaryWriter
-
         if self._tb is None:
-            self._tb = SummaryWriter(str(ctx.out / "tb"))
+            self._tb = ScalarLog(ctx.out, suffix=".demo")
         self.say(
             f"{'step':>4} {'ver':>3} {'train':>6} {'eval':>6} {'loss':>8} {'kl':>7} {'clip':>5} "
             f"{'entropy':>7} {'stale':>5} {'tok/s':>6}"
@@ -138,12 +138,9 @@ class StepReporter:
                 return  # wait for its summary, and for the evaluation at its version
             self._step_line(r, sd.summary, evals)
         last = self.cfg.run.steps
-        finished = (
+        self.finished = (
             ctx.traj.applied >= last and len(self.rows) == last and engines_serve(ctx.sampler.samples, last)
         )
-        if self.exported is None and finished:
-            self.exported = export_policy(ctx, Path(self.cfg.run.model_dir), ctx.out / "policy")
-            self.say(f"trained policy exported to {self.exported}")
 
     def _step_line(
         self, r: dict[str, Any], summary: dict[str, Any], evals: dict[int, dict[str, Any]]
@@ -182,54 +179,26 @@ class StepReporter:
             f"{row['loss']:8.4f} {f(row['approx_kl'], '7.4f')} {f(row['clip_frac'], '5.3f')} "
             f"{f(ent, '7.3f')} {row['staleness']:5.2f} {row['tokens_per_s']:6.0f}{warn}"
         )
-        for name in (
-            "train_score",
-            "eval_score",
-            "loss",
-            "approx_kl",
-            "clip_frac",
-            "entropy",
-            "staleness",
-            "tokens_per_s",
-        ):
-            if row[name] is not None:
-                self.tb.add_scalar(f"demo/{name}", row[name], v)
+        names = ("train_score", "eval_score", "loss", "approx_kl", "clip_frac", "entropy", "staleness")
+        self.tb.write(v, {f"demo/{n}": row[n] for n in (*names, "tokens_per_s") if row[n] is not None})
         if ev:
             self._eval_line(ev, f"at version {v}")
 
     def _eval_line(self, ev: dict[str, Any], when: str) -> None:
         fams = ", ".join(f"{k} {x:.2f}" for k, x in ev["by_family"].items())
         self.say(f"     eval {when}: {ev['score']} ({fams}; {ev['eval_failed']} evaluation failures)")
+        scalars = {f"eval_by_family/{k}": x for k, x in ev["by_family"].items()}
         if ev["version"] == 0:
-            self.tb.add_scalar("demo/eval_score", ev["score"] or 0.0, 0)
-        for k, x in ev["by_family"].items():
-            self.tb.add_scalar(f"eval_by_family/{k}", x, ev["version"])
+            scalars["demo/eval_score"] = ev["score"] or 0.0
+        self.tb.write(ev["version"], scalars)
 
     def done(self) -> bool:
-        return self.exported is not None
+        return self.finished
 
     def stop(self) -> None:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
-
-def export_policy(ctx: RunContext, model_dir: Path, out: Path) -> Path:
-    """Pull the core's newest weight snapshot (gyre-xfer, shared memory) and write it as a model directory."""
-    from gyre_train.export import export_model
-    from gyre_train.modelconfig import ModelConfig
-    from gyre_xfer.subscriber import Subscriber, SubscriberConfig
-    from gyre_xfer.transport import Config as XferConfig
-    from gyre_xfer.transport import open_transport
-
-    tr = open_transport(XferConfig(kind="shm"))
-    try:
-        with Subscriber(tr, SubscriberConfig(publisher=ctx.publisher)) as sub:
-            snap = sub.pull(0)
-            weights = {k: v.clone() for k, v in snap.torch().items()}
-    finally:
-        tr.close()
-    return export_model(ModelConfig.from_model_dir(model_dir), weights, out, model_dir)
 
 
 def finished_demo(out: Path) -> dict[str, Any] | None:

@@ -13,9 +13,11 @@
   supervisor; anything else fails the attempt, naming it: `RestartAttempt` when a new attempt may go on,
   `RunError` or `ChildDied` when not) and the parts are ticked, until the core has applied `steps` updates,
   the driver and every part are done, and every rollout engine serves the last version; or the deadline.
-- **collect**, after every part and child process is stopped: `metrics.json` (`measure.runmetrics`, with
-  the ledger's `accounting` of the records, the proxy's moved calls and the attempt's survival events),
-  the samples, `timeline.png`; the run directory's state says `finished`.
+- **collect**, after every part and child process is stopped: the trained policy exported from the
+  core's checkpoint of the last version as a Hugging Face model directory, `policy/` (`policy.py`),
+  `metrics.json` (`measure.runmetrics`, with the ledger's `accounting` of the records, the proxy's moved
+  calls and the attempt's survival events), the samples, `timeline.png`; the run directory's state says
+  `finished`. Every step's scalars went to TensorBoard (and W&B) as it was applied (`runlog.py`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from gyre.measure.runmetrics import read_steps
 from gyre.measure.samples import engines_serve
 from gyre.procs.group import ProcessGroup, python_argv, tail
 from gyre.rollout.driver import Driver
-from gyre.system import gpus
+from gyre.system import gpus, policy
 from gyre.system.evaluator import Evaluator
 from gyre.system.launch import LOOPBACK, Launcher, Part, launcher_for
 from gyre.system.resume import CHECKPOINT, prepare
 from gyre.system.rundir import RunDir
+from gyre.system.runlog import RunLog
 from gyre.system.runparts import RunContext, RunPart
 from gyre.system.supervise import Event, RestartAttempt, Supervisor, kill_leftover
 from gyre.trajsvc import ledger, recordlog
@@ -147,6 +150,7 @@ class Attempt:
         self.driver: Driver | None = None
         self.t_start = self.t_end = 0.0
         self.proxy_stats: dict[str, Any] = {}
+        self.model_dir: Path | None = None
 
     # ---- build --------------------------------------------------------------------------------------
     @classmethod
@@ -159,9 +163,10 @@ class Attempt:
         events: list[Event],
     ) -> Attempt:
         """The run directory lined up with the checkpoint, the run token, the launcher and the supervisor;
-        with `[eval] tasks`, the held-out evaluator rides along."""
+        with `[eval] tasks`, the held-out evaluator rides along; the per-step log (`runlog.RunLog`) always."""
         if cfg.eval.tasks and not any(isinstance(p, Evaluator) for p in parts):
             parts = [Evaluator(cfg), *parts]
+        parts = [*parts, RunLog(cfg, say)]
         at = prepare(rd.path, rd.attempt)
         if rd.attempt:
             say(
@@ -180,7 +185,7 @@ class Attempt:
         """Every process of the run, and in this process the trajectory service and the sampler, until
         every cell is registered with gyre-sched and the proxy answers."""
         c = self.cfg.run
-        model_dir = ensure_model(self.cfg, self.out, self.procs.local)
+        model_dir = self.model_dir = ensure_model(self.cfg, self.out, self.procs.local)
         self._start_sched()
         self.ports = [self.procs.free_port(f"cell-{i}") for i in range(c.cells)]
         self.say(f"gyre run: policy {c.policy}, {c.cells} cells, {c.steps} steps -> {self.out}")
@@ -239,6 +244,7 @@ class Attempt:
             sched=self.sched, cell_id=i, is_core=i == 0, capacity=cfg.cell.capacity, model_dir=str(model_dir),
             engine_port=self.ports[i], run_dir=str(self.out), lr=cfg.train.lr,
             token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
+            tis_cap=cfg.train.tis_cap, mismatch_warn=cfg.train.mismatch_warn,
             release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
             device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
             host=self.procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
@@ -325,6 +331,11 @@ class Attempt:
             lambda: engines_serve(sampler.samples, final),
             60.0 + (c.startup_timeout_s if self.sup.pending() else 0.0),
         )
+        self._wait(
+            "the core's checkpoint of the last weight version",
+            lambda: policy.checkpoint_version(self.out / CHECKPOINT) == final,
+            60.0,
+        )
         self.proxy_stats = _proxy_stats(self.proxy_url)
         self.say(_progress(self.t_start, driver, traj, sampler, self.out))
 
@@ -361,6 +372,12 @@ class Attempt:
         )  # attempts of the run so far, resumes and new attempts included
         metrics["survival"] = {"events": [e.to_dict() for e in self.events]}
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
+        assert self.model_dir is not None
+        try:
+            metrics["policy_dir"] = str(policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir))
+        except policy.NotExported as exc:  # the run is done: it is said, not lost
+            metrics["policy_dir"] = None
+            self.say(f"gyre run: the trained policy was not exported: {exc}")
         write_json(out / "metrics.json", metrics)
         with open(out / "samples.jsonl", "w") as fh:
             for smp in sampler.samples:

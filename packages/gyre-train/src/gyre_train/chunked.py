@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gyre_traj.loss import LossConfig, TorchBatch, policy_loss
+from gyre_traj.loss import LossConfig, TorchBatch, merge_mismatch_sums, policy_loss
 from gyre_traj.pack import PackedBatch
 
 from gyre_train.modelconfig import Attention
@@ -270,6 +270,7 @@ def chunked_loss_backward(
             if c.needed:
                 _forward(model, tb, c, _ChunkCache(kept, c, False, dev), attention)
     total = 0.0
+    slices: list[dict[str, float]] = []
     head = model.get_output_embeddings()
     for c in reversed(chunks):  # pass 2: one backward per chunk, reverse order
         cache = _ChunkCache(kept, c, True, dev)
@@ -289,6 +290,7 @@ def chunked_loss_backward(
                 lp = torch.log_softmax(logits, -1).gather(1, sub.target_ids[:, None])[:, 0]
                 loss, m = policy_loss(lp, sub, loss_cfg)
                 total += m["loss"]
+                slices.append(m)
                 loss.backward()
                 del logits, lp, loss
             assert h.grad is not None
@@ -304,8 +306,10 @@ def chunked_loss_backward(
         del cache, hidden, outs, grads
         if c.targets.shape[0]:
             del h
+    newest = int(b.versions.max()) if len(b.versions) else None
     return {
         "loss": total,
+        **merge_mismatch_sums(slices, newest),
         "chunks": float(len(chunks)),
         "shared_chunks": float(sum(c.needed for c in chunks)),
         "joined_in_place": float(kept.in_place),

@@ -28,6 +28,7 @@ from gyre_traj.loss import LossConfig
 from gyre_traj.pack import PackConfig
 
 from gyre_train import __version__
+from gyre_train.defaults import MISMATCH_WARN
 
 
 def _token(args: argparse.Namespace) -> str:
@@ -94,8 +95,9 @@ def _core(args: argparse.Namespace) -> int:
         attention=args.attention,
         wire_dtype=args.wire_dtype,
         admit_on_hello=args.admit_all,
-        loss=LossConfig(mode=args.loss),
+        loss=LossConfig(mode=args.loss, ppo_tis_cap=args.tis_cap),
         optim=OptimConfig(lr=args.lr),
+        mismatch_warn=args.mismatch_warn,
     )
     device = str(cell.device(args.device)) if cell is not None else args.device
     core = Core(build_model(mc, cfg.attention, device), mc, cfg, cell)
@@ -302,6 +304,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--attention", default="dense", choices=["dense", "flex"])
     c.add_argument("--device", default="cpu")
     c.add_argument("--loss", default="ppo", choices=["ppo", "tis"])
+    c.add_argument(
+        "--tis-cap",
+        type=float,
+        default=LossConfig.ppo_tis_cap,
+        help="--loss ppo: truncated importance sampling of the train-inference mismatch, each token weighted "
+        "by min(exp(trainer - behaviour logprob), cap) (gyre-traj's LossConfig.ppo_tis_cap; default "
+        "%(default)s: off)",
+    )
+    c.add_argument(
+        "--mismatch-warn",
+        type=float,
+        default=MISMATCH_WARN,
+        help="warn for a step whose on-policy tokens' mean |trainer - behaviour logprob| is above this "
+        "(0: never; default %(default)s)",
+    )
     c.add_argument("--lr", type=float, default=1e-4)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--admit-all", action="store_true", help="admit every satellite that says hello")

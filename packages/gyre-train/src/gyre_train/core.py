@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import torch
-from gyre_traj.loss import LossConfig, combine_metrics
+from gyre_traj.loss import LossConfig, Mismatch, combine_metrics, combine_mismatch
 from gyre_traj.pack import PackConfig, PackedBatch
 
 from gyre_train import batchlog, checkpoint
@@ -38,6 +38,7 @@ from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
 from gyre_train.corerank import CoreRank, OptimConfig, RankWork
+from gyre_train.defaults import MISMATCH_WARN
 from gyre_train.devmem import release_cached_memory
 from gyre_train.engine_sync import (
     PushReport,
@@ -109,6 +110,9 @@ class CoreConfig:
     engines: SGLangSyncConfig | None = None
     """Also push every version to these engines through SGLang's weight-update endpoints
     (`engine_sync.py`; the group is formed once, in the constructor). None: gyre-xfer snapshots only."""
+    mismatch_warn: float = MISMATCH_WARN
+    """Log a warning for a step whose train-inference mismatch (`StepReport.mismatch`: mean |trainer -
+    behaviour logprob| over its on-policy tokens) is above this; 0: never."""
     keep_batches: str = ""
     """A directory: each applied step's micro-batches are written there (`batchlog.py`), so the same
     training can be timed again alone; empty: none kept."""
@@ -151,6 +155,11 @@ class StepReport:
     metrics: dict[str, float] = field(default_factory=dict)
     """The loss's metrics over the mini-batch (gyre-traj `combine_metrics`: approx_kl, clip_frac,
     ratio_mean, entropy where the backend reports it, loss tokens)."""
+    mismatch: Mismatch = field(default_factory=Mismatch)
+    """Train-inference mismatch over the step's on-policy loss tokens (sampled at the version the step
+    trained from, so the engine's recorded logprobs and the trainer's recomputation saw the same weights):
+    mean and max |trainer - behaviour logprob| and the K3 estimate of KL(behaviour || trainer) (gyre-traj
+    `Mismatch`), summed exactly over every micro-batch, the core's and the satellites'."""
 
 
 @dataclass(frozen=True)
@@ -407,7 +416,10 @@ class Core:
         by_replica: dict[str, int] = {}
         for r in res.done.values():
             by_replica[r] = by_replica.get(r, 0) + 1
-        loss = float(sum(res.metrics[i].get("loss", 0.0) for i in sorted(res.metrics)))
+        parts = [res.metrics[i] for i in sorted(res.metrics)]
+        loss = float(sum(m.get("loss", 0.0) for m in parts))
+        mismatch = combine_mismatch(parts, version)
+        self._warn_mismatch(pos.step, mismatch)
         return StepReport(
             step=pos.step,
             version=pos.version,
@@ -422,8 +434,19 @@ class Core:
             elapsed_s=time.perf_counter() - t0,
             engine_push=push,
             executions=res.executions,
-            metrics=combine_metrics([res.metrics[i] for i in sorted(res.metrics)]),
+            metrics=combine_metrics(parts),
+            mismatch=mismatch,
         )
+
+    def _warn_mismatch(self, step: int, m: Mismatch) -> None:
+        limit = self.cfg.mismatch_warn
+        if limit > 0 and m.tokens and m.abs_mean > limit:
+            log.warning(
+                "step %d: train-inference mismatch mean |logprob diff| %.4f > mismatch_warn %g over %d "
+                "on-policy tokens (max %.4f, K3 KL %.4f): the engine and the trainer disagree on the same "
+                "weights (dtype, kernels, temperature, or weights not loaded)",
+                step, m.abs_mean, limit, m.tokens, m.abs_max, m.k3,
+            )  # fmt: skip
 
     def _compute_until_complete(self, on_progress: Callable[[int], None] | None) -> None:
         """Claim and compute micro-batches of the step training (while computing is on) until it is

@@ -5,7 +5,8 @@ a `TorchBatch`), with tree position ids and an ancestor-only mask (dense boolean
 FlexAttention `BlockMask` for "flex_attention"), and returns the log-probability of every loss target
 under the current policy, computing the vocabulary projection only at the positions that predict one. `policy_loss` turns those into the token-level
 PPO-clipped (or truncated-importance-sampling) loss, weighted so the batch loss is a token mean per
-execution, then a mean over executions.
+execution, then a mean over executions, and reports with its metrics the train-inference mismatch of the
+micro-batch's newest tokens as sums (`mismatch_sums`) that a step adds up exactly (`combine_mismatch`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ class LossConfig:
     clip_high: float = 0.2
     """PPO clip range [1 - clip_low, 1 + clip_high] (a larger clip_high is the "clip-higher" variant)."""
     tis_cap: float = 2.0
+    """"tis": the cap of the importance ratio."""
+    ppo_tis_cap: float = 0.0
+    """"ppo": truncated importance sampling of the train-inference mismatch, as verl's TIS. 0: off (the
+    clipped ratio is to the behaviour policy, as the engine recorded it). > 0: the clipped ratio is to
+    the trainer's own logprob of the token (detached: the weights the gradient is taken at), and each
+    token's term is weighted by min(exp(trainer - behaviour), ppo_tis_cap). With one update per
+    mini-batch that ratio is 1 in value, so the gradient is that of "tis" at the same cap; `clip_frac`
+    is then the share of tokens whose weight was capped."""
     temperature: float = 1.0
     """Sampling temperature of the behaviour policy: logits are divided by it so the ratio compares
     the distributions that were actually sampled from."""
@@ -46,6 +55,10 @@ class LossConfig:
             raise ValueError(f"mode must be 'ppo' or 'tis', got {self.mode!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.tis_cap <= 0 or self.ppo_tis_cap < 0:
+            raise ValueError(
+                f"tis_cap must be > 0 and ppo_tis_cap >= 0 (0: off), got {self.tis_cap}, {self.ppo_tis_cap}"
+            )
 
 
 @dataclass(frozen=True)
@@ -196,7 +209,13 @@ def policy_loss(
     log_ratio = new_logprobs - tb.old_logprobs
     ratio = torch.exp(log_ratio)
     adv = tb.advantages
-    if cfg.mode == "ppo":
+    if cfg.mode == "ppo" and cfg.ppo_tis_cap > 0:
+        own = torch.exp(new_logprobs - new_logprobs.detach())  # 1 in value, the policy's gradient
+        is_w = torch.clamp(ratio.detach(), max=cfg.ppo_tis_cap)
+        clipped = torch.clamp(own, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        per_token = -is_w * torch.minimum(own * adv, clipped * adv)
+        clip_frac = (ratio.detach() > cfg.ppo_tis_cap).float()
+    elif cfg.mode == "ppo":
         clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         clip_frac = ((ratio * adv) > (clipped * adv)).float()
@@ -218,7 +237,74 @@ def policy_loss(
         }
         if entropy is not None:
             metrics["entropy"] = float((entropy * w).sum()) / wsum
+        metrics.update(mismatch_sums(log_ratio, tb.versions))
     return loss, metrics
+
+
+def mismatch_sums(log_ratio: torch.Tensor, versions: torch.Tensor) -> dict[str, float]:
+    """The train-inference mismatch of one micro-batch's newest tokens, as sums that combine exactly
+    (`combine_mismatch`): `log_ratio` is trainer - behaviour logprob per loss target, `versions` the weight
+    version each was sampled at. Only the targets of the newest version count: on the replica computing
+    at that version they are the on-policy ones (the trainer and the engine held the same weights); a
+    micro-batch of older tokens only reports which version it saw."""
+    if versions.numel() == 0:
+        return {"mismatch_version": -1.0, "mismatch_tokens": 0.0}
+    newest = versions.max()
+    r = log_ratio.detach()[versions == newest].double()
+    return {
+        "mismatch_version": float(newest),
+        "mismatch_tokens": float(r.numel()),
+        "mismatch_abs_sum": float(r.abs().sum()),
+        "mismatch_abs_max": float(r.abs().max()),
+        "mismatch_k3_sum": float((torch.expm1(r) - r).sum()),
+    }
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Train-inference mismatch over a step's on-policy loss tokens (those sampled at the weight version
+    the step's gradient is taken at, each once, as packed): with r = trainer - behaviour logprob, the mean
+    and max of |r| and the K3 estimate of KL(behaviour || trainer), the mean of exp(r) - 1 - r. Every
+    token counts alike (no loss weights). `tokens` 0: no on-policy token, the figures are 0."""
+
+    tokens: int = 0
+    abs_mean: float = 0.0
+    abs_max: float = 0.0
+    k3: float = 0.0
+
+
+def merge_mismatch_sums(parts: list[dict[str, float]], version: int | None = None) -> dict[str, float]:
+    """The `mismatch_sums` of several micro-batches (or slices of one) as one: sums added and maxima taken
+    over the parts whose newest version is `version` (None: the newest any part saw)."""
+    have = [p for p in parts if p.get("mismatch_tokens", 0.0) > 0]
+    if version is None:
+        version = int(max((p["mismatch_version"] for p in have), default=-1))
+    mine = [p for p in have if int(p["mismatch_version"]) == version]
+    if not mine:
+        return {"mismatch_version": float(version), "mismatch_tokens": 0.0}
+    return {
+        "mismatch_version": float(version),
+        "mismatch_tokens": sum(p["mismatch_tokens"] for p in mine),
+        "mismatch_abs_sum": sum(p["mismatch_abs_sum"] for p in mine),
+        "mismatch_abs_max": max(p["mismatch_abs_max"] for p in mine),
+        "mismatch_k3_sum": sum(p["mismatch_k3_sum"] for p in mine),
+    }
+
+
+def combine_mismatch(parts: list[dict[str, float]], version: int | None = None) -> Mismatch:
+    """One step's `Mismatch` from its micro-batches' metrics (`mismatch_sums`, wherever each was
+    computed): the sums added and the maxima taken over the parts whose newest version is `version` (the
+    step's; None: the newest any part saw), never averages of averages."""
+    s = merge_mismatch_sums(parts, version)
+    n = s["mismatch_tokens"]
+    if not n:
+        return Mismatch()
+    return Mismatch(
+        tokens=int(n),
+        abs_mean=s["mismatch_abs_sum"] / n,
+        abs_max=s["mismatch_abs_max"],
+        k3=s["mismatch_k3_sum"] / n,
+    )
 
 
 MEAN_METRICS = ("ratio_mean", "clip_frac", "approx_kl", "entropy")
