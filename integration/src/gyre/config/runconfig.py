@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, get_type_hints
 
 from gyre_base import tables
@@ -394,7 +394,9 @@ class Config:
                 "[tasks] eval, eval_fraction and reward need [tasks] train (your training rows)",
             )
             return
-        _check(bool(k.reward), '[tasks] reward is required with [tasks] train, e.g. "reward.py:compute_score"')
+        _check(
+            bool(k.reward), '[tasks] reward is required with [tasks] train, e.g. "reward.py:compute_score"'
+        )
         _check(
             not (k.eval and k.eval_fraction),
             "[tasks] eval and eval_fraction: give an evaluation file or a held-out fraction, not both",
@@ -545,7 +547,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     cls = _SECTIONS[section]
     want = {f.name: type(_default(f)) for f in dataclasses.fields(cls)}
     if key not in want:
-        raise ConfigError(f"override {text!r}: [{section}] unknown key {key!r}; known: {', '.join(sorted(want))}")
+        raise ConfigError(
+            f"override {text!r}: [{section}] unknown key {key!r}; known: {', '.join(sorted(want))}"
+        )
     parsed = _toml_value(value)
     if want[key] is str:
         parsed = parsed if isinstance(parsed, str) else value
@@ -564,7 +568,9 @@ _NOT_TOML = object()
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def _toml_value(text: str) -> Any:
