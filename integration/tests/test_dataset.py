@@ -108,7 +108,7 @@ def test_unknown_paths_and_suffixes(tmp_path: Path) -> None:
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"use a \.jsonl or \.parquet file"):
         read_tasks(str(tmp_path / "d.csv"))
-    with pytest.raises(DataError, match="no state.json"):
+    with pytest.raises(DataError, match=r"no state\.json"):
         read_tasks(str(tmp_path))
 
 
@@ -195,7 +195,7 @@ def test_eval_file_and_empty_sides(tmp_path: Path) -> None:
     ts = load_tasks(_section(train=str(train), eval=str(ev)))
     assert (len(ts.train), len(ts.eval)) == (4, 3)
     one = _jsonl(tmp_path / "one.jsonl", [_row(1)])
-    with pytest.raises(DataError, match="eval_fraction = 0.5 leaves no (training|evaluation) rows of 1"):
+    with pytest.raises(DataError, match=r"eval_fraction = 0\.5 leaves no (training|evaluation) rows of 1"):
         load_tasks(_section(train=str(one), eval_fraction=0.5))
 
 
