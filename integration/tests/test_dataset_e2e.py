@@ -21,7 +21,7 @@ from gyre.rollout.tasks.reward import load_function
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "dataset.toml"
 SHORT = ["run.steps=2", "batch.queries=2", "eval.tasks=4", "eval.every=2", "run.deadline_s=300"]
-FLAKY = '''
+FLAKY = """
 import importlib.util
 
 spec = importlib.util.spec_from_file_location("arith_reward", {path!r})
@@ -33,7 +33,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if data_source == "arith/sub":
         raise RuntimeError("no subtraction today")
     return arith.compute_score(data_source, solution_str, ground_truth, extra_info)
-'''
+"""
 
 
 def _rescored(cfg_args: list[str], ev: dict[str, Any]) -> tuple[list[float], list[float]]:
@@ -58,7 +58,9 @@ def test_dataset_example_run_then_eval(tmp_path: Path, capsys: pytest.CaptureFix
     assert m["steps_applied"] == 2 and m["final_version"] == 2 and m["executions"] == 16
     # the run kept the overrides (what --resume would go on with) and the example's absolute paths
     run_cfg = json.loads((out / "run.json").read_text())["config"]
-    assert run_cfg["batch"]["queries"] == 2 and run_cfg["tasks"]["train"] == str(EXAMPLES / "arith-train.jsonl")
+    assert run_cfg["batch"]["queries"] == 2 and run_cfg["tasks"]["train"] == str(
+        EXAMPLES / "arith-train.jsonl"
+    )
     # every execution made one call (a chat completion) and got one of the reward's three scores
     assert all(o["calls"] == 1 and o["score"] in (-1.0, 0.0, 1.0) for o in m["outcomes"])
     assert sum(s["loss_tokens"] for s in m["steps"]) > 0
@@ -88,13 +90,8 @@ def test_dataset_example_run_then_eval(tmp_path: Path, capsys: pytest.CaptureFix
     # a reward that raises is an evaluation failure, counted as such and not as a 0
     flaky = tmp_path / "flaky.py"
     flaky.write_text(FLAKY.format(path=str(EXAMPLES / "arith_reward.py")))
-    assert (
-        main(
-            ["eval", str(CONFIG), "--checkpoint", str(out / "model"), "--out", str(ev_dir), *args,
-             f"tasks.reward={flaky}:compute_score"]
-        )  # fmt: skip
-        == 0
-    )
+    again = ["eval", str(CONFIG), "--checkpoint", str(out / "model"), "--out", str(ev_dir), *args]
+    assert main([*again, f"tasks.reward={flaky}:compute_score"]) == 0
     ev2 = json.loads((ev_dir / "evals.jsonl").read_text().splitlines()[1])
     tasks = eval_set_of(load_config(CONFIG, args)).tasks
     subs = [i for i, t in enumerate(tasks) if t.data_source == "arith/sub"]
