@@ -498,10 +498,10 @@ def test_the_readme_quick_start_is_the_example(readme: Path) -> None:
     """The quick start's row is the example's first row, its reward function is the example's file
     (without its docstring), and its config lines are in examples/dataset.toml."""
     text = readme.read_text()
-    start = text.index("Bring your own data and reward")
+    start = text.index("## Bring your own data and reward")
     blocks = re.findall(r"```(\w+)\n(.*?)```", text[start:], re.S)[:4]
     kinds = [k for k, _ in blocks]
-    assert kinds == ["json", "python", "toml", "bash"], kinds
+    assert kinds == ["json", "python", "toml", "sh"], kinds
     (_, row), (_, reward), (_, toml), (_, commands) = blocks
     first = (EXAMPLES / "arith-train.jsonl").read_text().splitlines()[0]
     assert json.loads(row) == json.loads(first)
