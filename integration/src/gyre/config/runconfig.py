@@ -4,7 +4,8 @@ Every section and key is checked: an unknown section or key, a wrong type or an 
 `ConfigError` naming it (`[agent] turns must be >= 1`), so a typo never silently runs the default. What
 only the harnesses know (which harness, its command line, whether its CLI is installed here) is theirs to
 check: `rollout.harnesses.check_harness`, which `gyre run` and the `gyre` command call once the file is
-loaded. The field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
+loaded; so are your `[tasks]` rows and reward function (`rollout.harnesses.check_tasks`). Any key may be
+overridden on the command line, `SECTION.KEY=VALUE`, with the same checks (`parse_override`). The field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class AgentSection:
     claude-code (one real Claude Code CLI process per execution) or command (any command-line agent from
     `command`); README "Harnesses"."""
     tasks: str = "qa"
-    """qa: the built-in question families (`tasks.py`, scored on the final answer); code: write code in
-    the working directory, scored by hidden unit tests (`codetasks.py`; claude-code and command only)."""
+    """qa: the built-in question families (`tasks/qa.py`, scored on the final answer); code: write code in
+    the working directory, scored by hidden unit tests (`tasks/coding.py`; claude-code and command only).
+    Your own rows and reward instead: `[tasks]` (leave this unset)."""
     command: str = ""
     """command harness: the agent's command line, split like a shell's (no shell runs it), with
     `{prompt}` (required) and `{workdir}` replaced in each word; its environment names the execution's
@@ -160,7 +162,8 @@ class TrainSection:
 @dataclass(frozen=True)
 class EvalSection:
     tasks: int = 0
-    """Held-out tasks scored at each evaluation (greedy, through the proxy and engines); 0 = none."""
+    """Held-out tasks scored at each evaluation (greedy, through the proxy and engines); 0 = none. With
+    `[tasks]`: rows of its evaluation split (all of them when it has fewer)."""
     every: int = 5
     """Evaluate at weight versions 0, every, 2 x every, ... and the last; the step after an evaluation
     point is held until it is done, so every evaluation sees one weight version."""
