@@ -264,7 +264,7 @@ class TrajectoryService:
         with self._lock:
             self.applied, self.version = st.queue_position, st.version
         infos: dict[int, StepInfo] = {i.seq: i for i in st.steps}
-        return self.book.report(st.queue_position, st.version, infos)
+        return self.book.report(st.queue_position, st.version, infos, self.hold_at)
 
     def _stream(self, core: CoreClient) -> None:
         """Open steps in order as their batches start; give each ready group; close complete steps."""
