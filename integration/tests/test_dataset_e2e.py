@@ -2,8 +2,9 @@
 shipped arithmetic rows and reward, shortened by command-line overrides) with real processes, then
 `gyre eval` on the run's model directory, and once more with a reward that raises on one data source.
 The scores are checked against the example's reward applied again to the answers each evaluation
-recorded, so a score that did not come from the reward (or a failure counted as a 0) fails here. About
-85 s on 2 cores."""
+recorded, so a score that did not come from the reward (or a failure counted as a 0) fails here. An
+evaluation at every version holds steps 1 and 2 while rollout runs ahead of them (the run must still
+finish). About 50-90 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from gyre.rollout.tasks.reward import load_function
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "dataset.toml"
-SHORT = ["run.steps=2", "batch.queries=2", "eval.tasks=4", "eval.every=2", "run.deadline_s=300"]
+SHORT = ["run.steps=3", "batch.queries=2", "eval.tasks=4", "eval.every=1", "run.deadline_s=300"]
 FLAKY = """
 import importlib.util
 
@@ -55,7 +56,7 @@ def test_dataset_example_run_then_eval(tmp_path: Path, capsys: pytest.CaptureFix
     args = [*SHORT, f"run.out_dir={out}"]
     assert main(["run", str(CONFIG), *args]) == 0
     m = json.loads((out / "metrics.json").read_text())
-    assert m["steps_applied"] == 2 and m["final_version"] == 2 and m["executions"] == 16
+    assert m["steps_applied"] == 3 and m["final_version"] == 3 and m["executions"] == 24
     # the run kept the overrides (what --resume would go on with) and the example's absolute paths
     run_cfg = json.loads((out / "run.json").read_text())["config"]
     assert run_cfg["batch"]["queries"] == 2 and run_cfg["tasks"]["train"] == str(
@@ -66,7 +67,7 @@ def test_dataset_example_run_then_eval(tmp_path: Path, capsys: pytest.CaptureFix
     assert sum(s["loss_tokens"] for s in m["steps"]) > 0
 
     evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
-    assert [e["version"] for e in evals] == [0, 2]
+    assert [e["version"] for e in evals] == [0, 1, 2, 3]  # steps 1 and 2 held for their evaluations
     for ev in evals:
         scores, has_number = _rescored(args, ev)
         assert ev["tasks"] == 4 and ev["eval_failed"] == 0
