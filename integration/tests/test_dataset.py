@@ -423,6 +423,48 @@ def test_the_builtin_harness_draws_your_rows_and_scores_with_your_reward(
     assert s.status is EvalStatus.EVAL_FAILED and "raised KeyError" in s.detail
 
 
+def test_a_command_agent_gets_the_prompt_text_and_is_rewarded(tmp_path: Path) -> None:
+    """A command-line harness on your rows: the agent (a real process) is given the prompt's messages as
+    one text; its standard output is the solution the example's reward scores."""
+    import random
+
+    from gyre.rollout.harnesses import CliHarness
+
+    d = tmp_path / "conf"
+    d.mkdir()
+    _jsonl(d / "t.jsonl", [_row(4)])
+    # an "agent" that answers the sum it reads in the prompt's last line: "What is 4 + 1?" -> 5
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        "import re, sys\na, b = re.findall(r'\\d+', sys.argv[1].splitlines()[-1])\nprint(int(a) + int(b))\n"
+    )
+    cfg = load_config(
+        _config(
+            tmp_path,
+            f'train = "t.jsonl"\nreward = "{EXAMPLES / "arith_reward.py"}:compute_score"',
+            f"[run]\nout_dir = '{tmp_path / 'run'}'\n[agent]\nharness = 'command'\n"
+            f"command = '{{python}} {agent} {{prompt}}'",
+        )
+    )
+    h = CliHarness(cfg)
+    task = h.task(random.Random(0), "s0-q0")
+    assert (
+        isinstance(task, DatasetTask)
+        and h.argv(h.execution("e", "g", task, 0.0, (0, 0, 0)))[-1] == task.prompt
+    )
+    ex = h.execution("s0-q0-e0", "s0-q0", task, 0.0, (0, 0, 0))
+
+    async def go() -> Any:
+        import httpx
+
+        async with httpx.AsyncClient() as http:
+            await h.run(http, "http://127.0.0.1:9", ex)
+        return await h.score(ex, False, "")
+
+    s = asyncio.run(go())
+    assert ex.final_text == "5" and (s.status, s.value) == (EvalStatus.OK, 1.0)
+
+
 # ---- overrides -----------------------------------------------------------------------------------
 
 
