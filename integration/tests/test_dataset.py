@@ -527,6 +527,12 @@ def test_the_cli_refuses_bad_rows_and_checkpoints_with_exit_2(
         == 2
     )
     assert f"--checkpoint {tmp_path}: not a HuggingFace model directory" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")  # a model directory, as far as gyre eval looks first
+    assert main(["eval", str(EXAMPLES / "tiny.toml"), "--checkpoint", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "[eval] tasks is 0: say how many held-out tasks, e.g. eval.tasks=32" in capsys.readouterr().err
+    args = ["--checkpoint", str(tmp_path), "--out", str(tmp_path), "tasks.eval=", "eval.tasks=0"]
+    assert main(["eval", str(EXAMPLES / "dataset.toml"), *args]) == 2
+    assert "no evaluation split: set [tasks] eval or [tasks] eval_fraction" in capsys.readouterr().err
     with pytest.raises(SystemExit) as ended:
         main(["run", "--resume", str(tmp_path), "train.lr=1"])
     assert ended.value.code == 2

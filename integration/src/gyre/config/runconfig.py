@@ -81,7 +81,8 @@ class BatchSection:
 @dataclass(frozen=True)
 class AgentSection:
     turns: int = 3
-    """Model calls of one execution when it does not time out (the built-in harness is scripted)."""
+    """Model calls of one execution when it does not time out (the built-in harness is scripted; on your
+    own `[tasks]` rows it makes one call)."""
     max_tokens: int = 12
     """max_tokens of each model call."""
     temperature: float = 1.0
