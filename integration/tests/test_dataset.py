@@ -528,7 +528,10 @@ def test_the_cli_refuses_bad_rows_and_checkpoints_with_exit_2(
     )
     assert f"--checkpoint {tmp_path}: not a HuggingFace model directory" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")  # a model directory, as far as gyre eval looks first
-    assert main(["eval", str(EXAMPLES / "tiny.toml"), "--checkpoint", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert (
+        main(["eval", str(EXAMPLES / "tiny.toml"), "--checkpoint", str(tmp_path), "--out", str(tmp_path)])
+        == 2
+    )
     assert "[eval] tasks is 0: say how many held-out tasks, e.g. eval.tasks=32" in capsys.readouterr().err
     args = ["--checkpoint", str(tmp_path), "--out", str(tmp_path), "tasks.eval=", "eval.tasks=0"]
     assert main(["eval", str(EXAMPLES / "dataset.toml"), *args]) == 2
