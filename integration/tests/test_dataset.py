@@ -215,7 +215,7 @@ def test_cursor_goes_through_each_epoch_in_a_seeded_order(tmp_path: Path) -> Non
 # ---- the reward function -------------------------------------------------------------------------
 
 REWARDS = """
-import math, time
+import math, threading, time
 
 def fixed(data_source, solution_str, ground_truth, extra_info=None):
     return -2.5 if solution_str == ground_truth else 1e6
@@ -243,6 +243,12 @@ def text(data_source, solution_str, ground_truth, extra_info=None):
 
 def slow(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(1.0)
+    return 1.0
+
+STUCK = threading.Event()
+
+def stuck(data_source, solution_str, ground_truth, extra_info=None):
+    STUCK.wait(60.0)
     return 1.0
 
 def two_args(data_source, solution_str):
@@ -295,6 +301,21 @@ def test_a_failing_reward_is_an_evaluation_failure_not_a_zero(rewards: Path, nam
 def test_a_slow_reward_times_out_as_a_failure(rewards: Path) -> None:
     s, _ = _score(Reward.load(f"{rewards}:slow", timeout_s=0.1), "2")
     assert s.status is EvalStatus.EVAL_FAILED and "took longer than 0.1 s" in s.detail
+
+
+def test_a_reward_that_never_returns_is_abandoned(rewards: Path) -> None:
+    """Its thread is left behind (a daemon): the evaluation ends at the timeout, and the event loop's end
+    does not wait for it (a worker of the loop's default executor would be waited for)."""
+    import threading
+
+    reward = Reward.load(f"{rewards}:stuck", timeout_s=0.1)
+    s, _ = _score(reward, "2")
+    try:
+        assert s.status is EvalStatus.EVAL_FAILED and "took longer than 0.1 s" in s.detail
+        left = [t for t in threading.enumerate() if t.name == "reward"]
+        assert left and all(t.daemon and t.is_alive() for t in left)
+    finally:
+        reward.fn.__globals__["STUCK"].set()
 
 
 def test_no_output_is_a_failure_and_errors_are_kept(rewards: Path) -> None:

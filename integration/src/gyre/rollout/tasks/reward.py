@@ -5,18 +5,21 @@ It returns a finite number, or a dict whose `score` is one (its other keys with 
 kept as extras: an evaluation reports their means). Any finite score is a score, on any scale. A reward
 that raises, returns anything else (a non-finite number, a dict without `score`, a string) or takes
 longer than its timeout is an evaluation failure with the reason in its detail: no value, never a 0.
-It runs on a worker thread (a reward that never returns is abandoned there at its timeout).
+It runs on a thread of its own, a daemon: a reward that never returns is abandoned there at its timeout,
+and neither the event loop's end nor the interpreter's waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
 import numbers
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +99,32 @@ def interpret(result: Any) -> tuple[float, dict[str, float]]:
     return float(score), extras
 
 
+def _on_a_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """`fn(*args)` on a new daemon thread; its outcome arrives in the returned future (dropped if the
+    future was cancelled, or its loop closed, meanwhile)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting task, which names it
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=work, name="reward", daemon=True).start()
+    return fut
+
+
 @dataclass(frozen=True)
 class Reward:
     spec: str
@@ -109,7 +138,7 @@ class Reward:
     async def compute(self, task: DatasetTask, solution: str) -> tuple[float, dict[str, float]]:
         """(score, extras) of `solution`; `RewardError` when the reward fails (raises, times out, or
         returns no finite score)."""
-        call = asyncio.to_thread(self.fn, task.data_source, solution, task.ground_truth, task.extra_info)
+        call = _on_a_thread(self.fn, task.data_source, solution, task.ground_truth, task.extra_info)
         try:
             result = await asyncio.wait_for(call, self.timeout_s)
         except TimeoutError:
