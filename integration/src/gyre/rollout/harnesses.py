@@ -157,7 +157,7 @@ def check_tasks(cfg: Config) -> tuple[TaskSet, Reward] | None:
     try:
         tasks = load_tasks(t)
     except DataError as exc:
-        key = "eval" if t.eval and str(exc).startswith(t.eval) else "train"
+        key = "eval" if t.eval and str(exc).startswith(t.eval) else "train"  # messages open with the path
         raise ConfigError(f"[tasks] {key}: {exc}") from exc
     try:
         reward = Reward.load(t.reward, t.reward_timeout_s)

@@ -39,7 +39,7 @@ def _jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
         fh = open(p, encoding="utf-8")  # noqa: SIM115 - closed by the with below
     except OSError as exc:
-        raise DataError(f"cannot read {p}: {exc.strerror or exc}") from exc
+        raise DataError(f"{p}: cannot read it: {exc.strerror or exc}") from exc
     with fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
