@@ -69,6 +69,22 @@ def test_ready_groups_follow_step_order(streaming: bool) -> None:
     assert (rg.ready, rg.batch_groups, rg.batch_complete) == (2, 2, True)
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_steps_held_for_an_evaluation_count_no_ready_groups(streaming: bool) -> None:
+    """An evaluation at version 1 holds step 1 (and so every later one) until it is done; it needs a
+    rollout engine, so held groups must not keep the scheduler's cells training (a run whose rollout
+    ran ahead of the hold waited forever with every cell training and nothing to train)."""
+    book = _book(streaming)
+    for k in range(3):
+        _register(book, k)
+        _finish_group(book, k, 0)
+        _finish_group(book, k, 1)
+    assert book.report(0, 0, {}).ready == 6
+    assert book.report(0, 0, {}, hold=1).ready == 2  # step 0 trains up to the evaluation point
+    assert book.report(1, 1, {}, hold=1).ready == 0  # at the point: nothing until the evaluation ends
+    assert book.report(1, 1, {}, hold=2).ready == 2  # after it, the next step's groups
+
+
 def test_streamed_groups_leave_the_count_as_they_are_trained() -> None:
     book = _book(True)
     _register(book, 0)

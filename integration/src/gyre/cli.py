@@ -1,7 +1,9 @@
-"""The `gyre` command: `run` the whole system from a config, `compare` scheduling policies (with and
-without streaming) on one workload, with the gyre-sched simulator's prediction beside each, `demo` (warm
-start, then RL that learns the built-in tasks), `warmstart` (the warm start alone), `chaos` (a run under
-injected faults), `cell` (one cell process, started by `gyre run`), and `version`."""
+"""The `gyre` command: `run` the whole system from a config, `eval` a checkpoint on the config's held-out
+split, `compare` scheduling policies (with and without streaming) on one workload, with the gyre-sched
+simulator's prediction beside each, `demo` (warm start, then RL that learns the built-in tasks),
+`warmstart` (the warm start alone), `chaos` (a run under injected faults), `cell` (one cell process,
+started by `gyre run`), and `version`. `run`, `eval`, `compare` and `chaos` take overrides after the
+config, `SECTION.KEY=VALUE` (`train.lr=1e-5 batch.queries=16`), checked as the file is."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import importlib.metadata
 import inspect
 import itertools
 import logging
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -53,6 +56,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the version of each gyre component")
     r = sub.add_parser("run", help="run the whole system on this machine from a TOML/YAML config")
     r.add_argument("config", nargs="?", help="a .toml, .yaml or .json run config (see integration/examples/)")
+    _overrides_arg(r)
     r.add_argument(
         "--resume",
         metavar="DIR",
@@ -73,6 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "compare", help="the same workload under several policies (arms), with the simulator's predictions"
     )
     c.add_argument("config")
+    _overrides_arg(c)
     c.add_argument("--out", help="override [run] out_dir (each arm gets a subdirectory)")
     c.add_argument(
         "--policies",
@@ -92,6 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="a run under injected faults (kills, stops, a full log disk); a JSON report of what it survived",
     )
     x.add_argument("config")
+    _overrides_arg(x)
     x.add_argument("--faults", type=int, default=20, help="faults to inject (default: 20)")
     x.add_argument("--seed", type=int, default=0, help="which faults, when (default: 0)")
     x.add_argument("--out", required=True, help="the run directory (new); the report is OUT/chaos.json")
@@ -101,6 +107,16 @@ def _build_parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--failure-timeout-s", type=float, default=8.0, help="gyre-sched's failure timeout during the run"
     )
+    e = sub.add_parser(
+        "eval",
+        help="evaluation only: a HuggingFace checkpoint directory on the config's held-out split, scored as "
+        "a run's evaluations are (printed, and appended to OUT/evals.jsonl)",
+    )
+    e.add_argument("config", help="the run config whose [eval], [tasks] and [agent] say what to score")
+    _overrides_arg(e)
+    e.add_argument("--checkpoint", required=True, metavar="DIR", help="a HuggingFace model directory")
+    e.add_argument("--out", metavar="DIR", help="where evals.jsonl and the logs go (default: OUT_DIR/eval)")
+    e.add_argument("-v", "--verbose", action="store_true")
     from gyre.rollout.warmstart import WarmStartConfig
     from gyre.scenarios.demo import DemoConfig
 
@@ -114,6 +130,18 @@ def _build_parser() -> argparse.ArgumentParser:
     cell = sub.add_parser("cell", help="one cell process (started by `gyre run`)")
     cell.add_argument("--args", required=True)
     return parser
+
+
+def _overrides_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="SECTION.KEY=VALUE",
+        help="override a key of the config, checked as the file is (e.g. train.lr=1e-5 batch.queries=16)",
+    )
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -152,14 +180,16 @@ def _fields(ns: argparse.Namespace, cls: type) -> Any:
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
-def _load(path: str) -> Config:
-    """The run config in `path`, its harness checked too (`ConfigError`s name the file and the key)."""
+def _load(path: str, overrides: list[str] | None = None) -> Config:
+    """The run config in `path` with `overrides`, its harness and its own tasks checked too
+    (`ConfigError`s name the file, or the override, and the key)."""
     from gyre.config.runconfig import ConfigError, load_config
-    from gyre.rollout.harnesses import check_harness
+    from gyre.rollout.harnesses import check_harness, check_tasks
 
-    cfg = load_config(path)
+    cfg = load_config(path, overrides or [])
     try:
         check_harness(cfg.agent)
+        check_tasks(cfg)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return cfg
@@ -191,7 +221,7 @@ def _chaos(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) or KINDS
     try:
-        cfg = _load(args.config)
+        cfg = _load(args.config, args.overrides)
         report = chaos(
             cfg, args.faults, args.seed, Path(args.out), kinds, args.failure_timeout_s,
             say=lambda m: print(m, flush=True),
@@ -231,8 +261,8 @@ def _run_or_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "run" and (args.resume is None) == (args.config is None):
         parser.error("gyre run: give a CONFIG or --resume DIR (not both)")
-    if args.command == "run" and args.resume and (args.out or args.policy):
-        parser.error("gyre run --resume: the run goes on as it was started (no --out or --policy)")
+    if args.command == "run" and args.resume and (args.out or args.policy or args.overrides):
+        parser.error("gyre run --resume: the run goes on as it was started (no --out, --policy or overrides)")
     try:
         if args.command == "run" and args.resume:
             from gyre.system.run import resume_config
@@ -240,7 +270,7 @@ def _run_or_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             cfg = resume_config(Path(args.resume))
             check_harness(cfg.agent)
         else:
-            cfg = _load(args.config)
+            cfg = _load(args.config, args.overrides)
         if args.out:
             cfg = cfg.with_policy(cfg.run.policy, args.out)
         if args.command == "run" and args.policy:
@@ -283,6 +313,39 @@ def _run_or_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    """`gyre eval`: the config loaded and checked (exit 2 on a refused one, or a checkpoint that is not a
+    model directory), then one evaluation (exit 1 when a part fails)."""
+    import json
+
+    from gyre.config.runconfig import ConfigError
+    from gyre.procs.group import ChildDied
+    from gyre.system.evalonly import EvalError, evaluate_checkpoint
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        cfg = _load(args.config, args.overrides)
+        out = Path(args.out) if args.out else Path(cfg.run.out_dir) / "eval"
+        result = evaluate_checkpoint(cfg, Path(args.checkpoint), out, say=lambda m: print(m, flush=True))
+    except ConfigError as exc:
+        print(f"gyre eval: {exc}", file=sys.stderr)
+        return 2
+    except (EvalError, ChildDied) as exc:
+        print(f"gyre eval: error: {exc}", file=sys.stderr)
+        return 1
+    fams = ", ".join(f"{k} {v}" for k, v in result["by_family"].items())
+    print(
+        f"gyre eval: score {result['score']} on {result['tasks']} tasks ({fams}); "
+        f"{result['eval_failed']} evaluation failures, {result['timed_out']} timed out -> {out / 'evals.jsonl'}"
+    )
+    print(json.dumps({k: v for k, v in result.items() if k not in ("answers", "failures")}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -290,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         from gyre.cell.cell import main as cell_main
 
         return cell_main(["--args", args.args, *rest])
+    if hasattr(args, "overrides"):  # overrides after an option land in `rest`
+        args.overrides = [*args.overrides, *(r for r in rest if _OVERRIDE.match(r))]
+        rest = [r for r in rest if not _OVERRIDE.match(r)]
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
@@ -302,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "chaos":
         return _chaos(args)
+    if args.command == "eval":
+        return _eval(args)
     if args.command in ("run", "compare"):
         return _run_or_compare(args, parser)
     parser.print_help()

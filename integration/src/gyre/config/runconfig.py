@@ -4,7 +4,8 @@ Every section and key is checked: an unknown section or key, a wrong type or an 
 `ConfigError` naming it (`[agent] turns must be >= 1`), so a typo never silently runs the default. What
 only the harnesses know (which harness, its command line, whether its CLI is installed here) is theirs to
 check: `rollout.harnesses.check_harness`, which `gyre run` and the `gyre` command call once the file is
-loaded. The field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
+loaded; so are your `[tasks]` rows and reward function (`rollout.harnesses.check_tasks`). Any key may be
+overridden on the command line, `SECTION.KEY=VALUE`, with the same checks (`parse_override`). The field docstrings are the reference; `integration/examples/tiny.toml` shows every section.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -80,7 +82,8 @@ class BatchSection:
 @dataclass(frozen=True)
 class AgentSection:
     turns: int = 3
-    """Model calls of one execution when it does not time out (the built-in harness is scripted)."""
+    """Model calls of one execution when it does not time out (the built-in harness is scripted; on your
+    own `[tasks]` rows it makes one call)."""
     max_tokens: int = 12
     """max_tokens of each model call."""
     temperature: float = 1.0
@@ -108,8 +111,9 @@ class AgentSection:
     claude-code (one real Claude Code CLI process per execution) or command (any command-line agent from
     `command`); README "Harnesses"."""
     tasks: str = "qa"
-    """qa: the built-in question families (`tasks.py`, scored on the final answer); code: write code in
-    the working directory, scored by hidden unit tests (`codetasks.py`; claude-code and command only)."""
+    """qa: the built-in question families (`tasks/qa.py`, scored on the final answer); code: write code in
+    the working directory, scored by hidden unit tests (`tasks/coding.py`; claude-code and command only).
+    Your own rows and reward instead: `[tasks]` (leave this unset)."""
     command: str = ""
     """command harness: the agent's command line, split like a shell's (no shell runs it), with
     `{prompt}` (required) and `{workdir}` replaced in each word; its environment names the execution's
@@ -183,7 +187,8 @@ class LogSection:
 @dataclass(frozen=True)
 class EvalSection:
     tasks: int = 0
-    """Held-out tasks scored at each evaluation (greedy, through the proxy and engines); 0 = none."""
+    """Held-out tasks scored at each evaluation (greedy, through the proxy and engines); 0 = none. With
+    `[tasks]`: rows of its evaluation split (all of them when it has fewer)."""
     every: int = 5
     """Evaluate at weight versions 0, every, 2 x every, ... and the last; the step after an evaluation
     point is held until it is done, so every evaluation sees one weight version."""
@@ -191,6 +196,31 @@ class EvalSection:
     """Which held-out tasks (the same set at every evaluation)."""
     max_tokens: int = 48
     """max_tokens of each evaluation call."""
+
+
+@dataclass(frozen=True)
+class TasksSection:
+    """Your own tasks and reward, in verl's conventions (README "Bring your own data and reward"): each row
+    has `prompt` (a list of chat messages, {role, content}), `reward_model.ground_truth`, `data_source`
+    and, optionally, `extra_info`. Relative paths are taken from the directory of the file that names
+    them (the current directory for a command-line override)."""
+
+    train: str = ""
+    """The training rows: a .jsonl file, a .parquet file (the `gyre[data]` extra) or a directory that
+    HuggingFace `datasets` saved with `save_to_disk`; empty: the built-in tasks (`[agent] tasks`)."""
+    eval: str = ""
+    """The evaluation rows, in the same forms; empty: `eval_fraction` of the training rows are held out."""
+    eval_fraction: float = 0.0
+    """With no `eval` file: the share of the training rows held out for evaluation (never trained on),
+    chosen by a hash of each row's content, so a row and its duplicates fall on one side and the split
+    stays put when rows are added or reordered."""
+    reward: str = ""
+    """The reward function, `module:function` (importable) or `path/to/file.py:function`, with verl's
+    `custom_reward_function` signature `fn(data_source, solution_str, ground_truth, extra_info=None)`,
+    returning a finite number or a dict with a finite `score` (its other keys are logged). A reward that
+    raises, or returns anything else, is an evaluation failure, not a 0."""
+    reward_timeout_s: float = 60.0
+    """A reward call not done within this long is an evaluation failure (it runs on a thread)."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +346,7 @@ class Config:
     driver: DriverSection = field(default_factory=DriverSection)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    tasks: TasksSection = field(default_factory=TasksSection)
     cell: CellSection = field(default_factory=CellSection)
     sched: SchedSection = field(default_factory=SchedSection)
     proxy: ProxySection = field(default_factory=ProxySection)
@@ -375,6 +406,7 @@ class Config:
         _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
         _check(self.survive.max_restarts >= 0, "[survive] max_restarts must be >= 0")
         self._check_profile()
+        self._check_tasks()
         _check(self.survive.backoff_s >= 0, "[survive] backoff_s must be >= 0")
 
     def _check_profile(self) -> None:
@@ -389,6 +421,32 @@ class Config:
         _check(p.compact_tokens >= 0, "[profile] compact_tokens must be >= 0")
         _check(0 <= p.subagent_share <= 1, "[profile] subagent_share must be in [0, 1]")
         _check(p.tool_s_sigma >= 0, "[profile] tool_s_sigma must be >= 0")
+
+    def _check_tasks(self) -> None:
+        k = self.tasks
+        _check(0 <= k.eval_fraction < 1, "[tasks] eval_fraction must be in [0, 1)")
+        _check(k.reward_timeout_s > 0, "[tasks] reward_timeout_s must be > 0")
+        if not k.train:
+            _check(
+                not (k.eval or k.eval_fraction or k.reward),
+                "[tasks] eval, eval_fraction and reward need [tasks] train (your training rows)",
+            )
+            return
+        _check(
+            bool(k.reward), '[tasks] reward is required with [tasks] train, e.g. "reward.py:compute_score"'
+        )
+        _check(
+            not (k.eval and k.eval_fraction),
+            "[tasks] eval and eval_fraction: give an evaluation file or a held-out fraction, not both",
+        )
+        _check(
+            self.agent.tasks == default_of(AgentSection, "tasks"),
+            "[agent] tasks: leave it unset with [tasks] train (the rows are the tasks)",
+        )
+        _check(
+            self.eval.tasks == 0 or bool(k.eval) or k.eval_fraction > 0,
+            "[eval] tasks > 0 with [tasks] train needs [tasks] eval or [tasks] eval_fraction",
+        )
 
     def _check_placement(self) -> None:
         c, e = self.cell, self.engine
@@ -446,9 +504,27 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return Config(**kwargs)
 
 
-def load_config(path: str | Path) -> Config:
-    """Read a .toml, .yaml/.yml or .json file; errors name the file and the key."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a .toml, .yaml/.yml or .json file, then apply command-line `overrides` (`SECTION.KEY=VALUE`,
+    `parse_override`); errors name the file (or the override) and the key. Relative `[tasks]` paths are
+    made absolute: from the file's directory, or the current one for an override."""
     p = Path(path)
+    raw = _read(p)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a table of sections")
+    try:
+        _anchor(raw, p.parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
+    apply_overrides(raw, overrides)
+    try:
+        return config_from_dict(raw)
+    except ConfigError as exc:
+        said = f" (with {' '.join(overrides)})" if overrides else ""
+        raise ConfigError(f"{p}{said}: {exc}") from exc
+
+
+def _read(p: Path) -> Any:
     try:
         text = p.read_text()
     except OSError as exc:
@@ -457,13 +533,12 @@ def load_config(path: str | Path) -> Config:
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
-            raw = yaml.safe_load(text) or {}
-        elif p.suffix == ".json":
-            raw = json.loads(text)
-        elif p.suffix == ".toml":
-            raw = tomllib.loads(text)
-        else:
-            raise ConfigError(f"{p}: use a .toml, .yaml, .yml or .json file")
+            return yaml.safe_load(text) or {}
+        if p.suffix == ".json":
+            return json.loads(text)
+        if p.suffix == ".toml":
+            return tomllib.loads(text)
+        raise ConfigError(f"{p}: use a .toml, .yaml, .yml or .json file")
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{p}: {exc}") from exc
     except ImportError as exc:  # pragma: no cover - pyyaml is a dependency
@@ -472,9 +547,86 @@ def load_config(path: str | Path) -> Config:
         if type(exc).__module__.startswith("yaml"):
             raise ConfigError(f"{p}: {exc}") from exc
         raise
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: the top level must be a table of sections")
-    try:
-        return config_from_dict(raw)
+
+
+# ---- paths and command-line overrides ------------------------------------------------------------
+
+_PATHS = ("train", "eval")
+"""The `[tasks]` keys that hold a path (and `reward`'s `file.py` part)."""
+
+
+def _anchor(raw: dict[str, Any], base: Path) -> None:
+    """Make the relative paths of `raw`'s `[tasks]` absolute from `base` (in place; bad types are left
+    for the table check)."""
+    t = raw.get("tasks")
+    if not isinstance(t, dict):
+        return
+    for key in _PATHS:
+        v = t.get(key)
+        if isinstance(v, str) and v and not Path(v).expanduser().is_absolute():
+            t[key] = str((base / v).resolve())
+    r = t.get("reward")
+    if isinstance(r, str) and ":" in r:
+        where, _, fn = r.rpartition(":")
+        if where.endswith(".py") and not Path(where).expanduser().is_absolute():
+            t["reward"] = f"{(base / where).resolve()}:{fn}"
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`SECTION.KEY=VALUE` (Hydra's and verl's habit: `train.lr=1e-5`) as (section, key, value), the value
+    read as its field's type: a str field takes the text as it is (or a quoted TOML string), any other a
+    TOML value (`1e-5`, `16`, `true`, `[0, 1]`). A malformed override, an unknown section or key, or a
+    value of the wrong type is a `ConfigError` naming it."""
+    name, eq, value = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not eq or not dot or not section or not key:
+        raise ConfigError(f"override {text!r}: expected SECTION.KEY=VALUE, e.g. train.lr=1e-5")
+    if section not in _SECTIONS:
+        raise ConfigError(f"override {text!r}: unknown section [{section}]; known: {', '.join(_SECTIONS)}")
+    cls = _SECTIONS[section]
+    want = {f.name: type(_default(f)) for f in dataclasses.fields(cls)}
+    if key not in want:
+        raise ConfigError(
+            f"override {text!r}: [{section}] unknown key {key!r}; known: {', '.join(sorted(want))}"
+        )
+    parsed = _toml_value(value)
+    if want[key] is str:
+        parsed = parsed if isinstance(parsed, str) else value
+    elif want[key] is bool and value.strip() in ("True", "False"):
+        parsed = value.strip() == "True"
+    elif parsed is _NOT_TOML:
+        parsed = value
+    try:  # the file's own check, on this one key
+        tables.dataclass_from_table(cls, section, {key: parsed}, error=ConfigError)
     except ConfigError as exc:
-        raise ConfigError(f"{p}: {exc}") from exc
+        raise ConfigError(f"override {text!r}: {exc}") from exc
+    return section, key, parsed
+
+
+_NOT_TOML = object()
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _toml_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return _NOT_TOML
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], base: Path | None = None) -> None:
+    """Apply `overrides` (`parse_override`) to the raw table `raw`, in place; their relative `[tasks]`
+    paths are taken from `base` (the current directory)."""
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override {text!r}: [{section}] must be a table, got {type(table).__name__}")
+        table[key] = value
+        if section == "tasks":
+            _anchor({"tasks": table}, base or Path.cwd())

@@ -1,7 +1,8 @@
 """Harnesses: who runs one execution of `gyre run` (`[agent] harness`), and how it is scored.
 
 - `builtin`: this package's tool-using agent over the Anthropic Messages API (`agent.py`; with
-  compaction, sub-agents or call retries configured, `branching.py`), on the built-in question tasks.
+  compaction, sub-agents or call retries configured, `branching.py`), on the built-in question tasks;
+  on your own tasks (`[tasks] train`), one chat completion of the row's prompt (`agents/chat.py`).
 - `claude-code`: one real Claude Code CLI process per execution (`claude -p`), in a fresh working
   directory holding the task's files, with its own HOME and TMPDIR, `ANTHROPIC_BASE_URL` pointed at the
   execution's route on gyre-proxy (`/e/{execution}`), the offline settings (no telemetry, no
@@ -19,7 +20,8 @@ A CLI harness's process is the leader of its own process group; the driver's tim
 ends the whole group (SIGTERM, then SIGKILL after `KILL_GRACE_S`), and so does a normal exit (whatever
 its tools left running). The model calls an execution made are the records the trajectory service
 received for it, counted once the count has stayed put for `SETTLE_S` after the process ended. The
-working directory is scored (coding tasks: `tasks/coding.py`) or the final answer (questions: `tasks/qa.py`),
+working directory is scored (coding tasks: `tasks/coding.py`) or the final answer (questions: `tasks/qa.py`;
+your own tasks: your reward function, `tasks/reward.py`, given the rows' prompt as one text, `{prompt}`),
 then the execution's directory is removed: nothing of one execution is visible to another.
 """
 
@@ -46,8 +48,11 @@ from gyre_traj.records import EvalStatus, Score
 
 from gyre.config.runconfig import AgentSection, Config, ConfigError
 from gyre.procs.group import die_with_parent
-from gyre.rollout.agents import agent, branching, profile
+from gyre.rollout.agents import agent, branching, chat, profile
 from gyre.rollout.tasks import coding, qa
+from gyre.rollout.tasks.dataset import Cursor, DatasetTask, TaskSet, load_tasks
+from gyre.rollout.tasks.reward import Reward, RewardError
+from gyre.rollout.tasks.rows import DataError
 
 HARNESSES = ("builtin", "claude-code", "command", "profile")
 TASK_KINDS = ("qa", "code")
@@ -140,6 +145,47 @@ def _check_command(template: str, need: Callable[[bool, str], None]) -> None:
              "or install it ({python} is this interpreter)")  # fmt: skip
 
 
+def check_tasks(cfg: Config) -> tuple[TaskSet, Reward] | None:
+    """Your own tasks (`[tasks] train`), read and checked, and the reward function, loaded; None for the
+    built-in tasks. A bad file, row, column or reward is a `ConfigError` naming the key and the file."""
+    t = cfg.tasks
+    if not t.train:
+        return None
+    if cfg.agent.harness == "profile":
+        raise ConfigError("[tasks] train: the profile harness writes its own tasks; use builtin, command "
+                          "or claude-code")  # fmt: skip
+    try:
+        tasks = load_tasks(t)
+    except DataError as exc:
+        key = "eval" if t.eval and str(exc).startswith(t.eval) else "train"  # messages open with the path
+        raise ConfigError(f"[tasks] {key}: {exc}") from exc
+    try:
+        reward = Reward.load(t.reward, t.reward_timeout_s)
+    except RewardError as exc:
+        raise ConfigError(f"[tasks] reward: {exc}") from exc
+    return tasks, reward
+
+
+@dataclass
+class OwnTasks:
+    """`[tasks]`: the training rows, drawn in turn (`Cursor`, from the run's seed), and the reward."""
+
+    cursor: Cursor
+    reward: Reward
+
+    @classmethod
+    def of(cls, cfg: Config) -> OwnTasks | None:
+        own = check_tasks(cfg)
+        if own is None:
+            return None
+        tasks, reward = own
+        return cls(Cursor(tasks.train, cfg.run.seed), reward)
+
+    async def score(self, task: DatasetTask, ex: Run, timed_out: bool, error: str) -> Score:
+        s, _ = await self.reward.score(task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
+        return s
+
+
 class Run(Protocol):
     """What the driver reads of an execution, whatever harness ran it."""
 
@@ -170,6 +216,8 @@ class Harness(Protocol):
 
 def make_harness(cfg: Config) -> Harness:
     a = cfg.agent
+    if a.harness == "builtin" and cfg.tasks.train:
+        return ChatHarness(cfg)
     if a.harness == "builtin":
         return BuiltinHarness(cfg)
     if a.harness == "profile":
@@ -266,10 +314,44 @@ class BuiltinHarness:
 
 
 @dataclass
+class ChatHarness:
+    """The built-in harness on your own tasks: one chat completion of each row's prompt (`agents/chat.py`),
+    scored by your reward function."""
+
+    cfg: Config
+    own: OwnTasks = field(init=False)
+
+    def __post_init__(self) -> None:
+        own = OwnTasks.of(self.cfg)
+        assert own is not None, "ChatHarness runs [tasks] train"
+        self.own = own
+
+    def task(self, rng: random.Random, group_id: str) -> DatasetTask:
+        return self.own.cursor.next()
+
+    def execution(
+        self, execution_id: str, group_id: str, task: DatasetTask, tool_s: float, where: tuple[int, int, int]
+    ) -> chat.ChatExecution:
+        return chat.ChatExecution(execution_id, group_id, task, tool_s)
+
+    async def run(self, http: httpx.AsyncClient, proxy_url: str, ex: chat.ChatExecution) -> None:
+        a = self.cfg.agent
+        await chat.run_chat(
+            http, proxy_url, ex, max_tokens=a.max_tokens, temperature=a.temperature, retry_for_s=a.timeout_s
+        )
+
+    async def settle(self, ex: chat.ChatExecution, recorded: Callable[[str], int]) -> None:
+        return None  # the harness counts its own completed call
+
+    async def score(self, ex: chat.ChatExecution, timed_out: bool, error: str) -> Score:
+        return await self.own.score(ex.task, ex, timed_out, error)
+
+
+@dataclass
 class CliExecution:
     execution_id: str
     group_id: str
-    task: qa.Task | coding.CodeTask
+    task: qa.Task | coding.CodeTask | DatasetTask
     root: Path
     """The execution's own directory: `work/` (its working directory), `home/`, `tmp/`, `output.log`."""
     tool_s: float = 0.0
@@ -297,12 +379,18 @@ class CliHarness:
     cfg: Config
     keep: bool = False
     """Keep each execution's directory after scoring (debugging); off: removed once scored."""
+    own: OwnTasks | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.own = OwnTasks.of(self.cfg)
 
     @property
     def base(self) -> Path:
         return Path(self.cfg.run.out_dir).resolve() / "executions"
 
-    def task(self, rng: random.Random, group_id: str) -> qa.Task | coding.CodeTask:
+    def task(self, rng: random.Random, group_id: str) -> qa.Task | coding.CodeTask | DatasetTask:
+        if self.own is not None:
+            return self.own.cursor.next()
         if self.cfg.agent.tasks == "code":
             return coding.make_code_task(rng, group_id)
         return qa.make_task(rng, group_id)
@@ -311,7 +399,7 @@ class CliHarness:
         self,
         execution_id: str,
         group_id: str,
-        task: qa.Task | coding.CodeTask,
+        task: qa.Task | coding.CodeTask | DatasetTask,
         tool_s: float,
         where: tuple[int, int, int],
     ) -> CliExecution:
@@ -416,6 +504,9 @@ class CliHarness:
                 return await coding.evaluate_code(
                     ex.task, ex.workdir, ex.execution_id, ex.group_id, timed_out, error
                 )
+            if isinstance(ex.task, DatasetTask):
+                assert self.own is not None
+                return await self.own.score(ex.task, ex, timed_out, error)
             return qa.evaluate(ex.task, ex.execution_id, ex.group_id, ex.final_text, timed_out, error)
         finally:
             if not self.keep:

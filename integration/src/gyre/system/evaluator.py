@@ -11,14 +11,12 @@ directory, one line per evaluation. An evaluation that raises fails the run, nam
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from typing import Any
 
 from gyre.config.runconfig import Config
 from gyre.measure.samples import engines_serve
-from gyre.rollout.evalset import eval_points, evaluate_at
-from gyre.rollout.tasks.qa import eval_set
+from gyre.rollout.evalset import EVALS, append_result, eval_points, eval_set_of, evaluate_at
 from gyre.system.runparts import RunContext
 
 
@@ -27,7 +25,7 @@ class Evaluator:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.tasks = eval_set(cfg.eval.tasks, cfg.eval.seed)
+        self.evals = eval_set_of(cfg)
         self.points = eval_points(cfg.run.steps, cfg.eval.every)
         self.results: list[dict[str, Any]] = []
         self._thread: threading.Thread | None = None
@@ -36,7 +34,7 @@ class Evaluator:
 
     # ---- RunPart ------------------------------------------------------------------------------------
     def start(self, ctx: RunContext) -> None:
-        (ctx.out / "evals.jsonl").unlink(missing_ok=True)
+        (ctx.out / EVALS).unlink(missing_ok=True)
         ctx.traj.hold_at = self.points[0]
 
     def tick(self, ctx: RunContext) -> None:
@@ -63,8 +61,7 @@ class Evaluator:
     # ---- one evaluation -----------------------------------------------------------------------------
     def _finish(self, ctx: RunContext, result: dict[str, Any]) -> None:
         self.results.append(result)
-        with open(ctx.out / "evals.jsonl", "a") as fh:
-            fh.write(json.dumps(result) + "\n")
+        append_result(ctx.out / EVALS, result)
         self.points.pop(0)
         self._thread, self._result = None, None
         ctx.traj.hold_at = self.points[0] if self.points and self.points[0] < self.cfg.run.steps else None
@@ -73,7 +70,7 @@ class Evaluator:
         try:
             self._result = asyncio.run(
                 evaluate_at(
-                    self.tasks, version, ctx.proxy_url, self.cfg.agent, self.cfg.eval.max_tokens,
+                    self.evals, version, ctx.proxy_url, self.cfg.agent, self.cfg.eval.max_tokens,
                     ctx.driver.track, ctx.driver.untrack,
                 )
             )  # fmt: skip

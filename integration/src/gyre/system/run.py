@@ -24,7 +24,7 @@ from typing import Any
 
 from gyre.config.runconfig import Config, config_from_dict
 from gyre.procs.nospace import is_full
-from gyre.rollout.harnesses import check_harness
+from gyre.rollout.harnesses import check_harness, check_tasks
 from gyre.system import diskfull
 from gyre.system.attempt import RunError, attempt
 from gyre.system.rundir import NothingToResume, RunDir, read_state, sweep_segments
@@ -54,8 +54,10 @@ def run(
     """Run the system for `cfg`; returns the metrics (also written to out_dir/metrics.json). `parts` ride
     along (`runparts.py`); with `[eval] tasks`, the held-out evaluator is one of them. `resume`: continue
     the unfinished run in out_dir (RunDirError subclasses say why a directory is refused). A harness
-    that cannot run here is a `ConfigError` before anything is claimed or started."""
+    that cannot run here, or `[tasks]` rows or a reward that cannot be used, is a `ConfigError` before
+    anything is claimed or started."""
     check_harness(cfg.agent)
+    check_tasks(cfg)
     out = Path(cfg.run.out_dir).resolve()
     rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
     if resume:  # the run goes on as it was configured

@@ -115,7 +115,8 @@ class TrajectoryService:
         self.error: BaseException | None = None
         self.hold_at: int | None = None
         """Steps from this one on are not closed or submitted (an evaluation needs the version to stay
-        put); streamed groups of a held step still go to the core, which computes but cannot apply them."""
+        put); streamed groups of a held step still go to the core, which computes but cannot apply them,
+        and count no ready groups for the scheduler (the evaluation needs a rollout engine)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trajectory-service", daemon=True)
 
@@ -264,7 +265,7 @@ class TrajectoryService:
         with self._lock:
             self.applied, self.version = st.queue_position, st.version
         infos: dict[int, StepInfo] = {i.seq: i for i in st.steps}
-        return self.book.report(st.queue_position, st.version, infos)
+        return self.book.report(st.queue_position, st.version, infos, self.hold_at)
 
     def _stream(self, core: CoreClient) -> None:
         """Open steps in order as their batches start; give each ready group; close complete steps."""

@@ -212,13 +212,17 @@ class StepBook:
         total = sd.tally.microbatches  # one pack for the whole batch: groups share micro-batches
         return math.ceil(len(sd.tally.groups) * (total - done) / total) if total else 0
 
-    def report(self, applied: int, version: int, infos: Mapping[int, StepInfo]) -> ReadyGroups:
+    def report(
+        self, applied: int, version: int, infos: Mapping[int, StepInfo], hold: int | None = None
+    ) -> ReadyGroups:
         """The scheduler's view: untrained ready groups from the step in progress (`applied`: the core's
-        queue position) on, stopping after the first incomplete batch (steps train in order); whether
-        that step's batch is complete; whether it has begun training."""
+        queue position) on, stopping after the first incomplete batch (steps train in order) and before
+        step `hold` (held for an evaluation, which needs a rollout engine: groups that cannot be trained
+        until it is done must not keep every cell training); whether that step's batch is complete;
+        whether it has begun training."""
         ready = 0
         k = applied
-        while k in self.steps:
+        while k in self.steps and (hold is None or k < hold):
             sd = self.steps[k]
             ready += self.untrained(sd, infos.get(k))
             if not sd.complete:

@@ -21,7 +21,7 @@ import asyncio
 import enum
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -87,9 +87,18 @@ class Execution:
         return out
 
 
-async def _call(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], ex: Execution, retry_until: float
+class Retrying(Protocol):
+    """What `call_proxy` reads and counts of an execution."""
+
+    execution_id: str
+    retries: int
+
+
+async def call_proxy(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], ex: Retrying, retry_until: float
 ) -> dict[str, Any]:
+    """POST `body` to the proxy and return its JSON answer, retrying (counted in `ex.retries`) what a real
+    harness retries (module docstring) until `retry_until` (the loop's clock); `HarnessError` otherwise."""
     loop = asyncio.get_running_loop()
     while True:
         try:
@@ -155,7 +164,7 @@ async def run_execution(
     for turn in range(turns):
         await asyncio.sleep(ex.tool_s / turns)
         body = request_body(ex.messages, max_tokens, temperature)
-        resp = await _call(http, url, body, ex, loop.time() + retry_for_s)
+        resp = await call_proxy(http, url, body, ex, loop.time() + retry_for_s)
         ex.calls += 1
         content = resp.get("content") or []
         ex.final_text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
