@@ -98,7 +98,7 @@ def test_gyre_run_puts_one_token_in_the_environment_and_takes_it_back(
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     rt = runtoken.install()
     try:
-        assert os.environ[TOKEN_ENV] == rt.token
+        assert os.environ[TOKEN_ENV] == rt.token and rt.made
         assert len(rt.token) >= MIN_TOKEN_CHARS
         sockets.derive_keys(rt.token)  # a token CURVE accepts
     finally:
@@ -107,4 +107,4 @@ def test_gyre_run_puts_one_token_in_the_environment_and_takes_it_back(
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # a run spread over hosts: the token already set is the run's
     rt = runtoken.install()
     rt.uninstall()
-    assert (rt.token, os.environ[TOKEN_ENV]) == (TOKEN, TOKEN)
+    assert (rt.token, os.environ[TOKEN_ENV], rt.made) == (TOKEN, TOKEN, False)

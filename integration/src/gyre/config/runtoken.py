@@ -21,6 +21,11 @@ class RunToken:
     token: str = field(repr=False)
     previous: str | None = field(repr=False)
 
+    @property
+    def made(self) -> bool:
+        """Whether `install` made the token (none was set), rather than keeping the one given."""
+        return not (self.previous or "").strip()
+
     def uninstall(self) -> None:
         """Restore `$GYRE_TOKEN` to what it was before `install`."""
         if self.previous is None:

@@ -305,5 +305,6 @@ class Driver:
         )
 
     def outcomes(self) -> list[dict[str, Any]]:
+        """Each execution's outcome as the plain JSON types metrics.json holds (its place as a list)."""
         with self.lock:
-            return [o.__dict__.copy() for o in self.state.outcomes]
+            return [{**o.__dict__, "where": list(o.where)} for o in self.state.outcomes]

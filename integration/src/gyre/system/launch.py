@@ -104,11 +104,14 @@ class LocalLauncher(ProcessGroup):
         return free_port()
 
 
-def launcher_for(ray_address: str, log_dir: Path, parts: list[Part], timeout_s: float) -> Launcher:
-    """The local launcher for an empty `ray_address`, else a `RayLauncher` with `parts` placed."""
+def launcher_for(
+    ray_address: str, log_dir: Path, parts: list[Part], timeout_s: float, token_made: bool = True
+) -> Launcher:
+    """The local launcher for an empty `ray_address`, else a `RayLauncher` with `parts` placed (the run
+    token in `$GYRE_TOKEN`; `token_made`: the run made it, none was given)."""
     if not ray_address:
         return LocalLauncher(log_dir)
-    return RayLauncher(ray_address, log_dir, parts, timeout_s)
+    return RayLauncher(ray_address, log_dir, parts, timeout_s, token_made)
 
 
 class Host:
@@ -159,7 +162,9 @@ class RayLauncher:
 
     CHECK_EVERY_S = 0.5
 
-    def __init__(self, address: str, log_dir: Path, parts: list[Part], timeout_s: float) -> None:
+    def __init__(
+        self, address: str, log_dir: Path, parts: list[Part], timeout_s: float, token_made: bool = True
+    ) -> None:
         # The parts run in the Ray nodes' own Python environment (gyre installed there), never in one Ray
         # rebuilds for each worker from the driver's `uv run` (its default: `uv run` per worker process,
         # with the driver's working directory uploaded).
@@ -178,6 +183,7 @@ class RayLauncher:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.local = ProcessGroup(log_dir)
         self._own_token = not resolve_token()
+        self._token_made = token_made or self._own_token
         self.token = resolve_token() or new_token()
         os.environ[TOKEN_ENV] = self.token  # this process's own peers (driver, sampler) use it too
         self._placed: dict[str, _Placed] = {}
@@ -230,7 +236,7 @@ class RayLauncher:
             "ray_address": self.address,
             "driver_node_id": here,
             "one_node": self.one_node,
-            "run_token": "new" if self._own_token else "given",
+            "run_token": "new" if self._token_made else "given",
             "parts": where,
         }
         (self.log_dir / "placement.json").write_text(json.dumps(doc, indent=1))
