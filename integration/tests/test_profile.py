@@ -89,3 +89,25 @@ def test_the_simulator_counts_each_executions_planned_calls() -> None:
     got = predict.sim_durations(cfg, cal, calls)
     np.testing.assert_allclose(got, d * (1 - cfg.agent.model_fraction) + calls * 0.5)
     assert not np.allclose(got, predict.sim_durations(cfg, cal))  # `turns` calls each is another sample
+
+
+def test_executions_that_ended_at_the_timeout_calibrate_per_call_they_made() -> None:
+    """When every execution ends at its timeout (a slow engine), the seconds per call still come from
+    them: their model time over the calls they made by then, not over the calls they planned."""
+    from gyre.measure import predict
+
+    calls = np.full((1, 1, 2), 20)
+    outcomes = [
+        {"timed_out": True, "error": "", "calls": 5, "start": 0.0, "tool_s": 10.0, "where": [0, 0, j],
+         "end": 10.0 + 5 * 3.0}
+        for j in range(2)
+    ]  # fmt: skip
+    outcomes.append(  # an execution that failed says nothing about call times
+        {"timed_out": False, "error": "boom", "calls": 1, "start": 0.0, "tool_s": 0.0, "where": [0, 0, 0],
+         "end": 100.0}
+    )  # fmt: skip
+    cal = predict.calibrate(
+        [{"outcomes": outcomes, "steps": [], "switch_times": {"to_training_s": [], "to_rollout_s": []}}],
+        calls,
+    )
+    assert cal.model_call_s == pytest.approx(3.0)

@@ -112,7 +112,8 @@ def durations(cfg: Config) -> np.ndarray:
 
 def calibrate(metrics: list[dict[str, Any]], calls: np.ndarray | None = None) -> Calibration:
     """Machine-dependent times measured in runs (medians over every run given); with `calls` (each
-    execution's planned calls), seconds per call are per planned call of each execution."""
+    execution's planned calls), seconds per call are per planned call of each execution (per call made,
+    for an execution that ended at its timeout)."""
     group_s: list[float] = []
     update_s: list[float] = []
     to_t: list[float] = []
@@ -120,9 +121,11 @@ def calibrate(metrics: list[dict[str, Any]], calls: np.ndarray | None = None) ->
     call_s: list[float] = []
     for m in metrics:
         for o in m.get("outcomes", []):
-            if o["timed_out"] or o["error"] or o["calls"] <= 0:
+            if o["error"] or o["calls"] <= 0:
                 continue
-            n = o["calls"] if calls is None or "where" not in o else int(calls[tuple(o["where"])])
+            # an execution that ended at the timeout made `calls` of its planned calls by then
+            made = o["timed_out"] or calls is None or "where" not in o
+            n = o["calls"] if made else int(calls[tuple(o["where"])])
             call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / n)
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
