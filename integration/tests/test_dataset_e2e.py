@@ -1,6 +1,6 @@
 """Your own data and reward end to end on the CPU: `gyre run integration/examples/dataset.toml` (the
 shipped arithmetic rows and reward, shortened by command-line overrides) with real processes, then
-`gyre eval` on the run's model directory, and once more with a reward that raises on one data source.
+`gyre eval` on the policy the run exported, and once more with a reward that raises on one data source.
 The scores are checked against the example's reward applied again to the answers each evaluation
 recorded, so a score that did not come from the reward (or a failure counted as a 0) fails here. An
 evaluation at every version holds steps 1 and 2 while rollout runs ahead of them (the run must still
@@ -75,14 +75,14 @@ def test_dataset_example_run_then_eval(tmp_path: Path, capsys: pytest.CaptureFix
         assert ev["reward_extra"] == {"has_number": round(float(np.mean(has_number)), 4)}
         assert set(ev["by_family"]) <= {"arith/add", "arith/sub"}
 
-    # evaluation only, of the model the run started from: the run's evaluation, on the checkpoint
+    # evaluation only, of the policy the run exported at its end: the run's evaluation, on the checkpoint
     capsys.readouterr()
     ev_dir = tmp_path / "eval"
-    assert main(["eval", str(CONFIG), "--checkpoint", str(out / "model"), "--out", str(ev_dir), *args]) == 0
+    assert main(["eval", str(CONFIG), "--checkpoint", str(out / "policy"), "--out", str(ev_dir), *args]) == 0
     printed = capsys.readouterr().out
     (line,) = (ev_dir / "evals.jsonl").read_text().splitlines()
     ev = json.loads(line)
-    assert set(ev) == set(evals[0]) | {"checkpoint"} and ev["checkpoint"] == str(out / "model")
+    assert set(ev) == set(evals[0]) | {"checkpoint"} and ev["checkpoint"] == str(out / "policy")
     scores, _ = _rescored(args, ev)
     assert ev["score"] == round(float(np.mean(scores)), 4) and ev["tasks"] == 4
     assert f"gyre eval: score {ev['score']} on 4 tasks" in printed
@@ -91,7 +91,7 @@ def test_dataset_example_run_then_eval(tmp_path: Path, capsys: pytest.CaptureFix
     # a reward that raises is an evaluation failure, counted as such and not as a 0
     flaky = tmp_path / "flaky.py"
     flaky.write_text(FLAKY.format(path=str(EXAMPLES / "arith_reward.py")))
-    again = ["eval", str(CONFIG), "--checkpoint", str(out / "model"), "--out", str(ev_dir), *args]
+    again = ["eval", str(CONFIG), "--checkpoint", str(out / "policy"), "--out", str(ev_dir), *args]
     assert main([*again, f"tasks.reward={flaky}:compute_score"]) == 0
     ev2 = json.loads((ev_dir / "evals.jsonl").read_text().splitlines()[1])
     tasks = eval_set_of(load_config(CONFIG, args)).tasks
