@@ -16,8 +16,10 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
      concurrency: `rollout_efficiency` = their wall seconds / the run's busy rollout GPU-seconds;
    - `migrate`: a moved call's time to first token with its 16k-token prefix handed over (gyre-xfer,
      shared memory) against the same call prefilled again;
-   - `probe`: the engine alone at its full batch on fresh contexts of 1k-14k tokens: prefill seconds,
-     then seconds per decode step continuing them from the prefix cache (`decode_vs_context`).
+   - `probe`: two more engines, the slots' columns sized by length bucket and by the whole buffer
+     (`--slot-widths`), each alone in turn at its full batch on fresh contexts of 1k-14k tokens: prefill
+     seconds, then seconds per decode step continuing them from the prefix cache, with the engine's own
+     decode seconds and the CUDA graphs it captured meanwhile (`decode_vs_context`).
    With `replay` skipped this part runs first, before the policies.
 Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
 timelines to OUT/timeline-<policy>.png.
@@ -86,14 +88,18 @@ def say(msg: str) -> None:
 class Engines:
     """Standalone `gyre-engine serve` processes with the run's engine options, on the run's first GPU."""
 
-    def __init__(self, cfg: Config, model_dir: Path, logs: Path, n: int) -> None:
+    def __init__(
+        self, cfg: Config, model_dir: Path, logs: Path, n: int, extra: list[list[str]] | None = None
+    ) -> None:
+        """`n` engines with the run's options; `extra`: more options for each (later ones win)."""
         self.procs = ProcessGroup(logs)
         self.urls = []
         self.t0 = time.monotonic()
         for i in range(n):
             port = free_port()
+            more = extra[i] if extra else []
             argv = python_argv("gyre_engine", "serve", "--model", str(model_dir), "--port", str(port),
-                               "--device", cfg.cell.device, *gpus.engine_argv(cfg))  # fmt: skip
+                               "--device", cfg.cell.device, *gpus.engine_argv(cfg), *more)  # fmt: skip
             self.procs.start(f"engine-alone-{i}", argv, env={"OMP_NUM_THREADS": "1", **gpus.cell_env(cfg, 0)})
             self.urls.append(f"http://127.0.0.1:{port}")
         self.cfg = cfg
@@ -147,13 +153,20 @@ def alone_phase(
             out["migrate"] = asyncio.run(
                 replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab)
             )
-        if "probe" not in skip:
-            lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
-            out["decode_vs_context"] = asyncio.run(
-                replay.decode_vs_context(eng.urls[0], lengths, cfg.engine.max_running, 64, vocab)
-            )
     finally:
         eng.close()
+    if "probe" not in skip:  # two more engines, one per way of sizing the decode step's columns
+        widths = ["bucketed", "full"]
+        probe = Engines(cfg, model_dir, logs, 2, [["--slot-widths", w] for w in widths])
+        try:
+            out["probe_startup_s"] = round(probe.wait(), 2)
+            lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
+            out["decode_vs_context"] = {
+                w: asyncio.run(replay.decode_vs_context(url, lengths, cfg.engine.max_running, 64, vocab))
+                for w, url in zip(widths, probe.urls, strict=True)
+            }
+        finally:
+            probe.close()
     return out
 
 
@@ -348,7 +361,7 @@ def main() -> int:
         )
         if got is not None:
             res["standalone_startup_s"] = got["standalone_startup_s"]
-            for k in ("replay", "migrate", "decode_vs_context"):
+            for k in ("replay", "migrate", "probe_startup_s", "decode_vs_context"):
                 if k in got:
                     res[k] = got[k]
             save()

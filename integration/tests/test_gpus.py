@@ -31,13 +31,15 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
                     "warmup_tokens": 256,
                     "compile_decode": False,
                     "max_cached_tokens": 65536,
+                    "slot_widths": "full",
                 }
             }
         )
     )
     assert argv == [
         "--max-running-requests", "16", "--slot-kv-fraction", "0.1", "--warmup-decode-tokens", "256",
-        "--decode-slots", "auto", "--max-cached-tokens", "65536", "--no-compile-decode",
+        "--decode-slots", "auto", "--slot-widths", "full", "--max-cached-tokens", "65536",
+        "--no-compile-decode",
     ]  # fmt: skip
     assert "--max-cached-tokens" not in gpus.engine_argv(config_from_dict({}))  # 0: the engine's default
     from gyre_engine.cli import main
@@ -60,6 +62,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         ({"engine": {"kv_fraction": 0.0}}, "kv_fraction must be in (0, 1)"),
         ({"engine": {"decode_slots": "fast"}}, "decode_slots"),
         ({"engine": {"max_cached_tokens": -1}}, "max_cached_tokens must be >= 0"),
+        ({"engine": {"slot_widths": "wide"}}, "slot_widths: bucketed|full"),
         ({"engine": {"graphs": 1}}, "unknown key 'graphs'"),
     ],
 )

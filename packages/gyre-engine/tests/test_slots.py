@@ -93,6 +93,23 @@ def test_slot_rows_compact_and_keep_their_kv(hf_model: Any) -> None:
         assert sb.lengths == [len(c) - 1 for c in ctxs]
 
 
+def test_full_width_slots_are_exact_and_never_grow(model_dir: Path, hf_model: Any) -> None:
+    """`slot_widths = "full"`: the buffer is allocated at its bound once and every step attends over all
+    of it (tiles past a row's length skipped): the same greedy tokens as transformers' generate, and no
+    grow however long the rows get."""
+    eng = _engine(model_dir, slot_max_len=96, slot_widths="full")
+    try:
+        assert eng.slots is not None and eng.slots.full_width
+        slot_checks.check_concurrent_greedy(eng, hf_model)
+        st = eng.slot_stats()
+        assert st["capacity"] == 96 and st["grows"] == 1  # the one allocation, at its bound
+        assert st["eager_steps"] > 0
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="slot_widths must be bucketed or full"):
+        _engine(model_dir, slot_widths="wide")
+
+
 def test_length_buckets() -> None:
     assert [length_bucket(n) for n in (1, 128, 129, 256, 257, 385, 1000, 5000)] == [
         128,

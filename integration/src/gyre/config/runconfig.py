@@ -253,6 +253,10 @@ class EngineSection:
     kv_fraction: float = 0.2
     """Device memory for the decode slots' KV, as a fraction of the GPU's (`--slot-kv-fraction`); the
     cells sharing a GPU must leave room for each other and the trainers (checked: <= 0.8 together)."""
+    slot_widths: str = ""
+    """Columns a decode step attends over (`--slot-widths`): "bucketed" (a CUDA graph per length bucket,
+    captured on first use) or "full" (the whole slot buffer: every graph captured at start-up; for
+    contexts that keep growing); "": the engine's default (bucketed)."""
     max_cached_tokens: int = 0
     """Tokens of finished calls' KV each engine keeps for prefix reuse (`--max-cached-tokens`; 0: the
     engine's own default). This memory comes on top of `kv_fraction`: size both for the live contexts."""
@@ -452,6 +456,7 @@ class Config:
         c, e = self.cell, self.engine
         _check(e.max_running >= 1 and e.warmup_tokens >= 0, "[engine] max_running >= 1, warmup_tokens >= 0")
         _check(0 < e.kv_fraction < 1, "[engine] kv_fraction must be in (0, 1)")
+        _check(e.slot_widths in ("", "bucketed", "full"), "[engine] slot_widths: bucketed|full")
         _check(e.max_cached_tokens >= 0, "[engine] max_cached_tokens must be >= 0 (0: the engine's default)")
         _check(
             e.decode_slots in ("auto", "graphs", "eager", "off"),

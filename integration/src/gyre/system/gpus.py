@@ -36,6 +36,8 @@ def engine_argv(cfg: Config) -> list[str]:
         "--max-running-requests", str(e.max_running), "--slot-kv-fraction", str(e.kv_fraction),
         "--warmup-decode-tokens", str(e.warmup_tokens), "--decode-slots", e.decode_slots,
     ]  # fmt: skip
+    if e.slot_widths:
+        argv += ["--slot-widths", e.slot_widths]
     if e.max_cached_tokens:
         argv += ["--max-cached-tokens", str(e.max_cached_tokens)]
     if cfg.cell.device == "cuda":  # cells release and resume their engine's memory at every switch

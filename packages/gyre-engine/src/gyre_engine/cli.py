@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     s.add_argument("--slot-kv-fraction", type=float, default=0.2, help="device memory for the slots' KV")
     s.add_argument(
+        "--slot-widths",
+        choices=["bucketed", "full"],
+        default="bucketed",
+        help="columns a decode step attends over: the longest row's length bucket (a graph per bucket, "
+        "captured on first use) or the whole slot buffer (a graph per batch bucket, captured at warm-up)",
+    )
+    s.add_argument(
         "--run-steps",
         type=int,
         default=8,
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                         compile_prefill=args.compile_prefill,
                         pin_host_weights=args.pin_host_weights,
                         slot_kv_fraction=args.slot_kv_fraction,
+                        slot_widths=args.slot_widths,
                         run_steps=args.run_steps,
                     ),
                     warmup_decode_tokens=args.warmup_decode_tokens,

@@ -104,6 +104,10 @@ class Engine:
         took about 1.2 s on the H200); a cell that switches roles sets it."""
         slot_kv_fraction: float = 0.2
         """Bound of the slots' KV buffer, as a fraction of the device's memory (CUDA)."""
+        slot_widths: str = "bucketed"
+        """Columns a slot step attends over: "bucketed" (the length bucket of the longest row: a graph per
+        bucket, captured on first use, all dropped when the buffer grows) or "full" (the whole buffer,
+        allocated at once: a graph per batch bucket, captured at warm-up; for contexts that keep growing)."""
         slot_max_len: int | None = None
         """Tokens per slot at most (default: from `slot_kv_fraction` on CUDA, the context length else);
         longer rows continue in the lanes."""
@@ -166,6 +170,8 @@ class Engine:
         mode = self.config.decode_slots
         if mode not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"decode_slots must be auto, graphs, eager or off, not {mode!r}")
+        if self.config.slot_widths not in ("bucketed", "full"):
+            raise ValueError(f"slot_widths must be bucketed or full, not {self.config.slot_widths!r}")
         cuda = self.device.type == "cuda"
         if mode == "off" or (mode == "auto" and not cuda):
             return None
@@ -196,6 +202,7 @@ class Engine:
             max_len,
             use_graphs=graphs,
             compile_model=graphs and self.config.compile_decode,
+            full_width=self.config.slot_widths == "full",
         )
 
     def warmup_decode(self, max_tokens: int) -> float:

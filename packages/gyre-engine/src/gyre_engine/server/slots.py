@@ -142,6 +142,7 @@ class SlotBatch:
         max_len: int,
         use_graphs: bool,
         compile_model: bool = False,
+        full_width: bool = False,
     ) -> None:
         register_attention()
         self.model = model
@@ -156,6 +157,11 @@ class SlotBatch:
         self.max_len = max_len
         self.use_graphs = use_graphs
         self.compile_model = compile_model
+        self.full_width = full_width
+        """Every step attends over the whole buffer (allocated at `max_len` at once) instead of the length
+        bucket of its longest row: one graph per batch bucket and run length, captured at warm-up, none
+        later and no buffer grows, at the cost of planning the attention's splits for the whole width
+        (tiles past a row's length are still skipped). For contexts that keep growing."""
         self.cache_kw = cache_kwarg(model)
         self.lengths: list[int] = []
         self.next_tokens: list[int] = []
@@ -224,7 +230,7 @@ class SlotBatch:
         cap = max(512, self.capacity)
         while cap < need:
             cap *= 2
-        cap = min(max(cap, need), self.max_len)
+        cap = self.max_len if self.full_width else min(max(cap, need), self.max_len)
         kv = torch.zeros(
             (2, self.layers, self.slots, self.kv_heads, cap, self.head_dim),
             dtype=self.dtype,
@@ -408,7 +414,7 @@ class SlotBatch:
         top = max(self.lengths) + steps
         self._ensure_capacity(top)
         b = next(x for x in self.buckets if x >= n) if self.use_graphs else n
-        width = min(length_bucket(top), self.capacity)
+        width = self.capacity if self.full_width else min(length_bucket(top), self.capacity)
         host = torch.zeros((4, b), dtype=torch.long)
         host[0, :n] = torch.tensor(self.next_tokens, dtype=torch.long)
         host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
@@ -531,7 +537,11 @@ class SlotBatch:
             raise RuntimeError("warm up the decode graphs before any row runs")
         top = min(max_tokens, self.max_len)
         self._ensure_capacity(top)
-        widths = sorted({min(length_bucket(n), self.capacity) for n in range(1, top + 1)})
+        widths = (
+            [self.capacity]
+            if self.full_width
+            else sorted({min(length_bucket(n), self.capacity) for n in range(1, top + 1)})
+        )
         self.io.zero_()  # rows at position 0 of free slots: their writes land where no row reads
         for k in steps:
             for width in widths:
