@@ -124,8 +124,10 @@ def calibrate(metrics: list[dict[str, Any]], calls: np.ndarray | None = None) ->
             if o["error"] or o["calls"] <= 0:
                 continue
             # an execution that ended at the timeout made `calls` of its planned calls by then
-            made = o["timed_out"] or calls is None or "where" not in o
-            n = o["calls"] if made else int(calls[tuple(o["where"])])
+            if o["timed_out"] or calls is None or "where" not in o:
+                n = o["calls"]
+            else:
+                n = int(calls[tuple(o["where"])])
             call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / n)
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
