@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 import zmq
 from gyre.procs.group import free_port
-from gyre.system.launch import Host, LocalLauncher
+from gyre.config.runconfig import ConfigError, config_from_dict
+from gyre.system.attempt import parts_of
+from gyre.system.launch import LOOPBACK, Host, LocalLauncher, bind_hosts, bundle_of
 from gyre_base.testing import env_without_token
 from gyre_base.token import TOKEN_ENV, new_token
 from gyre_sched.client import dealer
@@ -54,6 +56,53 @@ def test_local_launcher_binds_loopback(tmp_path: Path) -> None:
     launcher = LocalLauncher(tmp_path)
     assert launcher.host("cell-0") == "127.0.0.1" and launcher.local is launcher
     launcher.close()
+
+
+def test_ray_resources_pin_each_part_and_span_nodes_binds_node_addresses() -> None:
+    """The placement decision without a cluster: `[run] ray_resources` goes into each part's bundle
+    (besides its CPU and the cell's GPU); parts all on the driver's node bind loopback, parts on several
+    nodes bind their node's address and so does the driver (its trajectory service)."""
+    cfg = config_from_dict(
+        {
+            "run": {
+                "cells": 3,
+                "ray_resources": {"sched": {"head": 1}, "cell-1": {"n1": 1}, "cell-2": {"n2": 0.5}},
+            },
+            "cell": {"device": "cuda"},
+        }
+    )
+    parts = parts_of(cfg)
+    assert [p.name for p in parts] == ["sched", "proxy", "cell-0", "cell-1", "cell-2"]
+    assert [bundle_of(p) for p in parts] == [
+        {"CPU": 1.0, "head": 1.0},
+        {"CPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0, "n1": 1.0},
+        {"CPU": 1.0, "GPU": 1.0, "n2": 0.5},
+    ]
+    one = [("A", "10.0.0.1")] * 3
+    assert bind_hosts(one, "A", "10.0.0.1") == [LOOPBACK] * 4
+    spread = [("A", "10.0.0.1"), ("B", "10.0.0.2"), ("C", "10.0.0.3")]
+    assert bind_hosts(spread, "A", "10.0.0.1") == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.1"]
+    assert bind_hosts([("B", "10.0.0.2")], "A", "10.0.0.1") == ["10.0.0.2", "10.0.0.1"]
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ({"cell-2": {"n": 1}}, "[run] ray_resources.cell-2: not a part of this run"),
+        ({"driver": {"n": 1}}, "[run] ray_resources.driver: not a part of this run"),
+        ({"sched": 1}, "[run] ray_resources.sched must be a table"),
+        ({"proxy": {"CPU": 2}}, "[run] ray_resources.proxy.CPU: CPU and GPU are set by the run"),
+        ({"cell-0": {"n": 0}}, "[run] ray_resources.cell-0.n must be a number > 0"),
+        ({"cell-0": {"n": True}}, "[run] ray_resources.cell-0.n must be a number > 0"),
+        ({"cell-0": {"n": "one"}}, "[run] ray_resources.cell-0.n must be a number > 0"),
+    ],
+)
+def test_ray_resources_errors_name_the_key(table: dict[str, object], said: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"run": {"cells": 2, "ray_resources": table}})
+    assert said in str(err.value)
 
 
 # ---- SLURM: a cell started by the cluster's launcher -----------------------------------------------------

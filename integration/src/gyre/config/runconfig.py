@@ -69,6 +69,12 @@ class RunSection:
     "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
     its GPUs) are placed through one placement group, bind their node's address, and share a run token
     ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
+    ray_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With `ray_address`: Ray custom resources each part's bundle asks for besides its CPU and GPUs, by
+    part name ("sched", "proxy", "cell-0", "cell-1", ...), e.g. `{ "cell-1" = { node2 = 1 } }` to put
+    cell 1 on the node started with `--resources '{"node2": 1}'`. A part left out goes wherever Ray
+    packs it. The trajectory service, the rollout driver and the sampler run in `gyre run` itself, on
+    the node it is started on."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +367,7 @@ class Config:
         _check(r.cells >= 2, "[run] cells must be >= 2 (a core and at least one rollout cell)")
         _check(r.steps >= 1, "[run] steps must be >= 1")
         _check(r.deadline_s > 0 and r.startup_timeout_s > 0, "[run] deadline_s and startup_timeout_s > 0")
+        _check_resources(r.ray_resources, r.cells)
         _check(b.queries >= 1, "[batch] queries must be >= 1")
         _check(b.group_size >= 2, "[batch] group_size must be >= 2 (advantages need two scores)")
         _check(a.turns >= 1, "[agent] turns must be >= 1")
@@ -484,6 +491,27 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def part_names(cells: int) -> list[str]:
+    """The names of the processes a launcher places for a run of `cells` cells, in start order."""
+    return ["sched", "proxy", *(f"cell-{i}" for i in range(cells))]
+
+
+def _check_resources(table: dict[str, Any], cells: int) -> None:
+    """`[run] ray_resources`: part name -> {resource: amount > 0}; CPU and GPU are the run's own."""
+    names = part_names(cells)
+    for name, res in table.items():
+        key = f"[run] ray_resources.{name}"
+        _check(name in names, f"{key}: not a part of this run (parts: {', '.join(names)})")
+        _check(isinstance(res, dict), f"{key} must be a table of resource = amount, got {res!r}")
+        for rname, amount in res.items():
+            _check(
+                rname not in ("CPU", "GPU"),
+                f"{key}.{rname}: CPU and GPU are set by the run (1 CPU per part, [cell] device's GPUs)",
+            )
+            ok = isinstance(amount, int | float) and not isinstance(amount, bool) and amount > 0
+            _check(ok, f"{key}.{rname} must be a number > 0, got {amount!r}")
 
 
 def _check(ok: bool, msg: str) -> None:

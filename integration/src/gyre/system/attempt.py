@@ -36,7 +36,7 @@ from gyre_train.modelconfig import ModelConfig, ModelConfigError
 
 from gyre.cell.args import CellArgs
 from gyre.config import runtoken
-from gyre.config.runconfig import Config
+from gyre.config.runconfig import Config, part_names
 from gyre.measure import efficiency, runmetrics
 from gyre.measure import predict as sim
 from gyre.measure.metrics import Sampler, write_json, write_plot
@@ -92,9 +92,14 @@ def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
 
 
 def parts_of(cfg: Config) -> list[Part]:
-    """What a launcher places: the scheduler, the proxy and each cell with its GPUs."""
+    """What a launcher places: the scheduler, the proxy and each cell with its GPUs, each with the custom
+    resources `[run] ray_resources` gives it."""
     gpus = 1 if cfg.cell.device == "cuda" else 0
-    return [Part("sched"), Part("proxy"), *(Part(f"cell-{i}", gpus) for i in range(cfg.run.cells))]
+    res = cfg.run.ray_resources
+    return [
+        Part(n, gpus if n.startswith("cell-") else 0, {k: float(v) for k, v in res.get(n, {}).items()})
+        for n in part_names(cfg.run.cells)
+    ]
 
 
 def proxy_up(url: str) -> bool:
@@ -197,6 +202,7 @@ class Attempt:
             token_budget=self.cfg.train.token_budget, j_max=self.cfg.train.j_max,
             report_s=self.cfg.driver.report_s, first_step=self.position,
             on_closed=ledger.Ledger(self.out, self.rd.attempt).closed,
+            bind=f"tcp://{self.procs.driver_host}:0",
         )  # fmt: skip
         self._start_proxy(model_dir, self.traj)
         engines = {i: f"http://{self.procs.host(f'cell-{i}')}:{p}" for i, p in enumerate(self.ports)}

@@ -32,7 +32,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,6 +55,23 @@ class Part:
 
     name: str
     gpus: int = 0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Ray custom resources its bundle asks for besides CPU and GPU (`[run] ray_resources`)."""
+
+
+def bundle_of(part: Part) -> dict[str, float]:
+    """The placement-group bundle of `part`: one CPU, its GPUs, its custom resources (which pin it to the
+    nodes that have them)."""
+    return {"CPU": 1.0, **({"GPU": float(part.gpus)} if part.gpus else {}), **part.resources}
+
+
+def bind_hosts(nodes: Sequence[tuple[str, str]], driver_node: str, driver_address: str) -> list[str]:
+    """The address each part binds, from where the parts landed (`(node id, node address)` each) and the
+    node of `gyre run` (its id and address), the latter last: loopback for all when every part is on the
+    driver's node, else each one's node address (the driver's too, for its trajectory service)."""
+    if all(node_id == driver_node for node_id, _ in nodes):
+        return [LOOPBACK] * (len(nodes) + 1)
+    return [address for _, address in nodes] + [driver_address]
 
 
 class Logged(Protocol):
@@ -67,6 +84,8 @@ class Logged(Protocol):
 
 class Launcher(Protocol):
     token: str
+    driver_host: str
+    """The address listeners in this process (the trajectory service's records PULL) bind."""
 
     @property
     def local(self) -> ProcessGroup:
@@ -96,6 +115,7 @@ class LocalLauncher(ProcessGroup):
         super().__init__(log_dir)
         self.token = resolve_token()
         self.local = self
+        self.driver_host = LOOPBACK
 
     def host(self, name: str) -> str:
         return LOOPBACK
@@ -187,6 +207,7 @@ class RayLauncher:
         self.token = resolve_token() or new_token()
         os.environ[TOKEN_ENV] = self.token  # this process's own peers (driver, sampler) use it too
         self._placed: dict[str, _Placed] = {}
+        self.driver_host = LOOPBACK
         self._pg: Any = None
         self._checked = 0.0
         self.children: list[_Placed] = []
@@ -203,15 +224,16 @@ class RayLauncher:
 
     def _place(self, parts: list[Part], timeout_s: float, placement_group: Any, strategy: Any) -> None:
         ray = self._ray
-        bundles = [{"CPU": 1.0, **({"GPU": float(p.gpus)} if p.gpus else {})} for p in parts]
+        bundles = [bundle_of(p) for p in parts]
         self._pg = placement_group(bundles, strategy="PACK", name=f"gyre-{os.getpid()}")
         try:
             ray.get(self._pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
-            free = ray.available_resources()
+            free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
             raise PlacementError(
                 f"the Ray cluster could not place {bundles} within {timeout_s:.0f} s "
-                f"(available now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g})"
+                f"(available now: {', '.join(f'{k} {v:g}' for k, v in sorted(free.items()))}; "
+                "[run] ray_resources names the custom resources each part asks for)"
             ) from exc
         remote = ray.remote(Host)
         for i, p in enumerate(parts):
@@ -223,18 +245,23 @@ class RayLauncher:
             ).remote(str(self.log_dir))
             self._placed[p.name] = _Placed(p.name, self.log_dir / f"{p.name}.log", actor, "")
         nodes = ray.get([pl.actor.node.remote() for pl in self._placed.values()], timeout=timeout_s)
-        here = ray.get_runtime_context().get_node_id()
-        self.one_node = all(node_id == here for node_id, _ in nodes)
-        hosts = [LOOPBACK if self.one_node else ip for _, ip in nodes]
+        here = str(ray.get_runtime_context().get_node_id())
+        here_ip = str(ray.util.get_node_ip_address())
+        *hosts, self.driver_host = bind_hosts(nodes, here, here_ip)
+        self.one_node = self.driver_host == LOOPBACK
         for pl, h in zip(self._placed.values(), hosts, strict=True):
             pl.host = h
         where: list[dict[str, Any]] = [
-            {"name": p.name, "bind": h, "node_id": n, "node_address": ip, "gpus": p.gpus, "bundle": i}
+            {
+                "name": p.name, "bind": h, "node_id": n, "node_address": ip, "gpus": p.gpus,
+                "resources": bundle_of(p), "bundle": i,
+            }  # fmt: skip
             for i, (p, h, (n, ip)) in enumerate(zip(parts, hosts, nodes, strict=True))
         ]
         doc = {
             "ray_address": self.address,
             "driver_node_id": here,
+            "driver": {"node_id": here, "node_address": here_ip, "bind": self.driver_host},
             "one_node": self.one_node,
             "run_token": "new" if self._token_made else "given",
             "parts": where,
