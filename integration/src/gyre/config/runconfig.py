@@ -69,6 +69,15 @@ class RunSection:
     "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
     its GPUs) are placed through one placement group, bind their node's address, and share a run token
     ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
+    nodes_dir: str = ""
+    """With `node_agents`: the directory (on a filesystem every node sees) where the other nodes' `gyre
+    node` agents announce themselves and take the processes to start (SLURM: examples/slurm/)."""
+    node_agents: int = 0
+    """Nodes besides this one that run `gyre node` (0: none, every process here or on Ray): the
+    scheduler and the proxy stay here, cell i goes to node 1 + i mod node_agents."""
+    bind_host: str = "127.0.0.1"
+    """With `node_agents`: the address of this node that its processes (the scheduler, the proxy, the
+    trajectory service) bind and the other nodes dial; the run token keeps others out."""
     ray_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     """With `ray_address`: Ray custom resources each part's bundle asks for besides its CPU and GPUs, by
     part name ("sched", "proxy", "cell-0", "cell-1", ...), e.g. `{ "cell-1" = { node2 = 1 } }` to put
@@ -368,6 +377,9 @@ class Config:
         _check(r.steps >= 1, "[run] steps must be >= 1")
         _check(r.deadline_s > 0 and r.startup_timeout_s > 0, "[run] deadline_s and startup_timeout_s > 0")
         _check_resources(r.ray_resources, r.cells)
+        _check(r.node_agents >= 0, "[run] node_agents must be >= 0")
+        _check(not r.node_agents or bool(r.nodes_dir), "[run] node_agents needs [run] nodes_dir")
+        _check(not (r.node_agents and r.ray_address), "[run] node_agents and ray_address: one or the other")
         _check(b.queries >= 1, "[batch] queries must be >= 1")
         _check(b.group_size >= 2, "[batch] group_size must be >= 2 (advantages need two scores)")
         _check(a.turns >= 1, "[agent] turns must be >= 1")

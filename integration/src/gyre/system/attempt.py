@@ -179,9 +179,7 @@ class Attempt:
             )
         c, sv = cfg.run, cfg.survive
         token = runtoken.install()  # $GYRE_TOKEN: every child inherits it, every link carries it
-        procs = launcher_for(
-            c.ray_address, rd.path / "logs", parts_of(cfg), c.startup_timeout_s, token_made=token.made
-        )
+        procs = launcher_for(c, rd.path / "logs", parts_of(cfg), token_made=token.made)
         # parts placed by Ray are not restarted in place: supervision watches this host's processes only
         group = procs if isinstance(procs, ProcessGroup) else procs.local
         sup = Supervisor(group, sv.max_restarts, sv.backoff_s, say, sv.restart and group is procs, events)

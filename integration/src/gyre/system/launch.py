@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from gyre_base.token import TOKEN_ENV, new_token, resolve_token
 
+from gyre.config.runconfig import RunSection
 from gyre.procs.group import ChildDied, ProcessGroup, free_port
 
 LOOPBACK = "127.0.0.1"
@@ -124,14 +125,19 @@ class LocalLauncher(ProcessGroup):
         return free_port()
 
 
-def launcher_for(
-    ray_address: str, log_dir: Path, parts: list[Part], timeout_s: float, token_made: bool = True
-) -> Launcher:
-    """The local launcher for an empty `ray_address`, else a `RayLauncher` with `parts` placed (the run
-    token in `$GYRE_TOKEN`; `token_made`: the run made it, none was given)."""
-    if not ray_address:
-        return LocalLauncher(log_dir)
-    return RayLauncher(ray_address, log_dir, parts, timeout_s, token_made)
+def launcher_for(run: RunSection, log_dir: Path, parts: list[Part], token_made: bool = True) -> Launcher:
+    """`[run]`'s launcher: a `RayLauncher` with `parts` placed for `ray_address` (the run token in
+    `$GYRE_TOKEN`; `token_made`: the run made it, none was given), a `NodeLauncher` for `node_agents`,
+    else the local one."""
+    if run.ray_address:
+        return RayLauncher(run.ray_address, log_dir, parts, run.startup_timeout_s, token_made)
+    if run.node_agents:
+        from gyre.system.nodeagent import NodeLauncher
+
+        return NodeLauncher(
+            log_dir, Path(run.nodes_dir), run.node_agents, run.bind_host, run.startup_timeout_s
+        )
+    return LocalLauncher(log_dir)
 
 
 class Host:
@@ -252,10 +258,9 @@ class RayLauncher:
         for pl, h in zip(self._placed.values(), hosts, strict=True):
             pl.host = h
         where: list[dict[str, Any]] = [
-            {
-                "name": p.name, "bind": h, "node_id": n, "node_address": ip, "gpus": p.gpus,
-                "resources": bundle_of(p), "bundle": i,
-            }  # fmt: skip
+            dict(
+                name=p.name, bind=h, node_id=n, node_address=ip, gpus=p.gpus, resources=bundle_of(p), bundle=i
+            )
             for i, (p, h, (n, ip)) in enumerate(zip(parts, hosts, nodes, strict=True))
         ]
         doc = {
