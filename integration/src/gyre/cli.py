@@ -137,7 +137,6 @@ def _build_parser() -> argparse.ArgumentParser:
     node.add_argument("--node-id", type=int, required=True, help="this node's number, 1.. (SLURM_NODEID)")
     node.add_argument("--host", required=True, help="this node's address, which its processes bind")
     node.add_argument("--token-file", default="", help="the run token's file (default: $GYRE_TOKEN)")
-    node.add_argument("--log-dir", required=True, help="where its processes' logs go (the run's logs/)")
     return parser
 
 
@@ -369,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.node_id < 1:
             parser.error("--node-id must be >= 1 (node 0 runs `gyre run`)")
-        agent = NodeAgent(Path(args.nodes_dir), args.node_id, args.host, args.token_file, Path(args.log_dir))
+        agent = NodeAgent(Path(args.nodes_dir), args.node_id, args.host, args.token_file)
         return agent.run()
     if hasattr(args, "overrides"):  # overrides after an option land in `rest`
         args.overrides = [*args.overrides, *(r for r in rest if _OVERRIDE.match(r))]

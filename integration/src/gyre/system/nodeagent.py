@@ -4,7 +4,8 @@ process per node) does with `gyre run` (`integration/examples/slurm/`).
 Every node but the first runs `gyre node DIR --node-id K` (`NodeAgent`): it announces itself in
 `DIR/K.json` (its address and a few ports free on it), then starts each process `gyre run` asks of it
 (`DIR/K/NAME.start.json`: argv and environment, `{python}` standing for its own interpreter) in a
-`ProcessGroup`, with the run token read from its token file, and reports a process that exited
+`ProcessGroup` (its output in the run's logs/, as on node 0), with the run token read from its token
+file and the node's own CUDA_VISIBLE_DEVICES, and reports a process that exited
 (`DIR/K/NAME.failed`: ChildDied's message, the tail of its log). It stops its processes and exits on
 `DIR/stop` or SIGTERM (srun's at the end of the job).
 
@@ -64,12 +65,13 @@ class NodeAgent:
 
     POLL_S = 0.2
 
-    def __init__(self, nodes_dir: Path, node_id: int, host: str, token_file: str, log_dir: Path) -> None:
+    def __init__(self, nodes_dir: Path, node_id: int, host: str, token_file: str) -> None:
         self.dir, self.node_id, self.host = nodes_dir, node_id, host
         self.inbox = nodes_dir / str(node_id)
         self.inbox.mkdir(parents=True, exist_ok=True)
         self.token = Path(token_file).read_text().strip() if token_file else resolve_token()
-        self.procs = ProcessGroup(log_dir)
+        self.groups: dict[str, ProcessGroup] = {}
+        """A group per log directory (the run's logs/, as `gyre run` names it)."""
         self.started: set[str] = set()
         self.reported: set[str] = set()
         self._stop = False
@@ -84,7 +86,8 @@ class NodeAgent:
                 self._report()
                 time.sleep(self.POLL_S)
         finally:
-            self.procs.close(10.0)
+            for g in self.groups.values():
+                g.close(10.0)
             _write(self.dir / f"{self.node_id}.stopped", {"pid": os.getpid()})
         return 0
 
@@ -99,10 +102,14 @@ class NodeAgent:
             if self.token:
                 env[TOKEN_ENV] = self.token
             self.started.add(name)
-            self.procs.start(name, argv, env)
+            log_dir = str(doc["log_dir"])
+            if log_dir not in self.groups:
+                self.groups[log_dir] = ProcessGroup(Path(log_dir))
+            pid = self.groups[log_dir].start(name, argv, env).proc.pid
+            print(f"gyre node {self.node_id}: started {name} (pid {pid}) on {self.host}", flush=True)
 
     def _report(self) -> None:
-        for c in self.procs.dead():
+        for c in (c for g in self.groups.values() for c in g.dead()):
             if c.name in self.reported:
                 continue
             why = f"{c.name} exited with code {c.proc.returncode} on node {self.node_id} ({self.host}); "
@@ -187,8 +194,9 @@ class NodeLauncher:
         inbox = self.dir / str(node.node_id)
         (inbox / f"{name}.failed").unlink(missing_ok=True)
         argv = [PYTHON if a == sys.executable else a for a in argv]
-        env = {k: v for k, v in (env or {}).items() if k != TOKEN_ENV}  # the agent has the token
-        _write(inbox / f"{name}.start.json", {"argv": argv, "env": env})
+        # the agent has the token; the node's GPUs are its own (SLURM's CUDA_VISIBLE_DEVICES)
+        env = {k: v for k, v in (env or {}).items() if k not in (TOKEN_ENV, "CUDA_VISIBLE_DEVICES")}
+        _write(inbox / f"{name}.start.json", {"argv": argv, "env": env, "log_dir": str(self.log_dir)})
         r = _Remote(name, self.log_dir / f"{name}.log", node)
         self._remote.append(r)
         self.children.append(r)

@@ -1,0 +1,87 @@
+"""The SLURM example (`integration/examples/slurm/`) run on this machine: its per-node command, `node.sh`,
+started three times as srun would start it on three nodes (SLURM_JOB_NODELIST, SLURM_NNODES, SLURM_NODEID
+and SLURM_PROCID set by hand; every node's address is 127.0.0.1). Node 0 makes the token and runs `gyre
+run` (scheduler, proxy, driver, trajectory service); nodes 1 and 2 run `gyre node` agents, which start
+cell 0 and cell 1. No srun, no second host: what crosses between the "nodes" is what would between hosts
+(the shared job directory, the token file, ZeroMQ and HTTP with the run token)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gyre_base.testing import env_without_token
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_SH = ROOT / "integration" / "examples" / "slurm" / "node.sh"
+TINY = ROOT / "integration" / "examples" / "tiny.toml"
+
+
+def _node_env(job: Path, node_id: int) -> dict[str, str]:
+    py = sys.executable
+    return {
+        **env_without_token(),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[0-2]",
+        "SLURM_NNODES": "3",
+        "SLURM_NODEID": str(node_id),
+        "SLURM_PROCID": str(node_id),
+        "SLURM_LOCALID": "0",
+        "GYRE_CONFIG": str(TINY),
+        "GYRE_JOB_DIR": str(job),
+        "GYRE": f"{py} -m gyre.cli",
+        "GYRE_XFER": f"{py} -m gyre_xfer.cli",
+        "GYRE_HOST": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_slurm_example_node_script_runs_tiny_on_three_nodes(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    job.mkdir()
+    logs = tmp_path / "node-logs"
+    logs.mkdir()
+    nodes: list[subprocess.Popen[bytes]] = []
+    args = ["run.startup_timeout_s=900.0", "run.deadline_s=1800.0"]
+    try:
+        for k in range(3):  # the agents first: they wait for node 0's token
+            k = (k + 1) % 3
+            with open(logs / f"node{k}.log", "wb") as fh:
+                nodes.append(
+                    subprocess.Popen(
+                        ["bash", str(NODE_SH), *(args if k == 0 else [])],
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        env=_node_env(job, k),
+                        start_new_session=True,
+                    )  # fmt: skip
+                )
+        head = nodes[-1]
+        rc = head.wait(2400)
+        said = {k: (logs / f"node{k}.log").read_text(errors="replace") for k in range(3)}
+        assert rc == 0, said[0][-5000:]
+        for agent in nodes[:2]:  # gyre run's end (nodes/stop) ends the agents, their cells stopped
+            assert agent.wait(120) == 0
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+                n.wait(10)
+    run = job / "run"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["steps_applied"] == 2 and m["final_version"] == 2
+    rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
+    assert rollout and all(c["engine_version"] == "2" for c in rollout)
+    placed = json.loads((run / "logs" / "placement.json").read_text())
+    assert [n["node_id"] for n in placed["nodes"]] == [1, 2]
+    assert "gyre node 1: started cell-0" in said[1] and "gyre node 2: started cell-1" in said[2]
+    assert "cell-" not in said[0]  # node 0 started no cell itself
+    assert (run / "logs" / "cell-0.log").stat().st_size > 0 and (run / "logs" / "sched.log").exists()
+    assert (job / "token").stat().st_mode & 0o077 == 0  # the token file is the job owner's alone
