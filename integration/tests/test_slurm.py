@@ -51,8 +51,7 @@ def test_slurm_example_node_script_runs_tiny_on_three_nodes(tmp_path: Path) -> N
     nodes: list[subprocess.Popen[bytes]] = []
     args = ["run.startup_timeout_s=900.0", "run.deadline_s=1800.0"]
     try:
-        for k in range(3):  # the agents first: they wait for node 0's token
-            k = (k + 1) % 3
+        for k in (1, 2, 0):  # the agents first: they wait for node 0's token
             with open(logs / f"node{k}.log", "wb") as fh:
                 nodes.append(
                     subprocess.Popen(
@@ -61,7 +60,7 @@ def test_slurm_example_node_script_runs_tiny_on_three_nodes(tmp_path: Path) -> N
                         stderr=subprocess.STDOUT,
                         env=_node_env(job, k),
                         start_new_session=True,
-                    )  # fmt: skip
+                    )
                 )
         head = nodes[-1]
         rc = head.wait(2400)
