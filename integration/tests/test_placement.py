@@ -26,7 +26,7 @@ import zmq
 from gyre.config.runconfig import ConfigError, config_from_dict
 from gyre.procs.group import free_port
 from gyre.system.attempt import parts_of
-from gyre.system.launch import LOOPBACK, Host, LocalLauncher, bind_hosts, bundle_of
+from gyre.system.launch import LOOPBACK, Host, LocalLauncher, PlacementError, bind_hosts, bundle_of
 from gyre_base.testing import env_without_token
 from gyre_base.token import TOKEN_ENV, new_token
 from gyre_sched.client import dealer
@@ -80,11 +80,13 @@ def test_ray_resources_pin_each_part_and_span_nodes_binds_node_addresses() -> No
         {"CPU": 1.0, "GPU": 1.0, "n1": 1.0},
         {"CPU": 1.0, "GPU": 1.0, "n2": 0.5},
     ]
-    one = [("A", "10.0.0.1")] * 3
-    assert bind_hosts(one, "A", "10.0.0.1") == [LOOPBACK] * 4
-    spread = [("A", "10.0.0.1"), ("B", "10.0.0.2"), ("C", "10.0.0.3")]
-    assert bind_hosts(spread, "A", "10.0.0.1") == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.1"]
-    assert bind_hosts([("B", "10.0.0.2")], "A", "10.0.0.1") == ["10.0.0.2", "10.0.0.1"]
+    names = ["sched", "proxy", "cell-0", "cell-1"]
+    one = [("A", "10.0.0.1")] * 4
+    assert bind_hosts(names, one, "A") == [LOOPBACK] * 4
+    spread = [("A", "10.0.0.1"), ("A", "10.0.0.1"), ("B", "10.0.0.2"), ("C", "10.0.0.3")]
+    assert bind_hosts(names, spread, "A") == ["10.0.0.1", LOOPBACK, "10.0.0.2", "10.0.0.3"]
+    with pytest.raises(PlacementError, match="the proxy landed on node B"):
+        bind_hosts(names, [("A", "10.0.0.1"), ("B", "10.0.0.2"), *spread[2:]], "A")
 
 
 @pytest.mark.parametrize(
@@ -462,7 +464,10 @@ def test_gyre_run_tiny_on_three_ray_nodes(
         "cell-1": nodes["gyre-n2"],
     }
     assert placed["one_node"] is False
-    assert placed["driver"]["node_id"] in nodes.values()
-    assert all(x["bind"] == x["node_address"] != "127.0.0.1" for x in placed["parts"])
-    assert placed["driver"]["bind"] == placed["driver"]["node_address"]
+    assert placed["driver"]["node_id"] == nodes["gyre-head"]  # `gyre run` attaches to the head here
+    binds = {x["name"]: x["bind"] for x in placed["parts"]}
+    assert binds.pop("proxy") == "127.0.0.1"  # on the driver's node, for its harnesses
+    assert all(
+        binds[x["name"]] == x["node_address"] != "127.0.0.1" for x in placed["parts"] if x["name"] in binds
+    )
     assert {x["name"]: x["resources"] for x in placed["parts"]}["cell-1"] == {"CPU": 1.0, "gyre-n2": 1.0}

@@ -76,14 +76,14 @@ class RunSection:
     """Nodes besides this one that run `gyre node` (0: none, every process here or on Ray): the
     scheduler and the proxy stay here, cell i goes to node 1 + i mod node_agents."""
     bind_host: str = "127.0.0.1"
-    """With `node_agents`: the address of this node that its processes (the scheduler, the proxy, the
-    trajectory service) bind and the other nodes dial; the run token keeps others out."""
+    """With `node_agents`: the address of this node that the scheduler binds and the other nodes' cells
+    dial; the run token keeps others out (the proxy and the trajectory service stay on loopback)."""
     ray_resources: dict[str, dict[str, float]] = field(default_factory=dict)
     """With `ray_address`: Ray custom resources each part's bundle asks for besides its CPU and GPUs, by
     part name ("sched", "proxy", "cell-0", "cell-1", ...), e.g. `{ "cell-1" = { node2 = 1 } }` to put
     cell 1 on the node started with `--resources '{"node2": 1}'`. A part left out goes wherever Ray
-    packs it. The trajectory service, the rollout driver and the sampler run in `gyre run` itself, on
-    the node it is started on."""
+    packs it, except the proxy: it must land on the node of `gyre run`, whose harnesses call it on
+    loopback. The trajectory service, the rollout driver and the sampler run in `gyre run` itself."""
 
 
 @dataclass(frozen=True)

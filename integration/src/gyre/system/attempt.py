@@ -200,7 +200,6 @@ class Attempt:
             token_budget=self.cfg.train.token_budget, j_max=self.cfg.train.j_max,
             report_s=self.cfg.driver.report_s, first_step=self.position,
             on_closed=ledger.Ledger(self.out, self.rd.attempt).closed,
-            bind=f"tcp://{self.procs.driver_host}:0",
         )  # fmt: skip
         self._start_proxy(model_dir, self.traj)
         engines = {i: f"http://{self.procs.host(f'cell-{i}')}:{p}" for i, p in enumerate(self.ports)}

@@ -66,13 +66,22 @@ def bundle_of(part: Part) -> dict[str, float]:
     return {"CPU": 1.0, **({"GPU": float(part.gpus)} if part.gpus else {}), **part.resources}
 
 
-def bind_hosts(nodes: Sequence[tuple[str, str]], driver_node: str, driver_address: str) -> list[str]:
+def bind_hosts(names: Sequence[str], nodes: Sequence[tuple[str, str]], driver_node: str) -> list[str]:
     """The address each part binds, from where the parts landed (`(node id, node address)` each) and the
-    node of `gyre run` (its id and address), the latter last: loopback for all when every part is on the
-    driver's node, else each one's node address (the driver's too, for its trajectory service)."""
-    if all(node_id == driver_node for node_id, _ in nodes):
-        return [LOOPBACK] * (len(nodes) + 1)
-    return [address for _, address in nodes] + [driver_address]
+    node of `gyre run`: loopback for all when every part is on the driver's node, else each one's node
+    address; the proxy always loopback, on the driver's node (only the harnesses in `gyre run` call it,
+    and gyre-proxy listens beyond loopback only with per-execution API keys)."""
+    one_node = all(node_id == driver_node for node_id, _ in nodes)
+    hosts = []
+    for name, (node_id, address) in zip(names, nodes, strict=True):
+        if name == "proxy" and node_id != driver_node:
+            raise PlacementError(
+                f"the proxy landed on node {node_id} ({address}), not on the node of gyre run "
+                f"({driver_node}): it listens on loopback for the harnesses there; "
+                "[run] ray_resources.proxy should name a resource of that node"
+            )
+        hosts.append(LOOPBACK if one_node or name == "proxy" else address)
+    return hosts
 
 
 class Logged(Protocol):
@@ -85,8 +94,6 @@ class Logged(Protocol):
 
 class Launcher(Protocol):
     token: str
-    driver_host: str
-    """The address listeners in this process (the trajectory service's records PULL) bind."""
 
     @property
     def local(self) -> ProcessGroup:
@@ -116,7 +123,6 @@ class LocalLauncher(ProcessGroup):
         super().__init__(log_dir)
         self.token = resolve_token()
         self.local = self
-        self.driver_host = LOOPBACK
 
     def host(self, name: str) -> str:
         return LOOPBACK
@@ -213,7 +219,6 @@ class RayLauncher:
         self.token = resolve_token() or new_token()
         os.environ[TOKEN_ENV] = self.token  # this process's own peers (driver, sampler) use it too
         self._placed: dict[str, _Placed] = {}
-        self.driver_host = LOOPBACK
         self._pg: Any = None
         self._checked = 0.0
         self.children: list[_Placed] = []
@@ -253,8 +258,8 @@ class RayLauncher:
         nodes = ray.get([pl.actor.node.remote() for pl in self._placed.values()], timeout=timeout_s)
         here = str(ray.get_runtime_context().get_node_id())
         here_ip = str(ray.util.get_node_ip_address())
-        *hosts, self.driver_host = bind_hosts(nodes, here, here_ip)
-        self.one_node = self.driver_host == LOOPBACK
+        hosts = bind_hosts([p.name for p in parts], nodes, here)
+        self.one_node = all(node_id == here for node_id, _ in nodes)
         for pl, h in zip(self._placed.values(), hosts, strict=True):
             pl.host = h
         where: list[dict[str, Any]] = [
@@ -266,7 +271,7 @@ class RayLauncher:
         doc = {
             "ray_address": self.address,
             "driver_node_id": here,
-            "driver": {"node_id": here, "node_address": here_ip, "bind": self.driver_host},
+            "driver": {"node_id": here, "node_address": here_ip},
             "one_node": self.one_node,
             "run_token": "new" if self._token_made else "given",
             "parts": where,

@@ -10,7 +10,8 @@ file and the node's own CUDA_VISIBLE_DEVICES, and reports a process that exited
 `DIR/stop` or SIGTERM (srun's at the end of the job).
 
 On the first node `gyre run` uses `NodeLauncher` (`[run] nodes_dir`, `[run] node_agents`): the scheduler
-and the proxy start here, bound to `[run] bind_host` (as do the trajectory service's records PULL); cell
+and the proxy start here, the scheduler bound to `[run] bind_host`, the proxy to loopback (only the
+harnesses in `gyre run` call it; the trajectory service's records PULL stays on loopback too); cell
 i goes to node 1 + i mod node_agents, bound to that node's address. The directory must be on a filesystem
 every node sees (so must the run's out_dir); files are written whole (a temporary name, then renamed).
 Only argv lists and environment strings pass through it, as JSON; the token stays in its token file.
@@ -32,6 +33,7 @@ from typing import Any
 from gyre_base.token import TOKEN_ENV, resolve_token
 
 from gyre.procs.group import ChildDied, ProcessGroup, tail
+from gyre.system.launch import LOOPBACK
 
 PYTHON = "{python}"
 """Stands for the interpreter in an argv sent to an agent: each node runs its own environment's Python."""
@@ -139,7 +141,7 @@ class NodeLauncher:
         self.log_dir, self.dir = log_dir, nodes_dir
         self.local = ProcessGroup(log_dir)
         self.token = resolve_token()
-        self.driver_host = bind_host
+        self.bind_host = bind_host
         self.children: list[Any] = []
         self._remote: list[_Remote] = []
         self._nodes = [self._await(k, timeout_s) for k in range(1, agents + 1)]
@@ -147,7 +149,7 @@ class NodeLauncher:
             json.dumps(
                 {
                     "nodes_dir": str(nodes_dir),
-                    "driver": {"bind": bind_host},
+                    "bind": bind_host,
                     "nodes": [{"node_id": n.node_id, "host": n.host} for n in self._nodes],
                 },
                 indent=1,
@@ -174,13 +176,16 @@ class NodeLauncher:
         return self._nodes[int(name.removeprefix("cell-")) % len(self._nodes)]
 
     def host(self, name: str) -> str:
+        """The proxy: loopback (only the harnesses in `gyre run` call it); the scheduler: `bind_host`."""
         node = self._node(name)
-        return self.driver_host if node is None else node.host
+        if node is None:
+            return LOOPBACK if name == "proxy" else self.bind_host
+        return node.host
 
     def free_port(self, name: str) -> int:
         node = self._node(name)
         if node is None:
-            return _free_ports(self.driver_host, 1)[0]
+            return _free_ports(self.host(name), 1)[0]
         if not node.ports:
             raise NodeError(f"node {node.node_id} has no announced port left for {name}")
         return node.ports.pop(0)
