@@ -47,6 +47,7 @@ from gyre.rollout.driver import Driver
 from gyre.system import gpus, policy
 from gyre.system.evaluator import Evaluator
 from gyre.system.launch import LOOPBACK, Launcher, Part, launcher_for
+from gyre.system.nodeagent import NodeLauncher
 from gyre.system.resume import CHECKPOINT, prepare
 from gyre.system.rundir import RunDir
 from gyre.system.runlog import RunLog
@@ -179,7 +180,12 @@ class Attempt:
             )
         c, sv = cfg.run, cfg.survive
         token = runtoken.install()  # $GYRE_TOKEN: every child inherits it, every link carries it
-        procs = launcher_for(c, rd.path / "logs", parts_of(cfg), token_made=token.made)
+        logs = rd.path / "logs"
+        procs: Launcher = (
+            NodeLauncher(logs, Path(c.nodes_dir), c.node_agents, c.bind_host, c.startup_timeout_s)
+            if c.node_agents
+            else launcher_for(c, logs, parts_of(cfg), token_made=token.made)
+        )
         # parts placed by Ray are not restarted in place: supervision watches this host's processes only
         group = procs if isinstance(procs, ProcessGroup) else procs.local
         sup = Supervisor(group, sv.max_restarts, sv.backoff_s, say, sv.restart and group is procs, events)

@@ -132,17 +132,11 @@ class LocalLauncher(ProcessGroup):
 
 
 def launcher_for(run: RunSection, log_dir: Path, parts: list[Part], token_made: bool = True) -> Launcher:
-    """`[run]`'s launcher: a `RayLauncher` with `parts` placed for `ray_address` (the run token in
-    `$GYRE_TOKEN`; `token_made`: the run made it, none was given), a `NodeLauncher` for `node_agents`,
-    else the local one."""
+    """`[run]`'s launcher on this machine or Ray: a `RayLauncher` with `parts` placed for `ray_address`
+    (the run token in `$GYRE_TOKEN`; `token_made`: the run made it, none was given), else the local one.
+    (`[run] node_agents` is `nodeagent.NodeLauncher`'s.)"""
     if run.ray_address:
         return RayLauncher(run.ray_address, log_dir, parts, run.startup_timeout_s, token_made)
-    if run.node_agents:
-        from gyre.system.nodeagent import NodeLauncher
-
-        return NodeLauncher(
-            log_dir, Path(run.nodes_dir), run.node_agents, run.bind_host, run.startup_timeout_s
-        )
     return LocalLauncher(log_dir)
 
 
