@@ -23,7 +23,7 @@ TINY = ROOT / "integration" / "examples" / "tiny.toml"
 
 
 def _node_env(job: Path, node_id: int) -> dict[str, str]:
-    py = sys.executable
+    bin_dir = Path(sys.executable).parent  # this environment's console scripts
     return {
         **env_without_token(),
         "SLURM_JOB_ID": "4242",
@@ -34,8 +34,8 @@ def _node_env(job: Path, node_id: int) -> dict[str, str]:
         "SLURM_LOCALID": "0",
         "GYRE_CONFIG": str(TINY),
         "GYRE_JOB_DIR": str(job),
-        "GYRE": f"{py} -m gyre.cli",
-        "GYRE_XFER": f"{py} -m gyre_xfer.cli",
+        "GYRE": str(bin_dir / "gyre"),
+        "GYRE_XFER": str(bin_dir / "gyre-xfer"),
         "GYRE_HOST": "127.0.0.1",
         "OMP_NUM_THREADS": "1",
     }

@@ -19,7 +19,9 @@ NODES="$GYRE_JOB_DIR/nodes"
 
 if [ "$SLURM_NODEID" = 0 ]; then
   mkdir -p "$NODES"
-  (umask 077 && $GYRE_XFER token > "$TOKEN.new" && mv "$TOKEN.new" "$TOKEN")
+  (umask 077 && $GYRE_XFER token > "$TOKEN.new")
+  [ -s "$TOKEN.new" ] || { echo "node 0: $GYRE_XFER token printed no token" >&2; exit 1; }
+  mv "$TOKEN.new" "$TOKEN"
   GYRE_TOKEN=$(cat "$TOKEN")
   export GYRE_TOKEN
   exec $GYRE run "$GYRE_CONFIG" run.out_dir="$GYRE_JOB_DIR/run" run.nodes_dir="$NODES" \
