@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,46 @@ def test_slurm_example_node_script_runs_tiny_on_three_nodes(tmp_path: Path) -> N
     assert "cell-" not in said[0]  # node 0 started no cell itself
     assert (run / "logs" / "cell-0.log").stat().st_size > 0 and (run / "logs" / "sched.log").exists()
     assert (job / "token").stat().st_mode & 0o077 == 0  # the token file is the job owner's alone
+
+
+def test_node_agent_starts_a_part_and_names_its_death_with_its_log_tail(tmp_path: Path) -> None:
+    """`gyre node` (a real process) announces itself, starts the cell `NodeLauncher` gives it with the
+    token from its token file, reports its exit (`ChildDied`: name, code, node, log tail) and stops
+    once the launcher closes."""
+    from gyre.procs.group import ChildDied
+    from gyre.system.nodeagent import NodeLauncher
+
+    nodes, logs = tmp_path / "nodes", tmp_path / "logs"
+    token = tmp_path / "token"
+    token.write_text("t" * 40 + "\n")
+    argv = [sys.executable, "-m", "gyre.cli", "node", str(nodes), "--node-id", "1"]
+    argv += ["--host", "127.0.0.1", "--token-file", str(token)]
+    said = tmp_path / "agent.log"
+    with open(said, "wb") as fh:
+        agent = subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, env=env_without_token(), start_new_session=True
+        )
+    launcher = NodeLauncher(logs, nodes, 1, "127.0.0.1", 120.0)
+    try:
+        assert launcher.host("cell-0") == "127.0.0.1" and launcher.host("proxy") == "127.0.0.1"
+        assert launcher.free_port("cell-0") in json.loads((nodes / "1.json").read_text())["ports"]
+        code = "import os, sys; print('token', os.environ['GYRE_TOKEN'][:3]); sys.exit(3)"
+        launcher.start("cell-0", [sys.executable, "-c", code])
+        with pytest.raises(ChildDied) as died:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                launcher.check()
+                time.sleep(0.2)
+        assert "cell-0 exited with code 3 on node 1 (127.0.0.1)" in str(died.value)
+        assert "token ttt" in str(died.value)  # the agent gave it the run token from its file
+    finally:
+        launcher.close()
+    assert agent.wait(60) == 0
+    assert "gyre node 1: started cell-0" in said.read_text()
+
+
+def test_node_launcher_names_the_key_when_no_agent_comes(tmp_path: Path) -> None:
+    from gyre.system.nodeagent import NodeError, NodeLauncher
+
+    with pytest.raises(NodeError, match=r"node 1's agent did not announce itself.*\[run\] node_agents"):
+        NodeLauncher(tmp_path / "logs", tmp_path / "nodes", 1, "127.0.0.1", 0.5)
