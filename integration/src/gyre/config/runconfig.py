@@ -67,7 +67,8 @@ class RunSection:
     ray_address: str = ""
     """Empty: every process on this machine (the local launcher). Else a Ray cluster's address ("auto",
     "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
-    its GPUs) are placed through one placement group, bind their node's address, and share a run token
+    its GPUs) are placed through one placement group (`ray_resources` pins them to nodes), bind their
+    node's address (the proxy: loopback, on the node of `gyre run`), and share a run token
     ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
     nodes_dir: str = ""
     """With `node_agents`: the directory (on a filesystem every node sees) where the other nodes' `gyre

@@ -18,9 +18,11 @@ bundle's GPUs (Ray sets CUDA_VISIBLE_DEVICES) and the process inherits them. Ray
 lists, environment strings and log tails between the driver and the actors; gyre's own traffic goes
 over its ZeroMQ and HTTP endpoints as it does locally. `log_dir` and the run directory must be on a
 filesystem every node sees (as on SLURM clusters), since cells write `core.json` and `steps.jsonl` there.
-Where each part landed is written to `log_dir/placement.json`. A placement that fits on the node of `gyre
-run` itself stays on loopback (nothing listens beyond the machine); one that spans nodes binds each
-part's node address, where the token is what keeps others out.
+Where each part landed is written to `log_dir/placement.json`. A bundle also asks for the part's custom
+resources (`[run] ray_resources`), which pin it to the nodes that have them. A placement that fits on
+the node of `gyre run` itself stays on loopback (nothing listens beyond the machine); one that spans
+nodes binds each part's node address, where the token is what keeps others out, except the proxy: only
+the harnesses in `gyre run` call it, so it must share that node and stays on loopback (`bind_hosts`).
 """
 
 from __future__ import annotations
