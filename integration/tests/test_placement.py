@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 import zmq
+from gyre.config.runconfig import ConfigError, config_from_dict
 from gyre.procs.group import free_port
-from gyre.system.launch import Host, LocalLauncher
+from gyre.system.attempt import parts_of
+from gyre.system.launch import LOOPBACK, Host, LocalLauncher, PlacementError, bind_hosts, bundle_of
 from gyre_base.testing import env_without_token
 from gyre_base.token import TOKEN_ENV, new_token
 from gyre_sched.client import dealer
@@ -54,6 +56,55 @@ def test_local_launcher_binds_loopback(tmp_path: Path) -> None:
     launcher = LocalLauncher(tmp_path)
     assert launcher.host("cell-0") == "127.0.0.1" and launcher.local is launcher
     launcher.close()
+
+
+def test_ray_resources_pin_each_part_and_span_nodes_binds_node_addresses() -> None:
+    """The placement decision without a cluster: `[run] ray_resources` goes into each part's bundle
+    (besides its CPU and the cell's GPU); parts all on the driver's node bind loopback, parts on several
+    nodes bind their node's address and so does the driver (its trajectory service)."""
+    cfg = config_from_dict(
+        {
+            "run": {
+                "cells": 3,
+                "ray_resources": {"sched": {"head": 1}, "cell-1": {"n1": 1}, "cell-2": {"n2": 0.5}},
+            },
+            "cell": {"device": "cuda"},
+        }
+    )
+    parts = parts_of(cfg)
+    assert [p.name for p in parts] == ["sched", "proxy", "cell-0", "cell-1", "cell-2"]
+    assert [bundle_of(p) for p in parts] == [
+        {"CPU": 1.0, "head": 1.0},
+        {"CPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0, "n1": 1.0},
+        {"CPU": 1.0, "GPU": 1.0, "n2": 0.5},
+    ]
+    names = ["sched", "proxy", "cell-0", "cell-1"]
+    one = [("A", "10.0.0.1")] * 4
+    assert bind_hosts(names, one, "A") == [LOOPBACK] * 4
+    spread = [("A", "10.0.0.1"), ("A", "10.0.0.1"), ("B", "10.0.0.2"), ("C", "10.0.0.3")]
+    assert bind_hosts(names, spread, "A") == ["10.0.0.1", LOOPBACK, "10.0.0.2", "10.0.0.3"]
+    with pytest.raises(PlacementError, match="the proxy landed on node B"):
+        bind_hosts(names, [("A", "10.0.0.1"), ("B", "10.0.0.2"), *spread[2:]], "A")
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ({"cell-2": {"n": 1}}, "[run] ray_resources.cell-2: not a part of this run"),
+        ({"driver": {"n": 1}}, "[run] ray_resources.driver: not a part of this run"),
+        ({"sched": 1}, "[run] ray_resources.sched must be a table"),
+        ({"proxy": {"CPU": 2}}, "[run] ray_resources.proxy.CPU: CPU and GPU are set by the run"),
+        ({"cell-0": {"n": 0}}, "[run] ray_resources.cell-0.n must be a number > 0"),
+        ({"cell-0": {"n": True}}, "[run] ray_resources.cell-0.n must be a number > 0"),
+        ({"cell-0": {"n": "one"}}, "[run] ray_resources.cell-0.n must be a number > 0"),
+    ],
+)
+def test_ray_resources_errors_name_the_key(table: dict[str, object], said: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"run": {"cells": 2, "ray_resources": table}})
+    assert said in str(err.value)
 
 
 # ---- SLURM: a cell started by the cluster's launcher -----------------------------------------------------
@@ -302,3 +353,121 @@ def test_a_part_that_dies_on_ray_is_named_with_its_log_tail(
     said = p.stdout.decode(errors="replace")
     assert p.returncode == 0, said + p.stderr.decode(errors="replace")[-3000:]
     assert "CHILD-DIED: boom exited with code 3" in said and "the reason it died" in said
+
+
+_NODE_IDS = textwrap.dedent(
+    """
+    import json, sys
+    import ray
+
+    ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+    print(json.dumps({r: n["NodeID"] for n in ray.nodes() if n["Alive"] for r in n["Resources"]}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def three_nodes() -> Iterator[tuple[str, dict[str, str], dict[str, str]]]:
+    """A Ray cluster of three nodes on this machine: `ray start` three times (a head and two nodes
+    joining it, each its own raylet in its own session and temp dir), told apart by custom resources:
+    `gyre-head` on the head, `gyre-n1` and `gyre-n2` on the others. Yields the address, the environment
+    a client needs and a map resource -> node id (as Ray itself lists its nodes)."""
+    pytest.importorskip("ray")
+    env = {**env_without_token(), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    common = ["--block", "--num-gpus=0", "--disable-usage-stats"]
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        for name, argv in [
+            ("head", ["--head", f"--port={port}", "--num-cpus=3", "--include-dashboard=false"]),
+            ("n1", [f"--address={address}", "--num-cpus=1"]),
+            ("n2", [f"--address={address}", "--num-cpus=1"]),
+        ]:
+            temp = tempfile.mkdtemp(prefix=f"gyre-{name}-", dir="/tmp")  # short: socket paths have a limit
+            res = json.dumps({f"gyre-{name}": 3 if name == "head" else 1})
+            log = Path(temp) / "start.log"
+            with open(log, "wb") as fh:
+                node = subprocess.Popen(
+                    [ray_bin, "start", *argv, *common, f"--resources={res}", f"--temp-dir={temp}"],
+                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                )  # fmt: skip
+            started.append(node)
+            deadline = time.monotonic() + 300
+            while "Ray runtime started" not in log.read_text(errors="replace"):
+                assert node.poll() is None, log.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, f"Ray node {name} did not start within 300 s"
+                time.sleep(0.5)
+        deadline = time.monotonic() + 300
+        while True:
+            p = subprocess.run(
+                [sys.executable, "-c", _NODE_IDS, address], capture_output=True, env=env, timeout=300
+            )
+            assert p.returncode == 0, p.stderr.decode(errors="replace")[-3000:]
+            nodes = json.loads(p.stdout.decode().strip().splitlines()[-1])
+            if all(f"gyre-{n}" in nodes for n in ("head", "n1", "n2")):
+                break
+            assert time.monotonic() < deadline, f"three nodes did not join within 300 s: {nodes}"
+            time.sleep(2.0)
+        yield address, env, {k: v for k, v in nodes.items() if k.startswith("gyre-")}
+    finally:
+        for node in reversed(started):
+            _stop_head(node)
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_gyre_run_tiny_on_three_ray_nodes(
+    tmp_path: Path, three_nodes: tuple[str, dict[str, str], dict[str, str]]
+) -> None:
+    """integration/examples/tiny.toml for 3 steps through `gyre run --ray` on a three-node cluster, each
+    part pinned by `[run] ray_resources`: the scheduler and the proxy on the head, cell 0 (the core) on
+    one node and cell 1 on the other. Each part's actor reports the node it runs on (placement.json), the
+    parts bind their node's address (the placement spans nodes), and the 3 steps are applied and on the
+    rollout engine."""
+    address, env, nodes = three_nodes
+    out = tmp_path / "run"
+    text = TINY.read_text().replace('out_dir = "gyre-run"', f'out_dir = "{out}"')
+    text = text.replace("\nsteps = 2\n", "\nsteps = 3\n", 1)
+    text = text.replace(
+        "[run]\n",
+        "[run]\nstartup_timeout_s = 900.0\ndeadline_s = 1800.0\n"
+        "ray_resources = { sched = { gyre-head = 1 }, proxy = { gyre-head = 1 }, "
+        '"cell-0" = { gyre-n1 = 1 }, "cell-1" = { gyre-n2 = 1 } }\n',
+        1,
+    )
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(text)
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "run", str(cfg), "--ray", address],
+        capture_output=True,
+        env=env,
+        timeout=2400,
+    )
+    said = p.stdout.decode(errors="replace") + p.stderr.decode(errors="replace")
+    assert p.returncode == 0, said[-5000:]
+    print(f"gyre run on three Ray nodes: {time.monotonic() - t0:.1f} s wall")
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["steps_applied"] == 3 and m["final_version"] == 3
+    rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
+    assert rollout and all(c["engine_version"] == "3" for c in rollout)
+    placed = json.loads((out / "logs" / "placement.json").read_text())
+    on = {x["name"]: x["node_id"] for x in placed["parts"]}
+    assert on == {
+        "sched": nodes["gyre-head"],
+        "proxy": nodes["gyre-head"],
+        "cell-0": nodes["gyre-n1"],
+        "cell-1": nodes["gyre-n2"],
+    }
+    assert placed["one_node"] is False
+    assert placed["driver"]["node_id"] == nodes["gyre-head"]  # `gyre run` attaches to the head here
+    binds = {x["name"]: x["bind"] for x in placed["parts"]}
+    assert binds.pop("proxy") == "127.0.0.1"  # on the driver's node, for its harnesses
+    assert all(
+        binds[x["name"]] == x["node_address"] != "127.0.0.1" for x in placed["parts"] if x["name"] in binds
+    )
+    assert {x["name"]: x["resources"] for x in placed["parts"]}["cell-1"] == {"CPU": 1.0, "gyre-n2": 1.0}

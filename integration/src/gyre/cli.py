@@ -129,6 +129,14 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--check", type=int, default=0, help="then score it greedily on this many held-out tasks")
     cell = sub.add_parser("cell", help="one cell process (started by `gyre run`)")
     cell.add_argument("--args", required=True)
+    node = sub.add_parser(
+        "node",
+        help="a node agent: starts the processes a `gyre run` on another node asks of this one (SLURM)",
+    )
+    node.add_argument("nodes_dir", help="[run] nodes_dir of the run (a directory every node sees)")
+    node.add_argument("--node-id", type=int, required=True, help="this node's number, 1.. (SLURM_NODEID)")
+    node.add_argument("--host", required=True, help="this node's address, which its processes bind")
+    node.add_argument("--token-file", default="", help="the run token's file (default: $GYRE_TOKEN)")
     return parser
 
 
@@ -353,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         from gyre.cell.cell import main as cell_main
 
         return cell_main(["--args", args.args, *rest])
+    if args.command == "node":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from gyre.system.nodeagent import NodeAgent
+
+        if args.node_id < 1:
+            parser.error("--node-id must be >= 1 (node 0 runs `gyre run`)")
+        agent = NodeAgent(Path(args.nodes_dir), args.node_id, args.host, args.token_file)
+        return agent.run()
     if hasattr(args, "overrides"):  # overrides after an option land in `rest`
         args.overrides = [*args.overrides, *(r for r in rest if _OVERRIDE.match(r))]
         rest = [r for r in rest if not _OVERRIDE.match(r)]

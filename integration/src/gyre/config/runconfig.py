@@ -67,8 +67,24 @@ class RunSection:
     ray_address: str = ""
     """Empty: every process on this machine (the local launcher). Else a Ray cluster's address ("auto",
     "HOST:PORT", "ray://HOST:PORT"; the `gyre[ray]` extra): the scheduler, the proxy and each cell (with
-    its GPUs) are placed through one placement group, bind their node's address, and share a run token
+    its GPUs) are placed through one placement group (`ray_resources` pins them to nodes), bind their
+    node's address (the proxy: loopback, on the node of `gyre run`), and share a run token
     ($GYRE_TOKEN, or a new one); out_dir must be on a filesystem every node sees. `gyre run --ray`."""
+    nodes_dir: str = ""
+    """With `node_agents`: the directory (on a filesystem every node sees) where the other nodes' `gyre
+    node` agents announce themselves and take the processes to start (SLURM: examples/slurm/)."""
+    node_agents: int = 0
+    """Nodes besides this one that run `gyre node` (0: none, every process here or on Ray): the
+    scheduler and the proxy stay here, cell i goes to node 1 + i mod node_agents."""
+    bind_host: str = "127.0.0.1"
+    """With `node_agents`: the address of this node that the scheduler binds and the other nodes' cells
+    dial; the run token keeps others out (the proxy and the trajectory service stay on loopback)."""
+    ray_resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With `ray_address`: Ray custom resources each part's bundle asks for besides its CPU and GPUs, by
+    part name ("sched", "proxy", "cell-0", "cell-1", ...), e.g. `{ "cell-1" = { node2 = 1 } }` to put
+    cell 1 on the node started with `--resources '{"node2": 1}'`. A part left out goes wherever Ray
+    packs it, except the proxy: it must land on the node of `gyre run`, whose harnesses call it on
+    loopback. The trajectory service, the rollout driver and the sampler run in `gyre run` itself."""
 
 
 @dataclass(frozen=True)
@@ -365,6 +381,10 @@ class Config:
         _check(r.cells >= 2, "[run] cells must be >= 2 (a core and at least one rollout cell)")
         _check(r.steps >= 1, "[run] steps must be >= 1")
         _check(r.deadline_s > 0 and r.startup_timeout_s > 0, "[run] deadline_s and startup_timeout_s > 0")
+        _check_resources(r.ray_resources, r.cells)
+        _check(r.node_agents >= 0, "[run] node_agents must be >= 0")
+        _check(not r.node_agents or bool(r.nodes_dir), "[run] node_agents needs [run] nodes_dir")
+        _check(not (r.node_agents and r.ray_address), "[run] node_agents and ray_address: one or the other")
         _check(b.queries >= 1, "[batch] queries must be >= 1")
         _check(b.group_size >= 2, "[batch] group_size must be >= 2 (advantages need two scores)")
         _check(a.turns >= 1, "[agent] turns must be >= 1")
@@ -489,6 +509,27 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def part_names(cells: int) -> list[str]:
+    """The names of the processes a launcher places for a run of `cells` cells, in start order."""
+    return ["sched", "proxy", *(f"cell-{i}" for i in range(cells))]
+
+
+def _check_resources(table: dict[str, Any], cells: int) -> None:
+    """`[run] ray_resources`: part name -> {resource: amount > 0}; CPU and GPU are the run's own."""
+    names = part_names(cells)
+    for name, res in table.items():
+        key = f"[run] ray_resources.{name}"
+        _check(name in names, f"{key}: not a part of this run (parts: {', '.join(names)})")
+        _check(isinstance(res, dict), f"{key} must be a table of resource = amount, got {res!r}")
+        for rname, amount in res.items():
+            _check(
+                rname not in ("CPU", "GPU"),
+                f"{key}.{rname}: CPU and GPU are set by the run (1 CPU per part, [cell] device's GPUs)",
+            )
+            ok = isinstance(amount, int | float) and not isinstance(amount, bool) and amount > 0
+            _check(ok, f"{key}.{rname} must be a number > 0, got {amount!r}")
 
 
 def _check(ok: bool, msg: str) -> None:

@@ -36,7 +36,7 @@ from gyre_train.modelconfig import ModelConfig, ModelConfigError
 
 from gyre.cell.args import CellArgs
 from gyre.config import runtoken
-from gyre.config.runconfig import Config
+from gyre.config.runconfig import Config, part_names
 from gyre.measure import efficiency, runmetrics
 from gyre.measure import predict as sim
 from gyre.measure.metrics import Sampler, write_json, write_plot
@@ -47,6 +47,7 @@ from gyre.rollout.driver import Driver
 from gyre.system import gpus, policy
 from gyre.system.evaluator import Evaluator
 from gyre.system.launch import LOOPBACK, Launcher, Part, launcher_for
+from gyre.system.nodeagent import NodeLauncher
 from gyre.system.resume import CHECKPOINT, prepare
 from gyre.system.rundir import RunDir
 from gyre.system.runlog import RunLog
@@ -92,9 +93,14 @@ def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
 
 
 def parts_of(cfg: Config) -> list[Part]:
-    """What a launcher places: the scheduler, the proxy and each cell with its GPUs."""
+    """What a launcher places: the scheduler, the proxy and each cell with its GPUs, each with the custom
+    resources `[run] ray_resources` gives it."""
     gpus = 1 if cfg.cell.device == "cuda" else 0
-    return [Part("sched"), Part("proxy"), *(Part(f"cell-{i}", gpus) for i in range(cfg.run.cells))]
+    res = cfg.run.ray_resources
+    return [
+        Part(n, gpus if n.startswith("cell-") else 0, {k: float(v) for k, v in res.get(n, {}).items()})
+        for n in part_names(cfg.run.cells)
+    ]
 
 
 def proxy_up(url: str) -> bool:
@@ -174,8 +180,11 @@ class Attempt:
             )
         c, sv = cfg.run, cfg.survive
         token = runtoken.install()  # $GYRE_TOKEN: every child inherits it, every link carries it
-        procs = launcher_for(
-            c.ray_address, rd.path / "logs", parts_of(cfg), c.startup_timeout_s, token_made=token.made
+        logs = rd.path / "logs"
+        procs: Launcher = (
+            NodeLauncher(logs, Path(c.nodes_dir), c.node_agents, c.bind_host, c.startup_timeout_s)
+            if c.node_agents
+            else launcher_for(c, logs, parts_of(cfg), token_made=token.made)
         )
         # parts placed by Ray are not restarted in place: supervision watches this host's processes only
         group = procs if isinstance(procs, ProcessGroup) else procs.local

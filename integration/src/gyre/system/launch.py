@@ -18,9 +18,11 @@ bundle's GPUs (Ray sets CUDA_VISIBLE_DEVICES) and the process inherits them. Ray
 lists, environment strings and log tails between the driver and the actors; gyre's own traffic goes
 over its ZeroMQ and HTTP endpoints as it does locally. `log_dir` and the run directory must be on a
 filesystem every node sees (as on SLURM clusters), since cells write `core.json` and `steps.jsonl` there.
-Where each part landed is written to `log_dir/placement.json`. A placement that fits on the node of `gyre
-run` itself stays on loopback (nothing listens beyond the machine); one that spans nodes binds each
-part's node address, where the token is what keeps others out.
+Where each part landed is written to `log_dir/placement.json`. A bundle also asks for the part's custom
+resources (`[run] ray_resources`), which pin it to the nodes that have them. A placement that fits on
+the node of `gyre run` itself stays on loopback (nothing listens beyond the machine); one that spans
+nodes binds each part's node address, where the token is what keeps others out, except the proxy: only
+the harnesses in `gyre run` call it, so it must share that node and stays on loopback (`bind_hosts`).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from gyre_base.token import TOKEN_ENV, new_token, resolve_token
 
+from gyre.config.runconfig import RunSection
 from gyre.procs.group import ChildDied, ProcessGroup, free_port
 
 LOOPBACK = "127.0.0.1"
@@ -55,6 +58,32 @@ class Part:
 
     name: str
     gpus: int = 0
+    resources: dict[str, float] = field(default_factory=dict)
+    """Ray custom resources its bundle asks for besides CPU and GPU (`[run] ray_resources`)."""
+
+
+def bundle_of(part: Part) -> dict[str, float]:
+    """The placement-group bundle of `part`: one CPU, its GPUs, its custom resources (which pin it to the
+    nodes that have them)."""
+    return {"CPU": 1.0, **({"GPU": float(part.gpus)} if part.gpus else {}), **part.resources}
+
+
+def bind_hosts(names: Sequence[str], nodes: Sequence[tuple[str, str]], driver_node: str) -> list[str]:
+    """The address each part binds, from where the parts landed (`(node id, node address)` each) and the
+    node of `gyre run`: loopback for all when every part is on the driver's node, else each one's node
+    address; the proxy always loopback, on the driver's node (only the harnesses in `gyre run` call it,
+    and gyre-proxy listens beyond loopback only with per-execution API keys)."""
+    one_node = all(node_id == driver_node for node_id, _ in nodes)
+    hosts = []
+    for name, (node_id, address) in zip(names, nodes, strict=True):
+        if name == "proxy" and node_id != driver_node:
+            raise PlacementError(
+                f"the proxy landed on node {node_id} ({address}), not on the node of gyre run "
+                f"({driver_node}): it listens on loopback for the harnesses there; "
+                "[run] ray_resources.proxy should name a resource of that node"
+            )
+        hosts.append(LOOPBACK if one_node or name == "proxy" else address)
+    return hosts
 
 
 class Logged(Protocol):
@@ -104,14 +133,13 @@ class LocalLauncher(ProcessGroup):
         return free_port()
 
 
-def launcher_for(
-    ray_address: str, log_dir: Path, parts: list[Part], timeout_s: float, token_made: bool = True
-) -> Launcher:
-    """The local launcher for an empty `ray_address`, else a `RayLauncher` with `parts` placed (the run
-    token in `$GYRE_TOKEN`; `token_made`: the run made it, none was given)."""
-    if not ray_address:
-        return LocalLauncher(log_dir)
-    return RayLauncher(ray_address, log_dir, parts, timeout_s, token_made)
+def launcher_for(run: RunSection, log_dir: Path, parts: list[Part], token_made: bool = True) -> Launcher:
+    """`[run]`'s launcher on this machine or Ray: a `RayLauncher` with `parts` placed for `ray_address`
+    (the run token in `$GYRE_TOKEN`; `token_made`: the run made it, none was given), else the local one.
+    (`[run] node_agents` is `nodeagent.NodeLauncher`'s.)"""
+    if run.ray_address:
+        return RayLauncher(run.ray_address, log_dir, parts, run.startup_timeout_s, token_made)
+    return LocalLauncher(log_dir)
 
 
 class Host:
@@ -203,15 +231,16 @@ class RayLauncher:
 
     def _place(self, parts: list[Part], timeout_s: float, placement_group: Any, strategy: Any) -> None:
         ray = self._ray
-        bundles = [{"CPU": 1.0, **({"GPU": float(p.gpus)} if p.gpus else {})} for p in parts]
+        bundles = [bundle_of(p) for p in parts]
         self._pg = placement_group(bundles, strategy="PACK", name=f"gyre-{os.getpid()}")
         try:
             ray.get(self._pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
-            free = ray.available_resources()
+            free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
             raise PlacementError(
                 f"the Ray cluster could not place {bundles} within {timeout_s:.0f} s "
-                f"(available now: CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g})"
+                f"(available now: {', '.join(f'{k} {v:g}' for k, v in sorted(free.items()))}; "
+                "[run] ray_resources names the custom resources each part asks for)"
             ) from exc
         remote = ray.remote(Host)
         for i, p in enumerate(parts):
@@ -223,18 +252,22 @@ class RayLauncher:
             ).remote(str(self.log_dir))
             self._placed[p.name] = _Placed(p.name, self.log_dir / f"{p.name}.log", actor, "")
         nodes = ray.get([pl.actor.node.remote() for pl in self._placed.values()], timeout=timeout_s)
-        here = ray.get_runtime_context().get_node_id()
+        here = str(ray.get_runtime_context().get_node_id())
+        here_ip = str(ray.util.get_node_ip_address())
+        hosts = bind_hosts([p.name for p in parts], nodes, here)
         self.one_node = all(node_id == here for node_id, _ in nodes)
-        hosts = [LOOPBACK if self.one_node else ip for _, ip in nodes]
         for pl, h in zip(self._placed.values(), hosts, strict=True):
             pl.host = h
         where: list[dict[str, Any]] = [
-            {"name": p.name, "bind": h, "node_id": n, "node_address": ip, "gpus": p.gpus, "bundle": i}
+            dict(
+                name=p.name, bind=h, node_id=n, node_address=ip, gpus=p.gpus, resources=bundle_of(p), bundle=i
+            )
             for i, (p, h, (n, ip)) in enumerate(zip(parts, hosts, nodes, strict=True))
         ]
         doc = {
             "ray_address": self.address,
             "driver_node_id": here,
+            "driver": {"node_id": here, "node_address": here_ip},
             "one_node": self.one_node,
             "run_token": "new" if self._token_made else "given",
             "parts": where,
