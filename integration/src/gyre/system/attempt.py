@@ -250,8 +250,10 @@ class Attempt:
             release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
             device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
             host=self.procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
-            checkpoint=str(self.out / CHECKPOINT) if i == 0 else "",
+            checkpoint=str(self.out / CHECKPOINT) if i == 0 and cfg.checkpoints else "",
             keep_batches=str(self.out / "batches") if i == 0 and cfg.train.keep_batches else "",
+            tensor_parallel=cfg.cell_shape(i)[0], pipeline_parallel=cfg.cell_shape(i)[1],
+            model_backend=cfg.cell.model_backend, trains=cfg.cell_shape(i) == cfg.cell_shape(0),
         )  # fmt: skip
         (self.out / "cells" / f"{i}.up").unlink(missing_ok=True)
         self.procs.start(
@@ -333,11 +335,12 @@ class Attempt:
             lambda: engines_serve(sampler.samples, final),
             60.0 + (c.startup_timeout_s if self.sup.pending() else 0.0),
         )
-        self._wait(
-            "the core's checkpoint of the last weight version",
-            lambda: policy.checkpoint_version(self.out / CHECKPOINT) == final,
-            60.0,
-        )
+        if self.cfg.checkpoints:
+            self._wait(
+                "the core's checkpoint of the last weight version",
+                lambda: policy.checkpoint_version(self.out / CHECKPOINT) == final,
+                60.0,
+            )
         self.proxy_stats = _proxy_stats(self.proxy_url)
         self.say(_progress(self.t_start, driver, traj, sampler, self.out))
 
