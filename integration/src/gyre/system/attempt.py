@@ -378,11 +378,17 @@ class Attempt:
         metrics["survival"] = {"events": [e.to_dict() for e in self.events]}
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
         assert self.model_dir is not None
-        try:
-            metrics["policy_dir"] = str(policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir))
-        except policy.NotExported as exc:  # the run is done: it is said, not lost
-            metrics["policy_dir"] = None
-            self.say(f"gyre run: the trained policy was not exported: {exc}")
+        metrics["policy_dir"] = None
+        if not self.cfg.checkpoints:
+            self.say("gyre run: the trained policy was not exported: the core's model is split over ranks, "
+                     "which gyre-train does not checkpoint yet")  # fmt: skip
+        else:
+            try:
+                metrics["policy_dir"] = str(
+                    policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir)
+                )
+            except policy.NotExported as exc:  # the run is done: it is said, not lost
+                self.say(f"gyre run: the trained policy was not exported: {exc}")
         write_json(out / "metrics.json", metrics)
         with open(out / "samples.jsonl", "w") as fh:
             for smp in sampler.samples:
