@@ -84,3 +84,41 @@ def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path) -> None:
         assert s["executions"] == w["executions"]
         assert s["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7)
         assert s["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("cell.tensor_parallel=[2]", "[cell] tensor_parallel must give one entry per cell (2), got 1"),
+        ("cell.pipeline_parallel=[1, 0]", "[cell] pipeline_parallel entries must be integers >= 1"),
+        ("cell.model_backend=transformers", 'need [cell] model_backend = "megatron"'),
+        ("cell.model_backend=jax", "[cell] model_backend must be transformers or megatron"),
+        ("cell.device=cuda", "run on the CPU (gloo) only"),
+        ("cell.engine=sglang", '[cell] model_backend = "megatron" needs engine = "gyre"'),
+        (
+            "run.policy=elastic",
+            "cell 1 is 1 x 1, the core 2 x 1; a satellite trains only in the core's shape",
+        ),
+        ("cell.tensor_parallel=true", "[cell] tensor_parallel must be list"),
+    ],
+)
+def test_rank_settings_refused_naming_the_key(override: str, names: str) -> None:
+    from gyre.config.runconfig import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        load_config(CONFIG, [override])
+    assert names in str(exc.value)
+
+
+def test_rank_settings_of_the_example() -> None:
+    cfg = load_config(CONFIG)
+    assert [cfg.cell_shape(i) for i in range(2)] == [(2, 1), (1, 1)]
+    assert cfg.may_train(0) and not cfg.may_train(1)
+    assert not cfg.checkpoints  # a split core saves none
+    # the defaults: one rank per cell, checkpoints; a core and a satellite of one shape may both train
+    plain = load_config(
+        CONFIG, ["cell.tensor_parallel=[]", "cell.pipeline_parallel=[]", "run.policy=elastic"]
+    )
+    assert [plain.cell_shape(i) for i in range(2)] == [(1, 1), (1, 1)] and plain.checkpoints
+    both = load_config(CONFIG, ["cell.tensor_parallel=[2, 2]", "run.policy=elastic"])
+    assert both.may_train(1) and both.cell_shape(1) == (2, 1)
