@@ -16,7 +16,10 @@ snapshot into the engine (gyre-xfer over shared memory). The core appends one JS
 skips it (nothing to compute): no ready group counts for such a step, so no policy moves the cell to
 training for it. The trainer thread and the satellite thread are gyre-train's `threads.start_thread`: if
 one dies, the cell process ends at once (exit status 70, the traceback in its log), and `gyre run` ends
-naming it (or restarts it: `supervise.py`). A cell that cannot write for want of space (its steps line,
+naming it (or restarts it: `supervise.py`). A cell whose trainer has more than one rank (`[cell] tensor_parallel`,
+`pipeline_parallel`) is rank 0 of a gyre-train multi-rank cell and starts the other ranks as its
+children before building its replica (`ranks.py`); a cell whose shape is not the core's runs no
+replica (rollout only). A cell that cannot write for want of space (its steps line,
 its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and the run stops once.
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
