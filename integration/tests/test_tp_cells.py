@@ -5,8 +5,9 @@ a gradient. The core must really have run 2 ranks (rank 1 its own process, child
 own log), and every step must equal a one-rank core's (Megatron-core backend, the same model directory's
 weights, the run's loss and learning rate) training the micro-batches the run kept (`[train]
 keep_batches`) with the same execution counts, to gyre-train's tolerances for tensor parallelism
-(`packages/gyre-train/tests/test_cell.py`: the loss within 1e-6 relative, the gradient within 1e-5 of its
-largest element; here the gradient's norm). About 70-100 s on 2 cores.
+(`packages/gyre-train/tests/test_cell.py`: the gradient within 1e-5 of its largest element; here the
+gradient's norm within 1e-5 relative; the loss, near zero by construction, within 1e-6). About 2 minutes
+on 2 cores; the same with cell 1 a TP 2 satellite that trains (`long`) about as long.
 """
 
 from __future__ import annotations
@@ -54,16 +55,28 @@ def one_rank_replay(out: Path, model_dir: Path, overrides: list[str]) -> list[di
         core.close()
 
 
+SATELLITE = ["cell.tensor_parallel=[2, 2]", "run.policy=elastic", "train.token_budget=64", "batch.queries=4"]
+"""Cell 1 a TP 2 satellite too (the core's shape), trained by the elastic policy; small micro-batches, so
+a step has several and the satellite cell computes some of them."""
+
+
 # megatron-core 0.19 warns on every forward of the one-rank reference (deprecated GPTModel, implicit
 # tp_group), as in gyre-train's own tests; not ours to fix.
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
 @pytest.mark.slow
-def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([], id="rollout-cell"),
+        pytest.param(SATELLITE, id="tp2-satellite", marks=pytest.mark.long),
+    ],
+)
+def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path, extra: list[str]) -> None:
     pytest.importorskip("gyre_train.megatron")
     reward = tmp_path / "uneven.py"
     reward.write_text(UNEVEN)
     out = tmp_path / "run"
-    overrides = [f"run.out_dir={out}", f"tasks.reward={reward}:compute_score"]
+    overrides = [f"run.out_dir={out}", f"tasks.reward={reward}:compute_score", *extra]
     assert main(["run", str(CONFIG), *overrides]) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps_applied"] == 3 and m["final_version"] == 3
@@ -73,16 +86,22 @@ def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path) -> None:
     assert "cell 0: 2 trainer ranks joined (tp 2, pp 1)" in (logs / "cell-0.log").read_text()
     rank1 = (logs / "cell-0.rank1.log").read_text()
     assert "rank 1 of 2" in rank1 and "joined: tp 2, pp 1" in rank1
-    assert not (logs / "cell-1.rank1.log").exists()  # cell 1 is one rank
-
     steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    if extra:  # the satellite cell ran 2 ranks too, and computed micro-batches handed over rank to rank
+        assert "rank 1 of 2" in (logs / "cell-1.rank1.log").read_text()
+        assert sum(s["by_replica"].get("cell-1", 0) for s in steps) > 0
+    else:
+        assert not (logs / "cell-1.rank1.log").exists()  # cell 1 is one rank, rollout only
+
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["grad_norm"] > 0 for s in steps)  # the uneven reward: every step has a gradient
     want = one_rank_replay(out, out / "model", overrides)
     print("TP 2 in gyre run vs one rank:", [(s["loss"], s["grad_norm"]) for s in steps], want)
     for s, w in zip(steps, want, strict=True):
         assert s["executions"] == w["executions"]
-        assert s["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-7)
+        # PPO's loss at ratio 1 is a weighted sum of group-normalized advantages: near zero, its O(1)
+        # terms cancel, so it compares within float32 noise of their sum (the gradient norm is the check)
+        assert s["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-6)
         assert s["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
 
 
