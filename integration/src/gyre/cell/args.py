@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gyre_train.defaults import PIPELINE_PARALLEL, TENSOR_PARALLEL
+
 from gyre.config.runconfig import AgentSection, CellSection, EngineSection, RunSection, TrainSection
 
 
@@ -46,3 +48,16 @@ class CellArgs:
     """Core: the checkpoint directory (resumed from if present, saved after every step); empty: none."""
     keep_batches: str = ""
     """Core: where each applied step's micro-batches are kept (`[train] keep_batches`); empty: nowhere."""
+    tensor_parallel: int = TENSOR_PARALLEL
+    """Tensor-parallel ranks of this cell's trainer replica (`[cell] tensor_parallel`)."""
+    pipeline_parallel: int = PIPELINE_PARALLEL
+    """Pipeline stages of this cell's trainer replica (`[cell] pipeline_parallel`)."""
+    model_backend: str = CellSection.model_backend
+    trains: bool = True
+    """False: a rollout-only cell (its shape is not the core's, and the policy never trains it): it starts
+    no trainer replica, only follows the core's weights."""
+
+    @property
+    def ranks(self) -> int:
+        """The trainer replica's ranks (this process is rank 0)."""
+        return self.tensor_parallel * self.pipeline_parallel if self.trains else 1

@@ -16,7 +16,10 @@ snapshot into the engine (gyre-xfer over shared memory). The core appends one JS
 skips it (nothing to compute): no ready group counts for such a step, so no policy moves the cell to
 training for it. The trainer thread and the satellite thread are gyre-train's `threads.start_thread`: if
 one dies, the cell process ends at once (exit status 70, the traceback in its log), and `gyre run` ends
-naming it (or restarts it: `supervise.py`). A cell that cannot write for want of space (its steps line,
+naming it (or restarts it: `supervise.py`). A cell whose trainer has more than one rank (`[cell] tensor_parallel`,
+`pipeline_parallel`) is rank 0 of a gyre-train multi-rank cell and starts the other ranks as its
+children before building its replica (`ranks.py`); a cell whose shape is not the core's runs no
+replica (rollout only). A cell that cannot write for want of space (its steps line,
 its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and the run stops once.
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
@@ -66,6 +69,7 @@ from gyre.procs import nospace
 from gyre.procs.group import ProcessGroup, python_argv
 
 if TYPE_CHECKING:
+    from gyre_train.cell import Cell as TrainCell
     from gyre_train.claimqueue import QueuedStep
     from gyre_traj.loss import LossConfig
 
@@ -94,6 +98,7 @@ class Cell:
         self.publisher = a.publisher
         self.fatal: BaseException | None = None
         self.sglang: SGLangEngine | None = None  # when [cell] engine = "sglang"
+        self.rank_cell: TrainCell | None = None  # rank 0's view of a multi-rank trainer (`ranks.py`)
         self._engine_deadline = 0.0
 
     # ---- engine -------------------------------------------------------------------------------------
@@ -191,8 +196,12 @@ class Cell:
         with self.weights_lock:
             rep = self._engine(
                 lambda c: c.update_weights_from_xfer(
-                    self.publisher, min_version=st.snapshot, transport="shm", weight_version=str(st.version)
-                )
+                    self.publisher,
+                    min_version=st.snapshot,
+                    transport="shm",
+                    weight_version=str(st.version),
+                    layout="megatron" if self.a.model_backend == "megatron" else "transformers",
+                )  # the core publishes its backend's one-rank layout; the engine converts Megatron's
             )
         if not rep.success:
             raise RuntimeError(f"cell {self.a.cell_id}: weight update failed: {rep.message}")
@@ -214,57 +223,77 @@ class Cell:
         from gyre_train.control import CoreClient
         from gyre_train.threads import start_thread
 
-        if self.a.is_core:
-            from gyre_train.core import Core, CoreConfig, OptimConfig
-            from gyre_train.model import Attention, build_model, load_pretrained
-            from gyre_train.modelconfig import ModelConfig
+        if self.a.ranks > 1:  # a multi-rank cell: this process is rank 0, its children the others
+            from gyre.cell.ranks import start_cell
 
-            mc = ModelConfig.from_model_dir(self.a.model_dir)  # the directory's whole HF config
-            attention: Attention = "flex" if self.a.device == "cuda" else "dense"
-            model = build_model(mc, attention, self.a.device)
-            load_pretrained(model, mc, self.a.model_dir)
-            cfg = CoreConfig(
-                attention=attention,
-                token_budget=self.a.token_budget,
-                loss=loss_config(self.a),
-                mismatch_warn=self.a.mismatch_warn,
-                optim=OptimConfig(lr=self.a.lr),
-                dead_after_s=30.0,
-                bind=f"tcp://{self.a.host}:0",
-                keep_batches=self.a.keep_batches,
-            )
-            self.core = Core(model, mc, cfg)
-            ckpt = Path(self.a.checkpoint) if self.a.checkpoint else None
-            if ckpt is not None and (ckpt / "state.json").exists():
-                self.core.load(ckpt)
-                log.info("core resumed from %s at version %d", ckpt, self.core.version)
-            self.core.set_computing(False)  # the cell starts in rollout
-            self.publisher = self.core.publisher.address
-            info = {"core": self.core.address, "publisher": self.publisher}
-            tmp = self.run_dir / "core.json.tmp"
-            tmp.write_text(json.dumps(info))
-            tmp.rename(self.run_dir / "core.json")
+            self.rank_cell = start_cell(self.a, self.procs)
+            log.info("cell %d: %d trainer ranks joined (tp %d, pp %d)", self.a.cell_id, self.a.ranks,
+                     self.a.tensor_parallel, self.a.pipeline_parallel)  # fmt: skip
+        if self.a.is_core:
+            self._start_core()
             self.client = CoreClient(self.core.address, timeout_s=30.0)
             start_thread(self.train_loop, "core-train")
-        else:
-            from gyre_train.satellite import Satellite, SatelliteConfig
+            return
+        if not self.a.core:  # started beside the core: its addresses come with its core.json
+            self._await_core()
+        self.client = CoreClient(self.a.core, timeout_s=30.0)
+        if not self.a.trains:  # rollout only: the weight thread follows the core, nothing else
+            return
+        from gyre_train.satellite import Satellite, SatelliteConfig
 
-            if not self.a.core:  # started beside the core: its addresses come with its core.json
-                self._await_core()
-            self.client = CoreClient(self.a.core, timeout_s=30.0)
-            sat = Satellite(
-                SatelliteConfig(core=self.a.core, name=self.name, device=self.a.device, reply_timeout_s=60.0)
-            )
+        sat = Satellite(
+            SatelliteConfig(core=self.a.core, name=self.name, device=self.a.device, reply_timeout_s=60.0),
+            self.rank_cell,
+        )
 
-            def serve() -> None:
-                try:
-                    sat.run()
-                except Exception:
-                    if self.stop.is_set():  # the run is ending: the core went first
-                        return
-                    raise  # start_thread ends the cell, loudly
+        def serve() -> None:
+            try:
+                sat.run()
+            except Exception:
+                if self.stop.is_set():  # the run is ending: the core went first
+                    return
+                raise  # start_thread ends the cell, loudly
 
-            start_thread(serve, "satellite")
+        start_thread(serve, "satellite")
+
+    def _start_core(self) -> None:
+        """The core replica (on rank 0 of a multi-rank cell), with the model directory's weights or the
+        checkpoint's; its addresses go to `core.json` in the run directory."""
+        from gyre_train.core import Core, CoreConfig, OptimConfig
+        from gyre_train.model import Attention, build_model, load_pretrained, pretrained_weights
+        from gyre_train.modelconfig import ModelConfig
+
+        # the directory's whole HF config
+        mc = ModelConfig.from_model_dir(self.a.model_dir, backend=self.a.model_backend)
+        attention: Attention = "flex" if self.a.device == "cuda" else "dense"
+        device = self.a.device if self.rank_cell is None else str(self.rank_cell.device(self.a.device))
+        model = build_model(mc, attention, device)
+        whole = mc.backend == "megatron"  # loaded through the core, into every rank's part
+        if not whole:
+            load_pretrained(model, mc, self.a.model_dir)
+        cfg = CoreConfig(
+            attention=attention,
+            token_budget=self.a.token_budget,
+            loss=loss_config(self.a),
+            mismatch_warn=self.a.mismatch_warn,
+            optim=OptimConfig(lr=self.a.lr),
+            dead_after_s=30.0,
+            bind=f"tcp://{self.a.host}:0",
+            keep_batches=self.a.keep_batches,
+        )
+        self.core = Core(model, mc, cfg, self.rank_cell)
+        ckpt = Path(self.a.checkpoint) if self.a.checkpoint else None
+        if ckpt is not None and (ckpt / "state.json").exists():
+            self.core.load(ckpt)
+            log.info("core resumed from %s at version %d", ckpt, self.core.version)
+        elif whole:
+            self.core.load_whole_weights(pretrained_weights(mc, self.a.model_dir))
+        self.core.set_computing(False)  # the cell starts in rollout
+        self.publisher = self.core.publisher.address
+        info = {"core": self.core.address, "publisher": self.publisher}
+        tmp = self.run_dir / "core.json.tmp"
+        tmp.write_text(json.dumps(info))
+        tmp.rename(self.run_dir / "core.json")
 
     def _await_core(self) -> None:
         """A satellite started beside the core: wait for the core's `core.json` in the run directory and
@@ -325,6 +354,10 @@ class Cell:
     # ---- switches -----------------------------------------------------------------------------------
     def to_training(self) -> dict[str, float]:
         """Switch this cell to training; returns the seconds of each part (logged as `switch parts`)."""
+        if not self.a.trains:
+            raise RuntimeError(
+                f"cell {self.a.cell_id} is rollout only (no trainer replica) but was sent to training"
+            )
         t0 = time.monotonic()
         self.release_engine()
         t1 = time.monotonic()
@@ -474,7 +507,9 @@ class Cell:
             self.stop.set()
             self.training.clear()
             if self.core is not None:
-                self.core.close()
+                self.core.close()  # stops the other ranks of a multi-rank core
+            if self.rank_cell is not None:
+                self.rank_cell.close()
             if self.sglang is not None:
                 self.sglang.close()
             self.procs.close()

@@ -20,7 +20,8 @@ from typing import Any, get_type_hints
 
 from gyre_base import tables
 from gyre_sched.workload import DriverConfig
-from gyre_train.defaults import MISMATCH_WARN
+from gyre_train.defaults import MISMATCH_WARN, PIPELINE_PARALLEL, TENSOR_PARALLEL
+from gyre_train.modelconfig import ModelConfig
 from gyre_traj.pack import PackConfig
 
 POLICIES = ("elastic", "colocate", "colocate-runahead", "async")
@@ -258,6 +259,21 @@ class CellSection:
     sglang_module: str = "sglang.launch_server"
     """engine = "sglang": what `python -m` runs, SGLang's server or, where SGLang cannot serve (no
     supported GPU), gyre_engine.standin (gyre-engine with SGLang's flags and endpoints only)."""
+    tensor_parallel: list[int] = field(default_factory=list)
+    """Tensor-parallel ranks of each cell's trainer replica, one entry per cell (`[2, 1]`: the core on two
+    ranks, cell 1 on one); empty: every cell on gyre-train's default, one rank. A cell of more than one
+    rank is one torch.distributed job (gyre-train's multi-rank cell, `model_backend = "megatron"`): the
+    cell's process is rank 0 (its engine, its scheduler link, the core or the satellite) and starts the
+    other ranks as its children (`logs/cell-<id>.rank<r>.log`); it trains, switches, receives weights
+    and hands gradients over as one replica. A satellite trains only in the core's shape (its rank r
+    hands its gradient slice to core rank r), so a cell of another shape is rollout only: allowed where
+    the policy never trains it (async, a cell at or past `[sched] async_train_cells`)."""
+    pipeline_parallel: list[int] = field(default_factory=list)
+    """Pipeline stages of each cell's trainer replica, one entry per cell, as `tensor_parallel`; empty:
+    one stage each. A cell's ranks are tensor_parallel x pipeline_parallel."""
+    model_backend: str = default_of(ModelConfig, "backend")
+    """The trainers' model: transformers (the family's transformers class) or megatron (Megatron-core
+    GPTModel, gyre-train's `megatron` extra; needed by cells of more than one rank)."""
 
 
 @dataclass(frozen=True)
@@ -427,6 +443,7 @@ class Config:
         _check(0 < s.ready_fraction <= 1, "[sched] ready_fraction must be in (0, 1]")
         _check(s.hold_s >= 0, "[sched] hold_s must be >= 0")
         _check(1 <= s.async_train_cells < r.cells, "[sched] async_train_cells must be in [1, cells)")
+        self._check_ranks()
         _check(self.proxy.pick_wait_s > 0, "[proxy] pick_wait_s must be > 0")
         _check(self.survive.max_restarts >= 0, "[survive] max_restarts must be >= 0")
         self._check_profile()
@@ -498,6 +515,62 @@ class Config:
             most * e.kv_fraction <= 0.8,
             f"[engine] kv_fraction {e.kv_fraction} x {most} engines on one GPU exceeds 0.8 of its memory",
         )
+
+    def _check_ranks(self) -> None:
+        c, n = self.cell, self.run.cells
+        _check(
+            c.model_backend in ("transformers", "megatron"),
+            f"[cell] model_backend must be transformers or megatron, got {c.model_backend!r}",
+        )
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            v = getattr(c, key)
+            _check(not v or len(v) == n, f"[cell] {key} must give one entry per cell ({n}), got {len(v)}")
+            _check(
+                all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v),
+                f"[cell] {key} entries must be integers >= 1, got {v!r}",
+            )
+        _check(
+            c.model_backend != "megatron" or c.engine == "gyre",
+            '[cell] model_backend = "megatron" needs engine = "gyre" (it loads Megatron-core\'s layout)',
+        )
+        shapes = [self.cell_shape(i) for i in range(n)]
+        if all(s == (1, 1) for s in shapes):
+            return
+        _check(
+            c.model_backend == "megatron",
+            '[cell] tensor_parallel / pipeline_parallel above 1 need [cell] model_backend = "megatron"',
+        )
+        _check(
+            c.device == "cpu",
+            "[cell] tensor_parallel / pipeline_parallel above 1 run on the CPU (gloo) only: multi-rank "
+            'cells on GPUs are not wired into `gyre run` yet (device = "cpu")',
+        )
+        for i in range(1, n):
+            _check(
+                shapes[i] == shapes[0] or not self.may_train(i),
+                f"[cell] tensor_parallel / pipeline_parallel: cell {i} is {shapes[i][0]} x {shapes[i][1]}, "
+                f"the core {shapes[0][0]} x {shapes[0][1]}; a satellite trains only in the core's shape, so "
+                'a cell of another shape must be rollout only (policy = "async" with cell '
+                f"{i} >= [sched] async_train_cells)",
+            )
+
+    def cell_shape(self, i: int) -> tuple[int, int]:
+        """(tensor_parallel, pipeline_parallel) of cell `i`'s trainer replica."""
+        c = self.cell
+        tp = c.tensor_parallel[i] if c.tensor_parallel else TENSOR_PARALLEL
+        pp = c.pipeline_parallel[i] if c.pipeline_parallel else PIPELINE_PARALLEL
+        return tp, pp
+
+    def may_train(self, i: int) -> bool:
+        """Whether the policy may ever switch cell `i` to training (async trains a fixed set)."""
+        return self.run.policy != "async" or i < self.sched.async_train_cells
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether the core saves a checkpoint after every step (what `--resume`, a new attempt and the
+        exported `policy/` start from): not when its model is split over ranks, which gyre-train does not
+        checkpoint yet."""
+        return self.cell_shape(0) == (1, 1)
 
     @property
     def streams(self) -> bool:

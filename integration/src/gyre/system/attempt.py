@@ -259,8 +259,10 @@ class Attempt:
             release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
             device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),
             host=self.procs.host(f"cell-{i}"), engine=cfg.cell.engine, sglang_module=cfg.cell.sglang_module,
-            checkpoint=str(self.out / CHECKPOINT) if i == 0 else "",
+            checkpoint=str(self.out / CHECKPOINT) if i == 0 and cfg.checkpoints else "",
             keep_batches=str(self.out / "batches") if i == 0 and cfg.train.keep_batches else "",
+            tensor_parallel=cfg.cell_shape(i)[0], pipeline_parallel=cfg.cell_shape(i)[1],
+            model_backend=cfg.cell.model_backend, trains=cfg.cell_shape(i) == cfg.cell_shape(0),
         )  # fmt: skip
         (self.out / "cells" / f"{i}.up").unlink(missing_ok=True)
         self.procs.start(
@@ -342,11 +344,12 @@ class Attempt:
             lambda: engines_serve(sampler.samples, final),
             60.0 + (c.startup_timeout_s if self.sup.pending() else 0.0),
         )
-        self._wait(
-            "the core's checkpoint of the last weight version",
-            lambda: policy.checkpoint_version(self.out / CHECKPOINT) == final,
-            60.0,
-        )
+        if self.cfg.checkpoints:
+            self._wait(
+                "the core's checkpoint of the last weight version",
+                lambda: policy.checkpoint_version(self.out / CHECKPOINT) == final,
+                60.0,
+            )
         self.proxy_stats = _proxy_stats(self.proxy_url)
         self.say(_progress(self.t_start, driver, traj, sampler, self.out))
 
@@ -384,11 +387,17 @@ class Attempt:
         metrics["survival"] = {"events": [e.to_dict() for e in self.events]}
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
         assert self.model_dir is not None
-        try:
-            metrics["policy_dir"] = str(policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir))
-        except policy.NotExported as exc:  # the run is done: it is said, not lost
-            metrics["policy_dir"] = None
-            self.say(f"gyre run: the trained policy was not exported: {exc}")
+        metrics["policy_dir"] = None
+        if not self.cfg.checkpoints:
+            self.say("gyre run: the trained policy was not exported: the core's model is split over ranks, "
+                     "which gyre-train does not checkpoint yet")  # fmt: skip
+        else:
+            try:
+                metrics["policy_dir"] = str(
+                    policy.export(out / CHECKPOINT, out / policy.POLICY, self.model_dir)
+                )
+            except policy.NotExported as exc:  # the run is done: it is said, not lost
+                self.say(f"gyre run: the trained policy was not exported: {exc}")
         write_json(out / "metrics.json", metrics)
         with open(out / "samples.jsonl", "w") as fh:
             for smp in sampler.samples:

@@ -54,8 +54,9 @@ def write_step(directory: Path, seq: int, microbatches: Sequence[PackedBatch], e
 
 
 def read_step(path: Path) -> tuple[StepFile, list[PackedBatch]]:
-    """One step file: its header and its micro-batches (MicroBatchError if it is not one)."""
-    data = path.read_bytes()
+    """One step file: its header and its micro-batches (MicroBatchError if it is not one). The arrays are
+    views of one writable buffer, so torch takes them without a read-only warning."""
+    data = bytearray(path.read_bytes())
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _LEN.size:
         raise MicroBatchError(f"{path}: not a gyre micro-batch file")
     at = len(MAGIC)

@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from gyre_train.cellctl import FollowerLink, LeaderLink, LinkAddresses
+from gyre_train.defaults import PIPELINE_PARALLEL, TENSOR_PARALLEL
 from gyre_train.protocol import CellShape
 from gyre_train.shards import ShardPlan
 
@@ -36,9 +37,9 @@ class CellError(RuntimeError):
 class ParallelConfig:
     """How a cell splits its model over its ranks (world size = tp * pp * dp)."""
 
-    tp: int = 1
+    tp: int = TENSOR_PARALLEL
     """Tensor-parallel ranks (Megatron-core backend)."""
-    pp: int = 1
+    pp: int = PIPELINE_PARALLEL
     """Pipeline stages (Megatron-core backend)."""
     dp: int = 1
     """Data-parallel copies: each computes its own micro-batch of a round."""
