@@ -11,9 +11,9 @@ case into `--out`:
 
 Run it in a venv that has sglang (gyre-engine's `sglang` extra, pinned to 0.5.23; about 11 GB):
 
-    uv venv /work/venvs/sglang --python 3.12
-    VIRTUAL_ENV=/work/venvs/sglang uv pip install -e 'packages/gyre-engine[sglang]'
-    /work/venvs/sglang/bin/python packages/gyre-engine/scripts/sglang_fixtures.py \\
+    uv venv .venv-sglang --python 3.12
+    VIRTUAL_ENV=.venv-sglang uv pip install -e 'packages/gyre-engine[sglang]'
+    .venv-sglang/bin/python packages/gyre-engine/scripts/sglang_fixtures.py \\
         --out packages/gyre-engine/tests/fixtures/sglang-0.5.23
 
 The model directory (config and tokenizer only are read) is gyre's tiny model, made with
