@@ -20,6 +20,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -277,6 +278,22 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
         _stop_head(head)
 
 
+def _run_through_ray(cfg: Path, address: str, env: dict[str, str], out: Path, label: str) -> dict[str, Any]:
+    """`gyre run CONFIG --ray ADDRESS` to its end (it must succeed); its metrics.json."""
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "gyre.cli", "run", str(cfg), "--ray", address],
+        capture_output=True,
+        env=env,
+        timeout=2400,
+    )
+    said = p.stdout.decode(errors="replace") + p.stderr.decode(errors="replace")
+    assert p.returncode == 0, said[-5000:]
+    print(f"gyre run {label}: {time.monotonic() - t0:.1f} s wall")
+    metrics: dict[str, Any] = json.loads((out / "metrics.json").read_text())
+    return metrics
+
+
 @pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # about 2 minutes on a quiet machine; over 10 on this one under load
@@ -290,17 +307,7 @@ def test_gyre_run_tiny_through_ray(tmp_path: Path, ray_head: tuple[str, dict[str
     text = text.replace("[run]\n", "[run]\nstartup_timeout_s = 900.0\ndeadline_s = 1800.0\n", 1)
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(text)
-    t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, "-m", "gyre.cli", "run", str(cfg), "--ray", address],
-        capture_output=True,
-        env=env,
-        timeout=2400,
-    )
-    said = p.stdout.decode(errors="replace") + p.stderr.decode(errors="replace")
-    assert p.returncode == 0, said[-5000:]
-    print(f"gyre run through Ray: {time.monotonic() - t0:.1f} s wall")
-    m = json.loads((out / "metrics.json").read_text())
+    m = _run_through_ray(cfg, address, env, out, "through Ray")
     assert m["steps_applied"] == 2 and m["final_version"] == 2
     assert m["attempts"] == 1 and m["survival"]["events"] == []  # no fault: no new attempt, no restart
     rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
@@ -441,17 +448,7 @@ def test_gyre_run_tiny_on_three_ray_nodes(
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(text)
     env = {**env, "OMP_NUM_THREADS": "1"}
-    t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, "-m", "gyre.cli", "run", str(cfg), "--ray", address],
-        capture_output=True,
-        env=env,
-        timeout=2400,
-    )
-    said = p.stdout.decode(errors="replace") + p.stderr.decode(errors="replace")
-    assert p.returncode == 0, said[-5000:]
-    print(f"gyre run on three Ray nodes: {time.monotonic() - t0:.1f} s wall")
-    m = json.loads((out / "metrics.json").read_text())
+    m = _run_through_ray(cfg, address, env, out, "on three Ray nodes")
     assert m["steps_applied"] == 3 and m["final_version"] == 3
     rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
     assert rollout and all(c["engine_version"] == "3" for c in rollout)
