@@ -49,13 +49,16 @@ def _where(execution_id: str, call_id: str) -> str:
 
 
 _deferred = threading.local()
+_fmax = np.maximum.reduce
 
 
 @contextlib.contextmanager
 def defer_input_sign_check() -> Iterator[None]:
-    """Inside this block, `Call` skips the negative-id scan of full `input_ids` (a whole pass over
-    what may be hundreds of MB). Only for records that go straight into an `ExecutionTree`, which checks
-    the sign of every token it stores; tokens it matches against the tree are already known good."""
+    """Inside this block, `Call` skips the negative-id scans of its token arrays (full `input_ids`: a
+    whole pass over what may be hundreds of MB) and the range scan of its logprobs, and `CallBatch` the
+    negative-id scan of its tokens. Only for records that go straight into an `ExecutionTree`, which
+    checks the sign of every token it stores where it stored it (tokens it matches against the tree are
+    already known good) and the logprobs it keeps (`ExecutionTree.add`)."""
     prev = getattr(_deferred, "on", False)
     _deferred.on = True
     try:
@@ -112,9 +115,10 @@ def as_ids(values: Any, what: str = "token ids", check_sign: bool = True) -> np.
     return arr
 
 
-def as_logprobs(values: Any) -> np.ndarray:
+def as_logprobs(values: Any, check_range: bool = True) -> np.ndarray:
     """Logprobs as a float32 array: numbers <= 0 (a rounding margin of 1e-4 allowed), none NaN, none
-    beyond float32's range (checked before the cast, which would make them infinite)."""
+    beyond float32's range (checked before the cast, which would make them infinite). Without
+    `check_range`, float32 logprobs are taken as they are (the caller checks them: `check_logprobs`)."""
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
     if arr.dtype.kind not in "iuf":
         raise ValueError(f"logprobs must be numbers, got dtype {arr.dtype}")
@@ -126,10 +130,16 @@ def as_logprobs(values: Any) -> np.ndarray:
             pos = int(np.flatnonzero(big)[0])
             raise ValueError(f"logprobs must fit float32, got {float(arr[pos]):g} at position {pos}")
     arr = arr.astype(LOGPROB_DTYPE, copy=False)
-    if arr.size and not float(arr.max()) <= 1e-4:  # max propagates NaN, so NaN fails this too
+    if check_range:
+        check_logprobs(arr)
+    return arr
+
+
+def check_logprobs(arr: np.ndarray) -> None:
+    """ValueError unless every float32 logprob is <= 0 (a rounding margin of 1e-4 allowed) and none NaN."""
+    if arr.size and not float(_fmax(arr)) <= 1e-4:  # max propagates NaN, so NaN fails this too
         pos = int(np.flatnonzero(~(arr <= 1e-4))[0])
         raise ValueError(f"logprobs must be <= 0 (and not NaN), got {float(arr[pos])} at position {pos}")
-    return arr
 
 
 class Delta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -174,23 +184,24 @@ class Call(
     took from its prefix cache)."""
 
     def __post_init__(self) -> None:
-        where = _where(self.execution_id, self.call_id)
         if not self.execution_id or not self.call_id:
-            raise RecordError(f"{where}: execution_id and call_id must be non-empty")
+            raise RecordError(f"{self.where}: execution_id and call_id must be non-empty")
         if self.v > SCHEMA_VERSION:
             raise RecordError(
-                f"{where}: schema version {self.v} is newer than this reader ({SCHEMA_VERSION})"
+                f"{self.where}: schema version {self.v} is newer than this reader ({SCHEMA_VERSION})"
             )
         if (self.input_ids is None) == (self.input_delta is None):
-            raise RecordError(f"{where}: exactly one of input_ids / input_delta must be given")
+            raise RecordError(f"{self.where}: exactly one of input_ids / input_delta must be given")
+        # Inside `defer_input_sign_check` the tree scans what it stores (aligned, in cache), not this
+        # decoder (the arrays are views into a frame at any byte offset, where a scan is slower).
+        checked = not getattr(_deferred, "on", False)
         try:
-            out = as_ids(self.output_ids, "output ids")
-            lps = as_logprobs(self.output_logprobs)
+            out = as_ids(self.output_ids, "output ids", check_sign=checked)
+            lps = as_logprobs(self.output_logprobs, check_range=checked)
             msgspec.structs.force_setattr(self, "output_ids", out)
             msgspec.structs.force_setattr(self, "output_logprobs", lps)
             if self.input_ids is not None:
-                trusted = getattr(_deferred, "on", False)
-                ids = as_ids(self.input_ids, "input ids", check_sign=not trusted)
+                ids = as_ids(self.input_ids, "input ids", check_sign=checked)
                 msgspec.structs.force_setattr(self, "input_ids", ids)
             if self.input_delta is not None:
                 d = self.input_delta
@@ -200,21 +211,22 @@ class Call(
                     raise ValueError(f"input_delta.keep must be <= {_I64.max} (int64), got {d.keep}")
                 if d.parent == self.call_id:
                     raise ValueError("input_delta.parent names the call itself")
-                msgspec.structs.force_setattr(d, "append", as_ids(d.append, "input_delta.append ids"))
+                append = as_ids(d.append, "input_delta.append ids", check_sign=checked)
+                msgspec.structs.force_setattr(d, "append", append)
         except ValueError as exc:
-            raise RecordError(f"{where}: {exc}") from None
+            raise RecordError(f"{self.where}: {exc}") from None
         if lps.shape[0] != out.shape[0]:
             raise RecordError(
-                f"{where}: {lps.shape[0]} output logprobs for {out.shape[0]} output ids (must be equal)"
+                f"{self.where}: {lps.shape[0]} output logprobs for {out.shape[0]} output ids (must be equal)"
             )
         if self.weight_version < 0:
-            raise RecordError(f"{where}: weight_version must be >= 0, got {self.weight_version}")
+            raise RecordError(f"{self.where}: weight_version must be >= 0, got {self.weight_version}")
         if self.weight_version > MAX_WEIGHT_VERSION:
             raise RecordError(
-                f"{where}: weight_version must be <= {MAX_WEIGHT_VERSION} (int32), got {self.weight_version}"
+                f"{self.where}: weight_version must be <= {MAX_WEIGHT_VERSION} (int32), got {self.weight_version}"
             )
         if math.isnan(self.t_start) or math.isnan(self.t_end):
-            raise RecordError(f"{where}: timestamps must not be NaN")
+            raise RecordError(f"{self.where}: timestamps must not be NaN")
 
     @property
     def where(self) -> str:

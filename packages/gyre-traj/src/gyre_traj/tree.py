@@ -33,6 +33,7 @@ from gyre_traj.records import (
     Role,
     Score,
     _where,
+    check_logprobs,
     defer_input_sign_check,
 )
 
@@ -560,6 +561,13 @@ class ExecutionTree:
             raise RecordError(
                 f"{call.where}: belongs to execution {call.execution_id!r}, not {self.execution_id!r}"
             )
+        # Owned (the caller may reuse its array), and checked here: a call decoded inside
+        # `defer_input_sign_check` comes unchecked, and the copy is aligned and in cache.
+        lps = np.array(call.output_logprobs, LOGPROB_DTYPE)
+        try:
+            check_logprobs(lps)
+        except ValueError as exc:
+            raise RecordError(f"{call.where}: {exc}") from None
         d = call.input_delta
         if d is None:
             assert call.input_ids is not None
@@ -578,7 +586,8 @@ class ExecutionTree:
             keep,
             rest,
             call.output_ids,
-            np.array(call.output_logprobs, LOGPROB_DTYPE),  # owned: the caller may reuse its array
+            lps,
+            check_output=True,
         )
 
     def _add(
@@ -613,6 +622,30 @@ class ExecutionTree:
                     f"{_where(self.execution_id, call_id)}: input_delta.keep={keep} exceeds parent "
                     f"{parent!r} length {cut_parent.length}"
                 )
+            if (
+                keep == cut_parent.length
+                and cut_parent.end == self.n - 1 >= 0
+                and self._pend_lo == _NO_PENDING
+            ):
+                # The agent's next call: it extends the whole of its parent, which ends at the arena's
+                # last token (nothing hangs below it), so every token it carries is new.
+                info = self._extend_last(
+                    call_id,
+                    agent_id,
+                    role,
+                    weight_version,
+                    finish_reason,
+                    t_start,
+                    t_end,
+                    keep,
+                    rest,
+                    out,
+                    lps,
+                )
+                st.delta_calls += 1
+                st.calls += 1
+                st.call_tokens += info.length
+                return info
             start = self.node_at_depth(cut_parent.end, keep - 1)
             st.delta_calls += 1
         else:
@@ -650,6 +683,53 @@ class ExecutionTree:
             self._ends_seen += 1
         st.calls += 1
         st.call_tokens += info.length
+        return info
+
+    def _extend_last(
+        self,
+        call_id: str,
+        agent_id: str,
+        role: Role,
+        weight_version: int,
+        finish_reason: str,
+        t_start: float,
+        t_end: float,
+        keep: int,
+        rest: np.ndarray,
+        out: np.ndarray,
+        lps: np.ndarray,
+    ) -> CallInfo:
+        """`_add` of a call all of whose tokens continue the arena's last run (input, then output): one
+        copy of each into the arena, one sign check of both where they landed, and nothing compared,
+        looked up or re-read; the work is proportional to the tokens it carries. A negative id leaves
+        the tree as it was (nothing is counted until the check passed)."""
+        k_in, k_out = rest.shape[0], out.shape[0]
+        lo = self.n
+        mid, hi = lo + k_in, lo + k_in + k_out
+        self._reserve(k_in + k_out)
+        ids = self._ids
+        ids[lo:mid] = rest
+        ids[mid:hi] = out
+        if hi > lo and _umax(ids[lo:hi].view(np.uint32)) >= 1 << 31:
+            where = _where(self.execution_id, call_id)
+            if k_in and int(rest.min()) < 0:
+                pos = int(np.flatnonzero(rest < 0)[0])
+                raise RecordError(
+                    f"{where}: input ids contain a negative id {int(rest[pos])} at position {keep + pos}"
+                )
+            pos = int(np.flatnonzero(out < 0)[0])
+            raise RecordError(f"{where}: output ids contain a negative id {int(out[pos])} at position {pos}")
+        if k_out:
+            self._add_segment(mid, hi, lps, 0, weight_version)
+        self.n = hi
+        info = CallInfo(
+            call_id, agent_id, role, hi - 1, keep + k_in, k_out, weight_version, finish_reason, t_start, t_end
+        )
+        self.calls[call_id] = info
+        self.order.append(call_id)
+        if self._ends_seen == len(self.order) - 1:
+            self._ends.add(hi - 1)
+            self._ends_seen += 1
         return info
 
     def add_batch(self, batch: CallBatch) -> None:
