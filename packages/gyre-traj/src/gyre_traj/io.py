@@ -82,12 +82,13 @@ def _mp_ext_hook(code: int, data: memoryview) -> Any:
     dtype = _EXT_DTYPES.get(code)
     if dtype is None:
         raise msgspec.ValidationError(f"unknown msgpack extension type {code}")
-    if len(data) % dtype.itemsize:
+    try:
+        return np.frombuffer(data, dtype)
+    except ValueError:  # a length that is not a multiple of the item size
         raise msgspec.ValidationError(
             f"an array of {dtype} (extension type {code}) holds {len(data)} bytes, not a multiple of "
             f"{dtype.itemsize}"
-        )
-    return np.frombuffer(data, dtype)
+        ) from None
 
 
 def _dec_hook(tp: type, obj: Any) -> Any:
@@ -128,6 +129,16 @@ def _mp_decoder() -> msgspec.msgpack.Decoder[Record]:
     if dec is None:
         dec = _local.mp_dec = msgspec.msgpack.Decoder(Record, dec_hook=_dec_hook, ext_hook=_mp_ext_hook)
     return dec
+
+
+def decode_msgpack_record(data: bytes | memoryview, name: str = "<frame>") -> Record:
+    """One record from its msgpack bytes (a frame's payload without the length prefix: what the proxy
+    sends as one ZeroMQ message), with this thread's decoder. Arrays in it are views into `data`. Bytes
+    that do not decode, or a record that is not valid, are a `RecordError` naming `name`."""
+    try:
+        return _mp_decoder().decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
+        raise _wrap(exc, name) from None
 
 
 def _wrap(exc: Exception, where: str) -> RecordError:

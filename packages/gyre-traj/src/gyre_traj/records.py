@@ -52,19 +52,27 @@ _deferred = threading.local()
 _fmax = np.maximum.reduce
 
 
-@contextlib.contextmanager
-def defer_input_sign_check() -> Iterator[None]:
+class _Deferred:
+    """The context manager of `defer_input_sign_check` (a class: entered once per record on the live
+    path, where a generator-based one costs more than the rest of a small record's decoding)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_deferred, "on", False)
+        _deferred.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _deferred.on = self.prev
+
+
+def defer_input_sign_check() -> contextlib.AbstractContextManager[None]:
     """Inside this block, `Call` skips the negative-id scans of its token arrays (full `input_ids`: a
     whole pass over what may be hundreds of MB) and the range scan of its logprobs, and `CallBatch` the
     negative-id scan of its tokens. Only for records that go straight into an `ExecutionTree`, which
     checks the sign of every token it stores where it stored it (tokens it matches against the tree are
     already known good) and the logprobs it keeps (`ExecutionTree.add`)."""
-    prev = getattr(_deferred, "on", False)
-    _deferred.on = True
-    try:
-        yield
-    finally:
-        _deferred.on = prev
+    return _Deferred()
 
 
 def _out_of_int_range(raw: np.ndarray, what: str, lo: int, hi: int, bits: int) -> ValueError | None:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, cast
 import msgspec
 import numpy as np
 
+from gyre_traj.io import decode_msgpack_record, iter_msgpack
 from gyre_traj.records import (
     ID_DTYPE,
     LOGPROB_DTYPE,
@@ -574,6 +575,17 @@ class ExecutionTree:
             parent, keep, rest = None, 0, call.input_ids
         else:
             parent, keep, rest = d.parent, d.keep, d.append
+            par = self.calls.get(parent)
+            if (
+                par is not None
+                and keep == par.length
+                and par.end == self.n - 1 >= 0
+                and self._pend_lo == _NO_PENDING
+                and call.call_id not in self.calls
+            ):
+                # The agent's next call: it extends the whole of its parent, which ends at the arena's
+                # last token (nothing hangs below it), so every token it carries is new.
+                return self._extend_last(call, keep, rest, lps)
         return self._add(
             call.call_id,
             call.agent_id,
@@ -622,30 +634,6 @@ class ExecutionTree:
                     f"{_where(self.execution_id, call_id)}: input_delta.keep={keep} exceeds parent "
                     f"{parent!r} length {cut_parent.length}"
                 )
-            if (
-                keep == cut_parent.length
-                and cut_parent.end == self.n - 1 >= 0
-                and self._pend_lo == _NO_PENDING
-            ):
-                # The agent's next call: it extends the whole of its parent, which ends at the arena's
-                # last token (nothing hangs below it), so every token it carries is new.
-                info = self._extend_last(
-                    call_id,
-                    agent_id,
-                    role,
-                    weight_version,
-                    finish_reason,
-                    t_start,
-                    t_end,
-                    keep,
-                    rest,
-                    out,
-                    lps,
-                )
-                st.delta_calls += 1
-                st.calls += 1
-                st.call_tokens += info.length
-                return info
             start = self.node_at_depth(cut_parent.end, keep - 1)
             st.delta_calls += 1
         else:
@@ -685,24 +673,12 @@ class ExecutionTree:
         st.call_tokens += info.length
         return info
 
-    def _extend_last(
-        self,
-        call_id: str,
-        agent_id: str,
-        role: Role,
-        weight_version: int,
-        finish_reason: str,
-        t_start: float,
-        t_end: float,
-        keep: int,
-        rest: np.ndarray,
-        out: np.ndarray,
-        lps: np.ndarray,
-    ) -> CallInfo:
+    def _extend_last(self, call: Call, keep: int, rest: np.ndarray, lps: np.ndarray) -> CallInfo:
         """`_add` of a call all of whose tokens continue the arena's last run (input, then output): one
         copy of each into the arena, one sign check of both where they landed, and nothing compared,
         looked up or re-read; the work is proportional to the tokens it carries. A negative id leaves
         the tree as it was (nothing is counted until the check passed)."""
+        out = call.output_ids
         k_in, k_out = rest.shape[0], out.shape[0]
         lo = self.n
         mid, hi = lo + k_in, lo + k_in + k_out
@@ -711,7 +687,7 @@ class ExecutionTree:
         ids[lo:mid] = rest
         ids[mid:hi] = out
         if hi > lo and _umax(ids[lo:hi].view(np.uint32)) >= 1 << 31:
-            where = _where(self.execution_id, call_id)
+            where = call.where
             if k_in and int(rest.min()) < 0:
                 pos = int(np.flatnonzero(rest < 0)[0])
                 raise RecordError(
@@ -719,17 +695,34 @@ class ExecutionTree:
                 )
             pos = int(np.flatnonzero(out < 0)[0])
             raise RecordError(f"{where}: output ids contain a negative id {int(out[pos])} at position {pos}")
+        version, cid = call.weight_version, call.call_id
         if k_out:
-            self._add_segment(mid, hi, lps, 0, weight_version)
+            self._seg_lo.append(mid)
+            self._seg_hi.append(hi)
+            self._seg_groups.append((mid, hi, 0, version, lps, 0))
+            self._policy_count += k_out
         self.n = hi
         info = CallInfo(
-            call_id, agent_id, role, hi - 1, keep + k_in, k_out, weight_version, finish_reason, t_start, t_end
+            cid,
+            call.agent_id,
+            call.role,
+            hi - 1,
+            keep + k_in,
+            k_out,
+            version,
+            call.finish_reason,
+            call.t_start,
+            call.t_end,
         )
-        self.calls[call_id] = info
-        self.order.append(call_id)
+        self.calls[cid] = info
+        self.order.append(cid)
         if self._ends_seen == len(self.order) - 1:
             self._ends.add(hi - 1)
             self._ends_seen += 1
+        st = self.stats
+        st.calls += 1
+        st.call_tokens += keep + k_in + k_out
+        st.delta_calls += 1
         return info
 
     def add_batch(self, batch: CallBatch) -> None:
@@ -1143,12 +1136,22 @@ class Forest:
         """Ingest a framed msgpack record stream. Token arrays stay views into `data` while decoding and
         the negative-id scan of full inputs is left to the tree (which checks what it stores), so a
         stream of full 700k-token inputs costs about one comparison pass over its bytes."""
-        from gyre_traj.io import iter_msgpack
-
         with defer_input_sign_check():
             for rec in iter_msgpack(data, name):
                 self.add(rec)
         return self
+
+    def add_frame(self, data: bytes | memoryview, name: str = "<frame>") -> Call | Score | CallBatch:
+        """Decode one msgpack record (what the proxy sends as one message: a `Call` whose input is
+        delta-encoded against the agent's previous call, most often) and add it; returns it. The live
+        ingest path: an agent's next call costs work in proportion to the tokens it carries, whatever
+        the length of the context it extends. The record's scans are the tree's (as in `add_msgpack`).
+        A record that does not decode, or that its tree refuses, is a `RecordError`; the tree keeps what
+        it had."""
+        with defer_input_sign_check():
+            rec = decode_msgpack_record(data, name)
+            self.add(rec)
+        return rec
 
     def __iter__(self) -> Iterator[ExecutionTree]:
         return iter(self.trees.values())

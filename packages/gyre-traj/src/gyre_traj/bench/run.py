@@ -8,15 +8,18 @@ import resource
 import statistics
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gyre_traj import __version__
-from gyre_traj.io import encode_msgpack_stream
+from gyre_traj.io import Codec, encode_msgpack_stream
 from gyre_traj.pack import PackConfig, PackItem, pack
+from gyre_traj.records import Call
 from gyre_traj.select import SelectionConfig, select
 from gyre_traj.synth import SynthConfig, synth_execution
 from gyre_traj.tree import ExecutionTree, Forest
@@ -56,6 +59,110 @@ def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, list[flo
     return statistics.median(ingest_t), statistics.median(copy_t), pairs, tree
 
 
+def _ingest_live(frames: list[bytes]) -> ExecutionTree:
+    """The live path: one record at a time through `Forest.add_frame`, as a trajectory service takes
+    them off its socket."""
+    forest = Forest()
+    for frame in frames:
+        forest.add_frame(frame)
+    return forest.trees["bench"]
+
+
+@dataclass
+class _SideBySide:
+    """Medians (and pairwise-ratio quartiles) of the 700k execution's ingests against a copy of its bytes,
+    each measured in turn in one loop so that all see the same machine load."""
+
+    live_s: float
+    live_copy_s: float
+    batched_s: float
+    batched_copy_s: float
+    live_pairs: list[float]
+    batched_pairs: list[float]
+
+
+def _side_by_side(
+    frames: list[bytes], batched: bytes, repeats: int
+) -> tuple[_SideBySide, ExecutionTree, ExecutionTree]:
+    """The figures, and the trees of the last live and batched ingests."""
+    live_src = np.frombuffer(b"".join(frames), np.uint8)
+    batch_src = np.frombuffer(batched, np.uint8)
+    live_dst, batch_dst = np.empty_like(live_src), np.empty_like(batch_src)
+    np.copyto(live_dst, live_src)  # touch the destinations once: the copies are timed into warm memory
+    np.copyto(batch_dst, batch_src)
+    t: dict[str, list[float]] = {"live": [], "live_copy": [], "batched": [], "batched_copy": []}
+    live_tree = batched_tree = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(live_dst, live_src)
+        t["live_copy"].append(time.perf_counter() - t0)
+        live_tree = None  # drop the previous tree first, as a long-running service would have
+        t0 = time.perf_counter()
+        live_tree = _ingest_live(frames)
+        t["live"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        np.copyto(batch_dst, batch_src)
+        t["batched_copy"].append(time.perf_counter() - t0)
+        batched_tree = None
+        t0 = time.perf_counter()
+        batched_tree = _ingest(batched)
+        t["batched"].append(time.perf_counter() - t0)
+    assert live_tree is not None and batched_tree is not None
+    med = {k: statistics.median(v) for k, v in t.items()}
+    side = _SideBySide(
+        live_s=med["live"],
+        live_copy_s=med["live_copy"],
+        batched_s=med["batched"],
+        batched_copy_s=med["batched_copy"],
+        live_pairs=[i / c for i, c in zip(t["live"], t["live_copy"], strict=True)],
+        batched_pairs=[i / c for i, c in zip(t["batched"], t["batched_copy"], strict=True)],
+    )
+    return side, live_tree, batched_tree
+
+
+def _live_peak(frames: list[bytes], repeats: int = 3) -> int:
+    """Median over `repeats` of the peak of memory allocated (tracemalloc: Python objects and numpy
+    buffers) while the live path ingests `frames`, above what was allocated before it started (the
+    frames themselves are the input, not counted)."""
+    peaks = []
+    for _ in range(repeats):
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        tree = _ingest_live(frames)
+        peaks.append(tracemalloc.get_traced_memory()[1] - base)
+        tracemalloc.stop()
+        del tree
+    return int(statistics.median(peaks))
+
+
+def _quartiles(xs: list[float]) -> list[float]:
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return [round(q1, 2), round(q3, 2)]
+
+
+def _check_calls(tree: ExecutionTree, calls: list[Call]) -> None:
+    """Every call reads back from the live tree as it went in: full input (the delta applied to its
+    parent's input + output), output ids and logprobs."""
+    full: dict[str, np.ndarray] = {}
+    logprob = tree.logprob
+    for c in calls:
+        if c.input_delta is None:
+            assert c.input_ids is not None
+            inp = c.input_ids
+        else:
+            inp = np.concatenate([full[c.input_delta.parent][: c.input_delta.keep], c.input_delta.append])
+        full[c.call_id] = np.concatenate([inp, c.output_ids])
+        got_in, got_out = tree.call_sequence(c.call_id)
+        end = tree.calls[c.call_id].end
+        out_nodes = tree.path_nodes(end)[inp.shape[0] :]
+        if not (
+            np.array_equal(got_in, inp)
+            and np.array_equal(got_out, c.output_ids)
+            and np.array_equal(logprob[out_nodes], c.output_logprobs)
+        ):
+            raise AssertionError(f"the live ingest does not give call {c.call_id} back as it went in")
+
+
 def _progress(msg: str) -> None:
     print(f"[gyre-traj bench] {msg}", file=sys.stderr, flush=True)
 
@@ -82,15 +189,21 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
 
     _progress("ingesting full records")
     full_s, full_copy_s, _, tree_full = _ingest_vs_copy(full_stream, repeats)
-    _progress("ingesting delta records")
-    delta_s, delta_copy_s, delta_pairs, tree = _ingest_vs_copy(delta_stream, delta_repeats)
+    _progress(f"ingesting delta records: live (one record at a time) and batched, {delta_repeats} rounds")
+    codec = Codec()
+    frames = [codec.encode_msgpack(c) for c in delta_calls]  # what the proxy sends: one message a call
+    live_bytes = sum(map(len, frames))
+    side, tree_live, tree = _side_by_side(frames, delta_stream, delta_repeats)
+    delta_s, delta_copy_s = side.batched_s, side.batched_copy_s
     per_call_s, per_call_copy_s, _, tree_pc = _ingest_vs_copy(per_call_stream, delta_repeats)
-    q1, _, q3 = statistics.quantiles(delta_pairs, n=4)
-    for other in (tree_full, tree_pc):
+    _progress("peak memory of the live ingest (tracemalloc)")
+    live_peak = _live_peak(frames)
+    for other in (tree_full, tree_pc, tree_live):
         for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
             if not np.array_equal(getattr(tree, name), getattr(other, name)):
                 raise AssertionError(f"full, per-call and batched records built different trees ({name})")
-    del tree_full, tree_pc, full_stream
+    _check_calls(tree_live, delta_calls)
+    del tree_full, tree_pc, tree_live, full_stream
     fresh = _ingest(delta_stream)
     t0 = time.perf_counter()
     _ = fresh.parent, fresh.logprob  # the per-token arrays derived on first use
@@ -125,7 +238,16 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "full_over_copy": round(full_s / full_copy_s, 2),
         "delta_over_copy": round(delta_s / delta_copy_s, 2),
         "delta_repeats": delta_repeats,
-        "delta_pair_ratio_quartiles": [round(q1, 2), round(q3, 2)],
+        "delta_pair_ratio_quartiles": _quartiles(side.batched_pairs),
+        "execution_bytes_live": live_bytes,
+        "ingest_live_s": round(side.live_s, 4),
+        "memcpy_live_s": round(side.live_copy_s, 5),
+        "ingest_over_memcpy_700k_live": round(side.live_s / side.live_copy_s, 2),
+        "ingest_over_memcpy_700k_live_pair_quartiles": _quartiles(side.live_pairs),
+        "ingest_over_memcpy_700k_batched": round(delta_s / delta_copy_s, 2),
+        "ingest_peak_bytes_live": live_peak,
+        "ingest_peak_over_bytes": round(live_peak / live_bytes, 3),
+        "ingest_peak_method": "tracemalloc: peak allocated during the live ingest, frames excluded",
         "delta_per_call_ingest_s": round(per_call_s, 4),
         "delta_per_call_copy_s": round(per_call_copy_s, 5),
         "delta_per_call_over_copy": round(per_call_s / per_call_copy_s, 2),
