@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from gyre_traj.io import Codec
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Role
 from gyre_traj.select import SelectionConfig, select
-from gyre_traj.tree import ExecutionTree
+from gyre_traj.tree import ExecutionTree, Forest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -40,6 +41,8 @@ class TreeMachine(RuleBasedStateMachine):
         super().__init__()
         self.tree = ExecutionTree("e")
         self.full_tree = ExecutionTree("e")  # the same calls, every input in full
+        self.live = Forest()  # the same records as the proxy sends them, one msgpack message each
+        self.codec = Codec()
         self.calls: dict[str, tuple[list[int], list[int]]] = {}
         self.agents: list[Agent] = []
         self.n = 0
@@ -62,19 +65,20 @@ class TreeMachine(RuleBasedStateMachine):
             k = min(k, len(prev_seq))
             while k > 0 and prev_seq[:k] != inp[:k]:
                 k -= 1
-            self.tree.add(
-                call(
-                    cid,
-                    None,
-                    out,
-                    role=role,
-                    agent=agent.name,
-                    delta=(agent.last_call, k, inp[k:]),
-                    t=float(self.n),
-                )
+            rec = call(
+                cid,
+                None,
+                out,
+                role=role,
+                agent=agent.name,
+                delta=(agent.last_call, k, inp[k:]),
+                t=float(self.n),
             )
         else:
-            self.tree.add(call(cid, inp, out, role=role, agent=agent.name, t=float(self.n)))
+            rec = call(cid, inp, out, role=role, agent=agent.name, t=float(self.n))
+        self.tree.add(rec)
+        back = self.live.add_frame(self.codec.encode_msgpack(rec))
+        assert self.codec.encode_msgpack(back) == self.codec.encode_msgpack(rec)  # decoded as sent
         self.full_tree.add(call(cid, inp, out, role=role, agent=agent.name, t=float(self.n)))
         self.calls[cid] = (inp, out)
         return cid
@@ -146,6 +150,20 @@ class TreeMachine(RuleBasedStateMachine):
         for cid, (inp, out) in self.calls.items():
             got_in, got_out = self.tree.call_sequence(cid)
             assert got_in.tolist() == inp and got_out.tolist() == out, cid
+
+    @invariant()
+    def live_path_reads_back_what_went_in(self) -> None:
+        """Records fed one msgpack message at a time (`Forest.add_frame`) give every call back exactly,
+        and the same tree, per-token arrays included, as the same calls added as objects."""
+        if not self.calls:
+            return
+        live = self.live.trees["e"]
+        for cid, (inp, out) in self.calls.items():
+            got_in, got_out = live.call_sequence(cid)
+            assert got_in.tolist() == inp and got_out.tolist() == out, cid
+        for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
+            assert np.array_equal(getattr(live, name), getattr(self.tree, name)), name
+        assert live.calls == self.tree.calls and live.order == self.tree.order
 
     @invariant()
     def unique_tokens_equal_naive_prefix_set(self) -> None:
