@@ -204,13 +204,17 @@ class Call(
         # decoder (the arrays are views into a frame at any byte offset, where a scan is slower).
         checked = not getattr(_deferred, "on", False)
         try:
+            # (set only when converted: decoded arrays already have their dtype)
             out = as_ids(self.output_ids, "output ids", check_sign=checked)
+            if out is not self.output_ids:
+                msgspec.structs.force_setattr(self, "output_ids", out)
             lps = as_logprobs(self.output_logprobs, check_range=checked)
-            msgspec.structs.force_setattr(self, "output_ids", out)
-            msgspec.structs.force_setattr(self, "output_logprobs", lps)
+            if lps is not self.output_logprobs:
+                msgspec.structs.force_setattr(self, "output_logprobs", lps)
             if self.input_ids is not None:
                 ids = as_ids(self.input_ids, "input ids", check_sign=checked)
-                msgspec.structs.force_setattr(self, "input_ids", ids)
+                if ids is not self.input_ids:
+                    msgspec.structs.force_setattr(self, "input_ids", ids)
             if self.input_delta is not None:
                 d = self.input_delta
                 if d.keep < 0:
@@ -220,7 +224,8 @@ class Call(
                 if d.parent == self.call_id:
                     raise ValueError("input_delta.parent names the call itself")
                 append = as_ids(d.append, "input_delta.append ids", check_sign=checked)
-                msgspec.structs.force_setattr(d, "append", append)
+                if append is not d.append:
+                    msgspec.structs.force_setattr(d, "append", append)
         except ValueError as exc:
             raise RecordError(f"{self.where}: {exc}") from None
         if lps.shape[0] != out.shape[0]:
