@@ -79,6 +79,10 @@ class _SideBySide:
     batched_copy_s: float
     live_pairs: list[float]
     batched_pairs: list[float]
+    live_cpu_ratio: float
+    batched_cpu_ratio: float
+    """The same ratios of medians in this process's CPU time (`time.process_time`), which other jobs on
+    the machine inflate less than wall-clock time."""
 
 
 def _side_by_side(
@@ -90,25 +94,27 @@ def _side_by_side(
     live_dst, batch_dst = np.empty_like(live_src), np.empty_like(batch_src)
     np.copyto(live_dst, live_src)  # touch the destinations once: the copies are timed into warm memory
     np.copyto(batch_dst, batch_src)
-    t: dict[str, list[float]] = {"live": [], "live_copy": [], "batched": [], "batched_copy": []}
+    t: dict[str, list[float]] = {k: [] for k in ("live", "live_copy", "batched", "batched_copy")}
+    cpu: dict[str, list[float]] = {k: [] for k in t}
+
+    def timed(key: str, fn: Callable[[], Any]) -> Any:
+        c0, t0 = time.process_time(), time.perf_counter()
+        result = fn()
+        t[key].append(time.perf_counter() - t0)
+        cpu[key].append(time.process_time() - c0)
+        return result
+
     live_tree = batched_tree = None
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(live_dst, live_src)
-        t["live_copy"].append(time.perf_counter() - t0)
+        timed("live_copy", lambda: np.copyto(live_dst, live_src))
         live_tree = None  # drop the previous tree first, as a long-running service would have
-        t0 = time.perf_counter()
-        live_tree = _ingest_live(frames)
-        t["live"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        np.copyto(batch_dst, batch_src)
-        t["batched_copy"].append(time.perf_counter() - t0)
+        live_tree = timed("live", lambda: _ingest_live(frames))
+        timed("batched_copy", lambda: np.copyto(batch_dst, batch_src))
         batched_tree = None
-        t0 = time.perf_counter()
-        batched_tree = _ingest(batched)
-        t["batched"].append(time.perf_counter() - t0)
+        batched_tree = timed("batched", lambda: _ingest(batched))
     assert live_tree is not None and batched_tree is not None
     med = {k: statistics.median(v) for k, v in t.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     side = _SideBySide(
         live_s=med["live"],
         live_copy_s=med["live_copy"],
@@ -116,6 +122,8 @@ def _side_by_side(
         batched_copy_s=med["batched_copy"],
         live_pairs=[i / c for i, c in zip(t["live"], t["live_copy"], strict=True)],
         batched_pairs=[i / c for i, c in zip(t["batched"], t["batched_copy"], strict=True)],
+        live_cpu_ratio=med_cpu["live"] / med_cpu["live_copy"],
+        batched_cpu_ratio=med_cpu["batched"] / med_cpu["batched_copy"],
     )
     return side, live_tree, batched_tree
 
@@ -245,6 +253,8 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "ingest_over_memcpy_700k_live": round(side.live_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_live_pair_quartiles": _quartiles(side.live_pairs),
         "ingest_over_memcpy_700k_batched": round(delta_s / delta_copy_s, 2),
+        "ingest_over_memcpy_700k_live_cpu": round(side.live_cpu_ratio, 2),
+        "ingest_over_memcpy_700k_batched_cpu": round(side.batched_cpu_ratio, 2),
         "ingest_peak_bytes_live": live_peak,
         "ingest_peak_over_bytes": round(live_peak / live_bytes, 3),
         "ingest_peak_method": "tracemalloc: peak allocated during the live ingest, frames excluded",
