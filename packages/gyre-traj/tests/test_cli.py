@@ -103,6 +103,18 @@ def test_bench_quick_prints_json_last() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("dedup_ratio", "delta_ingest_s", "full_ingest_s", "copy_s", "peak_rss_mb"):
         assert key in result
+    # The live and batched ingests, side by side with the copy of the execution's bytes (the bench
+    # checks the live tree call by call against the records and fails if it differs).
+    assert result["execution_bytes_live"] > 0 and result["ingest_peak_bytes_live"] > 0
+    assert result["ingest_peak_over_bytes"] == round(
+        result["ingest_peak_bytes_live"] / result["execution_bytes_live"], 3
+    )
+    for key in (
+        "ingest_over_memcpy_700k_live",
+        "ingest_over_memcpy_700k_batched",
+        "ingest_over_memcpy_700k_live_cpu",
+    ):
+        assert result[key] > 0
     assert result["dedup_ratio"] > 1 and result["tree_packed_tokens_j5"] < result["path_expanded_tokens_j5"]
 
 
