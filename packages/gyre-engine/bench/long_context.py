@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from gyre_engine.bench.run import H200_BANDWIDTH, make_model
 from gyre_engine.protocol import SamplingParams
 from gyre_engine.server import decode_attn
@@ -116,7 +115,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens each measured call decodes")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill chunk")
     ap.add_argument("--prefill-share", type=float, default=Engine.Config.prefill_share)
-    ap.add_argument("--beside-tokens", type=int, default=None, help="last tokens of the build with short calls")
+    ap.add_argument(
+        "--beside-tokens", type=int, default=None, help="last tokens of the build with short calls"
+    )
     ap.add_argument("--short-prompt", type=int, default=None)
     ap.add_argument("--short-new", type=int, default=None)
     ap.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step (minutes)")
@@ -130,7 +131,9 @@ def main() -> None:
     def pick(value: Any, big: Any, small: Any) -> Any:
         return value if value is not None else (small if tiny else big)
 
-    contexts = [int(x) for x in pick(args.contexts, "8192,65536,262144,700000", "256,512,1024,2048").split(",")]
+    contexts = [
+        int(x) for x in pick(args.contexts, "8192,65536,262144,700000", "256,512,1024,2048").split(",")
+    ]
     append = pick(args.append, 1024, 32)
     new_tokens = pick(args.new_tokens, 128, 24)
     chunk = pick(args.prefill_chunk, 8192, 64)
@@ -169,7 +172,9 @@ def main() -> None:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(1, mc.vocab_size) for _ in range(n)]
 
-    say(f"model built ({shape}, {dtype}, {dev}); long slot of {capacity} tokens ({capacity * kv_per_token / 1e9:.1f} GB)")
+    say(
+        f"model built ({shape}, {dtype}, {dev}); long slot of {capacity} tokens ({capacity * kv_per_token / 1e9:.1f} GB)"
+    )
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "shape": shape,

@@ -34,7 +34,9 @@ class Call:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def run(engine: Engine, calls: dict[str, tuple[list[int], SamplingParams]], order: list[str] | None = None) -> dict[str, Call]:
+def run(
+    engine: Engine, calls: dict[str, tuple[list[int], SamplingParams]], order: list[str] | None = None
+) -> dict[str, Call]:
     """Submit every call at once (in the given order); wait for all of them."""
     out = {rid: Call() for rid in calls}
 

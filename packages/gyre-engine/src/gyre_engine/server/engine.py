@@ -132,7 +132,7 @@ class Engine:
         (no copy). A row that reaches the end of its long slot finishes (`length`)."""
         long_context_slots: int = 1
         """Long slots at most (each allocated on first use); further long requests wait for one."""
-        prefill_share: float = 0.5
+        prefill_share: float = 0.4
         """While other requests decode, a chunked prefill (a long or prefix-cached prompt, `prefill_chunk`
         tokens per chunk) gets at most this share of the engine's time: decode steps run between its
         chunks until their time makes up the rest, so their time per token stays within 1 / (1 -
@@ -417,6 +417,7 @@ class Engine:
                 continue
             if self._partial is not None:
                 break  # one chunked prefill at a time (first come, first served)
+            cache: Any
             if long:
                 claim = self._claim_long_slot(hit)
                 if claim is None:
@@ -472,19 +473,21 @@ class Engine:
         whose buffer the prefix cache's hit is (taken back from the prefix cache: nothing is copied),
         else an idle slot (one no cached entry holds first; a new one while there are fewer than
         `long_context_slots`) into which a hit held elsewhere is copied. None if every slot is busy."""
-        idle = [lane.batch for lane in self.lanes.long if self._long_slot_idle(lane)]
+        idle = [
+            lane.batch
+            for lane in self.lanes.long
+            if isinstance(lane.batch, SlotBatch) and self._long_slot_idle(lane)
+        ]
         slot: SlotBatch | None = None
         if isinstance(hit.kv, LongRowKV):
-            slot = next((b for b in idle if isinstance(b, SlotBatch) and b.kv is hit.kv.buf), None)
+            slot = next((b for b in idle if b.kv is hit.kv.buf), None)
         if slot is None:
             unheld = [b for b in idle if not self._prefix_holds(b)]
-            pick = (unheld or idle or [None])[0]
-            if pick is None and len(self.lanes.long) < self.config.long_context_slots:
-                pick = self._new_long_slot()
-            if pick is None:
+            slot = next(iter(unheld or idle), None)
+            if slot is None and len(self.lanes.long) < self.config.long_context_slots:
+                slot = self._new_long_slot()
+            if slot is None:
                 return None
-            assert isinstance(pick, SlotBatch)
-            slot = pick
         buf = slot.allocate()
         own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf
         self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf)

@@ -63,11 +63,12 @@ class Lanes:
     def place(self, items: list[tuple[Running, RowKV, int]]) -> None:
         """Add prefilled requests (request, its KV, its next input token); one re-pad per lane touched. A
         row prefilled in a long slot's buffer (`LongRowKV`) starts in that slot."""
-        for item in [x for x in items if isinstance(x[1], LongRowKV)]:
-            lane = next(x for x in self.long if x.batch.kv is item[1].buf)  # type: ignore[union-attr]
-            assert isinstance(lane.batch, SlotBatch)
-            lane.batch.start_row(item[1].length, item[2])
-            lane.reqs.append(item[0])
+        for r, kv, tok in items:
+            if isinstance(kv, LongRowKV):
+                lane = next(x for x in self.long if isinstance(x.batch, SlotBatch) and x.batch.kv is kv.buf)
+                assert isinstance(lane.batch, SlotBatch)
+                lane.batch.start_row(kv.length, tok)
+                lane.reqs.append(r)
         items = [x for x in items if not isinstance(x[1], LongRowKV)]
         if self.slot_lane is not None:
             slots = self.slot_lane.batch
