@@ -9,9 +9,9 @@ also captures the decode graphs of that width), then the measured call appends `
 decodes `--new-tokens`. Its time to first token is that of an agent's call on a cached M-token context;
 its decode tokens/s is the median over its decode runs (one event per run of `run_steps` tokens). The
 last `--beside-tokens` of the build to the largest milestone are prefilled while short calls
-(`--short-prompt` tokens, `--short-new` new, greedy) run one after another beside it; their decode time
-per token against the same calls alone is `short_call_tpot_ratio_beside_long_prefill` (summed over the
-calls that finished before the prefill did). Writes JSON (and rewrites it after each milestone).
+(`--short-prompt` tokens, `--short-new` new, greedy) run beside it in two streams, each a call after call
+(so some row always decodes); their decode time per token against the same two streams alone is
+`short_call_tpot_ratio_beside_long_prefill` (summed over the calls that finished before the prefill did). Writes JSON (and rewrites it after each milestone).
 
     PYTHONPATH=packages/gyre-engine/src python packages/gyre-engine/bench/long_context.py --out long.json
     PYTHONPATH=packages/gyre-engine/src python packages/gyre-engine/bench/long_context.py --cpu --tiny --out /tmp/l.json
@@ -25,6 +25,7 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +34,12 @@ from gyre_engine.bench.run import H200_BANDWIDTH, make_model
 from gyre_engine.protocol import SamplingParams
 from gyre_engine.server import decode_attn
 from gyre_engine.server.engine import Engine
+from gyre_engine.server.long_kv import chunk_attention, chunk_attention_path
 from gyre_engine.server.request import EngineRequest, TokenEvent
 
+SHORT_STREAMS = 2
+"""Short calls run as this many streams at once (each a call after call), so some row is always decoding
+while they run, alone and beside the prefill."""
 BUILD_NEW = 16
 """Tokens each build call decodes (which also captures the decode graphs of its width)."""
 
@@ -82,9 +87,13 @@ class Driver:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.n = 0
+        self.lock = threading.Lock()
 
     def submit(self, ids: list[int], new_tokens: int) -> CallResult:
         res = CallResult(len(ids), time.perf_counter())
+        with self.lock:
+            self.n += 1
+            rid = f"c{self.n}"
 
         def sink(ev: TokenEvent) -> None:
             res.events.append((time.perf_counter(), len(ev.token_ids)))
@@ -93,9 +102,8 @@ class Driver:
             if ev.finish is not None:
                 res.done.set()
 
-        self.n += 1
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.submit(EngineRequest(f"c{self.n}", ids, sp), sink).result(600)
+        self.engine.submit(EngineRequest(rid, ids, sp), sink).result(600)
         return res
 
     def call(self, ids: list[int], new_tokens: int, timeout: float = 1800.0) -> CallResult:
@@ -105,11 +113,28 @@ class Driver:
         return res
 
 
+def check_chunk_attention(mc: Any, dtype: torch.dtype, dev: str) -> dict[str, Any]:
+    """The long prefill's attention on this device against a float32 reference with the mask built: a
+    64-token chunk at the end of 300 columns, keys and values strided views of a larger buffer."""
+    h, kvh, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randn((2, 1, kvh, 1024, d), generator=gen).to(dev, dtype)
+    q = torch.randn((1, 64, h, d), generator=gen).to(dev, dtype).transpose(1, 2)  # as transformers has it
+    k, v = buf[0, :, :, :300], buf[1, :, :, :300]
+    out = chunk_attention(q, k, v, d**-0.5).float()
+    kr, vr = (t.float().repeat_interleave(h // kvh, dim=1) for t in (k, v))
+    scores = (q.float() @ kr.transpose(-1, -2)) * d**-0.5
+    rows = torch.arange(64, device=dev)[:, None] + 300 - 64
+    scores = scores.masked_fill(torch.arange(300, device=dev)[None] > rows, float("-inf"))
+    ref = scores.softmax(-1) @ vr
+    return {"path": chunk_attention_path(q, k), "max_abs_err": float((out - ref).abs().max())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (checks the script; use with --tiny)")
-    ap.add_argument("--tiny", action="store_true", help="the tiny model and contexts of 256-2048 tokens")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model and contexts of 256-4096 tokens")
     ap.add_argument("--contexts", default=None, help="comma-separated milestones (default 8k,64k,256k,700k)")
     ap.add_argument("--append", type=int, default=None, help="tokens each measured call appends")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens each measured call decodes")
@@ -132,14 +157,14 @@ def main() -> None:
         return value if value is not None else (small if tiny else big)
 
     contexts = [
-        int(x) for x in pick(args.contexts, "8192,65536,262144,700000", "256,512,1024,2048").split(",")
+        int(x) for x in pick(args.contexts, "8192,65536,262144,700000", "256,512,1024,4096").split(",")
     ]
     append = pick(args.append, 1024, 32)
     new_tokens = pick(args.new_tokens, 128, 24)
-    chunk = pick(args.prefill_chunk, 8192, 64)
-    beside = pick(args.beside_tokens, 32768, 256)
+    chunk = pick(args.prefill_chunk, 4096, 16)
+    beside = pick(args.beside_tokens, 32768, 2800)
     short_prompt = pick(args.short_prompt, 128, 16)
-    short_new = pick(args.short_new, 512, 32)
+    short_new = pick(args.short_new, 512, 16)
     slot_max_len = 2048 if not tiny else 128
     capacity = -(-(max(contexts) + append + new_tokens + 256) // 1024) * 1024
     shape = "tiny" if tiny else "qwen3-0.6b"
@@ -172,9 +197,10 @@ def main() -> None:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(1, mc.vocab_size) for _ in range(n)]
 
-    say(
-        f"model built ({shape}, {dtype}, {dev}); long slot of {capacity} tokens ({capacity * kv_per_token / 1e9:.1f} GB)"
-    )
+    gb = capacity * kv_per_token / 1e9
+    say(f"model built ({shape}, {dtype}, {dev}); long slot of {capacity} tokens ({gb:.1f} GB)")
+    result_check = check_chunk_attention(mc, next(model.parameters()).dtype, dev)
+    say(f"long prefill attention: {result_check}")
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "shape": shape,
@@ -206,6 +232,7 @@ def main() -> None:
             "rule": "bytes per decode step = all weights + KV of the whole context; bound tok/s = "
             "hbm_bytes_per_s / that (one row)",
         },
+        "chunk_attention_check": result_check,
         "calls": [],
         "ttft_s_by_context": {},
         "decode_tok_s_by_context": {},
@@ -215,14 +242,38 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(json.dumps(result, indent=1) + "\n")
 
-    def short_calls_alone(n: int) -> list[CallResult]:
-        return [drv.call(fresh(short_prompt), short_new) for _ in range(n)]
+    def short_streams(until: Callable[[], bool] | None = None, each: int = 0) -> list[CallResult]:
+        """`SHORT_STREAMS` threads each running short calls one after another: `each` calls, or until
+        `until()` holds, keeping the calls that finished before it did (so some row is always decoding
+        while the kept calls run)."""
+        got: list[CallResult] = []
+        lock = threading.Lock()
+
+        def stream(seed: int) -> None:
+            r = random.Random(seed)
+            n = 0
+            while (until is None and n < each) or (until is not None and not until()):
+                c = drv.call([r.randrange(1, mc.vocab_size) for _ in range(short_prompt)], short_new)
+                n += 1
+                if until is None or not until():
+                    with lock:
+                        got.append(c)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(SHORT_STREAMS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(1800)
+        return got
+
+    def per_token(calls: list[CallResult]) -> float:
+        return sum(c.decode_s for c in calls) / max(1, sum(c.decode_tokens for c in calls))
 
     try:
-        short_calls_alone(1)  # warm-up: captures the short slots' graphs
-        alone = short_calls_alone(3)
-        alone_s_per_tok = sum(c.decode_s for c in alone) / sum(c.decode_tokens for c in alone)
-        say(f"short call alone: {1 / alone_s_per_tok:.1f} tok/s")
+        short_streams(each=1)  # warm-up: captures the short slots' graphs
+        alone = short_streams(each=3)
+        alone_s_per_tok = per_token(alone)
+        say(f"short calls alone ({SHORT_STREAMS} streams): {1 / alone_s_per_tok:.1f} tok/s each")
         ctx: list[int] = []
         for i, m in enumerate(contexts):
             last = i == len(contexts) - 1
@@ -237,17 +288,12 @@ def main() -> None:
                 grow = ctx + fresh(target - len(ctx))
                 if last and beside > 0:
                     long_call = drv.submit(grow, BUILD_NEW)
-                    shorts: list[CallResult] = []
-                    while not long_call.events:
-                        s = drv.call(fresh(short_prompt), short_new)
-                        if not long_call.events:
-                            shorts.append(s)
+                    shorts = short_streams(lambda c=long_call: bool(c.events))
                     if not long_call.done.wait(1800):
                         raise TimeoutError("the build call did not finish")
                     b = long_call
-                    side_s = sum(c.decode_s for c in shorts)
                     side_tok = sum(c.decode_tokens for c in shorts)
-                    ratio = (side_s / side_tok) / alone_s_per_tok if side_tok else None
+                    ratio = per_token(shorts) / alone_s_per_tok if side_tok else None
                     per_call = [
                         (c.decode_s / c.decode_tokens) / alone_s_per_tok for c in shorts if c.decode_tokens
                     ]
@@ -256,7 +302,8 @@ def main() -> None:
                         "prefill": f"tokens {b.cached} to {b.prompt} of the context",
                         "calls": len(shorts),
                         "alone_s_per_token": alone_s_per_tok,
-                        "beside_s_per_token": side_s / side_tok if side_tok else None,
+                        "beside_s_per_token": per_token(shorts) if side_tok else None,
+                        "streams": SHORT_STREAMS,
                         "per_call_ratio": per_call,
                         "per_call_ttft_s": [c.ttft_s for c in shorts],
                     }

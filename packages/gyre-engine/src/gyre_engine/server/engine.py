@@ -88,7 +88,9 @@ class Engine:
         max_cached_tokens: int = 1 << 20
         """Budget of the prefix cache, in tokens (summed over entries)."""
         prefill_chunk: int = 2048
-        """Tokens per prefill forward pass; also the prefill budget of one step."""
+        """Tokens per prefill forward pass: a step prefills fresh (and prefix-cached) prompts up to this
+        many tokens, and one chunk of this many of the chunked prefill (a long or prefix-cached prompt
+        that does not fit) when `prefill_share` gives it its turn."""
         enable_prefix_cache: bool = True
         """Reuse the KV of earlier sequences that share a prefix with a new prompt."""
         decode_slots: str = "auto"
@@ -390,9 +392,10 @@ class Engine:
                     self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
 
     def _step(self) -> None:
-        """Prefill up to `prefill_chunk` tokens: fresh prompts that fit first (one padded pass), then the
-        next chunk of the chunked prefill (a long or prefix-cached prompt, continued across steps as
-        `prefill_share` allows, so running requests keep decoding); then decode every lane once."""
+        """Prefill fresh prompts up to `prefill_chunk` tokens (one padded pass) and prefix-cached prompts
+        whose rest fits, then the next `prefill_chunk`-token chunk of the chunked prefill (a long or
+        prefix-cached prompt, continued across steps as `prefill_share` allows, so running requests keep
+        decoding); then decode every lane once."""
         t0 = time.perf_counter()
         budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
@@ -415,6 +418,12 @@ class Engine:
                 group.append(r)  # fresh short prompts share one padded forward pass
                 budget -= len(ctx)
                 continue
+            if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
+                # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
+                self._waiting.popleft()
+                whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                budget -= self._advance(whole, budget, joining)
+                continue
             if self._partial is not None:
                 break  # one chunked prefill at a time (first come, first served)
             cache: Any
@@ -429,12 +438,13 @@ class Engine:
             self._partial = _Partial(r, ctx, cache, pos, pos)
         if group:
             self._prefill_group(group, joining)
-        if self._partial is not None and budget > 0 and self._prefill_turn():
-            budget -= self._advance_partial(budget, joining)
+        chunked = self._partial is not None and self._prefill_turn()
+        if chunked:
+            self._advance_partial(self.config.prefill_chunk, joining)
         self._placing = [r for r, _, _ in joining]  # prefilled, not yet in a lane: aborted if placing fails
         self.lanes.place(joining)
         self._placing = []
-        if budget < self.config.prefill_chunk:  # some prefill ran (and its rows were placed)
+        if chunked or budget < self.config.prefill_chunk:  # some prefill ran (and its rows were placed)
             self._stats["prefill_time_s"] += time.perf_counter() - t0
         self.lanes.evict_full_slots()
         self._finish_full_long_slots()
@@ -525,13 +535,28 @@ class Engine:
                 lane.drop([0])
                 self._finish(r, FinishReason(type="length", length=len(r.output)), [], [], None)
 
-    @torch.inference_mode()
     def _advance_partial(self, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
-        """Prefill the next `budget` tokens of the request in chunked prefill; when its context is
-        covered, sample its first token. Returns the tokens computed."""
+        """Prefill the next `budget` tokens of the request in chunked prefill (sampling its first token
+        once its context is covered), charging the chunk's time to `prefill_share`. Returns the tokens
+        computed."""
         p = self._partial
         assert p is not None
         t0 = time.perf_counter()
+        # a chunk that runs while nothing decodes owes nothing; one beside decoding rows is paid back by
+        # their decode steps before the next (`prefill_share`)
+        owed = min(self._prefill_credit, 0.0) if self.lanes.requests() else 0.0
+        done = self._advance(p, budget, joining)
+        if p.pos == len(p.ctx):
+            self._partial = None
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the chunk's time is charged to the prefill's share
+        self._prefill_credit = owed - (time.perf_counter() - t0) if self.lanes.requests() else 0.0
+        return done
+
+    @torch.inference_mode()
+    def _advance(self, p: _Partial, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
+        """Prefill the next `budget` tokens of `p`; when its context is covered, sample its first token.
+        Returns the tokens computed."""
         end = min(len(p.ctx), p.pos + max(budget, 1))
         if isinstance(p.cache, SlotBatch):
             logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.kv, p.pos, end)
@@ -539,7 +564,6 @@ class Engine:
             logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
         done, p.pos = end - p.pos, end
         if p.pos == len(p.ctx):
-            self._partial = None
             self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
             first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num], [p.r.req.token_ids_logprob])
             top = first.top[0] if first.top else None
@@ -548,9 +572,6 @@ class Engine:
             else:
                 row = RowKV(*cache_layers(p.cache))
             self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the chunk's time is charged to the prefill's share
-        self._prefill_credit = min(self._prefill_credit, 0.0) - (time.perf_counter() - t0)
         return done
 
     @torch.inference_mode()

@@ -4,7 +4,7 @@ A request whose context plus its new tokens does not fit a decode slot (`Engine.
 served from a long slot: a one-row `SlotBatch` whose buffer (`[2, layers, 1, kv_heads, capacity,
 head_dim]`, `Engine.Config.long_context_tokens` columns) is allocated once. Its prefill writes each chunk's
 keys and values straight into that buffer and attends to the cached prefix there (`prefill_into`: causal
-attention aligned to the bottom right, flash attention with grouped KV heads on CUDA), so prefill
+attention aligned to the bottom right, `chunk_attention`: flash attention over grouped KV heads on CUDA), so prefill
 activations are one chunk's and the context is never concatenated or copied; it then decodes there with
 the slots' CUDA graphs and Triton decode kernel. When it finishes, the prefix cache keeps views of the
 buffer (`LongRowKV`), and the next call that extends the context takes the buffer over: an agent's
@@ -26,29 +26,40 @@ ATTN_NAME = "gyre_long_prefill"
 _registered = False
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a chunk's queries [1, H, n, D] over keys/values [1, KVH, L, D] whose last n
-    columns are the chunk's own (query i sits at column L - n + i): the bottom-right-aligned causal mask.
-    On CUDA: flash attention with the grouped KV heads as they are where torch allows it, else the
-    memory-efficient kernel over KV heads repeated per query head; no [n, L] mask is ever built there."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    n, width = q.shape[2], k.shape[2]
-    if q.device.type != "cuda":  # the CPU (tests): the mask is materialized (small sizes only)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal_lower_right(n, width), scale=scale, enable_gqa=True
-        )
+def chunk_attention_path(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Which kernel `chunk_attention` runs for these shapes: "flash" (CUDA, grouped KV heads as they are),
+    "repeat" (CUDA: KV heads repeated per query head, torch's lower-right causal kernels) or "masked"
+    (elsewhere: the mask is built)."""
+    if q.device.type != "cuda":
+        return "masked"
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
     with warnings.catch_warnings():  # the check warns why a kernel cannot run; the fallback handles it
         warnings.simplefilter("ignore")
-        flash = can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True))
-    if not flash and k.shape[1] != q.shape[1]:
+        gqa = k.shape[1] != q.shape[1]
+        ok = can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, True, gqa))
+    return "flash" if ok and q.shape[-1] % 8 == 0 else "repeat"
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk's queries [1, H, n, D] over keys/values [1, KVH, L, D] whose last n
+    columns are the chunk's own (query i sits at column L - n + i): the bottom-right-aligned causal mask.
+    On CUDA no [n, L] mask is built: flash attention (whose causal mask is aligned to the bottom right)
+    over the grouped KV heads as they are, else torch's lower-right causal bias over KV heads repeated
+    per query head."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, width = q.shape[2], k.shape[2]
+    path = chunk_attention_path(q, k)
+    if path == "flash":
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+        )
+        return out[0]
+    if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=causal_lower_right(n, width), scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, width), scale=scale)
 
 
 def _prefill_attention(
