@@ -52,6 +52,7 @@ class CallResult:
     """(time, tokens) per event."""
     output: list[int] = field(default_factory=list)
     cached: int = -1
+    finish: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -100,6 +101,7 @@ class Driver:
             res.output.extend(ev.token_ids)
             res.cached = ev.cached_tokens
             if ev.finish is not None:
+                res.finish = ev.finish.type
                 res.done.set()
 
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -110,7 +112,13 @@ class Driver:
         res = self.submit(ids, new_tokens)
         if not res.done.wait(timeout):
             raise TimeoutError(f"a call of {len(ids)} tokens did not finish in {timeout:.0f} s")
-        return res
+        return checked(res)
+
+
+def checked(res: CallResult) -> CallResult:
+    if res.finish != "length" or not res.events:
+        raise RuntimeError(f"a call of {res.prompt} tokens ended with {res.finish!r} (see the engine's log)")
+    return res
 
 
 def check_chunk_attention(mc: Any, dtype: torch.dtype, dev: str) -> dict[str, Any]:
@@ -187,7 +195,7 @@ def main() -> None:
         compile_decode=args.compile_decode,
         slot_max_len=slot_max_len,
         long_context_tokens=capacity,
-        max_cached_tokens=max(Engine.Config.max_cached_tokens, 2 * capacity),
+        max_cached_tokens=capacity + 65536,
     )
     eng = Engine(model, None, cfg)
     eng.start()
@@ -242,6 +250,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(json.dumps(result, indent=1) + "\n")
 
+    seeds = iter(range(1, 1 << 30))
+
     def short_streams(until: Callable[[], bool] | None = None, each: int = 0) -> list[CallResult]:
         """`SHORT_STREAMS` threads each running short calls one after another: `each` calls, or until
         `until()` holds, keeping the calls that finished before it did (so some row is always decoding
@@ -259,7 +269,7 @@ def main() -> None:
                     with lock:
                         got.append(c)
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(SHORT_STREAMS)]
+        threads = [threading.Thread(target=stream, args=(next(seeds),)) for _ in range(SHORT_STREAMS)]
         for t in threads:
             t.start()
         for t in threads:
@@ -291,7 +301,7 @@ def main() -> None:
                     shorts = short_streams(lambda c=long_call: bool(c.events))
                     if not long_call.done.wait(1800):
                         raise TimeoutError("the build call did not finish")
-                    b = long_call
+                    b = checked(long_call)
                     side_tok = sum(c.decode_tokens for c in shorts)
                     ratio = per_token(shorts) / alone_s_per_tok if side_tok else None
                     per_call = [

@@ -13,6 +13,7 @@ context is carried from call to call without a copy.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from gyre_engine.server.batch import RowKV
 from gyre_engine.server.slots import SlotCache
 
+log = logging.getLogger(__name__)
 ATTN_NAME = "gyre_long_prefill"
 _registered = False
 
@@ -52,10 +54,15 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     n, width = q.shape[2], k.shape[2]
     path = chunk_attention_path(q, k)
     if path == "flash":
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
-        )
-        return out[0]
+        try:
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+            )
+            return out[0]
+        except RuntimeError:  # a build whose flash kernel refuses these inputs: the path below
+            log.warning(
+                "flash attention refused a long-prefill chunk; repeating KV heads instead", exc_info=True
+            )
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
