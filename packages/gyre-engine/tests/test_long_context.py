@@ -145,3 +145,17 @@ def test_short_request_decodes_while_a_long_prefill_runs(model_dir: Path, plain_
     assert got["long"].tokens == ref["rl"].tokens
     assert got["short"].tokens == ref["rs"].tokens
     assert got["long"].logprobs == pytest.approx(ref["rl"].logprobs, abs=1e-4)
+
+
+def test_releasing_kv_frees_the_long_slot_and_it_comes_back(model_dir: Path, plain_engine: Engine) -> None:
+    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=512, prefill_chunk=64)
+    try:
+        first = run(e, {"before": (SYSTEM, GREEDY)})["before"]
+        e.call(e.release_memory, ["kv_cache"]).result(30)
+        assert e.slot_stats()["long_slots"] == 1
+        e.call(e.resume_memory, ["kv_cache"]).result(30)
+        again = run(e, {"after": (SYSTEM, GREEDY)})["after"]
+    finally:
+        e.shutdown()
+    assert again.cached == 0  # the prefix cache and the slot's buffer were dropped
+    assert again.tokens == first.tokens == run(plain_engine, {"ref": (SYSTEM, GREEDY)})["ref"].tokens

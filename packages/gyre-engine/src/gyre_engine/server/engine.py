@@ -846,8 +846,8 @@ class Engine:
         n = apply()
         if self.fused is not None:
             self.fused.refresh()  # a no-op for updates that copy into the parameters
-        if self.slots is not None:
-            self.slots.check_weights()
+        for batch in self._slot_batches():
+            batch.check_weights()
         if flush:
             self.prefix.clear()
         if self.updating and version is None:
@@ -862,11 +862,11 @@ class Engine:
             raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
         if "kv_cache" in tags:
             self.prefix.clear()
-            if self.slots is not None:
-                self.slots.release()
+            for batch in self._slot_batches():
+                batch.release()
         if "weights" in tags and self.device.type == "cuda":
-            if self.slots is not None:
-                self.slots.drop_graphs()
+            for batch in self._slot_batches():
+                batch.drop_graphs()
             self._offload_weights()
             if self.fused is not None:
                 self.fused.drop()
@@ -879,9 +879,14 @@ class Engine:
             self._restore_weights()
             if self.fused is not None:
                 self.fused.refresh()
-            if self.slots is not None:
-                self.slots.check_weights()
+            for batch in self._slot_batches():
+                batch.check_weights()
         self.released -= set(tags)
+
+    def _slot_batches(self) -> list[SlotBatch]:
+        """The decode slots and every long slot."""
+        long = [lane.batch for lane in self.lanes.long if isinstance(lane.batch, SlotBatch)]
+        return ([self.slots] if self.slots is not None else []) + long
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the model by name (shared ones once)."""
