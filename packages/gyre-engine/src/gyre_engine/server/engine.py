@@ -169,6 +169,8 @@ class Engine:
         self.fused = FusedProjections(self.model) if self.config.fuse_projections else None
         self.slots = self._make_slots()
         self.lanes = Lanes(self.device, slots=self.slots)
+        if self.config.long_context_tokens > 0 and self.slots is None:
+            log.warning("long slots off: they decode as slots do, and decode slots are off here")
         self._partial: _Partial | None = None
         self._prefill_credit = 0.0
         """Seconds of prefill the chunked prefill may still spend before decode steps catch up (see
