@@ -123,7 +123,8 @@ def checked(res: CallResult) -> CallResult:
 
 def check_chunk_attention(mc: Any, dtype: torch.dtype, dev: str) -> dict[str, Any]:
     """The long prefill's attention on this device against a float32 reference with the mask built: a
-    64-token chunk at the end of 300 columns, keys and values strided views of a larger buffer."""
+    64-token chunk at the end of 300 columns, keys and values strided views of a larger buffer (`ok`: the
+    largest error under 0.05, what bf16 rounding leaves; a misaligned causal mask errs by far more)."""
     h, kvh, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     gen = torch.Generator().manual_seed(0)
     buf = torch.randn((2, 1, kvh, 1024, d), generator=gen).to(dev, dtype)
@@ -135,7 +136,8 @@ def check_chunk_attention(mc: Any, dtype: torch.dtype, dev: str) -> dict[str, An
     rows = torch.arange(64, device=dev)[:, None] + 300 - 64
     scores = scores.masked_fill(torch.arange(300, device=dev)[None] > rows, float("-inf"))
     ref = scores.softmax(-1) @ vr
-    return {"path": chunk_attention_path(q, k), "max_abs_err": float((out - ref).abs().max())}
+    err = float((out - ref).abs().max())
+    return {"path": chunk_attention_path(q, k), "max_abs_err": err, "ok": err < 0.05}
 
 
 def main() -> None:
