@@ -91,6 +91,20 @@ def main(argv: list[str] | None = None) -> None:
         "captured on first use) or the whole slot buffer (a graph per batch bucket, captured at warm-up)",
     )
     s.add_argument(
+        "--long-context-tokens",
+        type=int,
+        default=None,
+        help="tokens of each long slot: a context too long for a decode slot is prefilled chunk by chunk "
+        "into a buffer of its own and decodes there (default 0: none; Engine.Config.long_context_tokens)",
+    )
+    s.add_argument("--long-context-slots", type=int, default=None, help="long slots at most (default 1)")
+    s.add_argument(
+        "--prefill-share",
+        type=float,
+        default=None,
+        help="share of the engine's time a chunked prefill gets while other requests decode (default 0.4)",
+    )
+    s.add_argument(
         "--run-steps",
         type=int,
         default=8,
@@ -207,6 +221,15 @@ def main(argv: list[str] | None = None) -> None:
                         slot_kv_fraction=args.slot_kv_fraction,
                         slot_widths=args.slot_widths,
                         run_steps=args.run_steps,
+                        **{
+                            k: v
+                            for k, v in (
+                                ("long_context_tokens", args.long_context_tokens),
+                                ("long_context_slots", args.long_context_slots),
+                                ("prefill_share", args.prefill_share),
+                            )
+                            if v is not None
+                        },
                     ),
                     warmup_decode_tokens=args.warmup_decode_tokens,
                     xfer=XferConfig(

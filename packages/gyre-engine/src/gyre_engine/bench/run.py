@@ -57,8 +57,14 @@ def cases(quick: bool, device: str) -> list[Case]:
     ]
 
 
-def make_model(shape: str, dtype: str, device: str) -> Any:
-    cfg = shape_config(shape, vocab_size=SHAPES[shape].vocab_size or 2048, eos_token_id=0, pad_token_id=0)
+def make_model(shape: str, dtype: str, device: str, overrides: dict[str, Any] | None = None) -> Any:
+    cfg = shape_config(
+        shape,
+        vocab_size=SHAPES[shape].vocab_size or 2048,
+        eos_token_id=0,
+        pad_token_id=0,
+        overrides=overrides,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).eval()

@@ -35,6 +35,25 @@ class RowKV:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
+@dataclass
+class LongRowKV(RowKV):
+    """A row's KV held as views of a long slot's buffer `buf` (handed to the prefix cache as it is: never
+    cloned; the slot takes the buffer back when a later call extends or replaces the context)."""
+
+    buf: torch.Tensor | None = None
+
+    def crop(self, n: int) -> LongRowKV:
+        return LongRowKV([k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values], self.buf)
+
+
+def buffer_row(buf: torch.Tensor, n: int) -> LongRowKV:
+    """The first `n` columns of a one-row buffer as a `LongRowKV` (views)."""
+    layers = buf.shape[1]
+    return LongRowKV(
+        [buf[0, i, :, :, :n] for i in range(layers)], [buf[1, i, :, :, :n] for i in range(layers)], buf
+    )
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword a model's forward takes its cache under (`cache` from transformers 5.2x on,
     `past_key_values` before)."""

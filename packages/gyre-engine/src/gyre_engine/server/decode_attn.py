@@ -82,9 +82,9 @@ if triton is not None:
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
         PREC: tl.constexpr, NEW: tl.constexpr, ONE: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        kh = tl.program_id(1)
-        s = tl.program_id(2)
+        b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: slots x capacity x heads can pass 2**31
+        kh = tl.program_id(1).to(tl.int64)
+        s = tl.program_id(2).to(tl.int64)
         n = tl.load(VALID + b).to(tl.int32)
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
@@ -152,8 +152,8 @@ if triton is not None:
         sout_b, sout_h,
         S, SP: tl.constexpr, D: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
         sp = tl.arange(0, SP)
         d = tl.arange(0, D)
         sm = sp < S

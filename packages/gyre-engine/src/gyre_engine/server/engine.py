@@ -6,8 +6,10 @@ token is computed with two weight versions. Each step admits waiting requests (c
 reuses the longest cached prefix), then one batched decode step per lane of running requests
 (`lanes.py`: rows of similar length share a left-padded batch). On CUDA, rows decode first in fixed slots of
 a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`), several steps per replay
-when no row needs truncation or logit processing; the lanes take what does not fit there. Each layer's q/k/v and gate/up
-projections run as one GEMM each (`fused.py`).
+when no row needs truncation or logit processing; the lanes take what does not fit there. A context too long
+for a slot is prefilled chunk by chunk into a long slot of its own and decodes there (`long_kv.py`); while
+other requests decode, a chunked prefill gets at most `prefill_share` of the engine's time. Each layer's
+q/k/v and gate/up projections run as one GEMM each (`fused.py`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from typing import Any, TypeVar
 import torch
 
 from gyre_engine.protocol import FinishReason, ProtocolError
-from gyre_engine.server.batch import RowKV, cache_kwarg, cache_layers
+from gyre_engine.server.batch import LongRowKV, RowKV, buffer_row, cache_kwarg, cache_layers
 from gyre_engine.server.fused import FusedProjections
 from gyre_engine.server.lanes import Lane, Lanes
+from gyre_engine.server.long_kv import copy_prefix, prefill_into
 from gyre_engine.server.prefill import group_forward, prefill_chunk, prefill_group, start_cache
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
@@ -65,7 +68,8 @@ class EngineStats:
 
 @dataclass
 class _Partial:
-    """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache."""
+    """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache.
+    `cache` is a DynamicCache, or the long slot whose buffer the prefill writes into."""
 
     r: Running
     ctx: list[int]
@@ -84,7 +88,9 @@ class Engine:
         max_cached_tokens: int = 1 << 20
         """Budget of the prefix cache, in tokens (summed over entries)."""
         prefill_chunk: int = 2048
-        """Tokens per prefill forward pass; also the prefill budget of one step."""
+        """Tokens per prefill forward pass: a step prefills fresh (and prefix-cached) prompts up to this
+        many tokens, and one chunk of this many of the chunked prefill (a long or prefix-cached prompt
+        that does not fit) when `prefill_share` gives it its turn."""
         enable_prefix_cache: bool = True
         """Reuse the KV of earlier sequences that share a prefix with a new prompt."""
         decode_slots: str = "auto"
@@ -119,6 +125,20 @@ class Engine:
         min-p) or top logprobs: greedy rows and rows sampled at their temperature. Each step's tokens
         feed the next on the device and the host reads them back once per run. A row that finishes
         inside a run wastes the rest of it; 1 turns runs off."""
+        long_context_tokens: int = 0
+        """Tokens each long slot holds (0: no long slots). A request whose context plus `max_new_tokens`
+        does not fit a decode slot (`slot_max_len`) but fits here is prefilled chunk by chunk straight
+        into a long slot's buffer (allocated once: 2 x layers x KV heads x head dim x this many
+        elements; 112 KiB a token for the Qwen3-0.6B shape in bf16) and decodes there; when it finishes
+        the prefix cache keeps the buffer itself, which the next call extending that context takes over
+        (no copy). A row that reaches the end of its long slot finishes (`length`)."""
+        long_context_slots: int = 1
+        """Long slots at most (each allocated on first use); further long requests wait for one."""
+        prefill_share: float = 0.4
+        """While other requests decode, a chunked prefill (a long or prefix-cached prompt, `prefill_chunk`
+        tokens per chunk) gets at most this share of the engine's time: decode steps run between its
+        chunks until their time makes up the rest, so their time per token stays within 1 / (1 -
+        share) of what it is alone. 1: a chunk every step, whatever it costs the others."""
 
     def __init__(self, model: Any, tokenizer: Any, config: Engine.Config | None = None) -> None:
         self.model = model.eval()
@@ -149,7 +169,12 @@ class Engine:
         self.fused = FusedProjections(self.model) if self.config.fuse_projections else None
         self.slots = self._make_slots()
         self.lanes = Lanes(self.device, slots=self.slots)
+        if self.config.long_context_tokens > 0 and self.slots is None:
+            log.warning("long slots off: they decode as slots do, and decode slots are off here")
         self._partial: _Partial | None = None
+        self._prefill_credit = 0.0
+        """Seconds of prefill the chunked prefill may still spend before decode steps catch up (see
+        `prefill_share`); negative while it must wait."""
         self._placing: list[Running] = []
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self.compiled_prefill: Any = None
@@ -170,6 +195,8 @@ class Engine:
         mode = self.config.decode_slots
         if mode not in ("auto", "graphs", "eager", "off"):
             raise ValueError(f"decode_slots must be auto, graphs, eager or off, not {mode!r}")
+        if not 0.0 < self.config.prefill_share <= 1.0:
+            raise ValueError(f"prefill_share must be in (0, 1], not {self.config.prefill_share}")
         if self.config.slot_widths not in ("bucketed", "full"):
             raise ValueError(f"slot_widths must be bucketed or full, not {self.config.slot_widths!r}")
         cuda = self.device.type == "cuda"
@@ -227,6 +254,7 @@ class Engine:
             "slots": self.slots.slots,
             "max_len": self.slots.max_len,
             "capacity": self.slots.capacity,
+            "long_slots": len(self.lanes.long),
             **self.slots.stats,
         }
 
@@ -366,64 +394,185 @@ class Engine:
                     self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
 
     def _step(self) -> None:
-        """Prefill up to `prefill_chunk` tokens (continuing a long prefill chunk by chunk across steps,
-        so running requests keep decoding), then decode every lane once."""
+        """Prefill fresh prompts up to `prefill_chunk` tokens (one padded pass) and prefix-cached prompts
+        whose rest fits, then the next `prefill_chunk`-token chunk of the chunked prefill (a long or
+        prefix-cached prompt, continued across steps as `prefill_share` allows, so running requests keep
+        decoding); then decode every lane once."""
         t0 = time.perf_counter()
         budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
-        if self._partial is not None:
-            budget -= self._advance_partial(budget, joining)
         group: list[Running] = []
         while (
             self._waiting
-            and self._partial is None
             and len(self._in_flight()) + len(joining) + len(group) < self.config.max_running_requests
             and budget > 0
         ):
-            r = self._waiting.popleft()
+            r = self._waiting[0]
             ctx = r.context()
             hit = (
                 self.prefix.lookup(ctx, limit=len(ctx) - 1)
                 if self.config.enable_prefix_cache
                 else PrefixHit(0, None)
             )
-            if hit.kv is None and len(ctx) <= budget:
+            long = self._wants_long(r, ctx)
+            if not long and hit.kv is None and len(ctx) <= budget:
+                self._waiting.popleft()
                 group.append(r)  # fresh short prompts share one padded forward pass
                 budget -= len(ctx)
+                continue
+            if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
+                # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
+                self._waiting.popleft()
+                whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                budget -= self._advance(whole, budget, joining)
+                continue
+            if self._partial is not None:
+                break  # one chunked prefill at a time (first come, first served)
+            cache: Any
+            if long:
+                claim = self._claim_long_slot(hit)
+                if claim is None:
+                    break  # every long slot is busy
+                cache, pos = claim
             else:
-                self._partial = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
-                budget -= self._advance_partial(budget, joining)
+                cache, pos = start_cache(hit.kv), hit.length
+            self._waiting.popleft()
+            self._partial = _Partial(r, ctx, cache, pos, pos)
         if group:
             self._prefill_group(group, joining)
+        chunked = self._partial is not None and self._prefill_turn()
+        if chunked:
+            self._advance_partial(self.config.prefill_chunk, joining)
         self._placing = [r for r, _, _ in joining]  # prefilled, not yet in a lane: aborted if placing fails
         self.lanes.place(joining)
         self._placing = []
-        if budget < self.config.prefill_chunk:  # some prefill ran (and its rows were placed)
+        if chunked or budget < self.config.prefill_chunk:  # some prefill ran (and its rows were placed)
             self._stats["prefill_time_s"] += time.perf_counter() - t0
         self.lanes.evict_full_slots()
+        self._finish_full_long_slots()
+        t1 = time.perf_counter()
         for lane in self.lanes.lanes:
             self._decode(lane)
         self.lanes.prune()
+        share = self.config.prefill_share
+        if self._partial is not None and share < 1.0:
+            self._prefill_credit += (time.perf_counter() - t1) * share / (1.0 - share)
+
+    def _prefill_turn(self) -> bool:
+        """Whether the chunked prefill may run a chunk now: always while nothing decodes, else once the
+        decode steps since its last chunk make up `1 - prefill_share` of the time."""
+        return not self.lanes.requests() or self._prefill_credit >= 0.0
 
     def _in_flight(self) -> list[Running]:
         """Requests past admission: decoding in a lane, or half-way through a chunked prefill."""
         return self.lanes.requests() + ([self._partial.r] if self._partial is not None else [])
 
-    @torch.inference_mode()
+    # ----------------------------------------------------------------- long slots
+    def _wants_long(self, r: Running, ctx: list[int]) -> bool:
+        """Whether `r` is served from a long slot: there are long slots, its context plus its new tokens
+        do not fit a decode slot, and its context fits a long slot."""
+        cap = self.config.long_context_tokens
+        if cap <= 0 or self.slots is None:
+            return False
+        return len(ctx) + r.req.max_new_tokens > self.slots.max_len and len(ctx) < cap
+
+    def _long_slot_idle(self, lane: Lane) -> bool:
+        p = self._partial
+        return not lane.reqs and (p is None or p.cache is not lane.batch)
+
+    def _claim_long_slot(self, hit: PrefixHit) -> tuple[SlotBatch, int] | None:
+        """An idle long slot holding `hit`'s prefix, and how many tokens of the context it covers: the slot
+        whose buffer the prefix cache's hit is (taken back from the prefix cache: nothing is copied),
+        else an idle slot (one no cached entry holds first; a new one while there are fewer than
+        `long_context_slots`) into which a hit held elsewhere is copied. None if every slot is busy."""
+        idle = [
+            lane.batch
+            for lane in self.lanes.long
+            if isinstance(lane.batch, SlotBatch) and self._long_slot_idle(lane)
+        ]
+        slot: SlotBatch | None = None
+        if isinstance(hit.kv, LongRowKV):
+            slot = next((b for b in idle if b.kv is hit.kv.buf), None)
+        if slot is None:
+            unheld = [b for b in idle if not self._prefix_holds(b)]
+            slot = next(iter(unheld or idle), None)
+            if slot is None and len(self.lanes.long) < self.config.long_context_slots:
+                slot = self._new_long_slot()
+            if slot is None:
+                return None
+        buf = slot.allocate()
+        own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf
+        self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf)
+        if hit.kv is not None and not own:
+            copy_prefix(buf, hit.kv)
+        return slot, hit.length
+
+    def _prefix_holds(self, slot: SlotBatch) -> bool:
+        return self.prefix.holds(lambda kv: isinstance(kv, LongRowKV) and kv.buf is slot.kv)
+
+    def _new_long_slot(self) -> SlotBatch:
+        assert self.slots is not None
+        cap = min(self.config.long_context_tokens, self.context_len)
+        log.info("long slot %d: %d tokens", len(self.lanes.long), cap)
+        slot = SlotBatch(
+            self.model,
+            1,
+            cap,
+            use_graphs=self.slots.use_graphs,
+            compile_model=self.slots.compile_model,
+            dedicated=True,
+        )
+        self.lanes.long.append(Lane(slot))
+        return slot
+
+    def _finish_full_long_slots(self) -> None:
+        """A row that filled its long slot finishes (`length`); its KV goes to the prefix cache."""
+        for lane in self.lanes.long:
+            batch = lane.batch
+            assert isinstance(batch, SlotBatch)
+            if lane.reqs and batch.full_rows():
+                r = lane.reqs[0]
+                if self.config.enable_prefix_cache:
+                    self.prefix.insert(r.context()[:-1], batch.finished_kv(0), owned=True)
+                lane.drop([0])
+                self._finish(r, FinishReason(type="length", length=len(r.output)), [], [], None)
+
     def _advance_partial(self, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
-        """Prefill the next `budget` tokens of the request in chunked prefill; when its context is
-        covered, sample its first token. Returns the tokens computed."""
+        """Prefill the next `budget` tokens of the request in chunked prefill (sampling its first token
+        once its context is covered), charging the chunk's time to `prefill_share`. Returns the tokens
+        computed."""
         p = self._partial
         assert p is not None
-        end = min(len(p.ctx), p.pos + max(budget, 1))
-        logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
-        done, p.pos = end - p.pos, end
+        t0 = time.perf_counter()
+        # a chunk that runs while nothing decodes owes nothing; one beside decoding rows is paid back by
+        # their decode steps before the next (`prefill_share`)
+        owed = min(self._prefill_credit, 0.0) if self.lanes.requests() else 0.0
+        done = self._advance(p, budget, joining)
         if p.pos == len(p.ctx):
             self._partial = None
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the chunk's time is charged to the prefill's share
+        self._prefill_credit = owed - (time.perf_counter() - t0) if self.lanes.requests() else 0.0
+        return done
+
+    @torch.inference_mode()
+    def _advance(self, p: _Partial, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
+        """Prefill the next `budget` tokens of `p`; when its context is covered, sample its first token.
+        Returns the tokens computed."""
+        end = min(len(p.ctx), p.pos + max(budget, 1))
+        if isinstance(p.cache, SlotBatch):
+            logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.kv, p.pos, end)
+        else:
+            logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
+        done, p.pos = end - p.pos, end
+        if p.pos == len(p.ctx):
             self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
             first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num], [p.r.req.token_ids_logprob])
             top = first.top[0] if first.top else None
-            row = RowKV(*cache_layers(p.cache))
+            if isinstance(p.cache, SlotBatch):
+                row: RowKV = buffer_row(p.cache.kv, len(p.ctx))
+            else:
+                row = RowKV(*cache_layers(p.cache))
             self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
         return done
 
@@ -535,7 +684,7 @@ class Engine:
                 if k + 1 < steps:  # finished inside a run: its KV past the finish is dropped
                     batch.set_length(i, old[i] + k + 1)
                 if self.config.enable_prefix_cache:
-                    self.prefix.insert(r.context()[:-1], batch.row_kv_copy(i), owned=True)
+                    self.prefix.insert(r.context()[:-1], batch.finished_kv(i), owned=True)
             else:
                 self._store_prefix(r.context()[:-1], batch.row_kv(i))
             self._finish(r, finish, got, got_lps, top)
@@ -699,8 +848,8 @@ class Engine:
         n = apply()
         if self.fused is not None:
             self.fused.refresh()  # a no-op for updates that copy into the parameters
-        if self.slots is not None:
-            self.slots.check_weights()
+        for batch in self._slot_batches():
+            batch.check_weights()
         if flush:
             self.prefix.clear()
         if self.updating and version is None:
@@ -715,11 +864,11 @@ class Engine:
             raise EngineUnavailable("release_memory_occupation needs an idle engine; pause or abort first")
         if "kv_cache" in tags:
             self.prefix.clear()
-            if self.slots is not None:
-                self.slots.release()
+            for batch in self._slot_batches():
+                batch.release()
         if "weights" in tags and self.device.type == "cuda":
-            if self.slots is not None:
-                self.slots.drop_graphs()
+            for batch in self._slot_batches():
+                batch.drop_graphs()
             self._offload_weights()
             if self.fused is not None:
                 self.fused.drop()
@@ -732,9 +881,14 @@ class Engine:
             self._restore_weights()
             if self.fused is not None:
                 self.fused.refresh()
-            if self.slots is not None:
-                self.slots.check_weights()
+            for batch in self._slot_batches():
+                batch.check_weights()
         self.released -= set(tags)
+
+    def _slot_batches(self) -> list[SlotBatch]:
+        """The decode slots and every long slot."""
+        long = [lane.batch for lane in self.lanes.long if isinstance(lane.batch, SlotBatch)]
+        return ([self.slots] if self.slots is not None else []) + long
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the model by name (shared ones once)."""

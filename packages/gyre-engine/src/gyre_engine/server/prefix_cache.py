@@ -2,17 +2,19 @@
 
 An agent resends its whole, growing context every call, so the entry left by call k is a prefix of call
 k+1; an entry that a newer one extends is dropped. Entries are evicted least-recently-used past a token
-budget. Lookups return a view cropped to the shared prefix; the caller never mutates it.
+budget. Lookups return a view cropped to the shared prefix; the caller never mutates it (a long slot's
+buffer, `LongRowKV`, is the exception: the slot drops its entries, `drop_where`, before writing to it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from gyre_engine.server.batch import RowKV
+from gyre_engine.server.batch import LongRowKV, RowKV
 
 
 def _owned(kv: RowKV) -> RowKV:
@@ -22,8 +24,8 @@ def _owned(kv: RowKV) -> RowKV:
     def own(t: torch.Tensor) -> bool:
         return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
-    if all(own(t) for t in (*kv.keys, *kv.values)):
-        return kv
+    if isinstance(kv, LongRowKV) or all(own(t) for t in (*kv.keys, *kv.values)):
+        return kv  # a long slot's buffer is handed over, never copied
     return kv.clone()
 
 
@@ -113,6 +115,17 @@ class PrefixCache:
         while self._total > self.max_tokens:
             victim = min((e for b in self._buckets.values() for e in b), key=lambda e: e.last_used)
             self._remove(victim)
+
+    def holds(self, match: Callable[[RowKV], bool]) -> bool:
+        """Whether some entry's KV is one `match` accepts."""
+        return any(match(e.kv) for b in self._buckets.values() for e in b)
+
+    def drop_where(self, match: Callable[[RowKV], bool]) -> int:
+        """Drop every entry whose KV `match` accepts (a long slot taking its buffer back); returns how many."""
+        gone = [e for b in self._buckets.values() for e in b if match(e.kv)]
+        for e in gone:
+            self._remove(e)
+        return len(gone)
 
     def _remove(self, e: _Entry) -> None:
         first = int(e.tokens[0])

@@ -41,7 +41,7 @@ import torch
 
 from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::slot_decode_attention)
 from gyre_engine.server import head as head_kernels
-from gyre_engine.server.batch import RowKV, cache_kwarg
+from gyre_engine.server.batch import RowKV, buffer_row, cache_kwarg
 from gyre_engine.server.sampling import pick
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ class SlotBatch:
         use_graphs: bool,
         compile_model: bool = False,
         full_width: bool = False,
+        dedicated: bool = False,
     ) -> None:
         register_attention()
         self.model = model
@@ -162,6 +163,10 @@ class SlotBatch:
         bucket of its longest row: one graph per batch bucket and run length, captured at warm-up, none
         later and no buffer grows, at the cost of planning the attention's splits for the whole width
         (tiles past a row's length are still skipped). For contexts that keep growing."""
+        self.dedicated = dedicated
+        """A long slot (`long_kv.py`): its buffer is allocated at `max_len` at once (it never grows by
+        copying), its row is prefilled in place (`start_row`), and a finished row's KV is handed on as
+        views of the buffer (`finished_kv`), not copied. Widths stay bucketed unless `full_width`."""
         self.cache_kw = cache_kwarg(model)
         self.lengths: list[int] = []
         self.next_tokens: list[int] = []
@@ -230,7 +235,8 @@ class SlotBatch:
         cap = max(512, self.capacity)
         while cap < need:
             cap *= 2
-        cap = self.max_len if self.full_width else min(max(cap, need), self.max_len)
+        fixed = self.full_width or self.dedicated
+        cap = self.max_len if fixed else min(max(cap, need), self.max_len)
         kv = torch.zeros(
             (2, self.layers, self.slots, self.kv_heads, cap, self.head_dim),
             dtype=self.dtype,
@@ -243,6 +249,11 @@ class SlotBatch:
         self.cols = torch.arange(cap, device=self.device)
         self.drop_graphs()
         self.stats["grows"] += 1
+
+    def allocate(self) -> torch.Tensor:
+        """The KV buffer, allocated to hold `max_len` tokens per slot if it does not yet."""
+        self._ensure_capacity(self.max_len)
+        return self.kv
 
     @torch.inference_mode()
     def release(self) -> None:
@@ -290,6 +301,24 @@ class SlotBatch:
             self.kv[1, :, i, :, :n].copy_(torch.cat(kv.values, dim=0))
             self.lengths.append(n)
             self.next_tokens.append(tok)
+
+    def start_row(self, length: int, next_token: int) -> None:
+        """Add a row whose KV was written into the next free slot in place (a long slot's prefill)."""
+        if not self.dedicated or self.lengths:
+            raise RuntimeError("start_row is for an empty long slot")
+        if not 0 < length < self.capacity:
+            raise ValueError(f"a row of {length} tokens does not fit a slot of {self.capacity}")
+        self.lengths.append(length)
+        self.next_tokens.append(next_token)
+
+    def finished_kv(self, row: int) -> RowKV:
+        """What the prefix cache keeps of a finished row: one gathered copy of its valid KV, or for a long
+        slot views of its buffer (the row must leave at once: the slot writes there again only once the
+        buffer has been taken back from the prefix cache)."""
+        if self.dedicated:
+            assert self.slots == 1
+            return buffer_row(self.kv, self.lengths[row])
+        return self.row_kv_copy(row)
 
     def add(self, kv: RowKV, next_token: int) -> None:
         self.add_many([(kv, next_token)])

@@ -1,0 +1,161 @@
+"""Long slots on the CPU with the tiny model: a context too long for a decode slot is prefilled chunk by
+chunk into a long slot's buffer and decodes there, exactly as an unchunked prefill in the lanes (same
+greedy tokens, logprobs within float tolerance); the next call that extends it reuses the buffer through
+the prefix cache; and a short request admitted while a long prefill is under way keeps getting tokens
+before the long one's first."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from gyre_engine.protocol import SamplingParams
+
+torch = pytest.importorskip("torch")
+from gyre_engine.server.engine import Engine  # noqa: E402
+from gyre_engine.server.request import EngineRequest, TokenEvent  # noqa: E402
+from gyre_engine.server.serve import ServeConfig, load_engine  # noqa: E402
+
+SYSTEM = [1000 + (i * 13) % 700 for i in range(300)]
+USER = [1800 + i * 7 for i in range(9)]
+TOOL = [1900 + (i * 11) % 140 for i in range(150)]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Call:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached: int = -1
+    finish: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def run(
+    engine: Engine, calls: dict[str, tuple[list[int], SamplingParams]], order: list[str] | None = None
+) -> dict[str, Call]:
+    """Submit every call at once (in the given order); wait for all of them."""
+    out = {rid: Call() for rid in calls}
+
+    def sink(ev: TokenEvent) -> None:
+        c = out[ev.rid]
+        if order is not None:
+            order.append(ev.rid)
+        c.tokens.extend(ev.token_ids)
+        c.logprobs.extend(ev.logprobs)
+        c.cached = ev.cached_tokens
+        if ev.finish is not None:
+            c.finish = ev.finish.type
+            c.done.set()
+
+    for rid, (ids, sp) in calls.items():
+        engine.submit(EngineRequest(rid, ids, sp), sink).result(30)
+    for c in out.values():
+        assert c.done.wait(120)
+    return out
+
+
+def make(model_dir: Path, **kw: object) -> Engine:
+    return load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=Engine.Config(**kw)))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def long_engine(model_dir: Path) -> Iterator[Engine]:
+    """Slots of 64 tokens, one long slot of 1024, chunks of 32 tokens."""
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        prefill_chunk=32,
+        run_steps=4,
+    )
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_engine(model_dir: Path) -> Iterator[Engine]:
+    """The reference: unchunked prefill (one pass for the whole prompt), decode in the lanes."""
+    e = make(model_dir, decode_slots="off", prefill_chunk=8192, enable_prefix_cache=False)
+    yield e
+    e.shutdown()
+
+
+def test_long_slot_equals_unchunked_prefill_and_carries_the_context(
+    long_engine: Engine, plain_engine: Engine, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    first = SYSTEM + USER
+    got = run(long_engine, {"a1": (first, GREEDY)})["a1"]
+    ref = run(plain_engine, {"r1": (first, GREEDY)})["r1"]
+    assert got.tokens == ref.tokens == greedy(first, 12)
+    assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert got.cached == 0
+    assert long_engine.slot_stats()["long_slots"] == 1
+
+    # the agent's next call: its whole context so far, its output, a tool result; the long slot's buffer
+    # comes back from the prefix cache (all but the last output token, whose KV was never computed)
+    second = first + got.tokens + TOOL
+    got2 = run(long_engine, {"a2": (second, GREEDY)})["a2"]
+    ref2 = run(plain_engine, {"r2": (second, GREEDY)})["r2"]
+    assert got2.tokens == ref2.tokens
+    assert got2.logprobs == pytest.approx(ref2.logprobs, abs=1e-4)
+    assert got2.cached == len(first) + len(got.tokens) - 1
+    assert long_engine.slot_stats()["long_slots"] == 1
+
+
+def test_row_that_fills_its_long_slot_finishes_with_length(model_dir: Path, plain_engine: Engine) -> None:
+    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=320, prefill_chunk=64)
+    try:
+        sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        got = run(e, {"full": (SYSTEM, sp)})["full"]
+    finally:
+        e.shutdown()
+    ref = run(plain_engine, {"ref": (SYSTEM, sp)})["ref"]
+    assert got.finish == "length"
+    # the slot's 320 columns hold the prompt and every output token's KV but the last one's
+    assert len(got.tokens) == 320 - len(SYSTEM) + 1
+    assert got.tokens == ref.tokens[: len(got.tokens)]
+
+
+def test_short_request_decodes_while_a_long_prefill_runs(model_dir: Path, plain_engine: Engine) -> None:
+    # chunks of 16 tokens and a prefill share of 0.2: the long prompt takes ~19 chunks with decode steps
+    # of the short one between them; the short one, queued after the long one, is admitted at once
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        prefill_chunk=16,
+        prefill_share=0.2,
+        run_steps=1,
+    )
+    order: list[str] = []
+    short_sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    try:
+        got = run(e, {"long": (SYSTEM, GREEDY), "short": (USER, short_sp)}, order)
+    finally:
+        e.shutdown()
+    first_long = order.index("long")
+    assert order[:first_long].count("short") == 16  # every token of the short one came first
+    ref = run(plain_engine, {"rl": (SYSTEM, GREEDY), "rs": (USER, short_sp)})
+    assert got["long"].tokens == ref["rl"].tokens
+    assert got["short"].tokens == ref["rs"].tokens
+    assert got["long"].logprobs == pytest.approx(ref["rl"].logprobs, abs=1e-4)
+
+
+def test_releasing_kv_frees_the_long_slot_and_it_comes_back(model_dir: Path, plain_engine: Engine) -> None:
+    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=512, prefill_chunk=64)
+    try:
+        first = run(e, {"before": (SYSTEM, GREEDY)})["before"]
+        e.call(e.release_memory, ["kv_cache"]).result(30)
+        assert e.slot_stats()["long_slots"] == 1
+        e.call(e.resume_memory, ["kv_cache"]).result(30)
+        again = run(e, {"after": (SYSTEM, GREEDY)})["after"]
+    finally:
+        e.shutdown()
+    assert again.cached == 0  # the prefix cache and the slot's buffer were dropped
+    assert again.tokens == first.tokens == run(plain_engine, {"ref": (SYSTEM, GREEDY)})["ref"].tokens
