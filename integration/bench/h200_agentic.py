@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -138,36 +139,50 @@ def alone_phase(
     logs: Path,
     contexts: list[int],
     skip: set[str],
+    deadline: float,
 ) -> dict[str, Any]:
     """Two standalone engines on the run's GPU, started once: `replay` (each engine of the run has its
     recorded calls served again by one of them, both at once, as the two shared the GPU in the run), then
     `migrate` (a moved call's first token with its prefix handed over, against prefilled again)."""
-    eng = Engines(cfg, model_dir, logs, 2)
     out: dict[str, Any] = {}
-    try:
-        out["standalone_startup_s"] = round(eng.wait(), 2)
-        if run_dir is not None and metrics is not None and "replay" not in skip:
-            out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics)
-        vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
-        if "migrate" not in skip:
-            out["migrate"] = asyncio.run(
-                replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab)
-            )
-    finally:
-        eng.close()
+    vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
+    replaying = run_dir is not None and metrics is not None and "replay" not in skip
+    if replaying or "migrate" not in skip:
+        eng = Engines(cfg, model_dir, logs, 2)
+        try:
+            out["standalone_startup_s"] = round(eng.wait(), 2)
+            if replaying:
+                assert run_dir is not None and metrics is not None
+                out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics)
+            if "migrate" not in skip:
+                out["migrate"] = bounded(
+                    replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab), deadline
+                )
+        finally:
+            eng.close()
     if "probe" not in skip:  # two more engines, one per way of sizing the decode step's columns
         widths = ["bucketed", "full"]
         probe = Engines(cfg, model_dir, logs, 2, [["--slot-widths", w] for w in widths])
         try:
             out["probe_startup_s"] = round(probe.wait(), 2)
             lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
-            out["decode_vs_context"] = {
-                w: asyncio.run(replay.decode_vs_context(url, lengths, cfg.engine.max_running, 64, vocab))
-                for w, url in zip(widths, probe.urls, strict=True)
-            }
+            out["decode_vs_context"] = {}
+            for w, url in zip(widths, probe.urls, strict=True):
+                try:
+                    out["decode_vs_context"][w] = bounded(
+                        replay.decode_vs_context(url, lengths, cfg.engine.max_running, 64, vocab), deadline
+                    )
+                except TimeoutError:  # the other width's figures are kept
+                    out["decode_vs_context"][w] = {"error": "not done within the call's budget"}
         finally:
             probe.close()
     return out
+
+
+def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
+    """Run `coro` to its end, or fail with TimeoutError at `deadline` (time.monotonic), so a stuck engine
+    costs the part it is in, not the results of the whole call."""
+    return asyncio.run(asyncio.wait_for(coro, max(1.0, deadline - time.monotonic())))
 
 
 def replay_both(cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -357,11 +372,15 @@ def main() -> int:
 
     def alone(run_dir: Path | None, metrics: dict[str, Any] | None) -> None:
         got = phase(
-            "alone", lambda: alone_phase(cfg, model_dir, run_dir, metrics, work / "alone-logs", ctx, skip)
+            "alone",
+            lambda: alone_phase(
+                cfg, model_dir, run_dir, metrics, work / "alone-logs", ctx, skip, t_begin + budget - 20.0
+            ),
         )
+        if (work / "alone-logs").is_dir():  # the standalone engines' logs, for what went wrong or slow
+            shutil.make_archive(str(out / "logs-alone"), "gztar", work / "alone-logs")
         if got is not None:
-            res["standalone_startup_s"] = got["standalone_startup_s"]
-            for k in ("replay", "migrate", "probe_startup_s", "decode_vs_context"):
+            for k in ("standalone_startup_s", "replay", "migrate", "probe_startup_s", "decode_vs_context"):
                 if k in got:
                     res[k] = got[k]
             save()

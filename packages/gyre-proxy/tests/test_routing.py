@@ -5,6 +5,7 @@ calls with the tokens already generated kept, so the harness sees one uninterrup
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import threading
@@ -187,6 +188,82 @@ def test_dead_engine_call_continues(
         time.sleep(0.05)
     e0 = _stats(ps.url)["engines"][0]
     assert (e0["id"], e0["state"], e0["failures"], e0["revived"]) == (0, "active", 1, 1)
+
+
+class _ClosesFirstConnection:
+    """TEST FIXTURE: a TCP front for an engine that reads the first connection's request and closes it
+    unanswered (as a server does to a kept-alive connection its idle timeout ended just as a request went
+    out), then forwards every later connection to the engine."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+
+        host, port = upstream.removeprefix("http://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.dropped = 0
+        self.conns: list[Any] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self.dropped:
+                conn.recv(65536)
+                self.dropped += 1
+                conn.close()
+                continue
+            up = socket.create_connection(self.upstream)
+            self.conns += [conn, up]
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(2)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_connection_closed_before_the_engine_answered_is_tried_again_on_a_new_one(
+    tokenizer: Tokenizer, make_proxy: Any, request: Any, engine: Any
+) -> None:
+    """The only engine closes the connection a request went out on without answering (a kept-alive
+    connection at the end of its idle timeout): the call goes again on a new connection to the same
+    engine and completes exactly; the engine is not set aside (without this the call failed: the only
+    engine excluded, nothing left to pick)."""
+    front = _ClosesFirstConnection(engine.url)
+    request.addfinalizer(front.close)
+    engine.script = [LONG]
+    ps = make_proxy([front.url], pick_wait_s=0.5)
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    r = client.messages.create(model="m", max_tokens=100, messages=[{"role": "user", "content": "count"}])
+    assert r.content[0].type == "text" and r.content[0].text == LONG
+    assert front.dropped == 1 and len(engine.seen) == 1
+    full = [*tokenizer.encode(LONG, add_special_tokens=False).ids, tokenizer.token_to_id("<|im_end|>")]
+    assert _records(ps.log_path)[-1].output_ids.tolist() == full
+    stats = _stats(ps.url)
+    e0 = stats["engines"][0]
+    assert (e0["state"], e0["failures"]) == ("active", 0)
+    assert stats["engine_errors"] == 1
 
 
 def test_an_engine_that_fails_comes_back(

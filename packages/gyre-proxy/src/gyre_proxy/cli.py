@@ -14,6 +14,12 @@ import sys
 
 from gyre_proxy import __version__
 
+KEEP_ALIVE_S = 75
+"""How long the server keeps an idle client connection open. Longer than HTTP clients keep theirs in
+their pools (httpx and the official SDKs: 5 s), so the client lets go first: a server that closes a
+kept-alive connection as a client sends a request on it (uvicorn's default is 5 s too, and a busy event
+loop runs the close late) makes that request fail with a reset, not an answer."""
+
 
 def parser() -> argparse.ArgumentParser:
     """`gyre-proxy`'s flags; `serve`'s are derived from `ProxyConfig`."""
@@ -69,7 +75,7 @@ def serve(args: argparse.Namespace) -> None:
         app = build_app(Proxy(cfg))
     except (ConfigError, TokenError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"gyre-proxy: {exc}")
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import secrets
+import ssl
 import threading
 import time
 from collections import OrderedDict, deque
@@ -41,7 +42,7 @@ from gyre_proxy.exactness import LastCall
 from gyre_proxy.generation import Counters, Generation, GenResult
 from gyre_proxy.msgcache import MessageCache
 from gyre_proxy.render import AgentCache, ContextTooLong, ExecutionCache, Rendered, Renderer
-from gyre_proxy.sink import RecordSink
+from gyre_proxy.sink import RecordSink, Ticket
 from gyre_proxy.stoptext import shown_text
 from gyre_proxy.strip import Stripper
 from gyre_proxy.toolparse import Block, BlockKind, parse
@@ -164,7 +165,8 @@ class Proxy:
         # connections anyway (one engine stream per call).
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
         timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=5.0)
-        self.https = [httpx.AsyncClient(timeout=timeout, limits=limits) for _ in range(16)]
+        tls = ssl.create_default_context()  # made once: each takes milliseconds, and engines may use https
+        self.https = [httpx.AsyncClient(timeout=timeout, limits=limits, verify=tls) for _ in range(16)]
         self.http = self.https[0]
         self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push, token=self.cfg.token)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gyre-proxy-worker")
@@ -394,10 +396,20 @@ class CallRun:
         p = self.proxy
         loop = asyncio.get_running_loop()
         written: asyncio.Future[None] = loop.create_future()
-        box: list[Call] = []
+        box: list[Any] = []  # the record, then the log's ticket for it
         queued = p.owned(self.size, self._record_and_queue, loop, written, box)
         try:
-            await written
+            if queued.done() and len(box) == 2:  # queued here and now (a small request)
+                # One turn of the loop, and the record is most likely on disk by then: the ticket says
+                # so without the two more turns `written` takes to wake this task from the writer thread.
+                await asyncio.sleep(0)
+                ticket: Ticket = box[1]
+                if not ticket.settled:
+                    await written
+                elif ticket.error is not None:
+                    raise ticket.error
+            else:
+                await written
         finally:
             queued.cancel()  # nothing waits for it: `written` says all (a failure there fails `written`)
         rec = box[0]
@@ -407,7 +419,7 @@ class CallRun:
         return rec
 
     def _record_and_queue(
-        self, loop: asyncio.AbstractEventLoop, written: asyncio.Future[None], box: list[Call]
+        self, loop: asyncio.AbstractEventLoop, written: asyncio.Future[None], box: list[Any]
     ) -> None:
         """(holding the state) Keep the output for later renders, build the record and queue it to the log,
         unless the client already left (then nothing is queued)."""
@@ -422,7 +434,7 @@ class CallRun:
                 loop.call_soon_threadsafe(written.cancel)
                 return
             assert self.proxy.sink is not None
-            self.proxy.sink.submit_for(rec, loop, written)
+            box.append(self.proxy.sink.submit_for(rec, loop, written))
             self.recorded = True  # queued: the writer thread writes it, whatever happens to the call now
 
     def client_left(self) -> bool:

@@ -134,6 +134,11 @@ class _Moved(Exception):
     pass
 
 
+class _NoAnswer(httpx.TransportError):
+    """The connection failed before the engine's response began: most often a kept-alive connection the
+    engine closed as this request went out (an idle timeout), which a new connection fixes."""
+
+
 _MOVE = object()
 """Put in an attempt's queue when its call is told to move (a drain, a removal)."""
 
@@ -197,6 +202,7 @@ class Generation:
 
     async def stream(self) -> AsyncIterator[list[int]]:
         exclude: frozenset[int] = frozenset()
+        fresh: set[int] = set()  # engines this call already tried again on a new connection
         prev: Engine | None = None
         carried: kvmove.Carried | None = None
         moving = self.pool.rebalance(self.execution)
@@ -234,6 +240,12 @@ class Generation:
                 carried = await self._take_out(eng, self._ids())
             except (httpx.TransportError, EngineError) as exc:
                 self.counters.engine_errors += 1
+                if isinstance(exc, _NoAnswer) and eng.engine_id not in fresh:
+                    fresh.add(eng.engine_id)  # once per engine: a dead one fails again, and is set aside
+                    log.info(
+                        "call %s: engine %d: %s; again on a new connection", self.rid, eng.engine_id, exc
+                    )
+                    continue
                 if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
                     raise EngineRejected(exc.message) from None
                 self.result.moves += 1
@@ -369,6 +381,8 @@ class Generation:
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             if isinstance(exc, msgspec.MsgspecError):
                 await q.put(EngineError(502, f"bad chunk from engine {eng.engine_id}: {exc}", True))
+            elif isinstance(exc, httpx.TransportError) and not connected.is_set():
+                await q.put(_NoAnswer(f"no answer ({type(exc).__name__}: {exc})"))
             else:
                 await q.put(exc)
         except Exception as exc:  # anything else still ends the call (its reader waits on this queue)

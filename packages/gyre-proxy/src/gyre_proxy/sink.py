@@ -122,7 +122,19 @@ def open_log(path: Path) -> tuple[int, int, int]:
         raise
 
 
-Item = tuple[Call, asyncio.AbstractEventLoop, asyncio.Future[None]]
+class Ticket:
+    """A queued record's fate, readable from any thread without waking an event loop: `settled` once the
+    record is on disk (`error` None) or could not be written (`error` says why). The writer thread sets
+    `error` before `settled`."""
+
+    __slots__ = ("error", "settled")
+
+    def __init__(self) -> None:
+        self.settled = False
+        self.error: RecordWriteFailed | None = None
+
+
+Item = tuple[Call, asyncio.AbstractEventLoop, asyncio.Future[None], Ticket]
 
 
 class RecordSink:
@@ -165,9 +177,13 @@ class RecordSink:
         self.submit_for(rec, loop, fut)
         return fut
 
-    def submit_for(self, rec: Call, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-        """`submit` from any thread: `fut` (a future of `loop`) is resolved on `loop` as `submit`'s is."""
-        self._q.put((rec, loop, fut))
+    def submit_for(self, rec: Call, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> Ticket:
+        """`submit` from any thread: `fut` (a future of `loop`) is resolved on `loop` as `submit`'s is. The
+        ticket says the same sooner: resolving `fut` takes `loop` a turn or two once the record is written
+        (a wake-up from this thread, then the waiting task's), and a busy loop's turns are long."""
+        ticket = Ticket()
+        self._q.put((rec, loop, fut, ticket))
+        return ticket
 
     async def write(self, rec: Call) -> None:
         """Returns once `rec` is on disk (see `submit`)."""
@@ -195,15 +211,24 @@ class RecordSink:
             if batch:
                 error: RecordWriteFailed | None
                 try:
-                    payloads = [codec.encode_msgpack(rec) for rec, _, _ in batch]
+                    payloads = [codec.encode_msgpack(rec) for rec, _, _, _ in batch]
                 except Exception as exc:  # a record that cannot be encoded fails its batch, not the proxy
                     log.exception("encoding %d records failed", len(batch))
                     payloads, error = [], RecordWriteFailed(f"a record could not be encoded: {exc}")
                 else:
                     error = self._append(payloads)
-                for _, loop, fut in batch:
+                # one wake-up per event loop for the whole batch: each `call_soon_threadsafe` is a
+                # write to the loop's self-pipe, and with the loop thread busy each costs this thread a
+                # wait for the GIL (up to the switch interval, 5 ms): per record, that was most of the
+                # proxy's added time under load
+                by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+                for _, loop, fut, ticket in batch:
+                    ticket.error = None if error is None else RecordWriteFailed(str(error))
+                    ticket.settled = True
+                    by_loop.setdefault(loop, []).append(fut)
+                for loop, futs in by_loop.items():
                     with contextlib.suppress(RuntimeError):  # that loop has closed: nobody is waiting
-                        loop.call_soon_threadsafe(_resolve, fut, error)
+                        loop.call_soon_threadsafe(_resolve_all, futs, error)
                 if error is None:
                     self._send(payloads)
             if stop:
@@ -276,10 +301,11 @@ class RecordSink:
             self._ctx.term()
 
 
-def _resolve(fut: asyncio.Future[None], error: Exception | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(RecordWriteFailed(str(error)))  # one exception object per waiting call
+def _resolve_all(futs: list[asyncio.Future[None]], error: Exception | None) -> None:
+    for fut in futs:
+        if fut.done():
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(RecordWriteFailed(str(error)))  # one exception object per waiting call

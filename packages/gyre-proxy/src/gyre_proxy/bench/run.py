@@ -35,6 +35,7 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from gyre_proxy.app import build_app
+from gyre_proxy.cli import KEEP_ALIVE_S
 from gyre_proxy.config import ProxyConfig
 from gyre_proxy.core import Proxy
 
@@ -97,6 +98,7 @@ class Server:
             lifespan="on",
             backlog=4096,
             limit_concurrency=None,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -337,8 +339,10 @@ def throughput(tok_dir: Path, tok: Tokenizer, engine_url: str, turns: int, tmp: 
             capture_output=True,
             text=True,
             timeout=600,
-            check=True,
+            check=False,
         )
+        if p.returncode != 0:
+            raise RuntimeError(f"the load generator failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
         load = json.loads(p.stdout.strip().splitlines()[-1])
         done, wall = int(load["done"]), float(load["wall_s"])
         added = list(proxy.stats.added_ms)
