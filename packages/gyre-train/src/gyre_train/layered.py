@@ -16,6 +16,7 @@ in `chunked.py`. The gradient equals the whole tree as one micro-batch (tested o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Literal
 
@@ -185,16 +186,29 @@ def layered_loss_backward(
     attention: Attention = "dense",
     loss_slice: int = 2048,
     host: bool = False,
+    store: LayerStore | None = None,
 ) -> dict[str, float]:
     """Accumulate into `.grad` the gradient of the policy loss of tree `b`, layer by layer (see module);
-    with `host`, the layer inputs are kept in host memory."""
+    with `host`, the layer inputs are kept in host memory. `store`: a `LayerStore` of this tree's shape
+    to reuse (page-locking tens of GiB takes seconds), else one is made."""
     chunks = plan(b, budget)
     dev = next(model.parameters()).device
     tb = TorchBatch.from_packed(b, device=dev)
     net = _Layers(model, tb, chunks, attention)
     n_layers, t = len(net.layers), b.num_tokens
     dtype = net.embed.weight.dtype
-    store = LayerStore(n_layers, t, model.config.hidden_size, dtype, dev, host)
+    if store is None:
+        store = LayerStore(n_layers, t, model.config.hidden_size, dtype, dev, host)
+    elif (store.layers, store.tokens, store.hidden, store.host) != (
+        n_layers,
+        t,
+        model.config.hidden_size,
+        host,
+    ):
+        raise ValueError(
+            f"store of {store.layers} layers x {store.tokens} tokens (host={store.host}) does not fit"
+        )
+    store.reset()
     kept = Kept(max((c.hi for c in chunks if c.needed), default=0), budget)
     grad_out = torch.zeros(
         (t, model.config.hidden_size), dtype=torch.promote_types(dtype, torch.float32), device=dev
@@ -259,10 +273,8 @@ def _layer_backward(
     with torch.no_grad():
         for i, c in enumerate(chunks):
             if c.needed:
-                try:
+                with contextlib.suppress(_Captured):
                     net.run(li, i, hin[c.lo : c.hi], _Capture(kept, c))
-                except _Captured:
-                    pass
         for ak, av in kept.acc:
             ak.zero_()
             av.zero_()

@@ -32,6 +32,12 @@ class LayerStore:
         self._staged: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self.copies = 0
 
+    def reset(self) -> None:
+        """Forget the copy timings, counts and staged layers of an earlier step (the store is reused)."""
+        self._timings.clear()
+        self._staged.clear()
+        self.copies = 0
+
     @property
     def host_bytes(self) -> int:
         return self.store.numel() * self.store.element_size() if self.host else 0
