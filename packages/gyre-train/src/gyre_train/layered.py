@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from gyre_traj.loss import LossConfig, TorchBatch, merge_mismatch_sums
 from gyre_traj.pack import PackedBatch
 
+from gyre_train.architecture import Attention, ChunkMemory
 from gyre_train.chunked import (
     Chunk,
     ChunkCache,
@@ -35,12 +36,6 @@ from gyre_train.chunked import (
     sliced_loss_backward,
 )
 from gyre_train.layerstore import LayerStore
-from gyre_train.modelconfig import Attention
-
-ChunkMemory = Literal["auto", "kept", "layers", "layers-host"]
-"""How a tree larger than the chunk budget is trained: `kept` = `chunked.py` (all layers' shared keys/values
-and their gradients kept on the device), `layers` = this module with the layer inputs on the device,
-`layers-host` = the same with the layer inputs in host memory, `auto` = the first of these that fits."""
 
 MEMORY_MARGIN = 0.85
 """`auto` counts a method as fitting when its kept state is below this share of the free memory (the rest
@@ -75,7 +70,12 @@ def choose(b: PackedBatch, budget: int, model: Any, memory: ChunkMemory) -> Chun
     dev = next(model.parameters()).device
     if dev.type != "cuda":
         return "kept" if memory == "auto" else memory
-    free_dev = int(torch.cuda.mem_get_info(dev)[0])
+    # free = the driver's free memory + what this process's allocator holds but no tensor uses
+    free_dev = (
+        int(torch.cuda.mem_get_info(dev)[0])
+        + torch.cuda.memory_reserved(dev)
+        - torch.cuda.memory_allocated(dev)
+    )
     free_host = _free_host_bytes()
     k = kept_bytes(b, budget, model)
     need: dict[str, tuple[int, int]] = {
