@@ -12,11 +12,14 @@ memory, copies on a side stream); `256k` = 262,144-token trunk + 8 branches of 2
 `achieved_ratio` (path-expanded time / tree time), `peak_gib` (torch.cuda.max_memory_allocated of the tree
 step), `host_gib` (page-locked layer inputs), `step_s` (the tree step, wall clock), `transfer_share`
 (copy-stream time, CUDA events, over the step time: the copies overlap compute, so this is their load, not
-a stall). Path-expanded time is measured on a sample that fits (one path: a `--sample-trunk`-token trunk +
-one branch, trained by `chunked.py` under the same budget) and scaled per token to all paths; attention
-costs more per token on a longer path, so this scaling underestimates path-expanded time and with it the
-achieved ratio. A size whose kept state does not fit fails with `TreeMemoryError` naming the bytes each
-method needs (recorded under `tree_<size>_error`; exit status 1), not with an out-of-memory crash.
+a stall). Path-expanded time is measured on a sample that fits and scaled per token to all paths: by
+default one of the tree's own paths (trunk + one branch: every path of a fan is equally long, so this is
+also one path's time x paths, as `gyre-train bench --cases huge-tree` does), trained under the same budget
+with the same `--memory`; `--path N` times a path with an N-token trunk instead (attention costs less per
+token on a shorter path, so that underestimates path-expanded time and the achieved ratio). `--layers L`
+runs the shape with L decoder layers (the work per layer is the same in every layer, so the ratios do not
+depend on it; times and memory do). A size whose kept state does not fit fails with `TreeMemoryError`
+naming the bytes each method needs (recorded under `tree_<size>_error`; exit status 1), not with an out-of-memory crash.
 
 `--cpu --tiny` runs the same steps on the CPU with a 4-layer model and small trees (checks the script).
 """
@@ -85,42 +88,49 @@ def _train(
     return m
 
 
-def path_seconds_per_token(
-    model: Any, f: Fan, sample_trunk: int, budget: int, attention: Any, dev: str
-) -> dict[str, float]:
-    """One path of a fan like `f` with a `sample_trunk`-token trunk (trunk + one branch), trained by
-    `chunked.py` under `budget`: its seconds per token."""
-    _, pb = packs(fan_tree(Fan(sample_trunk, 1, f.branch), seed=4), 1)
-    b = pb[0]
-    s = _train(model, b, budget, "kept", attention, dev)["step_s"]
-    return {
-        "path_sample_tokens": float(b.num_tokens),
-        "path_sample_s": s,
-        "path_s_per_token": s / b.num_tokens,
-    }
-
-
 def mc_layers(model: Any) -> int:
     return int(model.config.num_hidden_layers)
 
 
-def one_size(
-    name: str, model: Any, f: Fan, budget: int, memory: str, sample_trunk: int, attention: Any, dev: str
+def _store(model: Any, b: PackedBatch, pick: str) -> LayerStore | None:
+    if pick == "kept":
+        return None
+    p = next(model.parameters())
+    host = pick == "layers-host"
+    return LayerStore(mc_layers(model), b.num_tokens, model.config.hidden_size, p.dtype, p.device, host)
+
+
+def path_seconds_per_token(
+    model: Any, b: PackedBatch, budget: int, memory: str, attention: Any, dev: str
 ) -> dict[str, Any]:
+    """One path-expanded micro-batch `b` (a trunk and one branch) trained under `budget` with `memory`
+    (or, for "auto", the first method that fits it): its seconds per token."""
+    pick = choose(b, budget, model, memory)  # type: ignore[arg-type]
+    store = _store(model, b, pick)
+    s = _train(model, b, budget, pick, attention, dev, store)["step_s"]
+    del store
+    return {"path_sample_tokens": b.num_tokens, "path_sample_memory": pick, "path_sample_s": s,
+            "path_s_per_token": s / b.num_tokens}  # fmt: skip
+
+
+def one_size(
+    name: str, model: Any, f: Fan, budget: int, memory: str, path_trunk: int, attention: Any, dev: str
+) -> dict[str, Any]:
+    """The tree of `f` trained once with `memory`; path-expanded time from one of its own paths
+    (`path_trunk` 0) or from a path with a `path_trunk`-token trunk, scaled per token to all paths."""
     tb, pb = packs(fan_tree(f, seed=2), f.branches)
     tree = tb[0]
     expanded = sum(b.num_tokens for b in pb)
     pick = choose(tree, budget, model, memory)  # type: ignore[arg-type]
     t0 = time.perf_counter()  # page-locking the host store is set-up, not a step's work
-    store = None
-    if pick != "kept":
-        store = LayerStore(mc_layers(model), tree.num_tokens, model.config.hidden_size, next(model.parameters()).dtype,
-                           next(model.parameters()).device, pick == "layers-host")  # fmt: skip
+    store = _store(model, tree, pick)
     setup_s = time.perf_counter() - t0
     _peak_reset(dev)
     m = _train(model, tree, budget, pick, attention, dev, store)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan")
-    path = path_seconds_per_token(model, f, sample_trunk, budget, attention, dev)
+    del store
+    sample = pb[0] if not path_trunk else packs(fan_tree(Fan(path_trunk, 1, f.branch), seed=4), 1)[1][0]
+    path = path_seconds_per_token(model, sample, budget, memory, attention, dev)
     ideal = expanded / tree.num_tokens
     achieved = path["path_s_per_token"] * expanded / m["step_s"]
     p = f"tree_{name}_"
@@ -133,7 +143,7 @@ def one_size(
         p + "step_s": m["step_s"],
         p + "transfer_share": m.get("transfer_s", 0.0) / m["step_s"],
         p + "detail": {
-            "trunk": f.trunk, "branches": f.branches, "branch": f.branch, "chunk_budget": budget,
+            "layers": mc_layers(model), "trunk": f.trunk, "branches": f.branches, "branch": f.branch, "chunk_budget": budget,
             "tree_tokens": tree.num_tokens, "expanded_tokens": expanded, "memory": pick,
             "kept_estimate_gib": {k: _gib(v) for k, v in layered_bytes(tree, budget, model, pick == "layers-host").items()},
             "chunks": m["chunks"], "shared_chunks": m["shared_chunks"], "transfer_s": m.get("transfer_s", 0.0),
@@ -149,16 +159,27 @@ def main() -> int:
     ap.add_argument("--sizes", default="256k,700k", help="comma-separated subset of 256k, 700k")
     ap.add_argument("--memory", default="layers-host", choices=["auto", "kept", "layers", "layers-host"])
     ap.add_argument(
-        "--sample-trunk", type=int, default=0, help="trunk of the path sample (default 32768; tiny 512)"
+        "--path",
+        type=int,
+        default=0,
+        help="0: time one of the tree's own paths (all equally long) and scale it to all paths; N: a "
+        "path with an N-token trunk instead, scaled per token (attention costs less per token "
+        "on a shorter path, so this underestimates path-expanded time)",
     )
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's 28); fewer to fit a "
+                    "time limit: the work per layer is the same, so the ratios do not depend on it")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     args = ap.parse_args()
     dev = "cpu" if args.cpu else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --cpu --tiny")
     sizes, mc = (TINY_SIZES, TINY) if args.tiny else (GPU_SIZES, QWEN3_06B)
+    if args.layers:
+        mc = ModelConfig(
+            mc.arch, seed=mc.seed, dtype=mc.dtype, backend=mc.backend, num_hidden_layers=args.layers
+        )
     budget = 256 if args.tiny else 8192
-    sample = args.sample_trunk or (512 if args.tiny else 32768)
+    sample = args.path
     attention: Any = "dense" if dev == "cpu" else "flex"
     want = [s for s in args.sizes.split(",") if s]
     if unknown := set(want) - set(sizes):
@@ -175,13 +196,15 @@ def main() -> int:
         "torch": torch.__version__,
         "model": {k: getattr(mc, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "dtype")},
         "memory": args.memory,
-        "path_scaling": "path-expanded time = seconds per token of one sampled path (trunk --sample-trunk + one branch) x path-expanded tokens",
+        "path_scaling": "path-expanded time = seconds per token of one path x path-expanded tokens; the path: "
+        + ("one of the tree's own (all equally long)" if not sample else f"a {sample}-token trunk + one branch"),
+        "layers": mc.num_hidden_layers,
     }  # fmt: skip
     t0 = time.perf_counter()
     warm = Fan(4 * budget, 2, sizes["700k"].branch)  # kernels and FlexAttention compilation, both methods
     wt, _ = packs(fan_tree(warm, seed=3), 2)
     _train(model, wt[0], budget, "layers-host" if args.memory == "layers-host" else "layers", attention, dev)
-    path_seconds_per_token(model, sizes["700k"], sample, budget, attention, dev)
+    path_seconds_per_token(model, wt[0], budget, "kept", attention, dev)
     out["warmup_s"] = time.perf_counter() - t0
     failed = False
     for name in want:

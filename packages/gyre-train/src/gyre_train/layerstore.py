@@ -7,7 +7,11 @@ CUDA events on that stream, and the compute stream waits only on the copy it nee
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+from gyre_train.hostmem import pin, unpin
 
 
 class LayerStore:
@@ -23,8 +27,10 @@ class LayerStore:
         self.device, self.host = device, host
         self.cuda = device.type == "cuda"
         shape = (layers, tokens, hidden)
-        if host:
-            self.store = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+        if host:  # page-locked in place at its exact size (torch's pinned allocator rounds up to 2^k)
+            self.store = torch.empty(shape, dtype=dtype)
+            if self.cuda and pin(self.store):
+                weakref.finalize(self, unpin, self.store)
         else:
             self.store = torch.empty(shape, dtype=dtype, device=device)
         self.stream = torch.cuda.Stream(device) if host and self.cuda else None
