@@ -9,7 +9,7 @@ import pytest
 import torch
 from gyre_train.bench.run import Fan, fan_tree, packs
 from gyre_train.chunked import chunked_loss_backward, plan
-from gyre_train.layered import choose, layered_bytes, layered_loss_backward
+from gyre_train.layered import TreeMemoryError, choose, layered_bytes, layered_loss_backward, pick_method
 from gyre_train.layerstore import LayerStore
 from gyre_train.model import ModelConfig, build_model
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs
@@ -101,3 +101,18 @@ def test_choose_on_cpu_and_plan_of_the_bench_tree() -> None:
     assert choose(b, 256, model, "auto") == "kept"
     assert choose(b, 256, model, "layers-host") == "layers-host"
     assert len(plan(b, 256)) >= 6
+
+
+def test_pick_method_takes_the_first_that_fits_and_names_the_bytes_when_none_does() -> None:
+    gib = 2**30
+    need = {"kept": (213 * gib, 0), "layers": (55 * gib, 0), "layers-host": (18 * gib, 37 * gib)}
+    assert pick_method(need, "auto", 140 * gib, 120 * gib, "t") == "layers"  # type: ignore[arg-type]
+    assert pick_method(need, "auto", 40 * gib, 120 * gib, "t") == "layers-host"  # type: ignore[arg-type]
+    assert pick_method(need, "layers-host", 140 * gib, 120 * gib, "t") == "layers-host"  # type: ignore[arg-type]
+    with pytest.raises(
+        TreeMemoryError,
+        match=r"tree of 7 tokens .*kept: 213.0 GiB device.*layers-host: 18.0 GiB device \+ 37.0 GiB host.*free: 20.0 GiB device, 30.0 GiB host",
+    ):
+        pick_method(need, "auto", 20 * gib, 30 * gib, "tree of 7 tokens")  # type: ignore[arg-type]
+    with pytest.raises(TreeMemoryError, match="chunk_memory='kept'"):
+        pick_method(need, "kept", 140 * gib, 120 * gib, "t")  # type: ignore[arg-type]

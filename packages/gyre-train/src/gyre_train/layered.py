@@ -66,7 +66,8 @@ def layered_bytes(b: PackedBatch, budget: int, model: Any, host: bool) -> dict[s
 
 def choose(b: PackedBatch, budget: int, model: Any, memory: ChunkMemory) -> ChunkMemory:
     """The method `memory` names, or for `auto` the first that fits the device's (and host's) free memory;
-    `TreeMemoryError` naming each one's bytes when none does (or the one asked for does not)."""
+    `TreeMemoryError` naming each one's bytes when none does (or the one asked for does not). On the CPU,
+    `auto` is "kept" and nothing is checked."""
     dev = next(model.parameters()).device
     if dev.type != "cuda":
         return "kept" if memory == "auto" else memory
@@ -76,28 +77,39 @@ def choose(b: PackedBatch, budget: int, model: Any, memory: ChunkMemory) -> Chun
         + torch.cuda.memory_reserved(dev)
         - torch.cuda.memory_allocated(dev)
     )
-    free_host = _free_host_bytes()
     k = kept_bytes(b, budget, model)
-    need: dict[str, tuple[int, int]] = {
+    lay, host = layered_bytes(b, budget, model, False), layered_bytes(b, budget, model, True)
+    need: dict[ChunkMemory, tuple[int, int]] = {
         "kept": (k["kv_bytes"] + k["accumulator_bytes"], 0),
-        "layers": (layered_bytes(b, budget, model, False)["device_bytes"], 0),
-        "layers-host": tuple(
-            layered_bytes(b, budget, model, True)[x] for x in ("device_bytes", "host_bytes")
-        ),  # type: ignore[dict-item]
+        "layers": (lay["device_bytes"], 0),
+        "layers-host": (host["device_bytes"], host["host_bytes"]),
     }
-    fits = {m: d <= MEMORY_MARGIN * free_dev and h <= MEMORY_MARGIN * free_host for m, (d, h) in need.items()}
-    pick = (
-        next((m for m in need if fits[m]), None) if memory == "auto" else (memory if fits[memory] else None)
+    return pick_method(
+        need, memory, free_dev, _free_host_bytes(), f"tree of {b.num_tokens} tokens (chunk budget {budget})"
     )
+
+
+def pick_method(
+    need: dict[ChunkMemory, tuple[int, int]], memory: ChunkMemory, free_dev: int, free_host: int, what: str
+) -> ChunkMemory:
+    """From each method's (device, host) bytes `need`: `memory` if it fits `MEMORY_MARGIN` of what is free,
+    or for "auto" the first that does (in `need`'s order); else `TreeMemoryError` naming them all."""
+    fits = {m: d <= MEMORY_MARGIN * free_dev and h <= MEMORY_MARGIN * free_host for m, (d, h) in need.items()}
+    if memory == "auto":
+        pick = next((m for m in need if fits[m]), None)
+    else:
+        if memory not in need:
+            raise ValueError(f"chunk_memory {memory!r}: use auto, {', '.join(need)}")
+        pick = memory if fits[memory] else None
     if pick is None:
         said = ", ".join(
             f"{m}: {d / 2**30:.1f} GiB device + {h / 2**30:.1f} GiB host" for m, (d, h) in need.items()
         )
         raise TreeMemoryError(
-            f"tree of {b.num_tokens} tokens (chunk budget {budget}) does not fit with chunk_memory={memory!r}: "
-            f"kept state needs {said}; free: {free_dev / 2**30:.1f} GiB device, {free_host / 2**30:.1f} GiB host"
+            f"{what} does not fit with chunk_memory={memory!r}: kept state needs {said}; "
+            f"free: {free_dev / 2**30:.1f} GiB device, {free_host / 2**30:.1f} GiB host"
         )
-    return pick  # type: ignore[return-value]
+    return pick
 
 
 def _free_host_bytes() -> int:
