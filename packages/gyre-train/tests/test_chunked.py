@@ -103,7 +103,7 @@ def test_trunk_and_branches_join_in_place_with_the_same_gradient(branches: int) 
 def test_flex_chunk_mask_matches_dense_forward() -> None:
     """The GPU path's FlexAttention BlockMask over gathered ancestor keys/values equals the dense mask
     (forward only: FlexAttention has no backward on the CPU)."""
-    from gyre_train.chunked import _ChunkCache, _forward, _Kept
+    from gyre_train.chunked import ChunkCache, Kept, _forward
 
     mc = ModelConfig()
     dense, flex = build_model(mc, "dense"), build_model(mc, "flex")
@@ -119,12 +119,12 @@ def test_flex_chunk_mask_matches_dense_forward() -> None:
     ext = torch.as_tensor(c.ext)
 
     def run(model: torch.nn.Module, attention: str) -> torch.Tensor:
-        kept = _Kept(c.lo, 300)
+        kept = Kept(c.lo, 300)
         for li, (k, v) in enumerate(past):
             kb, vb = kept.buffers(li, k)
             kb[:, :, ext], vb[:, :, ext] = k, v
         with torch.no_grad():
-            return _forward(model, tb, c, _ChunkCache(kept, c, False, tb.input_ids.device), attention)  # type: ignore[arg-type]
+            return _forward(model, tb, c, ChunkCache(kept, c, False, tb.input_ids.device), attention)  # type: ignore[arg-type]
 
     torch.testing.assert_close(run(flex, "flex"), run(dense, "dense"), atol=1e-5, rtol=1e-5)
 

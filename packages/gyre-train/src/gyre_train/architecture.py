@@ -28,6 +28,8 @@ micro-batch (or an engine's batch of rows) does not share with the sequence run 
 MULTIMODAL_KEYS = ("text_config", "vision_config", "audio_config")
 
 Attention = Literal["dense", "flex"]
+ChunkMemory = Literal["auto", "kept", "layers", "layers-host"]
+"""How a tree larger than the chunk budget is trained (`CoreConfig.chunk_memory`; see `layered.py`)."""
 
 
 class ModelConfigError(ValueError):

@@ -80,13 +80,13 @@ def kept_bytes(b: PackedBatch, budget: int, model: Any) -> dict[str, int]:
     chunks = plan(b, budget)
     t = max((c.hi for c in chunks if c.needed), default=0)
     cfg = model.config
-    per = cfg.num_hidden_layers * cfg.num_key_value_heads * _head_dim(cfg) * 2
+    per = cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim(cfg) * 2
     item = next(model.parameters()).element_size()
     cap = t + budget if t else 0
     return {"shared_tokens": t, "kv_bytes": per * cap * item, "accumulator_bytes": per * t * 4}
 
 
-def _head_dim(cfg: Any) -> int:
+def head_dim(cfg: Any) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
@@ -104,7 +104,7 @@ def _sub(tb: TorchBatch, idx: torch.Tensor, lo: int) -> TorchBatch:
     )
 
 
-def _mask(tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention) -> Any:
+def chunk_mask(tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention) -> Any:
     q = torch.arange(c.lo, c.hi, device=kidx.device)
     if attention == "dense":
         ld = tb.last_desc[kidx]
@@ -153,9 +153,10 @@ class _Join(torch.autograd.Function):
         return g[:, :, n:], None, None, None, None
 
 
-class _Kept:
+class Kept:
     """Per layer, the kept keys and values ([1, kv_heads, t + budget, head_dim], model dtype: the shared
-    region [0, t) and one chunk of scratch after it) and float32 gradient accumulators over [0, t)."""
+    region [0, t) and one chunk of scratch after it) and float32 gradient accumulators over [0, t)
+    (float64 for a float64 model)."""
 
     def __init__(self, t: int, budget: int) -> None:
         self.t, self.cap = t, t + budget
@@ -169,17 +170,17 @@ class _Kept:
             shape = (k.shape[0], k.shape[1], self.cap, k.shape[3])
             self.kv.append((k.new_zeros(shape), k.new_zeros(shape)))
             ashape = (k.shape[0], k.shape[1], self.t, k.shape[3])
-            z = torch.zeros(ashape, dtype=torch.float32, device=k.device)
+            z = torch.zeros(ashape, dtype=torch.promote_types(k.dtype, torch.float32), device=k.device)
             self.acc.append((z, torch.zeros_like(z)))
         return self.kv[layer]
 
 
-class _ChunkCache:
+class ChunkCache:
     """What the model's attention layers see as their cache while one chunk runs (duck-typed: transformers
     5.x calls `update(key, value, layer_idx, ...)` and `get_seq_length()`): `update` returns the keys and
     values the chunk attends to, ancestors first, then its own."""
 
-    def __init__(self, kept: _Kept, c: Chunk, grad: bool, dev: torch.device) -> None:
+    def __init__(self, kept: Kept, c: Chunk, grad: bool, dev: torch.device) -> None:
         self.kept, self.c, self.grad = kept, c, grad
         self.own: list[tuple[torch.Tensor, torch.Tensor]] = []
         n = int(c.ext.shape[0])
@@ -212,7 +213,7 @@ class _ChunkCache:
         kb, vb = kept.buffers(layer_idx, k)
         m = c.hi - c.lo
         if self.dst >= 0:
-            if self.grad or self.dst != c.lo:
+            if self.grad or self.dst != c.lo or not c.needed:  # (pass 1 wrote a shared chunk's own)
                 with torch.no_grad():
                     kb[:, :, self.dst : self.dst + m] = k
                     vb[:, :, self.dst : self.dst + m] = v
@@ -237,7 +238,7 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
     kidx = torch.cat(
         [torch.as_tensor(c.ext, device=dev, dtype=torch.long), torch.arange(c.lo, c.hi, device=dev)]
     )
-    mask = _mask(tb, c, kidx, attention)
+    mask = chunk_mask(tb, c, kidx, attention)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     # transformers >= 5.2x names the argument `cache`; earlier 5.x releases call it `past_key_values`.
     arg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
@@ -249,6 +250,43 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
         **{arg: cache},
     )
     return out.last_hidden_state[0]
+
+
+def sliced_loss_backward(
+    head: Any,
+    hidden: torch.Tensor,
+    tb: TorchBatch,
+    c: Chunk,
+    loss_cfg: LossConfig,
+    loss_slice: int,
+    slices: list[dict[str, float]],
+    outs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+) -> float:
+    """The policy loss of chunk `c`'s targets off its final hidden states `hidden` ([chunk, hidden_size],
+    with autograd), in slices of `loss_slice` targets off a detached copy, so the float32 logits (targets x
+    vocabulary) of only one slice exist at a time: backward into the head per slice, each slice's metrics
+    appended to `slices`, and `hidden` with its gradient appended to `outs`/`grads` for the caller's one
+    backward through the chunk. Returns the summed loss."""
+    dev = hidden.device
+    h = hidden.detach().requires_grad_()
+    total = 0.0
+    for s in range(0, int(c.targets.shape[0]), loss_slice):
+        sub = _sub(tb, torch.as_tensor(c.targets[s : s + loss_slice], device=dev), c.lo)
+        logits = head(h.index_select(0, sub.target_pos))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
+        if loss_cfg.temperature != 1.0:
+            logits = logits / loss_cfg.temperature
+        lp = torch.log_softmax(logits, -1).gather(1, sub.target_ids[:, None])[:, 0]
+        loss, m = policy_loss(lp, sub, loss_cfg)
+        total += m["loss"]
+        slices.append(m)
+        loss.backward()
+        del logits, lp, loss
+    assert h.grad is not None
+    outs.append(hidden)
+    grads.append(h.grad)
+    return total
 
 
 def chunked_loss_backward(
@@ -264,38 +302,21 @@ def chunked_loss_backward(
     dev = next(model.parameters()).device
     tb = TorchBatch.from_packed(b, device=dev)
     # Keys/values (and their gradients) are kept for the shared chunks only: up to the last one.
-    kept = _Kept(max((c.hi for c in chunks if c.needed), default=0), budget)
+    kept = Kept(max((c.hi for c in chunks if c.needed), default=0), budget)
     with torch.no_grad():  # pass 1: keys and values of the shared chunks
         for c in chunks:
             if c.needed:
-                _forward(model, tb, c, _ChunkCache(kept, c, False, dev), attention)
+                _forward(model, tb, c, ChunkCache(kept, c, False, dev), attention)
     total = 0.0
     slices: list[dict[str, float]] = []
     head = model.get_output_embeddings()
     for c in reversed(chunks):  # pass 2: one backward per chunk, reverse order
-        cache = _ChunkCache(kept, c, True, dev)
+        cache = ChunkCache(kept, c, True, dev)
         hidden = _forward(model, tb, c, cache, attention)
         outs: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if c.targets.shape[0]:
-            # The loss in slices of `loss_slice` targets off a detached copy of the hidden states, so the
-            # float32 logits (targets x vocabulary) of only one slice exist at a time; the hidden states'
-            # gradient then joins the chunk's backward.
-            h = hidden.detach().requires_grad_()
-            for s in range(0, int(c.targets.shape[0]), loss_slice):
-                sub = _sub(tb, torch.as_tensor(c.targets[s : s + loss_slice], device=dev), c.lo)
-                logits = head(h.index_select(0, sub.target_pos)).float()
-                if loss_cfg.temperature != 1.0:
-                    logits = logits / loss_cfg.temperature
-                lp = torch.log_softmax(logits, -1).gather(1, sub.target_ids[:, None])[:, 0]
-                loss, m = policy_loss(lp, sub, loss_cfg)
-                total += m["loss"]
-                slices.append(m)
-                loss.backward()
-                del logits, lp, loss
-            assert h.grad is not None
-            outs.append(hidden)
-            grads.append(h.grad)
+            total += sliced_loss_backward(head, hidden, tb, c, loss_cfg, loss_slice, slices, outs, grads)
         if c.needed:
             for li, (k, v) in enumerate(cache.own):
                 ak, av = kept.acc[li]
@@ -304,8 +325,6 @@ def chunked_loss_backward(
         if outs:
             torch.autograd.backward(outs, grads)
         del cache, hidden, outs, grads
-        if c.targets.shape[0]:
-            del h
     newest = int(b.versions.max()) if len(b.versions) else None
     return {
         "loss": total,

@@ -38,7 +38,7 @@ from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
 from gyre_train.corerank import CoreRank, OptimConfig, RankWork
-from gyre_train.defaults import MISMATCH_WARN
+from gyre_train.defaults import CHUNK_MEMORY, MISMATCH_WARN
 from gyre_train.devmem import release_cached_memory
 from gyre_train.engine_sync import (
     PushReport,
@@ -48,7 +48,7 @@ from gyre_train.engine_sync import (
     megatron_hf,
 )
 from gyre_train.handoff import DEFAULT_BUCKET_BYTES
-from gyre_train.model import Attention, ModelConfig
+from gyre_train.model import Attention, ChunkMemory, ModelConfig
 from gyre_train.protocol import PROTOCOL, CellShape, RankSetup, StepInfo, Welcome
 from gyre_train.server import ReplicaServer, ServerConfig
 from gyre_train.wire import MicroBatchError, check_microbatch
@@ -88,6 +88,9 @@ class CoreConfig:
     chunk_budget: int = 0
     """Train a micro-batch with more tokens than this in chunks with the shared prefix computed once
     (activation memory of one chunk; `token_budget` may then be far larger). 0 = off."""
+    chunk_memory: ChunkMemory = CHUNK_MEMORY
+    """How a chunked micro-batch keeps what its chunks share: "auto", "kept", "layers" or "layers-host"
+    (`gyre_train.defaults.CHUNK_MEMORY` says what each is)."""
     core_computes: bool = True
     """The core claims micro-batches too (False: it only aggregates); `Core.set_computing` changes it
     while running."""
@@ -207,6 +210,7 @@ class Core:
             c.transfer_timeout_s,
             c.optim,
             c.token,
+            c.chunk_memory,
         )
         rank0 = CoreRank(model, work, cell)
         self.layout = rank0.layout

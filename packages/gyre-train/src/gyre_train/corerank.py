@@ -19,8 +19,9 @@ from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import Transport, open_transport
 
 from gyre_train.cell import Cell, shard_plan
+from gyre_train.defaults import CHUNK_MEMORY
 from gyre_train.handoff import GradReader, wire_dtype
-from gyre_train.model import Attention, Layout, micro_gradient, params, set_gradients
+from gyre_train.model import Attention, ChunkMemory, Layout, micro_gradient, params, set_gradients
 from gyre_train.protocol import GradShard
 from gyre_train.shardsum import ShardSum
 
@@ -48,6 +49,8 @@ class RankWork:
     optim: OptimConfig
     token: str = field(default="", repr=False)
     """The run token for the weight publisher (never sent to other ranks: each has its own setting)."""
+    chunk_memory: ChunkMemory = CHUNK_MEMORY
+    """`CoreConfig.chunk_memory` (the core's rank; other ranks of a cell and satellites use the default)."""
 
 
 class CoreRank:
@@ -87,7 +90,14 @@ class CoreRank:
         for k, (dp, _, mb) in enumerate(items):
             if dp == self.plan.index:
                 mine, metrics[k] = micro_gradient(
-                    self.model, self.layout, mb, w.loss, w.attention, self._scratch, w.chunk_budget
+                    self.model,
+                    self.layout,
+                    mb,
+                    w.loss,
+                    w.attention,
+                    self._scratch,
+                    w.chunk_budget,
+                    w.chunk_memory,
                 )
         if self.plan.dp == 1:
             ((_, index, _),) = items

@@ -3,6 +3,8 @@ in a module that imports nothing, so reading a configuration does not load torch
 
 from __future__ import annotations
 
+from typing import Final
+
 MISMATCH_WARN = 0.1
 """`CoreConfig.mismatch_warn`: a step whose on-policy tokens' mean |trainer - behaviour logprob| is above
 this logs a warning (in nats: a trainer and an engine computing alike differ by float noise, far below
@@ -13,3 +15,11 @@ TENSOR_PARALLEL = 1
 
 PIPELINE_PARALLEL = 1
 """`cell.ParallelConfig.pp`: pipeline stages of a cell."""
+
+CHUNK_MEMORY: Final = "auto"
+"""`CoreConfig.chunk_memory`: how a micro-batch larger than `chunk_budget` keeps what its chunks share.
+"kept" = every layer's shared keys/values and their float32 gradients on the device (`chunked.py`: 336
+KiB per shared token on the Qwen3-0.6B shape); "layers" = layer by layer, keeping each layer's input
+hidden states on the device (`layered.py`: 56 KiB per token); "layers-host" = the same with the layer
+inputs in page-locked host memory (copied on a side CUDA stream); "auto" = the first of these whose kept
+state fits the free memory (always "kept" on the CPU)."""

@@ -24,10 +24,13 @@ import torch
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs_entropy
 from gyre_traj.pack import PackedBatch
 
+from gyre_train.architecture import ChunkMemory
+from gyre_train.defaults import CHUNK_MEMORY
 from gyre_train.modelconfig import Attention, ModelConfig
 
 __all__ = [
     "Attention",
+    "ChunkMemory",
     "Layout",
     "ModelConfig",
     "build_model",
@@ -130,18 +133,22 @@ def micro_gradient(
     attention: Attention = "dense",
     out: torch.Tensor | None = None,
     chunk_budget: int = 0,
+    chunk_memory: ChunkMemory = CHUNK_MEMORY,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flat gradient of one micro-batch's weighted policy loss (written into `out` if given: a float32 or
     bfloat16 vector of `layout.numel` on any device, e.g. pinned host memory; a new float32 one if not),
     and its metrics. With
     `chunk_budget`, a micro-batch larger than it is trained in chunks (`gyre_train.chunked`: shared
-    prefix forwarded once, activation memory of one chunk); transformers backend only."""
+    prefix forwarded once, activation memory of one chunk), keeping what the chunks share as
+    `chunk_memory` says (`gyre_train.defaults.CHUNK_MEMORY`); transformers backend only."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     megatron = type(model).__module__.startswith("megatron.")  # a Megatron-core GPTModel
     with _attention_kernels(device):
-        metrics = _loss_backward(model, batch, loss_cfg, attention, chunk_budget, megatron, device)
+        metrics = _loss_backward(
+            model, batch, loss_cfg, attention, chunk_budget, chunk_memory, megatron, device
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     flat = out if out is not None else torch.empty(layout.numel, dtype=torch.float32)
@@ -200,13 +207,20 @@ def _loss_backward(
     loss_cfg: LossConfig,
     attention: Attention,
     chunk_budget: int,
+    chunk_memory: ChunkMemory,
     megatron: bool,
     device: torch.device,
 ) -> dict[str, float]:
     if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
         from gyre_train.chunked import chunked_loss_backward
+        from gyre_train.layered import choose, layered_loss_backward
 
-        return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
+        how = choose(batch, chunk_budget, model, chunk_memory)
+        if how == "kept":
+            return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
+        return layered_loss_backward(
+            model, batch, chunk_budget, loss_cfg, attention, host=how == "layers-host"
+        )
     tb = TorchBatch.from_packed(batch, device=device)
     if megatron:  # this rank's part: its tensor-parallel shards, its pipeline stage
         from gyre_train.megatron import pipeline_loss_backward
