@@ -100,6 +100,11 @@ def _store(model: Any, b: PackedBatch, pick: str) -> LayerStore | None:
     return LayerStore(mc_layers(model), b.num_tokens, model.config.hidden_size, p.dtype, p.device, host)
 
 
+def say(msg: str) -> None:
+    """Progress on stderr, so a run cut off by a time limit still shows how far it got."""
+    print(f"[long_tree {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def path_seconds_per_token(
     model: Any, b: PackedBatch, budget: int, memory: str, attention: Any, dev: str
 ) -> dict[str, Any]:
@@ -126,11 +131,14 @@ def one_size(
     store = _store(model, tree, pick)
     setup_s = time.perf_counter() - t0
     _peak_reset(dev)
+    say(f"{name}: tree of {tree.num_tokens} tokens, {pick}, host store set up in {setup_s:.1f} s; training")
     m = _train(model, tree, budget, pick, attention, dev, store)
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan")
+    say(f"{name}: tree step {m['step_s']:.1f} s, peak {_gib(peak)} GiB; timing a path")
     del store
     sample = pb[0] if not path_trunk else packs(fan_tree(Fan(path_trunk, 1, f.branch), seed=4), 1)[1][0]
     path = path_seconds_per_token(model, sample, budget, memory, attention, dev)
+    say(f"{name}: path of {sample.num_tokens} tokens in {path['path_sample_s']:.1f} s")
     ideal = expanded / tree.num_tokens
     achieved = path["path_s_per_token"] * expanded / m["step_s"]
     p = f"tree_{name}_"
@@ -206,6 +214,7 @@ def main() -> int:
     _train(model, wt[0], budget, "layers-host" if args.memory == "layers-host" else "layers", attention, dev)
     path_seconds_per_token(model, wt[0], budget, "kept", attention, dev)
     out["warmup_s"] = time.perf_counter() - t0
+    say(f"warm-up (kernels, FlexAttention compilation) {out['warmup_s']:.1f} s")
     failed = False
     for name in want:
         try:
