@@ -100,8 +100,10 @@ def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path, extra: list[s
     for s, w in zip(steps, want, strict=True):
         assert s["executions"] == w["executions"]
         # PPO's loss at ratio 1 is a weighted sum of group-normalized advantages: near zero, its O(1)
-        # terms cancel, so it compares within float32 noise of their sum (the gradient norm is the check)
-        assert s["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-6)
+        # terms cancel, so it compares within float32 noise of their sum, which the two ranks' partial
+        # sums and one rank's reach in different orders (2e-6 apart seen at step 2, after one update);
+        # the gradient norm is the check
+        assert s["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-5)
         assert s["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
 
 

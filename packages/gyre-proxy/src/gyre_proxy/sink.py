@@ -217,10 +217,9 @@ class RecordSink:
                     payloads, error = [], RecordWriteFailed(f"a record could not be encoded: {exc}")
                 else:
                     error = self._append(payloads)
-                # one wake-up per event loop for the whole batch: each `call_soon_threadsafe` is a
-                # write to the loop's self-pipe, and with the loop thread busy each costs this thread a
-                # wait for the GIL (up to the switch interval, 5 ms): per record, that was most of the
-                # proxy's added time under load
+                # the tickets first (callers that poll them need no wake-up), then one wake-up per
+                # event loop for the whole batch (each `call_soon_threadsafe` writes to the loop's
+                # self-pipe and is one more callback in the loop's turn)
                 by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
                 for _, loop, fut, ticket in batch:
                     ticket.error = None if error is None else RecordWriteFailed(str(error))
