@@ -136,7 +136,8 @@ class _Moved(Exception):
 
 class _NoAnswer(httpx.TransportError):
     """The connection failed before the engine's response began: most often a kept-alive connection the
-    engine closed as this request went out (an idle timeout), which a new connection fixes."""
+    engine closed as this request went out (an idle timeout); the pool drops it, and the call goes once
+    more to the same engine on another connection."""
 
 
 _MOVE = object()
@@ -243,7 +244,10 @@ class Generation:
                 if isinstance(exc, _NoAnswer) and eng.engine_id not in fresh:
                     fresh.add(eng.engine_id)  # once per engine: a dead one fails again, and is set aside
                     log.info(
-                        "call %s: engine %d: %s; again on a new connection", self.rid, eng.engine_id, exc
+                        "call %s: engine %d: %s; once more on another connection",
+                        self.rid,
+                        eng.engine_id,
+                        exc,
                     )
                     continue
                 if isinstance(exc, EngineError) and 400 <= exc.status < 500 and not exc.retryable:
