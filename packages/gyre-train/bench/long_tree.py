@@ -1,5 +1,5 @@
 """Tree training of a very long trunk with branches on one GPU, layer by layer (`gyre_train.layered`), against
-path-expanded training. One device call on an `nvidia-h200`, from the repository root:
+path-expanded training. On one H200, from the repository root:
 
     python packages/gyre-train/bench/long_tree.py --out $OUT/long_tree.json
 
