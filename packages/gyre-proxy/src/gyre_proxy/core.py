@@ -406,8 +406,10 @@ class CallRun:
                 ticket: Ticket = box[1]
                 if not ticket.settled:
                     await written
-                elif ticket.error is not None:
-                    raise ticket.error
+                else:
+                    written.cancel()  # settled: nobody reads `written` (its error would go unretrieved)
+                    if ticket.error is not None:
+                        raise ticket.error
             else:
                 await written
         finally:
