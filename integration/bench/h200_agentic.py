@@ -90,9 +90,16 @@ class Engines:
     """Standalone `gyre-engine serve` processes with the run's engine options, on the run's first GPU."""
 
     def __init__(
-        self, cfg: Config, model_dir: Path, logs: Path, n: int, extra: list[list[str]] | None = None
+        self,
+        cfg: Config,
+        model_dir: Path,
+        logs: Path,
+        n: int,
+        extra: list[list[str]] | None = None,
+        name: str = "engine-alone",
     ) -> None:
-        """`n` engines with the run's options; `extra`: more options for each (later ones win)."""
+        """`n` engines with the run's options; `extra`: more options for each (later ones win); logs
+        under `name`-i."""
         self.procs = ProcessGroup(logs)
         self.urls = []
         self.t0 = time.monotonic()
@@ -101,7 +108,7 @@ class Engines:
             more = extra[i] if extra else []
             argv = python_argv("gyre_engine", "serve", "--model", str(model_dir), "--port", str(port),
                                "--device", cfg.cell.device, *gpus.engine_argv(cfg), *more)  # fmt: skip
-            self.procs.start(f"engine-alone-{i}", argv, env={"OMP_NUM_THREADS": "1", **gpus.cell_env(cfg, 0)})
+            self.procs.start(f"{name}-{i}", argv, env={"OMP_NUM_THREADS": "1", **gpus.cell_env(cfg, 0)})
             self.urls.append(f"http://127.0.0.1:{port}")
         self.cfg = cfg
 
@@ -160,22 +167,21 @@ def alone_phase(
                 )
         finally:
             eng.close()
-    if "probe" not in skip:  # two more engines, one per way of sizing the decode step's columns
-        widths = ["bucketed", "full"]
-        probe = Engines(cfg, model_dir, logs, 2, [["--slot-widths", w] for w in widths])
-        try:
-            out["probe_startup_s"] = round(probe.wait(), 2)
-            lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
-            out["decode_vs_context"] = {}
-            for w, url in zip(widths, probe.urls, strict=True):
-                try:
-                    out["decode_vs_context"][w] = bounded(
-                        replay.decode_vs_context(url, lengths, cfg.engine.max_running, 64, vocab), deadline
-                    )
-                except TimeoutError:  # the other width's figures are kept
-                    out["decode_vs_context"][w] = {"error": "not done within the call's budget"}
-        finally:
-            probe.close()
+    if "probe" not in skip:  # one engine per way of sizing the decode step's columns, one after the other
+        out["probe_startup_s"], out["decode_vs_context"] = {}, {}
+        lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
+        for w in ["bucketed", "full"]:
+            probe = Engines(cfg, model_dir, logs, 1, [["--slot-widths", w]], name=f"probe-{w}")
+            try:
+                out["probe_startup_s"][w] = round(probe.wait(), 2)
+                out["decode_vs_context"][w] = bounded(
+                    replay.decode_vs_context(probe.urls[0], lengths, cfg.engine.max_running, 64, vocab),
+                    deadline,
+                )
+            except TimeoutError:  # the other width's figures are kept
+                out["decode_vs_context"][w] = {"error": "not done within the call's budget"}
+            finally:
+                probe.close()
     return out
 
 

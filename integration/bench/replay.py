@@ -269,5 +269,8 @@ async def decode_vs_context(url: str, lengths: list[int], batch: int, new: int, 
                 "graph_captures": after.graph_captures - before.graph_captures,
                 "graph_capture_s": round(after.graph_capture_s - before.graph_capture_s, 4),
                 "slot_grows": after.slot_grows - before.slot_grows,
+                "reserved_gib": round(after.device_reserved_bytes / 2**30, 2),
+                "peak_reserved_gib": round(after.device_peak_reserved_bytes / 2**30, 2),
+                "allocated_gib": round(after.device_allocated_bytes / 2**30, 2),
             }
     return out

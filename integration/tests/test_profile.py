@@ -65,6 +65,16 @@ def test_profile_settings_are_checked_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"unknown key 'calls'"):
         config_from_dict({"profile": {"calls": 3}})
     assert Config().profile == ProfileSection()
+    # a profile whose contexts outgrow the micro-batch budget: its longest executions could not be trained
+    long = {
+        "agent": {"harness": "profile"},
+        "profile": {"context_max": 32768},
+        "train": {"token_budget": 16384},
+    }
+    with pytest.raises(ConfigError, match=r"context_max \(32768\) is over \[train\] token_budget"):
+        config_from_dict(long)
+    config_from_dict({**long, "train": {"token_budget": 32768, "chunk_budget": 8192}})
+    config_from_dict({**long, "agent": {"harness": "builtin"}})  # other harnesses' contexts are their own
 
 
 def test_the_simulator_counts_each_executions_planned_calls() -> None:

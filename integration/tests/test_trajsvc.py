@@ -167,6 +167,28 @@ def test_groups_packed_one_by_one_train_each_execution_once() -> None:
     assert streamed.steps[0].tally.executions == 4
 
 
+def test_an_execution_with_a_path_over_the_budget_is_set_aside_and_named() -> None:
+    """A path longer than the micro-batch budget cannot be packed: its execution is set aside, untrained,
+    and named in the step's summary with its length; the rest of its group trains (the service goes on)."""
+    book = _book(True)
+    _register(book, 0)
+    long = [5001 + (i % 500) for i in range(1100)]  # 3 input + 1,100 output tokens > 1,024
+    book.record(_call("s0-q0-e0", long))
+    book.record(_call("s0-q0-e1", [5001, 5002]))
+    for j in range(2):
+        book.score(0, Score(execution_id=f"s0-q0-e{j}", group_id="s0-q0", value=0.5 * j), 1, 0.0)
+    sd = book.steps[0]
+    book.update_ready(sd, 0.0)
+    p = book.pack(sd, ["s0-q0"])
+    assert [it.tree.execution_id for it in p.items] == ["s0-q0-e1"]
+    assert p.over_budget == {"s0-q0-e0": 1103}
+    assert sum(b.num_loss_tokens for b in p.microbatches) == 2
+    sd.tally.add(p, p.microbatches, len(p.items), book.output_tokens)
+    summary = sd.tally.summary(0, sd.scores.values())
+    assert summary["over_budget"] == {"s0-q0-e0": 1103}
+    assert summary["trained_executions"] == ["s0-q0-e1"]
+
+
 # ---- the trajectory service against a real core server and claim queue --------------------------------
 
 NOWHERE = "tcp://127.0.0.1:1"  # no scheduler: the service never reports (report_s = inf)

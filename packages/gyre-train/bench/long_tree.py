@@ -118,10 +118,24 @@ def path_seconds_per_token(
             "path_s_per_token": s / b.num_tokens}  # fmt: skip
 
 
+def full_depth(model: Any, full_layers: int, m: dict[str, Any], peak: float) -> dict[str, Any]:
+    """Estimates for the shape's own depth from a run with fewer layers: every decoder layer does the same
+    work and keeps the same input, so step time and host bytes scale with the layer count (the step's
+    per-token head and embedding are counted that many times too, so the step is overestimated), and
+    peak device memory grows by the added layers' parameters and their gradients."""
+    layers = mc_layers(model)
+    per_layer = sum(p.numel() * p.element_size() * 2 for p in model.model.layers[0].parameters())
+    k = full_layers / layers
+    return {"layers": full_layers, "step_s": m["step_s"] * k, "host_gib": _gib(m.get("host_bytes", 0.0) * k),
+            "peak_gib": _gib(peak + (full_layers - layers) * per_layer)}  # fmt: skip
+
+
 def one_size(
-    name: str, model: Any, f: Fan, budget: int, memory: str, path_trunk: int, attention: Any, dev: str
-) -> dict[str, Any]:
-    """The tree of `f` trained once with `memory`; path-expanded time from one of its own paths
+    name: str, model: Any, f: Fan, budget: int, memory: str, path_trunk: int, attention: Any, dev: str,
+    repeat: int = 1, full_layers: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """The tree of `f` trained `repeat` times with `memory` (the last step is the figure: a first step
+    at a new size can include kernel compilation); path-expanded time from one of its own paths
     (`path_trunk` 0) or from a path with a `path_trunk`-token trunk, scaled per token to all paths."""
     tb, pb = packs(fan_tree(f, seed=2), f.branches)
     tree = tb[0]
@@ -132,9 +146,13 @@ def one_size(
     setup_s = time.perf_counter() - t0
     _peak_reset(dev)
     say(f"{name}: tree of {tree.num_tokens} tokens, {pick}, host store set up in {setup_s:.1f} s; training")
-    m = _train(model, tree, budget, pick, attention, dev, store)
+    steps = []
+    for _ in range(max(1, repeat)):
+        m = _train(model, tree, budget, pick, attention, dev, store)
+        steps.append(m["step_s"])
+        say(f"{name}: tree step {m['step_s']:.1f} s")
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan")
-    say(f"{name}: tree step {m['step_s']:.1f} s, peak {_gib(peak)} GiB; timing a path")
+    say(f"{name}: peak {_gib(peak):.2f} GiB; timing a path")
     del store
     sample = pb[0] if not path_trunk else packs(fan_tree(Fan(path_trunk, 1, f.branch), seed=4), 1)[1][0]
     path = path_seconds_per_token(model, sample, budget, memory, attention, dev)
@@ -155,8 +173,10 @@ def one_size(
             "tree_tokens": tree.num_tokens, "expanded_tokens": expanded, "memory": pick,
             "kept_estimate_gib": {k: _gib(v) for k, v in layered_bytes(tree, budget, model, pick == "layers-host").items()},
             "chunks": m["chunks"], "shared_chunks": m["shared_chunks"], "transfer_s": m.get("transfer_s", 0.0),
-            "loss": m["loss"], "store_setup_s": setup_s, **path,
+            "loss": m["loss"], "store_setup_s": setup_s, "tree_steps_s": steps, **path,
         },
+        **({p + "full_depth_estimate": full_depth(model, full_layers, m, peak)}
+           if full_layers and full_layers != mc_layers(model) else {}),
     }  # fmt: skip
 
 
@@ -176,12 +196,15 @@ def main() -> int:
     )
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's 28); fewer to fit a "
                     "time limit: the work per layer is the same, so the ratios do not depend on it")  # fmt: skip
+    ap.add_argument("--repeat", type=int, default=1, help="tree steps per size; the last is the figure (a "
+                    "size's first step can include kernel compilation for its lengths)")  # fmt: skip
     ap.add_argument("--out", default="", help="write the JSON here too")
     args = ap.parse_args()
     dev = "cpu" if args.cpu else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --cpu --tiny")
     sizes, mc = (TINY_SIZES, TINY) if args.tiny else (GPU_SIZES, QWEN3_06B)
+    full_layers = mc.num_hidden_layers
     if args.layers:
         mc = ModelConfig(
             mc.arch, seed=mc.seed, dtype=mc.dtype, backend=mc.backend, num_hidden_layers=args.layers
@@ -218,7 +241,20 @@ def main() -> int:
     failed = False
     for name in want:
         try:
-            out.update(one_size(name, model, sizes[name], budget, args.memory, sample, attention, dev))
+            out.update(
+                one_size(
+                    name,
+                    model,
+                    sizes[name],
+                    budget,
+                    args.memory,
+                    sample,
+                    attention,
+                    dev,
+                    args.repeat,
+                    full_layers,
+                )
+            )
         except TreeMemoryError as exc:
             failed = True
             out[f"tree_{name}_error"] = str(exc)

@@ -27,6 +27,7 @@ class CellArgs:
     publisher: str = ""
     lr: float = TrainSection.lr
     token_budget: int = TrainSection.token_budget
+    chunk_budget: int = TrainSection.chunk_budget
     loss: str = TrainSection.loss
     tis_cap: float = TrainSection.tis_cap
     mismatch_warn: float = TrainSection.mismatch_warn

@@ -274,6 +274,7 @@ class Cell:
         cfg = CoreConfig(
             attention=attention,
             token_budget=self.a.token_budget,
+            chunk_budget=self.a.chunk_budget,
             loss=loss_config(self.a),
             mismatch_warn=self.a.mismatch_warn,
             optim=OptimConfig(lr=self.a.lr),

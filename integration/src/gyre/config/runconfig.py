@@ -20,7 +20,7 @@ from typing import Any, get_type_hints
 
 from gyre_base import tables
 from gyre_sched.workload import DriverConfig
-from gyre_train.defaults import MISMATCH_WARN, PIPELINE_PARALLEL, TENSOR_PARALLEL
+from gyre_train.defaults import CHUNK_BUDGET, MISMATCH_WARN, PIPELINE_PARALLEL, TENSOR_PARALLEL
 from gyre_train.modelconfig import ModelConfig
 from gyre_traj.pack import PackConfig
 
@@ -168,7 +168,13 @@ class DriverSection:
 class TrainSection:
     lr: float = 1e-4
     token_budget: int = default_of(PackConfig, "token_budget")
-    """Most tokens in one tree-packed micro-batch (gyre-traj's `PackConfig.token_budget`, and its default)."""
+    """Most tokens in one tree-packed micro-batch (gyre-traj's `PackConfig.token_budget`, and its default).
+    An execution with a path longer than this cannot be trained: it is set aside (named in steps.jsonl
+    under `over_budget`)."""
+    chunk_budget: int = CHUNK_BUDGET
+    """Train a micro-batch with more tokens than this in chunks of at most this many, the shared prefix
+    computed once (gyre-train's `CoreConfig.chunk_budget`): activation memory is one chunk's, so
+    token_budget can hold long paths; 0: off."""
     loss: str = "ppo"
     """ppo or tis (gyre-traj's policy loss)."""
     tis_cap: float = 0.0
@@ -363,9 +369,10 @@ class ProfileSection:
     tool_tokens_max: int = 4096
     prompt_tokens: int = 1024
     """Tokens of the task's prompt (one per group: its executions share it)."""
-    context_max: int = 32768
-    """An execution whose context would pass this ends with its next call."""
-    compact_tokens: int = 24576
+    context_max: int = TrainSection.token_budget
+    """An execution whose context would pass this ends with its next call (at most `[train] token_budget`,
+    so that every execution can be trained; the default is that budget's)."""
+    compact_tokens: int = 12288
     """Once a call's context passes this, the agent compacts (a summary call, role main_summary) and
     goes on from the task and the summary; 0: never."""
     subagent_share: float = 0.15
@@ -416,6 +423,7 @@ class Config:
             t.lr >= 0 and t.token_budget >= 64, "[train] lr >= 0 (0: a control run) and token_budget >= 64"
         )
         _check(self.eval.tasks >= 0 and self.eval.every >= 1, "[eval] tasks must be >= 0 and every >= 1")
+        _check(t.chunk_budget >= 0, "[train] chunk_budget must be >= 0 (0: off)")
         _check(t.loss in ("ppo", "tis"), f"[train] loss must be ppo or tis, got {t.loss!r}")
         _check(t.j_max >= 0, "[train] j_max must be >= 0")
         _check(t.tis_cap >= 0, "[train] tis_cap must be >= 0 (0: off)")
@@ -459,6 +467,12 @@ class Config:
             _check(med > 0 and sig >= 0, f"[profile] {name}_median must be > 0 and {name}_sigma >= 0")
         _check(p.prompt_tokens >= 1, "[profile] prompt_tokens must be >= 1")
         _check(p.context_max > p.prompt_tokens, "[profile] context_max must exceed prompt_tokens")
+        _check(
+            self.agent.harness != "profile" or p.context_max <= self.train.token_budget,
+            f"[profile] context_max ({p.context_max}) is over [train] token_budget "
+            f"({self.train.token_budget}): its longest executions could not be trained; raise token_budget "
+            "(with [train] chunk_budget to bound the trainer's memory)",
+        )
         _check(p.compact_tokens >= 0, "[profile] compact_tokens must be >= 0")
         _check(0 <= p.subagent_share <= 1, "[profile] subagent_share must be in [0, 1]")
         _check(p.tool_s_sigma >= 0, "[profile] tool_s_sigma must be >= 0")

@@ -254,7 +254,8 @@ class Attempt:
         a = CellArgs(
             sched=self.sched, cell_id=i, is_core=i == 0, capacity=cfg.cell.capacity, model_dir=str(model_dir),
             engine_port=self.ports[i], run_dir=str(self.out), lr=cfg.train.lr,
-            token_budget=cfg.train.token_budget, loss=cfg.train.loss, temperature=cfg.agent.temperature,
+            token_budget=cfg.train.token_budget, chunk_budget=cfg.train.chunk_budget, loss=cfg.train.loss,
+            temperature=cfg.agent.temperature,
             tis_cap=cfg.train.tis_cap, mismatch_warn=cfg.train.mismatch_warn,
             release_memory=cfg.cell.release_memory, startup_timeout_s=c.startup_timeout_s,
             device=cfg.cell.device, engine_argv=tuple(gpus.engine_argv(cfg)),

@@ -40,11 +40,10 @@ from gyre_train.control import CoreClient, InboxFull
 from gyre_train.normalize import execution_means
 from gyre_train.protocol import StepInfo
 from gyre_traj.io import Codec
-from gyre_traj.pack import PackItem
 from gyre_traj.records import Call, RecordError, Score
 from gyre_traj.weights import group_advantages
 
-from gyre.trajsvc.stepbook import StepBook, StepData
+from gyre.trajsvc.stepbook import Packed, StepBook, StepData
 
 log = logging.getLogger("gyre.trajsvc")
 LOGGED_DROPS = 10
@@ -281,7 +280,7 @@ class TrajectoryService:
                 continue
             for g in [g for g in sd.ready if g not in sd.given]:
                 p = self.book.pack(sd, [g])
-                self._note_packed(p.items)
+                self._note_packed(sd.step, p)
                 mbs, executions = execution_means(p.microbatches) if p.microbatches else ([], 0)
                 if mbs:
                     core.add(sd.step, mbs)
@@ -298,7 +297,7 @@ class TrajectoryService:
         if sd is None or sd.closed or not sd.complete or self._held(sd.step):
             return
         p = self.book.pack(sd, sd.groups)
-        self._note_packed(p.items)
+        self._note_packed(sd.step, p)
         self._ledger(sd, [it.tree.execution_id for it in p.items])
         # an empty one too: the core skips it (no update)
         try:
@@ -309,10 +308,17 @@ class TrajectoryService:
         sd.first_given_at = time.time()
         self._closed(sd)
 
-    def _note_packed(self, items: Iterable[PackItem]) -> None:
-        for it in items:
+    def _note_packed(self, step: int, p: Packed) -> None:
+        for it in p.items:
             e = it.tree.execution_id
             self._packed_calls[e] = self.book.calls_seen.get(e, 0)
+        for e, n in p.over_budget.items():
+            log.warning(
+                "step %d: execution %s set aside, untrained: its longest path has %d tokens, over the "
+                "micro-batch budget of %d ([train] token_budget; with [train] chunk_budget a larger budget "
+                "trains in chunks of that many tokens)",
+                step, e, n, self.book.pack_cfg.token_budget,
+            )  # fmt: skip
 
     def _ledger(self, sd: StepData, trained: list[str]) -> None:
         """Tell `on_closed` what step `sd` trains, before the core is given the step whole (a crash in

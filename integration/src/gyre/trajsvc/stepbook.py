@@ -3,8 +3,9 @@ was handed to gyre-train's core, and what to tell the scheduler.
 
 A group is *ready* once every execution of it is scored and every model call the harness completed has
 arrived as a record (records still missing `record_wait_s` after the last score are `RecordsMissing`).
-`pack` selects (J_max), weights (group advantages) and tree-packs the executions of ready groups; a
-step's `Tally` adds up what was given to the core, for the step's summary. `report` builds the
+`pack` selects (J_max), weights (group advantages) and tree-packs the executions of ready groups (an
+execution with a path longer than the micro-batch budget cannot be packed: it is set aside, untrained,
+and named in the step's summary, and the rest of its group trains); a step's `Tally` adds up what was given to the core, for the step's summary. `report` builds the
 `ReadyGroups` the scheduler reads: the ready groups the trainer has not finished yet, counted from the
 core's `StepInfo` (the step in progress first; a later step only once every earlier batch is complete),
 whether the batch the next step trains is complete, and whether that step has begun training. The book
@@ -46,6 +47,9 @@ class Packed:
     """execution id -> its tree's leaves (trajectories) by role."""
     dropped: int = 0
     """Trajectories J_max selection left out (leaves not selected), over the packed executions."""
+    over_budget: dict[str, int] = field(default_factory=dict)
+    """Executions set aside, untrained: execution id -> its longest selected path (tokens), which is over
+    the micro-batch budget."""
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Tally:
     versions: list[np.ndarray] = field(default_factory=list)
     leaves_by_role: dict[str, dict[str, int]] = field(default_factory=dict)
     jmax_dropped: int = 0
+    over_budget: dict[str, int] = field(default_factory=dict)
 
     def add(
         self, p: Packed, microbatches: Sequence[PackedBatch], executions: int, out: Mapping[str, int]
@@ -80,6 +85,7 @@ class Tally:
         self.versions += [b.versions for b in microbatches]
         self.leaves_by_role.update(p.leaves)
         self.jmax_dropped += p.dropped
+        self.over_budget.update(p.over_budget)
 
     def summary(self, step: int, scores: Iterable[Score]) -> dict[str, Any]:
         scores = list(scores)
@@ -101,6 +107,7 @@ class Tally:
             "staleness_max": int(lag.max()) if lag.size else 0,
             "leaves_by_role": self.leaves_by_role,
             "jmax_dropped": self.jmax_dropped,
+            "over_budget": dict(self.over_budget),
         }
 
 
@@ -186,15 +193,22 @@ class StepBook:
         adv, stats = group_advantages(scores)
         items: list[PackItem] = []
         leaves: dict[str, dict[str, int]] = {}
+        over: dict[str, int] = {}
         for eid, a in sorted(adv.items()):
             tree = self.forest.trees.get(eid)
-            if tree is not None:
-                items.append(PackItem(tree, select(tree, self.sel_cfg), a))
-                leaves[eid] = dict(Counter(str(leaf.role) for leaf in tree.leaves()))
+            if tree is None:
+                continue
+            sel = select(tree, self.sel_cfg)
+            longest = max((int(tree.path_nodes(leaf.end).shape[0]) for leaf in sel.leaves), default=0)
+            if longest > self.pack_cfg.token_budget:
+                over[eid] = longest
+                continue
+            items.append(PackItem(tree, sel, a))
+            leaves[eid] = dict(Counter(str(leaf.role) for leaf in tree.leaves()))
         groups = {sd.scores[it.tree.execution_id].group_id for it in items}
         dropped = sum(it.selection.dropped_leaves for it in items)
         mbs = pack(items, self.pack_cfg) if items else []
-        return Packed(items, mbs, stats.eval_failed, groups, leaves, dropped)
+        return Packed(items, mbs, stats.eval_failed, groups, leaves, dropped, over)
 
     def untrained(self, sd: StepData, info: StepInfo | None) -> int:
         """Ready groups of step `sd` the trainer has not finished (`info`: the core's view of the step, if

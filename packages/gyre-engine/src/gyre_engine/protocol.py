@@ -252,6 +252,16 @@ class ServerInfo(msgspec.Struct, frozen=True):
     """Seconds those captures took."""
     slot_grows: int = 0
     """Times the decode slots' KV buffer grew (doubling up to its bound, copying, dropping the graphs)."""
+    device_allocated_bytes: int = 0
+    """Bytes of the engine's tensors on its GPU now (torch.cuda.memory_allocated; 0 on the CPU)."""
+    device_reserved_bytes: int = 0
+    """Bytes its CUDA caching allocator holds now (tensors and free cached blocks: what other processes on
+    the GPU cannot use)."""
+    device_peak_reserved_bytes: int = 0
+    """The most the allocator held since start."""
+    cache_returns: int = 0
+    """Times the engine gave its allocator's free cached blocks back to the driver after a prefill step
+    (when they passed its bound)."""
 
 
 SGLANG_VERSION = "0.5.23"

@@ -38,7 +38,7 @@ from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
 from gyre_train.corerank import CoreRank, OptimConfig, RankWork
-from gyre_train.defaults import CHUNK_MEMORY, MISMATCH_WARN
+from gyre_train.defaults import CHUNK_BUDGET, CHUNK_MEMORY, MISMATCH_WARN
 from gyre_train.devmem import release_cached_memory
 from gyre_train.engine_sync import (
     PushReport,
@@ -85,7 +85,7 @@ class CoreConfig:
     """"dense" 4D boolean ancestor mask (CPU) or "flex" FlexAttention BlockMask (GPU)."""
     admit_on_hello: bool = False
     """Admit every satellite as soon as it says hello (standalone runs; a scheduler admits explicitly)."""
-    chunk_budget: int = 0
+    chunk_budget: int = CHUNK_BUDGET
     """Train a micro-batch with more tokens than this in chunks with the shared prefix computed once
     (activation memory of one chunk; `token_budget` may then be far larger). 0 = off."""
     chunk_memory: ChunkMemory = CHUNK_MEMORY

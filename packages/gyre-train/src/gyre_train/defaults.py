@@ -16,6 +16,11 @@ TENSOR_PARALLEL = 1
 PIPELINE_PARALLEL = 1
 """`cell.ParallelConfig.pp`: pipeline stages of a cell."""
 
+CHUNK_BUDGET = 0
+"""`CoreConfig.chunk_budget`: a micro-batch with more tokens than this trains in chunks of at most this many
+(the shared prefix computed once), so activation memory is one chunk's and `token_budget` may be far
+larger; 0: off (a micro-batch trains in one pass)."""
+
 CHUNK_MEMORY: Final = "auto"
 """`CoreConfig.chunk_memory`: how a micro-batch larger than `chunk_budget` keeps what its chunks share.
 "kept" = every layer's shared keys/values and their float32 gradients on the device (`chunked.py`: 336

@@ -64,6 +64,7 @@ class EngineStats:
     decode_tokens: int
     decode_time_s: float
     prefill_time_s: float
+    cache_returns: int
 
 
 @dataclass
@@ -110,6 +111,11 @@ class Engine:
         took about 1.2 s on the H200); a cell that switches roles sets it."""
         slot_kv_fraction: float = 0.2
         """Bound of the slots' KV buffer, as a fraction of the device's memory (CUDA)."""
+        cached_free_bytes: int = 4 << 30
+        """Free blocks the CUDA caching allocator may keep after a step that prefilled (prefill passes leave
+        activations and concatenated KV of many sizes behind); past this the engine returns them to the
+        driver (`torch.cuda.empty_cache`), so another engine or a trainer on the same GPU can have them.
+        Measured on the H200 with 16 rows of 14k tokens: 26 GiB cached beside 50 GiB of tensors without it."""
         slot_widths: str = "bucketed"
         """Columns a slot step attends over: "bucketed" (the length bucket of the longest row: a graph per
         bucket, captured on first use, all dropped when the buffer grows) or "full" (the whole buffer,
@@ -187,6 +193,7 @@ class Engine:
             "decode_tokens": 0,
             "decode_time_s": 0.0,
             "prefill_time_s": 0.0,
+            "cache_returns": 0,
         }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
@@ -295,6 +302,7 @@ class Engine:
             decode_tokens=int(st["decode_tokens"]),
             decode_time_s=st["decode_time_s"],
             prefill_time_s=st["prefill_time_s"],
+            cache_returns=int(st["cache_returns"]),
         )
 
     def counts(self) -> tuple[int, int]:
@@ -447,6 +455,7 @@ class Engine:
         self.lanes.place(joining)
         self._placing = []
         if chunked or budget < self.config.prefill_chunk:  # some prefill ran (and its rows were placed)
+            self._return_cached_free()
             self._stats["prefill_time_s"] += time.perf_counter() - t0
         self.lanes.evict_full_slots()
         self._finish_full_long_slots()
@@ -857,6 +866,16 @@ class Engine:
         else:
             self._bump_version(version)
         return n
+
+    def _return_cached_free(self) -> None:
+        """The allocator's free cached blocks back to the driver once they pass `cached_free_bytes`."""
+        if self.device.type != "cuda":
+            return
+        if torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device) > (
+            self.config.cached_free_bytes
+        ):
+            torch.cuda.empty_cache()
+            self._stats["cache_returns"] += 1
 
     def release_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)

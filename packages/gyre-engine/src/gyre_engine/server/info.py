@@ -166,12 +166,24 @@ class InfoRoutes:
                 graph_captures=int(slots.get("captures", 0)),
                 graph_capture_s=round(float(slots.get("capture_s", 0.0)), 4),
                 slot_grows=int(slots.get("grows", 0)),
+                cache_returns=st.cache_returns,
+                **_device_memory(engine.device),
             )
         )
 
     async def ready(self, request: Request) -> Response:
         engine = self.engine
         return Response(b"", status_code=200 if engine.alive and not engine.released else 503)
+
+
+def _device_memory(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    return {
+        "device_allocated_bytes": torch.cuda.memory_allocated(device),
+        "device_reserved_bytes": torch.cuda.memory_reserved(device),
+        "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+    }
 
 
 def _weights_by_name(model: torch.nn.Module, name: str, truncate_size: int) -> list[Any] | None:

@@ -10,6 +10,7 @@ but the health probes must carry it as `Authorization: Bearer <token>` (`gate.py
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -90,7 +91,15 @@ def _refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+ALLOC_CONF = "expandable_segments:True"
+"""The CUDA caching allocator's setting for an engine process unless PYTORCH_CUDA_ALLOC_CONF is set: with
+fixed-size segments, the KV of chunked prefills (grown by concatenation, a new size every chunk) and the
+prefix cache's copies fragment the allocator's reserve until it holds far more than its tensors, which a
+second engine or a trainer on the same GPU then cannot get; expandable segments map and unmap pages."""
+
+
 def serve(cfg: ServeConfig) -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # read at the first CUDA allocation
     token = listen_token(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(cfg)
