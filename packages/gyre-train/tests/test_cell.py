@@ -3,8 +3,9 @@ against one rank in this process:
 
 - Megatron-core tensor parallel 2: the tree-packed loss and summed gradient of a mini-batch equal one
   rank's within float tolerance; a TP 2 satellite cell whose rank r hands its shard to core rank r (over
-  gyre-xfer) leaves the summed gradient as the core alone computes it; the transformers export gathered
-  from the shards equals one rank's export bit for bit.
+  gyre-xfer) leaves the summed gradient as the core alone computes it; so does a one-rank satellite
+  whose whole gradients each core rank splits as its parameters are split; the transformers export
+  gathered from the shards equals one rank's export bit for bit.
 - Megatron-core pipeline parallel 2: the same loss, gradient and export checks, stages exchanging
   activations with Megatron's P2PCommunicator.
 - The transformers backend with data parallel 2, core and satellite: a two-step burst with the satellite
@@ -122,6 +123,28 @@ def test_tensor_parallel_2_core_and_satellite_equal_one_rank(
         assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), (name, k)
+
+
+def test_one_rank_satellite_beside_tensor_parallel_2_core_equals_one_rank(
+    tmp_path: Path, megatron_reference: tuple[Path, float, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+) -> None:
+    # A one-rank satellite (whole weights from the core's whole-model publisher) hands its whole
+    # gradients; each TP 2 core rank adds its own shard of them (column/row parallel, the fused QKV and
+    # SwiGLU halves, the q/k layer norms once): the step's gradient is one rank's on all micro-batches.
+    weights, loss, grad, _ = megatron_reference
+    logs = [tmp_path / "core.log", tmp_path / "satellite.log"]
+    core = launch(2, "megatron", [str(HERE / "cell_prog.py"), "--tp", "2", "--weights", str(weights),
+                                  "--satellite", "sat-1", "--out", str(tmp_path)], logs[0])  # fmt: skip
+    sat = launch(1, "megatron", ["-m", "gyre_train.cli", "satellite", "--core", address(tmp_path, core, logs[0]),
+                                 "--name", "sat-1"], logs[1])  # fmt: skip
+    finish([core, sat], logs)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["satellite_gradients"] >= 1  # the satellite computed some of the micro-batches
+    with_sat = load_file(str(tmp_path / "grad_with_satellite.safetensors"))
+    err = max_rel_err(with_sat, grad)
+    print(f"TP 2 core + TP 1 satellite vs one rank: gradient max relative error {err:.2e}")
+    assert err < 1e-5
+    assert result["loss_with_satellite"] == pytest.approx(loss, rel=1e-6)
 
 
 def test_pipeline_parallel_2_equals_one_rank(

@@ -102,6 +102,7 @@ def test_messages_round_trip() -> None:
             ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
             "bfloat16",
             1 << 20,
+            "tcp://127.0.0.1:3",
         ),
         Assign(0, 1, 2, 3, (ArraySpec("x", "<i4", (4,)),)),
         Idle("no work"),

@@ -13,8 +13,10 @@ is made, and the report says `skipped`.
 
 The core may be a multi-rank cell (`cell.py`: Megatron tensor and pipeline parallelism, data-parallel
 copies): the `Core` is then rank 0's, and every operation on the model, the sums and the optimizer runs
-on all ranks at once (`corecell.py`; the other ranks run `follower.follow`). Satellites must be cells of
-the same shape; satellite rank r hands its gradient shard to core rank r.
+on all ranks at once (`corecell.py`; the other ranks run `follower.follow`). A satellite is a cell of
+the same shape, whose rank r hands its gradient shard to core rank r, or one rank beside a core of one
+pipeline stage: it pulls the whole model's weights and hands its whole gradient, of which every core
+rank adds its own part (the split of its parameters, then its data-parallel slice).
 """
 
 from __future__ import annotations
@@ -295,6 +297,7 @@ class Core:
             self._cell.publishers,
             c.wire_dtype,
             c.bucket_bytes,
+            self._cell.engine_publisher.address,
         )
 
     # ---- the trainer's position (read from the claim queue, which the server reads too) ------------

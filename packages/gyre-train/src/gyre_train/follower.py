@@ -172,7 +172,7 @@ def _serve_fetches(worker: CoreRank, end: FetchEnd, rank: int, stop: threading.E
             if not isinstance(cmd, Fetch):
                 continue
             try:
-                worker.fetch(cmd.batch, cmd.index, cmd.shard)
+                worker.fetch(cmd.batch, cmd.index, cmd.shard, cmd.whole)
                 end.reply(RankReply(rank, seq=cmd.seq))
             except BadShardError as exc:
                 end.reply(RankReply(rank, RankFailure.BAD_SHARD, str(exc), seq=cmd.seq))
