@@ -147,6 +147,58 @@ def test_one_rank_satellite_beside_tensor_parallel_2_core_equals_one_rank(
     assert result["loss_with_satellite"] == pytest.approx(loss, rel=1e-6)
 
 
+def test_tensor_parallel_2_checkpoint_is_one_ranks_and_resumes_exactly(
+    tmp_path: Path, megatron_reference: tuple[Path, float, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+) -> None:
+    # A TP 2 core trains A, checkpoints (rank 0 gathers the weights and AdamW moments into the one-rank
+    # layout), trains B; then loads the checkpoint (every rank takes its part) and trains B again.
+    from gyre_train import checkpoint
+    from gyre_train.core import Core
+    from gyre_train.model import build_model
+
+    weights = megatron_reference[0]
+    log = tmp_path / "core.log"
+    core = launch(2, "megatron", [str(HERE / "cell_prog.py"), "--tp", "2", "--weights", str(weights),
+                                  "--resume", "--out", str(tmp_path)], log)  # fmt: skip
+    finish([core], [log])
+    result = json.loads((tmp_path / "result.json").read_text())
+    uninterrupted = load_file(str(tmp_path / "uninterrupted.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed.safetensors"))
+    assert result["loss_resumed"] == result["loss"]
+    for k in uninterrupted:  # the same ranks from the same state: the same floats
+        assert torch.equal(resumed[k], uninterrupted[k]), k
+    assert any(not torch.equal(uninterrupted[k], v) for k, v in load_file(str(weights)).items())  # it trained
+
+    # The checkpoint is the one-rank core's after A (its layout, weights and AdamW moments), and a
+    # one-rank core resumes from it to the TP 2 core's weights after B.
+    mc = cell_prog.model_config("megatron")
+    ref = Core(build_model(mc), mc, cell_prog.core_config("float32"))
+    try:
+        ref.load_whole_weights(load_file(str(weights)))
+        ref.train_burst([cell_prog.A])
+        want = ref.state_dict()
+        got = checkpoint.load(tmp_path / "ckpt")
+        assert got["layout"] == want["layout"] and got["position"] == want["position"]
+        assert max_rel_err(got["model"], {k: v.clone() for k, v in want["model"].items()}) < 1e-6
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = max_rel_err(
+                {n: st[key] for n, st in got["optimizer"]["state"].items()},
+                {n: st[key].clone() for n, st in want["optimizer"]["state"].items()},
+            )
+            print(f"TP 2 checkpoint vs one rank: {key} max relative error {err:.2e}")
+            assert err < 1e-5
+        assert all(float(st["step"]) == 1.0 for st in got["optimizer"]["state"].values())
+        ref.load(tmp_path / "ckpt")
+        ref.train_burst([cell_prog.B])
+        after = ref.whole_weights()
+        moved = {k: uninterrupted[k] - got["model"][k] for k in uninterrupted}
+        err = max_rel_err({k: after[k] - got["model"][k] for k in moved}, moved)
+        print(f"one rank resumed from the TP 2 checkpoint: update max relative error {err:.2e}")
+        assert err < 1e-3
+    finally:
+        ref.close()
+
+
 def test_pipeline_parallel_2_equals_one_rank(
     tmp_path: Path, megatron_reference: tuple[Path, float, dict[str, torch.Tensor], dict[str, torch.Tensor]]
 ) -> None:

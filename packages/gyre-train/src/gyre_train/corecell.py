@@ -145,6 +145,15 @@ class CoreCell:
         )
         return whole
 
+    def whole_moment(self, key: str) -> dict[str, Any] | None:
+        """AdamW's `key` of every parameter made whole on rank 0 (one-rank names)."""
+        whole, _ = self._everywhere(Gather(key), lambda: self.rank0.whole_moment(key))
+        return whole
+
+    def load_whole_moment(self, key: str, whole: dict[str, Any], step: float) -> None:
+        """Rank 0's whole AdamW `key` (one-rank layout) into every rank's part, step counts set to `step`."""
+        self._everywhere(LoadWeights(key, step), lambda: self.rank0.load_whole_moment(key, whole, step))
+
     def load_whole(self, whole: dict[str, Any]) -> None:
         """Rank 0's whole weights (one-rank layout) into every rank's part."""
         self._everywhere(LoadWeights(), lambda: self.rank0.load_whole(whole))

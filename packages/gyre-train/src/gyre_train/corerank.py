@@ -26,6 +26,9 @@ from gyre_train.model import Attention, ChunkMemory, Layout, micro_gradient, par
 from gyre_train.protocol import GradShard
 from gyre_train.shardsum import ShardSum
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter tensors, each shaped (and split over ranks) as its parameter."""
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -246,6 +249,32 @@ class CoreRank:
 
             load_params(self.model, whole)
         self.sync_state()
+
+    def whole_moment(self, key: str) -> dict[str, torch.Tensor] | None:
+        """AdamW's `key` ("exp_avg" or "exp_avg_sq") of every parameter made whole on rank 0, one-rank
+        names (collective; {} before the first update, when AdamW holds none)."""
+        if key not in MOMENTS:
+            raise ValueError(f"AdamW moment {key!r} is not one of {MOMENTS}")
+        ps = dict(self.model.named_parameters())
+        return self.whole({n: st[key] for n, p in ps.items() if (st := self.optimizer.state.get(p))})
+
+    def load_whole_moment(self, key: str, whole: dict[str, torch.Tensor] | None, step: float) -> None:
+        """Take this rank's part of rank 0's whole AdamW `key` (`whole` on rank 0, None elsewhere; every
+        parameter's) and set every parameter's AdamW step count to `step` (collective, Megatron only)."""
+        from gyre_train import mplayout
+
+        if key not in MOMENTS:
+            raise ValueError(f"AdamW moment {key!r} is not one of {MOMENTS}")
+        mine = mplayout.shards_of(self.model, mplayout.broadcast_tensors(whole))
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                st = self.optimizer.state[p]
+                if not st:
+                    st.update(
+                        step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                    )
+                st[key].copy_(mine[name])
+                st["step"].fill_(step)
 
     def whole_gradient(self, batch: int, n: int, executions: int) -> dict[str, torch.Tensor] | None:
         """The step's summed gradient made whole on rank 0, without applying it (collective)."""

@@ -159,6 +159,32 @@ def _recv_bytes(src: int) -> bytes:
 def broadcast_full(model: Any, full: Mapping[str, torch.Tensor] | None) -> None:
     """Rank 0's whole state dict `full` (one-rank names; None elsewhere) loaded into every rank's part
     (every rank of the cell calls it; the tensors travel once each, over the CPU)."""
+    load_full(model, broadcast_tensors(full))
+
+
+def shards_of(model: Any, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of every whole tensor of `full` (one-rank names; every parameter's), by this
+    rank's parameter names, shaped as its parameters (an AdamW moment cut as its parameter is)."""
+    names = global_names(model)
+    return {
+        name: shard_of(torch.as_tensor(full[names[name]]), p, _is_swiglu(name, model)).reshape(p.shape)
+        for name, p in model.named_parameters()
+    }
+
+
+def whole_digest(model: Any) -> str:
+    """The `Layout` digest of the one-rank model this rank holds a part of (names, whole shapes, dtypes in
+    order; one pipeline stage)."""
+    from gyre_train.model import layout_digest
+
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("the one-rank layout is known from a part only for a model of one pipeline stage")
+    return layout_digest((n, _whole_shape(p), p.dtype) for n, p in model.named_parameters())
+
+
+def broadcast_tensors(full: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank 0's tensors `full` (None elsewhere) on every rank of the cell (every rank calls it; each
+    tensor travels once, over the CPU)."""
     if torch.distributed.get_rank() == 0:
         assert full is not None
         names = tuple(full)
@@ -184,7 +210,7 @@ def broadcast_full(model: Any, full: Mapping[str, torch.Tensor] | None) -> None:
         )
         torch.distributed.broadcast(t, 0)
         tensors[name] = t
-    load_full(model, tensors)
+    return tensors
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

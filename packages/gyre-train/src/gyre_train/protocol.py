@@ -434,8 +434,8 @@ class SyncWeights(msgspec.Struct, frozen=True, array_like=True, tag="sync"):
 
 
 class Gather(msgspec.Struct, frozen=True, array_like=True, tag="gather"):
-    """Bring every rank's weights (`what` = "weights") or last summed gradient (`what` = "gradient")
-    to rank 0 as whole tensors."""
+    """Bring every rank's weights (`what` = "weights"), last summed gradient (`what` = "gradient") or
+    AdamW moment (`what` = "exp_avg" or "exp_avg_sq") to rank 0 as whole tensors."""
 
     what: str
     batch: int = -1
@@ -443,7 +443,12 @@ class Gather(msgspec.Struct, frozen=True, array_like=True, tag="gather"):
 
 
 class LoadWeights(msgspec.Struct, frozen=True, array_like=True, tag="load"):
-    """Take this rank's part of the whole weights rank 0 broadcasts next (one-rank layout)."""
+    """Take this rank's part of the whole weights (`what` = "weights") or AdamW moment (`what` =
+    "exp_avg" or "exp_avg_sq", every parameter's AdamW step count set to `step`) rank 0 broadcasts next
+    (one-rank layout)."""
+
+    what: str = "weights"
+    step: float = 0.0
 
 
 class Stop(msgspec.Struct, frozen=True, array_like=True, tag="stop"):
