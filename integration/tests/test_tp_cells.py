@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from gyre.cli import main
 from gyre.config.runconfig import load_config
 
@@ -29,9 +30,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def one_rank_replay(out: Path, model_dir: Path, overrides: list[str]) -> list[dict[str, float]]:
+def one_rank_replay(
+    out: Path, model_dir: Path, overrides: list[str]
+) -> tuple[list[dict[str, float]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A one-rank core (this process) trains the run's kept steps in order: each step's loss and
-    gradient norm."""
+    gradient norm, and its weights before and after."""
     from gyre_train import batchlog
     from gyre_train.core import Core, CoreConfig, OptimConfig
     from gyre_train.model import build_model, pretrained_weights
@@ -45,6 +48,7 @@ def one_rank_replay(out: Path, model_dir: Path, overrides: list[str]) -> list[di
     core = Core(build_model(mc, "dense", "cpu"), mc, core_cfg)
     try:
         core.load_whole_weights(pretrained_weights(mc, model_dir))
+        before = {k: v.clone() for k, v in core.whole_weights().items()}
         got = []
         for sf, mbs in batchlog.read_steps(out / "batches"):
             core.offer(sf.seq, mbs, sf.executions)
@@ -52,7 +56,7 @@ def one_rank_replay(out: Path, model_dir: Path, overrides: list[str]) -> list[di
             assert step is not None
             rep = core.train_step(step)
             got.append({"loss": rep.loss, "grad_norm": rep.grad_norm, "executions": rep.executions})
-        return got
+        return got, before, core.whole_weights()
     finally:
         core.close()
 
@@ -97,7 +101,7 @@ def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path, extra: list[s
 
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["grad_norm"] > 0 for s in steps)  # the uneven reward: every step has a gradient
-    want = one_rank_replay(out, out / "model", overrides)
+    want, before, after = one_rank_replay(out, out / "model", overrides)
     print("TP 2 in gyre run vs one rank:", [(s["loss"], s["grad_norm"]) for s in steps], want)
     for s, w in zip(steps, want, strict=True):
         assert s["executions"] == w["executions"]
@@ -107,6 +111,22 @@ def test_tp2_core_cell_in_gyre_run_equals_one_rank(tmp_path: Path, extra: list[s
         # the gradient norm is the check
         assert s["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=1e-5)
         assert s["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+
+    # The split core checkpointed the one-rank model after step 3 (what a resume starts from), and the
+    # run exported it: its 3 updates are the one-rank replay's. Within float tolerance through AdamW: an
+    # element whose gradient is float noise may step the other way (at most 2 lr a step apart), so the
+    # updates compare by norm (7e-5 seen, 2 of 205184 elements more than 1e-6 apart).
+    from gyre_train import checkpoint
+
+    ckpt = checkpoint.load(out / "checkpoint")
+    assert ckpt["position"]["step"] == 3 and ckpt["model"].keys() == after.keys()
+    diff = sum(float((ckpt["model"][k] - after[k]).double().pow(2).sum()) for k in after) ** 0.5
+    moved = sum(float((after[k] - before[k]).double().pow(2).sum()) for k in after) ** 0.5
+    print(f"checkpoint vs one-rank replay: update relative error {diff / moved:.2e} (norm)")
+    assert moved > 0 and diff / moved < 1e-3
+    lr = load_config(CONFIG, overrides).train.lr
+    assert all(float((ckpt["model"][k] - after[k]).abs().max()) <= 2 * 3 * lr for k in after)
+    assert m["policy_dir"] and (Path(m["policy_dir"]) / "config.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -142,7 +162,10 @@ def test_rank_settings_of_the_example() -> None:
     cfg = load_config(CONFIG)
     assert [cfg.cell_shape(i) for i in range(2)] == [(2, 1), (1, 1)]
     assert cfg.may_train(1) and cfg.satellite_refusal(1) is None  # cell 1 trains beside the core
-    assert not cfg.checkpoints  # a split core saves none
+    assert cfg.checkpoints  # a tensor-parallel core saves the one-rank model's checkpoint
+    assert not load_config(
+        CONFIG, ["cell.pipeline_parallel=[2, 2]", "cell.tensor_parallel=[1, 1]"]
+    ).checkpoints
     # a rollout-only cell of a shape no satellite may have is allowed where the policy never trains it
     fixed = load_config(
         CONFIG, ["cell.tensor_parallel=[1, 2]", "run.policy=async", "sched.async_train_cells=1"]

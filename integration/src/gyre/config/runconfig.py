@@ -578,9 +578,9 @@ class Config:
     @property
     def checkpoints(self) -> bool:
         """Whether the core saves a checkpoint after every step (what `--resume`, a new attempt and the
-        exported `policy/` start from): not when its model is split over ranks, which gyre-train does not
-        checkpoint yet."""
-        return self.cell_shape(0) == (1, 1)
+        exported `policy/` start from): not when its model is split over pipeline stages, which
+        gyre-train does not checkpoint (a tensor-parallel core's checkpoint is the one-rank model's)."""
+        return self.cell_shape(0)[1] == 1
 
     @property
     def streams(self) -> bool:

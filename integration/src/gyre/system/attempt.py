@@ -389,8 +389,8 @@ class Attempt:
         assert self.model_dir is not None
         metrics["policy_dir"] = None
         if not self.cfg.checkpoints:
-            self.say("gyre run: the trained policy was not exported: the core's model is split over ranks, "
-                     "which gyre-train does not checkpoint yet")  # fmt: skip
+            self.say("gyre run: the trained policy was not exported: the core's model is split over "
+                     "pipeline stages, which gyre-train does not checkpoint")  # fmt: skip
         else:
             try:
                 metrics["policy_dir"] = str(
