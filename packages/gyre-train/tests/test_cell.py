@@ -8,8 +8,8 @@ against one rank in this process:
   gathered from the shards equals one rank's export bit for bit.
 - Megatron-core pipeline parallel 2: the same loss, gradient and export checks, stages exchanging
   activations with Megatron's P2PCommunicator.
-- The transformers backend with data parallel 2, core and satellite: a two-step burst with the satellite
-  joining mid-step gives one rank's weights bit for bit.
+- The transformers backend with data parallel 2, core and satellite (of two copies, or one rank): a
+  two-step burst with the satellite joining mid-step gives one rank's weights bit for bit.
 """
 
 from __future__ import annotations
@@ -216,7 +216,10 @@ def test_pipeline_parallel_2_equals_one_rank(
     assert got.keys() == hf.keys() and all(torch.equal(got[k], hf[k]) for k in hf)
 
 
-def test_data_parallel_2_core_and_satellite_equal_one_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sat_dp", [2, 1], ids=["dp2-satellite", "one-rank-satellite"])
+def test_data_parallel_2_core_and_satellite_equal_one_rank(tmp_path: Path, sat_dp: int) -> None:
+    # A satellite of the core's shape hands each copy its slice; a one-rank satellite hands its whole
+    # gradient, of which each copy takes its slice: the weights are one rank's bit for bit either way.
     from gyre_train.core import Core
     from gyre_train.model import build_model
 
@@ -230,8 +233,8 @@ def test_data_parallel_2_core_and_satellite_equal_one_rank(tmp_path: Path) -> No
     logs = [tmp_path / "core.log", tmp_path / "satellite.log"]
     core = launch(2, "transformers", [str(HERE / "cell_prog.py"), "--dp", "2", "--model-backend", "transformers",
                                       "--satellite", "sat-dp", "--burst", "--out", str(tmp_path)], logs[0])  # fmt: skip
-    sat = launch(2, "transformers", ["-m", "gyre_train.cli", "satellite", "--core", address(tmp_path, core, logs[0]),
-                                     "--name", "sat-dp", "--dp", "2"], logs[1])  # fmt: skip
+    sat = launch(sat_dp, "transformers", ["-m", "gyre_train.cli", "satellite", "--core", address(tmp_path, core, logs[0]),
+                                          "--name", "sat-dp", "--dp", str(sat_dp)], logs[1])  # fmt: skip
     finish([core, sat], logs)
     result = json.loads((tmp_path / "result.json").read_text())
     assert sum(r.get("sat-dp", 0) for r in result["by_replica"]) >= 1  # the satellite cell computed some
