@@ -224,12 +224,15 @@ def test_data_parallel_2_core_and_satellite_equal_one_rank(tmp_path: Path, sat_d
     from gyre_train.model import build_model
 
     mc = cell_prog.model_config("transformers")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every rank runs: a CPU kernel's sums may split by thread count
     ref = Core(build_model(mc), mc, cell_prog.core_config("float32"))
     try:
         ref.train_burst([cell_prog.A, cell_prog.B])
         want = {k: v.clone() for k, v in ref.whole_weights().items()}
     finally:
         ref.close()
+        torch.set_num_threads(threads)
     logs = [tmp_path / "core.log", tmp_path / "satellite.log"]
     core = launch(2, "transformers", [str(HERE / "cell_prog.py"), "--dp", "2", "--model-backend", "transformers",
                                       "--satellite", "sat-dp", "--burst", "--out", str(tmp_path)], logs[0])  # fmt: skip
