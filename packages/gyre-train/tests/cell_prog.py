@@ -2,7 +2,8 @@
 `python -m gyre_train.launch --nproc N cell_prog.py ...`): rank 0 builds the `Core` for the cell, loads
 the test's one-rank weights into every rank's part, and, as the mode asks, writes the summed gradient of
 mini-batch A (alone, then with a satellite cell helping), trains a burst with a satellite joining
-mid-step, and writes the whole weights and their transformers export; the other ranks follow rank 0.
+mid-step, and writes the whole weights and their transformers export; or trains A, checkpoints, trains
+B, loads the checkpoint and trains B again (`--resume`); the other ranks follow rank 0.
 Results are safetensors and JSON files in --out (no pickle crosses a process boundary)."""
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def main() -> int:
     ap.add_argument("--satellite", help="name of a satellite cell that will say hello")
     ap.add_argument("--wire-dtype", default="float32")
     ap.add_argument("--burst", action="store_true", help="train A, B with the satellite joining mid-step")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="train A, checkpoint, train B; load the checkpoint, train B again",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     warnings.simplefilter("ignore")  # megatron-core's deprecation notes on every forward
@@ -67,6 +73,16 @@ def main() -> int:
         if args.weights:
             core.load_whole_weights(load_file(args.weights))
         result: dict[str, object] = {}
+        if args.resume:
+            core.train_burst([A])
+            core.save(out / "ckpt")
+            result["loss"] = [r.loss for r in core.train_burst([B])]
+            save(core.whole_weights(), out / "uninterrupted.safetensors")
+            core.load(out / "ckpt")
+            result["loss_resumed"] = [r.loss for r in core.train_burst([B])]
+            save(core.whole_weights(), out / "resumed.safetensors")
+            (out / "result.json").write_text(json.dumps(result))
+            return 0
         if not args.burst:
             g = core.gradient(A)
             save(g.gradient, out / "grad.safetensors")

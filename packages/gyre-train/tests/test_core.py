@@ -222,8 +222,9 @@ def test_bad_peers_get_clear_errors() -> None:
         assert isinstance(r, ErrorReply) and r.code == ErrorCode.PROTOCOL
         r = ask([enc.encode(Gradient("nobody", 0, 0, 0, ()))])
         assert isinstance(r, ErrorReply) and r.code == ErrorCode.UNKNOWN_REPLICA
-        r = ask([enc.encode(Hello(PROTOCOL, "tp2", CellShape(tp=2)))])  # a cell of another shape
-        assert isinstance(r, ErrorReply) and r.code == ErrorCode.PROTOCOL and "shape" in r.message
+        r = ask([enc.encode(Hello(PROTOCOL, "tp2", CellShape(tp=2)))])  # a split cell of another shape
+        assert isinstance(r, ErrorReply) and r.code == ErrorCode.PROTOCOL
+        assert "satellite cell of tp 2 x pp 1 x dp 1 beside a core of tp 1 x pp 1 x dp 1" in r.message
         assert isinstance(ask([enc.encode(Hello(PROTOCOL, "x"))]), Welcome)
         r = ask([enc.encode(Gradient("x", 0, 0, 0, ())), b"\x00" * 8])  # gradients are never frames
         assert isinstance(r, ErrorReply) and r.code == ErrorCode.BAD_GRADIENT and "no frames" in r.message

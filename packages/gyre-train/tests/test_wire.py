@@ -102,6 +102,7 @@ def test_messages_round_trip() -> None:
             ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
             "bfloat16",
             1 << 20,
+            "tcp://127.0.0.1:3",
         ),
         Assign(0, 1, 2, 3, (ArraySpec("x", "<i4", (4,)),)),
         Idle("no work"),
@@ -186,3 +187,18 @@ def _break_nesting(b: object) -> np.ndarray:
     child = int(np.flatnonzero((par >= 0) & (ld[np.maximum(par, 0)] < ld.shape[0] - 1))[0])
     ld[child] = ld.shape[0] - 1
     return ld
+
+
+def test_satellite_shapes_beside_a_core() -> None:
+    # The core's shape, or one rank beside a core of one pipeline stage; any other refusal names both.
+    from gyre_train.protocol import satellite_refusal
+
+    one, tp2 = CellShape(), CellShape(tp=2)
+    assert satellite_refusal(tp2, tp2) is None and satellite_refusal(one, one) is None
+    assert satellite_refusal(one, tp2) is None and satellite_refusal(one, CellShape(tp=2, dp=2)) is None
+    gather = satellite_refusal(tp2, one)
+    assert gather is not None and "tp 2 x pp 1 x dp 1 beside a core of tp 1 x pp 1 x dp 1" in gather
+    stages = satellite_refusal(one, CellShape(pp=2))
+    assert stages is not None and "tp 1 x pp 2 x dp 1" in stages and "one pipeline stage" in stages
+    other = satellite_refusal(CellShape(tp=4), tp2)
+    assert other is not None and "tp 4 x pp 1 x dp 1" in other and "tp 2 x pp 1 x dp 1" in other

@@ -55,8 +55,8 @@ class CellArgs:
     """Pipeline stages of this cell's trainer replica (`[cell] pipeline_parallel`)."""
     model_backend: str = CellSection.model_backend
     trains: bool = True
-    """False: a rollout-only cell (its shape is not the core's, and the policy never trains it): it starts
-    no trainer replica, only follows the core's weights."""
+    """False: a rollout-only cell (a shape no satellite of the core's may have, and the policy never
+    trains it): it starts no trainer replica, only follows the core's weights."""
 
     @property
     def ranks(self) -> int:

@@ -22,6 +22,7 @@ from gyre_base import tables
 from gyre_sched.workload import DriverConfig
 from gyre_train.defaults import CHUNK_BUDGET, MISMATCH_WARN, PIPELINE_PARALLEL, TENSOR_PARALLEL
 from gyre_train.modelconfig import ModelConfig
+from gyre_train.protocol import CellShape, satellite_refusal
 from gyre_traj.pack import PackConfig
 
 POLICIES = ("elastic", "colocate", "colocate-runahead", "async")
@@ -271,9 +272,11 @@ class CellSection:
     rank is one torch.distributed job (gyre-train's multi-rank cell, `model_backend = "megatron"`): the
     cell's process is rank 0 (its engine, its scheduler link, the core or the satellite) and starts the
     other ranks as its children (`logs/cell-<id>.rank<r>.log`); it trains, switches, receives weights
-    and hands gradients over as one replica. A satellite trains only in the core's shape (its rank r
-    hands its gradient slice to core rank r), so a cell of another shape is rollout only: allowed where
-    the policy never trains it (async, a cell at or past `[sched] async_train_cells`)."""
+    and hands gradients over as one replica. A satellite trains in the core's shape (its rank r hands
+    its gradient slice to core rank r) or on one rank beside a core of one pipeline stage (it hands its
+    whole gradient; each core rank adds its own shard of it); a cell of another shape (several ranks,
+    not the core's) is rollout only: allowed where the policy never trains it (async, a cell at or past
+    `[sched] async_train_cells`)."""
     pipeline_parallel: list[int] = field(default_factory=list)
     """Pipeline stages of each cell's trainer replica, one entry per cell, as `tensor_parallel`; empty:
     one stage each. A cell's ranks are tensor_parallel x pipeline_parallel."""
@@ -560,12 +563,12 @@ class Config:
             'cells on GPUs are not wired into `gyre run` yet (device = "cpu")',
         )
         for i in range(1, n):
+            refusal = self.satellite_refusal(i)
             _check(
-                shapes[i] == shapes[0] or not self.may_train(i),
+                refusal is None or not self.may_train(i),
                 f"[cell] tensor_parallel / pipeline_parallel: cell {i} is {shapes[i][0]} x {shapes[i][1]}, "
-                f"the core {shapes[0][0]} x {shapes[0][1]}; a satellite trains only in the core's shape, so "
-                'a cell of another shape must be rollout only (policy = "async" with cell '
-                f"{i} >= [sched] async_train_cells)",
+                f"the core {shapes[0][0]} x {shapes[0][1]}: {refusal}; such a cell must be rollout only "
+                f'(policy = "async" with cell {i} >= [sched] async_train_cells)',
             )
 
     def cell_shape(self, i: int) -> tuple[int, int]:
@@ -575,6 +578,13 @@ class Config:
         pp = c.pipeline_parallel[i] if c.pipeline_parallel else PIPELINE_PARALLEL
         return tp, pp
 
+    def satellite_refusal(self, i: int) -> str | None:
+        """Why cell `i`'s trainer replica cannot train beside the core's (gyre-train's rule: the core's
+        shape, or one rank beside a core of one pipeline stage); None if it can."""
+        tp, pp = self.cell_shape(i)
+        ctp, cpp = self.cell_shape(0)
+        return satellite_refusal(CellShape(tp, pp), CellShape(ctp, cpp))
+
     def may_train(self, i: int) -> bool:
         """Whether the policy may ever switch cell `i` to training (async trains a fixed set)."""
         return self.run.policy != "async" or i < self.sched.async_train_cells
@@ -582,9 +592,9 @@ class Config:
     @property
     def checkpoints(self) -> bool:
         """Whether the core saves a checkpoint after every step (what `--resume`, a new attempt and the
-        exported `policy/` start from): not when its model is split over ranks, which gyre-train does not
-        checkpoint yet."""
-        return self.cell_shape(0) == (1, 1)
+        exported `policy/` start from): not when its model is split over pipeline stages, which
+        gyre-train does not checkpoint (a tensor-parallel core's checkpoint is the one-rank model's)."""
+        return self.cell_shape(0)[1] == 1
 
     @property
     def streams(self) -> bool:

@@ -263,7 +263,7 @@ class Attempt:
             checkpoint=str(self.out / CHECKPOINT) if i == 0 and cfg.checkpoints else "",
             keep_batches=str(self.out / "batches") if i == 0 and cfg.train.keep_batches else "",
             tensor_parallel=cfg.cell_shape(i)[0], pipeline_parallel=cfg.cell_shape(i)[1],
-            model_backend=cfg.cell.model_backend, trains=cfg.cell_shape(i) == cfg.cell_shape(0),
+            model_backend=cfg.cell.model_backend, trains=cfg.satellite_refusal(i) is None,
         )  # fmt: skip
         (self.out / "cells" / f"{i}.up").unlink(missing_ok=True)
         self.procs.start(
@@ -390,8 +390,8 @@ class Attempt:
         assert self.model_dir is not None
         metrics["policy_dir"] = None
         if not self.cfg.checkpoints:
-            self.say("gyre run: the trained policy was not exported: the core's model is split over ranks, "
-                     "which gyre-train does not checkpoint yet")  # fmt: skip
+            self.say("gyre run: the trained policy was not exported: the core's model is split over "
+                     "pipeline stages, which gyre-train does not checkpoint")  # fmt: skip
         else:
             try:
                 metrics["policy_dir"] = str(

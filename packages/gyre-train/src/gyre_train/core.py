@@ -13,8 +13,10 @@ is made, and the report says `skipped`.
 
 The core may be a multi-rank cell (`cell.py`: Megatron tensor and pipeline parallelism, data-parallel
 copies): the `Core` is then rank 0's, and every operation on the model, the sums and the optimizer runs
-on all ranks at once (`corecell.py`; the other ranks run `follower.follow`). Satellites must be cells of
-the same shape; satellite rank r hands its gradient shard to core rank r.
+on all ranks at once (`corecell.py`; the other ranks run `follower.follow`). A satellite is a cell of
+the same shape, whose rank r hands its gradient shard to core rank r, or one rank beside a core of one
+pipeline stage: it pulls the whole model's weights and hands its whole gradient, of which every core
+rank adds its own part (the split of its parameters, then its data-parallel slice).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from gyre_train.cell import Cell
 from gyre_train.checkpoint import CheckpointError, OptimizerState, TrainerState
 from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
-from gyre_train.corerank import CoreRank, OptimConfig, RankWork
+from gyre_train.corerank import MOMENTS, CoreRank, OptimConfig, RankWork
 from gyre_train.defaults import CHUNK_BUDGET, CHUNK_MEMORY, MISMATCH_WARN
 from gyre_train.devmem import release_cached_memory
 from gyre_train.engine_sync import (
@@ -295,6 +297,7 @@ class Core:
             self._cell.publishers,
             c.wire_dtype,
             c.bucket_bytes,
+            self._cell.engine_publisher.address,
         )
 
     # ---- the trainer's position (read from the claim queue, which the server reads too) ------------
@@ -609,18 +612,47 @@ class Core:
         may be taken while a step trains or is open: such steps are not in it (their micro-batches and
         partial gradient are dropped; the resumed core expects the feeder to give them again from
         `queue_position`). Tensors are the live ones (detached): copy them before training on if you
-        keep them. A cell whose model is split over ranks (tensor or pipeline parallelism) is refused
-        (`CheckpointError`): its checkpoints are not done; data-parallel copies are the same as rank 0."""
+        keep them. A cell whose model is split over tensor-parallel ranks gives the one-rank model's
+        state (its weights and AdamW moments gathered onto rank 0, the one-rank layout's digest), which a
+        one-rank core loads as well; one split over pipeline stages is refused (`CheckpointError`);
+        data-parallel copies are the same as rank 0."""
         self._refuse_split("checkpoints")
         with self._updating:
-            return self._state_dict()
+            return self._split_state_dict() if self._split else self._state_dict()
+
+    @property
+    def _split(self) -> bool:
+        return self.cell is not None and self.cell.megatron
 
     def _refuse_split(self, what: str) -> None:
-        if self.cell is not None and self.cell.megatron:
+        if self._split and self.cell is not None and self.cell.cfg.pp != 1:
             raise CheckpointError(
-                f"{what} of a cell whose model is split over ranks (tp {self.cell.cfg.tp}, pp "
-                f"{self.cell.cfg.pp}) are not done: each rank holds only its part"
+                f"{what} of a cell whose model is split over pipeline stages (tp {self.cell.cfg.tp}, pp "
+                f"{self.cell.cfg.pp}) are not done: a stage does not know the others' layout"
             )
+
+    def _split_state_dict(self) -> TrainerState:
+        """The one-rank model's state gathered from the ranks' parts (collective; rank 0 keeps it)."""
+        from gyre_train import mplayout
+
+        model = self._cell.whole_weights()
+        moments = {k: self._cell.whole_moment(k) or {} for k in MOMENTS}
+        assert model is not None
+        by_name = {
+            n: {"step": torch.as_tensor(st["step"]).detach(), **{k: moments[k][n] for k in MOMENTS}}
+            for n, p in self.model.named_parameters()
+            if (st := self.optimizer.state.get(p))
+        }
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]
+        ]
+        return TrainerState(
+            model=model,
+            optimizer=OptimizerState(state=by_name, param_groups=groups),
+            position=self._queue.state_dict(),
+            layout=mplayout.whole_digest(self.model),
+            model_config=self.model_cfg.to_dict(),
+        )
 
     def _state_dict(self) -> TrainerState:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -641,8 +673,12 @@ class Core:
     def load_state_dict(self, state: TrainerState) -> None:
         """Resume from `state_dict()`'s output (same architecture and optimizer; CheckpointError if the
         layout differs; RuntimeError while any step is accepted), then publish the loaded weights as a
-        new snapshot (on a data-parallel cell, every copy gets the loaded weights and AdamW state)."""
+        new snapshot (on a data-parallel cell, every copy gets the loaded weights and AdamW state; on a
+        tensor-parallel cell, every rank its part of the one-rank state)."""
         self._refuse_split("checkpoints")
+        if self._split:
+            self._load_split(state)
+            return
         if state["layout"] != self.layout.digest:
             raise CheckpointError(
                 f"parameter layout {state['layout']} differs from the model's {self.layout.digest}"
@@ -668,6 +704,41 @@ class Core:
             }
         )
         self._cell.sync_state()
+        self.republish()
+
+    def _load_split(self, state: TrainerState) -> None:
+        """`load_state_dict` on a tensor-parallel cell: the one-rank state into every rank's part. The
+        hyper-parameters are each rank's configuration (the same on every rank): a state with others is
+        refused, as is one whose parameters differ in their AdamW step counts."""
+        from gyre_train import mplayout
+
+        digest = mplayout.whole_digest(self.model)
+        if state["layout"] != digest:
+            raise CheckpointError(f"parameter layout {state['layout']} differs from the model's {digest}")
+        names = set(mplayout.global_names(self.model).values())
+        opt = state["optimizer"]["state"]
+        if set(state["model"]) != names or (opt and set(opt) != names):
+            raise CheckpointError(f"parameter names differ: {sorted(set(state['model']) ^ names)[:5]}")
+        mine = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]
+        ]
+        if msgspec.json.encode(mine) != msgspec.json.encode(state["optimizer"]["param_groups"]):
+            raise CheckpointError(
+                f"optimizer settings {state['optimizer']['param_groups']} differ from this core's {mine}: a "
+                "split core takes its settings from its configuration"
+            )
+        steps = {float(st["step"]) for st in opt.values()}
+        if len(steps) > 1:
+            raise CheckpointError(f"parameters at different AdamW step counts {sorted(steps)[:5]}")
+        if self._queue.steps():
+            raise RuntimeError("load a checkpoint with no step accepted")
+        with self._updating:
+            self._queue.load_state_dict(state["position"])
+            self._cell.load_whole(state["model"])
+            if opt:
+                (step,) = steps
+                for key in MOMENTS:
+                    self._cell.load_whole_moment(key, {n: st[key] for n, st in opt.items()}, step)
         self.republish()
 
     def save(self, path: Path) -> Path:

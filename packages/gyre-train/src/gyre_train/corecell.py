@@ -78,21 +78,26 @@ class CoreCell:
 
     def receive(self, req: Gradient) -> None:
         """The server's gradient sink: every core rank r reads shard r of the satellite's gradient into
-        its sum (BadShardError if the shards do not describe this cell's; ShardTransferError if a
-        transfer failed: some ranks may have summed theirs, which a recomputation then leaves alone)."""
+        its sum, or, from a one-rank satellite beside a multi-rank core, the one whole gradient and adds
+        its own part of it (BadShardError if the shards do not describe this cell's or a whole gradient;
+        ShardTransferError if a transfer failed: some ranks may have summed theirs, which a recomputation
+        then leaves alone)."""
         ranks = [s.rank for s in req.shards]
-        if ranks != list(range(self.world)):
+        whole = self.world > 1 and ranks == [0]
+        if not whole and ranks != list(range(self.world)):
             raise BadShardError(
-                f"a gradient for this core needs shards of ranks 0..{self.world - 1} in order, got {ranks}"
+                f"a gradient for this core needs shards of ranks 0..{self.world - 1} in order (or one whole "
+                f"gradient of a one-rank satellite), got {ranks}"
             )
         seq = next(self._seq)
-        others = {r: Fetch(req.batch, req.index, req.shards[r], seq) for r in range(1, self.world)}
+        shard = (lambda r: req.shards[0]) if whole else (lambda r: req.shards[r])
+        others = {r: Fetch(req.batch, req.index, shard(r), seq, whole) for r in range(1, self.world)}
         if others:
             assert self.link is not None
             self.link.send_fetch(others)  # type: ignore[arg-type]
         error: HandoffError | None = None
         try:
-            self.rank0.fetch(req.batch, req.index, req.shards[0])
+            self.rank0.fetch(req.batch, req.index, req.shards[0], whole)
         except HandoffError as exc:
             error = exc
         if others:
@@ -139,6 +144,15 @@ class CoreCell:
             Gather("gradient", batch, n), lambda: self.rank0.whole_gradient(batch, n, 1)
         )
         return whole
+
+    def whole_moment(self, key: str) -> dict[str, Any] | None:
+        """AdamW's `key` of every parameter made whole on rank 0 (one-rank names)."""
+        whole, _ = self._everywhere(Gather(key), lambda: self.rank0.whole_moment(key))
+        return whole
+
+    def load_whole_moment(self, key: str, whole: dict[str, Any], step: float) -> None:
+        """Rank 0's whole AdamW `key` (one-rank layout) into every rank's part, step counts set to `step`."""
+        self._everywhere(LoadWeights(key, step), lambda: self.rank0.load_whole_moment(key, whole, step))
 
     def load_whole(self, whole: dict[str, Any]) -> None:
         """Rank 0's whole weights (one-rank layout) into every rank's part."""

@@ -1,5 +1,6 @@
 """One rank of a core cell: its part of the model and of AdamW, its shard of the step's gradient sum, the
-landing region satellites' shards are read into, and the publisher of its weights.
+landing region satellites' shards are read into (a one-rank satellite's whole gradient: a second
+one, of whose elements the rank adds its own part), and the publisher of its weights.
 
 The `Core` (rank 0) owns one and has every other rank's (`follower.py`) do the same work through the
 in-cell link; a method marked *collective* is called on every rank of the cell in the same order. On a
@@ -24,6 +25,9 @@ from gyre_train.handoff import GradReader, wire_dtype
 from gyre_train.model import Attention, ChunkMemory, Layout, micro_gradient, params, set_gradients
 from gyre_train.protocol import GradShard
 from gyre_train.shardsum import ShardSum
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter tensors, each shaped (and split over ranks) as its parameter."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class CoreRank:
         self.sum = ShardSum(self.plan.shard_numel, self.device, wire)
         cuda = self.device.type == "cuda"
         self.reader = GradReader(self.transport, self.plan.shard_numel, work.wire_dtype, pin=cuda)
+        self._whole_reader: GradReader | None = None
+        """The landing region of a one-rank satellite's whole gradient (allocated at its first)."""
         self._scratch = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
 
     @property
@@ -113,9 +119,36 @@ class CoreRank:
 
     # ---- a satellite's shard (the server thread on rank 0, the fetch thread elsewhere) ---------------
 
-    def fetch(self, batch: int, index: int, shard: GradShard) -> None:
-        """Read this rank's shard of a satellite's gradient and add it into the sum."""
-        self.sum.add(batch, index, self.reader.read(shard, self.work.transfer_timeout_s))
+    def fetch(self, batch: int, index: int, shard: GradShard, whole: bool = False) -> None:
+        """Read this rank's shard of a satellite's gradient and add it into the sum. `whole`: the shard is
+        a one-rank satellite's whole gradient (the one-rank layout); this rank reads all of it and adds
+        its own part (`part_of_whole`: the same split as its parameters, then its data-parallel slice)."""
+        if not whole:
+            self.sum.add(batch, index, self.reader.read(shard, self.work.transfer_timeout_s))
+            return
+        if self._whole_reader is None:
+            cuda = self.device.type == "cuda"
+            self._whole_reader = GradReader(self.transport, self.whole_numel, self.work.wire_dtype, pin=cuda)
+        flat = self._whole_reader.read(shard, self.work.transfer_timeout_s)
+        self.sum.add(batch, index, self.plan.own(self.part_of_whole(flat)))
+
+    @property
+    def whole_numel(self) -> int:
+        """Elements of the one-rank model's flat gradient (a one-rank satellite's)."""
+        if self.megatron:
+            from gyre_train import mplayout
+
+            return mplayout.whole_numel(self.model)
+        return self.layout.numel
+
+    def part_of_whole(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's flat gradient (its model part, before the data-parallel slice) cut from a one-rank
+        model's flat gradient."""
+        if self.megatron:
+            from gyre_train import mplayout
+
+            return mplayout.part_of_whole(self.model, flat)
+        return flat
 
     # ---- the update (collective) ---------------------------------------------------------------------
 
@@ -217,6 +250,32 @@ class CoreRank:
             load_params(self.model, whole)
         self.sync_state()
 
+    def whole_moment(self, key: str) -> dict[str, torch.Tensor] | None:
+        """AdamW's `key` ("exp_avg" or "exp_avg_sq") of every parameter made whole on rank 0, one-rank
+        names (collective; {} before the first update, when AdamW holds none)."""
+        if key not in MOMENTS:
+            raise ValueError(f"AdamW moment {key!r} is not one of {MOMENTS}")
+        ps = dict(self.model.named_parameters())
+        return self.whole({n: st[key] for n, p in ps.items() if (st := self.optimizer.state.get(p))})
+
+    def load_whole_moment(self, key: str, whole: dict[str, torch.Tensor] | None, step: float) -> None:
+        """Take this rank's part of rank 0's whole AdamW `key` (`whole` on rank 0, None elsewhere; every
+        parameter's) and set every parameter's AdamW step count to `step` (collective, Megatron only)."""
+        from gyre_train import mplayout
+
+        if key not in MOMENTS:
+            raise ValueError(f"AdamW moment {key!r} is not one of {MOMENTS}")
+        mine = mplayout.shards_of(self.model, mplayout.broadcast_tensors(whole))
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                st = self.optimizer.state[p]
+                if not st:
+                    st.update(
+                        step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                    )
+                st[key].copy_(mine[name])
+                st["step"].fill_(step)
+
     def whole_gradient(self, batch: int, n: int, executions: int) -> dict[str, torch.Tensor] | None:
         """The step's summed gradient made whole on rank 0, without applying it (collective)."""
         self.set_grads(self.gradient(batch, n, executions))
@@ -225,6 +284,8 @@ class CoreRank:
         return out
 
     def close(self) -> None:
+        if self._whole_reader is not None:
+            self._whole_reader.close()
         self.reader.close()
         self.publisher.close()
         self.transport.close()

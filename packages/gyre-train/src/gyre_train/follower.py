@@ -19,7 +19,7 @@ from gyre_traj.pack import PackedBatch
 
 from gyre_train.cell import Cell
 from gyre_train.cellctl import FetchEnd
-from gyre_train.corerank import CoreRank, OptimConfig, RankWork
+from gyre_train.corerank import MOMENTS, CoreRank, OptimConfig, RankWork
 from gyre_train.handoff import BadShardError, ShardTransferError
 from gyre_train.model import Attention, ModelConfig, build_model
 from gyre_train.protocol import (
@@ -153,11 +153,16 @@ def _do(worker: CoreRank | SatelliteRank, cmd: Any, frames: list[Any], rank: int
         worker.sync_state()
         return RankReply(rank)
     if isinstance(cmd, LoadWeights) and isinstance(worker, CoreRank):
-        worker.load_whole(None)
+        if cmd.what == "weights":
+            worker.load_whole(None)
+        else:
+            worker.load_whole_moment(cmd.what, None, cmd.step)
         return RankReply(rank)
     if isinstance(cmd, Gather) and isinstance(worker, CoreRank):
         if cmd.what == "gradient":
             worker.whole_gradient(cmd.batch, cmd.n, 1)
+        elif cmd.what in MOMENTS:
+            worker.whole_moment(cmd.what)
         else:
             worker.whole({n: p.detach() for n, p in worker.model.named_parameters()})
         return RankReply(rank)
@@ -172,7 +177,7 @@ def _serve_fetches(worker: CoreRank, end: FetchEnd, rank: int, stop: threading.E
             if not isinstance(cmd, Fetch):
                 continue
             try:
-                worker.fetch(cmd.batch, cmd.index, cmd.shard)
+                worker.fetch(cmd.batch, cmd.index, cmd.shard, cmd.whole)
                 end.reply(RankReply(rank, seq=cmd.seq))
             except BadShardError as exc:
                 end.reply(RankReply(rank, RankFailure.BAD_SHARD, str(exc), seq=cmd.seq))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from gyre_traj.loss import TorchBatch
 
+from gyre_train import mplayout
 from gyre_train.modelconfig import ModelConfig, megatron_refusal
 
 with warnings.catch_warnings():  # megatron-core warns at import about optional TransformerEngine/Apex/absl
@@ -223,7 +224,7 @@ def finalize_grads(model: Any) -> None:
         return
     group = parallel_state.get_tensor_model_parallel_group()
     for name, p in model.named_parameters():
-        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+        if p.grad is not None and mplayout.partial_over_tp(name):
             torch.distributed.all_reduce(p.grad, group=group)
 
 

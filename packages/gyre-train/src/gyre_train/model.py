@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,14 +110,21 @@ class Layout:
     def of(model: torch.nn.Module) -> Layout:
         names, shapes, offsets = [], [], []
         n = 0
-        h = hashlib.sha256()
         for name, p in model.named_parameters():
             names.append(name)
             shapes.append(tuple(p.shape))
             offsets.append(n)
             n += p.numel()
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-        return Layout(tuple(names), tuple(shapes), tuple(offsets), n, h.hexdigest()[:16])
+        digest = layout_digest((k, p.shape, p.dtype) for k, p in model.named_parameters())
+        return Layout(tuple(names), tuple(shapes), tuple(offsets), n, digest)
+
+
+def layout_digest(params: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> str:
+    """The digest of a parameter layout: (name, shape, dtype) of every parameter, in order."""
+    h = hashlib.sha256()
+    for name, shape, dtype in params:
+        h.update(f"{name}:{tuple(shape)}:{dtype};".encode())
+    return h.hexdigest()[:16]
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

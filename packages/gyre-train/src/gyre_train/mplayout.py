@@ -2,7 +2,8 @@
 parallelism): `global_names` maps a stage's local parameter names to the whole model's, `shard_of` cuts a
 whole tensor into this rank's tensor-parallel piece, `load_full` loads a whole state dict into this
 rank's model, and `gather_full` brings every rank's pieces to the cell's rank 0 as whole tensors (the
-weights engines load, a gradient to compare).
+weights engines load, a gradient to compare). `part_of_whole` cuts a one-rank model's flat gradient (a
+one-rank satellite's) into this rank's flat gradient, its layout order.
 
 Tensor-parallel pieces follow Megatron's partition attributes (`tensor_model_parallel`,
 `partition_dim`): the fused QKV rows are grouped per query group, so a rank's groups are one contiguous
@@ -13,6 +14,7 @@ model's layer `layer_number - 1`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +38,13 @@ def global_names(model: Any) -> dict[str, str]:
 
 def _is_swiglu(name: str, model: Any) -> bool:
     return name.endswith("mlp.linear_fc1.weight") and bool(model.config.gated_linear_unit)
+
+
+def partial_over_tp(name: str) -> bool:
+    """A parameter every tensor-parallel rank holds whole but whose gradient each rank has only in part,
+    summed over the group when the step's gradient is final (the q/k layer norms: each rank sees only its
+    heads)."""
+    return "q_layernorm" in name or "k_layernorm" in name
 
 
 def _partition_dim(param: Any) -> int:
@@ -63,6 +72,44 @@ def load_full(model: Any, full: Mapping[str, Any]) -> None:
         for name, p in model.named_parameters():
             t = torch.as_tensor(full[names[name]])
             p.copy_(shard_of(t, p, _is_swiglu(name, model)).reshape(p.shape))
+
+
+def _whole_shape(param: torch.Tensor) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[_partition_dim(param)] *= parallel_state.get_tensor_model_parallel_world_size()
+    return tuple(shape)
+
+
+def whole_numel(model: Any) -> int:
+    """Elements of the one-rank model's flat gradient (its `Layout` numel), from this rank's part; a model
+    of one pipeline stage only (ValueError otherwise: a stage does not know the other stages' sizes)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("a one-rank gradient is cut only for a model of one pipeline stage")
+    return sum(math.prod(_whole_shape(p)) for p in model.parameters())
+
+
+def part_of_whole(model: Any, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's flat gradient (its parameters in order) cut from `whole`, a one-rank model's flat
+    gradient (the same parameters in the same order, whole; one pipeline stage). A tensor-parallel
+    parameter takes its shard (`shard_of`); one every rank holds whole takes it whole, except a gradient
+    summed over the group when final (`partial_over_tp`): tensor-parallel rank 0 takes it whole, the
+    others zeros, so the sum counts it once. Copies `whole`'s elements (dtype kept), rounds nothing."""
+    n = whole_numel(model)
+    if tuple(whole.shape) != (n,):
+        raise ValueError(f"a one-rank gradient of this model has ({n},) elements, got {tuple(whole.shape)}")
+    r = parallel_state.get_tensor_model_parallel_rank()
+    parts = []
+    off = 0
+    for name, p in model.named_parameters():
+        shape = _whole_shape(p)
+        full = whole[off : off + math.prod(shape)].view(shape)
+        off += full.numel()
+        if partial_over_tp(name) and r != 0:
+            parts.append(torch.zeros(p.numel(), dtype=whole.dtype, device=whole.device))
+        else:
+            parts.append(shard_of(full, p, _is_swiglu(name, model)).reshape(-1))
+    return torch.cat(parts)
 
 
 def _join(pieces: list[torch.Tensor], param: torch.Tensor, swiglu: bool) -> torch.Tensor:
@@ -112,6 +159,32 @@ def _recv_bytes(src: int) -> bytes:
 def broadcast_full(model: Any, full: Mapping[str, torch.Tensor] | None) -> None:
     """Rank 0's whole state dict `full` (one-rank names; None elsewhere) loaded into every rank's part
     (every rank of the cell calls it; the tensors travel once each, over the CPU)."""
+    load_full(model, broadcast_tensors(full))
+
+
+def shards_of(model: Any, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of every whole tensor of `full` (one-rank names; every parameter's), by this
+    rank's parameter names, shaped as its parameters (an AdamW moment cut as its parameter is)."""
+    names = global_names(model)
+    return {
+        name: shard_of(torch.as_tensor(full[names[name]]), p, _is_swiglu(name, model)).reshape(p.shape)
+        for name, p in model.named_parameters()
+    }
+
+
+def whole_digest(model: Any) -> str:
+    """The `Layout` digest of the one-rank model this rank holds a part of (names, whole shapes, dtypes in
+    order; one pipeline stage)."""
+    from gyre_train.model import layout_digest
+
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("the one-rank layout is known from a part only for a model of one pipeline stage")
+    return layout_digest((n, _whole_shape(p), p.dtype) for n, p in model.named_parameters())
+
+
+def broadcast_tensors(full: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank 0's tensors `full` (None elsewhere) on every rank of the cell (every rank calls it; each
+    tensor travels once, over the CPU)."""
     if torch.distributed.get_rank() == 0:
         assert full is not None
         names = tuple(full)
@@ -137,7 +210,7 @@ def broadcast_full(model: Any, full: Mapping[str, torch.Tensor] | None) -> None:
         )
         torch.distributed.broadcast(t, 0)
         tensors[name] = t
-    load_full(model, tensors)
+    return tensors
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

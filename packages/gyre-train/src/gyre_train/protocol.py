@@ -16,8 +16,8 @@ import enum
 import msgspec
 from gyre_xfer.protocol import RegionDesc
 
-PROTOCOL = 4
-"""4: `Welcome.model_config` and `RankSetup.model_config` carry the whole HF config (`ModelConfig` JSON
+PROTOCOL = 5
+"""5: a one-rank satellite beside a multi-rank core (`Welcome.whole_publisher`, `Fetch.whole`); 4: `Welcome.model_config` and `RankSetup.model_config` carry the whole HF config (`ModelConfig` JSON
 format 2); 3: gradients through gyre-xfer (`Gradient.shards`), cell shapes in `Hello`/`Welcome`; 2: the
 shared-memory gradient buffer (gone); 1: first release."""
 
@@ -60,7 +60,12 @@ class ArraySpec(msgspec.Struct, frozen=True, array_like=True):
 
 class CellShape(msgspec.Struct, frozen=True, array_like=True):
     """How a cell's ranks split the model: tensor x pipeline x data parallel (world = tp * pp * dp). A
-    satellite cell must have its core's shape: its rank r hands its gradient shard to core rank r."""
+    satellite cell of its core's shape hands rank r's gradient shard to core rank r; a one-rank satellite
+    beside a core of one pipeline stage hands its whole gradient, of which each core rank takes its part
+    (`satellite_refusal` says which shapes are refused)."""
+
+    def __str__(self) -> str:
+        return f"tp {self.tp} x pp {self.pp} x dp {self.dp}"
 
     tp: int = 1
     pp: int = 1
@@ -69,6 +74,24 @@ class CellShape(msgspec.Struct, frozen=True, array_like=True):
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
+
+
+def satellite_refusal(sat: CellShape, core: CellShape) -> str | None:
+    """Why a satellite cell of shape `sat` cannot train beside a core of shape `core` (None if it can):
+    the same shape (rank to rank), or one rank beside a core of one pipeline stage (each core rank takes
+    its part of the whole gradient). A split satellite beside a core of another shape would need its
+    shards gathered and split again: refused."""
+    if sat == core or (sat == CellShape() and core.pp == 1):
+        return None
+    if sat == CellShape():
+        return (
+            f"a one-rank satellite beside a core of {core}: each core rank takes its part of the whole "
+            "gradient, which needs a core of one pipeline stage"
+        )
+    return (
+        f"a satellite cell of {sat} beside a core of {core}: a satellite is the core's shape (rank r hands "
+        "its gradient shard to core rank r) or one rank (its whole gradient, split by every core rank)"
+    )
 
 
 class Bucket(msgspec.Struct, frozen=True, array_like=True):
@@ -100,7 +123,7 @@ class Hello(msgspec.Struct, frozen=True, array_like=True, tag="hello"):
     protocol: int
     replica: str
     cell: CellShape = CellShape()
-    """The satellite cell's shape; it must be the core's."""
+    """The satellite cell's shape: the core's, or one rank beside a core of one pipeline stage."""
 
 
 class Claim(msgspec.Struct, frozen=True, array_like=True, tag="claim"):
@@ -230,13 +253,16 @@ class Welcome(msgspec.Struct, frozen=True, array_like=True, tag="welcome"):
     chunk_budget: int = 0
     """Train micro-batches larger than this in chunks (0 = off), as the core does."""
     cell: CellShape = CellShape()
-    """The core cell's shape (a satellite must have the same)."""
+    """The core cell's shape (a satellite has the same, or is one rank)."""
     publishers: tuple[str, ...] = ()
     """Per rank r, the gyre-xfer publisher of core rank r's weights (satellite rank r pulls from it)."""
     wire_dtype: str = "float32"
     """The dtype gradients are handed over in ("float32" or "bfloat16")."""
     bucket_bytes: int = 64 << 20
     """Largest bucket of a gradient shard (one transfer)."""
+    whole_publisher: str = ""
+    """The gyre-xfer publisher of the whole model's weights (one-rank layout; the same snapshot versions
+    as the ranks'): a one-rank satellite beside a multi-rank core pulls from it."""
 
 
 class Assign(msgspec.Struct, frozen=True, array_like=True, tag="assign"):
@@ -373,13 +399,16 @@ class Compute(msgspec.Struct, frozen=True, array_like=True, tag="compute"):
 
 
 class Fetch(msgspec.Struct, frozen=True, array_like=True, tag="fetch"):
-    """Core ranks: read this rank's shard of a satellite's gradient and add it into the sum."""
+    """Core ranks: read this rank's shard of a satellite's gradient (or the whole gradient of a one-rank
+    satellite) and add it into the sum."""
 
     batch: int
     index: int
     shard: GradShard
     seq: int = 0
     """Echoed in the reply (a reply to an earlier fetch that timed out is told apart)."""
+    whole: bool = False
+    """`shard` is a one-rank satellite's whole gradient: read it all and add this rank's part."""
 
 
 class Pull(msgspec.Struct, frozen=True, array_like=True, tag="pull"):
@@ -405,8 +434,8 @@ class SyncWeights(msgspec.Struct, frozen=True, array_like=True, tag="sync"):
 
 
 class Gather(msgspec.Struct, frozen=True, array_like=True, tag="gather"):
-    """Bring every rank's weights (`what` = "weights") or last summed gradient (`what` = "gradient")
-    to rank 0 as whole tensors."""
+    """Bring every rank's weights (`what` = "weights"), last summed gradient (`what` = "gradient") or
+    AdamW moment (`what` = "exp_avg" or "exp_avg_sq") to rank 0 as whole tensors."""
 
     what: str
     batch: int = -1
@@ -414,7 +443,12 @@ class Gather(msgspec.Struct, frozen=True, array_like=True, tag="gather"):
 
 
 class LoadWeights(msgspec.Struct, frozen=True, array_like=True, tag="load"):
-    """Take this rank's part of the whole weights rank 0 broadcasts next (one-rank layout)."""
+    """Take this rank's part of the whole weights (`what` = "weights") or AdamW moment (`what` =
+    "exp_avg" or "exp_avg_sq", every parameter's AdamW step count set to `step`) rank 0 broadcasts next
+    (one-rank layout)."""
+
+    what: str = "weights"
+    step: float = 0.0
 
 
 class Stop(msgspec.Struct, frozen=True, array_like=True, tag="stop"):

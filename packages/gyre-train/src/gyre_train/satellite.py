@@ -10,7 +10,10 @@ naming the buckets; the core reads them over gyre-xfer (Mooncake, or shared memo
 A satellite may be a multi-rank cell of the core's shape (`cell.py`): the `Satellite` is rank 0's, it
 claims one micro-batch per data-parallel copy for each round, every rank pulls the snapshot of the
 matching core rank and computes its part (`satcell.py`; the other ranks run `follower.follow`), and the
-header names each rank's slice for the core rank of the same number.
+header names each rank's slice for the core rank of the same number. A one-rank satellite beside a
+multi-rank core (of one pipeline stage) pulls the whole model's weights (the core's `whole_publisher`)
+and hands its whole gradient, of which every core rank takes its own part; other shapes are refused at
+hello (`satellite_refusal` names both).
 
 Every wait has a deadline: a core that does not answer within `reply_timeout_s` is an error, not a hang.
 The satellite connects with the run token (`SatelliteConfig.token`, else `$GYRE_TOKEN`; gyre-xfer
@@ -56,6 +59,7 @@ from gyre_train.protocol import (
     Shutdown,
     Welcome,
     reply_decoder,
+    satellite_refusal,
 )
 from gyre_train.satcell import SatCell
 from gyre_train.satrank import SatelliteRank, SatWork, SnapshotMismatchError
@@ -136,7 +140,7 @@ class Satellite:
             w.transport,
             w.wire_dtype,
             w.bucket_bytes,
-            w.publishers[0],
+            w.publishers[0] if self.shape == w.cell else w.whole_publisher,
             verify,
             cfg.token,
         )
@@ -172,9 +176,13 @@ class Satellite:
         w = self._request(Hello(PROTOCOL, self.cfg.name, self.shape), timeout_s=self.cfg.hello_timeout_s)
         if not isinstance(w, Welcome):
             raise CoreGoneError(f"core refused hello: {w}")
-        if w.cell != self.shape or len(w.publishers) != self.shape.world:
+        refusal = satellite_refusal(self.shape, w.cell)
+        if refusal is not None:
+            raise CoreGoneError(refusal)
+        if len(w.publishers) != w.cell.world or (self.shape != w.cell and not w.whole_publisher):
             raise CoreGoneError(
-                f"core cell {w.cell} with {len(w.publishers)} publishers; this cell is {self.shape}"
+                f"core cell of {w.cell} with {len(w.publishers)} publishers "
+                f"(whole-model publisher {w.whole_publisher!r}); this cell is {self.shape}"
             )
         return w
 

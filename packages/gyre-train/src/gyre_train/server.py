@@ -63,6 +63,7 @@ from gyre_train.protocol import (
     Submit,
     Welcome,
     request_decoder,
+    satellite_refusal,
 )
 from gyre_train.threads import start_thread
 from gyre_train.wire import MicroBatchError, from_frames, microbatch_from_arrays
@@ -244,15 +245,9 @@ class ReplicaServer:
                     ident, ErrorReply(ErrorCode.PROTOCOL, f"protocol {req.protocol}, core speaks {PROTOCOL}")
                 )
                 return
-            if req.cell != self.welcome.cell:
-                self._send(
-                    ident,
-                    ErrorReply(
-                        ErrorCode.PROTOCOL,
-                        f"satellite cell {req.cell} differs from the core's {self.welcome.cell}: rank r "
-                        "hands its gradient shard to core rank r, so the shapes must be equal",
-                    ),
-                )
+            refusal = satellite_refusal(req.cell, self.welcome.cell)
+            if refusal is not None:
+                self._send(ident, ErrorReply(ErrorCode.PROTOCOL, refusal))
                 return
             with self._mu:
                 if self.cfg.admit_on_hello:

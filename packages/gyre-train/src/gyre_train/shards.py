@@ -6,7 +6,7 @@ vector into `dp` equal slices (the last padded with zeros): copy i owns slice i.
 computes one micro-batch; `exchange` then hands slice i of every micro-batch's gradient to copy i, one
 `torch.distributed.scatter` per micro-batch in index order (as raw bytes of the wire dtype, so the bits
 are untouched). So every rank of a core and of a satellite ends up with the same slice of every gradient,
-and satellite rank r hands its slice to core rank r. `gather` rebuilds the whole vector from the slices
+and satellite rank r hands its slice to core rank r. `own` is this rank's slice of a whole vector it holds (a one-rank satellite's gradient). `gather` rebuilds the whole vector from the slices
 (an all-gather) before the optimizer step.
 """
 
@@ -39,6 +39,10 @@ class ShardPlan:
         """`flat` padded with zeros to `dp` whole slices (itself when no padding is needed)."""
         pad = self.shard_numel * self.dp - self.numel
         return flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
+
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the whole flat vector `flat` (a view of it, or of its padded copy)."""
+        return self.padded(flat).view(self.dp, -1)[self.index]
 
     def exchange(
         self, computed: Sequence[tuple[int, torch.Tensor | None]], out: Sequence[torch.Tensor]
