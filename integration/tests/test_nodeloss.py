@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 from gyre.measure.runmetrics import read_steps
+from gyre.system import policy
+from gyre.system.resume import CHECKPOINT
 from gyre.trajsvc import ledger
 
 from .raynodes import RayNodes, ray_nodes
@@ -43,10 +45,10 @@ def cluster() -> Iterator[RayNodes]:
         yield c
 
 
-def _config(tmp_path: Path, out: Path) -> Path:
-    """tiny.toml for 3 steps, out_dir `out`, the startup timeouts of a loaded machine."""
+def _config(tmp_path: Path, out: Path, steps: int) -> Path:
+    """tiny.toml for `steps` steps, out_dir `out`, the startup timeouts of a loaded machine."""
     text = TINY.read_text().replace('out_dir = "gyre-run"', f'out_dir = "{out}"')
-    text = text.replace("\nsteps = 2\n", "\nsteps = 3\n", 1)
+    text = text.replace("\nsteps = 2\n", f"\nsteps = {steps}\n", 1)
     text = text.replace("[run]\n", "[run]\nstartup_timeout_s = 900.0\ndeadline_s = 1800.0\n", 1)
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(text)
@@ -54,7 +56,7 @@ def _config(tmp_path: Path, out: Path) -> Path:
 
 
 def _run_and_lose(c: RayNodes, argv: list[str], out: Path, node: str, log: Path) -> tuple[int, float, float]:
-    """`gyre run ARGV --ray` until its first step is applied, then node `node` killed; (its exit code,
+    """`gyre run ARGV --ray` until its first step is applied and checkpointed, then node `node` killed; (its exit code,
     when the node was killed, when it exited)."""
     env = {**c.env, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "gyre.cli", "run", *argv, "--ray", c.address]
@@ -62,7 +64,7 @@ def _run_and_lose(c: RayNodes, argv: list[str], out: Path, node: str, log: Path)
         p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 1500
-        while not read_steps(out):
+        while not read_steps(out) or (policy.checkpoint_version(out / CHECKPOINT) or 0) < 1:
             assert p.poll() is None, log.read_text(errors="replace")[-5000:]
             assert time.monotonic() < deadline, "no step applied within 1500 s"
             time.sleep(0.2)
@@ -81,16 +83,17 @@ def _on(out: Path) -> dict[str, str]:
     return {x["name"]: x["node_id"] for x in placed["parts"]}
 
 
-def _each_step_trained_once(out: Path, m: dict[str, Any]) -> list[dict[str, Any]]:
-    assert m["steps_applied"] == 3 and m["final_version"] == 3
+def _each_step_trained_once(out: Path, m: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """Every step applied once, every record of the log trained once, none lost (the ledger's account)."""
+    assert m["steps_applied"] == steps and m["final_version"] == steps
     acc = m["accounting"]
-    assert acc["applied_steps"] == 3 and acc["records_trained"] > 0
+    assert acc["applied_steps"] == steps and acc["records_trained"] > 0
     assert acc["records_lost"] == 0 and acc["records_trained_twice"] == 0, acc
     rows = ledger.read(out / ledger.LEDGER)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == list(range(steps))
     trained = [e for r in rows for e in r["trained_executions"]]
     assert len(trained) == len(set(trained))
-    assert [s["step"] for s in read_steps(out)] == [0, 1, 2]  # the core applied each step once
+    assert [s["step"] for s in read_steps(out)] == list(range(1, steps + 1))  # the core applied each once
     return rows
 
 
@@ -99,14 +102,14 @@ def _each_step_trained_once(out: Path, m: dict[str, Any]) -> list[dict[str, Any]
 @pytest.mark.timeout(2400)
 def test_a_satellite_node_lost_mid_run_the_run_finishes_without_it(tmp_path: Path, cluster: RayNodes) -> None:
     out = tmp_path / "run"
-    argv = [str(_config(tmp_path, out)), "--ray-resources", _resources(PLACED)]
+    argv = [str(_config(tmp_path, out, 4)), "--ray-resources", _resources(PLACED)]
     log = tmp_path / "gyre-run.log"
     rc, killed, ended = _run_and_lose(cluster, argv, out, "n2", log)
     said = log.read_text(errors="replace")
     assert rc == 0, said[-5000:]
     assert _on(out) == {part: cluster.nodes[f"gyre-{node}"] for part, node in PLACED.items()}
     m = json.loads((out / "metrics.json").read_text())
-    _each_step_trained_once(out, m)
+    _each_step_trained_once(out, m, 4)
     assert m["attempts"] == 1  # no new attempt: the run went on
     [lost] = m["survival"]["lost"]
     assert lost["part"] == "cell-1" and lost["node_id"] == cluster.nodes["gyre-n2"]
@@ -127,7 +130,7 @@ def test_the_core_node_lost_the_run_stops_and_resumes_on_the_nodes_left(
     tmp_path: Path, cluster: RayNodes
 ) -> None:
     out = tmp_path / "run"
-    argv = [str(_config(tmp_path, out)), "--ray-resources", _resources(PLACED)]
+    argv = [str(_config(tmp_path, out, 3)), "--ray-resources", _resources(PLACED)]
     log = tmp_path / "gyre-run.log"
     rc, killed, ended = _run_and_lose(cluster, argv, out, "n1", log)
     said = log.read_text(errors="replace")
@@ -135,7 +138,8 @@ def test_the_core_node_lost_the_run_stops_and_resumes_on_the_nodes_left(
     assert "the trainer core" in said  # which part was lost, then why the run cannot be placed again
     assert "cell-0 asks for the Ray resource 'gyre-n1', which no live node of the cluster has" in said
     assert json.loads((out / "run.json").read_text())["state"] == "failed"
-    applied_before = len(read_steps(out))
+    kept = policy.checkpoint_version(out / CHECKPOINT)
+    assert kept is not None and kept >= 1
 
     moved = {**PLACED, "cell-0": "head"}
     t0 = time.time()
@@ -147,11 +151,11 @@ def test_the_core_node_lost_the_run_stops_and_resumes_on_the_nodes_left(
     assert p.returncode == 0, (p.stdout + p.stderr).decode(errors="replace")[-5000:]
     assert _on(out) == {part: cluster.nodes[f"gyre-{node}"] for part, node in moved.items()}
     m = json.loads((out / "metrics.json").read_text())
-    rows = _each_step_trained_once(out, m)
+    rows = _each_step_trained_once(out, m, 3)
     resumed = [r for r in rows if r["attempt"] > 0]
-    assert resumed and min(r["step"] for r in resumed) >= 1  # steps applied before the loss not run again
-    first = next(s for s in read_steps(out) if s["step"] == applied_before)
+    assert resumed and min(r["step"] for r in resumed) == kept  # steps checkpointed before: not run again
+    first = next(s for s in read_steps(out) if s["step"] == kept + 1)
     print(
         f"core node lost: gyre run stopped {ended - killed:.1f} s after the kill; the resumed run applied "
-        f"its first step {first['t_end'] - t0:.1f} s after it started ({applied_before} steps kept)"
+        f"its first step {first['t_end'] - t0:.1f} s after it started ({kept} steps kept)"
     )

@@ -21,8 +21,10 @@ filesystem every node sees (as on SLURM clusters), since cells write `core.json`
 Where each part landed is written to `log_dir/placement.json`.
 
 `check()` never waits on a node: it asks every started part's actor whether its process lives and reads
-the answers that have come back (`ray.wait`, no blocking); a part whose actor is gone (Ray found its node
-dead) or has not answered for `PEER_TIMEOUT_S` is lost, `PartLost` naming the part and its node. The run
+the answers that have come back (`ray.wait`, no blocking); a part whose process exited, whose actor died,
+whose actor cannot be reached while Ray lists its node dead, or that has not answered for
+`PEER_TIMEOUT_S` is lost, `PartLost` naming the part and its node (an actor Ray cannot reach on a node it
+still lists alive is asked again: a blip of the network is no loss). The run
 decides what a loss means (attempt.py: a satellite cell is let go with `let_go` and the run goes on, any
 other part ends the attempt). A placement that asks for a custom resource no live node has is refused at
 once, naming the part and the resource (the node that had it was lost), rather than waiting for it. A bundle also asks for the part's custom
@@ -202,14 +204,15 @@ class _Placed:
     started: bool = False
     probe: Any = None
     """The pending `failure()` call on its actor, if any."""
-    probe_sent: float = 0.0
+    answered_at: float = 0.0
+    """When its actor last answered (or was asked first)."""
 
 
 class RayLauncher:
     """Parts placed on a Ray cluster through one placement group (module docstring)."""
 
     CHECK_EVERY_S = 0.5
-    PEER_TIMEOUT_S = 60.0
+    PEER_TIMEOUT_S = 30.0
     """A started part's actor that has not answered for this long is lost (its node is unreachable)."""
 
     def __init__(
@@ -337,13 +340,14 @@ class RayLauncher:
             return
         for pl in self.children:
             if pl.probe is None:
-                pl.probe, pl.probe_sent = pl.actor.failure.remote(), now
+                pl.probe = pl.actor.failure.remote()
+                pl.answered_at = pl.answered_at or now
         probes = [pl.probe for pl in self.children]
         answered, _ = ray.wait(probes, num_returns=len(probes), timeout=0)
         done = {ref.hex() for ref in answered}
         for pl in list(self.children):
             if pl.probe.hex() not in done:
-                if now - pl.probe_sent > self.PEER_TIMEOUT_S:
+                if now - pl.answered_at > self.PEER_TIMEOUT_S:
                     raise PartLost(
                         pl.name,
                         pl.node_id,
@@ -354,11 +358,21 @@ class RayLauncher:
             ref, pl.probe = pl.probe, None
             try:
                 why = ray.get(ref, timeout=10)
+            except ray.exceptions.ActorUnavailableError as exc:  # unreachable: lost if its node is dead
+                if self._node_alive(pl.node_id):
+                    continue
+                msg = f"{pl.name}: its Ray node {pl.node_id} ({pl.host}) is dead and its actor unreachable"
+                raise PartLost(pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}") from exc
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 msg = f"{pl.name}: its Ray actor on node {pl.node_id} ({pl.host}) is gone ({type(exc).__name__})"
                 raise PartLost(pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}") from exc
             if why is not None:
                 raise PartLost(pl.name, pl.node_id, f"{why} (on node {pl.node_id}, {pl.host})")
+            pl.answered_at = now
+
+    def _node_alive(self, node_id: str) -> bool:
+        """Whether Ray's GCS lists the node `node_id` alive."""
+        return any(n.get("NodeID") == node_id and n.get("Alive") for n in self._ray.nodes())
 
     def let_go(self, name: str) -> None:
         """Stop watching the lost part `name` and end its actor (no wait: its node may be gone)."""
