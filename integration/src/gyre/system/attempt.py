@@ -14,8 +14,8 @@
   `RunError` or `ChildDied` when not) and the parts are ticked. On Ray a satellite cell that is lost (its
   process, its actor or its node gone: `launch.PartLost`) is let go and the run goes on without it: the
   core re-queues the micro-batches it had claimed, gyre-sched fails it and the proxy routes calls to the
-  cells left; each loss is noted with the time the run was training again (`survival.lost` in the
-  metrics: `recovery_s`, from the loss seen to the next step applied). A lost core, scheduler or proxy
+  cells left; each loss is noted in the metrics (`survival.lost`: the part, its node, when its actor last
+  answered, when the loss was seen, and `recovery_s`, from its last answer to the next step applied). A lost core, scheduler or proxy
   ends the attempt (`RestartAttempt`: the next one is placed again, from the core's checkpoint), until the core has applied `steps` updates,
   the driver and every part are done, and every rollout engine serves the last version; or the deadline.
 - **collect**, after every part and child process is stopped: the trained policy exported from the
@@ -163,8 +163,9 @@ class Attempt:
         self.proxy_stats: dict[str, Any] = {}
         self.model_dir: Path | None = None
         self.lost: dict[int, dict[str, Any]] = {}
-        """Satellite cells lost on Ray, by cell id: part, node_id, why, seen_at, applied_at_loss,
-        recovered_at (the first step applied after it; None until then), recovery_s."""
+        """Satellite cells lost on Ray, by cell id: part, node_id, why, alive_at (its actor's last answer),
+        seen_at, detect_s, applied_at_loss; `collect` adds next_step_at (the first step applied after
+        alive_at; None: none was left) and recovery_s (from alive_at to it)."""
 
     # ---- build --------------------------------------------------------------------------------------
     @classmethod
@@ -308,13 +309,6 @@ class Attempt:
             except PartLost as exc:
                 self._lose(self.procs, exc)
         check_health(self.procs, self.traj, self.driver, self.sampler, self.sup, set(self.lost))
-        applied = self.traj.applied if self.traj is not None else 0
-        for rec in self.lost.values():
-            if rec["recovered_at"] is None and applied > rec["applied_at_loss"]:
-                rec["recovered_at"] = time.time()
-                rec["recovery_s"] = round(rec["recovered_at"] - rec["seen_at"], 3)
-                self.say(f"gyre run: training goes on without {rec['part']}: step {applied} applied "
-                         f"{rec['recovery_s']:.1f} s after its loss was seen")  # fmt: skip
 
     def _lose(self, procs: RayLauncher, exc: PartLost) -> None:
         """A lost satellite cell is let go (the run goes on with the cells left); any other lost part
@@ -330,9 +324,10 @@ class Attempt:
                 f"(`gyre run --resume {self.out}`)"
             ) from exc
         procs.let_go(name)
+        now = time.time()
         self.lost[cell] = dict(
-            part=name, node_id=exc.node_id, why=str(exc).splitlines()[0], seen_at=time.time(),
-            applied_at_loss=self.traj.applied, recovered_at=None, recovery_s=None,
+            part=name, node_id=exc.node_id, why=str(exc).splitlines()[0], alive_at=exc.alive_at,
+            seen_at=now, detect_s=round(now - exc.alive_at, 3), applied_at_loss=self.traj.applied,
         )  # fmt: skip
         self.say(f"gyre run: {name} was lost ({str(exc).splitlines()[0]}); the run goes on without it")
 
@@ -426,7 +421,7 @@ class Attempt:
         metrics["attempts"] = (
             self.rd.attempt + 1
         )  # attempts of the run so far, resumes and new attempts included
-        metrics["survival"] = {"events": [e.to_dict() for e in self.events], "lost": list(self.lost.values())}
+        metrics["survival"] = {"events": [e.to_dict() for e in self.events], "lost": _losses(self.lost, out)}
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
         assert self.model_dir is not None
         metrics["policy_dir"] = None
@@ -493,6 +488,17 @@ def check_health(
             + (f": {said[-1].strip()}" if said else "")
             + ("; a new attempt continues the run" if fatal is RestartAttempt else "; restarts are off")
         )
+
+
+def _losses(lost: dict[int, dict[str, Any]], out: Path) -> list[dict[str, Any]]:
+    """The lost parts' records, each with the first step applied after its actor's last answer."""
+    ends = sorted(float(r["t_end"]) for r in read_steps(out))
+    recs = []
+    for rec in lost.values():
+        nxt = next((t for t in ends if t > rec["alive_at"]), None)
+        recovery = round(nxt - rec["alive_at"], 3) if nxt is not None else None
+        recs.append({**rec, "next_step_at": nxt, "recovery_s": recovery})
+    return recs
 
 
 def _restart_failed(sup: Supervisor, part: str) -> bool:

@@ -64,10 +64,12 @@ class PlacementError(RuntimeError):
 class PartLost(ChildDied):
     """A part placed on Ray is gone: its process exited, its actor died, or its node stopped answering."""
 
-    def __init__(self, part: str, node_id: str, message: str) -> None:
+    def __init__(self, part: str, node_id: str, message: str, alive_at: float = 0.0) -> None:
         super().__init__(message)
         self.part = part
         self.node_id = node_id
+        self.alive_at = alive_at
+        """When (wall clock) its actor last said its process lives; 0: unknown."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,9 @@ class _Placed:
     probe: Any = None
     """The pending `failure()` call on its actor, if any."""
     answered_at: float = 0.0
-    """When its actor last answered (or was asked first)."""
+    """When (monotonic) its actor last answered (or was asked first)."""
+    alive_at: float = 0.0
+    """The same on the wall clock."""
 
 
 class RayLauncher:
@@ -341,7 +345,8 @@ class RayLauncher:
         for pl in self.children:
             if pl.probe is None:
                 pl.probe = pl.actor.failure.remote()
-                pl.answered_at = pl.answered_at or now
+                if not pl.answered_at:
+                    pl.answered_at, pl.alive_at = now, time.time()
         probes = [pl.probe for pl in self.children]
         answered, _ = ray.wait(probes, num_returns=len(probes), timeout=0)
         done = {ref.hex() for ref in answered}
@@ -353,6 +358,7 @@ class RayLauncher:
                         pl.node_id,
                         f"{pl.name}: its Ray actor on node {pl.node_id} ({pl.host}) has not answered for "
                         f"{self.PEER_TIMEOUT_S:.0f} s (its node is unreachable)",
+                        pl.alive_at,
                     )
                 continue
             ref, pl.probe = pl.probe, None
@@ -362,13 +368,17 @@ class RayLauncher:
                 if self._node_alive(pl.node_id):
                     continue
                 msg = f"{pl.name}: its Ray node {pl.node_id} ({pl.host}) is dead and its actor unreachable"
-                raise PartLost(pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}") from exc
+                raise PartLost(
+                    pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}", pl.alive_at
+                ) from exc
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 msg = f"{pl.name}: its Ray actor on node {pl.node_id} ({pl.host}) is gone ({type(exc).__name__})"
-                raise PartLost(pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}") from exc
+                raise PartLost(
+                    pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}", pl.alive_at
+                ) from exc
             if why is not None:
-                raise PartLost(pl.name, pl.node_id, f"{why} (on node {pl.node_id}, {pl.host})")
-            pl.answered_at = now
+                raise PartLost(pl.name, pl.node_id, f"{why} (on node {pl.node_id}, {pl.host})", pl.alive_at)
+            pl.answered_at, pl.alive_at = now, time.time()
 
     def _node_alive(self, node_id: str) -> bool:
         """Whether Ray's GCS lists the node `node_id` alive."""
