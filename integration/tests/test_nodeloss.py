@@ -113,15 +113,16 @@ def test_a_satellite_node_lost_mid_run_the_run_finishes_without_it(tmp_path: Pat
     assert m["attempts"] == 1  # no new attempt: the run went on
     [lost] = m["survival"]["lost"]
     assert lost["part"] == "cell-1" and lost["node_id"] == cluster.nodes["gyre-n2"]
-    assert lost["alive_at"] < killed + 5.0 and lost["seen_at"] > killed  # last answer, then the loss seen
-    after = [s for s in read_steps(out) if s["t_end"] > killed]
-    assert after and lost["next_step_at"] == after[0]["t_end"]  # steps applied after the node was gone
+    assert lost["alive_at"] < lost["seen_at"] and lost["seen_at"] > killed  # its last answer, then the loss
+    after = [s["t_end"] for s in read_steps(out) if s["t_end"] > killed]
+    assert after  # steps applied after the node was gone
+    assert lost["next_step_at"] in after and lost["recovery_s"] is not None
     rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
     assert rollout and all(c["engine_version"] == "4" for c in rollout)
     assert "cell-1 was lost" in said and "the run goes on without it" in said
     print(
         f"satellite node lost: the loss seen {lost['seen_at'] - killed:.1f} s after the kill, the next step "
-        f"applied {after[0]['t_end'] - killed:.1f} s after it ({len(after)} steps after it); the run ended "
+        f"applied {after[0] - killed:.1f} s after it ({len(after)} steps after it); the run ended "
         f"{ended - killed:.1f} s after the kill; metrics recovery_s {lost['recovery_s']}"
     )
 
