@@ -419,3 +419,24 @@ def test_gyre_run_tiny_on_three_ray_nodes(
         binds[x["name"]] == x["node_address"] != "127.0.0.1" for x in placed["parts"] if x["name"] in binds
     )
     assert {x["name"]: x["resources"] for x in placed["parts"]}["cell-1"] == {"CPU": 1.0, "gyre-n2": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("{not json", "--ray-resources is not JSON"),
+        ('{"cell-5": {"n": 1}}', "[run] ray_resources.cell-5: not a part of this run"),
+        ('{"cell-0": {"n": 0}}', "[run] ray_resources.cell-0.n must be a number > 0"),
+    ],
+)
+def test_ray_resources_from_the_command_line_are_checked_as_the_config_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, said: str
+) -> None:
+    """`gyre run --ray-resources JSON` (the placement of a resumed run after a node was lost): refused
+    before anything is claimed or started, naming the key."""
+    from gyre.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", str(TINY), "--out", str(out), "--ray-resources", given]) == 2
+    assert said in capsys.readouterr().err
+    assert not out.exists()
