@@ -11,12 +11,13 @@
 - **watch**: the parts that ride along start (`runparts.py`), the rollout driver starts the first batch,
   and every 0.1 s the health of every part is checked (a dead satellite cell or proxy is restarted by the
   supervisor; anything else fails the attempt, naming it: `RestartAttempt` when a new attempt may go on,
-  `RunError` or `ChildDied` when not) and the parts are ticked. On Ray a satellite cell that is lost (its
-  process, its actor or its node gone: `launch.PartLost`) is let go and the run goes on without it: the
-  core re-queues the micro-batches it had claimed, gyre-sched fails it and the proxy routes calls to the
-  cells left; each loss is noted in the metrics (`survival.lost`: the part, its node, when its actor last
-  answered, when the loss was seen, and `recovery_s`, from its last answer to the next step applied). A lost core, scheduler or proxy
-  ends the attempt (`RestartAttempt`: the next one is placed again, from the core's checkpoint), until the core has applied `steps` updates,
+  `RunError` or `ChildDied` when not) and the parts are ticked. On Ray a satellite cell that is lost
+  (its process, its actor or its node gone: `launch.PartLost`) is let go and the run goes on without
+  it: the core re-queues the micro-batches it had claimed, gyre-sched fails it and the proxy routes
+  calls to the cells left; each loss is noted in the metrics (`survival.lost`, a `Lost` each, with
+  `recovery_s`: from its actor's last answer to the next step applied). A lost core, scheduler or proxy
+  ends the attempt (`RestartAttempt`: the next one places every part again and continues from the
+  core's checkpoint). The watch goes on until the core has applied `steps` updates,
   the driver and every part are done, and every rollout engine serves the last version; or the deadline.
 - **collect**, after every part and child process is stopped: the trained policy exported from the
   core's checkpoint of the last version as a Hugging Face model directory, `policy/` (`policy.py`),
@@ -31,6 +32,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,22 @@ log = logging.getLogger("gyre.run")
 
 class RunError(RuntimeError):
     """The run could not complete; the message says which part failed."""
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A satellite cell lost on Ray, which the run went on without."""
+
+    part: str
+    node_id: str
+    why: str
+    alive_at: float
+    """When its actor last said its process lives (wall clock)."""
+    seen_at: float
+    """When the run saw the loss."""
+    detect_s: float
+    applied_at_loss: int
+    """Steps the core had applied when the loss was seen."""
 
 
 def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
@@ -162,10 +180,8 @@ class Attempt:
         self.t_start = self.t_end = 0.0
         self.proxy_stats: dict[str, Any] = {}
         self.model_dir: Path | None = None
-        self.lost: dict[int, dict[str, Any]] = {}
-        """Satellite cells lost on Ray, by cell id: part, node_id, why, alive_at (its actor's last answer),
-        seen_at, detect_s, applied_at_loss; `collect` adds next_step_at (the first step applied after
-        alive_at; None: none was left) and recovery_s (from alive_at to it)."""
+        self.lost: dict[int, Lost] = {}
+        """Satellite cells lost on Ray, by cell id."""
 
     # ---- build --------------------------------------------------------------------------------------
     @classmethod
@@ -325,7 +341,7 @@ class Attempt:
             ) from exc
         procs.let_go(name)
         now = time.time()
-        self.lost[cell] = dict(
+        self.lost[cell] = Lost(
             part=name, node_id=exc.node_id, why=str(exc).splitlines()[0], alive_at=exc.alive_at,
             seen_at=now, detect_s=round(now - exc.alive_at, 3), applied_at_loss=self.traj.applied,
         )  # fmt: skip
@@ -490,14 +506,15 @@ def check_health(
         )
 
 
-def _losses(lost: dict[int, dict[str, Any]], out: Path) -> list[dict[str, Any]]:
-    """The lost parts' records, each with the first step applied after its actor's last answer."""
+def _losses(lost: dict[int, Lost], out: Path) -> list[dict[str, Any]]:
+    """The lost parts (`Lost`), each with `next_step_at`, the first step applied after its actor's last
+    answer (None: no step was left), and `recovery_s`, from that answer to it."""
     ends = sorted(float(r["t_end"]) for r in read_steps(out))
     recs = []
     for rec in lost.values():
-        nxt = next((t for t in ends if t > rec["alive_at"]), None)
-        recovery = round(nxt - rec["alive_at"], 3) if nxt is not None else None
-        recs.append({**rec, "next_step_at": nxt, "recovery_s": recovery})
+        nxt = next((t for t in ends if t > rec.alive_at), None)
+        recovery = round(nxt - rec.alive_at, 3) if nxt is not None else None
+        recs.append({**asdict(rec), "next_step_at": nxt, "recovery_s": recovery})
     return recs
 
 
