@@ -33,6 +33,8 @@ from gyre_base.token import TOKEN_ENV, new_token
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 
+from .raynodes import ray_nodes
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "integration" / "examples" / "tiny.toml"
 
@@ -362,65 +364,14 @@ def test_a_part_that_dies_on_ray_is_named_with_its_log_tail(
     assert "CHILD-DIED: boom exited with code 3" in said and "the reason it died" in said
 
 
-_NODE_IDS = textwrap.dedent(
-    """
-    import json, sys
-    import ray
-
-    ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
-    print(json.dumps({r: n["NodeID"] for n in ray.nodes() if n["Alive"] for r in n["Resources"]}))
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def three_nodes() -> Iterator[tuple[str, dict[str, str], dict[str, str]]]:
-    """A Ray cluster of three nodes on this machine: `ray start` three times (a head and two nodes
-    joining it, each its own raylet in its own session and temp dir), told apart by custom resources:
-    `gyre-head` on the head, `gyre-n1` and `gyre-n2` on the others. Yields the address, the environment
-    a client needs and a map resource -> node id (as Ray itself lists its nodes)."""
+    """A Ray cluster of three nodes on this machine (`raynodes.ray_nodes`): the head with 3 CPUs and
+    `gyre-head`, two nodes of 1 CPU with `gyre-n1` and `gyre-n2`. Yields the address, the environment a
+    client needs and a map resource -> node id (as Ray itself lists its nodes)."""
     pytest.importorskip("ray")
-    env = {**env_without_token(), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    common = ["--block", "--num-gpus=0", "--disable-usage-stats"]
-    started: list[subprocess.Popen[bytes]] = []
-    try:
-        port = free_port()
-        address = f"127.0.0.1:{port}"
-        for name, argv in [
-            ("head", ["--head", f"--port={port}", "--num-cpus=3", "--include-dashboard=false"]),
-            ("n1", [f"--address={address}", "--num-cpus=1"]),
-            ("n2", [f"--address={address}", "--num-cpus=1"]),
-        ]:
-            temp = tempfile.mkdtemp(prefix=f"gyre-{name}-", dir="/tmp")  # short: socket paths have a limit
-            res = json.dumps({f"gyre-{name}": 3 if name == "head" else 1})
-            log = Path(temp) / "start.log"
-            with open(log, "wb") as fh:
-                node = subprocess.Popen(
-                    [ray_bin, "start", *argv, *common, f"--resources={res}", f"--temp-dir={temp}"],
-                    stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                )  # fmt: skip
-            started.append(node)
-            deadline = time.monotonic() + 300
-            while "Ray runtime started" not in log.read_text(errors="replace"):
-                assert node.poll() is None, log.read_text(errors="replace")[-3000:]
-                assert time.monotonic() < deadline, f"Ray node {name} did not start within 300 s"
-                time.sleep(0.5)
-        deadline = time.monotonic() + 300
-        while True:
-            p = subprocess.run(
-                [sys.executable, "-c", _NODE_IDS, address], capture_output=True, env=env, timeout=300
-            )
-            assert p.returncode == 0, p.stderr.decode(errors="replace")[-3000:]
-            nodes = json.loads(p.stdout.decode().strip().splitlines()[-1])
-            if all(f"gyre-{n}" in nodes for n in ("head", "n1", "n2")):
-                break
-            assert time.monotonic() < deadline, f"three nodes did not join within 300 s: {nodes}"
-            time.sleep(2.0)
-        yield address, env, {k: v for k, v in nodes.items() if k.startswith("gyre-")}
-    finally:
-        for node in reversed(started):
-            _stop_head(node)
+    with ray_nodes({"head": 3, "n1": 1, "n2": 1}) as c:
+        yield c.address, c.env, c.nodes
 
 
 @pytest.mark.long
@@ -468,3 +419,24 @@ def test_gyre_run_tiny_on_three_ray_nodes(
         binds[x["name"]] == x["node_address"] != "127.0.0.1" for x in placed["parts"] if x["name"] in binds
     )
     assert {x["name"]: x["resources"] for x in placed["parts"]}["cell-1"] == {"CPU": 1.0, "gyre-n2": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("{not json", "--ray-resources is not JSON"),
+        ('{"cell-5": {"n": 1}}', "[run] ray_resources.cell-5: not a part of this run"),
+        ('{"cell-0": {"n": 0}}', "[run] ray_resources.cell-0.n must be a number > 0"),
+    ],
+)
+def test_ray_resources_from_the_command_line_are_checked_as_the_config_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, said: str
+) -> None:
+    """`gyre run --ray-resources JSON` (the placement of a resumed run after a node was lost): refused
+    before anything is claimed or started, naming the key."""
+    from gyre.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", str(TINY), "--out", str(out), "--ray-resources", given]) == 2
+    assert said in capsys.readouterr().err
+    assert not out.exists()

@@ -72,6 +72,13 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="ADDRESS",
         help="override [run] ray_address: " + _field_docs(RunSection)["ray_address"],
     )
+    r.add_argument(
+        "--ray-resources",
+        metavar="JSON",
+        help="override [run] ray_resources (a JSON object: part -> {resource: amount}); with --resume, "
+        "places the rest of the run anew (after a node was lost): "
+        + _field_docs(RunSection)["ray_resources"],
+    )
     r.add_argument("-v", "--verbose", action="store_true", help="log every component's decisions")
     c = sub.add_parser(
         "compare", help="the same workload under several policies (arms), with the simulator's predictions"
@@ -285,6 +292,8 @@ def _run_or_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             cfg = cfg.with_policy(args.policy, cfg.run.out_dir)
         if args.command == "run" and args.ray is not None:
             cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ray_address=args.ray))
+        if args.command == "run" and args.ray_resources is not None:
+            cfg = _with_ray_resources(cfg, args.ray_resources)
     except (ConfigError, RunDirError) as exc:
         print(f"gyre {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -352,6 +361,21 @@ def _eval(args: argparse.Namespace) -> int:
     )
     print(json.dumps({k: v for k, v in result.items() if k not in ("answers", "failures")}))
     return 0
+
+
+def _with_ray_resources(cfg: Config, text: str) -> Config:
+    """`cfg` with `[run] ray_resources` from the JSON `text` (checked as the config file's would be)."""
+    import json
+
+    from gyre.config.runconfig import ConfigError, config_from_dict
+
+    try:
+        table = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--ray-resources is not JSON: {exc}") from exc
+    raw = cfg.to_dict()
+    raw["run"]["ray_resources"] = table
+    return config_from_dict(raw)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ and what the held-out evaluation waits for before it starts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gyre_sched.protocol import Role
@@ -28,12 +28,14 @@ def at_least(v: str | None, version: int) -> bool:
     return v is not None and v.isdigit() and int(v) >= version
 
 
-def engines_serve(samples: Sequence[Sample], version: int) -> bool:
-    """No cell mid-switch, and every rollout cell's engine serves `version` or newer (the newest sample)."""
+def engines_serve(samples: Sequence[Sample], version: int, gone: Collection[int] = ()) -> bool:
+    """No cell mid-switch, and every rollout cell's engine serves `version` or newer (the newest sample);
+    cells in `gone` (lost, the run went on without them) are left out."""
     if not samples:
         return False
     last = samples[-1]
-    if any(r not in (int(Role.ROLLOUT), int(Role.TRAINING)) for r in last.roles.values()):
+    roles = {cid: r for cid, r in last.roles.items() if int(cid) not in gone}
+    if any(r not in (int(Role.ROLLOUT), int(Role.TRAINING)) for r in roles.values()):
         return False
-    rollout = [cid for cid, r in last.roles.items() if r == int(Role.ROLLOUT)]
+    rollout = [cid for cid, r in roles.items() if r == int(Role.ROLLOUT)]
     return bool(rollout) and all(at_least(last.engine_version.get(cid), version) for cid in rollout)

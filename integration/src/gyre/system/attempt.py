@@ -11,7 +11,13 @@
 - **watch**: the parts that ride along start (`runparts.py`), the rollout driver starts the first batch,
   and every 0.1 s the health of every part is checked (a dead satellite cell or proxy is restarted by the
   supervisor; anything else fails the attempt, naming it: `RestartAttempt` when a new attempt may go on,
-  `RunError` or `ChildDied` when not) and the parts are ticked, until the core has applied `steps` updates,
+  `RunError` or `ChildDied` when not) and the parts are ticked. On Ray a satellite cell that is lost
+  (its process, its actor or its node gone: `launch.PartLost`) is let go and the run goes on without
+  it: the core re-queues the micro-batches it had claimed, gyre-sched fails it and the proxy routes
+  calls to the cells left; each loss is noted in the metrics (`survival.lost`, a `Lost` each, with
+  `recovery_s`: from its actor's last answer to the next step applied). A lost core, scheduler or proxy
+  ends the attempt (`RestartAttempt`: the next one places every part again and continues from the
+  core's checkpoint). The watch goes on until the core has applied `steps` updates,
   the driver and every part are done, and every rollout engine serves the last version; or the deadline.
 - **collect**, after every part and child process is stopped: the trained policy exported from the
   core's checkpoint of the last version as a Hugging Face model directory, `policy/` (`policy.py`),
@@ -25,7 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,7 +53,7 @@ from gyre.procs.group import ProcessGroup, python_argv, tail
 from gyre.rollout.driver import Driver
 from gyre.system import gpus, policy
 from gyre.system.evaluator import Evaluator
-from gyre.system.launch import LOOPBACK, Launcher, Part, launcher_for
+from gyre.system.launch import LOOPBACK, Launcher, Part, PartLost, RayLauncher, launcher_for
 from gyre.system.nodeagent import NodeLauncher
 from gyre.system.resume import CHECKPOINT, prepare
 from gyre.system.rundir import RunDir
@@ -61,6 +68,22 @@ log = logging.getLogger("gyre.run")
 
 class RunError(RuntimeError):
     """The run could not complete; the message says which part failed."""
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A satellite cell lost on Ray, which the run went on without."""
+
+    part: str
+    node_id: str
+    why: str
+    alive_at: float
+    """When its actor last said its process lives (wall clock)."""
+    seen_at: float
+    """When the run saw the loss."""
+    detect_s: float
+    applied_at_loss: int
+    """Steps the core had applied when the loss was seen."""
 
 
 def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
@@ -157,6 +180,8 @@ class Attempt:
         self.t_start = self.t_end = 0.0
         self.proxy_stats: dict[str, Any] = {}
         self.model_dir: Path | None = None
+        self.lost: dict[int, Lost] = {}
+        """Satellite cells lost on Ray, by cell id."""
 
     # ---- build --------------------------------------------------------------------------------------
     @classmethod
@@ -189,6 +214,8 @@ class Attempt:
         # parts placed by Ray are not restarted in place: supervision watches this host's processes only
         group = procs if isinstance(procs, ProcessGroup) else procs.local
         sup = Supervisor(group, sv.max_restarts, sv.backoff_s, say, sv.restart and group is procs, events)
+        if isinstance(procs, RayLauncher):  # a new attempt places every part again (a lost node's too)
+            sup.attempts = sv.restart
         return cls(cfg, rd, say, parts, events, at.position, token, procs, sup)
 
     # ---- start --------------------------------------------------------------------------------------
@@ -293,7 +320,33 @@ class Attempt:
         return st is not None and len(st.cells) == self.cfg.run.cells
 
     def _healthy(self) -> None:
-        check_health(self.procs, self.traj, self.driver, self.sampler, self.sup)
+        if isinstance(self.procs, RayLauncher):
+            try:
+                self.procs.check()
+            except PartLost as exc:
+                self._lose(self.procs, exc)
+        check_health(self.procs, self.traj, self.driver, self.sampler, self.sup, set(self.lost))
+
+    def _lose(self, procs: RayLauncher, exc: PartLost) -> None:
+        """A lost satellite cell is let go (the run goes on with the cells left); any other lost part
+        ends the attempt (RestartAttempt, or RunError with restarts off)."""
+        name = exc.part
+        cell = int(name.split("-", 1)[1]) if name.startswith("cell-") else 0
+        if cell == 0 or self.traj is None:  # the core, gyre-sched or the proxy; or a loss while starting
+            procs.let_go(name)
+            fatal = RestartAttempt if self.sup.new_attempts() else RunError
+            what = " (the trainer core)" if name == "cell-0" else ""
+            raise fatal(
+                f"{name}{what} was lost on Ray: {exc}; the run continues from the core's checkpoint "
+                f"(`gyre run --resume {self.out}`)"
+            ) from exc
+        procs.let_go(name)
+        now = time.time()
+        self.lost[cell] = Lost(
+            part=name, node_id=exc.node_id, why=str(exc).splitlines()[0], alive_at=exc.alive_at,
+            seen_at=now, detect_s=round(now - exc.alive_at, 3), applied_at_loss=self.traj.applied,
+        )  # fmt: skip
+        self.say(f"gyre run: {name} was lost ({str(exc).splitlines()[0]}); the run goes on without it")
 
     def _wait(
         self, what: str, ok: Callable[[], bool], timeout_s: float, check: Callable[[], None] | None = None
@@ -342,7 +395,7 @@ class Attempt:
         final = traj.version  # from the same core status as `applied`; below `steps` if any was skipped
         self._wait(
             "the last weight version on every rollout engine",
-            lambda: engines_serve(sampler.samples, final),
+            lambda: engines_serve(sampler.samples, final, gone=set(self.lost)),
             60.0 + (c.startup_timeout_s if self.sup.pending() else 0.0),
         )
         if self.cfg.checkpoints:
@@ -385,7 +438,7 @@ class Attempt:
         metrics["attempts"] = (
             self.rd.attempt + 1
         )  # attempts of the run so far, resumes and new attempts included
-        metrics["survival"] = {"events": [e.to_dict() for e in self.events]}
+        metrics["survival"] = {"events": [e.to_dict() for e in self.events], "lost": _losses(self.lost, out)}
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
         assert self.model_dir is not None
         metrics["policy_dir"] = None
@@ -422,21 +475,25 @@ def check_health(
     driver: Driver | None,
     sampler: Sampler | None,
     sup: Supervisor | None = None,
+    lost: Collection[int] = (),
 ) -> None:
     """Raise (ChildDied, RunError or, when supervising, RestartAttempt; naming the part and why) if any
-    part of the run has failed and cannot be restarted in place; restart those that can (`sup`)."""
+    part of the run has failed and cannot be restarted in place; restart those that can (`sup`). Cells
+    in `lost` (let go: the run goes on without them) may be failed by gyre-sched."""
     if sup is not None:
         sup.check()
     else:
         procs.check()
-    fatal = RestartAttempt if sup is not None and sup.restart else RunError
+    fatal = RestartAttempt if sup is not None and sup.new_attempts() else RunError
     why = traj.failure() if traj is not None else None
     if traj is not None and why is not None:
         raise fatal(f"the trajectory service failed: {why}") from traj.error
     if driver is not None and driver.error is not None:
         raise fatal(f"the rollout driver failed: {driver.error}") from driver.error
     st = sampler.last_state if sampler is not None else None
-    failed = [v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED]
+    failed = [
+        v for v in (st.cells if st is not None else ()) if v.role is Role.FAILED and v.cell_id not in lost
+    ]
     if sup is not None and sup.restart:  # a stopped or stuck satellite is killed, then restarted
         failed = [v for v in failed if v.is_core or not _restart_failed(sup, f"cell-{v.cell_id}")]
     if failed:
@@ -448,6 +505,18 @@ def check_health(
             + (f": {said[-1].strip()}" if said else "")
             + ("; a new attempt continues the run" if fatal is RestartAttempt else "; restarts are off")
         )
+
+
+def _losses(lost: dict[int, Lost], out: Path) -> list[dict[str, Any]]:
+    """The lost parts (`Lost`), each with `next_step_at`, the first step applied after its actor's last
+    answer (None: no step was left), and `recovery_s`, from that answer to it."""
+    ends = sorted(float(r["t_end"]) for r in read_steps(out))
+    recs = []
+    for rec in lost.values():
+        nxt = next((t for t in ends if t > rec.alive_at), None)
+        recovery = round(nxt - rec.alive_at, 3) if nxt is not None else None
+        recs.append({**asdict(rec), "next_step_at": nxt, "recovery_s": recovery})
+    return recs
 
 
 def _restart_failed(sup: Supervisor, part: str) -> bool:

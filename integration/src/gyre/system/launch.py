@@ -18,7 +18,16 @@ bundle's GPUs (Ray sets CUDA_VISIBLE_DEVICES) and the process inherits them. Ray
 lists, environment strings and log tails between the driver and the actors; gyre's own traffic goes
 over its ZeroMQ and HTTP endpoints as it does locally. `log_dir` and the run directory must be on a
 filesystem every node sees (as on SLURM clusters), since cells write `core.json` and `steps.jsonl` there.
-Where each part landed is written to `log_dir/placement.json`. A bundle also asks for the part's custom
+Where each part landed is written to `log_dir/placement.json`.
+
+`check()` never waits on a node: it asks every started part's actor whether its process lives and reads
+the answers that have come back (`ray.wait`, no blocking); a part whose process exited, whose actor died,
+whose actor cannot be reached while Ray lists its node dead, or that has not answered for
+`PEER_TIMEOUT_S` is lost, `PartLost` naming the part and its node (an actor Ray cannot reach on a node it
+still lists alive is asked again: a blip of the network is no loss). The run
+decides what a loss means (attempt.py: a satellite cell is let go with `let_go` and the run goes on, any
+other part ends the attempt). A placement that asks for a custom resource no live node has is refused at
+once, naming the part and the resource (the node that had it was lost), rather than waiting for it. A bundle also asks for the part's custom
 resources (`[run] ray_resources`), which pin it to the nodes that have them. A placement that fits on
 the node of `gyre run` itself stays on loopback (nothing listens beyond the machine); one that spans
 nodes binds each part's node address, where the token is what keeps others out, except the proxy: only
@@ -50,6 +59,17 @@ _THIS_PYTHON = "{python}"
 
 class PlacementError(RuntimeError):
     """The cluster cannot place the run's parts (not enough CPUs or GPUs, or Ray is unreachable)."""
+
+
+class PartLost(ChildDied):
+    """A part placed on Ray is gone: its process exited, its actor died, or its node stopped answering."""
+
+    def __init__(self, part: str, node_id: str, message: str, alive_at: float = 0.0) -> None:
+        super().__init__(message)
+        self.part = part
+        self.node_id = node_id
+        self.alive_at = alive_at
+        """When (wall clock) its actor last said its process lives; 0: unknown."""
 
 
 @dataclass(frozen=True)
@@ -182,13 +202,22 @@ class _Placed:
     log: Path
     actor: Any
     host: str
+    node_id: str = ""
     started: bool = False
+    probe: Any = None
+    """The pending `failure()` call on its actor, if any."""
+    answered_at: float = 0.0
+    """When (monotonic) its actor last answered (or was asked first)."""
+    alive_at: float = 0.0
+    """The same on the wall clock."""
 
 
 class RayLauncher:
     """Parts placed on a Ray cluster through one placement group (module docstring)."""
 
     CHECK_EVERY_S = 0.5
+    PEER_TIMEOUT_S = 30.0
+    """A started part's actor that has not answered for this long is lost (its node is unreachable)."""
 
     def __init__(
         self, address: str, log_dir: Path, parts: list[Part], timeout_s: float, token_made: bool = True
@@ -231,17 +260,20 @@ class RayLauncher:
 
     def _place(self, parts: list[Part], timeout_s: float, placement_group: Any, strategy: Any) -> None:
         ray = self._ray
+        _check_resources_exist(parts, [n for n in ray.nodes() if n.get("Alive")])
         bundles = [bundle_of(p) for p in parts]
         self._pg = placement_group(bundles, strategy="PACK", name=f"gyre-{os.getpid()}")
-        try:
-            ray.get(self._pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
+        ready, deadline = self._pg.ready(), time.monotonic() + timeout_s
+        while not ray.wait([ready], timeout=min(2.0, max(0.0, deadline - time.monotonic())))[0]:
+            if time.monotonic() < deadline:  # a node lost meanwhile: refused now, not at the deadline
+                _check_resources_exist(parts, [n for n in ray.nodes() if n.get("Alive")])
+                continue
             free = {k: v for k, v in ray.available_resources().items() if not k.startswith("node:")}
             raise PlacementError(
                 f"the Ray cluster could not place {bundles} within {timeout_s:.0f} s "
                 f"(available now: {', '.join(f'{k} {v:g}' for k, v in sorted(free.items()))}; "
                 "[run] ray_resources names the custom resources each part asks for)"
-            ) from exc
+            )
         remote = ray.remote(Host)
         for i, p in enumerate(parts):
             actor = remote.options(
@@ -256,8 +288,8 @@ class RayLauncher:
         here_ip = str(ray.util.get_node_ip_address())
         hosts = bind_hosts([p.name for p in parts], nodes, here)
         self.one_node = all(node_id == here for node_id, _ in nodes)
-        for pl, h in zip(self._placed.values(), hosts, strict=True):
-            pl.host = h
+        for pl, h, (node_id, _) in zip(self._placed.values(), hosts, nodes, strict=True):
+            pl.host, pl.node_id = h, node_id
         where: list[dict[str, Any]] = [
             dict(
                 name=p.name, bind=h, node_id=n, node_address=ip, gpus=p.gpus, resources=bundle_of(p), bundle=i
@@ -282,6 +314,10 @@ class RayLauncher:
     def host(self, name: str) -> str:
         return self._part(name).host
 
+    def node_of(self, name: str) -> str:
+        """The Ray node id `name` was placed on."""
+        return self._part(name).node_id
+
     def free_port(self, name: str) -> int:
         pl = self._part(name)
         return int(self._ray.get(pl.actor.free_port.remote(pl.host), timeout=60))
@@ -296,20 +332,65 @@ class RayLauncher:
         return pl
 
     def check(self) -> None:
-        """Raise ChildDied once any started part's process (or its actor, or its node) is gone."""
+        """Raise `PartLost` once any started part's process, its actor or its node is gone (module
+        docstring); never waits on an actor."""
         self.local.check()
-        if time.monotonic() - self._checked < self.CHECK_EVERY_S:
+        now = time.monotonic()
+        if now - self._checked < self.CHECK_EVERY_S:
             return
+        self._checked = now
         ray = self._ray
+        if not self.children:
+            return
         for pl in self.children:
+            if pl.probe is None:
+                pl.probe = pl.actor.failure.remote()
+                if not pl.answered_at:
+                    pl.answered_at, pl.alive_at = now, time.time()
+        probes = [pl.probe for pl in self.children]
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=0)
+        done = {ref.hex() for ref in answered}
+        for pl in list(self.children):
+            if pl.probe.hex() not in done:
+                if now - pl.answered_at > self.PEER_TIMEOUT_S:
+                    raise PartLost(
+                        pl.name,
+                        pl.node_id,
+                        f"{pl.name}: its Ray actor on node {pl.node_id} ({pl.host}) has not answered for "
+                        f"{self.PEER_TIMEOUT_S:.0f} s (its node is unreachable)",
+                        pl.alive_at,
+                    )
+                continue
+            ref, pl.probe = pl.probe, None
             try:
-                why = ray.get(pl.actor.failure.remote(), timeout=30)
+                why = ray.get(ref, timeout=10)
+            except ray.exceptions.ActorUnavailableError as exc:  # unreachable: lost if its node is dead
+                if self._node_alive(pl.node_id):
+                    continue
+                msg = f"{pl.name}: its Ray node {pl.node_id} ({pl.host}) is dead and its actor unreachable"
+                raise PartLost(
+                    pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}", pl.alive_at
+                ) from exc
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                msg = f"{pl.name}: its Ray actor on {pl.host} is gone ({type(exc).__name__}): {exc}"
-                raise ChildDied(msg) from exc
+                msg = f"{pl.name}: its Ray actor on node {pl.node_id} ({pl.host}) is gone ({type(exc).__name__})"
+                raise PartLost(
+                    pl.name, pl.node_id, f"{msg}: {str(exc).splitlines()[0]}", pl.alive_at
+                ) from exc
             if why is not None:
-                raise ChildDied(f"{why} (on {pl.host})")
-        self._checked = time.monotonic()
+                raise PartLost(pl.name, pl.node_id, f"{why} (on node {pl.node_id}, {pl.host})", pl.alive_at)
+            pl.answered_at, pl.alive_at = now, time.time()
+
+    def _node_alive(self, node_id: str) -> bool:
+        """Whether Ray's GCS lists the node `node_id` alive."""
+        return any(n.get("NodeID") == node_id and n.get("Alive") for n in self._ray.nodes())
+
+    def let_go(self, name: str) -> None:
+        """Stop watching the lost part `name` and end its actor (no wait: its node may be gone)."""
+        pl = self._part(name)
+        if pl in self.children:
+            self.children.remove(pl)
+        with contextlib.suppress(Exception):
+            self._ray.kill(pl.actor)
 
     def close(self) -> None:
         """Stop every part (SIGTERM, then SIGKILL), end the actors, free the bundles, leave the cluster."""
@@ -332,3 +413,17 @@ class RayLauncher:
             ray.shutdown()
         if self._own_token:
             os.environ.pop(TOKEN_ENV, None)
+
+
+def _check_resources_exist(parts: Sequence[Part], alive: Sequence[dict[str, Any]]) -> None:
+    """PlacementError naming the first part whose custom resource no live node has (as `ray.nodes()`
+    lists them): such a bundle could never be placed (the node that had it was lost, or none ever had)."""
+    have = {k for n in alive for k in n.get("Resources", {})}
+    for p in parts:
+        missing = sorted(k for k in p.resources if k not in have)
+        if missing:
+            raise PlacementError(
+                f"{p.name} asks for the Ray resource {missing[0]!r}, which no live node of the cluster has "
+                f"(its node was lost, or none has it); place it elsewhere with [run] ray_resources "
+                "(`gyre run --resume DIR --ray-resources JSON` continues an unfinished run so placed)"
+            )

@@ -3,7 +3,8 @@ placed on a Ray cluster with `[run] ray_address` (`launch.py`: where each part s
 binds).
 
 The run directory is claimed first (`rundir.RunDir`: an exclusive lock, a finished run refused and kept,
-an unfinished one continued only by `resume=True` unless it never reached its first step, nothing
+an unfinished one continued only by `resume=True` (with the configuration it was started with, but placed on
+Ray as `cfg` says: `--ray`, `--ray-resources`, as after a lost node) unless it never reached its first step, nothing
 deleted). Then the run goes in attempts (`attempt.py`: build, start, watch, collect): the first, and after a
 part that cannot be restarted in place failed (`supervise.RestartAttempt`), a new one that continues the
 run from the core's checkpoint, up to `[survive] max_restarts` (none while a part that rides along cannot
@@ -60,8 +61,14 @@ def run(
     check_tasks(cfg)
     out = Path(cfg.run.out_dir).resolve()
     rd = RunDir.claim(out, cfg.to_dict(), resume=resume)
-    if resume:  # the run goes on as it was configured
-        cfg = _located(rd.config, out)
+    if resume:  # the run goes on as it was configured, placed where `cfg` says (a node may be gone)
+        placed = _located(rd.config, out)
+        cfg = dataclasses.replace(
+            placed,
+            run=dataclasses.replace(
+                placed.run, ray_address=cfg.run.ray_address, ray_resources=cfg.run.ray_resources
+            ),
+        )
     if rd.restarted is not None:
         was = rd.restarted
         say(

@@ -82,8 +82,16 @@ class Supervisor:
     say: Callable[[str], None] = print
     restart: bool = True
     events: list[Event] = field(default_factory=list)
+    attempts: bool | None = None
+    """A failed part not restarted in place gives way to a new attempt (`RestartAttempt`) rather than an
+    error; None: as `restart` (parts placed by Ray are not restarted in place, yet a new attempt places
+    them again)."""
     restarts: Counter[str] = field(default_factory=Counter)
     _watches: dict[str, _Watch] = field(default_factory=dict)
+
+    def new_attempts(self) -> bool:
+        """Whether a part that cannot be restarted in place gives way to a new attempt."""
+        return self.restart if self.attempts is None else self.attempts
 
     def watch(self, part: str, restart: Callable[[], None], ready: Callable[[], bool]) -> None:
         """`part` (a child process of that name) is restarted by `restart`; it is back when `ready`."""
