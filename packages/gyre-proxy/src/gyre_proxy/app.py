@@ -97,7 +97,11 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
 
     def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, AR.ARequest]:
         """(holding the proxy's state) Decode, check, convert and render the request."""
-        req, conv = AR.decode_conversation(body, proxy.stripper, proxy.messages)
+        req, conv, decoded = AR.decode_conversation(
+            body, proxy.stripper, proxy.messages, proxy.bodies.get(ex)
+        )
+        if decoded is not None:
+            proxy.bodies.put(ex, len(body), decoded)
         return proxy.start_call(conv, AR.to_sampling(req), ex, headers, t0, len(body)), req
 
     def count(body: bytes, ex: str) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 from gyre_traj.records import Call, Delta, Role
 from tokenizers import Tokenizer
 
+from gyre_proxy.bodycache import BodyCache
 from gyre_proxy.chat import Conversation, Sampling, Turn
 from gyre_proxy.classify import classify
 from gyre_proxy.config import ProxyConfig
@@ -106,6 +107,8 @@ class Proxy:
         self._salt = secrets.token_hex(3)
         self.stripper = Stripper(cfg.strip_rules)
         self.messages = MessageCache(cfg.decoded_cache_bytes)  # decoded request messages (the state lock)
+        # the most recent decoded requests of each execution (the state lock)
+        self.bodies: BodyCache[Any] = BodyCache(cfg.decoded_bodies_bytes)
         self.pool: EnginePool | None = None
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
