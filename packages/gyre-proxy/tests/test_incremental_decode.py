@@ -178,7 +178,8 @@ def test_appended_decode_is_the_plain_decode(seed: int) -> None:
             convo = [
                 {"role": "system", "content": []},
                 {"role": "user", "content": "summary"},
-            ] + _conversation(rng, rng.randint(1, 10), bad)
+                *_conversation(rng, rng.randint(1, 10), bad),
+            ]
             n = 2
         elif step < 0.9:
             extra = rng.choice(
