@@ -279,3 +279,18 @@ def test_bytes_after_the_messages_that_are_not_json_are_refused_as_before() -> N
     ]:
         assert s.decode(body) == plain(body)
         assert s.decode(body)[0] == "refused"
+
+
+def test_kept_bodies_are_bounded() -> None:
+    """At most `per_execution` per execution, newest first; past `max_bytes` the least recently used
+    execution's oldest go first; a body over the bound is not kept."""
+    kept: BodyCache[str] = BodyCache(max_bytes=100, per_execution=2)
+    for v in ("a1", "a2", "a3"):
+        kept.put("a", 30, v)
+    assert kept.get("a") == ["a3", "a2"] and kept.bytes == 60
+    kept.put("b", 30, "b1")
+    assert kept.get("a") == ["a3", "a2"]  # `a` is now the most recently used
+    kept.put("c", 30, "c1")  # 120 bytes: `b`, the least recently used, goes
+    assert kept.get("b") == [] and kept.get("c") == ["c1"] and kept.bytes == 90
+    kept.put("d", 101, "too big")
+    assert kept.get("d") == [] and len(kept) == 3
