@@ -180,15 +180,16 @@ class Decoded:
 
 
 def decode_conversation(
-    body: bytes, stripper: Stripper, cache: MessageCache, earlier: Sequence[Decoded] = ()
+    body: bytes, stripper: Stripper, cache: MessageCache, earlier: Sequence[Decoded] | None = None
 ) -> tuple[ARequest, Conversation, Decoded | None]:
     """`decode` then `to_conversation`, with each message decoded, checked and converted only the first
     time its exact bytes are seen (`cache`), and, when the body starts with the bytes of one of `earlier`
     up to the end of its messages, only the messages after those (the checks then carry on from where
     that request's ended). Anything the fast ways cannot decode, or refuse, is decoded the plain way, so
     the result and every error are what `decode` gives. The third value is this request's, for
-    `earlier` of a later one (None when its messages could not be located in the body)."""
-    prior = _resent(body, earlier)
+    `earlier` of a later one (None when `earlier` is None, or its messages could not be located in the
+    body)."""
+    prior = _resent(body, earlier) if earlier else None
     if prior is not None:
         try:
             done = _decode_appended(body, prior, stripper, cache)
@@ -208,7 +209,7 @@ def decode_conversation(
     req = _with_messages(raw, messages)
     check(req, checked={i for i, h in enumerate(hits) if h is not None})
     turns = _cached_turns(keys, messages, hits, cache)
-    span = _span(raw.messages, body)
+    span = _span(raw.messages, body) if earlier is not None else None
     dec = None
     if span is not None:
         dec = Decoded(body, span[0], span[1], tuple(messages), turns, _last_said(messages, 0, -1))

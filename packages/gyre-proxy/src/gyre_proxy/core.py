@@ -52,6 +52,10 @@ log = logging.getLogger("gyre_proxy")
 INLINE_BYTES = 64 * 1024
 """Requests up to this many bytes may be handled on the event loop (`Proxy.owned`): their work is bounded
 by that size, and they then take no turn of the loop to go to the worker thread and back."""
+KEPT_BODY_BYTES = INLINE_BYTES
+"""Anthropic request bodies over this many bytes are kept (`Proxy.bodies`), so the next call that resends
+their messages decodes only its new ones; smaller ones are decoded whole each time, which costs them less
+than the keeping."""
 EXTENDS = "extends"
 """Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
 ENGINES = "engines"
