@@ -2,7 +2,7 @@
 `earlier`): the result, or the error, is exactly the plain decode's, whatever the harness changed between
 calls (appended messages, edited earlier ones, keys in another order, other whitespace, a `/compact`
 rewrite, other fields after the messages, bytes that are not JSON), and an appended call decodes only
-its new messages."""
+its new messages, and the proxy keeps the large bodies of each execution for that."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import json
 import random
 from typing import Any
 
+import httpx
 import pytest
 from gyre_proxy import anthropic_request as AR
 from gyre_proxy.bodycache import BodyCache
 from gyre_proxy.chat import RequestError
+from gyre_proxy.core import KEPT_BODY_BYTES
 from gyre_proxy.msgcache import MessageCache
 from gyre_proxy.strip import Stripper
 from hypothesis import given, settings
@@ -294,3 +296,32 @@ def test_kept_bodies_are_bounded() -> None:
     assert kept.get("b") == [] and kept.get("c") == ["c1"] and kept.bytes == 90
     kept.put("d", 101, "too big")
     assert kept.get("d") == [] and len(kept) == 3
+
+
+def test_the_proxy_decodes_a_large_appended_call_from_where_the_last_ended(
+    engine: Any, make_proxy: Any
+) -> None:
+    """Over HTTP: a request over `KEPT_BODY_BYTES` is kept; the next call of its execution that resends its
+    messages looks up only its new ones; a small request is not kept."""
+    ps = make_proxy([engine.url])
+    proxy = ps.proxy
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "word " * (KEPT_BODY_BYTES // 4)}]
+    head = {"x-gyre-execution": "big"}
+    r = httpx.post(
+        f"{ps.url}/v1/messages", json={"model": "m", "max_tokens": 3, "messages": msgs}, headers=head
+    )
+    assert r.status_code == 200, r.text
+    assert len(proxy.bodies) == 1
+    msgs += [{"role": "assistant", "content": r.json()["content"]}, {"role": "user", "content": "and then?"}]
+    looked = proxy.messages.hits + proxy.messages.misses
+    r = httpx.post(
+        f"{ps.url}/v1/messages", json={"model": "m", "max_tokens": 3, "messages": msgs}, headers=head
+    )
+    assert r.status_code == 200, r.text
+    assert proxy.messages.hits + proxy.messages.misses - looked == 2 and len(proxy.bodies) == 2
+    small = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    assert (
+        httpx.post(f"{ps.url}/v1/messages", json=small, headers={"x-gyre-execution": "small"}).status_code
+        == 200
+    )
+    assert len(proxy.bodies) == 2
