@@ -154,7 +154,7 @@ def test_messages_seen_before_are_decoded_once_with_the_same_result() -> None:
     ]
     for n in range(1, len(msgs) + 1):
         body = json.dumps({"model": "m", "max_tokens": 5, "system": "s", "messages": msgs[:n]}).encode()
-        req, conv = AR.decode_conversation(body, stripper, cache)
+        req, conv, _ = AR.decode_conversation(body, stripper, cache)
         want = AR.decode(body)
         assert isinstance(want, AR.ARequest)
         assert req == want and conv == AR.to_conversation(want, stripper)

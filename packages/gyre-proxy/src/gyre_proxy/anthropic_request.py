@@ -17,9 +17,12 @@ system turn, as Qwen's chat template renders a system message that is not the fi
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from gyre_proxy.chat import Conversation, Kind, RequestError, Sampling, ToolCall, Turn, json_error
 from gyre_proxy.msgcache import MessageCache
@@ -117,27 +120,32 @@ class ACountRequest(msgspec.Struct):
     thinking: AThinking | None = None
 
 
-class _ARequestRaw(msgspec.Struct):
-    """`ARequest` with each message left as its raw JSON (decoded one by one, through the cache)."""
+def _request_with(name: str, messages: Any) -> Any:
+    """A struct with `ARequest`'s fields, `messages` of type `messages`."""
+    return msgspec.defstruct(
+        name,
+        [
+            (f.name, messages if f.name == "messages" else f.type)
+            if f.required
+            else (f.name, f.type, f.default)
+            for f in msgspec.structs.fields(ARequest)
+        ],
+    )
 
-    model: str
-    messages: list[msgspec.Raw]
-    max_tokens: int
-    system: str | list[ABlock] | None = None
-    stream: bool = False
-    tools: list[ATool] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: AThinking | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop_sequences: list[str] | None = None
+
+# `ARequest` with each message left as its raw JSON (decoded one by one, through the cache), and with the
+# messages array left whole (a body whose new messages only are decoded: `_decode_appended`)
+_ARequestRaw = _request_with("_ARequestRaw", list[msgspec.Raw])
+_ARequestArray = _request_with("_ARequestArray", msgspec.Raw)
 
 
 _req_dec = msgspec.json.Decoder(ARequest)
 _count_dec = msgspec.json.Decoder(ACountRequest)
 _raw_dec = msgspec.json.Decoder(_ARequestRaw)
+_array_dec = msgspec.json.Decoder(_ARequestArray)
+_raws_dec = msgspec.json.Decoder(list[msgspec.Raw])
 _msg_dec = msgspec.json.Decoder(AMessage)
+_WS = b" \t\r\n"  # JSON's whitespace
 
 
 def _field_of(exc: msgspec.ValidationError) -> str:
@@ -158,12 +166,37 @@ def decode(body: bytes, count: bool = False) -> ARequest | ACountRequest:
     return req
 
 
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A request's messages as decoded, checked and converted, and where they lie in its body: a later
+    request whose body starts with the same bytes up to `end` resends them (`decode_conversation`)."""
+
+    body: bytes
+    start: int  # offset of the first message
+    end: int  # offset just past the last message
+    messages: tuple[AMessage, ...]
+    turns: tuple[Turn, ...]
+    said: int  # index of the last message that is not system-role (-1: none)
+
+
 def decode_conversation(
-    body: bytes, stripper: Stripper, cache: MessageCache
-) -> tuple[ARequest, Conversation]:
+    body: bytes, stripper: Stripper, cache: MessageCache, earlier: Sequence[Decoded] | None = None
+) -> tuple[ARequest, Conversation, Decoded | None]:
     """`decode` then `to_conversation`, with each message decoded, checked and converted only the first
-    time its exact bytes are seen (`cache`). Anything the fast way cannot decode is decoded the plain
-    way, so every error is named as `decode` names it."""
+    time its exact bytes are seen (`cache`), and, when the body starts with the bytes of one of `earlier`
+    up to the end of its messages, only the messages after those (the checks then carry on from where
+    that request's ended). Anything the fast ways cannot decode, or refuse, is decoded the plain way, so
+    the result and every error are what `decode` gives. The third value is this request's, for
+    `earlier` of a later one (None when `earlier` is None, or its messages could not be located in the
+    body)."""
+    prior = _resent(body, earlier) if earlier else None
+    if prior is not None:
+        try:
+            done = _decode_appended(body, prior, stripper, cache)
+        except (msgspec.MsgspecError, RequestError):
+            done = None
+        if done is not None:
+            return done
     try:
         raw = _raw_dec.decode(body)
         keys = [bytes(m) for m in raw.messages]
@@ -172,10 +205,74 @@ def decode_conversation(
     except msgspec.MsgspecError:
         req = decode(body)
         assert isinstance(req, ARequest)
-        return req, to_conversation(req, stripper)
-    fields = {f: getattr(raw, f) for f in raw.__struct_fields__ if f != "messages"}
-    req = ARequest(messages=messages, **fields)
+        return req, to_conversation(req, stripper), None
+    req = _with_messages(raw, messages)
     check(req, checked={i for i, h in enumerate(hits) if h is not None})
+    turns = _cached_turns(keys, messages, hits, cache)
+    span = _span(raw.messages, body) if earlier is not None else None
+    dec = None
+    if span is not None:
+        dec = Decoded(body, span[0], span[1], tuple(messages), turns, _last_said(messages, 0, -1))
+    return req, _conversation(req, turns, stripper), dec
+
+
+def _resent(body: bytes, earlier: Sequence[Decoded]) -> Decoded | None:
+    """The one of `earlier` whose messages' bytes `body` starts with, the longest."""
+    best = None
+    for d in earlier:
+        longer = len(body) > d.end and (best is None or d.end > best.end)
+        if longer and body.startswith(memoryview(d.body)[: d.end]):
+            best = d
+    return best
+
+
+def _decode_appended(
+    body: bytes, prior: Decoded, stripper: Stripper, cache: MessageCache
+) -> tuple[ARequest, Conversation, Decoded] | None:
+    """The request whose body starts with `prior`'s bytes up to the end of its messages, decoding only what
+    follows them: the bytes before its first message, then the rest after the last (a `,` dropped) make
+    a request holding only the new messages and every other field. None where that is not the case."""
+    rest = body[prior.end :].lstrip(_WS)
+    if rest[:1] == b",":
+        rest = rest[1:]
+        if rest.lstrip(_WS)[:1] in (b"]", b""):  # a trailing comma: not JSON
+            return None
+    elif rest[:1] != b"]":
+        return None
+    head = body[: prior.start]
+    joined = head + rest
+    raw = _array_dec.decode(joined)
+    # the messages decoded must be the array opened in `head`, not one of a later `messages` key
+    if _address(raw.messages) - _address(joined) != len(head.rstrip(_WS)) - 1:
+        return None
+    raws = _raws_dec.decode(raw.messages)
+    keys = [bytes(m) for m in raws]
+    hits = [cache.get(k) for k in keys]
+    new = [h[0] if h is not None else _msg_dec.decode(k) for k, h in zip(keys, hits, strict=True)]
+    since = len(prior.messages)
+    messages = [*prior.messages, *new]
+    req = _with_messages(raw, messages)
+    check(req, {since + i for i, h in enumerate(hits) if h is not None}, since, prior.said)
+    turns = prior.turns + _cached_turns(keys, new, hits, cache)
+    end = prior.end
+    if raws:
+        span = _span(raws, joined)
+        if span is None:
+            return None
+        end = span[1] - len(head) + len(body) - len(rest)
+    said = _last_said(messages, since, prior.said)
+    dec = Decoded(body, prior.start, end, (*prior.messages, *new), turns, said)
+    return req, _conversation(req, turns, stripper), dec
+
+
+def _with_messages(raw: Any, messages: list[AMessage]) -> ARequest:
+    fields = {f: getattr(raw, f) for f in raw.__struct_fields__ if f != "messages"}
+    return ARequest(messages=messages, **fields)
+
+
+def _cached_turns(
+    keys: list[bytes], messages: list[AMessage], hits: list[Any], cache: MessageCache
+) -> tuple[Turn, ...]:
     turns: list[Turn] = []
     for key, m, hit in zip(keys, messages, hits, strict=True):
         if hit is None:
@@ -184,17 +281,49 @@ def decode_conversation(
             turns += made
         else:
             turns += hit[1]
+    return tuple(turns)
+
+
+def _conversation(req: ARequest, turns: tuple[Turn, ...], stripper: Stripper) -> Conversation:
     system, stripped = _system(req.system, stripper)
-    conv = Conversation(system, _tools(req.tools), tuple(turns), _thinking_on(req.thinking), stripped)
-    return req, conv
+    return Conversation(system, _tools(req.tools), turns, _thinking_on(req.thinking), stripped)
+
+
+def _address(buf: Any) -> int:
+    return int(np.frombuffer(buf, np.uint8).ctypes.data)
+
+
+def _span(raws: list[msgspec.Raw], buf: bytes) -> tuple[int, int] | None:
+    """Where the messages `raws` (decoded from `buf`, which they view) lie in `buf`: the offset of the
+    first and just past the last; None if they do not lie in it."""
+    base = _address(buf)
+    start = _address(raws[0]) - base
+    end = _address(raws[-1]) - base + len(raws[-1])
+    if not 0 <= start < end <= len(buf) or buf[start] != memoryview(raws[0])[0]:
+        return None
+    return start, end
+
+
+def _last_said(messages: list[AMessage], since: int, said: int) -> int:
+    for i in range(len(messages) - 1, since - 1, -1):
+        if messages[i].role != "system":
+            return i
+    return said
 
 
 # ------------------------------------------------------------------------------------------- checks
 
 
-def check(req: ARequest | ACountRequest, checked: set[int] | frozenset[int] = frozenset()) -> None:
+def check(
+    req: ARequest | ACountRequest,
+    checked: set[int] | frozenset[int] = frozenset(),
+    since: int = 0,
+    said: int = -1,
+) -> None:
     """Anthropic's checks (module docstring); `checked`: messages whose blocks passed before (the same
-    bytes: their block checks are skipped)."""
+    bytes: their block checks are skipped); `since`, `said`: the messages before `since` are those of a
+    request that passed these checks (the same bytes, nothing after them), the last of them that is not
+    system-role at `said` (-1: none), so only what the messages from `since` on can change is checked."""
     if isinstance(req, ARequest):
         if req.max_tokens < 1:
             raise RequestError("max_tokens", f"must be >= 1, got {req.max_tokens}")
@@ -205,7 +334,9 @@ def check(req: ARequest | ACountRequest, checked: set[int] | frozenset[int] = fr
             if b.type != "text":
                 raise RequestError(f"system.{j}.type", f"system blocks are text blocks, got {b.type!r}")
     last = len(req.messages) - 1
-    for i, m in enumerate(req.messages):
+    # the earlier request's last message is checked again: it may now be followed by others
+    for i in range(max(0, since - 1), last + 1):
+        m = req.messages[i]
         if m.role not in ("user", "assistant", "system"):
             raise RequestError(
                 f"messages.{i}.role", f"unknown role {m.role!r} (expected user, assistant or system)"
@@ -219,7 +350,7 @@ def check(req: ARequest | ACountRequest, checked: set[int] | frozenset[int] = fr
             )
         if isinstance(m.content, list) and i not in checked:
             _check_blocks(m.content, f"messages.{i}.content")
-    _check_tool_pairs(req.messages)
+    _check_tool_pairs(req.messages, since, said)
 
 
 def _check_blocks(blocks: list[ABlock], where: str) -> None:
@@ -247,14 +378,17 @@ def _blocks(m: AMessage, kind: str) -> list[tuple[int, ABlock]]:
     return [(j, b) for j, b in enumerate(m.content) if b.type == kind] if isinstance(m.content, list) else []
 
 
-def _check_tool_pairs(messages: list[AMessage]) -> None:
+def _check_tool_pairs(messages: list[AMessage], since: int = 0, said: int = -1) -> None:
     """Each tool_use is answered by a tool_result in the next message, and each tool_result answers a
-    tool_use of the previous message (system-role messages in between are passed over)."""
-    convo = [(i, m) for i, m in enumerate(messages) if m.role != "system"]
+    tool_use of the previous message (system-role messages in between are passed over). `since`, `said`:
+    as `check`'s (the pairs within the messages before `since` passed: only the tool_use of the message at
+    `said` and the messages from `since` on are checked)."""
+    lo = said if said >= 0 else since
+    convo = [(i, m) for i, m in enumerate(messages[lo:], lo) if m.role != "system"]
     for k, (i, m) in enumerate(convo):
         prev = convo[k - 1][1] if k > 0 else None
         asked = {b.id for _, b in _blocks(prev, "tool_use")} if prev and prev.role == "assistant" else set()
-        for j, b in _blocks(m, "tool_result") if m.role == "user" else []:
+        for j, b in _blocks(m, "tool_result") if m.role == "user" and i >= since else []:
             if b.tool_use_id not in asked:
                 raise RequestError(
                     f"messages.{i}.content.{j}",

@@ -31,7 +31,7 @@ from gyre_proxy import openai_request as OR
 from gyre_proxy.access import execution_of, require_key
 from gyre_proxy.body import read_body
 from gyre_proxy.control import ControlLink
-from gyre_proxy.core import CallRun, Proxy
+from gyre_proxy.core import KEPT_BODY_BYTES, CallRun, Proxy
 from gyre_proxy.disconnect import while_connected
 from gyre_proxy.errors import JSON, Api, ClientLeft, answers_errors, http_exception, stream_error, uncaught
 
@@ -97,7 +97,10 @@ def anthropic_routes(proxy: Proxy, calls: Calls) -> list[Route]:
 
     def start(body: bytes, ex: str, headers: Mapping[str, str], t0: float) -> tuple[CallRun, AR.ARequest]:
         """(holding the proxy's state) Decode, check, convert and render the request."""
-        req, conv = AR.decode_conversation(body, proxy.stripper, proxy.messages)
+        earlier = proxy.bodies.get(ex) if len(body) > KEPT_BODY_BYTES else None
+        req, conv, decoded = AR.decode_conversation(body, proxy.stripper, proxy.messages, earlier)
+        if decoded is not None:
+            proxy.bodies.put(ex, len(body), decoded)
         return proxy.start_call(conv, AR.to_sampling(req), ex, headers, t0, len(body)), req
 
     def count(body: bytes, ex: str) -> int:

@@ -101,6 +101,10 @@ class ProxyConfig:
     decoded_cache_bytes: int = 64 * 1024 * 1024
     """Request messages kept decoded, by their exact bytes, in bytes of JSON (least recently used first to
     go): the history a harness sends again on each call is then decoded and checked once."""
+    decoded_bodies_bytes: int = 256 * 1024 * 1024
+    """Request bodies kept with their decoded messages (the most recent few of each execution), in bytes
+    (least recently used execution first to go): a request that resends one's messages plus new ones has
+    only the new ones decoded and checked."""
     max_new_tokens_cap: int = 32768
     """The most new tokens one call may ask for (a larger max_tokens is clipped)."""
     drain_grace_s: float = field(default=0.0, metadata=flag("--drain-grace"))

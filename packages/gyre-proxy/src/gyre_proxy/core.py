@@ -34,6 +34,7 @@ import numpy as np
 from gyre_traj.records import Call, Delta, Role
 from tokenizers import Tokenizer
 
+from gyre_proxy.bodycache import BodyCache
 from gyre_proxy.chat import Conversation, Sampling, Turn
 from gyre_proxy.classify import classify
 from gyre_proxy.config import ProxyConfig
@@ -51,6 +52,10 @@ log = logging.getLogger("gyre_proxy")
 INLINE_BYTES = 64 * 1024
 """Requests up to this many bytes may be handled on the event loop (`Proxy.owned`): their work is bounded
 by that size, and they then take no turn of the loop to go to the worker thread and back."""
+KEPT_BODY_BYTES = INLINE_BYTES
+"""Anthropic request bodies over this many bytes are kept (`Proxy.bodies`), so the next call that resends
+their messages decodes only its new ones; smaller ones are decoded whole each time, which costs them less
+than the keeping."""
 EXTENDS = "extends"
 """Record metadata key: the call this one extends (gyre-traj's `Call.metadata` documents it)."""
 ENGINES = "engines"
@@ -106,6 +111,8 @@ class Proxy:
         self._salt = secrets.token_hex(3)
         self.stripper = Stripper(cfg.strip_rules)
         self.messages = MessageCache(cfg.decoded_cache_bytes)  # decoded request messages (the state lock)
+        # the most recent decoded requests of each execution (the state lock)
+        self.bodies: BodyCache[Any] = BodyCache(cfg.decoded_bodies_bytes)
         self.pool: EnginePool | None = None
         self.http: httpx.AsyncClient | None = None
         self.https: list[httpx.AsyncClient] = []
