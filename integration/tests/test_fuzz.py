@@ -22,7 +22,7 @@ import zmq
 from gyre.trajsvc.service import TrajectoryService
 from gyre_base import sockets
 from gyre_traj.io import Codec
-from gyre_traj.records import Call, CallBatch, Delta, EvalStatus, Role, Score
+from gyre_traj.records import Call, CallBatch, Delta, EvalStatus, Role, Score, defer_input_sign_check
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -180,3 +180,33 @@ def test_records_pull_fuzz_600_batches() -> None:
     assert ran >= CASES
     assert records >= CASES and dropped > 0
     print(f"records PULL fuzz: {ran} cases, {records} calls booked, {dropped} messages dropped")
+
+
+def test_a_call_with_a_negative_token_id_is_dropped_and_its_tree_keeps_what_it_had() -> None:
+    """The service decodes records with the sign scans left to the tree (which checks each token where
+    it stores it): a call whose input or output holds a negative id is dropped and counted, the tree it
+    would have extended stays as it was, and the same execution's next good call is booked."""
+    ctx: Ctx = zmq.Context()
+    eid = f"neg-{uuid.uuid4().hex[:8]}"
+
+    def call(n: int, inp: list[int], out: list[int]) -> bytes:
+        with defer_input_sign_check():  # the bytes a faulty sender would send (a Call refuses them)
+            return _codec.encode_msgpack(Call(
+                execution_id=eid, call_id=f"{eid}-c{n}", agent_id="main", role=Role.MAIN,
+                input_ids=np.array(inp), output_ids=np.array(out),
+                output_logprobs=np.full(len(out), -0.5), weight_version=0,
+            ))  # fmt: skip
+
+    with _serving() as traj:
+        push = sockets.connected(ctx, zmq.PUSH, traj.address, TOKEN)
+        push.send(call(0, [1001, 2001], [5001]))
+        push.send(call(1, [1001, 2001, 5001, -3001], [5002]))  # a negative input id
+        push.send(call(2, [1001, 2001, 5001, 3001], [5002, -5003]))  # a negative output id
+        push.send(call(3, [1001, 2001, 5001, 3001], [5002]))
+        deadline = time.monotonic() + 10.0
+        while traj.recorded_calls(eid) < 2 or traj.dropped < 2:
+            assert traj.failure() is None and time.monotonic() < deadline, (traj.dropped, traj.records)
+            time.sleep(0.005)
+        assert (traj.dropped, traj.recorded_calls(eid)) == (2, 2)
+        push.close(0)
+    ctx.term()

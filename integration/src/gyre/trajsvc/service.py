@@ -40,7 +40,7 @@ from gyre_train.control import CoreClient, InboxFull
 from gyre_train.normalize import execution_means
 from gyre_train.protocol import StepInfo
 from gyre_traj.io import Codec
-from gyre_traj.records import Call, RecordError, Score
+from gyre_traj.records import Call, RecordError, Score, defer_input_sign_check
 from gyre_traj.weights import group_advantages
 
 from gyre.trajsvc.stepbook import Packed, StepBook, StepData
@@ -227,10 +227,11 @@ class TrajectoryService:
         try:
             if len(msg) != 1:
                 raise RecordError(f"a message of {len(msg)} frames (a record is one frame)")
-            rec = self._codec.decode_msgpack(msg[0])
-            if not isinstance(rec, Call):
-                raise RecordError(f"a {type(rec).__name__} record (the PULL takes calls only)")
-            self._record(rec)
+            with defer_input_sign_check():  # the tree checks the tokens it stores, where it stores them
+                rec = self._codec.decode_msgpack(msg[0])
+                if not isinstance(rec, Call):
+                    raise RecordError(f"a {type(rec).__name__} record (the PULL takes calls only)")
+                self._record(rec)
         except (msgspec.DecodeError, msgspec.ValidationError, RecordError) as exc:
             self._drop(exc)
         except Exception as exc:  # a defect in decoding or ingesting one message must not end the service
