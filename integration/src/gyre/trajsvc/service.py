@@ -289,7 +289,7 @@ class TrajectoryService:
                 sd.given[g] = len(mbs)
                 sd.tally.add(p, mbs, executions, self.book.output_tokens)
             if sd.complete and not self._held(sd.step):
-                self._ledger(sd, list(sd.tally.trained))
+                self._ledger(sd, list(sd.tally.trained), sd.tally.over_budget)
                 core.close_step(sd.step, sd.tally.microbatches, max(1, sd.tally.executions))
                 self._closed(sd)
 
@@ -299,7 +299,7 @@ class TrajectoryService:
             return
         p = self.book.pack(sd, sd.groups)
         self._note_packed(sd.step, p)
-        self._ledger(sd, [it.tree.execution_id for it in p.items])
+        self._ledger(sd, [it.tree.execution_id for it in p.items], p.over_budget)
         # an empty one too: the core skips it (no update)
         try:
             core.submit(sd.step, p.microbatches)
@@ -321,9 +321,10 @@ class TrajectoryService:
                 step, e, n, self.book.pack_cfg.token_budget,
             )  # fmt: skip
 
-    def _ledger(self, sd: StepData, trained: list[str]) -> None:
+    def _ledger(self, sd: StepData, trained: list[str], over_budget: Iterable[str] = ()) -> None:
         """Tell `on_closed` what step `sd` trains, before the core is given the step whole (a crash in
-        between leaves a line for a step not applied, which a resume drops)."""
+        between leaves a line for a step not applied, which a resume drops); executions without an
+        advantage and those set aside with a path over the budget are not trainable (not lost)."""
         if self._on_closed is None:
             return
         adv, _ = group_advantages(sd.scores.values())
@@ -331,7 +332,7 @@ class TrajectoryService:
             {
                 "step": sd.step,
                 "batch_executions": [e for g in sd.groups.values() for e in g],
-                "not_trainable": sorted(e for e in sd.scores if e not in adv),
+                "not_trainable": sorted({e for e in sd.scores if e not in adv} | set(over_budget)),
                 "trained_executions": trained,
                 "calls_packed": {e: self._packed_calls.get(e, 0) for e in trained},
                 "calls_answered": dict(sd.calls_expected),
