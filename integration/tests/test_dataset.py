@@ -504,7 +504,7 @@ def test_overrides_take_the_fields_types() -> None:
     [
         ("train.lr=fast", "override 'train.lr=fast': [train] lr must be float, got 'fast'"),
         ("batch.queries=1.5", "[batch] queries must be int, got 1.5"),
-        ("train.lrr=1", "[train] unknown key 'lrr'; known: j_max"),
+        ("train.lrr=1", "[train] unknown key 'lrr'; known: chunk_budget, j_max"),
         ("trian.lr=1", "override 'trian.lr=1': unknown section [trian]"),
         ("train=1", "expected SECTION.KEY=VALUE"),
         ("train.lr", "expected SECTION.KEY=VALUE"),

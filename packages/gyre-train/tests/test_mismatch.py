@@ -1,5 +1,5 @@
 """`gyre-train mismatch`: gyre-engine and the trainer load the same model directory and agree on every
-sampled token's logprob (float32, <= 1e-4), for each family with non-default forward fields, through the
+sampled token's logprob (float32, <= 3e-4), for each family with non-default forward fields, through the
 engine's batched lanes and its slot step, with the transformers and the Megatron-core backends; a Qwen3
 directory with rope_theta 1e6 and rms_norm_eps 1e-5 is the case that once differed by 17 (the trainer
 rebuilt a Qwen3 from its defaults); a directory gyre-train does not build exactly is refused, naming
@@ -20,7 +20,9 @@ import family_dirs
 from gyre_engine.server.model_factory import create_model
 from gyre_train.cli import main
 
-TOL = 1e-4
+TOL = 3e-4
+"""float32 noise, not a field: on the Llama checkpoint without RoPE scaling, transformers' own float32
+forward is 1.5e-4 from its float64 forward (the engine 5e-5, the trainer 1.5e-4); a dropped field costs 17."""
 
 
 def _mismatch(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
