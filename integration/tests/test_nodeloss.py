@@ -185,12 +185,8 @@ def test_the_core_node_lost_a_core_not_pinned_is_placed_again_and_the_run_goes_o
 ) -> None:
     c = two_for_the_core
     out = tmp_path / "run"
-    pinned = _resources({"sched": "head", "proxy": "head", "cell-1": "head"})
-    argv = [
-        str(_config(tmp_path, out, 3)),
-        "--ray-resources",
-        pinned.replace("}}", '}, "cell-0": {"gyre-core": 1}}'),
-    ]
+    res = {part: {"gyre-head": 1} for part in ("sched", "proxy", "cell-1")} | {"cell-0": {"gyre-core": 1}}
+    argv = [str(_config(tmp_path, out, 3)), "--ray-resources", json.dumps(res)]
     node_name = {v: k.removeprefix("gyre-") for k, v in c.nodes.items()}
     first: dict[str, str] = {}
 
