@@ -104,7 +104,7 @@ def ray_nodes(cpus: dict[str, int], extra: dict[str, dict[str, int]] | None = No
                 break
             assert time.monotonic() < deadline, f"{len(cpus)} nodes did not join within 300 s: {nodes}"
             time.sleep(2.0)
-        yield RayNodes(address, env, {k: v for k, v in nodes.items() if k.startswith("gyre-")}, started)
+        yield RayNodes(address, env, {f"gyre-{n}": nodes[f"gyre-{n}"] for n in cpus}, started)
     finally:
         for node in reversed(started.values()):
             stop_session(node)
