@@ -397,20 +397,21 @@ class Attempt:
         last_say, applied = 0.0, -1
         while True:
             self._healthy()
+            if traj.applied != applied:
+                applied = traj.applied
+                self._say_recoveries()
             for rider in self.parts:
                 rider.tick(ctx)
             if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in self.parts):
                 break
             if time.monotonic() > deadline:
                 raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
-            if traj.applied != applied:
-                applied = traj.applied
-                self._say_recoveries()
             if time.monotonic() - last_say > 5.0:
                 last_say = time.monotonic()
                 self.say(_progress(self.t_start, driver, traj, sampler, self.out))
             time.sleep(0.1)
         self.t_end = _last_step_end(self.out)
+        self._say_recoveries()  # the last step's line may have come after its count
         final = traj.version  # from the same core status as `applied`; below `steps` if any was skipped
         self._wait(
             "the last weight version on every rollout engine",
