@@ -17,7 +17,8 @@
   calls to the cells left; each loss is noted in the metrics (`survival.lost`, a `Lost` each, with
   `recovery_s`: from its actor's last answer to the next step applied). A lost core, scheduler or proxy
   ends the attempt (`RestartAttempt`: the next one places every part again and continues from the
-  core's checkpoint). The watch goes on until the core has applied `steps` updates,
+  core's checkpoint); it is noted too (the run's `losses` outlive the attempt), its `seen_to_step_s`
+  from the loss seen to the next attempt's first step, which `gyre run` says. The watch goes on until the core has applied `steps` updates,
   the driver and every part are done, and every rollout engine serves the last version; or the deadline.
 - **collect**, after every part and child process is stopped: the trained policy exported from the
   core's checkpoint of the last version as a Hugging Face model directory, `policy/` (`policy.py`),
