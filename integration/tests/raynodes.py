@@ -61,9 +61,10 @@ class RayNodes:
 
 
 @contextlib.contextmanager
-def ray_nodes(cpus: dict[str, int]) -> Iterator[RayNodes]:
+def ray_nodes(cpus: dict[str, int], extra: dict[str, dict[str, int]] | None = None) -> Iterator[RayNodes]:
     """A cluster of `len(cpus)` nodes: the first is the head, each node `name` with `cpus[name]` logical
-    CPUs, no GPU, and the custom resource `gyre-<name>` as many as its CPUs. Stopped on the way out."""
+    CPUs, no GPU, the custom resource `gyre-<name>` as many as its CPUs and the custom resources
+    `extra[name]` (one several nodes share lets Ray pick among them). Stopped on the way out."""
     env = {**env_without_token(), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     ray_bin = str(Path(sys.executable).with_name("ray"))
     common = ["--block", "--num-gpus=0", "--disable-usage-stats"]
@@ -80,7 +81,8 @@ def ray_nodes(cpus: dict[str, int]) -> Iterator[RayNodes]:
             temp = tempfile.mkdtemp(prefix=f"gyre-{name}-", dir="/tmp")  # short: socket paths have a limit
             log = Path(temp) / "start.log"
             argv = [ray_bin, "start", *where, f"--num-cpus={n}", *common]
-            argv += [f"--resources={json.dumps({f'gyre-{name}': n})}", f"--temp-dir={temp}"]
+            res = {f"gyre-{name}": n, **(extra or {}).get(name, {})}
+            argv += [f"--resources={json.dumps(res)}", f"--temp-dir={temp}"]
             with open(log, "wb") as fh:
                 node = subprocess.Popen(
                     argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -102,7 +104,7 @@ def ray_nodes(cpus: dict[str, int]) -> Iterator[RayNodes]:
                 break
             assert time.monotonic() < deadline, f"{len(cpus)} nodes did not join within 300 s: {nodes}"
             time.sleep(2.0)
-        yield RayNodes(address, env, {k: v for k, v in nodes.items() if k.startswith("gyre-")}, started)
+        yield RayNodes(address, env, {f"gyre-{n}": nodes[f"gyre-{n}"] for n in cpus}, started)
     finally:
         for node in reversed(started.values()):
             stop_session(node)

@@ -8,6 +8,9 @@ applied.
 - n1 lost (the core's node): the run stops with an error naming the core and the resource no live node
   has; `gyre run --resume --ray-resources` places the core on the head and finishes the run from the
   core's checkpoint, each step trained once.
+- the core not pinned (a resource n1 and n2 both have; cell 1 on the head) and its node lost: the run
+  goes on by itself in a new attempt, the core placed on the other node and continuing from its
+  checkpoint, each step trained once, the loss and the time to the next step in the metrics.
 
 Each takes a few minutes on 2 loaded cores (Ray starting three nodes, then the run)."""
 
@@ -17,7 +20,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +58,11 @@ def _config(tmp_path: Path, out: Path, steps: int) -> Path:
     return cfg
 
 
-def _run_and_lose(c: RayNodes, argv: list[str], out: Path, node: str, log: Path) -> tuple[int, float, float]:
-    """`gyre run ARGV --ray` until its first step is applied and checkpointed, then node `node` killed; (its exit code,
-    when the node was killed, when it exited)."""
+def _run_and_lose(
+    c: RayNodes, argv: list[str], out: Path, node: str | Callable[[], str], log: Path
+) -> tuple[int, float, float]:
+    """`gyre run ARGV --ray` until its first step is applied and checkpointed, then node `node` (or the one
+    `node()` names then) killed; (its exit code, when the node was killed, when it exited)."""
     env = {**c.env, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "gyre.cli", "run", *argv, "--ray", c.address]
     with open(log, "wb") as fh:
@@ -68,7 +73,7 @@ def _run_and_lose(c: RayNodes, argv: list[str], out: Path, node: str, log: Path)
             assert p.poll() is None, log.read_text(errors="replace")[-5000:]
             assert time.monotonic() < deadline, "no step applied within 1500 s"
             time.sleep(0.2)
-        c.kill(node)
+        c.kill(node if isinstance(node, str) else node())
         killed = time.time()
         rc = p.wait(1500)
         return rc, killed, time.time()
@@ -162,4 +167,58 @@ def test_the_core_node_lost_the_run_stops_and_resumes_on_the_nodes_left(
     print(
         f"core node lost: gyre run stopped {ended - killed:.1f} s after the kill; the resumed run applied "
         f"its first step {first['t_end'] - t0:.1f} s after it started ({kept} steps kept)"
+    )
+
+
+@pytest.fixture
+def two_for_the_core() -> Iterator[RayNodes]:
+    pytest.importorskip("ray")
+    with ray_nodes({"head": 3, "n1": 1, "n2": 1}, {"n1": {"gyre-core": 1}, "n2": {"gyre-core": 1}}) as c:
+        yield c
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_the_core_node_lost_a_core_not_pinned_is_placed_again_and_the_run_goes_on(
+    tmp_path: Path, two_for_the_core: RayNodes
+) -> None:
+    c = two_for_the_core
+    out = tmp_path / "run"
+    res = {part: {"gyre-head": 1} for part in ("sched", "proxy", "cell-1")} | {"cell-0": {"gyre-core": 1}}
+    argv = [str(_config(tmp_path, out, 3)), "--ray-resources", json.dumps(res)]
+    node_name = {v: k.removeprefix("gyre-") for k, v in c.nodes.items()}
+    first: dict[str, str] = {}
+
+    def core_node() -> str:  # where Ray put the core: n1 or n2
+        first.update(_on(out))
+        return node_name[first["cell-0"]]
+
+    log = tmp_path / "gyre-run.log"
+    rc, killed, ended = _run_and_lose(c, argv, out, core_node, log)
+    said = log.read_text(errors="replace")
+    assert rc == 0, said[-5000:]
+    lost_node = first["cell-0"]
+    assert node_name[lost_node] in ("n1", "n2")
+    other = c.nodes["gyre-n2" if node_name[lost_node] == "n1" else "gyre-n1"]
+    assert _on(out) == {**first, "cell-0": other}  # the new attempt: the core on the node left
+    assert "cell-0 (the trainer core) was lost on Ray" in said and "attempt 1 continues the run" in said
+    m = json.loads((out / "metrics.json").read_text())
+    rows = _each_step_trained_once(out, m, 3)
+    assert m["attempts"] == 2
+    resumed = [r for r in rows if r["attempt"] == 1]
+    assert resumed and min(r["step"] for r in resumed) >= 1  # the checkpointed step not run again
+    assert json.loads((out / "run.json").read_text())["state"] == "finished"
+    [lost] = m["survival"]["lost"]
+    assert lost["part"] == "cell-0" and lost["node_id"] == lost_node and lost["attempt"] == 0
+    assert lost["alive_at"] < lost["seen_at"] and lost["seen_at"] > killed
+    after = [s["t_end"] for s in read_steps(out) if s["t_end"] > lost["seen_at"]]
+    assert after and lost["next_step_at"] == after[0]  # applied by the new attempt's core
+    assert lost["seen_to_step_s"] == round(after[0] - lost["seen_at"], 3) > 0
+    assert "the first step after cell-0's loss was applied" in said
+    print(
+        f"core node lost, core not pinned: the loss seen {lost['seen_at'] - killed:.1f} s after the kill "
+        f"(detect_s {lost['detect_s']}), the next step applied {lost['seen_to_step_s']:.1f} s after the loss "
+        f"was seen (recovery_s {lost['recovery_s']} from the last answer); {len(resumed)} steps in attempt "
+        f"1; the run ended {ended - killed:.1f} s after the kill"
     )

@@ -17,7 +17,8 @@
   calls to the cells left; each loss is noted in the metrics (`survival.lost`, a `Lost` each, with
   `recovery_s`: from its actor's last answer to the next step applied). A lost core, scheduler or proxy
   ends the attempt (`RestartAttempt`: the next one places every part again and continues from the
-  core's checkpoint). The watch goes on until the core has applied `steps` updates,
+  core's checkpoint); it is noted too (the run's `losses` outlive the attempt), its `seen_to_step_s`
+  from the loss seen to the next attempt's first step, which `gyre run` says. The watch goes on until the core has applied `steps` updates,
   the driver and every part are done, and every rollout engine serves the last version; or the deadline.
 - **collect**, after every part and child process is stopped: the trained policy exported from the
   core's checkpoint of the last version as a Hugging Face model directory, `policy/` (`policy.py`),
@@ -72,7 +73,8 @@ class RunError(RuntimeError):
 
 @dataclass(frozen=True)
 class Lost:
-    """A satellite cell lost on Ray, which the run went on without."""
+    """A part lost on Ray: a satellite cell the run went on without, or a part whose loss ended the
+    attempt (the core, gyre-sched, the proxy) and the next attempt placed again."""
 
     part: str
     node_id: str
@@ -84,6 +86,8 @@ class Lost:
     detect_s: float
     applied_at_loss: int
     """Steps the core had applied when the loss was seen."""
+    attempt: int = 0
+    """The attempt it was lost in (the next one continued the run if the part was not a satellite)."""
 
 
 def ensure_model(cfg: Config, out: Path, procs: ProcessGroup) -> Path:
@@ -134,10 +138,16 @@ def proxy_up(url: str) -> bool:
 
 
 def attempt(
-    cfg: Config, rd: RunDir, say: Callable[[str], None], parts: Sequence[RunPart], events: list[Event]
+    cfg: Config,
+    rd: RunDir,
+    say: Callable[[str], None],
+    parts: Sequence[RunPart],
+    events: list[Event],
+    losses: list[Lost] | None = None,
 ) -> dict[str, Any]:
-    """One attempt of the run in `rd`; returns its metrics (module docstring)."""
-    a = Attempt.build(cfg, rd, say, parts, events)
+    """One attempt of the run in `rd`; returns its metrics (module docstring). `events` and `losses`
+    are the run's: every attempt adds to them, the last one's metrics carry them all."""
+    a = Attempt.build(cfg, rd, say, parts, events, [] if losses is None else losses)
     try:
         a.start()
         a.watch()
@@ -156,13 +166,14 @@ class Attempt:
         say: Callable[[str], None],
         parts: Sequence[RunPart],
         events: list[Event],
+        losses: list[Lost],
         position: int,
         token: runtoken.RunToken,
         procs: Launcher,
         sup: Supervisor,
     ) -> None:
         self.cfg, self.rd, self.out, self.say, self.parts = cfg, rd, rd.path, say, parts
-        self.events = events
+        self.events, self.losses = events, losses
         self.position = position
         """The queue position this attempt starts at (the core's checkpoint's; 0 for a new run)."""
         self.log_path = self.out / "records.msgpack"
@@ -181,7 +192,9 @@ class Attempt:
         self.proxy_stats: dict[str, Any] = {}
         self.model_dir: Path | None = None
         self.lost: dict[int, Lost] = {}
-        """Satellite cells lost on Ray, by cell id."""
+        """Satellite cells lost on Ray in this attempt (let go), by cell id."""
+        self._said_recovery: set[int] = set()
+        """The losses (indices in `losses`) whose next applied step was said."""
 
     # ---- build --------------------------------------------------------------------------------------
     @classmethod
@@ -192,6 +205,7 @@ class Attempt:
         say: Callable[[str], None],
         parts: Sequence[RunPart],
         events: list[Event],
+        losses: list[Lost],
     ) -> Attempt:
         """The run directory lined up with the checkpoint, the run token, the launcher and the supervisor;
         with `[eval] tasks`, the held-out evaluator rides along; the per-step log (`runlog.RunLog`) always."""
@@ -216,7 +230,7 @@ class Attempt:
         sup = Supervisor(group, sv.max_restarts, sv.backoff_s, say, sv.restart and group is procs, events)
         if isinstance(procs, RayLauncher):  # a new attempt places every part again (a lost node's too)
             sup.attempts = sv.restart
-        return cls(cfg, rd, say, parts, events, at.position, token, procs, sup)
+        return cls(cfg, rd, say, parts, events, losses, at.position, token, procs, sup)
 
     # ---- start --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -332,6 +346,13 @@ class Attempt:
         ends the attempt (RestartAttempt, or RunError with restarts off)."""
         name = exc.part
         cell = int(name.split("-", 1)[1]) if name.startswith("cell-") else 0
+        now = time.time()
+        rec = Lost(
+            part=name, node_id=exc.node_id, why=str(exc).splitlines()[0], alive_at=exc.alive_at,
+            seen_at=now, detect_s=round(now - exc.alive_at, 3),
+            applied_at_loss=self.traj.applied if self.traj is not None else 0, attempt=self.rd.attempt,
+        )  # fmt: skip
+        self.losses.append(rec)
         if cell == 0 or self.traj is None:  # the core, gyre-sched or the proxy; or a loss while starting
             procs.let_go(name)
             fatal = RestartAttempt if self.sup.new_attempts() else RunError
@@ -341,11 +362,7 @@ class Attempt:
                 f"(`gyre run --resume {self.out}`)"
             ) from exc
         procs.let_go(name)
-        now = time.time()
-        self.lost[cell] = Lost(
-            part=name, node_id=exc.node_id, why=str(exc).splitlines()[0], alive_at=exc.alive_at,
-            seen_at=now, detect_s=round(now - exc.alive_at, 3), applied_at_loss=self.traj.applied,
-        )  # fmt: skip
+        self.lost[cell] = rec
         self.say(f"gyre run: {name} was lost ({str(exc).splitlines()[0]}); the run goes on without it")
 
     def _wait(
@@ -378,9 +395,12 @@ class Attempt:
         self.t_start = time.time()
         driver.start()
         deadline = time.monotonic() + c.deadline_s
-        last_say = 0.0
+        last_say, applied = 0.0, -1
         while True:
             self._healthy()
+            if traj.applied != applied:
+                applied = traj.applied
+                self._say_recoveries()
             for rider in self.parts:
                 rider.tick(ctx)
             if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in self.parts):
@@ -392,6 +412,7 @@ class Attempt:
                 self.say(_progress(self.t_start, driver, traj, sampler, self.out))
             time.sleep(0.1)
         self.t_end = _last_step_end(self.out)
+        self._say_recoveries()  # the last step's line may have come after its count
         final = traj.version  # from the same core status as `applied`; below `steps` if any was skipped
         self._wait(
             "the last weight version on every rollout engine",
@@ -406,6 +427,17 @@ class Attempt:
             )
         self.proxy_stats = _proxy_stats(self.proxy_url)
         self.say(_progress(self.t_start, driver, traj, sampler, self.out))
+
+    def _say_recoveries(self) -> None:
+        """Says, once each, how long after a loss was seen the next step was applied."""
+        for k, rec in enumerate(_losses(self.losses, self.out)):
+            if k not in self._said_recovery and rec["next_step_at"] is not None:
+                self._said_recovery.add(k)
+                self.say(
+                    f"gyre run: the first step after {rec['part']}'s loss was applied "
+                    f"{rec['seen_to_step_s']:.1f} s after the loss was seen ({rec['recovery_s']:.1f} s after "
+                    f"its last answer, attempt {self.rd.attempt})"
+                )
 
     def stop(self) -> None:
         """Every part, the driver, the trajectory service and the sampler stopped, every child process
@@ -438,7 +470,10 @@ class Attempt:
         metrics["attempts"] = (
             self.rd.attempt + 1
         )  # attempts of the run so far, resumes and new attempts included
-        metrics["survival"] = {"events": [e.to_dict() for e in self.events], "lost": _losses(self.lost, out)}
+        metrics["survival"] = {
+            "events": [e.to_dict() for e in self.events],
+            "lost": _losses(self.losses, out),
+        }
         metrics["accounting"] = ledger.account(out, traj.applied).to_dict()
         assert self.model_dir is not None
         metrics["policy_dir"] = None
@@ -507,15 +542,23 @@ def check_health(
         )
 
 
-def _losses(lost: dict[int, Lost], out: Path) -> list[dict[str, Any]]:
+def _losses(lost: Sequence[Lost], out: Path) -> list[dict[str, Any]]:
     """The lost parts (`Lost`), each with `next_step_at`, the first step applied after its actor's last
-    answer (None: no step was left), and `recovery_s`, from that answer to it."""
+    answer (None: no step was left; after a lost core, the first the next attempt applied), `recovery_s`,
+    from that answer to it, and `seen_to_step_s`, from the loss seen to it."""
     ends = sorted(float(r["t_end"]) for r in read_steps(out))
     recs = []
-    for rec in lost.values():
-        nxt = next((t for t in ends if t > rec.alive_at), None)
-        recovery = round(nxt - rec.alive_at, 3) if nxt is not None else None
-        recs.append({**asdict(rec), "next_step_at": nxt, "recovery_s": recovery})
+    for rec in lost:
+        after = rec.seen_at if rec.part in ("cell-0", "sched", "proxy") else rec.alive_at
+        nxt = next((t for t in ends if t > after), None)
+        recs.append(
+            {
+                **asdict(rec),
+                "next_step_at": nxt,
+                "recovery_s": round(nxt - rec.alive_at, 3) if nxt is not None else None,
+                "seen_to_step_s": round(nxt - rec.seen_at, 3) if nxt is not None else None,
+            }
+        )
     return recs
 
 

@@ -27,7 +27,7 @@ from gyre.config.runconfig import Config, config_from_dict
 from gyre.procs.nospace import is_full
 from gyre.rollout.harnesses import check_harness, check_tasks
 from gyre.system import diskfull
-from gyre.system.attempt import RunError, attempt
+from gyre.system.attempt import Lost, RunError, attempt
 from gyre.system.rundir import NothingToResume, RunDir, read_state, sweep_segments
 from gyre.system.runparts import RunPart
 from gyre.system.supervise import Event, RestartAttempt
@@ -77,6 +77,7 @@ def run(
             + f"); it starts again with this configuration, as attempt {rd.attempt}"
         )
     events: list[Event] = []
+    losses: list[Lost] = []  # parts lost on Ray, over every attempt
     restarted = 0
     model_dir = Path(cfg.run.model_dir) if cfg.run.model_dir else out / "model"
     try:
@@ -84,7 +85,7 @@ def run(
             if rd.attempt:  # a resumed or new attempt on a disk still full stops before anything starts
                 diskfull.check_room(out, model_dir)
             try:
-                metrics = attempt(cfg, rd, say, parts, events)
+                metrics = attempt(cfg, rd, say, parts, events, losses)
                 break
             except RestartAttempt as exc:
                 full = diskfull.stopped(out, exc, model_dir)
