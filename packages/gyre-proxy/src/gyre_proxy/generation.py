@@ -36,6 +36,7 @@ from gyre_engine.sse import data_fields
 from gyre_proxy import kvmove
 from gyre_proxy.chat import Sampling
 from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
+from gyre_proxy.upstream import UpstreamClient
 
 log = logging.getLogger("gyre_proxy.generation")
 _enc = msgspec.json.Encoder()
@@ -150,7 +151,7 @@ class Generation:
     def __init__(
         self,
         pool: EnginePool,
-        http: httpx.AsyncClient,
+        http: UpstreamClient,
         counters: Counters,
         rid: str,
         execution: str,
@@ -368,7 +369,7 @@ class Generation:
         body = self._body(attempt_rid)
         headers = eng.client.headers  # JSON, and the run token the engine checks (`$GYRE_TOKEN`)
         try:
-            async with self.http.stream("POST", f"{eng.url}/generate", content=body, headers=headers) as r:
+            async with self.http.stream(f"{eng.url}/generate", body, headers) as r:
                 connected.set()
                 if r.status_code >= 400:
                     err = (await r.aread()).decode(errors="replace")
