@@ -55,9 +55,11 @@ class _Conn:
 class _Parse:
     """httptools callbacks: the status and headers, then body pieces as they come."""
 
-    __slots__ = ("body", "complete", "framed", "headers_done")
+    __slots__ = ("body", "complete", "framed", "headers_done", "keep_alive", "parser")
 
     def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.keep_alive = False  # read when the message completes (the parser forgets it after that)
         self.body: list[bytes] = []
         self.headers_done = False
         self.complete = False
@@ -74,6 +76,7 @@ class _Parse:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
         self.complete = True
 
 
@@ -94,7 +97,7 @@ class UpstreamResponse:
         return self._state.complete
 
     def reusable(self) -> bool:
-        return self._state.complete and self._parser.should_keep_alive()
+        return self._state.complete and self._state.keep_alive
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body's pieces as they arrive (chunk framing removed)."""
@@ -236,7 +239,7 @@ class UpstreamClient:
                 except OSError as exc:
                     raise httpx.WriteError(f"sending the request failed: {exc!r}") from exc
             st = _Parse()
-            parser = httptools.HttpResponseParser(st)
+            parser = st.parser
             while not st.headers_done:
                 await _feed(conn, parser, st, self.timeout_s)
             resp = UpstreamResponse(conn, parser, st, self.timeout_s)
