@@ -13,12 +13,11 @@ from typing import Any
 import httpx
 import pytest
 from gyre_base.testing import AppThread, free_port
+from gyre_proxy.upstream import UpstreamClient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-
-from gyre_proxy.upstream import UpstreamClient
 
 
 def run[**P](fn: Callable[P, Coroutine[Any, Any, None]]) -> Callable[P, None]:
