@@ -146,10 +146,10 @@ async def test_no_answer_reset_silence_and_refused_are_transport_errors() -> Non
     async with RawServer(lambda n: b"SPAM 12 nope\r\n\r\n") as srv, UpstreamClient() as c:
         with pytest.raises(httpx.RemoteProtocolError, match="malformed"):
             await _post(c, srv.url)
-    async with RawServer(lambda n: b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nab") as srv:
-        async with UpstreamClient(timeout_s=0.3) as c:
-            with pytest.raises(httpx.ReadTimeout):
-                await _post(c, srv.url)
+    silent = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nab"
+    async with RawServer(lambda n: silent) as srv, UpstreamClient(timeout_s=0.3) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await _post(c, srv.url)
     async with UpstreamClient(connect_timeout_s=2.0) as c:
         with pytest.raises(httpx.ConnectError):
             await _post(c, f"http://127.0.0.1:{free_port()}/generate")
