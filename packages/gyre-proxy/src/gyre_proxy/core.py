@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import msgspec
 import numpy as np
 from gyre_traj.records import Call, Delta, Role
@@ -47,6 +46,7 @@ from gyre_proxy.sink import RecordSink, Ticket
 from gyre_proxy.stoptext import shown_text
 from gyre_proxy.strip import Stripper
 from gyre_proxy.toolparse import Block, BlockKind, parse
+from gyre_proxy.upstream import UpstreamClient
 
 log = logging.getLogger("gyre_proxy")
 INLINE_BYTES = 64 * 1024
@@ -114,8 +114,7 @@ class Proxy:
         # the most recent decoded requests of each execution (the state lock)
         self.bodies: BodyCache[Any] = BodyCache(cfg.decoded_bodies_bytes)
         self.pool: EnginePool | None = None
-        self.http: httpx.AsyncClient | None = None
-        self.https: list[httpx.AsyncClient] = []
+        self.http: UpstreamClient | None = None
         self.sink: RecordSink | None = None
         # The render caches, the recorded outputs and the call counters are touched only under
         # `_state`. A request's work that grows with it (decoding, checks, rendering, tokenizing, building
@@ -164,17 +163,12 @@ class Proxy:
             retry_max_s=self.cfg.engine_retry_max_s,
             session_idle_s=self.cfg.session_idle_s,
         )
-        # Several small connection pools: httpx's pool scans its connections on every request, so one
-        # pool of hundreds of connections costs more CPU than the proxy itself under load. No cap on
-        # connections: a call cancelled while its request waits for a pool slot (its client left) leaks
-        # that slot for good in httpx 0.28 / httpcore 1.0.9 (encode/httpcore#1093), and a capped pool
-        # then fills with dead slots until every call through it hangs. The calls in flight bound the
-        # connections anyway (one engine stream per call).
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-        timeout = httpx.Timeout(self.cfg.request_timeout_s, connect=5.0)
+        # One pool of kept-alive connections for the engines' streams (`upstream.py`): no cap on the
+        # connections in use (the calls in flight bound them, one engine stream per call).
         tls = ssl.create_default_context()  # made once: each takes milliseconds, and engines may use https
-        self.https = [httpx.AsyncClient(timeout=timeout, limits=limits, verify=tls) for _ in range(16)]
-        self.http = self.https[0]
+        self.http = UpstreamClient(
+            timeout_s=self.cfg.request_timeout_s, connect_timeout_s=5.0, max_keepalive=512, ssl_context=tls
+        )
         self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push, token=self.cfg.token)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gyre-proxy-worker")
         for i, url in enumerate(self.cfg.engines):
@@ -183,8 +177,8 @@ class Proxy:
     async def stop(self) -> None:
         if self.pool is not None:
             await self.pool.aclose()
-        for h in self.https:
-            await h.aclose()
+        if self.http is not None:
+            await self.http.aclose()
         if self._worker is not None:
             await asyncio.to_thread(self._worker.shutdown)
         if self.sink is not None:
@@ -363,7 +357,7 @@ class CallRun:
         assert p.pool is not None and p.http is not None
         gen = Generation(
             p.pool,
-            p.https[hash(self.ex_id) % len(p.https)],
+            p.http,
             p.counters,
             f"{self.ex_id}/{self.call_id}",
             self.ex_id,

@@ -11,9 +11,9 @@ both are counted. Before its first attempt a call may move its execution to a le
 A call cancelled mid-attempt (its client left) aborts its engine request (`/abort_request` with the
 attempt's rid, sent from a task of its own so the cancellation cannot stop it) and is never resubmitted:
 only a call whose caller is still waiting continues after an engine-side abort. Its reader of the engine
-stream is cancelled only once it holds its connection (the response has started, or a bounded wait for
-that has passed): httpx 0.28 / httpcore 1.0.9 leak a connection whose request is cancelled while it
-waits for or opens that connection (encode/httpcore#1093).
+stream is cancelled once the response has started (or a bounded wait for that has passed), so the request
+is out before its connection closes. The stream goes through `upstream.UpstreamClient` (kept-alive
+HTTP/1.1, httptools' parser), whose failures are httpx's transport errors.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gyre_engine.sse import data_fields
 from gyre_proxy import kvmove
 from gyre_proxy.chat import Sampling
 from gyre_proxy.engines import Engine, EnginePool, EngineState, InFlight
+from gyre_proxy.upstream import UpstreamClient
 
 log = logging.getLogger("gyre_proxy.generation")
 _enc = msgspec.json.Encoder()
@@ -150,7 +151,7 @@ class Generation:
     def __init__(
         self,
         pool: EnginePool,
-        http: httpx.AsyncClient,
+        http: UpstreamClient,
         counters: Counters,
         rid: str,
         execution: str,
@@ -368,7 +369,7 @@ class Generation:
         body = self._body(attempt_rid)
         headers = eng.client.headers  # JSON, and the run token the engine checks (`$GYRE_TOKEN`)
         try:
-            async with self.http.stream("POST", f"{eng.url}/generate", content=body, headers=headers) as r:
+            async with self.http.stream(f"{eng.url}/generate", body, headers) as r:
                 connected.set()
                 if r.status_code >= 400:
                     err = (await r.aread()).decode(errors="replace")
