@@ -154,6 +154,7 @@ def test_claude_code_example_end_to_end(tmp_path: Path, model_dir: Path) -> None
     assert {r.execution_id for r in records} == {o["execution_id"] for o in m["outcomes"]}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # startup alone took 8 min on the shared machine under load 15-18
 def test_command_openai_example_end_to_end(tmp_path: Path, model_dir: Path) -> None:

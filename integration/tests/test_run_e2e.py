@@ -223,6 +223,7 @@ max_tokens = 8
     return cfg
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_steps_with_nothing_to_train_are_skipped(tmp_path: Path, model_dir: Path) -> None:
     # Every execution times out before its first call (the harness sleeps its tool time, about 25 s here,
@@ -243,6 +244,7 @@ def test_steps_with_nothing_to_train_are_skipped(tmp_path: Path, model_dir: Path
     assert _processes_mentioning(str(tmp_path / "run")) == []
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_cell_marked_failed_ends_the_run_at_once(tmp_path: Path, model_dir: Path) -> None:
     # The core cell stops answering (SIGSTOP) once rollout has started: gyre-sched marks it failed after
@@ -283,6 +285,7 @@ def _core_cell(out: Path) -> int:
     return pids[0]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_once_and_resume_continues_it(tmp_path: Path, model_dir: Path) -> None:
     # Once rollout starts, the core cell may write no file past 1.25 MiB (RLIMIT_FSIZE on the live process:

@@ -42,6 +42,7 @@ def _node_env(job: Path, node_id: int) -> dict[str, str]:
     }
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_slurm_example_node_script_runs_tiny_on_three_nodes(tmp_path: Path) -> None:

@@ -86,6 +86,7 @@ def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_mode
     assert cached.length == 5  # the cached prefix itself was not written to
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_compiled_group_prefill_equals_the_eager_one(hf_model: Any) -> None:
     """What the engine runs on CUDA (`compile_prefill`): `group_forward` through torch.compile, with

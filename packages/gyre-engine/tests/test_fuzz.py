@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run 
 from routes import ROUTES  # noqa: E402
 
 TOKEN = "engine-fuzz-token-0123456789abcdef"
-BATCHES = 1000
+BATCHES = 300
+"""Cases in the default run; the `long` run fuzzes `LONG_BATCHES`."""
+LONG_BATCHES = 1000
 CLIENT_CAP_S = 2.0
 """A client that has not been answered by then leaves (counted)."""
 IDLE_WAIT_S = 30.0
@@ -449,10 +451,21 @@ def fuzz_server(spawn_server: Any, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.fuzz
 @pytest.mark.slow
-def test_every_endpoint_fuzz_1000_batches(fuzz_server: Any) -> None:
-    """1,000 cases, each a batch of 1-5 concurrent calls (about 3,000 requests in all): 0 answers of 500 or
+def test_every_endpoint_fuzz_300_batches(fuzz_server: Any) -> None:
+    """300 cases, each a batch of 1-5 concurrent calls (about 900 requests in all): 0 answers of 500 or
     more but the two kinds the module docstring names, every refusal in SGLang's error shape, 0 abandoned
     generations after every batch, a good request answered after every batch, the process alive."""
+    _fuzz_every_endpoint(fuzz_server, BATCHES)
+
+
+@pytest.mark.fuzz
+@pytest.mark.long
+def test_every_endpoint_fuzz_1000_batches(fuzz_server: Any) -> None:
+    """The same with 1,000 cases (about 3,000 requests)."""
+    _fuzz_every_endpoint(fuzz_server, LONG_BATCHES)
+
+
+def _fuzz_every_endpoint(fuzz_server: Any, batches: int) -> None:
     url = fuzz_server.url
     tally = Tally(Counter())
     abandoned: list[int] = []
@@ -461,7 +474,7 @@ def test_every_endpoint_fuzz_1000_batches(fuzz_server: Any) -> None:
     try:
 
         @settings(
-            max_examples=BATCHES,
+            max_examples=batches,
             deadline=None,
             database=None,
             phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -497,6 +510,6 @@ def test_every_endpoint_fuzz_1000_batches(fuzz_server: Any) -> None:
         f"after {CLIENT_CAP_S:g} s; expected 5xx (health while paused, unreachable peers): "
         f"{tally.expected_5xx}; abandoned generations after a batch: max {max(abandoned)}"
     )
-    assert len(abandoned) >= BATCHES and max(abandoned) == 0
+    assert len(abandoned) >= batches and max(abandoned) == 0
     assert fuzz_server.proc.poll() is None
     assert "Traceback" not in fuzz_server.log_path.read_text(), "the server logged an exception"

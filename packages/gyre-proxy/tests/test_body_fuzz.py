@@ -1,5 +1,5 @@
-"""An HTTP fuzz of request bodies against a real `gyre-proxy serve` process: 1,000 requests in 40
-batches of 25 sent at once, good requests mixed with garbage, bodies over the bound (declared by their
+"""An HTTP fuzz of request bodies against a real `gyre-proxy serve` process: batches of 25 sent at
+once (12 batches, 300 requests, in the default run; 40, 1,000 requests, in the `long` one), good requests mixed with garbage, bodies over the bound (declared by their
 `Content-Length`, or sent chunked past the bound and never finished), bodies within the bound whose text cannot fit the
 context, bodies of many thousand tiny blocks, deep nesting and truncated JSON.
 
@@ -34,7 +34,7 @@ from .conftest import ScriptedEngine
 pytestmark = [pytest.mark.fuzz, pytest.mark.slow]
 
 BOUND = 4 * 1024 * 1024  # the fuzzed proxy's --max-body-bytes (the default is 32 MiB)
-BATCHES, BATCH = 40, 25
+BATCH = 25
 GOOD_A = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
 GOOD_O = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
 PATHS = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
@@ -210,8 +210,18 @@ async def _one(t: Target, rnd: random.Random, tally: Tally, client: httpx.AsyncC
     tally.add(kind, status, time.monotonic() - t0)
 
 
+def test_bodies_huge_and_garbage_300_requests(target: Target) -> None:
+    """12 batches of 25 mixed requests (300), a good request after each batch (module docstring)."""
+    _fuzz_bodies(target, 12)
+
+
+@pytest.mark.long
 def test_bodies_huge_and_garbage_1000_requests(target: Target) -> None:
     """40 batches of 25 mixed requests (1,000), a good request after each batch (module docstring)."""
+    _fuzz_bodies(target, 40)
+
+
+def _fuzz_bodies(target: Target, batches: int) -> None:
     seed = int(os.environ.get("GYRE_FUZZ_SEED", time.time_ns() % 2**32))
     print(f"\nseed {seed} (GYRE_FUZZ_SEED)")
     rnd = random.Random(seed)
@@ -224,7 +234,7 @@ def test_bodies_huge_and_garbage_1000_requests(target: Target) -> None:
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             await asyncio.gather(*(_one(target, rnd, tally, client) for _ in range(BATCH)))
 
-    for _ in range(BATCHES):
+    for _ in range(batches):
         asyncio.run(batch())
         assert target.proc.poll() is None, f"the proxy died; see {target.log}"
         t0 = time.monotonic()
@@ -241,5 +251,5 @@ def test_bodies_huge_and_garbage_1000_requests(target: Target) -> None:
         f"proxy RSS: {rss0 // 1024} MB before, {peak // 1024} MB at its peak, {rss1 // 1024} MB after "
         f"(+{(rss1 - rss0) // 1024} MB); 5xx answers: {fives}"
     )
-    assert len(tally.latencies) == BATCHES * BATCH == 1000
+    assert len(tally.latencies) == batches * BATCH
     assert fives == 0

@@ -576,39 +576,50 @@ def _fuzz(target: FuzzTarget, reqs: list[Req]) -> None:
     target.settle()
 
 
-BATCHES = 50
-FUZZ = settings(
-    max_examples=BATCHES,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-    phases=[Phase.generate],
-)
+BATCHES = 16
+"""Batches in the default run (384 requests per API); the `long` run sends 50 (1,200)."""
+LONG_BATCHES = 50
 
 
-@FUZZ
-@given(st.integers(0, 2**64 - 1))
-def _anthropic(target: FuzzTarget, seed: int) -> None:
-    _fuzz(target, batch("anthropic", seed))
+def _settings(batches: int) -> settings:
+    return settings(
+        max_examples=batches,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
+    )
 
 
-@FUZZ
-@given(st.integers(0, 2**64 - 1))
-def _openai(target: FuzzTarget, seed: int) -> None:
-    _fuzz(target, batch("openai", seed))
+def _run(target: FuzzTarget, api: str, batches: int) -> None:
+    @_settings(batches)
+    @given(st.integers(0, 2**64 - 1))
+    def one(seed: int) -> None:
+        _fuzz(target, batch(api, seed))
+
+    before = target.sent
+    one()
+    assert target.sent - before == batches * BATCH
+    print(f"\nanswers by (status, content type): {STATUSES}")
 
 
+def test_anthropic_api_fuzz_384_requests(target: FuzzTarget) -> None:
+    """16 batches of 24 requests to the Anthropic routes."""
+    _run(target, "anthropic", BATCHES)
+
+
+def test_openai_api_fuzz_384_requests(target: FuzzTarget) -> None:
+    """16 batches of 24 requests to the OpenAI route."""
+    _run(target, "openai", BATCHES)
+
+
+@pytest.mark.long
 def test_anthropic_api_fuzz_1200_requests(target: FuzzTarget) -> None:
     """50 batches of 24 requests to the Anthropic routes."""
-    before = target.sent
-    _anthropic(target)
-    assert target.sent - before == BATCHES * BATCH == 1200
-    print(f"\nanswers by (status, content type): {STATUSES}")
+    _run(target, "anthropic", LONG_BATCHES)
 
 
+@pytest.mark.long
 def test_openai_api_fuzz_1200_requests(target: FuzzTarget) -> None:
     """50 batches of 24 requests to the OpenAI route."""
-    before = target.sent
-    _openai(target)
-    assert target.sent - before == BATCHES * BATCH == 1200
-    print(f"\nanswers by (status, content type): {STATUSES}")
+    _run(target, "openai", LONG_BATCHES)

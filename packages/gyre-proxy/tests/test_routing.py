@@ -307,6 +307,7 @@ def test_an_engine_that_fails_comes_back(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_an_engine_set_aside_is_revived_while_a_thousand_calls_are_in_flight(
     tokenizer: Tokenizer, make_proxy: Any, engine: Any
 ) -> None:

@@ -216,7 +216,10 @@ def test_pipeline_parallel_2_equals_one_rank(
     assert got.keys() == hf.keys() and all(torch.equal(got[k], hf[k]) for k in hf)
 
 
-@pytest.mark.parametrize("sat_dp", [2, 1], ids=["dp2-satellite", "one-rank-satellite"])
+@pytest.mark.parametrize(
+    "sat_dp",
+    [pytest.param(2, marks=pytest.mark.long, id="dp2-satellite"), pytest.param(1, id="one-rank-satellite")],
+)
 def test_data_parallel_2_core_and_satellite_equal_one_rank(tmp_path: Path, sat_dp: int) -> None:
     # A satellite of the core's shape hands each copy its slice; a one-rank satellite hands its whole
     # gradient, of which each copy takes its slice: the weights are one rank's bit for bit either way.
