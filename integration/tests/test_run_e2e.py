@@ -101,6 +101,12 @@ wandb_project = "gyre-e2e"
     assert [s["version"] for s in m["steps"]] == [1, 2]
     rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
     assert rollout and all(c["engine_version"] == "2" for c in rollout)
+    # Each push's end is the serving engines' own record of taking the version, not the sampler's tick.
+    took = {int(p.name.split(".")[0]) for p in (out / "cells").glob("*.versions.jsonl")}
+    assert took, "no cell recorded the versions its engine took"
+    for s in m["steps"]:
+        if s["push_s"] is not None and s["push_pull_s"] is not None:
+            assert 0 <= s["push_pull_s"] <= s["push_s"] and s["push_s"] <= s["push_sampled_s"] + 0.05, s
 
     # Every execution ran and was scored; each trained one is in exactly one step's mini-batch.
     assert m["executions"] == 8

@@ -187,10 +187,12 @@ class Cell:
         st = self.client.status()
         if st.version <= self.engine_version:
             return False
+        asked = time.time()
         if self.sglang is not None:
             with self.weights_lock:
                 push_s = self.sglang.load(self.publisher, st.snapshot, st.version)
             self.engine_version = st.version
+            self._version_record(st.version, asked, push_s)
             log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
             return True
         with self.weights_lock:
@@ -206,8 +208,20 @@ class Cell:
         if not rep.success:
             raise RuntimeError(f"cell {self.a.cell_id}: weight update failed: {rep.message}")
         self.engine_version = st.version
+        self._version_record(st.version, asked, rep.pull_s)
         log.info("cell %d: engine at version %d (%.3fs pull)", self.a.cell_id, st.version, rep.pull_s)
         return True
+
+    def _version_record(self, version: int, asked: float, pull_s: float) -> None:
+        """A line of `cells/<id>.versions.jsonl` in the run directory: when this cell asked for `version`
+        and when its engine served it (wall times; `gyre run`'s metrics take each push's end from them,
+        not from the sampler's interval), and the engine's own pull seconds."""
+        d = self.run_dir / "cells"
+        d.mkdir(parents=True, exist_ok=True)
+        rec = {"cell": self.a.cell_id, "version": version, "asked": asked, "served": time.time(),
+               "pull_s": round(pull_s, 4)}  # fmt: skip
+        with open(d / f"{self.a.cell_id}.versions.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     def weight_loop(self) -> None:
         while not self.stop.is_set():

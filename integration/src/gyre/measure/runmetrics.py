@@ -54,6 +54,42 @@ def switch_times(samples: Sequence[Sample]) -> dict[str, list[float]]:
     return out
 
 
+def read_versions(out: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each cell's `cells/<id>.versions.jsonl` (the versions its engine took, with wall times), by cell."""
+    got: dict[int, list[dict[str, Any]]] = {}
+    for p in sorted((out / "cells").glob("*.versions.jsonl")):
+        for line in p.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                got.setdefault(int(rec["cell"]), []).append(rec)
+    return got
+
+
+def push_served(
+    samples: Sequence[Sample],
+    versions: Mapping[int, Sequence[Mapping[str, Any]]],
+    t_applied: float,
+    version: int,
+) -> tuple[float, float] | None:
+    """(seconds from `version` applied to every engine that was serving rollout then serving it, the
+    longest of their engines' pulls), from the cells' own records of when their engines took each
+    version; None when a serving cell has no such record (the sampled `push_reached` stands then)."""
+    after = [x for x in samples if x.t >= t_applied]
+    serving = [cid for cid, ro in after[0].roles.items() if ro == int(Role.ROLLOUT)] if after else []
+    if not serving:
+        return None
+    ends: list[float] = []
+    pulls: list[float] = []
+    for cid in serving:
+        took = [r for r in versions.get(int(cid), ()) if int(r["version"]) >= version]
+        if not took:
+            return None
+        first = min(took, key=lambda r: float(r["served"]))
+        ends.append(float(first["served"]))
+        pulls.append(float(first["pull_s"]))
+    return max(ends) - t_applied, max(pulls)
+
+
 def push_reached(samples: Sequence[Sample], t_applied: float, version: int) -> list[float]:
     """Sample times from which every engine that was serving rollout when `version` was applied serves
     it (engines that were training get it as part of their switch back: `switch_times`, not `push_s`)."""
@@ -73,12 +109,15 @@ def _step_row(
     summaries: Mapping[int, Mapping[str, Any]],
     overlap: dict[str, Any],
     batch_end: dict[int, float],
+    versions: Mapping[int, Sequence[Mapping[str, Any]]],
 ) -> dict[str, Any]:
     """One applied step's row of `metrics.json` from its `steps.jsonl` line `r`."""
     k = int(r["queue_position"]) - 1  # the run's step (a skipped one makes no update: `step` stays)
     summary = summaries.get(k, {})
     v = int(r["version"])
     reached = push_reached(samples, r["t_end"], v)
+    sampled = round(reached[0] - r["t_end"], 3) if reached else None
+    served = push_served(samples, versions, r["t_end"], v)
     return {
         "step": k,
         "version": v,
@@ -86,7 +125,9 @@ def _step_row(
         "t_end": r["t_end"],
         "elapsed_s": r["elapsed_s"],
         "skipped": bool(r.get("skipped", False)),
-        "push_s": round(reached[0] - r["t_end"], 3) if reached else None,
+        "push_s": round(served[0], 3) if served is not None else sampled,
+        "push_sampled_s": sampled,
+        "push_pull_s": round(served[1], 3) if served is not None else None,
         "groups": cfg.batch.queries,
         "training_cells": len(r["by_replica"]),
         "by_replica": r["by_replica"],
@@ -126,7 +167,8 @@ def collect(
     batch_end: dict[int, float] = {}
     for o in outcomes:
         batch_end[o["step"]] = max(batch_end.get(o["step"], 0.0), o["end"])
-    steps = [_step_row(cfg, r, samples, summaries, overlap, batch_end) for r in read_steps(out)]
+    versions = read_versions(out)
+    steps = [_step_row(cfg, r, samples, summaries, overlap, batch_end, versions) for r in read_steps(out)]
     state = sampler.last_state
     decisions = list(state.decisions) if state is not None else []
     stale = [s["staleness_mean"] for s in steps]

@@ -1,0 +1,78 @@
+"""A push's end from the cells' own records of the versions their engines took (`cells/<id>.versions.jsonl`),
+against the sampler's ticks: the engines serving rollout when the step was applied count, the slowest of
+them ends the push, and a serving cell with no record leaves the sampled figure standing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gyre.measure.runmetrics import push_reached, push_served, read_versions
+from gyre.measure.samples import Sample
+from gyre_sched.protocol import Role
+
+RO, TR = int(Role.ROLLOUT), int(Role.TRAINING)
+
+
+def _samples() -> list[Sample]:
+    """Cell 0 trains, cells 1 and 2 serve rollout; the sampler ticks every 0.2 s from t=10."""
+    out = []
+    for k in range(8):
+        t = 10.0 + 0.2 * k
+        out.append(
+            Sample(
+                t=t,
+                roles={0: TR, 1: RO, 2: RO},
+                engine_busy={0: False, 1: True, 2: True},
+                engine_version={0: "-1", 1: "1" if t >= 10.6 else "0", 2: "1" if t >= 10.4 else "0"},
+            )
+        )
+    return out
+
+
+def _write(out: Path, recs: list[dict[str, float]]) -> None:
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    for r in recs:
+        with open(out / "cells" / f"{int(r['cell'])}.versions.jsonl", "a") as f:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_the_slowest_serving_engine_ends_the_push(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        [
+            {"cell": 1, "version": 1, "asked": 10.05, "served": 10.47, "pull_s": 0.31},
+            {"cell": 2, "version": 1, "asked": 10.05, "served": 10.33, "pull_s": 0.22},
+            {"cell": 0, "version": 1, "asked": 12.0, "served": 13.0, "pull_s": 0.9},  # training: not counted
+            {"cell": 1, "version": 2, "asked": 11.0, "served": 11.2, "pull_s": 0.1},
+        ],
+    )
+    versions = read_versions(tmp_path)
+    assert sorted(versions) == [0, 1, 2] and len(versions[1]) == 2
+    served = push_served(_samples(), versions, 10.02, 1)
+    assert served is not None
+    push_s, pull_s = served
+    assert abs(push_s - 0.45) < 1e-9 and pull_s == 0.31
+    # The sampler saw both engines at version 1 only at its 10.6 tick: 0.58 s, 0.13 s late.
+    assert abs(push_reached(_samples(), 10.02, 1)[0] - 10.02 - 0.58) < 1e-9
+
+
+def test_a_newer_version_taken_ends_an_older_push(tmp_path: Path) -> None:
+    """An engine that skipped version 1 (it took 2 first) served 1's weights from when it took 2."""
+    _write(
+        tmp_path,
+        [
+            {"cell": 1, "version": 2, "asked": 10.1, "served": 10.5, "pull_s": 0.3},
+            {"cell": 2, "version": 1, "asked": 10.1, "served": 10.2, "pull_s": 0.1},
+        ],
+    )
+    served = push_served(_samples(), read_versions(tmp_path), 10.0, 1)
+    assert served is not None and abs(served[0] - 0.5) < 1e-9
+
+
+def test_a_serving_cell_without_a_record_leaves_the_sampled_figure(tmp_path: Path) -> None:
+    _write(tmp_path, [{"cell": 1, "version": 1, "asked": 10.1, "served": 10.5, "pull_s": 0.3}])
+    assert push_served(_samples(), read_versions(tmp_path), 10.0, 1) is None
+    assert read_versions(tmp_path / "nowhere") == {}
+    # Nobody serving rollout after the step: no push to time.
+    assert push_served([], read_versions(tmp_path), 10.0, 1) is None
