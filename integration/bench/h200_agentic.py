@@ -21,12 +21,31 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
      seconds, then seconds per decode step continuing them from the prefix cache, with the engine's own
      decode seconds and the CUDA graphs it captured meanwhile (`decode_vs_context`).
    With `replay` skipped this part runs first, before the policies.
+6. `sim`: the gyre-sched simulator predicts every policy measured (this call's runs and the metrics.json
+   of earlier calls given with `--reuse`) on the same workload, calibrated on all of them as `gyre compare
+   --reuse` does: per policy `sim_end_to_end_s` and `sim_ratio` (measured / simulated), and the ratios
+   against elastic measured and simulated, each held to within 15%.
 Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
-timelines to OUT/timeline-<policy>.png.
+timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<policy>.json.
 
-    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic
-    bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate,async --skip replay,migrate,train
-    uv run python integration/bench/h200_agentic.py --cpu --tiny --out /tmp/agentic-cpu   # the same path, tiny
+Before anything runs, the call's phases are printed with seconds estimated from an earlier call's results
+(`--plan-from`, default bench/results-h200-agentic.json and bench/results-h200-agentic-probe.json; a policy
+not run there scaled from elastic's run by the simulator), their sum against the 600 s of one call, and the
+first run's deadline (the budget less what precedes it and what is kept for after it: a run past its
+deadline fails and leaves no figures); `--plan` prints only that. With those figures the whole workload
+takes three calls (about 551, 516 and 359 s): elastic with the lone trainer and the replay; colocate with
+the standalone parts that need no run; async. The later calls reuse the earlier runs' metrics.json
+(OUT/metrics-<policy>.json copied into the working tree) so the simulator and the goals across policies
+see all three:
+
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic --skip probe,migrate
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate --skip replay,train \
+        --reuse integration/bench/metrics-h200-agentic-elastic.json
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies async \
+        --skip replay,migrate,probe,train \
+        --reuse integration/bench/metrics-h200-agentic-elastic.json,integration/bench/metrics-h200-agentic-colocate.json
+    uv run python integration/bench/h200_agentic.py --cpu --tiny --policies elastic,colocate,async \
+        --out /tmp/agentic-cpu   # the same path, tiny (about 4 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -369,6 +388,19 @@ def plan(policies: list[str], skip: set[str], est: dict[str, float]) -> list[tup
     return out
 
 
+def reserve_after_run(
+    steps_plan: list[tuple[str, float | None]], policies: list[str], planned: dict[str, float | None]
+) -> float:
+    """Seconds kept for what follows the first run (the lone trainer, the standalone engines' parts): as
+    `planned` from an earlier call's figures (a device run), else a default per part."""
+    default = {"train": 60.0, "alone-startup": 40.0, "replay": 150.0, "migrate": 30.0, "probe": 120.0}
+    if not policies:
+        return 0.0
+    names = [n for n, _ in steps_plan]
+    tail = names[names.index(f"run-{policies[0]}") + 1 :]
+    return sum(planned.get(n) or default[n] for n in tail if n in default)
+
+
 def goals(res: dict[str, Any]) -> dict[str, Any]:
     """The goals this workload is held to, per policy where they differ (None where a figure is missing)."""
 
@@ -494,10 +526,19 @@ def main() -> int:
     ests = plan_estimates(a.plan_from, load_config(a.config), {k: m for k, (_, m) in reused.items()})
     steps_plan = plan(policies, skip, ests)
     known = [x for _, x in steps_plan if x is not None]
+    if a.tiny:
+        say("plan: the device call of these arguments, in an earlier device call's seconds (not this run's)")
     for name, sec in steps_plan:
         say(f"plan: {name} {'?' if sec is None else f'{sec:.0f}'} s")
     say(f"plan: {sum(known):.0f} s of {CALL_LIMIT_S:.0f} s for one call ({len(known)} of {len(steps_plan)} "
         f"phases estimated from {a.plan_from}); the script's budget {budget:.0f} s")  # fmt: skip
+    after = reserve_after_run(steps_plan, policies, {} if a.tiny else dict(steps_plan))
+    if policies:
+        names = [n for n, _ in steps_plan]
+        before = sum(x or 0.0 for _, x in steps_plan[: names.index(f"run-{policies[0]}")])
+        say(f"plan: run-{policies[0]}'s deadline about {budget - before - 60.0 - after:.0f} s "
+            f"(after it {after:.0f} s kept; [run] deadline_s {cfg.run.deadline_s:.0f} s); a run past its "
+            f"deadline fails and leaves no figures")  # fmt: skip
     if a.plan:
         return 0 if sum(known) <= CALL_LIMIT_S else 1
     res: dict[str, Any] = {"config": a.config, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
@@ -565,16 +606,6 @@ def main() -> int:
     if alone_parts and "replay" not in alone_parts:  # nothing of the runs needed: measure first
         alone(None, None)
         alone_parts = set()
-    # seconds kept for what follows the first run (the lone trainer, the standalone engines' parts): as
-    # planned from an earlier call's figures (a device run), else a default per part
-    default = {"train": 60.0, "alone-startup": 40.0, "replay": 150.0, "migrate": 30.0, "probe": 60.0}
-    tail = (
-        [n for n, _ in steps_plan[[n for n, _ in steps_plan].index(f"run-{policies[0]}") + 1 :]]
-        if policies
-        else []
-    )
-    planned = {} if a.tiny else dict(steps_plan)
-    after = sum(planned.get(n) or default.get(n, 0.0) for n in tail if n in default)
     first_metrics: dict[str, Any] | None = None
     first_dir: Path | None = None
     measured = {k: m for k, (_, m) in reused.items()}
