@@ -430,6 +430,9 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
             "engines_started_together": p.get("engines_started_together"),
             "end_to_end_within_15pct_of_sim": sim_goal(res, pol),
         }
+    for pol in res.get("reused", {}):  # an earlier call's run, held to the prediction calibrated on all
+        if pol not in out:
+            out[pol] = {"reused": True, "end_to_end_within_15pct_of_sim": sim_goal(res, pol)}
     rp, tp, mg = res.get("replay"), res.get("train_again"), res.get("migrate")
     out["rollout_efficiency_0_7"] = (
         None if not rp or rp.get("rollout_efficiency") is None else rp["rollout_efficiency"] >= 0.7

@@ -114,6 +114,16 @@ def test_bench_sim_phase_and_its_goals() -> None:
         measured["elastic"]["end_to_end_s"]
         < min(measured["colocate"]["end_to_end_s"], measured["async"]["end_to_end_s"])
     )
+    # runs of earlier calls (--reuse) are held to the same prediction, marked as reused
+    res2 = {"policies": {"async": res["policies"]["async"]}, "sim": sim}
+    res2["reused"] = {p: {"end_to_end_s": measured[p]["end_to_end_s"]} for p in ("elastic", "colocate")}
+    g2 = bench.goals(res2)
+    assert (
+        g2["elastic"]["reused"] is True
+        and g2["colocate"]["end_to_end_within_15pct_of_sim"]
+        == (g["colocate"]["end_to_end_within_15pct_of_sim"])
+    )
+    assert g2["elastic_ahead_of_both"] is g["elastic_ahead_of_both"]
     # a run cut short is not the simulated workload: no verdict, and it says why
     short = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=4))
     res["sim"] = bench.sim_phase(short, measured)
