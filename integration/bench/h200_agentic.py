@@ -31,8 +31,9 @@ timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<
 Before anything runs, the call's phases are printed with seconds estimated from an earlier call's results
 (`--plan-from`, default bench/results-h200-agentic.json and bench/results-h200-agentic-probe.json; a policy
 not run there scaled from elastic's run by the simulator), their sum against the 600 s of one call, and the
-first run's deadline (the budget less what precedes it and what is kept for after it: a run past its
-deadline fails and leaves no figures); `--plan` prints only that. With those figures the whole workload
+first run's deadline (the budget less what precedes it: a run past its deadline fails and leaves no
+figures, so the parts after the runs give way: each is skipped, saying so under `skipped`, where the runs
+left it less than its planned seconds); `--plan` prints only that. With those figures the whole workload
 takes three calls (about 551, 516 and 359 s): elastic with the lone trainer and the replay; colocate with
 the standalone parts that need no run; async. The later calls reuse the earlier runs' metrics.json
 (OUT/metrics-<policy>.json copied into the working tree) so the simulator and the goals across policies
@@ -181,7 +182,7 @@ def alone_phase(
             out["standalone_startup_s"] = round(eng.wait(), 2)
             if replaying:
                 assert run_dir is not None and metrics is not None
-                out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics)
+                out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics, deadline)
             if "migrate" not in skip:
                 out["migrate"] = bounded(
                     replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab), deadline
@@ -212,10 +213,12 @@ def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
     return asyncio.run(asyncio.wait_for(coro, max(1.0, deadline - time.monotonic())))
 
 
-def replay_both(cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+def replay_both(
+    cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any], deadline: float
+) -> dict[str, Any]:
     """`rollout_efficiency` = the seconds two standalone engines sharing the GPU take to serve the run's
     recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
-    concurrency, both at once) / the run's busy rollout GPU-seconds."""
+    concurrency, both at once) / the run's busy rollout GPU-seconds; TimeoutError past `deadline`."""
     calls = replay.recorded_calls(run_dir / "records.msgpack")
     by_engine: dict[str, list[replay.RecordedCall]] = {}
     for c in calls:
@@ -230,7 +233,7 @@ def replay_both(cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, 
         return list(await asyncio.gather(*jobs))
 
     t0 = time.monotonic()
-    got = asyncio.run(both())
+    got = bounded(both(), deadline)
     wall = time.monotonic() - t0
     per = {}
     for e, r in zip(engines, got, strict=False):
@@ -388,17 +391,11 @@ def plan(policies: list[str], skip: set[str], est: dict[str, float]) -> list[tup
     return out
 
 
-def reserve_after_run(
-    steps_plan: list[tuple[str, float | None]], policies: list[str], planned: dict[str, float | None]
-) -> float:
-    """Seconds kept for what follows the first run (the lone trainer, the standalone engines' parts): as
-    `planned` from an earlier call's figures (a device run), else a default per part."""
+def reserve_after_run(planned: dict[str, float | None]) -> dict[str, float]:
+    """Seconds each part that can follow the runs needs (the lone trainer, the standalone engines' parts):
+    as `planned` from an earlier call's figures (a device run), else a default per part."""
     default = {"train": 60.0, "alone-startup": 40.0, "replay": 150.0, "migrate": 30.0, "probe": 120.0}
-    if not policies:
-        return 0.0
-    names = [n for n, _ in steps_plan]
-    tail = names[names.index(f"run-{policies[0]}") + 1 :]
-    return sum(planned.get(n) or default[n] for n in tail if n in default)
+    return {n: planned.get(n) or d for n, d in default.items()}
 
 
 def goals(res: dict[str, Any]) -> dict[str, Any]:
@@ -535,13 +532,15 @@ def main() -> int:
         say(f"plan: {name} {'?' if sec is None else f'{sec:.0f}'} s")
     say(f"plan: {sum(known):.0f} s of {CALL_LIMIT_S:.0f} s for one call ({len(known)} of {len(steps_plan)} "
         f"phases estimated from {a.plan_from}); the script's budget {budget:.0f} s")  # fmt: skip
-    after = reserve_after_run(steps_plan, policies, {} if a.tiny else dict(steps_plan))
+    after_s = reserve_after_run({} if a.tiny else dict(steps_plan))
+    after = sum(after_s[n] for n, _ in steps_plan[[n for n, _ in steps_plan].index(f"run-{policies[-1]}") + 1 :]
+                if n in after_s) if policies else 0.0  # fmt: skip
     if policies:
         names = [n for n, _ in steps_plan]
         before = sum(x or 0.0 for _, x in steps_plan[: names.index(f"run-{policies[0]}")])
-        say(f"plan: run-{policies[0]}'s deadline about {budget - before - 60.0 - after:.0f} s "
-            f"(after it {after:.0f} s kept; [run] deadline_s {cfg.run.deadline_s:.0f} s); a run past its "
-            f"deadline fails and leaves no figures")  # fmt: skip
+        say(f"plan: run-{policies[0]}'s deadline about {budget - before - 60.0:.0f} s ([run] deadline_s "
+            f"{cfg.run.deadline_s:.0f} s; a run past its deadline fails and leaves no figures); the parts "
+            f"after the runs, {after:.0f} s planned, are skipped where the runs leave them too little")  # fmt: skip
     if a.plan:
         return 0 if sum(known) <= CALL_LIMIT_S else 1
     res: dict[str, Any] = {"config": a.config, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
@@ -612,9 +611,9 @@ def main() -> int:
     first_metrics: dict[str, Any] | None = None
     first_dir: Path | None = None
     measured = {k: m for k, (_, m) in reused.items()}
-    for i, pol in enumerate(policies):
+    for pol in policies:
         run_dir = work / f"run-{pol}"
-        left = budget - (time.monotonic() - t_begin) - 60.0 - (after if i == 0 else 0.0)
+        left = budget - (time.monotonic() - t_begin) - 60.0  # the parts after it give way, not the run
         c = cfg.with_policy(pol, str(run_dir))
         if left < c.run.deadline_s:
             say(f"run deadline cut to {left:.0f} s to stay within the budget")
@@ -639,12 +638,28 @@ def main() -> int:
         save()
     elif "sim" not in skip:
         res["sim"] = {"skipped": "no run measured in this call or reused"}
-    if first_metrics is not None and first_dir is not None:
+
+    def room(part: str, need: float) -> bool:
+        """Whether `need` seconds of the budget are left for `part`; else it is skipped, saying so."""
+        left = t_begin + budget - time.monotonic()
+        if left >= need:
+            return True
+        res.setdefault("skipped", {})[part] = f"{left:.0f} s of the call's budget left, {need:.0f} s planned"
+        say(f"{part} skipped: {res['skipped'][part]}")
+        return False
+
+    if first_metrics is not None and first_dir is not None and room("train", after_s["train"]):
         res["train_again"] = phase(
             "train", lambda: train_phase(cfg, model_dir, first_dir, first_metrics, device)
         )
         save()
-    if alone_parts:
+    if (
+        "replay" in alone_parts
+        and first_metrics is not None
+        and not room("replay", after_s["alone-startup"] + after_s["replay"])
+    ):
+        skip.add("replay")
+    if alone_parts and room("alone", after_s["alone-startup"]):
         alone(first_dir, first_metrics)
     return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
 
