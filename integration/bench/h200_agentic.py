@@ -667,7 +667,8 @@ def main() -> int:
 def finish(out: Path, res: dict[str, Any], rc: int) -> int:
     res["goals"] = goals(res)
     (out / RESULTS).write_text(json.dumps(res, indent=1, default=str) + "\n")
-    rows = [f"{pol}: e2e {p.get('end_to_end_s')} s, shares {p.get('engine_call_share')}, hits "
+    rows = [f"{pol}: e2e {p.get('end_to_end_s')} s (simulated {p.get('sim_end_to_end_s')} s), first / later step "
+            f"{p.get('first_step_train_s')} / {p.get('later_step_train_s_median')} s, shares {p.get('engine_call_share')}, hits "
             f"{p.get('prefix_cache_hit_share')}, ctx max {p.get('context_tokens_max')}" for pol, p in res["policies"].items()]  # fmt: skip
     say("\n  ".join(["results", *rows, f"replay {res.get('replay')}", f"train {res.get('train_again')}",
                      f"migrate {res.get('migrate')}", f"goals {res['goals']}", f"errors {res['errors'] or 'none'}"]))  # fmt: skip
