@@ -21,12 +21,32 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
      seconds, then seconds per decode step continuing them from the prefix cache, with the engine's own
      decode seconds and the CUDA graphs it captured meanwhile (`decode_vs_context`).
    With `replay` skipped this part runs first, before the policies.
+6. `sim`: the gyre-sched simulator predicts every policy measured (this call's runs and the metrics.json
+   of earlier calls given with `--reuse`) on the same workload, calibrated on all of them as `gyre compare
+   --reuse` does: per policy `sim_end_to_end_s` and `sim_ratio` (measured / simulated), and the ratios
+   against elastic measured and simulated, each held to within 15%.
 Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
-timelines to OUT/timeline-<policy>.png.
+timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<policy>.json.
 
-    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic
-    bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate,async --skip replay,migrate,train
-    uv run python integration/bench/h200_agentic.py --cpu --tiny --out /tmp/agentic-cpu   # the same path, tiny
+Before anything runs, the call's phases are printed with seconds estimated from an earlier call's results
+(`--plan-from`, default bench/results-h200-agentic.json and bench/results-h200-agentic-probe.json; a policy
+not run there scaled from elastic's run by the simulator), their sum against the 600 s of one call, and the
+first run's deadline (the budget less what precedes it: a run past its deadline fails and leaves no
+figures, so the parts after the runs give way: each is skipped, saying so under `skipped`, where the runs
+left it less than its planned seconds); `--plan` prints only that. With those figures the whole workload
+takes three calls (about 551, 516 and 359 s): elastic with the lone trainer and the replay; colocate with
+the standalone parts that need no run; async. The later calls reuse the earlier runs' metrics.json
+(OUT/metrics-<policy>.json copied into the working tree) so the simulator and the goals across policies
+see all three:
+
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic --skip probe,migrate
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate --skip replay,train \
+        --reuse integration/bench/metrics-h200-agentic-elastic.json
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies async \
+        --skip replay,migrate,probe,train \
+        --reuse integration/bench/metrics-h200-agentic-elastic.json,integration/bench/metrics-h200-agentic-colocate.json
+    uv run python integration/bench/h200_agentic.py --cpu --tiny --policies elastic,colocate,async \
+        --out /tmp/agentic-cpu   # the same path, tiny (about 4 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -48,13 +68,15 @@ from typing import Any
 import h200_run
 import replay
 from gyre.config.runconfig import Config, load_config
-from gyre.measure import floors
+from gyre.measure import arms, floors
 from gyre.procs.group import ProcessGroup, free_port, python_argv
 from gyre.system import gpus
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parent / "examples" / "h200-agentic.toml"
 RESULTS = "results-h200-agentic.json"
+CALL_LIMIT_S = 600.0
+"""One device call's wall limit: the phases of a call have to fit in it (`plan`)."""
 
 
 def tiny(cfg: Config, out_dir: str) -> Config:
@@ -160,7 +182,7 @@ def alone_phase(
             out["standalone_startup_s"] = round(eng.wait(), 2)
             if replaying:
                 assert run_dir is not None and metrics is not None
-                out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics)
+                out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics, deadline)
             if "migrate" not in skip:
                 out["migrate"] = bounded(
                     replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab), deadline
@@ -191,10 +213,12 @@ def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
     return asyncio.run(asyncio.wait_for(coro, max(1.0, deadline - time.monotonic())))
 
 
-def replay_both(cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+def replay_both(
+    cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any], deadline: float
+) -> dict[str, Any]:
     """`rollout_efficiency` = the seconds two standalone engines sharing the GPU take to serve the run's
     recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
-    concurrency, both at once) / the run's busy rollout GPU-seconds."""
+    concurrency, both at once) / the run's busy rollout GPU-seconds; TimeoutError past `deadline`."""
     calls = replay.recorded_calls(run_dir / "records.msgpack")
     by_engine: dict[str, list[replay.RecordedCall]] = {}
     for c in calls:
@@ -209,7 +233,7 @@ def replay_both(cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, 
         return list(await asyncio.gather(*jobs))
 
     t0 = time.monotonic()
-    got = asyncio.run(both())
+    got = bounded(both(), deadline)
     wall = time.monotonic() - t0
     per = {}
     for e, r in zip(engines, got, strict=False):
@@ -240,11 +264,10 @@ def train_phase(
 
 
 def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
-    """The run's figures (`floors.run_figures`) with its efficiency entry and per-step training times."""
+    """The run's figures (`floors.run_figures`: with the first step's training seconds and the later
+    steps' median) with its efficiency entry."""
     out = floors.run_figures(metrics, h200_run.output_tokens(records))
     eff = metrics.get("efficiency", {})
-    steps = [s for s in metrics.get("steps", []) if not s.get("skipped")]
-    train_s = [float(s.get("busy_cell_s") or s.get("elapsed_s") or 0.0) for s in steps]
     out.update(
         engine_call_share=eff.get("engine_call_share"),
         prefix_cache_hit_share=eff.get("prefix_cache_hit_share"),
@@ -252,13 +275,127 @@ def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
         engine_startup_s=eff.get("startup", {}).get("engine_startup_s"),
         engines_started_together=eff.get("startup", {}).get("engines_started_together"),
         device_seconds=eff.get("device_seconds"),
-        first_step_train_s=train_s[0] if train_s else None,
-        later_step_train_s_median=statistics.median(train_s[1:]) if len(train_s) > 1 else None,
         timeouts=metrics.get("timeouts"),
         executions=metrics.get("executions"),
         moves=metrics.get("moves"),
     )
+    out["not_measured"] = not_measured(out)
     return out
+
+
+def not_measured(f: dict[str, Any]) -> dict[str, str]:
+    """Why a figure of a policy's run is absent, where the run had nothing to measure (not a failure)."""
+    why: dict[str, str] = {}
+    for to in ("training", "rollout"):
+        if not f.get(f"switches_to_{to}"):
+            why[f"switch_to_{to}_s"] = f"no switch to {to} in this run (its policy keeps the cells' roles)"
+    if not any(v is not None for v in (f.get("push_s") or {}).values()):
+        why["push_s"] = (
+            "no engine was serving rollout when a version was applied: each got it in its switch back "
+            "to rollout (switch_to_rollout_s)"
+        )
+    if len(f.get("engine_call_share") or {}) < 2:
+        why["engine_call_share"] = "fewer than two engines served rollout at once"
+    return why
+
+
+def sim_phase(cfg: Config, measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The simulator's prediction of every policy measured (this call's runs and the `--reuse`d ones'
+    metrics.json) for this workload, calibrated on all of them as `gyre compare --reuse` does, and each
+    measured end to end (and ratio against elastic) held to it (`arms.against_prediction`)."""
+    from gyre.scenarios.compare import predicted
+
+    order = sorted(measured, key=lambda p: p != "elastic")  # ratios against elastic, where it ran
+    configs = {p: cfg.with_policy(p, cfg.run.out_dir) for p in order}
+    table = predicted(cfg, configs, {p: [measured[p]] for p in order})
+    return {
+        **arms.against_prediction(table),
+        "steps_planned": cfg.run.steps,
+        "steps_applied": {p: measured[p].get("steps_applied") for p in order},
+        "calibration": table["calibration"],
+        "predicted": {r["arm"]: r["predicted"] for r in table["rows"]},
+    }
+
+
+def estimates(
+    results: dict[str, Any], probe: dict[str, Any] | None, sim: dict[str, Any] | None
+) -> dict[str, float]:
+    """Seconds per part of a call, from an earlier call's results (its `phase_s` and parts) and a probe
+    call's: `alone` split into the standalone engines' start-up, `replay`, `migrate` and one `probe` width;
+    a policy not run there scaled from elastic's run by the simulator (`sim`: `sim_phase` of the runs)."""
+    ph = results.get("phase_s", {})
+    est = {
+        k: float(v)
+        for k, v in ph.items()
+        if k in ("model", "warmstart", "floors", "train") or k.startswith("run-")
+    }
+    start = float(results.get("standalone_startup_s") or 40.0)
+    replay_s = float((results.get("replay") or {}).get("standalone_s") or 0.0)
+    est["alone-startup"] = start
+    est["replay"] = replay_s
+    est["migrate"] = max(0.0, float(ph.get("alone", start)) - start - replay_s)
+    if probe is not None:  # one width: its engine's start-up and its probe (the probe call also migrated)
+        pph = probe.get("phase_s", {})
+        pstart = float(probe.get("standalone_startup_s") or start)
+        est["probe"] = pstart + max(0.0, float(pph.get("alone", pstart)) - pstart - est["migrate"])
+    run_e = est.get("run-elastic")
+    e2e = (results.get("policies", {}).get("elastic") or {}).get("end_to_end_s")
+    if sim and run_e is not None and e2e:
+        sims = {p: a["sim_end_to_end_s"] for p, a in sim.get("arms", {}).items()}
+        for p, v in sims.items():  # the run's start and end as elastic's, its end to end as simulated
+            if f"run-{p}" not in est and sims.get("elastic"):
+                est[f"run-{p}"] = round(run_e - e2e + e2e * v / sims["elastic"], 1)
+    return est
+
+
+def plan_estimates(paths: str, cfg: Config, reused: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """`estimates` from the results files `paths` (an earlier call's, then a probe call's; a missing one
+    is left out), with the simulator on `cfg` (the device workload, also for a tiny run) calibrated on the
+    reused elastic run (else the earlier call's metrics file beside its results, when there is one)."""
+    files = [Path(x) for x in paths.split(",") if x and Path(x).exists()]
+    if not files:
+        return {}
+    results = json.loads(files[0].read_text())
+    probe = json.loads(files[1].read_text()) if len(files) > 1 else None
+    runs = dict(reused)
+    beside = files[0].parent / "metrics-h200-agentic-elastic.json"
+    if not runs and beside.exists():
+        runs = {"elastic": json.loads(beside.read_text())}
+    sim = None
+    if "elastic" in runs:
+        base = runs["elastic"]
+        try:  # every policy predicted from elastic's calibration
+            sim = sim_phase(cfg, {p: {**base, "policy": p} for p in ("elastic", "colocate", "async")})
+        except Exception as exc:  # the estimates are advice: a run goes on without them
+            say(f"plan: no simulated estimates ({type(exc).__name__}: {exc})")
+    return estimates(results, probe, sim)
+
+
+def plan(policies: list[str], skip: set[str], est: dict[str, float]) -> list[tuple[str, float | None]]:
+    """The phases one call runs (`--policies`, `--skip`) in order, each with its estimated seconds (None:
+    no estimate), as `main` runs them."""
+    out: list[tuple[str, float | None]] = [("model", est.get("model"))]
+    for name in ("warmstart", "floors"):
+        if name not in skip:
+            out.append((name, est.get(name)))
+    alone = [p for p in ("replay", "migrate", "probe") if p not in skip]
+    parts = [("alone-startup", est.get("alone-startup"))] if {"replay", "migrate"} & set(alone) else []
+    parts += [(p, est.get(p) if p != "probe" else 2 * est.get("probe", 0.0) or None) for p in alone]
+    if alone and "replay" not in alone:
+        out += parts
+    out += [(f"run-{p}", est.get(f"run-{p}")) for p in ([] if "run" in skip else policies)]
+    if policies and "run" not in skip and "train" not in skip:
+        out.append(("train", est.get("train")))
+    if alone and "replay" in alone:
+        out += parts
+    return out
+
+
+def reserve_after_run(planned: dict[str, float | None]) -> dict[str, float]:
+    """Seconds each part that can follow the runs needs (the lone trainer, the standalone engines' parts):
+    as `planned` from an earlier call's figures (a device run), else a default per part."""
+    default = {"train": 60.0, "alone-startup": 40.0, "replay": 150.0, "migrate": 30.0, "probe": 120.0}
+    return {n: planned.get(n) or d for n, d in default.items()}
 
 
 def goals(res: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +410,9 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
         share = p.get("engine_call_share") or {}
         pushes = [v for v in (p.get("push_s") or {}).values() if v is not None]
         out[pol] = {
-            "engine_call_share_40_60": bool(share) and all(0.4 <= v <= 0.6 for v in share.values()),
+            "engine_call_share_40_60": None
+            if len(share) < 2
+            else all(0.4 <= v <= 0.6 for v in share.values()),
             "prefix_cache_hit_share_0_9": None
             if p.get("prefix_cache_hit_share") is None
             else p["prefix_cache_hit_share"] >= 0.9,
@@ -286,7 +425,11 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
             if not p.get("engine_startup_s")
             else max(p["engine_startup_s"]) <= 60.0,
             "engines_started_together": p.get("engines_started_together"),
+            "end_to_end_within_15pct_of_sim": sim_goal(res, pol),
         }
+    for pol in res.get("reused", {}):  # an earlier call's run, held to the prediction calibrated on all
+        if pol not in out:
+            out[pol] = {"reused": True, "end_to_end_within_15pct_of_sim": sim_goal(res, pol)}
     rp, tp, mg = res.get("replay"), res.get("train_again"), res.get("migrate")
     out["rollout_efficiency_0_7"] = (
         None if not rp or rp.get("rollout_efficiency") is None else rp["rollout_efficiency"] >= 0.7
@@ -295,10 +438,33 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
         None if not tp or tp.get("train_efficiency") is None else tp["train_efficiency"] >= 0.7
     )
     out["migration_3x_faster"] = None if not mg else all(v["speedup"] >= 3.0 for v in mg.values())
-    e2e = {k: v.get("end_to_end_s") for k, v in res.get("policies", {}).items()}
+    e2e = {k: v.get("end_to_end_s") for k, v in {**res.get("reused", {}), **res.get("policies", {})}.items()}
     if {"elastic", "colocate", "async"} <= e2e.keys() and all(e2e.values()):
         out["elastic_ahead_of_both"] = e2e["elastic"] < min(e2e["colocate"], e2e["async"])
+    sim = res.get("sim") or {}
+    out["ratios_within_15pct_of_sim"] = {
+        pair: {"met": v["within"], "measured": v["measured"], "simulated": v["simulated"], "off": v["off"]}
+        for pair, v in sim.get("ratios", {}).items()
+    }
     return out
+
+
+def sim_goal(res: dict[str, Any], pol: str) -> dict[str, Any]:
+    """Measured end to end within 15% of the simulator's: met (None where no prediction, or where the run
+    applied fewer steps than planned, so the two are not of the same workload), with the figures."""
+    sim = res.get("sim") or {}
+    a = sim.get("arms", {}).get(pol)
+    if a is None:
+        return {"met": None, "why": "no simulator prediction (sim phase skipped or failed)"}
+    applied, planned = sim.get("steps_applied", {}).get(pol), sim.get("steps_planned")
+    whole = applied == planned
+    return {
+        "met": a["within"] if whole else None,
+        **({} if whole else {"why": f"{applied} of {planned} steps applied: not the simulated workload"}),
+        "end_to_end_s": a["end_to_end_s"],
+        "sim_end_to_end_s": a["sim_end_to_end_s"],
+        "sim_ratio": a["sim_ratio"],
+    }
 
 
 def main() -> int:
@@ -311,9 +477,28 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--warmstart-steps", type=int, default=None, help="default: 100 (GPU), 4 (--tiny)")
     p.add_argument("--contexts", default="", help="migration contexts (default: 16384; --tiny: 256,512)")
-    p.add_argument("--skip", default="", help="comma list: warmstart,floors,run,replay,migrate,probe,train")
+    p.add_argument(
+        "--skip", default="", help="comma list: warmstart,floors,run,replay,migrate,probe,train,sim"
+    )
     p.add_argument(
         "--budget-s", type=float, default=None, help="the call's wall budget (default 575 s; 3000 tiny)"
+    )
+    p.add_argument(
+        "--reuse",
+        default="",
+        help="comma list of metrics.json (metrics-<policy>.json) of earlier calls' runs: the simulator is "
+        "calibrated on them too and their policies count in the goals across policies",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the phases of this call (--policies, --skip) with their seconds estimated from "
+        "--plan-from and whether they fit one call, then exit",
+    )
+    p.add_argument(
+        "--plan-from",
+        default=",".join(str(HERE / f) for f in (RESULTS, "results-h200-agentic-probe.json")),
+        help="an earlier call's results and a probe call's (comma list), for the estimates",
     )
     a = p.parse_args()
     t_begin = time.monotonic()
@@ -333,8 +518,37 @@ def main() -> int:
     skip = set(filter(None, a.skip.split(",")))
     policies = [] if "run" in skip else [x for x in (a.policies or cfg.run.policy).split(",") if x]
     budget = a.budget_s or (3000.0 if a.tiny else 575.0)
+    reused = {}
+    for path in filter(None, a.reuse.split(",")):
+        m = json.loads(Path(path).read_text())
+        if m["policy"] not in policies:  # a policy run in this call: its run counts
+            reused[m["policy"]] = (path, m)
+    ests = plan_estimates(a.plan_from, load_config(a.config), {k: m for k, (_, m) in reused.items()})
+    steps_plan = plan(policies, skip, ests)
+    known = [x for _, x in steps_plan if x is not None]
+    if a.tiny:
+        say("plan: the device call of these arguments, in an earlier device call's seconds (not this run's)")
+    for name, sec in steps_plan:
+        say(f"plan: {name} {'?' if sec is None else f'{sec:.0f}'} s")
+    say(f"plan: {sum(known):.0f} s of {CALL_LIMIT_S:.0f} s for one call ({len(known)} of {len(steps_plan)} "
+        f"phases estimated from {a.plan_from}); the script's budget {budget:.0f} s")  # fmt: skip
+    after_s = reserve_after_run({} if a.tiny else dict(steps_plan))
+    after = sum(after_s[n] for n, _ in steps_plan[[n for n, _ in steps_plan].index(f"run-{policies[-1]}") + 1 :]
+                if n in after_s) if policies else 0.0  # fmt: skip
+    if policies:
+        names = [n for n, _ in steps_plan]
+        before = sum(x or 0.0 for _, x in steps_plan[: names.index(f"run-{policies[0]}")])
+        say(f"plan: run-{policies[0]}'s deadline about {budget - before - 60.0:.0f} s ([run] deadline_s "
+            f"{cfg.run.deadline_s:.0f} s; a run past its deadline fails and leaves no figures); the parts "
+            f"after the runs, {after:.0f} s planned, are skipped where the runs leave them too little")  # fmt: skip
+    if a.plan:
+        return 0 if sum(known) <= CALL_LIMIT_S else 1
     res: dict[str, Any] = {"config": a.config, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
-                           "machine": h200_run.machine(device), "policies": {}}  # fmt: skip
+                           "machine": h200_run.machine(device), "policies": {},
+                     "plan_s": dict(steps_plan)}  # fmt: skip
+    if reused:
+        res["reused"] = {k: {"metrics": path, "end_to_end_s": m.get("end_to_end_s"),
+                             "steps_applied": m.get("steps_applied")} for k, (path, m) in reused.items()}  # fmt: skip
     say(f"device {device}; policies {policies}; work {work}")
 
     def save() -> None:
@@ -394,17 +608,12 @@ def main() -> int:
     if alone_parts and "replay" not in alone_parts:  # nothing of the runs needed: measure first
         alone(None, None)
         alone_parts = set()
-    # seconds kept for what follows the first run: the lone trainer, the standalone engines' parts
-    after = (0.0 if "train" in skip else 60.0) + (
-        (40.0 + 150.0 * ("replay" in alone_parts) + 30.0 * len(alone_parts - {"replay"}))
-        if alone_parts
-        else 0.0
-    )
     first_metrics: dict[str, Any] | None = None
     first_dir: Path | None = None
-    for i, pol in enumerate(policies):
+    measured = {k: m for k, (_, m) in reused.items()}
+    for pol in policies:
         run_dir = work / f"run-{pol}"
-        left = budget - (time.monotonic() - t_begin) - 60.0 - (after if i == 0 else 0.0)
+        left = budget - (time.monotonic() - t_begin) - 60.0  # the parts after it give way, not the run
         c = cfg.with_policy(pol, str(run_dir))
         if left < c.run.deadline_s:
             say(f"run deadline cut to {left:.0f} s to stay within the budget")
@@ -413,6 +622,7 @@ def main() -> int:
         if m is not None:
             res["policies"][pol] = policy_figures(m, run_dir / "records.msgpack")
             res["policies"][pol]["switch_parts"] = floors.switch_parts(run_dir / "logs")
+            measured[pol] = m
             if first_metrics is None:
                 first_metrics, first_dir = m, run_dir
         for name in ("timeline.png", "metrics.json"):
@@ -420,12 +630,36 @@ def main() -> int:
                 shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
         if (run_dir / "logs").is_dir():  # every process's log, for the note on where the time went
             shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
-    if first_metrics is not None and first_dir is not None:
+    if measured:  # the simulator on the same workload, calibrated on every run measured
+        res["sim"] = phase("sim", lambda: sim_phase(cfg, measured))
+        for pol, f in ((res.get("sim") or {}).get("arms") or {}).items():
+            where = res["policies"] if pol in res["policies"] else res.get("reused", {})
+            where[pol].update(sim_end_to_end_s=f["sim_end_to_end_s"], sim_ratio=f["sim_ratio"])
+        save()
+    elif "sim" not in skip:
+        res["sim"] = {"skipped": "no run measured in this call or reused"}
+
+    def room(part: str, need: float) -> bool:
+        """Whether `need` seconds of the budget are left for `part`; else it is skipped, saying so."""
+        left = t_begin + budget - time.monotonic()
+        if left >= need:
+            return True
+        res.setdefault("skipped", {})[part] = f"{left:.0f} s of the call's budget left, {need:.0f} s planned"
+        say(f"{part} skipped: {res['skipped'][part]}")
+        return False
+
+    if first_metrics is not None and first_dir is not None and room("train", after_s["train"]):
         res["train_again"] = phase(
             "train", lambda: train_phase(cfg, model_dir, first_dir, first_metrics, device)
         )
         save()
-    if alone_parts:
+    if (
+        "replay" in alone_parts
+        and first_metrics is not None
+        and not room("replay", after_s["alone-startup"] + after_s["replay"])
+    ):
+        skip.add("replay")
+    if alone_parts and room("alone", after_s["alone-startup"]):
         alone(first_dir, first_metrics)
     return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
 
@@ -433,7 +667,8 @@ def main() -> int:
 def finish(out: Path, res: dict[str, Any], rc: int) -> int:
     res["goals"] = goals(res)
     (out / RESULTS).write_text(json.dumps(res, indent=1, default=str) + "\n")
-    rows = [f"{pol}: e2e {p.get('end_to_end_s')} s, shares {p.get('engine_call_share')}, hits "
+    rows = [f"{pol}: e2e {p.get('end_to_end_s')} s (simulated {p.get('sim_end_to_end_s')} s), first / later step "
+            f"{p.get('first_step_train_s')} / {p.get('later_step_train_s_median')} s, shares {p.get('engine_call_share')}, hits "
             f"{p.get('prefix_cache_hit_share')}, ctx max {p.get('context_tokens_max')}" for pol, p in res["policies"].items()]  # fmt: skip
     say("\n  ".join(["results", *rows, f"replay {res.get('replay')}", f"train {res.get('train_again')}",
                      f"migrate {res.get('migrate')}", f"goals {res['goals']}", f"errors {res['errors'] or 'none'}"]))  # fmt: skip

@@ -5,6 +5,8 @@ the end-to-end ratios against the first arm.
 An arm is `POLICY` (the config's `[driver] streaming`), `POLICY:streaming` or `POLICY:whole` (whole steps).
 The simulator is calibrated once from every measured run (`predict.calibrate`: the machine-dependent
 times it cannot know) and predicts each arm on the same duration sample, with the arm's streaming.
+`against_prediction` holds a table to the simulator: each arm's measured / simulated end to end, and each
+end-to-end ratio against the first arm measured / as simulated, within a tolerance (15%).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import numpy as np
 
 from gyre.config.runconfig import POLICIES, Config, ConfigError
 from gyre.measure import predict as sim
+
+TOLERANCE = 0.15
+"""How far a measured ratio may be from the simulator's (relative) and still agree with it."""
 
 FIGURES = (
     "end_to_end_s", "idle_rollout", "idle_training", "switching_share", "idle_total", "switches",
@@ -119,3 +124,40 @@ def tabulate(
         "ratios": ratios,
         "config": cfg.to_dict(),
     }
+
+
+def against_prediction(result: dict[str, Any], tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """A `tabulate` result held to the simulator: per arm `sim_end_to_end_s`, `sim_ratio` (measured /
+    simulated end to end) and `within` (|sim_ratio - 1| <= tolerance); per arm after the first, the
+    end-to-end ratio against the first arm measured and simulated, their quotient `off` and `within`
+    (|off - 1| <= tolerance). A figure missing (a run without end_to_end_s) leaves None."""
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return round(a / b, 4) if a is not None and b else None
+
+    def within(r: float | None) -> bool | None:
+        return None if r is None else abs(r - 1.0) <= tolerance
+
+    arms: dict[str, dict[str, Any]] = {}
+    for row in result["rows"]:
+        m, p = row["measured"]["end_to_end_s"], row["predicted"]["end_to_end_s"]
+        r = ratio(m, p)
+        arms[row["arm"]] = {
+            "end_to_end_s": m,
+            "sim_end_to_end_s": round(p, 3),
+            "sim_ratio": r,
+            "within": within(r),
+        }
+    pairs: dict[str, dict[str, Any]] = {}
+    base: str = result["rows"][0]["arm"] if result["rows"] else ""
+    for a, f in arms.items():
+        if a == base:
+            continue
+        b = arms[base]
+        meas, sim = (
+            ratio(f["end_to_end_s"], b["end_to_end_s"]),
+            ratio(f["sim_end_to_end_s"], b["sim_end_to_end_s"]),
+        )
+        off = ratio(meas, sim)
+        pairs[f"{a}/{base}"] = {"measured": meas, "simulated": sim, "off": off, "within": within(off)}
+    return {"tolerance": tolerance, "arms": arms, "ratios": pairs}

@@ -139,10 +139,24 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
+def step_train_figures(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The first applied step's training seconds and the median of the later ones', from a run's steps:
+    metrics.json's `steps` (busy training cell-seconds, sampled: a streamed step's wall time includes its
+    waits for groups) or the core's steps.jsonl lines (wall seconds, `elapsed_s`, where nothing sampled
+    them, or where sampling saw none: a step shorter than the sampling interval). Skipped steps
+    (nothing to train) do not count; None where there is no such step."""
+    secs = [float(s.get("busy_cell_s") or s["elapsed_s"]) for s in steps if not s.get("skipped")]
+    return {
+        "first_step_train_s": round(secs[0], 3) if secs else None,
+        "later_step_train_s_median": round(statistics.median(secs[1:]), 3) if len(secs) > 1 else None,
+    }
+
+
 def run_figures(metrics: dict[str, Any], output_tokens: int) -> dict[str, Any]:
     """What the run itself measured (`gyre run`'s metrics.json): median switch times, push times per
-    version, rollout tokens/s per busy rollout cell-second (`output_tokens`: every recorded call's), and
-    training tokens/s per busy training cell-second (the steps' trained tokens)."""
+    version, rollout tokens/s per busy rollout cell-second (`output_tokens`: every recorded call's),
+    training tokens/s per busy training cell-second (the steps' trained tokens), and the first step's
+    training seconds against the later steps' (`step_train_figures`)."""
     sw = metrics.get("switch_times", {})
     steps = [s for s in metrics.get("steps", []) if not s.get("skipped")]
     cs = metrics.get("roles", {}).get("cell_seconds", {})
@@ -173,6 +187,7 @@ def run_figures(metrics: dict[str, Any], output_tokens: int) -> dict[str, Any]:
         "scores": [s.get("mean_score") for s in steps],
         "losses": [s.get("loss") for s in steps],
         "end_to_end_s": metrics.get("end_to_end_s"),
+        **step_train_figures(metrics.get("steps", [])),
     }
 
 

@@ -32,6 +32,19 @@ def _arm_dir(root: Path, arm: str, i: int, repeats: int) -> Path:
     return d if repeats == 1 else d / f"r{i}"
 
 
+def predicted(
+    cfg: Config, configs: dict[str, Config], measured: dict[str, list[dict[str, Any]]], repeats: int = 1
+) -> dict[str, Any]:
+    """The table of measured runs (`metrics.json` of each arm's repeats) beside the simulator's prediction
+    for each arm's config, calibrated on all of them (`arms.tabulate`): what `compare` does after its runs,
+    or with `reuse` instead of them."""
+    calls = None
+    if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
+        shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
+        calls = profile.calls_array(cfg.profile, cfg.run.seed, shape)
+    return tabulate(cfg, configs, measured, repeats, calls)
+
+
 def compare(
     cfg: Config, arms: list[str], say: Any = print, reuse: bool = False, repeats: int = 1
 ) -> dict[str, Any]:
@@ -62,11 +75,7 @@ def compare(
                 say(f"gyre compare: {a}, run {i + 1} of {repeats}")
                 m = run(c.with_policy(c.run.policy, str(d)), say=say)
             measured.setdefault(a, []).append(m)
-    calls = None
-    if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
-        shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
-        calls = profile.calls_array(cfg.profile, cfg.run.seed, shape)
-    result = tabulate(cfg, configs, measured, repeats, calls)
+    result = predicted(cfg, configs, measured, repeats)
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / "compare.json", result)
     say(table(result["rows"]))

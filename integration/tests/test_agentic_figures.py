@@ -1,0 +1,155 @@
+"""The figures the agent-shaped benchmark (bench/h200_agentic.py) adds to a run's: per-step training seconds
+from a run's steps, and each policy's end to end held to the simulator's prediction for the same workload
+(as `gyre compare --reuse` makes it). Inputs are real run outputs: data/agentic-tiny/ holds metrics.json
+of the benchmark's tiny CPU path (`--cpu --tiny`, elastic, colocate and async) and elastic's steps.jsonl,
+bench/metrics-h200-agentic-elastic.json the H200 run's metrics.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gyre.config.runconfig import config_from_dict
+from gyre.measure import arms, floors
+from gyre.scenarios.compare import compare, predicted
+
+DATA = Path(__file__).parent / "data" / "agentic-tiny"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+POLICIES = ("elastic", "colocate", "async")
+
+
+def _metrics(policy: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((DATA / f"metrics-{policy}.json").read_text())
+    return out
+
+
+def _bench() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("h200_agentic")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_step_figures_from_steps_jsonl_and_metrics() -> None:
+    # the core's steps.jsonl: wall seconds per step (nothing sampled them)
+    lines = [json.loads(x) for x in (DATA / "steps-elastic.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all("busy_cell_s" not in r for r in lines)
+    f = floors.step_train_figures(lines)
+    assert f["first_step_train_s"] == round(lines[0]["elapsed_s"], 3)
+    assert f["later_step_train_s_median"] == round(lines[1]["elapsed_s"], 3)
+    # metrics.json of the same run: busy training cell-seconds, sampled (not the wall seconds)
+    steps = _metrics("elastic")["steps"]
+    f = floors.step_train_figures(steps)
+    assert f["first_step_train_s"] == steps[0]["busy_cell_s"] != round(steps[0]["elapsed_s"], 3)
+    assert f["later_step_train_s_median"] == steps[1]["busy_cell_s"]
+    # the H200 run's four steps: the first's, the median of the other three (as its results report)
+    h200 = json.loads((BENCH / "metrics-h200-agentic-elastic.json").read_text())
+    published = json.loads((BENCH / "results-h200-agentic.json").read_text())["policies"]["elastic"]
+    f = floors.step_train_figures(h200["steps"])
+    assert f["first_step_train_s"] == published["first_step_train_s"] == 36.16
+    assert f["later_step_train_s_median"] == published["later_step_train_s_median"]
+    # a skipped step (nothing to train) does not count; a step the sampler missed falls back to its wall
+    skipped = {**steps[0], "skipped": True}
+    missed = {**steps[1], "busy_cell_s": 0.0}
+    f = floors.step_train_figures([skipped, missed])
+    assert f == {"first_step_train_s": round(steps[1]["elapsed_s"], 3), "later_step_train_s_median": None}
+    assert floors.step_train_figures([]) == {"first_step_train_s": None, "later_step_train_s_median": None}
+    # and run_figures carries them
+    r = floors.run_figures(_metrics("colocate"), output_tokens=1)
+    assert r["first_step_train_s"] == _metrics("colocate")["steps"][0]["busy_cell_s"]
+
+
+def test_sim_prediction_is_gyre_compare_reuse_and_held_to_15pct(tmp_path: Path) -> None:
+    measured = {p: _metrics(p) for p in POLICIES}
+    cfg = config_from_dict(measured["elastic"]["config"])
+    cfg = cfg.with_policy("elastic", str(tmp_path))
+    for p, m in measured.items():  # where `gyre compare --reuse` reads them
+        (tmp_path / p).mkdir()
+        (tmp_path / p / "metrics.json").write_text(json.dumps(m))
+    ref = compare(cfg, list(POLICIES), say=lambda *_: None, reuse=True)
+    configs = {p: cfg.with_policy(p, str(tmp_path)) for p in POLICIES}
+    got = arms.against_prediction(predicted(cfg, configs, {p: [m] for p, m in measured.items()}))
+    for row in ref["rows"]:
+        a = got["arms"][row["arm"]]
+        assert a["sim_end_to_end_s"] == round(row["predicted"]["end_to_end_s"], 3)
+        assert a["end_to_end_s"] == measured[row["arm"]]["end_to_end_s"]
+        assert a["sim_ratio"] == round(a["end_to_end_s"] / row["predicted"]["end_to_end_s"], 4)
+        assert a["within"] is (abs(a["sim_ratio"] - 1.0) <= 0.15)
+    assert set(got["ratios"]) == {"colocate/elastic", "async/elastic"}
+    for pair, r in got["ratios"].items():
+        assert r["measured"] == pytest.approx(ref["ratios"][f"{pair} measured"], abs=1e-3)
+        assert r["simulated"] == pytest.approx(ref["ratios"][f"{pair} predicted"], abs=1e-3)
+        assert r["off"] == round(r["measured"] / r["simulated"], 4)
+        assert r["within"] is (abs(r["off"] - 1.0) <= 0.15)
+    # the tolerance decides: a ratio off by more than it is not within
+    tight = arms.against_prediction(predicted(cfg, configs, {p: [m] for p, m in measured.items()}), 0.0)
+    assert all(v["within"] is (v["sim_ratio"] == 1.0) for v in tight["arms"].values())
+
+
+def test_bench_sim_phase_and_its_goals() -> None:
+    bench = _bench()
+    measured = {p: _metrics(p) for p in ("colocate", "elastic", "async")}
+    cfg = config_from_dict(measured["elastic"]["config"])
+    sim = bench.sim_phase(cfg, measured)
+    assert list(sim["arms"]) == ["elastic", "colocate", "async"]  # ratios against elastic
+    assert sim["steps_planned"] == 2 and sim["steps_applied"] == {p: 2 for p in POLICIES}
+    res: dict[str, Any] = {"policies": {p: {"end_to_end_s": m["end_to_end_s"]} for p, m in measured.items()}}
+    res["sim"] = sim
+    g = bench.goals(res)
+    for p in POLICIES:
+        e = g[p]["end_to_end_within_15pct_of_sim"]
+        assert e["met"] is sim["arms"][p]["within"] and e["sim_end_to_end_s"] > 0
+        assert (
+            e["sim_ratio"] == sim["arms"][p]["sim_ratio"] and e["end_to_end_s"] == measured[p]["end_to_end_s"]
+        )
+    assert set(g["ratios_within_15pct_of_sim"]) == {"colocate/elastic", "async/elastic"}
+    assert all(v["met"] is sim["ratios"][k]["within"] for k, v in g["ratios_within_15pct_of_sim"].items())
+    assert g["elastic_ahead_of_both"] is (
+        measured["elastic"]["end_to_end_s"]
+        < min(measured["colocate"]["end_to_end_s"], measured["async"]["end_to_end_s"])
+    )
+    # runs of earlier calls (--reuse) are held to the same prediction, marked as reused
+    res2 = {"policies": {"async": res["policies"]["async"]}, "sim": sim}
+    res2["reused"] = {p: {"end_to_end_s": measured[p]["end_to_end_s"]} for p in ("elastic", "colocate")}
+    g2 = bench.goals(res2)
+    assert (
+        g2["elastic"]["reused"] is True
+        and g2["colocate"]["end_to_end_within_15pct_of_sim"]
+        == (g["colocate"]["end_to_end_within_15pct_of_sim"])
+    )
+    assert g2["elastic_ahead_of_both"] is g["elastic_ahead_of_both"]
+    # a run cut short is not the simulated workload: no verdict, and it says why
+    short = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=4))
+    res["sim"] = bench.sim_phase(short, measured)
+    e = bench.goals(res)["elastic"]["end_to_end_within_15pct_of_sim"]
+    assert e["met"] is None and "2 of 4 steps" in e["why"]
+    # no prediction at all: says so
+    assert bench.goals({"policies": {"async": {}}})["async"]["end_to_end_within_15pct_of_sim"]["met"] is None
+
+
+def test_plan_of_a_call_in_phase_order() -> None:
+    bench = _bench()
+    est = {"model": 24.0, "warmstart": 32.0, "floors": 8.0, "run-elastic": 295.0, "train": 41.0}
+    est |= {"alone-startup": 35.0, "replay": 116.0, "migrate": 34.0, "probe": 50.0}
+    p = bench.plan(["elastic"], set(), est)
+    assert [n for n, _ in p] == ["model", "warmstart", "floors", "run-elastic", "train", "alone-startup",
+                                 "replay", "migrate", "probe"]  # fmt: skip
+    assert dict(p)["probe"] == 100.0  # two engines, one per slot width
+    # replay skipped: the standalone parts run first; no policy's run to train again
+    p = bench.plan(["colocate"], {"replay", "train"}, est)
+    assert [n for n, _ in p] == [
+        "model",
+        "warmstart",
+        "floors",
+        "alone-startup",
+        "migrate",
+        "probe",
+        "run-colocate",
+    ]
+    assert dict(p)["run-colocate"] is None  # no estimate for it
