@@ -51,8 +51,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 # colocate switches cells as elastic does (its policy is tested against the scheduler in gyre-sched and in
-# test_driver.py); its whole run is in `-m long` to keep the default suite short
-@pytest.mark.parametrize("policy", ["elastic", pytest.param("colocate", marks=pytest.mark.long), "async"])
+# test_driver.py), and async trains on a cell of its own (gyre-sched's tests); their whole runs are in
+# `-m long` to keep the default suite short
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "elastic",
+        pytest.param("colocate", marks=pytest.mark.long),
+        pytest.param("async", marks=pytest.mark.long),
+    ],
+)
 def test_gyre_run_tiny(
     tmp_path: Path,
     model_dir: Path,

@@ -72,7 +72,7 @@ SATELLITE = ["cell.tensor_parallel=[2, 2]"]
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param([], id="tp1-satellite"),
+        pytest.param([], id="tp1-satellite", marks=pytest.mark.long),
         pytest.param(SATELLITE, id="tp2-satellite", marks=pytest.mark.long),
     ],
 )
