@@ -60,11 +60,11 @@ def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, list[flo
 
 
 def _ingest_live(frames: list[bytes]) -> ExecutionTree:
-    """The live path: one record at a time through `Forest.add_frame`, as a trajectory service takes
+    """The live path: one record at a time through `Forest.ingest_frame`, as a trajectory service takes
     them off its socket."""
     forest = Forest()
     for frame in frames:
-        forest.add_frame(frame)
+        forest.ingest_frame(frame)
     return forest.trees["bench"]
 
 
