@@ -85,7 +85,9 @@ def test_ingest_frame_builds_the_plain_paths_tree(
         assert info == plain.trees[c.execution_id].calls[c.call_id]
     for eid, tree in plain.trees.items():
         _same_tree(fast.trees[eid], tree)
-        batched = Forest().add_msgpack(encode_msgpack_stream([c for c in order if c.execution_id == eid], 10**6))
+        batched = Forest().add_msgpack(
+            encode_msgpack_stream([c for c in order if c.execution_id == eid], 10**6)
+        )
         for name in ARRAYS:
             assert np.array_equal(getattr(fast.trees[eid], name), getattr(batched.trees[eid], name)), name
 
@@ -127,8 +129,16 @@ def _lps(*xs: float) -> msgspec.msgpack.Ext:
 
 
 BAD: list[tuple[str, dict[str, Any], str]] = [
-    ("negative input id", {"input_delta.append": _ids(3001, -4)}, r"input ids contain a negative id -4 at position 5"),
-    ("negative output id", {"output_ids": _ids(4002, -7)}, r"output ids contain a negative id -7 at position 1"),
+    (
+        "negative input id",
+        {"input_delta.append": _ids(3001, -4)},
+        r"input ids contain a negative id -4 at position 5",
+    ),
+    (
+        "negative output id",
+        {"output_ids": _ids(4002, -7)},
+        r"output ids contain a negative id -7 at position 1",
+    ),
     ("NaN logprob", {"output_logprobs": _lps(-0.5, math.nan)}, r"logprobs must be <= 0 \(and not NaN\)"),
     ("positive logprob", {"output_logprobs": _lps(-0.5, 0.25)}, r"logprobs must be <= 0"),
     ("logprob count", {"output_logprobs": _lps(-0.5)}, r"1 output logprobs for 2 output ids"),
@@ -148,7 +158,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize(("what", "changes", "message"), BAD, ids=[b[0] for b in BAD])
-def test_ingest_frame_refuses_what_the_plain_path_refuses(what: str, changes: dict[str, Any], message: str) -> None:
+def test_ingest_frame_refuses_what_the_plain_path_refuses(
+    what: str, changes: dict[str, Any], message: str
+) -> None:
     first, nxt = _next_call_fields()
     bad = {**nxt, "input_delta": dict(nxt["input_delta"])}
     for key, value in changes.items():
@@ -180,7 +192,11 @@ def test_ingest_frame_takes_what_only_the_full_decoder_reads() -> None:
     """Arrays sent in another encoding (ids as a msgpack list, logprobs as float64 bytes) are not the
     bytes path's: the full decoder reads them, and the tree is the same."""
     first, nxt = _next_call_fields()
-    nxt = {**nxt, "output_ids": [4002, 4003], "output_logprobs": msgspec.msgpack.Ext(4, np.array([-0.2, -0.3]).tobytes())}
+    nxt = {
+        **nxt,
+        "output_ids": [4002, 4003],
+        "output_logprobs": msgspec.msgpack.Ext(4, np.array([-0.2, -0.3]).tobytes()),
+    }
     frames = [msgspec.msgpack.encode(first), msgspec.msgpack.encode(nxt)]
     fast = Forest()
     for f in frames:
