@@ -1261,17 +1261,19 @@ class Forest:
             self.add(rec)
         return rec
 
-    def ingest_frame(self, data: bytes | memoryview, name: str = "<frame>") -> CallInfo | Score | CallBatch:
+    def ingest_frame(
+        self, data: bytes | memoryview, name: str = "<frame>", view: CallView | None = None
+    ) -> CallInfo | Score | CallBatch:
         """The live ingest path, for a service that takes records off a socket one message at a time:
         `add_frame`'s contract, returning the CallInfo the tree gave a call (the record itself for a
         score or a batch). An agent's next call (the proxy's usual message) goes from the message's
         bytes straight into its tree (`ExecutionTree.extend_next`: no `Call` built, one copy of its
-        tokens); any other record, or one that path does not take, is decoded and added in full."""
-        try:
-            view = self._view_dec.decode(data)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            pass
-        else:
+        tokens); any other record, or one that path does not take, is decoded and added in full.
+        `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
+        first."""
+        if view is None:
+            view = self.read_view(data)
+        if view is not None:
             tree = self.trees.get(view.execution_id)
             if tree is not None:
                 info = tree.extend_next(view)
@@ -1287,6 +1289,14 @@ class Forest:
                 return tree.add(rec)
             self.add(rec)
         return rec
+
+    def read_view(self, data: bytes | memoryview) -> CallView | None:
+        """`data` read as a `CallView` (its arrays left in it), or None when it is not one: another kind
+        of record, or bytes msgspec refuses (`ingest_frame` then decodes it in full, which says what)."""
+        try:
+            return self._view_dec.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
 
     def __iter__(self) -> Iterator[ExecutionTree]:
         return iter(self.trees.values())
