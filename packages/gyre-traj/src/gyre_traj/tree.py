@@ -1251,11 +1251,11 @@ class Forest:
 
     def add_frame(self, data: bytes | memoryview, name: str = "<frame>") -> Call | Score | CallBatch:
         """Decode one msgpack record (what the proxy sends as one message: a `Call` whose input is
-        delta-encoded against the agent's previous call, most often) and add it; returns it. The live
-        ingest path: an agent's next call costs work in proportion to the tokens it carries, whatever
-        the length of the context it extends. The record's scans are the tree's (as in `add_msgpack`).
-        A record that does not decode, or that its tree refuses, is a `RecordError`; the tree keeps what
-        it had."""
+        delta-encoded against the agent's previous call, most often) into its record and add it;
+        returns it. An agent's next call costs work in proportion to the tokens it carries, whatever the
+        length of the context it extends. The record's scans are the tree's (as in `add_msgpack`). A
+        record that does not decode, or that its tree refuses, is a `RecordError`; the tree keeps what
+        it had. `ingest_frame` is the same with no `Call` built for an agent's next call."""
         with defer_input_sign_check():
             rec = decode_msgpack_record(data, name)
             self.add(rec)
