@@ -226,3 +226,21 @@ def test_ingest_frame_refuses_a_call_id_it_has() -> None:
     with pytest.raises(RecordError, match=r"call='c1'.*duplicate call id"):
         forest.ingest_frame(msgspec.msgpack.encode(nxt))
     assert tree.n == n and tree.calls == calls
+
+
+@pytest.mark.parametrize("first_tokens", [0, 1])
+def test_ingest_frame_after_a_call_with_no_tokens(first_tokens: int) -> None:
+    """A call whose parent carried no tokens at all (it ends at the root) starts the tree's first run,
+    or a new branch at the root, as the plain path makes it."""
+    calls = [call("c0", ids(SYS, 1)[:first_tokens], [])]
+    if first_tokens:
+        calls.append(call("c1", [], [], agent="sub"))
+    parent = calls[-1].call_id
+    calls.append(call("c2", None, ids(OUT, 1), agent="sub", delta=(parent, 0, ids(SYS, 7))))
+    calls.append(call("c3", None, ids(OUT, 2), agent="sub", delta=("c2", 2, ids(TOOL, 1))))
+    frames = [CODEC.encode_msgpack(c) for c in calls]
+    fast = Forest()
+    for f in frames:
+        fast.ingest_frame(f)
+    _same_tree(fast.trees["e"], _plain(frames).trees["e"])
+    assert fast.trees["e"].call_sequence("c3")[0].tolist() == [*ids(SYS, 7), *ids(OUT, 1), *ids(TOOL, 1)]

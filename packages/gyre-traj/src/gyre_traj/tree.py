@@ -764,8 +764,8 @@ class ExecutionTree:
         ):
             return None
         after, lo = par.end, self.n
-        if after != lo - 1 and (after == ROOT or self.has_children(after)):
-            return None
+        if after == ROOT or (after != lo - 1 and self.has_children(after)):
+            return None  # a parent with no tokens, or one with something below its last token
         rest = d.append
         try:
             k_in, k_out = len(rest), len(out)
