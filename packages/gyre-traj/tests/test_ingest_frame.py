@@ -244,3 +244,19 @@ def test_ingest_frame_after_a_call_with_no_tokens(first_tokens: int) -> None:
         fast.ingest_frame(f)
     _same_tree(fast.trees["e"], _plain(frames).trees["e"])
     assert fast.trees["e"].call_sequence("c3")[0].tolist() == [*ids(SYS, 7), *ids(OUT, 1), *ids(TOOL, 1)]
+
+
+def test_ingest_frame_a_next_call_with_no_tokens_below_a_parent_inside_the_arena() -> None:
+    """An agent's next call that carries no tokens, its parent's last token inside the arena (another
+    agent's call came after it): it ends where its parent does, as the plain path places it."""
+    calls = [
+        call("c0", PROMPT, ids(OUT, 1)),
+        call("c1", ids(SYS, 7), ids(OUT, 5), agent="sub"),
+        call("c2", None, [], delta=("c0", 4, [])),
+        call("c3", None, ids(OUT, 2), delta=("c2", 4, ids(TOOL, 1))),
+    ]
+    frames = [CODEC.encode_msgpack(c) for c in calls]
+    fast = Forest()
+    infos = [fast.ingest_frame(f) for f in frames]
+    _same_tree(fast.trees["e"], _plain(frames).trees["e"])
+    assert isinstance(infos[2], CallInfo) and infos[2].end == fast.trees["e"].calls["c0"].end

@@ -113,6 +113,13 @@ class TreeMachine(RuleBasedStateMachine):
         self._step(agent, agent.ctx + tool, out, use_delta)
         assert len(self.tree.stats.drifts) == before  # an honest continuation never drifts
 
+    @rule(data=st.data(), out=outputs)
+    def step_without_new_input(self, data: st.DataObject, out: list[int]) -> None:
+        """An agent's next call that appends nothing to its context (and, with an empty output, carries
+        no tokens at all), its delta keeping the whole of the previous call."""
+        agent = data.draw(st.sampled_from(self.agents))
+        self._step(agent, agent.ctx, out, True)
+
     @rule(data=st.data(), out=outputs, use_delta=st.booleans(), adopt=st.booleans())
     def retry(self, data: st.DataObject, out: list[int], use_delta: bool, adopt: bool) -> None:
         """Re-send an agent's last input; the harness keeps the first answer or adopts the retry's."""

@@ -799,15 +799,20 @@ class ExecutionTree:
             self._seg_hi.append(hi)
             self._seg_groups.append((mid, hi, a, version, arr, 0))
             self._policy_count += k_out
-        if after != lo - 1 and hi > lo:
-            # The parent ends inside the arena with nothing below it: the call starts a run there.
-            self._new_run(after, lo, int(self._ids[lo]))
+        end = hi - 1
+        if after != lo - 1:
+            # The parent ends inside the arena with nothing below it: the call starts a run there (or,
+            # carrying no tokens, ends where its parent does).
+            if hi > lo:
+                self._new_run(after, lo, int(self._ids[lo]))
+            else:
+                end = after
         self.n = hi
         info = CallInfo(
             cid,
             view.agent_id,
             view.role,
-            hi - 1,
+            end,
             keep + k_in,
             k_out,
             version,
@@ -818,7 +823,7 @@ class ExecutionTree:
         self.calls[cid] = info
         self.order.append(cid)
         if self._ends_seen == len(self.order) - 1:
-            self._ends.add(hi - 1)
+            self._ends.add(end)
             self._ends_seen += 1
         st = self.stats
         st.calls += 1
