@@ -42,6 +42,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree = ExecutionTree("e")
         self.full_tree = ExecutionTree("e")  # the same calls, every input in full
         self.live = Forest()  # the same records as the proxy sends them, one msgpack message each
+        self.fast = Forest()  # the same messages through the live path (`Forest.ingest_frame`)
         self.codec = Codec()
         self.calls: dict[str, tuple[list[int], list[int]]] = {}
         self.agents: list[Agent] = []
@@ -77,8 +78,10 @@ class TreeMachine(RuleBasedStateMachine):
         else:
             rec = call(cid, inp, out, role=role, agent=agent.name, t=float(self.n))
         self.tree.add(rec)
-        back = self.live.add_frame(self.codec.encode_msgpack(rec))
+        frame = self.codec.encode_msgpack(rec)
+        back = self.live.add_frame(frame)
         assert self.codec.encode_msgpack(back) == self.codec.encode_msgpack(rec)  # decoded as sent
+        assert self.fast.ingest_frame(frame) == self.tree.calls[cid]
         self.full_tree.add(call(cid, inp, out, role=role, agent=agent.name, t=float(self.n)))
         self.calls[cid] = (inp, out)
         return cid
@@ -109,6 +112,13 @@ class TreeMachine(RuleBasedStateMachine):
         before = len(self.tree.stats.drifts)
         self._step(agent, agent.ctx + tool, out, use_delta)
         assert len(self.tree.stats.drifts) == before  # an honest continuation never drifts
+
+    @rule(data=st.data(), out=outputs)
+    def step_without_new_input(self, data: st.DataObject, out: list[int]) -> None:
+        """An agent's next call that appends nothing to its context (and, with an empty output, carries
+        no tokens at all), its delta keeping the whole of the previous call."""
+        agent = data.draw(st.sampled_from(self.agents))
+        self._step(agent, agent.ctx, out, True)
 
     @rule(data=st.data(), out=outputs, use_delta=st.booleans(), adopt=st.booleans())
     def retry(self, data: st.DataObject, out: list[int], use_delta: bool, adopt: bool) -> None:
@@ -164,6 +174,19 @@ class TreeMachine(RuleBasedStateMachine):
         for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
             assert np.array_equal(getattr(live, name), getattr(self.tree, name)), name
         assert live.calls == self.tree.calls and live.order == self.tree.order
+
+    @invariant()
+    def ingest_frame_builds_the_same_tree(self) -> None:
+        """The same messages through `Forest.ingest_frame` (an agent's next call read from its bytes
+        straight into the tree, anything else decoded in full) build the same tree as the calls added
+        as objects: per-token arrays, calls, order and ingest statistics (drifts included)."""
+        if not self.calls:
+            return
+        fast = self.fast.trees["e"]
+        for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
+            assert np.array_equal(getattr(fast, name), getattr(self.tree, name)), name
+        assert fast.calls == self.tree.calls and fast.order == self.tree.order
+        assert fast.stats == self.tree.stats
 
     @invariant()
     def unique_tokens_equal_naive_prefix_set(self) -> None:

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 from gyre_sched.protocol import ReadyGroups
 from gyre_train.protocol import StepInfo
+from gyre_traj.io import CallView
 from gyre_traj.pack import PackConfig, PackedBatch, PackItem, pack
 from gyre_traj.records import Call, EvalStatus, Score
 from gyre_traj.select import SelectionConfig, select
-from gyre_traj.tree import Forest
+from gyre_traj.tree import CallInfo, Forest
 from gyre_traj.weights import group_advantages
 
 
@@ -159,9 +160,18 @@ class StepBook:
 
     def record(self, rec: Call) -> None:
         self.forest.add(rec)
-        eid = rec.execution_id
+        self._count(rec.execution_id, len(rec.output_ids))
+
+    def record_frame(self, view: CallView, data: bytes) -> None:
+        """A call record's message (`data`, read as `view`) through the forest's live path
+        (`Forest.ingest_frame`); RecordError if its execution's tree refuses it."""
+        info = self.forest.ingest_frame(data, view=view)
+        assert isinstance(info, CallInfo)  # a CallView's message is a call
+        self._count(view.execution_id, info.n_output)
+
+    def _count(self, eid: str, n_output: int) -> None:
         self.calls_seen[eid] = self.calls_seen.get(eid, 0) + 1
-        self.output_tokens[eid] = self.output_tokens.get(eid, 0) + len(rec.output_ids)
+        self.output_tokens[eid] = self.output_tokens.get(eid, 0) + n_output
 
     def score(self, step: int, score: Score, calls: int, now: float) -> None:
         sd = self.steps[step]

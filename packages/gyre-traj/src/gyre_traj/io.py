@@ -31,9 +31,11 @@ from gyre_traj.readers import iter_foreign, iter_messages, iter_slime, iter_verl
 from gyre_traj.records import (
     ID_DTYPE,
     LOGPROB_DTYPE,
+    SCHEMA_VERSION,
     Call,
     CallBatch,
     RecordError,
+    Role,
     Score,
 )
 
@@ -139,6 +141,63 @@ def decode_msgpack_record(data: bytes | memoryview, name: str = "<frame>") -> Re
         return _mp_decoder().decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError, RecordError) as exc:
         raise _wrap(exc, name) from None
+
+
+class DeltaView(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """`Delta` as `CallView` reads it: the appended ids left as they came (see `CallView`)."""
+
+    parent: str
+    keep: int
+    append: Any
+
+
+class CallView(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag="call",
+    tag_field="kind",
+    gc=False,
+):
+    """A `Call` record's msgpack bytes read without building its arrays or validating them: the same
+    fields and field types as `Call` (so msgspec accepts and refuses the same messages), but each token
+    array is left in the message: an int32 id array sent as raw bytes (the proxy's encoding) is a
+    memoryview of format "i" into it, a float32 logprob array one of format "f"; anything else is left
+    as msgspec met it (another extension type as `(type, memoryview)`). The live ingest path
+    (`Forest.ingest_frame`) reads an agent's next call straight into its tree through it; whatever it
+    cannot take that way is decoded in full as a `Call`."""
+
+    execution_id: str
+    call_id: str
+    agent_id: str
+    role: Role
+    output_ids: Any
+    output_logprobs: Any
+    weight_version: int
+    finish_reason: str = "stop"
+    input_ids: Any = None
+    input_delta: DeltaView | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    v: int = SCHEMA_VERSION
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def _view_ext_hook(code: int, data: memoryview) -> Any:
+    if len(data) & 3 == 0:  # else not an array of 4-byte items: left as it came
+        if code == _EXT_IDS:
+            return data.cast("i")
+        if code == _EXT_F32:
+            return data.cast("f")
+    return code, data
+
+
+def call_view_decoder() -> msgspec.msgpack.Decoder[CallView]:
+    """A decoder of messages into `CallView`s (one per thread that reads a socket): it raises msgspec's
+    errors for a message that is not one (another kind of record, or anything msgspec refuses: the full
+    decoder then says what, `decode_msgpack_record`)."""
+    return msgspec.msgpack.Decoder(CallView, ext_hook=_view_ext_hook)
 
 
 def _wrap(exc: Exception, where: str) -> RecordError:

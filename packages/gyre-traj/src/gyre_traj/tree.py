@@ -24,10 +24,12 @@ from typing import Any, NamedTuple, cast
 import msgspec
 import numpy as np
 
-from gyre_traj.io import decode_msgpack_record, iter_msgpack
+from gyre_traj.io import CallView, call_view_decoder, decode_msgpack_record, iter_msgpack
 from gyre_traj.records import (
     ID_DTYPE,
     LOGPROB_DTYPE,
+    MAX_WEIGHT_VERSION,
+    SCHEMA_VERSION,
     Call,
     CallBatch,
     RecordError,
@@ -103,6 +105,7 @@ _COPY_CHUNK = 1 << 16  # tokens copied then checked per step: the check reads th
 NO_NODE = ROOT - 1
 _NO_PENDING = 1 << 62
 _umax = np.maximum.reduce
+_fmax = np.maximum.reduce
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -246,6 +249,12 @@ class ExecutionTree:
         self.execution_id = execution_id
         self.n = 0
         self._ids = np.empty(capacity, ID_DTYPE)
+        self._ids_m = memoryview(self._ids).cast("B").cast("i")  # a message's ids are copied in by memcpy
+        # The logprobs of the calls `extend_next` took, appended in one array grown 2x (a segment
+        # refers to the array it was written into, which stays valid when a larger one replaces it).
+        self._lps = np.empty(0, LOGPROB_DTYPE)
+        self._lps_m = memoryview(self._lps).cast("B").cast("f")
+        self._lps_n = 0
         self._starts: list[int] = []  # first node of each run, ascending
         self._start_set: set[int] = set()
         self._rpar: list[int] = []  # parent of each run's first node
@@ -289,6 +298,7 @@ class ExecutionTree:
         ids = np.empty(new_cap, ID_DTYPE)
         ids[: self.n] = self._ids[: self.n]
         self._ids = ids
+        self._ids_m = memoryview(ids).cast("B").cast("i")
 
     def _depth_of(self, node: int) -> int:
         r = bisect.bisect_right(self._starts, node) - 1
@@ -725,6 +735,108 @@ class ExecutionTree:
         st.delta_calls += 1
         return info
 
+    def extend_next(self, view: CallView) -> CallInfo | None:
+        """Add the call of `view` (a decoded message, its arrays still bytes in it) when it extends the
+        whole of its delta parent, and nothing hangs below the parent's last token yet (an agent's next
+        call: its every token is new), its arrays are raw int32 ids and float32 logprobs, and its fields
+        are in range. Its ids are copied from the message into the arena and its logprobs into the
+        tree's logprob array (one memcpy each), each checked once where it landed; nothing else is read,
+        and the work is that copy plus a fixed cost whatever the context's length. Returns its CallInfo,
+        or None (the tree unchanged) for anything else, a bad value included: `add` of the decoded
+        `Call` then merges it or says what is wrong, as for any call."""
+        d = view.input_delta
+        if d is None or view.input_ids is not None or view.execution_id != self.execution_id:
+            return None
+        cid, keep, out, lps = view.call_id, d.keep, view.output_ids, view.output_logprobs
+        par = self.calls.get(d.parent)
+        if (
+            par is None
+            or keep != par.length
+            or not cid
+            or cid in self.calls
+            or view.v > SCHEMA_VERSION
+            or not 0 <= view.weight_version <= MAX_WEIGHT_VERSION
+            or view.t_start != view.t_start  # NaN
+            or view.t_end != view.t_end
+            or self._pend_lo != _NO_PENDING
+            or type(lps) is not memoryview
+            or len(lps) != len(out)
+        ):
+            return None
+        after, lo = par.end, self.n
+        if after == ROOT or (after != lo - 1 and self.has_children(after)):
+            return None  # a parent with no tokens, or one with something below its last token
+        rest = d.append
+        try:
+            k_in, k_out = len(rest), len(out)
+            mid = lo + k_in
+            hi = mid + k_out
+            if hi > self._ids.shape[0]:
+                self._reserve(k_in + k_out)
+            ids_m = self._ids_m
+            ids_m[lo:mid] = rest  # a ValueError unless an int32 id array ("i") of that length
+            ids_m[mid:hi] = out
+            if k_out:
+                a = self._lps_n
+                b = a + k_out
+                if b > self._lps.shape[0]:
+                    self._grow_lps(b)
+                self._lps_m[a:b] = lps  # likewise for float32 logprobs ("f")
+        except (TypeError, ValueError):
+            return None
+        if hi > lo:
+            span = self._ids[lo:hi]
+            if span[span.argmin()] < 0:
+                return None
+        version = view.weight_version
+        if k_out:
+            arr = self._lps
+            got = arr[a:b]
+            if not got[got.argmax()] <= 1e-4:  # argmax gives the first NaN if any, which fails too
+                return None
+            self._lps_n = b
+            self._seg_lo.append(mid)
+            self._seg_hi.append(hi)
+            self._seg_groups.append((mid, hi, a, version, arr, 0))
+            self._policy_count += k_out
+        end = hi - 1
+        if after != lo - 1:
+            # The parent ends inside the arena with nothing below it: the call starts a run there (or,
+            # carrying no tokens, ends where its parent does).
+            if hi > lo:
+                self._new_run(after, lo, int(self._ids[lo]))
+            else:
+                end = after
+        self.n = hi
+        info = CallInfo(
+            cid,
+            view.agent_id,
+            view.role,
+            end,
+            keep + k_in,
+            k_out,
+            version,
+            view.finish_reason,
+            view.t_start,
+            view.t_end,
+        )
+        self.calls[cid] = info
+        self.order.append(cid)
+        if self._ends_seen == len(self.order) - 1:
+            self._ends.add(end)
+            self._ends_seen += 1
+        st = self.stats
+        st.calls += 1
+        st.call_tokens += keep + k_in + k_out
+        st.delta_calls += 1
+        return info
+
+    def _grow_lps(self, need: int) -> None:
+        grown = np.empty(max(need, 2 * self._lps.shape[0], 1 << 12), LOGPROB_DTYPE)
+        grown[: self._lps_n] = self._lps[: self._lps_n]
+        self._lps = grown
+        self._lps_m = memoryview(grown).cast("B").cast("f")
+
     def add_batch(self, batch: CallBatch) -> None:
         """Merge a `CallBatch` (its calls in order), all or nothing: if any call is bad, the error names
         it and the tree is left as it was before the batch.
@@ -1109,6 +1221,7 @@ class Forest:
     def __init__(self) -> None:
         self.trees: dict[str, ExecutionTree] = {}
         self.pending_scores: dict[str, Score] = {}
+        self._view_dec = call_view_decoder()  # `ingest_frame`'s
 
     def add(self, rec: Call | Score | CallBatch) -> None:
         if isinstance(rec, Score):
@@ -1143,15 +1256,52 @@ class Forest:
 
     def add_frame(self, data: bytes | memoryview, name: str = "<frame>") -> Call | Score | CallBatch:
         """Decode one msgpack record (what the proxy sends as one message: a `Call` whose input is
-        delta-encoded against the agent's previous call, most often) and add it; returns it. The live
-        ingest path: an agent's next call costs work in proportion to the tokens it carries, whatever
-        the length of the context it extends. The record's scans are the tree's (as in `add_msgpack`).
-        A record that does not decode, or that its tree refuses, is a `RecordError`; the tree keeps what
-        it had."""
+        delta-encoded against the agent's previous call, most often) into its record and add it;
+        returns it. An agent's next call costs work in proportion to the tokens it carries, whatever the
+        length of the context it extends. The record's scans are the tree's (as in `add_msgpack`). A
+        record that does not decode, or that its tree refuses, is a `RecordError`; the tree keeps what
+        it had. `ingest_frame` is the same with no `Call` built for an agent's next call."""
         with defer_input_sign_check():
             rec = decode_msgpack_record(data, name)
             self.add(rec)
         return rec
+
+    def ingest_frame(
+        self, data: bytes | memoryview, name: str = "<frame>", view: CallView | None = None
+    ) -> CallInfo | Score | CallBatch:
+        """The live ingest path, for a service that takes records off a socket one message at a time:
+        `add_frame`'s contract, returning the CallInfo the tree gave a call (the record itself for a
+        score or a batch). An agent's next call (the proxy's usual message) goes from the message's
+        bytes straight into its tree (`ExecutionTree.extend_next`: no `Call` built, one copy of its
+        tokens); any other record, or one that path does not take, is decoded and added in full.
+        `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
+        first."""
+        if view is None:
+            view = self.read_view(data)
+        if view is not None:
+            tree = self.trees.get(view.execution_id)
+            if tree is not None:
+                info = tree.extend_next(view)
+                if info is not None:
+                    return info
+        with defer_input_sign_check():
+            rec = decode_msgpack_record(data, name)
+            if isinstance(rec, Call):
+                tree = self.trees.get(rec.execution_id)
+                if tree is None:
+                    tree = self.trees[rec.execution_id] = ExecutionTree(rec.execution_id)
+                    tree.score = self.pending_scores.pop(rec.execution_id, None)
+                return tree.add(rec)
+            self.add(rec)
+        return rec
+
+    def read_view(self, data: bytes | memoryview) -> CallView | None:
+        """`data` read as a `CallView` (its arrays left in it), or None when it is not one: another kind
+        of record, or bytes msgspec refuses (`ingest_frame` then decodes it in full, which says what)."""
+        try:
+            return self._view_dec.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
 
     def __iter__(self) -> Iterator[ExecutionTree]:
         return iter(self.trees.values())

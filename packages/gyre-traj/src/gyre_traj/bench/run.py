@@ -60,8 +60,17 @@ def _ingest_vs_copy(stream: bytes, repeats: int) -> tuple[float, float, list[flo
 
 
 def _ingest_live(frames: list[bytes]) -> ExecutionTree:
-    """The live path: one record at a time through `Forest.add_frame`, as a trajectory service takes
+    """The live path: one record at a time through `Forest.ingest_frame`, as a trajectory service takes
     them off its socket."""
+    forest = Forest()
+    for frame in frames:
+        forest.ingest_frame(frame)
+    return forest.trees["bench"]
+
+
+def _ingest_plain(frames: list[bytes]) -> ExecutionTree:
+    """The same records one at a time through `Forest.add_frame` (each decoded into a `Call`, then
+    added): the live path's reference."""
     forest = Forest()
     for frame in frames:
         forest.add_frame(frame)
@@ -71,10 +80,13 @@ def _ingest_live(frames: list[bytes]) -> ExecutionTree:
 @dataclass
 class _SideBySide:
     """Medians (and pairwise-ratio quartiles) of the 700k execution's ingests against a copy of its bytes,
-    each measured in turn in one loop so that all see the same machine load."""
+    each measured in turn in one loop so that all see the same machine load: the live path
+    (`ingest_frame`), the plain one-record-at-a-time path (`add_frame`: its reference) and the batched
+    one."""
 
     live_s: float
     live_copy_s: float
+    plain_s: float
     batched_s: float
     batched_copy_s: float
     live_pairs: list[float]
@@ -94,7 +106,7 @@ def _side_by_side(
     live_dst, batch_dst = np.empty_like(live_src), np.empty_like(batch_src)
     np.copyto(live_dst, live_src)  # touch the destinations once: the copies are timed into warm memory
     np.copyto(batch_dst, batch_src)
-    t: dict[str, list[float]] = {k: [] for k in ("live", "live_copy", "batched", "batched_copy")}
+    t: dict[str, list[float]] = {k: [] for k in ("live", "live_copy", "plain", "batched", "batched_copy")}
     cpu: dict[str, list[float]] = {k: [] for k in t}
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
@@ -106,8 +118,9 @@ def _side_by_side(
 
     live_tree = batched_tree = None
     for _ in range(repeats):
-        timed("live_copy", lambda: np.copyto(live_dst, live_src))
         live_tree = None  # drop the previous tree first, as a long-running service would have
+        timed("plain", lambda: _ingest_plain(frames))
+        timed("live_copy", lambda: np.copyto(live_dst, live_src))
         live_tree = timed("live", lambda: _ingest_live(frames))
         timed("batched_copy", lambda: np.copyto(batch_dst, batch_src))
         batched_tree = None
@@ -118,6 +131,7 @@ def _side_by_side(
     side = _SideBySide(
         live_s=med["live"],
         live_copy_s=med["live_copy"],
+        plain_s=med["plain"],
         batched_s=med["batched"],
         batched_copy_s=med["batched_copy"],
         live_pairs=[i / c for i, c in zip(t["live"], t["live_copy"], strict=True)],
@@ -252,6 +266,8 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "memcpy_live_s": round(side.live_copy_s, 5),
         "ingest_over_memcpy_700k_live": round(side.live_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_live_pair_quartiles": _quartiles(side.live_pairs),
+        "ingest_plain_s": round(side.plain_s, 4),
+        "ingest_over_memcpy_700k_live_plain": round(side.plain_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_batched": round(delta_s / delta_copy_s, 2),
         "ingest_over_memcpy_700k_live_cpu": round(side.live_cpu_ratio, 2),
         "ingest_over_memcpy_700k_batched_cpu": round(side.batched_cpu_ratio, 2),
