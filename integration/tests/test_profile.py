@@ -181,7 +181,7 @@ def filler(tmp_path_factory: pytest.TempPathFactory) -> profile.Filler:
 
 def _run(
     server: _FakeOpenAI, filler: profile.Filler, p: ProfileSection, plan: profile.Plan, timeout_s: float
-):
+) -> tuple[profile.ProfileExecution, bool, float]:
     task = filler.text(random.Random(1), p.prompt_tokens)
     ex = profile.ProfileExecution("s0-q0-e0", "s0-q0", task, sum(plan.tool_s), plan)
 
