@@ -2,15 +2,19 @@
 input an engine could have taken from its prefix cache, and where the rest of the shortfall went.
 
 Each record's full input (a delta-encoded input resolved against its parent) is matched, token by token,
-against the inputs and outputs of the calls that had ended before it started. `ideal`: the longest such
-match on any engine (every cached prefix kept, every call sent to the engine holding its prefix); `own`:
-the longest on the engine that served the call (that engine kept everything). An engine computes at
+against the inputs and outputs of the calls that had ended before it started under the same weight version
+(a prefix computed by other weights is no cache for this call: an engine drops its cache at a new
+version). `ideal`: the longest such match on any engine (every cached prefix kept, every call sent to the
+engine holding its prefix); `own`: the longest on the engine that served the call (that engine kept
+everything); `any_version`: the longest match under any version. An engine computes at
 least the last input token, so a call's ideal is at most its input less one. The measured hits are the
 records' `cached_tokens` (gyre-proxy's `metadata`), as in `efficiency.calls_and_cache`.
 
 The input tokens split into:
 - `inherent`: no ended call holds them (an execution's first call past its group's shared prompt, each
   tool output, a compaction's new conversation, a sub-agent's task): no cache can hit them;
+- `new_version`: only calls of an earlier weight version held them (the execution's context computed
+  again under the new weights);
 - `elsewhere`: another engine held them (the call was routed, or moved, away from its prefix);
 - `lost_on_engine`: the serving engine had them once and did not find them (evicted, or its cache
   key missed a real extension);
@@ -102,28 +106,33 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
     every = list(records)
     inputs = full_inputs(every)
     recs = sorted((r for r in every if r.call_id in inputs), key=lambda r: (r.t_start, r.call_id))
-    tries: dict[str, _Trie] = {}
+    tries: dict[tuple[str, int], _Trie] = {}  # by (engine, weight version)
     ended: list[tuple[float, int, Call]] = []  # (t_end, order, call): to insert once ended
-    tot = {"input": 0, "cached": 0, "ideal": 0, "own": 0, "inherent": 0, "elsewhere": 0, "lost": 0}
+    tot = dict.fromkeys(
+        ("input", "cached", "ideal", "any", "own", "inherent", "version", "elsewhere", "lost"), 0
+    )
     kinds: dict[str, dict[str, int]] = {}
     for i, r in enumerate(recs):
         while ended and ended[0][0] <= r.t_start:
             _, _, e = heapq.heappop(ended)
-            tries.setdefault(_engine(e), _Trie()).insert(
+            tries.setdefault((_engine(e), e.weight_version), _Trie()).insert(
                 np.concatenate([inputs[e.call_id], np.asarray(e.output_ids)])
             )
         x = inputs[r.call_id]
         n = int(x.size)
         most = max(0, n - 1)
-        per = {e: min(most, t.match(x)) for e, t in tries.items()}
-        ideal = max(per.values(), default=0)
-        own = per.get(_engine(r), 0)
+        per = {key: min(most, t.match(x)) for key, t in tries.items()}
+        any_version = max(per.values(), default=0)
+        ideal = max((v for (_, w), v in per.items() if w == r.weight_version), default=0)
+        own = per.get((_engine(r), r.weight_version), 0)
         cached = min(n, int(r.metadata.get("cached_tokens", 0)))
         tot["input"] += n
         tot["cached"] += cached
         tot["ideal"] += ideal
+        tot["any"] += any_version
         tot["own"] += own
-        tot["inherent"] += n - max(ideal, cached)
+        tot["inherent"] += n - max(any_version, cached)
+        tot["version"] += max(0, any_version - max(ideal, cached))
         tot["elsewhere"] += max(0, ideal - max(own, cached))
         tot["lost"] += max(0, min(own, ideal) - cached)
         k = kinds.setdefault(
@@ -144,9 +153,11 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
         "prefix_cache_hit_share": share(tot["cached"]),
         "prefix_cache_hit_share_ideal": share(tot["ideal"]),
         "prefix_cache_hit_share_own_engine": share(tot["own"]),
+        "prefix_cache_hit_share_any_version": share(tot["any"]),
         "input_tokens": inp,
         "missed_tokens": {
             "inherent": tot["inherent"],
+            "new_version": tot["version"],
             "elsewhere": tot["elsewhere"],
             "lost_on_engine": tot["lost"],
         },
