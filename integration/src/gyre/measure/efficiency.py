@@ -161,7 +161,11 @@ def efficiency(
         "startup": startup(out),
         **calls_and_cache(calls),
         "prefix_cache_hit_share_ideal": hits["prefix_cache_hit_share_ideal"],
-        "prefix_cache": {k: v for k, v in hits.items() if k != "prefix_cache_hit_share"},
+        "prefix_cache": {k: v for k, v in hits.items() if not k.startswith("prefix_cache_hit_share")}
+        | {
+            "hit_share_own_engine": hits["prefix_cache_hit_share_own_engine"],
+            "hit_share_any_version": hits["prefix_cache_hit_share_any_version"],
+        },
         **engine_call_share(calls, samples),
         "device_seconds": device_seconds(samples, track, device_of(cfg), t0, t1),
     }

@@ -35,19 +35,20 @@ from gyre_traj.records import Call
 
 
 class _Trie:
-    """Token sequences as a flat map (node, token) -> node; node 0 is the empty prefix."""
+    """Token sequences as a flat map node << 32 | token -> node; node 0 is the empty prefix."""
 
     def __init__(self) -> None:
-        self.edges: dict[tuple[int, int], int] = {}
+        self.edges: dict[int, int] = {}
 
     def insert(self, tokens: np.ndarray) -> None:
         node = 0
         edges = self.edges
         for t in tokens.tolist():
-            nxt = edges.get((node, t))
+            key = node << 32 | t
+            nxt = edges.get(key)
             if nxt is None:
                 nxt = len(edges) + 1
-                edges[(node, t)] = nxt
+                edges[key] = nxt
             node = nxt
 
     def match(self, tokens: np.ndarray) -> int:
@@ -55,7 +56,7 @@ class _Trie:
         node, n = 0, 0
         edges = self.edges
         for t in tokens.tolist():
-            nxt = edges.get((node, t))
+            nxt = edges.get(node << 32 | t)
             if nxt is None:
                 break
             node, n = nxt, n + 1
