@@ -124,3 +124,17 @@ def test_a_prefix_of_an_earlier_weight_version_is_no_hit(records: list[Call]) ->
     assert sum(h["missed_tokens"].values()) == h["input_tokens"] - sum(
         int(r.metadata.get("cached_tokens", 0)) for r in later
     )
+
+
+def test_the_runs_efficiency_entry_carries_the_ideal_beside_the_measured(
+    records: list[Call], tmp_path: Path
+) -> None:
+    from gyre.config.runconfig import Config
+    from gyre.measure.trainwatch import TrainTrack
+
+    eff = efficiency.efficiency(Config(), tmp_path, iter(records), [], TrainTrack([]), 0.0, 1.0)
+    h = prefixes.prefix_hits(records)
+    assert eff["prefix_cache_hit_share"] == h["prefix_cache_hit_share"]  # one pass over the records
+    assert eff["prefix_cache_hit_share_ideal"] == h["prefix_cache_hit_share_ideal"]
+    assert eff["prefix_cache"]["missed_tokens"] == h["missed_tokens"]
+    assert eff["calls"] == len(records)
