@@ -271,6 +271,8 @@ def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
     out.update(
         engine_call_share=eff.get("engine_call_share"),
         prefix_cache_hit_share=eff.get("prefix_cache_hit_share"),
+        prefix_cache_hit_share_ideal=eff.get("prefix_cache_hit_share_ideal"),
+        prefix_cache=eff.get("prefix_cache"),
         context_tokens_max=eff.get("context_tokens_max"),
         engine_startup_s=eff.get("startup", {}).get("engine_startup_s"),
         engines_started_together=eff.get("startup", {}).get("engines_started_together"),
@@ -416,6 +418,9 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
             "prefix_cache_hit_share_0_9": None
             if p.get("prefix_cache_hit_share") is None
             else p["prefix_cache_hit_share"] >= 0.9,
+            "prefix_cache_hit_share_0_95_of_ideal": None
+            if not p.get("prefix_cache_hit_share") or not p.get("prefix_cache_hit_share_ideal")
+            else p["prefix_cache_hit_share"] >= 0.95 * p["prefix_cache_hit_share_ideal"],
             "switch_to_training_2x_floor_plus_1s": le(p.get("switch_to_training_s"), ft and 2 * ft + 1.0),
             "switch_to_rollout_2x_floor_plus_1s": le(p.get("switch_to_rollout_s"), fr and 2 * fr + 1.0),
             "push_2x_floor_plus_0_5s": None
@@ -669,7 +674,7 @@ def finish(out: Path, res: dict[str, Any], rc: int) -> int:
     (out / RESULTS).write_text(json.dumps(res, indent=1, default=str) + "\n")
     rows = [f"{pol}: e2e {p.get('end_to_end_s')} s (simulated {p.get('sim_end_to_end_s')} s), first / later step "
             f"{p.get('first_step_train_s')} / {p.get('later_step_train_s_median')} s, shares {p.get('engine_call_share')}, hits "
-            f"{p.get('prefix_cache_hit_share')}, ctx max {p.get('context_tokens_max')}" for pol, p in res["policies"].items()]  # fmt: skip
+            f"{p.get('prefix_cache_hit_share')} (ideal {p.get('prefix_cache_hit_share_ideal')}), ctx max {p.get('context_tokens_max')}" for pol, p in res["policies"].items()]  # fmt: skip
     say("\n  ".join(["results", *rows, f"replay {res.get('replay')}", f"train {res.get('train_again')}",
                      f"migrate {res.get('migrate')}", f"goals {res['goals']}", f"errors {res['errors'] or 'none'}"]))  # fmt: skip
     return rc

@@ -186,3 +186,6 @@ def test_profile_harness_end_to_end(tmp_path: Path, model_dir: Path) -> None:
     )
     assert longest > p.prompt_tokens + p.tool_tokens_min
     assert m["executions"] == cfg.run.steps * cfg.batch.queries * cfg.batch.group_size
+    # the example's shape fits its timeout (tool time + each plan's calls at the tiny model's speed): the
+    # executions end on their own, the timeout at most cuts a tail of them
+    assert m["timeouts"] <= m["executions"] // 4, [(o["execution_id"], o["calls"]) for o in m["outcomes"]]

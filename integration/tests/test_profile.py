@@ -4,15 +4,26 @@ tool time spread over the calls; the reward rule; the filler text's size in the 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-from gyre.config.runconfig import Config, ConfigError, ProfileSection, config_from_dict
+from gyre.config.runconfig import Config, ConfigError, ProfileSection, config_from_dict, load_config
 from gyre.rollout.agents import profile
+from gyre.rollout.agents.profile import SUB_CALLS
 from hypothesis import given
 from hypothesis import strategies as st
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @given(st.integers(0, 2**31), st.integers(0, 50), st.integers(0, 50), st.integers(0, 50), st.floats(0, 1e4))
@@ -121,3 +132,131 @@ def test_executions_that_ended_at_the_timeout_calibrate_per_call_they_made() -> 
         calls,
     )
     assert cal.model_call_s == pytest.approx(3.0)
+
+
+class _FakeOpenAI(ThreadingHTTPServer):
+    """A loopback server answering `/e/{execution}/v1/chat/completions` as gyre-proxy does with
+    `ignore_eos`: exactly `max_tokens` output words after `delay_s`, usage counting a word as a token."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.calls += 1
+                time.sleep(outer.delay_s)
+                n = int(body["max_tokens"])
+                prompt = sum(len(str(m["content"]).split()) for m in body["messages"])
+                out = {
+                    "choices": [{"message": {"role": "assistant", "content": " ".join(["7"] * n)}}],
+                    "usage": {"prompt_tokens": prompt, "completion_tokens": n},
+                }
+                data = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def filler(tmp_path_factory: pytest.TempPathFactory) -> profile.Filler:
+    from gyre_engine.server.model_factory import create_model
+
+    return profile.Filler(create_model(tmp_path_factory.mktemp("m") / "m", "tiny"))
+
+
+def _run(
+    server: _FakeOpenAI, filler: profile.Filler, p: ProfileSection, plan: profile.Plan, timeout_s: float
+) -> tuple[profile.ProfileExecution, bool, float]:
+    task = filler.text(random.Random(1), p.prompt_tokens)
+    ex = profile.ProfileExecution("s0-q0-e0", "s0-q0", task, sum(plan.tool_s), plan)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            await asyncio.wait_for(
+                profile.run_profile(http, server.url, ex, p, filler, temperature=1.0, retry_for_s=1.0),
+                timeout=timeout_s,
+            )
+
+    t0 = time.monotonic()
+    try:
+        asyncio.run(go())
+    except TimeoutError:
+        return ex, True, time.monotonic() - t0
+    return ex, False, time.monotonic() - t0
+
+
+def test_an_execution_whose_plan_fits_its_timeout_makes_every_planned_call(filler: profile.Filler) -> None:
+    """The profile harness against a loopback server answering each call in 20 ms: an execution whose
+    planned seconds (its tool time + its calls x 20 ms) fit the timeout ends on its own, having made
+    every call its plan makes (sub-agents' and summaries' included); one whose plan does not fit is cut
+    at the timeout with the calls that fitted."""
+    p = dataclasses.replace(
+        load_config(EXAMPLES / "profile-cpu.toml").profile, calls_median=8.0, calls_min=6, calls_max=12
+    )
+    start = len(profile.SYSTEM.split()) + p.prompt_tokens
+    server = _FakeOpenAI(delay_s=0.02)
+    try:
+        kinds = set()
+        for j in range(4):
+            plan = profile.plan(p, 3, 0, 0, j, tool_s=0.1)
+            n = profile.planned_calls(plan, p, start, wrap_tokens=2)
+            kinds |= {"sub"} if any(plan.subagent) else set()
+            kinds |= {"compact"} if n > plan.calls + SUB_CALLS * sum(plan.subagent[: plan.calls]) else set()
+            need = profile.planned_s(plan, p, start, 0.02)
+            ex, timed_out, took = _run(server, filler, p, plan, timeout_s=4 * need + 1.0)
+            assert not timed_out and ex.calls == n, (j, ex.calls, n)
+            assert took >= need
+            # the same plan with a timeout of half its planned seconds: cut, with fewer calls
+            ex, timed_out, _ = _run(server, filler, p, plan, timeout_s=need / 2)
+            assert timed_out and 0 < ex.calls < n
+        assert kinds == {"sub", "compact"}  # the plans took both branches
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_agentic_example_times_out_a_tail_at_the_measured_call_time() -> None:
+    """examples/h200-agentic.toml against the H200's measured decode (the committed probe: a step of the
+    engine's full batch of 16 at a 14k context, full slot widths, and the prefill of each call's tool
+    output at that batch): its executions' planned seconds pass `[agent] timeout_s` for a tail of them,
+    not for all (the config's comments give the arithmetic)."""
+    from gyre.measure import predict
+
+    cfg = load_config(EXAMPLES / "h200-agentic.toml")
+    probe = json.loads((BENCH / "results-h200-decode-probe.json").read_text())
+    full = probe["decode_vs_context"]["full"]["14336"]
+    # decode of the median output at the full batch + the batch's prefill of one tool output each
+    prefill_per_token = full["prefill_s"] / (full["batch"] * 14336)
+    call_s = cfg.profile.output_median * full["step_ms"] / 1000.0 + (
+        full["batch"] * cfg.profile.tool_tokens_median * prefill_per_token
+    )
+    assert 3.0 < call_s < 4.0
+    tool = predict.durations(cfg) * (1.0 - cfg.agent.model_fraction)
+    start = cfg.profile.prompt_tokens + 40  # the system prompt, the task's first line, the chat template
+    need = np.array(
+        [
+            profile.planned_s(profile.plan(cfg.profile, cfg.run.seed, k, q, j, float(tool[k, q, j])), cfg.profile,
+                              start, call_s)
+            for k, q, j in np.ndindex(*tool.shape)
+        ]
+    )  # fmt: skip
+    cut = float(np.mean(need > cfg.agent.timeout_s))
+    assert 0.0 < cut <= 0.2, cut
+    assert np.mean(need > 45.0) > 0.8  # the earlier 45 s timeout cut most executions even at this speed
+    # the nominal duration the simulator starts from is about the planned one
+    assert 0.8 <= float(np.median(predict.durations(cfg))) / float(np.median(need)) <= 1.25

@@ -1,5 +1,6 @@
 """How well a run used its machines, from what it recorded: the cells' start-up, each engine's share of
-the calls, the prefix cache's hits, the longest context, and the busy seconds of each device.
+the calls, the prefix cache's hits beside their ideal (`prefixes`), the longest context, and the busy
+seconds of each device.
 
 Read after the run from the run directory (`cells/<id>.startup.json`, the proxy's records with their
 `engines` and `cached_tokens` metadata) and the sampler's readings. Device seconds count a device once
@@ -20,6 +21,7 @@ from gyre_sched.protocol import Role
 from gyre_traj.records import Call
 
 from gyre.config.runconfig import Config
+from gyre.measure import prefixes
 from gyre.measure.samples import Sample
 from gyre.measure.trainwatch import TrainTrack
 
@@ -152,10 +154,18 @@ def efficiency(
     t1: float,
 ) -> dict[str, Any]:  # fmt: skip
     """The `efficiency` entry of metrics.json."""
-    calls = input_lengths(records)
+    recs = list(records)
+    calls = input_lengths(recs)
+    hits = prefixes.prefix_hits(recs)
     return {
         "startup": startup(out),
         **calls_and_cache(calls),
+        "prefix_cache_hit_share_ideal": hits["prefix_cache_hit_share_ideal"],
+        "prefix_cache": {k: v for k, v in hits.items() if not k.startswith("prefix_cache_hit_share")}
+        | {
+            "hit_share_own_engine": hits["prefix_cache_hit_share_own_engine"],
+            "hit_share_any_version": hits["prefix_cache_hit_share_any_version"],
+        },
         **engine_call_share(calls, samples),
         "device_seconds": device_seconds(samples, track, device_of(cfg), t0, t1),
     }

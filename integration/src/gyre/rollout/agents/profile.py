@@ -96,6 +96,35 @@ def plan(p: ProfileSection, seed: int, k: int, q: int, j: int, tool_s: float) ->
     return Plan(outputs, tools, sleeps, subs)
 
 
+def planned_calls(plan: Plan, p: ProfileSection, start_tokens: int, wrap_tokens: int = 8) -> int:
+    """The model calls an execution of `plan` makes when nothing cuts it short (sub-agents' and summary
+    calls included), its contexts added up from the plan's token counts as `run_profile` adds them:
+    `start_tokens` for the system prompt and task, `wrap_tokens` for the framing of each tool step and of
+    the conversation after a compaction (the harness decides on the proxy's real counts, which differ
+    from these by the chat template's few tokens a message)."""
+    n, ctx = 0, start_tokens
+    for i in range(plan.calls):
+        n += 1
+        after = ctx + plan.outputs[i]  # the call's context: its input and its output
+        if i == plan.calls - 1 or after + plan.tool_tokens[i] + p.output_max > p.context_max:
+            break
+        if plan.subagent[i]:
+            n += SUB_CALLS
+            ctx = after + plan.outputs[i] + wrap_tokens  # the sub-agent's last answer is the tool output
+        else:
+            ctx = after + plan.tool_tokens[i] + wrap_tokens
+        if p.compact_tokens and after + plan.tool_tokens[i] > p.compact_tokens:
+            n += 1
+            ctx = start_tokens + plan.outputs[i] + wrap_tokens
+    return n
+
+
+def planned_s(plan: Plan, p: ProfileSection, start_tokens: int, call_s: float) -> float:
+    """Seconds an execution of `plan` takes to its end when each model call takes `call_s`: its tool time
+    plus `planned_calls` calls (what `[agent] timeout_s` is set against: past it, the execution is cut)."""
+    return sum(plan.tool_s) + planned_calls(plan, p, start_tokens) * call_s
+
+
 class Filler:
     """Text of a given number of tokens of the policy's tokenizer, from its plain lower-case word pieces
     (re-tokenized it comes to about that many tokens; the proxy counts the real ones)."""
