@@ -47,6 +47,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.calls: dict[str, tuple[list[int], list[int]]] = {}
         self.agents: list[Agent] = []
         self.n = 0
+        self.compactions = 0
 
     def _record(
         self,
@@ -138,7 +139,11 @@ class TreeMachine(RuleBasedStateMachine):
         agent = data.draw(st.sampled_from(self.agents))
         cid = self._record(agent, agent.summary_role, [*agent.ctx, USER + 9], summary, use_delta)
         agent.last_call, agent.last_len = cid, len(agent.ctx) + 1 + len(summary)
-        agent.ctx = [*agent.system, USER + 8, *summary]
+        # Each compaction's new prompt is its own text (a harness words it with the summary inside):
+        # with one fixed prompt token, a summary equal to the start of an output that once followed that
+        # same prompt (a call that added no input) makes the next call look like a drift of that output.
+        self.compactions += 1
+        agent.ctx = [*agent.system, USER + 100 + self.compactions, *summary]
         agent.last_out = []
 
     @precondition(lambda self: any(len(a.last_out) > 0 for a in self.agents))
