@@ -38,11 +38,16 @@ def predicted(
     """The table of measured runs (`metrics.json` of each arm's repeats) beside the simulator's prediction
     for each arm's config, calibrated on all of them (`arms.tabulate`): what `compare` does after its runs,
     or with `reuse` instead of them."""
-    calls = None
+    calls, slept = None, None
     if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
         shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
         calls = profile.calls_array(cfg.profile, cfg.run.seed, shape)
-    return tabulate(cfg, configs, measured, repeats, calls)
+        p, seed = cfg.profile, cfg.run.seed
+
+        def slept(where: tuple[int, int, int], made: int, tool_s: float) -> float:
+            return profile.slept_s(profile.plan(p, seed, *where, tool_s), p, made, p.prompt_tokens)
+
+    return tabulate(cfg, configs, measured, repeats, calls, slept)
 
 
 def compare(
