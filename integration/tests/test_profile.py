@@ -168,7 +168,7 @@ def test_executions_cut_by_the_timeout_count_the_tool_time_they_slept_and_their_
     # the simulator's executions cut by the timeout hold their slots for draws of those seconds
     drawn = predict.overruns(cfg, predict.Calibration(timeout_overrun_s=tuple(q)))
     assert drawn is not None and drawn.shape == (1, cfg.batch.queries, cfg.batch.group_size)
-    assert 0.0 <= drawn.min() and drawn.max() <= max(over) and drawn.std() > 0
+    assert drawn.min() >= 0.0 and drawn.max() <= max(over) and drawn.std() > 0
     assert predict.overruns(cfg, predict.Calibration()) is None
 
 

@@ -104,7 +104,9 @@ class Simulator:
         self.dur = durations
         self.steps, self.Q, self.G = durations.shape
         if overrun is not None and (overrun.shape != durations.shape or bool((overrun < 0).any())):
-            raise ValueError(f"overrun: shape {durations.shape} of seconds >= 0 expected, got {overrun.shape}")
+            raise ValueError(
+                f"overrun: shape {durations.shape} of seconds >= 0 expected, got {overrun.shape}"
+            )
         self.overrun = np.zeros(durations.shape) if overrun is None else overrun
         n = w.run.cells
         self.table = CellTable(TableConfig(max_concurrent_switches=n if policy.moves_together else 1))
@@ -284,7 +286,8 @@ class Simulator:
         if self.done[e]:
             return
         self.done[e] = True
-        timed_out = timed_out or self.U > self.deadline[e] + 1e-6  # finished in its overrun: cut all the same
+        over = self.U - self.deadline[e]
+        timed_out = timed_out or over > 1e-6  # its work ended in its overrun: it was cut all the same
         self.timed_out[e] = timed_out
         wall = self.t - self.start_t[e]
         self.wall[e] = wall
