@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from gyre_traj.loss import LossConfig
 
 log = logging.getLogger("gyre.cell")
+QUIET_S = 120.0
 T = TypeVar("T")
 
 
@@ -100,6 +101,9 @@ class Cell:
         self.sglang: SGLangEngine | None = None  # when [cell] engine = "sglang"
         self.rank_cell: TrainCell | None = None  # rank 0's view of a multi-rank trainer (`ranks.py`)
         self._engine_deadline = 0.0
+        self._quiet_since = time.monotonic()
+        """When this cell last switched or applied a step: a cell training longer than `QUIET_S` without
+        either dumps every thread's stack into its log (diagnosis of a slow or stuck step)."""
 
     # ---- engine -------------------------------------------------------------------------------------
     def _engine(self, fn: Callable[[Any], Awaitable[T]], timeout_s: float = 120.0) -> T:
@@ -352,6 +356,7 @@ class Cell:
             if self.a.checkpoint:
                 self.core.save(Path(self.a.checkpoint))
             log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
+            self._quiet_since = time.monotonic()
 
     def _next_step(self) -> QueuedStep | None:
         """The step to train next (a gyre-train `QueuedStep`), or None after a short wait. In training:
@@ -436,6 +441,12 @@ class Cell:
                 # A main loop stuck for 20 s dumps every thread's stack into the log (diagnosis only).
                 faulthandler.dump_traceback_later(20.0, exit=False)
                 self.procs.check()
+                if self.role is Role.TRAINING and time.monotonic() - self._quiet_since > QUIET_S:
+                    log.warning(
+                        "cell %d: training %.0f s without a step applied; stacks:", self.a.cell_id, QUIET_S
+                    )
+                    faulthandler.dump_traceback(all_threads=True)
+                    self._quiet_since = time.monotonic()
                 if self.fatal is not None:
                     raise RuntimeError(f"cell {self.a.cell_id}: switch failed: {self.fatal}") from self.fatal
                 now = time.monotonic()
@@ -508,6 +519,7 @@ class Cell:
         t0 = time.monotonic()
         if cmd.role is Role.TRAINING:
             self.role = Role.TO_TRAINING
+            self._quiet_since = time.monotonic()
             parts = self.to_training()
         else:
             self.role = Role.TO_ROLLOUT
