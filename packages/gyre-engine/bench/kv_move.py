@@ -70,7 +70,7 @@ def stages(context: int, reps: int, block_tokens: int) -> dict[str, Any]:
             t1 = time.perf_counter()
             got, res = dst.pull_prefix(offer, LAYERS, torch.device("cpu"), 30.0)
             t2 = time.perf_counter()
-            src.release(offer.offer_id)
+            src.release(offer.offer_id, [b.src_block for b in res.blocks if b.status.name == "OK"])
             t3 = time.perf_counter()
             pairs = zip((*got.keys, *got.values), (*kv.keys, *kv.values), strict=True)
             assert all(torch.equal(a, b) for a, b in pairs), "imported KV differs"

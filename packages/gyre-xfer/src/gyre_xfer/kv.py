@@ -87,8 +87,22 @@ class KvPool:
     @classmethod
     def allocate(cls, transport: Transport, num_layers: int, num_blocks: int, block_nbytes: int) -> KvPool:
         """One arena holding every plane back to back."""
+        region = transport.alloc(cls.arena_nbytes(num_layers, num_blocks, block_nbytes))
+        return cls.in_arena(transport, region, num_layers, num_blocks, block_nbytes)
+
+    @staticmethod
+    def arena_nbytes(num_layers: int, num_blocks: int, block_nbytes: int) -> int:
+        """Bytes of the one arena `allocate` takes for this shape."""
+        return 2 * num_layers * num_blocks * block_nbytes
+
+    @classmethod
+    def in_arena(
+        cls, transport: Transport, region: Region, num_layers: int, num_blocks: int, block_nbytes: int
+    ) -> KvPool:
+        """A pool laid out in `region` (from `transport.alloc`, at least `arena_nbytes` long) as
+        `allocate` lays one out: how an arena freed by an earlier pool is used again without new memory
+        (allocating fresh memory costs the kernel a page fault and a zeroed page per 4 KiB)."""
         plane = num_blocks * block_nbytes
-        region = transport.alloc(2 * num_layers * plane)
         planes = [(0, p * plane) for p in range(2 * num_layers)]
         return cls(transport, [region], planes, num_layers, num_blocks, block_nbytes)
 

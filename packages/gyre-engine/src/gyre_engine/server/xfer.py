@@ -4,6 +4,12 @@ publisher, and KV prefixes offered from a registered pool or pulled from another
 Bytes move off the engine thread (into gyre-xfer's staging buffer or freshly allocated KV blocks); only
 checked, complete results reach the model or the prefix cache, on the engine thread between two steps.
 So a torn snapshot, a dead peer or a timeout leaves the model, the version and the cache as they were.
+
+A prefix moves in whole-plane copies: out of the cache's tensors into the offered pool (one copy per layer
+and K or V), across (one batch of runs), out of the pulled pool into the new KV tensors. Pool arenas are
+kept for the next hand-off (`XferConfig.kv_spare_bytes`): fresh memory costs the kernel a fault and a
+zeroed page per 4 KiB, which cost more than the copies. An offer's arena is reused only after a receipt
+that every block arrived (the importer has finished reading it); an expired or failed one is freed.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
 from gyre_xfer.kv import KvPool, KvTransferResult
 from gyre_xfer.protocol import KvOffer
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
-from gyre_xfer.transport import Config, EntryStatus, Transport, open_transport
+from gyre_xfer.transport import Config, EntryStatus, Region, Transport, open_transport
 
 from gyre_engine.protocol import (
     BlockReport,
@@ -46,6 +52,8 @@ class XferConfig:
     """Mooncake: P2P handshake (default) or a metadata server URL."""
     progress_timeout_s: int = 5
     """Mooncake TCP: a connection making no progress for this long fails (a hung peer)."""
+    kv_spare_bytes: int = 4 << 30
+    """KV pool arenas kept, once free, for later prefix offers and pulls, up to this many bytes (0: none)."""
 
 
 class KvPullError(RuntimeError):
@@ -60,6 +68,8 @@ class KvPullError(RuntimeError):
 class _Offer:
     pool: KvPool
     expires: float
+    kind: str
+    blocks: int
 
 
 def _plane(pool: KvPool, plane: int, dtype: torch.dtype, rows: int, heads: int, dim: int) -> torch.Tensor:
@@ -79,6 +89,7 @@ class XferHub:
     _transports: dict[str, Transport] = field(default_factory=dict)
     _subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     _offers: dict[str, _Offer] = field(default_factory=dict)
+    _spares: list[tuple[str, Region]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transport(self, kind: str) -> Transport:
@@ -141,9 +152,7 @@ class XferHub:
         heads, dim = int(kv.keys[0].shape[1]), int(kv.keys[0].shape[3])
         dtype = kv.keys[0].dtype
         # allocated, not registered in place: shared memory can only share memory it allocated itself
-        pool = KvPool.allocate(
-            self.transport(body.transport), len(kv.keys), nb, bt * heads * dim * dtype.itemsize
-        )
+        pool = self._pool(body.transport, len(kv.keys), nb, bt * heads * dim * dtype.itemsize)
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
             for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
                 dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
@@ -152,7 +161,7 @@ class XferHub:
         offer_id = uuid.uuid4().hex
         kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
         with self._lock:
-            self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s)
+            self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s, body.transport, nb)
         return PrefixOffer(
             offer_id=offer_id,
             model_fingerprint=fingerprint,
@@ -166,13 +175,49 @@ class XferHub:
             kv_offer=msgspec.Raw(msgspec.json.encode(kv_offer)),
         )
 
-    def release(self, offer_id: str) -> bool:
+    def release(self, offer_id: str, arrived: list[int] | None = None) -> bool:
+        """Free an offer's pool; kept for reuse when `arrived` (the receipt) names every block."""
         with self._lock:
             off = self._offers.pop(offer_id, None)
         if off is not None:
-            off.pool.close()
+            if arrived is not None and set(arrived) == set(range(off.blocks)):
+                self._give_back(off.kind, off.pool)
+            else:  # the importer may still be reading it: freed (its mapping keeps the bytes), never reused
+                off.pool.close()
         self.sweep()
         return off is not None
+
+    def _pool(self, kind: str, layers: int, blocks: int, block_nbytes: int) -> KvPool:
+        """A pool of this shape in the smallest spare arena that holds it, else in a new one."""
+        tr = self.transport(kind)
+        need = KvPool.arena_nbytes(layers, blocks, block_nbytes)
+        with self._lock:
+            fits = [(r.nbytes, i) for i, (k, r) in enumerate(self._spares) if k == kind and r.nbytes >= need]
+            region = self._spares.pop(min(fits)[1])[1] if fits else None
+        if region is None:
+            return KvPool.allocate(tr, layers, blocks, block_nbytes)
+        return KvPool.in_arena(tr, region, layers, blocks, block_nbytes)
+
+    def _give_back(self, kind: str, pool: KvPool) -> None:
+        """Keep `pool`'s arena for a later pool (the newest first, within `kv_spare_bytes`)."""
+        if len(pool.regions) != 1:
+            pool.close()
+            return
+        with self._lock:
+            self._spares.insert(0, (kind, pool.regions[0]))
+            kept, total, drop = [], 0, []
+            for k, r in self._spares:
+                if total + r.nbytes <= self.config.kv_spare_bytes:
+                    kept.append((k, r))
+                    total += r.nbytes
+                else:
+                    drop.append((k, r))
+            self._spares = kept
+            transports = {k: self._transports.get(k) for k, _ in drop}
+        for k, r in drop:
+            tr = transports[k]
+            if tr is not None:
+                tr.unregister(r)
 
     def sweep(self) -> None:
         """Free offers whose lease ran out without a receipt."""
@@ -209,7 +254,8 @@ class XferHub:
                 f"offer blocks are {kv_offer.pool.block_nbytes} bytes, expected {block_nbytes}"
             )
         kind = kv_offer.pool.transport.name.lower()
-        pool = KvPool.allocate(self.transport(kind), layers, nb, block_nbytes)
+        pool = self._pool(kind, layers, nb, block_nbytes)
+        done = False
         try:
             res = pool.pull(kv_offer.pool, kv_offer.block_ids, list(range(nb)), timeout_s=timeout_s)
             if not res.ok:
@@ -217,21 +263,31 @@ class XferHub:
 
             def layer(plane: int) -> torch.Tensor:
                 t = _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n]
-                t = t.to(device, copy=True)  # one contiguous copy out of the pool (freed below) ...
+                if device.type == "cpu":  # one transposing copy out of the pool (reused after this)
+                    return t.transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+                t = t.to(device, copy=True)  # one contiguous copy out of the pool ...
                 return t.transpose(0, 1).unsqueeze(0).contiguous()  # ... transposed on the device
 
             kv = RowKV([layer(2 * i) for i in range(layers)], [layer(2 * i + 1) for i in range(layers)])
+            done = True
         finally:
-            pool.close()
+            if done:  # every byte copied out: the arena serves the next pull or offer
+                self._give_back(kind, pool)
+            else:  # a transfer that failed may still be writing into it
+                pool.close()
         return kv, res
 
     def close(self) -> None:
         with self._lock:
             offers, self._offers = list(self._offers.values()), {}
             subs, self._subscribers = list(self._subscribers.values()), {}
-            transports, self._transports = list(self._transports.values()), {}
+            by_kind, self._transports = self._transports, {}
+            spares, self._spares = self._spares, []
+        transports = list(by_kind.values())
         for o in offers:
             o.pool.close()
+        for k, r in spares:
+            by_kind[k].unregister(r)
         for s in subs:
             s.close()
         for t in transports:
