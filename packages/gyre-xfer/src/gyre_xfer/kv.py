@@ -226,3 +226,32 @@ def _runs(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, list[i
                 continue
         out.append((lb, rb, 1, [i]))
     return out
+
+
+def peer_planes(transport: Transport, src: KvPoolDesc) -> list[np.ndarray] | None:
+    """The peer pool `src`'s 2 x num_layers planes (each `num_blocks` blocks) as uint8 views read in
+    place, where `transport` maps peer memory (shared memory on this host); else None (then
+    `pull` copies). Raises PeerGoneError if the peer's memory is gone, ShapeMismatchError if a plane
+    lies outside its region."""
+    from .shm import ShmTransport
+
+    tr = transport
+    if not isinstance(tr, ShmTransport) or src.transport != tr.kind or src.endpoint != tr.endpoint:
+        return None
+    if len(src.planes) != 2 * src.num_layers:
+        raise ShapeMismatchError(f"peer pool has {len(src.planes)} planes for {src.num_layers} layers")
+    size = src.num_blocks * src.block_nbytes
+    mapped: dict[int, np.ndarray] = {}
+    out = []
+    for p in src.planes:
+        if not 0 <= p.region < len(src.regions) or p.offset < 0:
+            raise ShapeMismatchError(f"peer plane names region {p.region} at offset {p.offset}")
+        arr = mapped.get(p.region)
+        if arr is None:
+            arr = mapped[p.region] = tr.map_peer(src.regions[p.region])
+        if p.offset + size > arr.nbytes:
+            raise ShapeMismatchError(
+                f"peer plane at offset {p.offset} runs past its region of {arr.nbytes} bytes"
+            )
+        out.append(arr[p.offset : p.offset + size])
+    return out

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .buffers import view_of
-from .errors import TransportUnavailableError, XferError
+from .errors import PeerGoneError, TransportUnavailableError, XferError
 from .protocol import RegionDesc, TransportKind
 from .transport import BatchResult, Config, EntryStatus, Op, Region, check_ranges
 
@@ -127,6 +127,15 @@ class ShmTransport:
                 f"peer segment {desc.shm_name} is {arr.nbytes} bytes, descriptor says {desc.nbytes}"
             )
         return arr
+
+    def map_peer(self, desc: RegionDesc) -> np.ndarray:
+        """A uint8 view of a peer's allocated region, read in place (no copy); it stays mapped as long as
+        the view lives. Raises PeerGoneError when the segment no longer exists, XferError when it is not a
+        gyre segment or is shorter than `desc` says."""
+        try:
+            return self._peer_map(desc)[: desc.nbytes]
+        except FileNotFoundError as e:
+            raise PeerGoneError(f"peer segment {desc.shm_name} no longer exists") from e
 
     def read(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
         return self._batch(peer, ops, into_local=True)

@@ -6,7 +6,8 @@ checked, complete results reach the model or the prefix cache, on the engine thr
 So a torn snapshot, a dead peer or a timeout leaves the model, the version and the cache as they were.
 
 A prefix moves in whole-plane copies: out of the cache's tensors into the offered pool (one copy per layer
-and K or V), across (one batch of runs), out of the pulled pool into the new KV tensors. Pool arenas are
+and K or V), then into the new KV tensors: over shared memory straight out of the offered pool, mapped
+here; otherwise (Mooncake) into a local pool in one batch of runs, and out of it. Pool arenas are
 kept for the next hand-off (`XferConfig.kv_spare_bytes`): fresh memory costs the kernel a fault and a
 zeroed page per 4 KiB, which cost more than the copies. An offer's arena is reused only after a receipt
 that every block arrived (the importer has finished reading it); an expired or failed one is freed.
@@ -25,8 +26,9 @@ import torch
 import zmq
 from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
-from gyre_xfer.kv import KvPool, KvTransferResult
+from gyre_xfer.kv import BlockResult, KvPool, KvTransferResult, peer_planes
 from gyre_xfer.protocol import KvOffer
+from gyre_xfer.shm import ShmTransport
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, EntryStatus, Region, Transport, open_transport
 
@@ -79,6 +81,32 @@ def _plane(pool: KvPool, plane: int, dtype: torch.dtype, rows: int, heads: int, 
     assert arr is not None, "allocated pools live in CPU memory"
     raw = arr[off : off + pool.num_blocks * pool.block_nbytes]
     return torch.from_numpy(raw).view(dtype).view(rows, heads, dim)
+
+
+STAMP_BYTES = 32
+"""An offer's arena ends in its offer id (32 hex digits), written once every byte is in; cleared first
+when the arena is reused, so an importer reading a released offer's arena finds out instead of installing
+another prefix's KV."""
+
+
+def _stamp(pool: KvPool) -> np.ndarray:
+    arr = pool.regions[0].array
+    assert arr is not None, "allocated pools live in CPU memory"
+    return arr[pool.regions[0].nbytes - STAMP_BYTES : pool.regions[0].nbytes]
+
+
+def _check_stamp(stamp: np.ndarray, offer_id: str) -> None:
+    if stamp.tobytes() != offer_id.encode():
+        raise KvPullError(f"offer {offer_id} was released before its blocks were read; nothing was installed", 409)
+
+
+def _out_of_pool(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A plane `[n, heads, dim]` of a pool as KV `[1, heads, n, dim]` on `device`, owning its memory (the
+    pool is reused or freed after this)."""
+    if device.type == "cpu":  # one transposing copy
+        return t.transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+    t = t.to(device, copy=True)  # one contiguous copy out of the pool ...
+    return t.transpose(0, 1).unsqueeze(0).contiguous()  # ... transposed on the device
 
 
 @dataclass
@@ -153,12 +181,15 @@ class XferHub:
         dtype = kv.keys[0].dtype
         # allocated, not registered in place: shared memory can only share memory it allocated itself
         pool = self._pool(body.transport, len(kv.keys), nb, bt * heads * dim * dtype.itemsize)
+        offer_id = uuid.uuid4().hex
+        stamp = _stamp(pool)
+        stamp[:] = 0  # a reused arena: an importer of its last offer now sees it is gone
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
             for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
                 dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
                 dst[:n].copy_(t[0].transpose(0, 1))  # transposed where it lives, one copy into the pool
                 dst[n:] = 0
-        offer_id = uuid.uuid4().hex
+        stamp[:] = np.frombuffer(offer_id.encode(), np.uint8)
         kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
         with self._lock:
             self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s, body.transport, nb)
@@ -180,7 +211,7 @@ class XferHub:
         with self._lock:
             off = self._offers.pop(offer_id, None)
         if off is not None:
-            if arrived is not None and set(arrived) == set(range(off.blocks)):
+            if off.kind == "shm" and arrived is not None and set(arrived) == set(range(off.blocks)):
                 self._give_back(off.kind, off.pool)
             else:  # the importer may still be reading it: freed (its mapping keeps the bytes), never reused
                 off.pool.close()
@@ -190,13 +221,18 @@ class XferHub:
     def _pool(self, kind: str, layers: int, blocks: int, block_nbytes: int) -> KvPool:
         """A pool of this shape in the smallest spare arena that holds it, else in a new one."""
         tr = self.transport(kind)
-        need = KvPool.arena_nbytes(layers, blocks, block_nbytes)
+        need = KvPool.arena_nbytes(layers, blocks, block_nbytes) + STAMP_BYTES
         with self._lock:
             fits = [(r.nbytes, i) for i, (k, r) in enumerate(self._spares) if k == kind and r.nbytes >= need]
             region = self._spares.pop(min(fits)[1])[1] if fits else None
-        if region is None:
-            return KvPool.allocate(tr, layers, blocks, block_nbytes)
-        return KvPool.in_arena(tr, region, layers, blocks, block_nbytes)
+        return KvPool.in_arena(tr, region or tr.alloc(need), layers, blocks, block_nbytes)
+
+    def _peer_stamp(self, kind: str, kv_offer: KvOffer) -> np.ndarray:
+        tr = self.transport(kind)
+        regions = kv_offer.pool.regions
+        if not isinstance(tr, ShmTransport) or len(regions) != 1 or regions[0].nbytes < STAMP_BYTES:
+            raise KvTransferError("the offered pool is not one arena with an offer stamp")
+        return tr.map_peer(regions[0])[-STAMP_BYTES:]
 
     def _give_back(self, kind: str, pool: KvPool) -> None:
         """Keep `pool`'s arena for a later pool (the newest first, within `kv_spare_bytes`)."""
@@ -254,6 +290,25 @@ class XferHub:
                 f"offer blocks are {kv_offer.pool.block_nbytes} bytes, expected {block_nbytes}"
             )
         kind = kv_offer.pool.transport.name.lower()
+        if tuple(kv_offer.block_ids) == tuple(range(nb)) and kv_offer.pool.num_blocks >= nb:
+            t0 = time.monotonic()
+            try:
+                planes = peer_planes(self.transport(kind), kv_offer.pool)
+            except PeerGoneError as exc:
+                raise KvPullError(f"prefix transfer from {kv_offer.pool.endpoint} failed: {exc}", 502) from exc
+            if planes is not None:  # the offered pool is mapped here: copied straight out of it
+                stamp = self._peer_stamp(kind, kv_offer)
+
+                def direct(plane: int) -> torch.Tensor:
+                    raw = planes[plane][: n * block_nbytes // bt]
+                    t = torch.from_numpy(raw).view(dtype).view(n, offer.kv_heads, offer.head_dim)
+                    return _out_of_pool(t, device)
+
+                _check_stamp(stamp, offer.offer_id)
+                kv = RowKV([direct(2 * i) for i in range(layers)], [direct(2 * i + 1) for i in range(layers)])
+                _check_stamp(stamp, offer.offer_id)  # not released and reused while it was read
+                blocks = tuple(BlockResult(b, b, EntryStatus.OK) for b in range(nb))
+                return kv, KvTransferResult(blocks, time.monotonic() - t0, 2 * layers * nb * block_nbytes)
         pool = self._pool(kind, layers, nb, block_nbytes)
         done = False
         try:
@@ -262,11 +317,7 @@ class XferHub:
                 raise _pull_failed(res, kv_offer.pool.endpoint, nb)
 
             def layer(plane: int) -> torch.Tensor:
-                t = _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n]
-                if device.type == "cpu":  # one transposing copy out of the pool (reused after this)
-                    return t.transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
-                t = t.to(device, copy=True)  # one contiguous copy out of the pool ...
-                return t.transpose(0, 1).unsqueeze(0).contiguous()  # ... transposed on the device
+                return _out_of_pool(_plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n], device)
 
             kv = RowKV([layer(2 * i) for i in range(layers)], [layer(2 * i + 1) for i in range(layers)])
             done = True
