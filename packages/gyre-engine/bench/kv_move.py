@@ -100,7 +100,9 @@ def start(model: Path) -> tuple[subprocess.Popen[bytes], str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(model), "--port", str(port)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([*cmd, "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [*cmd, "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

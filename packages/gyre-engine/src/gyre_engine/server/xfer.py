@@ -97,7 +97,9 @@ def _stamp(pool: KvPool) -> np.ndarray:
 
 def _check_stamp(stamp: np.ndarray, offer_id: str) -> None:
     if stamp.tobytes() != offer_id.encode():
-        raise KvPullError(f"offer {offer_id} was released before its blocks were read; nothing was installed", 409)
+        raise KvPullError(
+            f"offer {offer_id} was released before its blocks were read; nothing was installed", 409
+        )
 
 
 def _out_of_pool(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -295,7 +297,9 @@ class XferHub:
             try:
                 planes = peer_planes(self.transport(kind), kv_offer.pool)
             except PeerGoneError as exc:
-                raise KvPullError(f"prefix transfer from {kv_offer.pool.endpoint} failed: {exc}", 502) from exc
+                raise KvPullError(
+                    f"prefix transfer from {kv_offer.pool.endpoint} failed: {exc}", 502
+                ) from exc
             if planes is not None:  # the offered pool is mapped here: copied straight out of it
                 stamp = self._peer_stamp(kind, kv_offer)
 
@@ -317,7 +321,9 @@ class XferHub:
                 raise _pull_failed(res, kv_offer.pool.endpoint, nb)
 
             def layer(plane: int) -> torch.Tensor:
-                return _out_of_pool(_plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n], device)
+                return _out_of_pool(
+                    _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n], device
+                )
 
             kv = RowKV([layer(2 * i) for i in range(layers)], [layer(2 * i + 1) for i in range(layers)])
             done = True
