@@ -177,6 +177,33 @@ def test_shm_peer_that_went_away_is_peer_gone() -> None:
     a.close()
 
 
+def test_shm_peer_segments_freed_by_their_owner_are_unmapped_here() -> None:
+    """A reader keeps peer segments mapped for later reads, but not one its owner removed: the next new
+    mapping drops it (a reader that kept every peer segment mapped held all of their memory)."""
+    a = open_transport(Config(kind="shm"))
+    b = open_transport(Config(kind="shm"))
+
+    def mapped() -> str:
+        with open("/proc/self/maps") as f:
+            return f.read()
+
+    try:
+        dst = a.alloc(1 << 16)
+        first, second = b.alloc(1 << 16), b.alloc(1 << 16)
+        assert a.read(b.endpoint, [Op(dst, 0, first.desc, 0, 1 << 16)]).ok
+        assert a.read(b.endpoint, [Op(dst, 0, first.desc, 0, 1 << 16)]).ok  # mapped once, read again
+        assert first.desc.shm_name in mapped()
+        b.unregister(first)  # the owner frees it (its segment is unlinked)
+        del first
+        assert a.read(b.endpoint, [Op(dst, 0, second.desc, 0, 1 << 16)]).ok
+        assert second.desc.shm_name in mapped()
+        gone = [line for line in mapped().splitlines() if "(deleted)" in line and "gyre-" in line]
+        assert gone == [], gone
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.mooncake
 def test_torch_tensors_register_without_copies() -> None:
     torch = pytest.importorskip("torch")

@@ -97,7 +97,8 @@ class ShmTransport:
 
     def _peer_map(self, desc: RegionDesc) -> np.ndarray:
         """The peer region mapped into this process: mapped once, cached by name (the `PEER_MAPPINGS`
-        most recently used, so segments their owner freed do not stay mapped for ever)."""
+        most recently used; segments their owner removed are dropped whenever a new one is mapped, so
+        freed memory does not stay mapped here)."""
         if not desc.shm_name:
             raise XferError(
                 f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)"
@@ -119,6 +120,10 @@ class ShmTransport:
                     raise XferError(f"cannot map peer segment {desc.shm_name}: {e}") from e
                 finally:
                     os.close(fd)
+                for name in [k for k in self._peers if not os.path.exists(os.path.join(SHM_DIR, k))]:
+                    del self._peers[
+                        name
+                    ]  # freed by their owner: unmapped here too (once no batch holds them)
             self._peers[desc.shm_name] = arr  # most recently used last
             while len(self._peers) > PEER_MAPPINGS:
                 self._peers.pop(next(iter(self._peers)))  # unmapped once no batch holds it
