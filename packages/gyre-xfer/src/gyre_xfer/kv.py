@@ -3,7 +3,8 @@
 A pool is 2 x num_layers planes (layer-major, K then V), each `num_blocks` blocks of `block_nbytes`;
 it is one arena (`KvPool.allocate`) or an engine's own per-layer K and V buffers (`KvPool.from_buffers`).
 `pull`/`push` move a list of blocks in one batch (runs of adjacent blocks coalesced) and never raise on
-a transfer failure: each block reports OK, OUT_OF_RANGE, PEER_GONE, TIMEOUT or FAILED.
+a transfer failure: each block reports OK, OUT_OF_RANGE, PEER_GONE, TIMEOUT or FAILED. `peer_planes`
+maps a same-host peer pool's planes for reading in place (shared memory), where a copy would be one too many.
 """
 
 from __future__ import annotations
