@@ -97,8 +97,7 @@ class ShmTransport:
 
     def _peer_map(self, desc: RegionDesc) -> np.ndarray:
         """The peer region mapped into this process: mapped once, cached by name (the `PEER_MAPPINGS`
-        most recently used; segments their owner removed are dropped whenever a new one is mapped, so
-        freed memory does not stay mapped here)."""
+        most recently used; see `_drop_gone` for segments their owner removed)."""
         if not desc.shm_name:
             raise XferError(
                 f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)"
@@ -120,10 +119,6 @@ class ShmTransport:
                     raise XferError(f"cannot map peer segment {desc.shm_name}: {e}") from e
                 finally:
                     os.close(fd)
-                for name in [k for k in self._peers if not os.path.exists(os.path.join(SHM_DIR, k))]:
-                    del self._peers[
-                        name
-                    ]  # freed by their owner: unmapped here too (once no batch holds them)
             self._peers[desc.shm_name] = arr  # most recently used last
             while len(self._peers) > PEER_MAPPINGS:
                 self._peers.pop(next(iter(self._peers)))  # unmapped once no batch holds it
@@ -133,10 +128,19 @@ class ShmTransport:
             )
         return arr
 
+    def _drop_gone(self) -> None:
+        """Drop cached mappings of segments their owner removed (once per batch or `map_peer`, hits
+        included: a reader that keeps reading one reused segment would otherwise hold freed memory)."""
+        with self._lock:
+            gone = [k for k in self._peers if not os.path.exists(os.path.join(SHM_DIR, k))]
+            for name in gone:
+                del self._peers[name]  # unmapped once no batch or view holds it
+
     def map_peer(self, desc: RegionDesc) -> np.ndarray:
         """A uint8 view of a peer's allocated region, read in place (no copy); it stays mapped as long as
         the view lives. Raises PeerGoneError when the segment no longer exists, XferError when it is not a
         gyre segment or is shorter than `desc` says."""
+        self._drop_gone()
         try:
             return self._peer_map(desc)[: desc.nbytes]
         except FileNotFoundError as e:
@@ -158,6 +162,7 @@ class ShmTransport:
                 0.0,
                 f"peer {peer} is not on this host ({self._endpoint})",
             )
+        self._drop_gone()
         problems = check_ranges(ops)
         statuses: list[EntryStatus] = []
         details = [p for p in problems if p]
