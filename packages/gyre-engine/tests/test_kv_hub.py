@@ -114,3 +114,14 @@ def test_spare_arenas_stay_within_their_budget(hubs: tuple[XferHub, XferHub]) ->
     o2 = offer(src, kv_of(4, 2, 8))
     assert segment(o2) != segment(o1)
     src.release(o2.offer_id)
+
+
+def test_an_offer_whose_copy_fails_frees_its_arena(hubs: tuple[XferHub, XferHub]) -> None:
+    src, _ = hubs
+    mine = f"gyre-{os.getpid()}-"
+    before = {f for f in os.listdir(SHM_DIR) if f.startswith(mine)}
+    good = kv_of(5, 2, 8)
+    bad = RowKV(good.keys, [torch.zeros(1, 3, 8, 8, dtype=torch.bfloat16) for _ in range(LAYERS)])  # 3 heads
+    with pytest.raises(RuntimeError):
+        offer(src, bad)
+    assert {f for f in os.listdir(SHM_DIR) if f.startswith(mine)} == before

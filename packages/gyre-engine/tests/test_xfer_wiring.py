@@ -107,12 +107,16 @@ def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(spawn_server: Callable[..., Any]) -> tuple[Any, Any]:
-    """Engines A and B (B notices a hung Mooncake peer after 2 s); each test leaves them as it found them."""
+def pair(spawn_server: Callable[..., Any]) -> Iterator[tuple[Any, Any]]:
+    """Engines A and B (B notices a hung Mooncake peer after 2 s); each test leaves them as it found them.
+    The segments of an engine killed meanwhile (its spare KV arenas) are removed afterwards."""
     a, b = spawn_server(wait=False), spawn_server("--xfer-progress-timeout", "2", wait=False)
     a.wait_ready()
     b.wait_ready()
-    return a, b
+    yield a, b
+    from gyre_xfer.shm import sweep_orphans
+
+    sweep_orphans()
 
 
 @pytest.mark.mooncake

@@ -173,7 +173,8 @@ class XferHub:
     def offer(
         self, body: OfferPrefixRequest, token_ids: list[int], kv: RowKV, fingerprint: str, version: str
     ) -> PrefixOffer:
-        """Copy `kv` (covering `token_ids`) into a newly allocated pool of `block_tokens`-token blocks."""
+        """Copy `kv` (covering `token_ids`) into a pool of `block_tokens`-token blocks, in a spare arena or
+        a new one (freed if the copy fails)."""
         if body.block_tokens < 1:
             raise KvTransferError("block_tokens must be at least 1")
         self.sweep()
@@ -184,14 +185,18 @@ class XferHub:
         # allocated, not registered in place: shared memory can only share memory it allocated itself
         pool = self._pool(body.transport, len(kv.keys), nb, bt * heads * dim * dtype.itemsize)
         offer_id = uuid.uuid4().hex
-        stamp = _stamp(pool)
-        stamp[:] = 0  # a reused arena: an importer of its last offer now sees it is gone
-        for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
-            for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
-                dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
-                dst[:n].copy_(t[0].transpose(0, 1))  # transposed where it lives, one copy into the pool
-                dst[n:] = 0
-        stamp[:] = np.frombuffer(offer_id.encode(), np.uint8)
+        try:
+            stamp = _stamp(pool)
+            stamp[:] = 0  # a reused arena: an importer of its last offer now sees it is gone
+            for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
+                for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
+                    dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
+                    dst[:n].copy_(t[0].transpose(0, 1))  # transposed where it lives, one copy into the pool
+                    dst[n:] = 0
+            stamp[:] = np.frombuffer(offer_id.encode(), np.uint8)
+        except BaseException:
+            pool.close()
+            raise
         kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
         with self._lock:
             self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s, body.transport, nb)
