@@ -117,6 +117,8 @@ def pair(spawn_server: Callable[..., Any]) -> Iterator[tuple[Any, Any]]:
     yield a, b
     from gyre_xfer.shm import sweep_orphans
 
+    for p in (a, b):
+        p.proc.poll()  # one killed meanwhile is reaped: its pid is gone, so its segments count as orphans
     sweep_orphans()
 
 
