@@ -134,6 +134,44 @@ def test_executions_that_ended_at_the_timeout_calibrate_per_call_they_made() -> 
     assert cal.model_call_s == pytest.approx(3.0)
 
 
+def test_executions_cut_by_the_timeout_count_the_tool_time_they_slept_and_their_overrun() -> None:
+    """An outcome's `tool_s` is its whole plan's tool time; an execution cut by the timeout slept only the
+    part before the calls it made. `gyre compare`'s calibration (`predicted`) subtracts that part, so the
+    seconds per call are the ones the executions took (2.0 s here), leaves out an execution cut in its tool
+    time (no call in flight: its share of the sleep in hand is unknown), and keeps the seconds past the
+    timeout (the call in flight waited for) as the simulator's measured overrun."""
+    from gyre.measure import predict
+    from gyre.scenarios.compare import predicted
+
+    timeout, call_s = 5.0, 2.0
+    cfg = config_from_dict({"agent": {"harness": "profile", "timeout_s": timeout}, "run": {"steps": 1}})
+    p = cfg.profile
+    outcomes, over = [], []
+    for k, q, j in np.ndindex(1, cfg.batch.queries, cfg.batch.group_size):
+        made = 3 + j % 3  # sub-agents' calls count: they have no tool time before them
+        plan = profile.plan(p, cfg.run.seed, k, q, j, 20.0)
+        wall = profile.slept_s(plan, p, made, p.prompt_tokens) + made * call_s
+        assert wall > timeout + 0.5 and profile.slept_s(plan, p, made, p.prompt_tokens) < 20.0
+        outcomes.append({"timed_out": True, "error": "", "calls": made, "start": 100.0, "end": 100.0 + wall,
+                         "tool_s": 20.0, "where": [k, q, j]})  # fmt: skip
+        over.append(wall - timeout)
+    for q in range(cfg.batch.queries):  # cut in its tool time before its second call: ended at the timeout
+        outcomes.append({"timed_out": True, "error": "", "calls": 1, "start": 0.0, "end": timeout,
+                         "tool_s": 20.0, "where": [0, q, 0]})  # fmt: skip
+        over.append(0.0)
+    m = {"config": cfg.to_dict(), "outcomes": outcomes, "steps": [], "roles": {}, "end_to_end_s": 60.0,
+         "switch_times": {"to_training_s": [], "to_rollout_s": []}}  # fmt: skip
+    cal = predicted(cfg, {"elastic": cfg}, {"elastic": [m]})["calibration"]
+    assert cal["model_call_s"] == pytest.approx(call_s)
+    q = np.quantile(over, np.linspace(0.0, 1.0, predict.OVERRUN_QUANTILES))
+    np.testing.assert_allclose(cal["timeout_overrun_s"], q, atol=1e-3)
+    # the simulator's executions cut by the timeout hold their slots for draws of those seconds
+    drawn = predict.overruns(cfg, predict.Calibration(timeout_overrun_s=tuple(q)))
+    assert drawn is not None and drawn.shape == (1, cfg.batch.queries, cfg.batch.group_size)
+    assert drawn.min() >= 0.0 and drawn.max() <= max(over) and drawn.std() > 0
+    assert predict.overruns(cfg, predict.Calibration()) is None
+
+
 class _FakeOpenAI(ThreadingHTTPServer):
     """A loopback server answering `/e/{execution}/v1/chat/completions` as gyre-proxy does with
     `ignore_eos`: exactly `max_tokens` output words after `delay_s`, usage counting a word as a token."""

@@ -145,3 +145,31 @@ def test_cli_simulate_writes_plot_and_log(tmp_path: Path, capsys: pytest.Capture
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert lines and all("why" in x and "rule" in x for x in lines)
     assert main(["simulate", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_an_execution_cut_by_the_timeout_keeps_its_slot_for_its_overrun() -> None:
+    """`overrun`: a harness that waits for the model call in flight when the timeout strikes holds the
+    execution's slot past it; the execution counts as timed out, also when its work ends in the overrun,
+    and the batch (so the step trained on it) ends that much later."""
+    w = workload_from_dict(
+        {**SMALL, "run": {"steps": 1, "timeout_h": 1.0}, "batch": {"queries": 1, "group_size": 3}}
+    )
+    t = w.timeout_s
+    d = np.array([[[10 * t, t + 100.0, 0.5 * t]]])  # far past the timeout, just past it, within it
+
+    def sim(overrun: np.ndarray | None) -> Simulator:
+        s = Simulator(w, make_policy("elastic", w), d, overrun=overrun)
+        s.run()
+        return s
+
+    cut = sim(None)
+    np.testing.assert_allclose(cut.wall, [t, t, 0.5 * t])
+    assert cut.timed_out.tolist() == [True, True, False]
+    held = sim(np.array([[[600.0, 600.0, 600.0]]]))
+    np.testing.assert_allclose(held.wall, [t + 600.0, t + 100.0, 0.5 * t])  # the second's work ends first
+    assert held.timed_out.tolist() == [True, True, False]
+    assert held.t == pytest.approx(cut.t + 600.0)
+    assert run_one(w, "elastic", durations=d, overrun=np.zeros(d.shape)).end_to_end_h * 3600 == cut.t
+    for bad in (np.zeros((1, 1, 2)), np.full(d.shape, -1.0)):
+        with pytest.raises(ValueError, match="overrun"):
+            Simulator(w, make_policy("elastic", w), d, overrun=bad)

@@ -376,12 +376,24 @@ class Cell:
         t0 = time.monotonic()
         self.release_engine()
         t1 = time.monotonic()
+        self._log_device_free("engine released")
         if self.a.is_core:
             self.core.set_computing(True)
             self.training.set()
         else:
             self.client.admit(self.name)
         return {"release_s": t1 - t0, "join_s": time.monotonic() - t1}
+
+    def _log_device_free(self, when: str) -> None:
+        """The GPU's free memory (every process on it counted), in the log: what training starts with."""
+        if self.a.device != "cuda":
+            return
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        log.info(
+            "cell %d: %s: %.1f of %.1f GiB of the GPU free", self.a.cell_id, when, free / 2**30, total / 2**30
+        )
 
     def to_rollout(self) -> dict[str, float]:
         """Switch this cell back to rollout; returns the seconds of each part."""

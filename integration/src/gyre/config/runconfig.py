@@ -301,6 +301,10 @@ class EngineSection:
     max_cached_tokens: int = 0
     """Tokens of finished calls' KV each engine keeps for prefix reuse (`--max-cached-tokens`; 0: the
     engine's own default). This memory comes on top of `kv_fraction`: size both for the live contexts."""
+    min_free_gib: float = 0.0
+    """GiB of the GPU (every process on it) each engine keeps free by dropping its least recently used
+    prefix-cache entries first (`--min-free-gib`; 0: off): rows longer than a slot, the other cells and
+    the trainers then take memory from the caches, not from a step that would fail."""
     warmup_tokens: int = 1024
     """CUDA graphs captured before serving, for rows up to this length (`--warmup-decode-tokens`; 0: each
     graph on first use)."""
@@ -511,6 +515,7 @@ class Config:
         _check(e.max_running >= 1 and e.warmup_tokens >= 0, "[engine] max_running >= 1, warmup_tokens >= 0")
         _check(0 < e.kv_fraction < 1, "[engine] kv_fraction must be in (0, 1)")
         _check(e.slot_widths in ("", "bucketed", "full"), "[engine] slot_widths: bucketed|full")
+        _check(e.min_free_gib >= 0, "[engine] min_free_gib must be >= 0 (0: off)")
         _check(e.max_cached_tokens >= 0, "[engine] max_cached_tokens must be >= 0 (0: the engine's default)")
         _check(
             e.decode_slots in ("auto", "graphs", "eager", "off"),

@@ -92,11 +92,13 @@ def tabulate(
     measured: dict[str, list[dict[str, Any]]],
     repeats: int,
     calls: np.ndarray | None = None,
+    slept: sim.Slept | None = None,
 ) -> dict[str, Any]:
     """The comparison of the arms `configs` from their measured runs (`metrics.json` of each repeat): per
     arm the medians and each repeat, the simulator's prediction, the calibration and the ratios
-    (`calls`: each execution's planned calls, when the harness plans them)."""
-    cal = sim.calibrate([m for ms in measured.values() for m in ms], calls)
+    (`calls`: each execution's planned calls, and `slept`: the tool time slept before a number of calls,
+    when the harness plans them)."""
+    cal = sim.calibrate([m for ms in measured.values() for m in ms], calls, slept)
     rows: list[dict[str, Any]] = []
     for a, ms in measured.items():
         reps = [_figures(m) for m in ms]

@@ -4,13 +4,15 @@
 in hours, the execution timeout, the water-level and Async settings). The same workload's
 `sample_durations` drives the real run's executions, so measurement and prediction share one sample.
 What the config cannot know (seconds of training per group, optimizer step and weight push, switch
-times, the model-time share) comes from `Calibration`: defaults before a measurement, or figures measured
-in a run (`calibrate`), which is what `gyre compare` feeds the simulator.
+times, the model-time share, how long an execution cut by the timeout keeps its slot) comes from
+`Calibration`: defaults before a measurement, or figures measured in a run (`calibrate`), which is what
+`gyre compare` feeds the simulator.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +32,15 @@ from gyre_sched.workload import (
 
 from gyre.config.runconfig import Config
 
+OVERRUN_QUANTILES = 21
+"""Points of the measured distribution of seconds past the timeout kept in a calibration (0%, 5%, ... 100%)."""
+AT_TIMEOUT_S = 0.05
+"""An execution cut by the timeout that ended within this of it had no model call in flight (it was cut in
+its tool time)."""
+
+Slept = Callable[[tuple[int, int, int], int, float], float]
+"""(where, calls made, the outcome's planned tool seconds) -> tool seconds slept before those calls."""
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -45,6 +56,10 @@ class Calibration:
     call). With it the simulator's executions are the harness's tool time plus `turns` such calls (or each
     execution's planned calls, when the harness plans them: the profile harness), instead of the nominal
     profile's model share (which the tiny model on a CPU does not fill)."""
+    timeout_overrun_s: tuple[float, ...] = ()
+    """Quantiles (`OVERRUN_QUANTILES`, evenly spaced from 0 to 1) of the seconds past the timeout at which
+    executions cut by it ended, measured: a harness waits for the call in flight when the timeout strikes,
+    and the execution holds its slot meanwhile. Empty: cut at the timeout."""
 
 
 def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
@@ -110,25 +125,39 @@ def durations(cfg: Config) -> np.ndarray:
     return sample_durations(sim_workload(cfg))
 
 
-def calibrate(metrics: list[dict[str, Any]], calls: np.ndarray | None = None) -> Calibration:
+def calibrate(
+    metrics: list[dict[str, Any]], calls: np.ndarray | None = None, slept: Slept | None = None
+) -> Calibration:
     """Machine-dependent times measured in runs (medians over every run given); with `calls` (each
     execution's planned calls), seconds per call are per planned call of each execution (per call made,
-    for an execution that ended at its timeout)."""
+    for an execution that ended at its timeout). An outcome's `tool_s` is its whole plan's tool time: with
+    `slept` (the harness's plan) an execution cut by the timeout counts only the tool time slept before
+    the calls it made, and one cut in its tool time (ended at the timeout, no call in flight) is left out
+    (its share of the sleep in hand is unknown); without it, the whole `tool_s`."""
     group_s: list[float] = []
     update_s: list[float] = []
     to_t: list[float] = []
     to_r: list[float] = []
     call_s: list[float] = []
+    overrun: list[float] = []
     for m in metrics:
+        timeout = (m.get("config") or {}).get("agent", {}).get("timeout_s")
         for o in m.get("outcomes", []):
             if o["error"] or o["calls"] <= 0:
                 continue
+            wall, tool = o["end"] - o["start"], o.get("tool_s", 0.0)
+            if o["timed_out"] and timeout is not None:
+                overrun.append(max(0.0, wall - timeout))
             # an execution that ended at the timeout made `calls` of its planned calls by then
             if o["timed_out"] or calls is None or "where" not in o:
                 n = o["calls"]
+                if o["timed_out"] and slept is not None and "where" in o:
+                    if timeout is not None and wall - timeout < AT_TIMEOUT_S:
+                        continue
+                    tool = slept(tuple(o["where"]), n, tool)
             else:
                 n = int(calls[tuple(o["where"])])
-            call_s.append(max(0.0, o["end"] - o["start"] - o.get("tool_s", 0.0)) / n)
+            call_s.append(max(0.0, wall - tool) / n)
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
                 continue
@@ -142,19 +171,46 @@ def calibrate(metrics: list[dict[str, Any]], calls: np.ndarray | None = None) ->
         to_t += m["switch_times"]["to_training_s"]
         to_r += m["switch_times"]["to_rollout_s"]
     med = statistics.median
+    q = np.linspace(0.0, 1.0, OVERRUN_QUANTILES)
     return Calibration(
         train_group_s=med(group_s) if group_s else Calibration.train_group_s,
         update_s=med(update_s) if update_s else Calibration.update_s,
         to_training_s=med(to_t) if to_t else Calibration.to_training_s,
         to_rollout_s=med(to_r) if to_r else Calibration.to_rollout_s,
         model_call_s=med(call_s) if call_s else None,
+        timeout_overrun_s=tuple(round(float(x), 3) for x in np.quantile(overrun, q)) if overrun else (),
     )
 
 
+OVERRUN_DRAWS = 15
+"""Draws of the seconds past the timeout the prediction simulates (odd: its figures are the median
+draw's)."""
+
+
+def overruns(cfg: Config, cal: Calibration, draw: int = 0) -> np.ndarray | None:
+    """Seconds each execution of the run would keep its slot past the timeout were it cut by it: draw
+    `draw` (seeded by the run's seed) from the calibration's measured distribution; None without one."""
+    qs = cal.timeout_overrun_s
+    if not qs:
+        return None
+    shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
+    u = np.random.default_rng([cfg.run.seed, draw]).random(shape)
+    out: np.ndarray = np.interp(u, np.linspace(0.0, 1.0, len(qs)), qs)
+    return out
+
+
 def predict(cfg: Config, cal: Calibration, calls: np.ndarray | None = None) -> dict[str, Any]:
-    """The simulator's figures for this config's policy (on the run's duration sample)."""
+    """The simulator's figures for this config's policy (on the run's duration sample). With measured
+    seconds past the timeout, `OVERRUN_DRAWS` runs of it, each execution's drawn anew: whether a batch's
+    last executions hold their slots long decides when a cell may leave for training, so one draw may land
+    on either side of a switch; the figures are the run of median end to end's."""
     w = sim_workload(cfg, cal)
-    r = run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=sim_durations(cfg, cal, calls))
+    d = sim_durations(cfg, cal, calls)
+    runs = [
+        run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=d, overrun=overruns(cfg, cal, i))
+        for i in range(OVERRUN_DRAWS if cal.timeout_overrun_s else 1)
+    ]
+    r = sorted(runs, key=lambda x: x.end_to_end_h)[len(runs) // 2]
     return {
         "end_to_end_s": r.end_to_end_h * 3600.0,
         "idle_rollout": r.idle_rollout,

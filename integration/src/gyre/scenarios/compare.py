@@ -6,8 +6,9 @@ An arm is `POLICY` (the config's `[driver] streaming`), `POLICY:streaming` or `P
 Each arm gets `repeats` full `gyre run`s (fresh processes, the same seed, so the same tasks and the same
 duration sample) in `out_dir/<arm>/` (one repeat) or `out_dir/<arm>/r<i>/`; the figures of an arm are
 medians over its repeats. Afterwards the machine-dependent times the simulator needs (cell-seconds of
-training per group, weight push, switch times, seconds per model call) are taken from every measured run
-(medians) and the simulator runs each arm on the same duration sample, with the arm's streaming. The
+training per group, weight push, switch times, seconds per model call, the seconds past the timeout that
+executions cut by it kept their slots) are taken from every measured run (`predict.calibrate`) and the
+simulator runs each arm on the same duration sample, with the arm's streaming. The
 table and `compare.json` hold both, and the end-to-end ratios against the first arm.
 """
 
@@ -38,11 +39,16 @@ def predicted(
     """The table of measured runs (`metrics.json` of each arm's repeats) beside the simulator's prediction
     for each arm's config, calibrated on all of them (`arms.tabulate`): what `compare` does after its runs,
     or with `reuse` instead of them."""
-    calls = None
+    calls, slept = None, None
     if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
         shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
         calls = profile.calls_array(cfg.profile, cfg.run.seed, shape)
-    return tabulate(cfg, configs, measured, repeats, calls)
+        p, seed = cfg.profile, cfg.run.seed
+
+        def slept(where: tuple[int, int, int], made: int, tool_s: float) -> float:
+            return profile.slept_s(profile.plan(p, seed, *where, tool_s), p, made, p.prompt_tokens)
+
+    return tabulate(cfg, configs, measured, repeats, calls, slept)
 
 
 def compare(

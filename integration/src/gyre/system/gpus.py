@@ -40,6 +40,8 @@ def engine_argv(cfg: Config) -> list[str]:
         argv += ["--slot-widths", e.slot_widths]
     if e.max_cached_tokens:
         argv += ["--max-cached-tokens", str(e.max_cached_tokens)]
+    if e.min_free_gib:
+        argv += ["--min-free-gib", str(e.min_free_gib)]
     if cfg.cell.device == "cuda":  # cells release and resume their engine's memory at every switch
         argv.append("--pin-host-weights")
     return [*argv, "--no-compile-decode"] if not e.compile_decode else argv

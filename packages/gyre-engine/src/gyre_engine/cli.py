@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-running-requests", type=int, default=64)
     s.add_argument("--max-cached-tokens", type=int, default=1 << 20)
+    s.add_argument(
+        "--min-free-gib",
+        type=float,
+        default=0.0,
+        help="CUDA: GiB of the GPU (all processes) kept free; below it the prefix cache drops its least "
+        "recently used entries first (0: off)",
+    )
     s.add_argument("--prefill-chunk", type=int, default=2048)
     s.add_argument(
         "--decode-slots",
@@ -213,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                     engine=Engine.Config(
                         max_running_requests=args.max_running_requests,
                         max_cached_tokens=args.max_cached_tokens,
+                        min_free_bytes=int(args.min_free_gib * (1 << 30)),
                         prefill_chunk=args.prefill_chunk,
                         decode_slots=args.decode_slots,
                         compile_decode=not args.no_compile_decode,

@@ -262,6 +262,8 @@ class ServerInfo(msgspec.Struct, frozen=True):
     cache_returns: int = 0
     """Times the engine gave its allocator's free cached blocks back to the driver after a prefill step
     (when they passed its bound)."""
+    memory_evicted_tokens: int = 0
+    """Prefix-cache tokens dropped to keep `--min-free-gib` of the GPU free."""
 
 
 SGLANG_VERSION = "0.5.23"

@@ -2,8 +2,10 @@
 
 Executions advance on one shared progress clock: a rollout pool of capacity C serving n executions runs
 their model calls at min(1, C/n) speed (tool time is unaffected), so each execution's wall time follows
-from its nominal duration, the pool size over time and the hard timeout. Training is a fluid queue of
-ready groups; switches take the configured times; every role change goes through `CellTable.transition`.
+from its nominal duration, the pool size over time and the hard timeout. An execution cut by the timeout
+may keep its slot a while past it (`overrun`: a harness that waits for the model call in flight when the
+timeout strikes); it still counts as timed out. Training is a fluid queue of ready groups; switches take
+the configured times; every role change goes through `CellTable.transition`.
 """
 
 from __future__ import annotations
@@ -84,16 +86,28 @@ def make_policy(name: str, w: Workload) -> Policy:
 
 
 class Simulator:
-    """One run of one policy over one sample of durations (shape steps x queries x group_size)."""
+    """One run of one policy over one sample of durations (shape steps x queries x group_size); `overrun`
+    (the same shape, seconds; default none): how long each execution keeps running past its timeout."""
 
     def __init__(
-        self, w: Workload, policy: Policy, durations: np.ndarray, *, streaming: bool | None = None
+        self,
+        w: Workload,
+        policy: Policy,
+        durations: np.ndarray,
+        *,
+        streaming: bool | None = None,
+        overrun: np.ndarray | None = None,
     ) -> None:
         self.w = w
         self.policy = policy
         self.streaming = w.driver.streaming if streaming is None else streaming
         self.dur = durations
         self.steps, self.Q, self.G = durations.shape
+        if overrun is not None and (overrun.shape != durations.shape or bool((overrun < 0).any())):
+            raise ValueError(
+                f"overrun: shape {durations.shape} of seconds >= 0 expected, got {overrun.shape}"
+            )
+        self.overrun = np.zeros(durations.shape) if overrun is None else overrun
         n = w.run.cells
         self.table = CellTable(TableConfig(max_concurrent_switches=n if policy.moves_together else 1))
         cap = w.cell.rollout_capacity
@@ -113,6 +127,7 @@ class Simulator:
         self.start_t = np.zeros(m)
         self.start_v = np.zeros(m)
         self.start_w = np.zeros(m)
+        self.deadline = np.full(m, np.inf)  # on the timeout clock
         self.mean_ver = np.zeros(m)
         self.done = np.zeros(m, dtype=bool)
         self.wall = np.zeros(m)
@@ -263,13 +278,16 @@ class Simulator:
                 self.start_t[e] = self.t
                 self.start_v[e] = self.V
                 self.start_w[e] = self.W
+                self.deadline[e] = deadline
                 heapq.heappush(self.finish_heap, (self.V + float(self.dur[b, q, g]), e))
-                heapq.heappush(self.timeout_heap, (deadline, e))
+                heapq.heappush(self.timeout_heap, (deadline + float(self.overrun[b, q, g]), e))
 
     def _end(self, e: int, timed_out: bool) -> None:
         if self.done[e]:
             return
         self.done[e] = True
+        over = self.U - self.deadline[e]
+        timed_out = timed_out or over > 1e-6  # its work ended in its overrun: it was cut all the same
         self.timed_out[e] = timed_out
         wall = self.t - self.start_t[e]
         self.wall[e] = wall
@@ -409,11 +427,17 @@ class Simulator:
 
 
 def run_one(
-    w: Workload, policy: str, *, streaming: bool | None = None, durations: np.ndarray | None = None
+    w: Workload,
+    policy: str,
+    *,
+    streaming: bool | None = None,
+    durations: np.ndarray | None = None,
+    overrun: np.ndarray | None = None,
 ) -> SimResult:
-    """Simulate `policy` on the workload's seeded sample (or on `durations`)."""
+    """Simulate `policy` on the workload's seeded sample (or on `durations`), with each execution's
+    seconds past its timeout (`overrun`, default none: cut at it)."""
     d = sample_durations(w) if durations is None else durations
-    return Simulator(w, make_policy(policy, w), d, streaming=streaming).run()
+    return Simulator(w, make_policy(policy, w), d, streaming=streaming, overrun=overrun).run()
 
 
 def compare(

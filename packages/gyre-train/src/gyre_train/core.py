@@ -465,9 +465,16 @@ class Core:
             assignments = self._claim_round() if self._computing.is_set() else []
             if assignments:
                 a0 = assignments[0]
+                c0 = time.monotonic()
                 metrics = self._cell.compute(a0.batch, assignments)  # every rank sums its slices
                 for a, m in zip(assignments, metrics, strict=True):
                     self._queue.deliver(CORE, a.batch, a.index, a.version, m)
+                info = self._queue.progress()
+                log.info(
+                    "step %d: micro-batches %s computed in %.2f s (%d of %d in)",
+                    info.seq, ",".join(str(a.index) for a in assignments), time.monotonic() - c0,
+                    info.done, info.microbatches,
+                )  # fmt: skip
                 if on_progress is not None:
                     on_progress(self._queue.progress().done)
                 computed = True

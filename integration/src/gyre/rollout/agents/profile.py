@@ -96,27 +96,41 @@ def plan(p: ProfileSection, seed: int, k: int, q: int, j: int, tool_s: float) ->
     return Plan(outputs, tools, sleeps, subs)
 
 
+def _call_sleeps(plan: Plan, p: ProfileSection, start_tokens: int, wrap_tokens: int) -> list[float]:
+    """Per model call an execution of `plan` makes when nothing cuts it short, in order, the tool seconds
+    slept just before it (a main call's; 0 for sub-agents' and summary calls)."""
+    out: list[float] = []
+    ctx = start_tokens
+    for i in range(plan.calls):
+        out.append(plan.tool_s[i])
+        after = ctx + plan.outputs[i]  # the call's context: its input and its output
+        if i == plan.calls - 1 or after + plan.tool_tokens[i] + p.output_max > p.context_max:
+            break
+        if plan.subagent[i]:
+            out += [0.0] * SUB_CALLS
+            ctx = after + plan.outputs[i] + wrap_tokens  # the sub-agent's last answer is the tool output
+        else:
+            ctx = after + plan.tool_tokens[i] + wrap_tokens
+        if p.compact_tokens and after + plan.tool_tokens[i] > p.compact_tokens:
+            out.append(0.0)
+            ctx = start_tokens + plan.outputs[i] + wrap_tokens
+    return out
+
+
 def planned_calls(plan: Plan, p: ProfileSection, start_tokens: int, wrap_tokens: int = 8) -> int:
     """The model calls an execution of `plan` makes when nothing cuts it short (sub-agents' and summary
     calls included), its contexts added up from the plan's token counts as `run_profile` adds them:
     `start_tokens` for the system prompt and task, `wrap_tokens` for the framing of each tool step and of
     the conversation after a compaction (the harness decides on the proxy's real counts, which differ
     from these by the chat template's few tokens a message)."""
-    n, ctx = 0, start_tokens
-    for i in range(plan.calls):
-        n += 1
-        after = ctx + plan.outputs[i]  # the call's context: its input and its output
-        if i == plan.calls - 1 or after + plan.tool_tokens[i] + p.output_max > p.context_max:
-            break
-        if plan.subagent[i]:
-            n += SUB_CALLS
-            ctx = after + plan.outputs[i] + wrap_tokens  # the sub-agent's last answer is the tool output
-        else:
-            ctx = after + plan.tool_tokens[i] + wrap_tokens
-        if p.compact_tokens and after + plan.tool_tokens[i] > p.compact_tokens:
-            n += 1
-            ctx = start_tokens + plan.outputs[i] + wrap_tokens
-    return n
+    return len(_call_sleeps(plan, p, start_tokens, wrap_tokens))
+
+
+def slept_s(plan: Plan, p: ProfileSection, calls: int, start_tokens: int, wrap_tokens: int = 8) -> float:
+    """Tool seconds an execution of `plan` slept before its first `calls` calls: what an execution cut by
+    the timeout after `calls` calls (the last one in flight when it struck) spent in tool time, where its
+    outcome's `tool_s` is the whole plan's."""
+    return float(sum(_call_sleeps(plan, p, start_tokens, wrap_tokens)[:calls]))
 
 
 def planned_s(plan: Plan, p: ProfileSection, start_tokens: int, call_s: float) -> float:

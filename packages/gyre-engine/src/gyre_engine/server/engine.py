@@ -65,6 +65,7 @@ class EngineStats:
     decode_time_s: float
     prefill_time_s: float
     cache_returns: int
+    memory_evicted_tokens: int = 0
 
 
 @dataclass
@@ -109,6 +110,12 @@ class Engine:
         """Allocate the pinned host copies that `release_memory_occupation` moves the weights into at
         start (CUDA), so the first release costs what later ones do (allocating 1.2 GB of pinned memory
         took about 1.2 s on the H200); a cell that switches roles sets it."""
+        min_free_bytes: int = 0
+        """On CUDA: the device memory (all processes on the GPU together) kept free. Before each step that
+        would run with less, the prefix cache drops least-recently-used entries (the allocator's freed
+        blocks returned to the driver) until there is this much again or the cache is empty; counted in
+        `memory_evicted_tokens`. Rows growing outside the slots, a second engine or a trainer on the
+        same GPU then take memory from the cache, not from a step that would fail (0: off)."""
         slot_kv_fraction: float = 0.2
         """Bound of the slots' KV buffer, as a fraction of the device's memory (CUDA)."""
         cached_free_bytes: int = 4 << 30
@@ -194,7 +201,9 @@ class Engine:
             "decode_time_s": 0.0,
             "prefill_time_s": 0.0,
             "cache_returns": 0,
+            "memory_evicted_tokens": 0,
         }
+        self._kv_token_bytes = _kv_token_bytes(mc, next(model.parameters()).dtype)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
 
@@ -303,6 +312,7 @@ class Engine:
             decode_time_s=st["decode_time_s"],
             prefill_time_s=st["prefill_time_s"],
             cache_returns=int(st["cache_returns"]),
+            memory_evicted_tokens=int(st["memory_evicted_tokens"]),
         )
 
     def counts(self) -> tuple[int, int]:
@@ -407,6 +417,7 @@ class Engine:
         prefix-cached prompt, continued across steps as `prefill_share` allows, so running requests keep
         decoding); then decode every lane once."""
         t0 = time.perf_counter()
+        self._keep_memory_free()
         budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
         group: list[Running] = []
@@ -867,6 +878,26 @@ class Engine:
             self._bump_version(version)
         return n
 
+    def device_free_bytes(self) -> int | None:
+        """Free memory of the engine's GPU (every process's use counted); None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def _keep_memory_free(self) -> None:
+        """Evict prefix-cache entries while the GPU has less than `min_free_bytes` free (see the setting)."""
+        want = self.config.min_free_bytes
+        if want <= 0 or not self.prefix.total_tokens:
+            return
+        free = self.device_free_bytes()
+        if free is None or free >= want:
+            return
+        gone = self.prefix.evict(-(-(want - free) // self._kv_token_bytes))
+        self._stats["memory_evicted_tokens"] += gone
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("%d MiB free of the %d MiB kept: %d cached tokens evicted", free >> 20, want >> 20, gone)
+
     def _return_cached_free(self) -> None:
         """The allocator's free cached blocks back to the driver once they pass `cached_free_bytes`."""
         if self.device.type != "cuda":
@@ -959,3 +990,10 @@ def _check_tags(tags: list[str] | None) -> list[str]:
     if bad:
         raise ProtocolError(f"unknown memory tags {bad}; expected 'weights' and/or 'kv_cache'")
     return list(tags)
+
+
+def _kv_token_bytes(mc: Any, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token keeps over every layer (2 x layers x KV heads x head dim x item size)."""
+    heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
+    dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+    return 2 * int(mc.num_hidden_layers) * heads * dim * torch.empty(0, dtype=dtype).element_size()

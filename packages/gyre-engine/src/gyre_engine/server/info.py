@@ -167,6 +167,7 @@ class InfoRoutes:
                 graph_capture_s=round(float(slots.get("capture_s", 0.0)), 4),
                 slot_grows=int(slots.get("grows", 0)),
                 cache_returns=st.cache_returns,
+                memory_evicted_tokens=st.memory_evicted_tokens,
                 **_device_memory(engine.device),
             )
         )

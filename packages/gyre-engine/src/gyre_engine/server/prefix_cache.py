@@ -116,6 +116,16 @@ class PrefixCache:
             victim = min((e for b in self._buckets.values() for e in b), key=lambda e: e.last_used)
             self._remove(victim)
 
+    def evict(self, tokens: int) -> int:
+        """Drop least-recently-used entries until at least `tokens` cached tokens are gone (or none is
+        left); returns the tokens dropped."""
+        gone = 0
+        while gone < tokens and self._buckets:
+            victim = min((e for b in self._buckets.values() for e in b), key=lambda e: e.last_used)
+            gone += len(victim.tokens)
+            self._remove(victim)
+        return gone
+
     def holds(self, match: Callable[[RowKV], bool]) -> bool:
         """Whether some entry's KV is one `match` accepts."""
         return any(match(e.kv) for b in self._buckets.values() for e in b)
