@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from gyre_engine.client import EngineClient, EngineError, handoff_prefix
 from gyre_engine.protocol import SamplingParams
@@ -107,12 +108,18 @@ def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(spawn_server: Callable[..., Any]) -> tuple[Any, Any]:
-    """Engines A and B (B notices a hung Mooncake peer after 2 s); each test leaves them as it found them."""
+def pair(spawn_server: Callable[..., Any]) -> Iterator[tuple[Any, Any]]:
+    """Engines A and B (B notices a hung Mooncake peer after 2 s); each test leaves them as it found them.
+    The segments of an engine killed meanwhile (its spare KV arenas) are removed afterwards."""
     a, b = spawn_server(wait=False), spawn_server("--xfer-progress-timeout", "2", wait=False)
     a.wait_ready()
     b.wait_ready()
-    return a, b
+    yield a, b
+    from gyre_xfer.shm import sweep_orphans
+
+    for p in (a, b):
+        p.proc.poll()  # one killed meanwhile is reaped: its pid is gone, so its segments count as orphans
+    sweep_orphans()
 
 
 @pytest.mark.mooncake
@@ -263,6 +270,28 @@ def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Pa
             await cb.update_weights_from_disk(str(model_dir), weight_version="0")
 
     run(go())
+
+
+def test_a_terminated_engine_removes_its_shared_memory(spawn_server: Callable[..., Any]) -> None:
+    """SIGTERM: the engine shuts down gracefully, removes its segments (here an open offer's arena; spare
+    KV arenas alike), then ends by the signal as before."""
+    from gyre_xfer.protocol import KvOffer
+    from gyre_xfer.shm import SHM_DIR
+
+    c = spawn_server()
+
+    async def go() -> str:
+        async with EngineClient(c.url, timeout_s=60) as cl:
+            first = await cl.generate(SYSTEM + USER, GREEDY)
+            offer = await cl.offer_prefix(SYSTEM + USER + first.output_ids, transport="shm")
+            assert offer is not None
+            return msgspec.json.decode(offer.kv_offer, type=KvOffer).pool.regions[0].shm_name
+
+    segment = run(go())
+    assert os.path.exists(os.path.join(SHM_DIR, segment))
+    c.proc.terminate()
+    assert c.proc.wait(30) == -signal.SIGTERM
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"gyre-{c.proc.pid}-")]
 
 
 @pytest.mark.mooncake

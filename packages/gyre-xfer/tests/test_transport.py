@@ -3,6 +3,7 @@ range checks before any byte moves, shared memory peers that vanish, and errors 
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -175,6 +176,36 @@ def test_shm_peer_that_went_away_is_peer_gone() -> None:
     other_host = a.read("shm:elsewhere:boot", [Op(dst, 0, desc, 0, 1)])
     assert other_host.statuses == (EntryStatus.FAILED,) and "not on this host" in other_host.detail
     a.close()
+
+
+def test_shm_peer_segments_freed_by_their_owner_are_unmapped_here() -> None:
+    """A reader keeps peer segments mapped for later reads, but not one its owner removed: its next read
+    drops it, even one of a segment it has mapped already (a reader that kept every peer segment mapped
+    held all of their memory)."""
+    a = open_transport(Config(kind="shm"))
+    b = open_transport(Config(kind="shm"))
+
+    def mapped() -> str:
+        gc.collect()  # views earlier tests left in reference cycles
+        with open("/proc/self/maps") as f:
+            return f.read()
+
+    try:
+        dst = a.alloc(1 << 16)
+        first, second = b.alloc(1 << 16), b.alloc(1 << 16)
+        name = first.desc.shm_name
+        assert a.read(b.endpoint, [Op(dst, 0, first.desc, 0, 1 << 16)]).ok
+        assert a.read(b.endpoint, [Op(dst, 0, second.desc, 0, 1 << 16)]).ok
+        assert a.read(b.endpoint, [Op(dst, 0, first.desc, 0, 1 << 16)]).ok  # mapped once, read again
+        assert name in mapped()
+        b.unregister(first)  # the owner frees it (its segment is unlinked)
+        del first
+        assert a.read(b.endpoint, [Op(dst, 0, second.desc, 0, 1 << 16)]).ok  # already mapped: a cache hit
+        assert second.desc.shm_name in mapped()
+        assert name not in mapped()
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.mooncake

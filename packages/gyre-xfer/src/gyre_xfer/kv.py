@@ -3,7 +3,8 @@
 A pool is 2 x num_layers planes (layer-major, K then V), each `num_blocks` blocks of `block_nbytes`;
 it is one arena (`KvPool.allocate`) or an engine's own per-layer K and V buffers (`KvPool.from_buffers`).
 `pull`/`push` move a list of blocks in one batch (runs of adjacent blocks coalesced) and never raise on
-a transfer failure: each block reports OK, OUT_OF_RANGE, PEER_GONE, TIMEOUT or FAILED.
+a transfer failure: each block reports OK, OUT_OF_RANGE, PEER_GONE, TIMEOUT or FAILED. `peer_planes`
+maps a same-host peer pool's planes for reading in place (shared memory), where a copy would be one too many.
 """
 
 from __future__ import annotations
@@ -87,8 +88,22 @@ class KvPool:
     @classmethod
     def allocate(cls, transport: Transport, num_layers: int, num_blocks: int, block_nbytes: int) -> KvPool:
         """One arena holding every plane back to back."""
+        region = transport.alloc(cls.arena_nbytes(num_layers, num_blocks, block_nbytes))
+        return cls.in_arena(transport, region, num_layers, num_blocks, block_nbytes)
+
+    @staticmethod
+    def arena_nbytes(num_layers: int, num_blocks: int, block_nbytes: int) -> int:
+        """Bytes of the one arena `allocate` takes for this shape."""
+        return 2 * num_layers * num_blocks * block_nbytes
+
+    @classmethod
+    def in_arena(
+        cls, transport: Transport, region: Region, num_layers: int, num_blocks: int, block_nbytes: int
+    ) -> KvPool:
+        """A pool laid out in `region` (from `transport.alloc`, at least `arena_nbytes` long) as
+        `allocate` lays one out: how an arena freed by an earlier pool is used again without new memory
+        (allocating fresh memory costs the kernel a page fault and a zeroed page per 4 KiB)."""
         plane = num_blocks * block_nbytes
-        region = transport.alloc(2 * num_layers * plane)
         planes = [(0, p * plane) for p in range(2 * num_layers)]
         return cls(transport, [region], planes, num_layers, num_blocks, block_nbytes)
 
@@ -211,4 +226,33 @@ def _runs(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, list[i
                 out[-1] = (l0, r0, n + 1, idx)
                 continue
         out.append((lb, rb, 1, [i]))
+    return out
+
+
+def peer_planes(transport: Transport, src: KvPoolDesc) -> list[np.ndarray] | None:
+    """The peer pool `src`'s 2 x num_layers planes (each `num_blocks` blocks) as uint8 views read in
+    place, where `transport` maps peer memory (shared memory on this host); else None (then
+    `pull` copies). Raises PeerGoneError if the peer's memory is gone, ShapeMismatchError if a plane
+    lies outside its region."""
+    from .shm import ShmTransport
+
+    tr = transport
+    if not isinstance(tr, ShmTransport) or src.transport != tr.kind or src.endpoint != tr.endpoint:
+        return None
+    if len(src.planes) != 2 * src.num_layers:
+        raise ShapeMismatchError(f"peer pool has {len(src.planes)} planes for {src.num_layers} layers")
+    size = src.num_blocks * src.block_nbytes
+    mapped: dict[int, np.ndarray] = {}
+    out = []
+    for p in src.planes:
+        if not 0 <= p.region < len(src.regions) or p.offset < 0:
+            raise ShapeMismatchError(f"peer plane names region {p.region} at offset {p.offset}")
+        arr = mapped.get(p.region)
+        if arr is None:
+            arr = mapped[p.region] = tr.map_peer(src.regions[p.region])
+        if p.offset + size > arr.nbytes:
+            raise ShapeMismatchError(
+                f"peer plane at offset {p.offset} runs past its region of {arr.nbytes} bytes"
+            )
+        out.append(arr[p.offset : p.offset + size])
     return out

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import ctypes
 import itertools
+import mmap
 import os
 import secrets
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .buffers import view_of
-from .errors import TransportUnavailableError, XferError
+from .errors import PeerGoneError, TransportUnavailableError, XferError
 from .protocol import RegionDesc, TransportKind
 from .transport import BatchResult, Config, EntryStatus, Op, Region, check_ranges
 
@@ -65,10 +66,9 @@ class ShmTransport:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
+            arr = _map(fd, max(nbytes, 1))  # a new segment reads as zeros
         finally:
             os.close(fd)
-        arr = np.memmap(path, dtype=np.uint8, mode="r+")
-        arr.fill(0)
         region = Region(RegionDesc(rid, nbytes, arr.ctypes.data, name), "cpu", arr, arr)
         with self._lock:
             self._owned[rid] = path
@@ -95,8 +95,9 @@ class ShmTransport:
         if path is not None:
             _unlink(path)
 
-    def _peer_base(self, desc: RegionDesc) -> int:
-        """Address of the peer region mapped into this process (mapped once, cached by name)."""
+    def _peer_map(self, desc: RegionDesc) -> np.ndarray:
+        """The peer region mapped into this process: mapped once, cached by name (the `PEER_MAPPINGS`
+        most recently used; see `_drop_gone` for segments their owner removed)."""
         if not desc.shm_name:
             raise XferError(
                 f"peer region {desc.region_id} is not in shared memory (it was registered, not allocated)"
@@ -104,20 +105,46 @@ class ShmTransport:
         if "/" in desc.shm_name or not desc.shm_name.startswith("gyre-"):
             raise XferError(f"{desc.shm_name!r} is not a gyre shared-memory segment")
         with self._lock:
-            arr = self._peers.get(desc.shm_name)
+            arr = self._peers.pop(desc.shm_name, None)
             if arr is None:
                 try:
-                    arr = np.memmap(os.path.join(SHM_DIR, desc.shm_name), dtype=np.uint8, mode="r+")
+                    fd = os.open(os.path.join(SHM_DIR, desc.shm_name), os.O_RDWR)
                 except FileNotFoundError:
                     raise
-                except (OSError, ValueError) as e:  # empty, unreadable, not a file
+                except OSError as e:
                     raise XferError(f"cannot map peer segment {desc.shm_name}: {e}") from e
-                self._peers[desc.shm_name] = arr
+                try:
+                    arr = _map(fd, os.fstat(fd).st_size)
+                except (OSError, ValueError) as e:  # empty, not mappable
+                    raise XferError(f"cannot map peer segment {desc.shm_name}: {e}") from e
+                finally:
+                    os.close(fd)
+            self._peers[desc.shm_name] = arr  # most recently used last
+            while len(self._peers) > PEER_MAPPINGS:
+                self._peers.pop(next(iter(self._peers)))  # unmapped once no batch holds it
         if arr.nbytes < desc.nbytes:
             raise XferError(
                 f"peer segment {desc.shm_name} is {arr.nbytes} bytes, descriptor says {desc.nbytes}"
             )
-        return int(arr.ctypes.data)
+        return arr
+
+    def _drop_gone(self) -> None:
+        """Drop cached mappings of segments their owner removed (once per batch or `map_peer`, hits
+        included: a reader that keeps reading one reused segment would otherwise hold freed memory)."""
+        with self._lock:
+            gone = [k for k in self._peers if not os.path.exists(os.path.join(SHM_DIR, k))]
+            for name in gone:
+                del self._peers[name]  # unmapped once no batch or view holds it
+
+    def map_peer(self, desc: RegionDesc) -> np.ndarray:
+        """A uint8 view of a peer's allocated region, read in place (no copy); it stays mapped as long as
+        the view lives. Raises PeerGoneError when the segment no longer exists, XferError when it is not a
+        gyre segment or is shorter than `desc` says."""
+        self._drop_gone()
+        try:
+            return self._peer_map(desc)[: desc.nbytes]
+        except FileNotFoundError as e:
+            raise PeerGoneError(f"peer segment {desc.shm_name} no longer exists") from e
 
     def read(self, peer: str, ops: Sequence[Op], timeout_s: float | None = None) -> BatchResult:
         return self._batch(peer, ops, into_local=True)
@@ -135,15 +162,17 @@ class ShmTransport:
                 0.0,
                 f"peer {peer} is not on this host ({self._endpoint})",
             )
+        self._drop_gone()
         problems = check_ranges(ops)
         statuses: list[EntryStatus] = []
         details = [p for p in problems if p]
+        held = []  # the peer mappings this batch uses stay mapped until it ends
         for op, problem in zip(ops, problems, strict=True):
             if problem:
                 statuses.append(EntryStatus.OUT_OF_RANGE)
                 continue
             try:
-                base = self._peer_base(op.remote)
+                peer_arr = self._peer_map(op.remote)
             except FileNotFoundError:
                 statuses.append(EntryStatus.PEER_GONE)
                 details.append(f"peer segment {op.remote.shm_name} no longer exists")
@@ -152,8 +181,9 @@ class ShmTransport:
                 statuses.append(EntryStatus.FAILED)
                 details.append(str(e))
                 continue
+            held.append(peer_arr)
             local = op.region.addr + op.local_offset
-            remote = base + op.remote_offset
+            remote = int(peer_arr.ctypes.data) + op.remote_offset
             if into_local:
                 ctypes.memmove(local, remote, op.length)
             else:
@@ -203,6 +233,16 @@ def sweep_orphans(shm_dir: str | None = None) -> list[str]:
 
 
 SHM_DIR = "/dev/shm"
+PEER_MAPPINGS = 16
+"""How many peer segments stay mapped for later batches (a segment a peer hands out again, such as a
+reused KV offer arena, is then read without mapping and faulting it in again)."""
+
+
+def _map(fd: int, nbytes: int) -> np.ndarray:
+    """uint8 view of a shared read-write mapping of `fd`, its pages faulted in by one call (MAP_POPULATE)
+    rather than one fault per 4 KiB page on first touch; the mapping lives as long as the view does."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(fd, nbytes, flags=flags), dtype=np.uint8)
 
 
 def _unlink_all(owned: dict[int, str]) -> None:

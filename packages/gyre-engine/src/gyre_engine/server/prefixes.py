@@ -88,6 +88,6 @@ class PrefixRoutes:
 
     async def release_prefix_offer(self, request: Request) -> Response:
         body = await body_as(request, ReleaseOfferRequest)
-        if not await asyncio.to_thread(self.xfer.release, body.offer_id):
+        if not await asyncio.to_thread(self.xfer.release, body.offer_id, body.arrived):
             return error_response(f"no open offer {body.offer_id!r} (released or expired)", 404, "NotFound")
         return json_response(SuccessReply(True, f"offer {body.offer_id} released"))

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import NoReturn
 
 import torch
@@ -113,10 +115,29 @@ def serve(cfg: ServeConfig) -> None:
         sglang_only=cfg.sglang_only,
     )
     app = build_app(engine, app_cfg)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again into the handler it found: this one,
+    # so the cleanup below runs (it removes the process's shared-memory segments, spare KV arenas among
+    # them) before the process ends by the signal as it would have
+    signal.signal(signal.SIGTERM, _terminated)
+    terminated = False
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    except _Terminated:
+        terminated = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeat does not cut the cleanup short
     finally:
         engine.shutdown()
         app.state.generation.close()
         app.state.xfer.close()
         app.state.weight_groups.close()
+    if terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by `_terminated`)."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated

@@ -4,6 +4,13 @@ publisher, and KV prefixes offered from a registered pool or pulled from another
 Bytes move off the engine thread (into gyre-xfer's staging buffer or freshly allocated KV blocks); only
 checked, complete results reach the model or the prefix cache, on the engine thread between two steps.
 So a torn snapshot, a dead peer or a timeout leaves the model, the version and the cache as they were.
+
+A prefix moves in whole-plane copies: out of the cache's tensors into the offered pool (one copy per layer
+and K or V), then into the new KV tensors: over shared memory straight out of the offered pool, mapped
+here; otherwise (Mooncake) into a local pool in one batch of runs, and out of it. Pool arenas are
+kept for the next hand-off (`XferConfig.kv_spare_bytes`): fresh memory costs the kernel a fault and a
+zeroed page per 4 KiB, which cost more than the copies. An offer's arena is reused only after a receipt
+that every block arrived (the importer has finished reading it); an expired or failed one is freed.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ import torch
 import zmq
 from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
-from gyre_xfer.kv import KvPool, KvTransferResult
+from gyre_xfer.kv import BlockResult, KvPool, KvTransferResult, peer_planes
 from gyre_xfer.protocol import KvOffer
+from gyre_xfer.shm import ShmTransport
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
-from gyre_xfer.transport import Config, EntryStatus, Transport, open_transport
+from gyre_xfer.transport import Config, EntryStatus, Region, Transport, open_transport
 
 from gyre_engine.protocol import (
     BlockReport,
@@ -46,6 +54,8 @@ class XferConfig:
     """Mooncake: P2P handshake (default) or a metadata server URL."""
     progress_timeout_s: int = 5
     """Mooncake TCP: a connection making no progress for this long fails (a hung peer)."""
+    kv_spare_bytes: int = 4 << 30
+    """KV pool arenas kept, once free, for later prefix offers and pulls, up to this many bytes (0: none)."""
 
 
 class KvPullError(RuntimeError):
@@ -60,6 +70,8 @@ class KvPullError(RuntimeError):
 class _Offer:
     pool: KvPool
     expires: float
+    kind: str
+    blocks: int
 
 
 def _plane(pool: KvPool, plane: int, dtype: torch.dtype, rows: int, heads: int, dim: int) -> torch.Tensor:
@@ -71,6 +83,34 @@ def _plane(pool: KvPool, plane: int, dtype: torch.dtype, rows: int, heads: int, 
     return torch.from_numpy(raw).view(dtype).view(rows, heads, dim)
 
 
+STAMP_BYTES = 32
+"""An offer's arena ends in its offer id (32 hex digits), written once every byte is in; cleared first
+when the arena is reused, so an importer reading a released offer's arena finds out instead of installing
+another prefix's KV."""
+
+
+def _stamp(pool: KvPool) -> np.ndarray:
+    arr = pool.regions[0].array
+    assert arr is not None, "allocated pools live in CPU memory"
+    return arr[pool.regions[0].nbytes - STAMP_BYTES : pool.regions[0].nbytes]
+
+
+def _check_stamp(stamp: np.ndarray, offer_id: str) -> None:
+    if stamp.tobytes() != offer_id.encode():
+        raise KvPullError(
+            f"offer {offer_id} was released before its blocks were read; nothing was installed", 409
+        )
+
+
+def _out_of_pool(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A plane `[n, heads, dim]` of a pool as KV `[1, heads, n, dim]` on `device`, owning its memory (the
+    pool is reused or freed after this)."""
+    if device.type == "cpu":  # one transposing copy
+        return t.transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+    t = t.to(device, copy=True)  # one contiguous copy out of the pool ...
+    return t.transpose(0, 1).unsqueeze(0).contiguous()  # ... transposed on the device
+
+
 @dataclass
 class XferHub:
     """One per server process: transports, snapshot subscribers and outstanding prefix offers."""
@@ -79,6 +119,7 @@ class XferHub:
     _transports: dict[str, Transport] = field(default_factory=dict)
     _subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     _offers: dict[str, _Offer] = field(default_factory=dict)
+    _spares: list[tuple[str, Region]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transport(self, kind: str) -> Transport:
@@ -132,7 +173,8 @@ class XferHub:
     def offer(
         self, body: OfferPrefixRequest, token_ids: list[int], kv: RowKV, fingerprint: str, version: str
     ) -> PrefixOffer:
-        """Copy `kv` (covering `token_ids`) into a newly allocated pool of `block_tokens`-token blocks."""
+        """Copy `kv` (covering `token_ids`) into a pool of `block_tokens`-token blocks, in a spare arena or
+        a new one (freed if the copy fails)."""
         if body.block_tokens < 1:
             raise KvTransferError("block_tokens must be at least 1")
         self.sweep()
@@ -141,18 +183,23 @@ class XferHub:
         heads, dim = int(kv.keys[0].shape[1]), int(kv.keys[0].shape[3])
         dtype = kv.keys[0].dtype
         # allocated, not registered in place: shared memory can only share memory it allocated itself
-        pool = KvPool.allocate(
-            self.transport(body.transport), len(kv.keys), nb, bt * heads * dim * dtype.itemsize
-        )
-        for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
-            for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
-                dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
-                dst[:n].copy_(t[0].transpose(0, 1))  # transposed where it lives, one copy into the pool
-                dst[n:] = 0
+        pool = self._pool(body.transport, len(kv.keys), nb, bt * heads * dim * dtype.itemsize)
         offer_id = uuid.uuid4().hex
+        try:
+            stamp = _stamp(pool)
+            stamp[:] = 0  # a reused arena: an importer of its last offer now sees it is gone
+            for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
+                for plane, t in ((2 * layer, k), (2 * layer + 1, v)):
+                    dst = _plane(pool, plane, dtype, nb * bt, heads, dim)
+                    dst[:n].copy_(t[0].transpose(0, 1))  # transposed where it lives, one copy into the pool
+                    dst[n:] = 0
+            stamp[:] = np.frombuffer(offer_id.encode(), np.uint8)
+        except BaseException:
+            pool.close()
+            raise
         kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
         with self._lock:
-            self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s)
+            self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s, body.transport, nb)
         return PrefixOffer(
             offer_id=offer_id,
             model_fingerprint=fingerprint,
@@ -166,13 +213,54 @@ class XferHub:
             kv_offer=msgspec.Raw(msgspec.json.encode(kv_offer)),
         )
 
-    def release(self, offer_id: str) -> bool:
+    def release(self, offer_id: str, arrived: list[int] | None = None) -> bool:
+        """Free an offer's pool; kept for reuse when `arrived` (the receipt) names every block."""
         with self._lock:
             off = self._offers.pop(offer_id, None)
         if off is not None:
-            off.pool.close()
+            if off.kind == "shm" and arrived is not None and set(arrived) == set(range(off.blocks)):
+                self._give_back(off.kind, off.pool)
+            else:  # the importer may still be reading it: freed (its mapping keeps the bytes), never reused
+                off.pool.close()
         self.sweep()
         return off is not None
+
+    def _pool(self, kind: str, layers: int, blocks: int, block_nbytes: int) -> KvPool:
+        """A pool of this shape in the smallest spare arena that holds it, else in a new one."""
+        tr = self.transport(kind)
+        need = KvPool.arena_nbytes(layers, blocks, block_nbytes) + STAMP_BYTES
+        with self._lock:
+            fits = [(r.nbytes, i) for i, (k, r) in enumerate(self._spares) if k == kind and r.nbytes >= need]
+            region = self._spares.pop(min(fits)[1])[1] if fits else None
+        return KvPool.in_arena(tr, region or tr.alloc(need), layers, blocks, block_nbytes)
+
+    def _peer_stamp(self, kind: str, kv_offer: KvOffer) -> np.ndarray:
+        tr = self.transport(kind)
+        regions = kv_offer.pool.regions
+        if not isinstance(tr, ShmTransport) or len(regions) != 1 or regions[0].nbytes < STAMP_BYTES:
+            raise KvTransferError("the offered pool is not one arena with an offer stamp")
+        return tr.map_peer(regions[0])[-STAMP_BYTES:]
+
+    def _give_back(self, kind: str, pool: KvPool) -> None:
+        """Keep `pool`'s arena for a later pool (the newest first, within `kv_spare_bytes`)."""
+        if len(pool.regions) != 1:
+            pool.close()
+            return
+        with self._lock:
+            self._spares.insert(0, (kind, pool.regions[0]))
+            kept, total, drop = [], 0, []
+            for k, r in self._spares:
+                if total + r.nbytes <= self.config.kv_spare_bytes:
+                    kept.append((k, r))
+                    total += r.nbytes
+                else:
+                    drop.append((k, r))
+            self._spares = kept
+            transports = {k: self._transports.get(k) for k, _ in drop}
+        for k, r in drop:
+            tr = transports[k]
+            if tr is not None:
+                tr.unregister(r)
 
     def sweep(self) -> None:
         """Free offers whose lease ran out without a receipt."""
@@ -209,29 +297,59 @@ class XferHub:
                 f"offer blocks are {kv_offer.pool.block_nbytes} bytes, expected {block_nbytes}"
             )
         kind = kv_offer.pool.transport.name.lower()
-        pool = KvPool.allocate(self.transport(kind), layers, nb, block_nbytes)
+        if tuple(kv_offer.block_ids) == tuple(range(nb)) and kv_offer.pool.num_blocks >= nb:
+            t0 = time.monotonic()
+            try:
+                planes = peer_planes(self.transport(kind), kv_offer.pool)
+            except PeerGoneError as exc:
+                raise KvPullError(
+                    f"prefix transfer from {kv_offer.pool.endpoint} failed: {exc}", 502
+                ) from exc
+            if planes is not None:  # the offered pool is mapped here: copied straight out of it
+                stamp = self._peer_stamp(kind, kv_offer)
+
+                def direct(plane: int) -> torch.Tensor:
+                    raw = planes[plane][: n * block_nbytes // bt]
+                    t = torch.from_numpy(raw).view(dtype).view(n, offer.kv_heads, offer.head_dim)
+                    return _out_of_pool(t, device)
+
+                _check_stamp(stamp, offer.offer_id)
+                kv = RowKV([direct(2 * i) for i in range(layers)], [direct(2 * i + 1) for i in range(layers)])
+                _check_stamp(stamp, offer.offer_id)  # not released and reused while it was read
+                blocks = tuple(BlockResult(b, b, EntryStatus.OK) for b in range(nb))
+                return kv, KvTransferResult(blocks, time.monotonic() - t0, 2 * layers * nb * block_nbytes)
+        pool = self._pool(kind, layers, nb, block_nbytes)
+        done = False
         try:
             res = pool.pull(kv_offer.pool, kv_offer.block_ids, list(range(nb)), timeout_s=timeout_s)
             if not res.ok:
                 raise _pull_failed(res, kv_offer.pool.endpoint, nb)
 
             def layer(plane: int) -> torch.Tensor:
-                t = _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n]
-                t = t.to(device, copy=True)  # one contiguous copy out of the pool (freed below) ...
-                return t.transpose(0, 1).unsqueeze(0).contiguous()  # ... transposed on the device
+                return _out_of_pool(
+                    _plane(pool, plane, dtype, nb * bt, offer.kv_heads, offer.head_dim)[:n], device
+                )
 
             kv = RowKV([layer(2 * i) for i in range(layers)], [layer(2 * i + 1) for i in range(layers)])
+            done = True
         finally:
-            pool.close()
+            if done:  # every byte copied out: the arena serves the next pull or offer
+                self._give_back(kind, pool)
+            else:  # a transfer that failed may still be writing into it
+                pool.close()
         return kv, res
 
     def close(self) -> None:
         with self._lock:
             offers, self._offers = list(self._offers.values()), {}
             subs, self._subscribers = list(self._subscribers.values()), {}
-            transports, self._transports = list(self._transports.values()), {}
+            by_kind, self._transports = self._transports, {}
+            spares, self._spares = self._spares, []
+        transports = list(by_kind.values())
         for o in offers:
             o.pool.close()
+        for k, r in spares:
+            by_kind[k].unregister(r)
         for s in subs:
             s.close()
         for t in transports:
