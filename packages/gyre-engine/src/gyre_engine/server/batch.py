@@ -77,6 +77,14 @@ def cache_layers(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Te
     return keys, values  # type: ignore[return-value]
 
 
+def _take(layers: list[torch.Tensor | None], i: int) -> torch.Tensor:
+    """Layer `i`, its slot emptied (the caller's reference is then the last one)."""
+    t = layers[i]
+    assert t is not None
+    layers[i] = None
+    return t
+
+
 class DecodeBatch:
     """Left-padded rows of running requests; `lengths[i]` valid tokens end at the last column."""
 
@@ -102,21 +110,24 @@ class DecodeBatch:
         """Append several rows at once (one re-pad and copy of the cache, however many join)."""
         if not rows:
             return
-        old_k: list[torch.Tensor] = []
-        old_v: list[torch.Tensor] = []
+        old_k: list[torch.Tensor | None] = []
+        old_v: list[torch.Tensor | None] = []
         if self.cache is not None and self.lengths:
-            old_k, old_v = cache_layers(self.cache)
+            ok, ov = cache_layers(self.cache)
+            old_k, old_v = list(ok), list(ov)
         width = max([self.width if self.lengths else 0] + [kv.length for kv, _ in rows])
         grow = width - (self.width if self.lengths else 0)
         n_layers = len(rows[0][0].keys)
         keys, values = [], []
+        self.cache = None  # each old layer is freed once its new one is built: one layer's copy at a time
         for layer in range(n_layers):
-            ks = [_lpad(old_k[layer], grow)] if old_k else []
-            vs = [_lpad(old_v[layer], grow)] if old_v else []
+            ks = [_lpad(_take(old_k, layer), grow)] if old_k else []
+            vs = [_lpad(_take(old_v, layer), grow)] if old_v else []
             ks += [_lpad(kv.keys[layer], width - kv.length) for kv, _ in rows]
             vs += [_lpad(kv.values[layer], width - kv.length) for kv, _ in rows]
             keys.append(torch.cat(ks, dim=0))
             values.append(torch.cat(vs, dim=0))
+            del ks, vs
         masks = []
         if self.lengths:
             masks.append(
@@ -144,11 +155,14 @@ class DecodeBatch:
         idx = torch.tensor(keep, device=self.device)
         lengths = [self.lengths[i] for i in keep]
         start = self.width - max(lengths)
-        keys, values = cache_layers(self.cache)
-        self.cache = cache_from_layers(
-            [k.index_select(0, idx)[:, :, start:] for k in keys],
-            [v.index_select(0, idx)[:, :, start:] for v in values],
-        )
+        ok, ov = cache_layers(self.cache)
+        old_k: list[torch.Tensor | None] = list(ok)
+        old_v: list[torch.Tensor | None] = list(ov)
+        del ok, ov
+        self.cache = None  # as in add_many: one layer's copy at a time
+        keys = [_take(old_k, i).index_select(0, idx)[:, :, start:] for i in range(len(old_k))]
+        values = [_take(old_v, i).index_select(0, idx)[:, :, start:] for i in range(len(old_v))]
+        self.cache = cache_from_layers(keys, values)
         self.mask = self.mask.index_select(0, idx)[:, start:]
         self.lengths = lengths
         self.next_tokens = [self.next_tokens[i] for i in keep]
