@@ -97,7 +97,7 @@ def tiny(cfg: Config, out_dir: str) -> Config:
         batch=r(cfg.batch, queries=2, group_size=2),
         agent=r(cpu.agent),
         profile=cpu.profile,
-        train=r(cfg.train, token_budget=4096),
+        train=r(cfg.train, token_budget=4096, chunk_budget=256),  # paths past 256 tokens train chunked, as on the GPU
         cell=r(cfg.cell, device="cpu", gpus=[], capacity=8),
         engine=r(cfg.engine, max_running=16),
         sched=r(cfg.sched, hold_s=0.5),
