@@ -97,7 +97,9 @@ def tiny(cfg: Config, out_dir: str) -> Config:
         batch=r(cfg.batch, queries=2, group_size=2),
         agent=r(cpu.agent),
         profile=cpu.profile,
-        train=r(cfg.train, token_budget=4096, chunk_budget=256),  # paths past 256 tokens train chunked, as on the GPU
+        train=r(
+            cfg.train, token_budget=4096, chunk_budget=256
+        ),  # paths past 256 tokens train chunked, as on the GPU
         cell=r(cfg.cell, device="cpu", gpus=[], capacity=8),
         engine=r(cfg.engine, max_running=16),
         sched=r(cfg.sched, hold_s=0.5),
@@ -630,7 +632,13 @@ def main() -> int:
             measured[pol] = m
             if first_metrics is None:
                 first_metrics, first_dir = m, run_dir
-        for name in ("timeline.png", "metrics.json"):
+        if m is None and (run_dir / "metrics-partial.json").exists():  # cut short: what it did until then
+            partial = json.loads((run_dir / "metrics-partial.json").read_text())
+            try:
+                res.setdefault("partial", {})[pol] = policy_figures(partial, run_dir / "records.msgpack")
+            except Exception as exc:  # a run cut short may lack what a figure needs; the file is kept
+                res.setdefault("partial", {})[pol] = {"error": f"{type(exc).__name__}: {exc}"}
+        for name in ("timeline.png", "metrics.json", "timeline-partial.png", "metrics-partial.json"):
             if (run_dir / name).exists():
                 shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
         if (run_dir / "logs").is_dir():  # every process's log, for the note on where the time went

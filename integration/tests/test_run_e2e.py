@@ -336,3 +336,24 @@ def test_a_full_disk_stops_the_run_once_and_resume_continues_it(tmp_path: Path, 
     acc = m["accounting"]
     assert acc["records_lost"] == 0 and acc["records_trained_twice"] == 0 and acc["records_trained"] > 0
     assert _processes_mentioning(str(out)) == []
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_run_past_its_deadline_leaves_what_it_did(tmp_path: Path, model_dir: Path) -> None:
+    # 50 steps of executions of about 8 s cannot finish in 20 s of rollout: the run fails at its deadline
+    # and leaves the figures of what it did until then beside its logs.
+    cfg = _config(tmp_path, model_dir, "median_s = 8.0\ntimeout_s = 30.0", deadline_s=20.0, steps=50)
+    said: list[str] = []
+    with pytest.raises(RunError, match=r"did not finish within \[run\] deadline_s = 20 s"):
+        run(load_config(cfg), say=said.append)
+    out = tmp_path / "run"
+    m = json.loads((out / "metrics-partial.json").read_text())
+    assert m["partial"].startswith("the run did not finish within")
+    assert m["executions"] > 0 and m["records"] > 0 and m["steps_applied"] < 50
+    assert 20.0 <= m["end_to_end_s"] < 60.0
+    assert m["efficiency"]["calls"] > 0  # the calls the proxy recorded, from its log
+    assert (out / "timeline-partial.png").stat().st_size > 0 and (out / "samples.jsonl").stat().st_size > 0
+    assert not (out / "metrics.json").exists()
+    assert any("metrics-partial.json" in line for line in said)
+    assert _processes_mentioning(str(out)) == []

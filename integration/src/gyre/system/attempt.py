@@ -148,12 +148,22 @@ def attempt(
     """One attempt of the run in `rd`; returns its metrics (module docstring). `events` and `losses`
     are the run's: every attempt adds to them, the last one's metrics carry them all."""
     a = Attempt.build(cfg, rd, say, parts, events, [] if losses is None else losses)
+    late = ""
     try:
         a.start()
         a.watch()
+    except DeadlinePassed as exc:
+        late = str(exc)
+        raise
     finally:
         a.stop()
+        if late:
+            a.collect_partial(late)
     return a.collect()
+
+
+class DeadlinePassed(RunError):
+    """The run did not finish within `[run] deadline_s` (what it did is in `metrics-partial.json`)."""
 
 
 class Attempt:
@@ -406,7 +416,8 @@ class Attempt:
             if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in self.parts):
                 break
             if time.monotonic() > deadline:
-                raise RunError(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
+                self.proxy_stats = _proxy_stats(self.proxy_url)
+                raise DeadlinePassed(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
             if time.monotonic() - last_say > 5.0:
                 last_say = time.monotonic()
                 self.say(_progress(self.t_start, driver, traj, sampler, self.out))
@@ -451,21 +462,55 @@ class Attempt:
         self.token.uninstall()
 
     # ---- collect ------------------------------------------------------------------------------------
-    def collect(self) -> dict[str, Any]:
-        """`metrics.json`, the samples and the plot of the finished attempt; the run marked finished."""
+    def _measured(self, t_end: float) -> dict[str, Any]:
+        """The attempt's figures from its first batch to `t_end`."""
         driver, traj, sampler, out = self.driver, self.traj, self.sampler, self.out
         assert driver is not None and traj is not None and sampler is not None
         summaries = {int(r["step"]): r for r in ledger.read(out / ledger.LEDGER)}  # earlier attempts'
         summaries.update({k: sd.summary for k, sd in traj.steps.items()})
         metrics = runmetrics.collect(
-            self.cfg, out, self.t_start, self.t_end, driver.outcomes(), summaries, traj.records,
+            self.cfg, out, self.t_start, t_end, driver.outcomes(), summaries, traj.records,
             traj.dropped, sampler,
         )  # fmt: skip
         metrics["moves"] = _moves(self.proxy_stats)
         metrics["efficiency"] = efficiency.efficiency(
             self.cfg, out, (c for _, c in recordlog.calls(self.log_path)), sampler.samples, sampler.training(),
-            self.t_start, self.t_end,
+            self.t_start, t_end,
         )  # fmt: skip
+        return metrics
+
+    def collect_partial(self, why: str) -> None:
+        """What an attempt stopped at its deadline did, up to then: `metrics-partial.json` (the figures of
+        `metrics.json` over the time it ran, `partial` saying why it stopped), its samples and
+        `timeline-partial.png`. The run stays failed (`--resume` continues it). Never raises: the
+        deadline is the error to report."""
+        if self.driver is None or self.traj is None or self.sampler is None or not self.t_start:
+            return
+        try:
+            metrics = {"partial": why, **self._measured(time.time())}
+            write_json(self.out / "metrics-partial.json", metrics)
+            self._write_samples()
+            write_plot(
+                metrics, self.sampler.samples, self.sampler.training(), self.out / "timeline-partial.png"
+            )
+            self.say(f"gyre run: what ran before the deadline is in {self.out / 'metrics-partial.json'}")
+        except Exception as exc:  # the figures of a run cut short are a help, not a requirement
+            log.warning("the partial metrics could not be written: %s: %s", type(exc).__name__, exc)
+
+    def _write_samples(self) -> None:
+        assert self.sampler is not None
+        with open(self.out / "samples.jsonl", "w") as fh:
+            for smp in self.sampler.samples:
+                fh.write(json.dumps(smp.__dict__) + "\n")
+        with open(self.out / "train-samples.jsonl", "w") as fh:
+            for ts in self.sampler.training().samples:
+                fh.write(json.dumps(ts.__dict__) + "\n")
+
+    def collect(self) -> dict[str, Any]:
+        """`metrics.json`, the samples and the plot of the finished attempt; the run marked finished."""
+        traj, sampler, out = self.traj, self.sampler, self.out
+        assert traj is not None and sampler is not None
+        metrics = self._measured(self.t_end)
         metrics["attempt"] = self.rd.attempt
         metrics["attempts"] = (
             self.rd.attempt + 1
@@ -488,12 +533,7 @@ class Attempt:
             except policy.NotExported as exc:  # the run is done: it is said, not lost
                 self.say(f"gyre run: the trained policy was not exported: {exc}")
         write_json(out / "metrics.json", metrics)
-        with open(out / "samples.jsonl", "w") as fh:
-            for smp in sampler.samples:
-                fh.write(json.dumps(smp.__dict__) + "\n")
-        with open(out / "train-samples.jsonl", "w") as fh:
-            for ts in sampler.training().samples:
-                fh.write(json.dumps(ts.__dict__) + "\n")
+        self._write_samples()
         plot = write_plot(metrics, sampler.samples, sampler.training(), out / "timeline.png")
         self.say(
             f"gyre run: done in {metrics['end_to_end_s']:.1f} s; idle rollout {metrics['roles']['idle_rollout']}, "
