@@ -8,6 +8,7 @@ So a torn snapshot, a dead peer or a timeout leaves the model, the version and t
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ import zmq
 from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
 from gyre_xfer.kv import KvPool, KvTransferResult
+from gyre_xfer.pinning import Pinning, PinningError, host_pinning
 from gyre_xfer.protocol import KvOffer
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, EntryStatus, Transport, open_transport
@@ -46,6 +48,19 @@ class XferConfig:
     """Mooncake: P2P handshake (default) or a metadata server URL."""
     progress_timeout_s: int = 5
     """Mooncake TCP: a connection making no progress for this long fails (a hung peer)."""
+
+
+_log = logging.getLogger(__name__)
+
+
+def staging_pinning(device: torch.device) -> Pinning | None:
+    """How snapshot staging is page-locked for a model on `device`: with CUDA for a CUDA device (the
+    copies into the model then run at full link speed, asynchronously), not at all on the CPU."""
+    try:
+        return host_pinning(device)
+    except PinningError as e:
+        _log.warning("gyre-engine: snapshot staging stays pageable: %s", e)
+        return None
 
 
 class KvPullError(RuntimeError):
@@ -76,6 +91,8 @@ class XferHub:
     """One per server process: transports, snapshot subscribers and outstanding prefix offers."""
 
     config: XferConfig = field(default_factory=XferConfig)
+    pinning: Pinning | None = None
+    """Page-locks each subscriber's staging buffer (`staging_pinning(engine.device)`); None: pageable."""
     _transports: dict[str, Transport] = field(default_factory=dict)
     _subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     _offers: dict[str, _Offer] = field(default_factory=dict)
@@ -101,12 +118,14 @@ class XferHub:
 
     def pull_snapshot(self, body: UpdateFromXferRequest) -> Snapshot:
         """Pull one whole version into the subscriber's staging buffer (never into the model). Its
-        arrays stay valid until the next pull from the same publisher: callers serialize pull + apply."""
+        arrays stay valid until the next pull from the same publisher: callers serialize pull + apply,
+        and the apply waits for its (asynchronous, when the staging is pinned) copies to land."""
         tr = self.transport(body.transport)
         cfg = SubscriberConfig(
             publisher=body.publisher,
             control_timeout_s=body.control_timeout_s,
             pull_timeout_s=body.timeout_s,
+            pinning=self.pinning,
         )
         key = (body.publisher, body.transport)
         with self._lock:
