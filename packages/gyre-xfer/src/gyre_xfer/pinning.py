@@ -12,10 +12,13 @@ gained. torch is imported only when a CudaHostPinning is made (the `torch` extra
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from .errors import XferError
 from .transport import Region
+
+_log = logging.getLogger(__name__)
 
 _PORTABLE = 1
 """cudaHostRegisterPortable: page-locked for every CUDA context of the process, not only the current one."""
@@ -81,12 +84,16 @@ class CudaHostPinning:
 
 
 def host_pinning(device: object) -> Pinning | None:
-    """A CudaHostPinning for a CUDA device ("cuda", "cuda:1", a torch.device), None for any other
-    (a CPU consumer gains nothing from page-locked memory)."""
+    """A CudaHostPinning for a CUDA device ("cuda", "cuda:1", a torch.device); None for any other (a
+    CPU consumer gains nothing from page-locked memory), or when CUDA cannot be used (logged)."""
     name = str(device)
     if not name.startswith("cuda"):
         return None
-    return CudaHostPinning(name)
+    try:
+        return CudaHostPinning(name)
+    except PinningError as e:
+        _log.warning("gyre-xfer: host buffers for %s stay pageable: %s", name, e)
+        return None
 
 
 def _code(err: object) -> int:

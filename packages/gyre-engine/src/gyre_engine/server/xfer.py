@@ -8,7 +8,6 @@ So a torn snapshot, a dead peer or a timeout leaves the model, the version and t
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ import zmq
 from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
 from gyre_xfer.kv import KvPool, KvTransferResult
-from gyre_xfer.pinning import Pinning, PinningError, host_pinning
+from gyre_xfer.pinning import Pinning
 from gyre_xfer.protocol import KvOffer
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, EntryStatus, Transport, open_transport
@@ -48,19 +47,6 @@ class XferConfig:
     """Mooncake: P2P handshake (default) or a metadata server URL."""
     progress_timeout_s: int = 5
     """Mooncake TCP: a connection making no progress for this long fails (a hung peer)."""
-
-
-_log = logging.getLogger(__name__)
-
-
-def staging_pinning(device: torch.device) -> Pinning | None:
-    """How snapshot staging is page-locked for a model on `device`: with CUDA for a CUDA device (the
-    copies into the model then run at full link speed, asynchronously), not at all on the CPU."""
-    try:
-        return host_pinning(device)
-    except PinningError as e:
-        _log.warning("gyre-engine: snapshot staging stays pageable: %s", e)
-        return None
 
 
 class KvPullError(RuntimeError):
@@ -92,7 +78,9 @@ class XferHub:
 
     config: XferConfig = field(default_factory=XferConfig)
     pinning: Pinning | None = None
-    """Page-locks each subscriber's staging buffer (`staging_pinning(engine.device)`); None: pageable."""
+    """Page-locks each subscriber's staging buffer, for a model on a GPU
+    (`gyre_xfer.pinning.host_pinning(engine.device)`: the copies into the model then run at full link
+    speed, asynchronously); None (a CPU model): pageable."""
     _transports: dict[str, Transport] = field(default_factory=dict)
     _subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     _offers: dict[str, _Offer] = field(default_factory=dict)
