@@ -78,7 +78,9 @@ def test_push_through_pinned_staging_lands_exact_weights(engine: Engine) -> None
             tensors = snapshot_tensors(snap, engine.model, "transformers")
             assert tensors and all(t.is_pinned() for t in tensors.values())
             n = engine.call(
-                engine.update_weights, lambda: apply_named_tensors(engine.model, tensors), f"v{version}"
+                engine.update_weights,
+                lambda tensors=tensors: apply_named_tensors(engine.model, tensors),
+                f"v{version}",
             ).result(60)
             assert n == len(sent) and engine.weight_version == f"v{version}"
             params = dict(engine.model.named_parameters())

@@ -136,12 +136,14 @@ def test_refused_pin_is_a_warning_and_the_pull_stays_exact(
     tr = open_transport(Config(kind="shm"))
     sent = weights(256, 4)
     publisher.publish(sent, {"w": "bfloat16"})
-    with caplog.at_level(logging.WARNING, logger="gyre_xfer.subscriber"):
-        with Subscriber(tr, SubscriberConfig(publisher.address, pinning=rec)) as sub:
-            snap = sub.pull()
-            assert not snap.pinned and not sub.staging_pinned
-            check_exact(snap.arrays, sent)
-            assert sub.pull().version == snap.version  # no second attempt on the same buffer
+    with (
+        caplog.at_level(logging.WARNING, logger="gyre_xfer.subscriber"),
+        Subscriber(tr, SubscriberConfig(publisher.address, pinning=rec)) as sub,
+    ):
+        snap = sub.pull()
+        assert not snap.pinned and not sub.staging_pinned
+        check_exact(snap.arrays, sent)
+        assert sub.pull().version == snap.version  # no second attempt on the same buffer
     assert [e[0] for e in rec.events] == ["pin"]  # and no unpin of what was never pinned
     assert "stays pageable" in caplog.text and "driver said no" in caplog.text
     tr.close()
@@ -180,14 +182,14 @@ def test_publisher_with_a_refused_pin_still_serves_exact_bytes(caplog: pytest.Lo
     rec = Recorder(refuse=True)
     tr = open_transport(Config(kind="shm"))
     sub_tr = open_transport(Config(kind="shm"))
-    with caplog.at_level(logging.WARNING, logger="gyre_xfer.publisher"):
-        with (
-            Publisher(tr, PublisherConfig(pinning=rec)) as pub,
-            Subscriber(sub_tr, SubscriberConfig(pub.address)) as sub,
-        ):
-            sent = weights(128, 5)
-            pub.publish(sent, {"w": "bfloat16"})
-            check_exact(sub.pull().arrays, sent)  # checksums verified too
+    with (
+        caplog.at_level(logging.WARNING, logger="gyre_xfer.publisher"),
+        Publisher(tr, PublisherConfig(pinning=rec)) as pub,
+        Subscriber(sub_tr, SubscriberConfig(pub.address)) as sub,
+    ):
+        sent = weights(128, 5)
+        pub.publish(sent, {"w": "bfloat16"})
+        check_exact(sub.pull().arrays, sent)  # checksums verified too
     assert [e[0] for e in rec.events] == ["pin"]
     assert "stays pageable" in caplog.text
     tr.close()
