@@ -12,9 +12,8 @@ gained. torch is imported only when a CudaHostPinning is made (the `torch` extra
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
+import threading
 from typing import Any, Protocol
 
 from .errors import XferError
@@ -64,14 +63,25 @@ class CudaHostPinning:
             return
         torch = self._torch
         torch.cuda.init()
-        with torch.cuda.device(self.device):
-            cudart = torch.cuda.cudart()
-            code = _code(cudart.cudaHostRegister(region.addr, region.nbytes, _PORTABLE))
-            if code != 0:
-                _clear_last_error(cudart)
-                raise PinningError(
-                    f"cudaHostRegister of {region.nbytes} bytes at {region.addr:#x} returned cudaError {code}"
-                )
+        # On a thread of its own: a refusal also becomes the CUDA runtime's "last error" of the calling
+        # thread, which torch would raise at that thread's next kernel launch (seen on the H200), and
+        # torch offers no way to reset it; the helper thread takes that error with it.
+        codes: list[int] = []
+
+        def register() -> None:
+            with torch.cuda.device(self.device):
+                err = torch.cuda.cudart().cudaHostRegister(region.addr, region.nbytes, _PORTABLE)
+                codes.append(_code(err))
+
+        helper = threading.Thread(target=register, name="gyre-xfer-pin")
+        helper.start()
+        helper.join()
+        if not codes:
+            raise PinningError(f"cudaHostRegister of {region.nbytes} bytes raised (see the log)")
+        if codes[0] != 0:
+            raise PinningError(
+                f"cudaHostRegister of {region.nbytes} bytes at {region.addr:#x} returned cudaError {codes[0]}"
+            )
 
     def unpin(self, region: Region) -> None:
         if region.nbytes == 0:
@@ -94,30 +104,6 @@ def host_pinning(device: object) -> Pinning | None:
     except PinningError as e:
         _log.warning("gyre-xfer: host buffers for %s stay pageable: %s", name, e)
         return None
-
-
-def _clear_last_error(cudart: Any) -> None:
-    """Reset the CUDA runtime's last error after a refused registration: torch checks it after its next
-    kernel launch on this thread and would raise the refusal there (seen on the H200). torch's `cudart()`
-    module lacks cudaGetLastError, so it is called in the runtime library torch has loaded."""
-    fn = getattr(cudart, "cudaGetLastError", None)
-    if fn is None:
-        fn = _runtime_symbol("cudaGetLastError")
-    if fn is not None:
-        fn()
-
-
-def _runtime_symbol(name: str) -> Any:
-    """`name` from the CUDA runtime library this process has loaded (the same instance torch uses)."""
-    candidates: list[str | None] = [None]  # symbols visible process-wide (a statically linked runtime)
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-        candidates += sorted(
-            {ln.split()[-1] for ln in maps if "libcudart" in ln and ln.split()[-1].startswith("/")}
-        )
-    for path in reversed(candidates):
-        with contextlib.suppress(OSError, AttributeError):
-            return getattr(ctypes.CDLL(path), name)
-    return None
 
 
 def _code(err: object) -> int:
