@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .errors import XferError
@@ -61,36 +62,38 @@ class CudaHostPinning:
             raise PinningError(f"region {region.desc.region_id} is not host memory ({region.device})")
         if region.nbytes == 0:
             return
-        torch = self._torch
-        torch.cuda.init()
-        # On a thread of its own: a refusal also becomes the CUDA runtime's "last error" of the calling
-        # thread, which torch would raise at that thread's next kernel launch (seen on the H200), and
-        # torch offers no way to reset it; the helper thread takes that error with it.
-        codes: list[int] = []
-
-        def register() -> None:
-            with torch.cuda.device(self.device):
-                err = torch.cuda.cudart().cudaHostRegister(region.addr, region.nbytes, _PORTABLE)
-                codes.append(_code(err))
-
-        helper = threading.Thread(target=register, name="gyre-xfer-pin")
-        helper.start()
-        helper.join()
-        if not codes:
-            raise PinningError(f"cudaHostRegister of {region.nbytes} bytes raised (see the log)")
-        if codes[0] != 0:
+        self._torch.cuda.init()
+        code = self._call(lambda cudart: cudart.cudaHostRegister(region.addr, region.nbytes, _PORTABLE))
+        if code != 0:
             raise PinningError(
-                f"cudaHostRegister of {region.nbytes} bytes at {region.addr:#x} returned cudaError {codes[0]}"
+                f"cudaHostRegister of {region.nbytes} bytes at {region.addr:#x} returned cudaError {code}"
             )
 
     def unpin(self, region: Region) -> None:
         if region.nbytes == 0:
             return
-        torch = self._torch
-        with torch.cuda.device(self.device):
-            code = _code(torch.cuda.cudart().cudaHostUnregister(region.addr))
+        code = self._call(lambda cudart: cudart.cudaHostUnregister(region.addr))
         if code != 0:
             raise PinningError(f"cudaHostUnregister at {region.addr:#x} returned cudaError {code}")
+
+    def _call(self, fn: Callable[[Any], object]) -> int:
+        """fn(torch's cudart) on a thread of its own, on this device; its cudaError as an int. A failing
+        call also becomes the CUDA runtime's "last error" of the thread that made it, which torch raises
+        at that thread's next kernel launch (seen on the H200), and torch offers no way to reset it: the
+        helper thread takes that error with it."""
+        torch = self._torch
+        codes: list[int] = []
+
+        def run() -> None:
+            with torch.cuda.device(self.device):
+                codes.append(_code(fn(torch.cuda.cudart())))
+
+        helper = threading.Thread(target=run, name="gyre-xfer-pin")
+        helper.start()
+        helper.join()
+        if not codes:
+            raise PinningError("the CUDA registration call raised (its traceback is in the log)")
+        return codes[0]
 
 
 def host_pinning(device: object) -> Pinning | None:
