@@ -15,6 +15,7 @@ import itertools
 import threading
 from typing import Any
 
+from gyre_xfer.pinning import host_pinning
 from gyre_xfer.publisher import Publisher, PublisherConfig
 
 from gyre_train.cell import Cell
@@ -54,7 +55,10 @@ class CoreCell:
             self.publishers += tuple(r.publisher for r in replies)
         self.engine_publisher = rank0.publisher
         if rank0.megatron:  # rank 0 holds only its part: engines get the whole model from a second publisher
-            self.engine_publisher = Publisher(rank0.transport, PublisherConfig(token=rank0.work.token))
+            self.engine_publisher = Publisher(
+                rank0.transport,
+                PublisherConfig(token=rank0.work.token, pinning=host_pinning(rank0.device)),
+            )
         if cell is not None and cell.cfg.dp > 1:
             self.sync_state()
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from gyre_traj.loss import LossConfig
 from gyre_traj.pack import PackedBatch
+from gyre_xfer.pinning import host_pinning
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config as XferConfig
 from gyre_xfer.transport import Transport, open_transport
@@ -70,7 +71,9 @@ class CoreRank:
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
         self.transport: Transport = open_transport(XferConfig(kind=work.transport))
-        self.publisher = Publisher(self.transport, PublisherConfig(token=work.token))
+        self.publisher = Publisher(
+            self.transport, PublisherConfig(token=work.token, pinning=host_pinning(self.device))
+        )
         wire = wire_dtype(work.wire_dtype)
         self.wire = wire
         self.sum = ShardSum(self.plan.shard_numel, self.device, wire)

@@ -9,13 +9,14 @@ every later `publish` raises `PublisherDeadError` naming it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from gyre_base import sockets
 from .buffers import BufferView, view_of
 from .errors import PublisherDeadError, XferError
 from .manifest import layout
+from .pinning import Pinning, PinningError
 from .protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -73,6 +75,11 @@ class PublisherConfig:
     """Byte alignment of each tensor inside a slot."""
     token: str = field(default="", repr=False)
     """The run token (CURVE; subscribers need the same); empty: $GYRE_TOKEN, or none (loopback only)."""
+    pinning: Pinning | None = field(default=None, compare=False)
+    """Page-locks each slot once, when it is allocated, for publishers fed from a GPU
+    (`gyre_xfer.pinning.host_pinning(device)`): device-to-slot copies then run asynchronously, each
+    tensor's checksum waiting only for its own copy. None: pageable slots, copies one at a time. A
+    refusal is logged as a warning and that slot stays pageable."""
 
 
 @dataclass
@@ -82,6 +89,7 @@ class _Slot:
     generation: int = 0
     writing: bool = False
     leases: dict[int, float] = field(default_factory=dict)  # lease id -> expiry (monotonic)
+    pinned_by: Pinning | None = None  # who page-locked the region: it unpins it too
 
 
 class Publisher:
@@ -135,24 +143,28 @@ class Publisher:
         placements, total = layout(views, self.config.align)
         idx = self._claim_slot()
         slot = self._slots[idx]
+        pending: list[Callable[[], None] | None] = []
         try:
             if slot.region is None or slot.region.nbytes < total:
-                if slot.region is not None:
-                    self.transport.unregister(slot.region)
-                    slot.region = None
+                self._release_slot(slot)
                 slot.region = self.transport.alloc(max(total, 1))
+                self._pin_slot(slot)
             arr = slot.region.array
             assert arr is not None, "publisher slots live in CPU memory"
             sums: list[Future[int] | None] = []
             for p in placements:  # checksum tensor i on a helper thread while tensor i+1 is copied
                 dst = arr[p.offset : p.offset + p.nbytes]
-                _copy_into(dst, views[p.name])
-                sums.append(self._hasher.submit(zlib.crc32, dst) if self.config.checksums else None)
+                landed = _copy_into(dst, views[p.name], asynchronous=slot.pinned_by is not None)
+                pending.append(landed)
+                sums.append(self._hasher.submit(_crc32_after, landed, dst) if self.config.checksums else None)
             entries = [
                 TensorEntry(p.name, p.dtype, p.shape, p.offset, p.nbytes, -1 if f is None else f.result())
                 for p, f in zip(placements, sums, strict=True)
             ]
+            _wait_all(pending)  # every byte is in the slot before the version is served
         except BaseException:
+            with contextlib.suppress(Exception):
+                _wait_all(pending)  # no copy still lands in the slot once it is free again
             with self._cond:
                 slot.manifest = None
                 slot.generation += 1
@@ -174,6 +186,35 @@ class Publisher:
             self._latest = idx
             self._cond.notify_all()
             return self._version
+
+    def _pin_slot(self, slot: _Slot) -> None:
+        pinning = self.config.pinning
+        if pinning is None or slot.region is None:
+            return
+        try:
+            pinning.pin(slot.region)
+        except PinningError as e:
+            _log.warning(
+                "gyre-xfer: publisher slot of %d bytes stays pageable (copies into it are slower): %s",
+                slot.region.nbytes,
+                e,
+            )
+            return
+        slot.pinned_by = pinning
+
+    def _release_slot(self, slot: _Slot) -> None:
+        """Unpin (if pinned) and unregister a slot's region; the unpin comes first, while it is mapped."""
+        region, slot.region = slot.region, None
+        pinned_by, slot.pinned_by = slot.pinned_by, None
+        if region is None:
+            return
+        try:
+            if pinned_by is not None:
+                pinned_by.unpin(region)
+        except PinningError as e:
+            _log.warning("gyre-xfer: unpinning a publisher slot failed: %s", e)
+        finally:
+            self.transport.unregister(region)
 
     def _claim_slot(self) -> int:
         """Pick a slot with no live lease that is not the newest; mark it as being written."""
@@ -279,9 +320,7 @@ class Publisher:
         self._ctx.term()
         self._hasher.shutdown(wait=True)
         for s in self._slots:
-            if s.region is not None:
-                self.transport.unregister(s.region)
-                s.region = None
+            self._release_slot(s)
 
     def __enter__(self) -> Publisher:
         return self
@@ -290,13 +329,35 @@ class Publisher:
         self.close()
 
 
-def _copy_into(dst: np.ndarray, src: BufferView) -> None:
-    """Copy a tensor's bytes into a uint8 slice of the slot (torch handles CUDA sources)."""
+def _copy_into(dst: np.ndarray, src: BufferView, asynchronous: bool) -> Callable[[], None] | None:
+    """Copy a tensor's bytes into a uint8 slice of the slot (torch handles CUDA sources). With
+    `asynchronous` (the slot is page-locked) a device source's copy is only queued on its device's
+    current stream: the returned call waits until it has landed. None: the bytes are there already."""
     if isinstance(src.owner, np.ndarray):
         np.copyto(dst, src.owner.reshape(-1).view(np.uint8))
-        return
+        return None
     import torch
 
     t = src.owner
     assert isinstance(t, torch.Tensor)
-    torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))
+    if not (asynchronous and t.is_cuda):
+        torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))
+        return None
+    with torch.cuda.device(t.device):
+        torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8), non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+    return landed.synchronize
+
+
+def _crc32_after(landed: Callable[[], None] | None, dst: np.ndarray) -> int:
+    """crc32 of a slot slice once its copy has landed (runs on a hashing thread)."""
+    if landed is not None:
+        landed()
+    return zlib.crc32(dst)
+
+
+def _wait_all(pending: list[Callable[[], None] | None]) -> None:
+    for landed in pending:
+        if landed is not None:
+            landed()

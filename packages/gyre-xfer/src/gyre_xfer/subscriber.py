@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import time
 import zlib
@@ -34,6 +35,7 @@ from .errors import (
     XferError,
 )
 from .manifest import match_destinations, validate
+from .pinning import Pinning, PinningError
 from .protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -51,6 +53,8 @@ from .protocol import (
     reply_decoder,
 )
 from .transport import Op, Region, Transport
+
+_log = logging.getLogger(__name__)
 
 _TOKEN_HINT = f"a publisher with a token answers only subscribers with the same one (${TOKEN_ENV})"
 
@@ -79,6 +83,10 @@ class SubscriberConfig:
     anything is allocated: a publisher's word never makes a subscriber map unbounded memory."""
     token: str = field(default="", repr=False)
     """The run token, when the publisher has one; empty: $GYRE_TOKEN, or none."""
+    pinning: Pinning | None = field(default=None, compare=False)
+    """Page-locks the staging buffer (pulls without `into`) once per buffer, when the pulled tensors go
+    on to a GPU (`gyre_xfer.pinning.host_pinning(device)`); None: the staging stays pageable. A refusal
+    is logged as a warning and the staging stays pageable."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,9 @@ class Snapshot:
     arrays: Mapping[str, np.ndarray]
     elapsed_s: float = 0.0
     nbytes: int = 0
+    pinned: bool = False
+    """The arrays lie in page-locked memory: copies from them to a GPU may be asynchronous (synchronize
+    before the next pull reuses the staging)."""
 
     def torch(self) -> dict[str, Any]:
         """The same bytes as torch CPU tensors with their true dtypes (needs the torch extra)."""
@@ -122,6 +133,7 @@ class Subscriber:
         self._decoder = reply_decoder()
         self._rids = itertools.count(1)
         self._staging: Region | None = None
+        self._staging_pinned_by: Pinning | None = None  # who pinned the staging: it unpins it too
         self._hasher = ThreadPoolExecutor(max_workers=config.hash_threads, thread_name_prefix="gyre-xfer-crc")
         self.stats = _Stats()
 
@@ -219,8 +231,9 @@ class Subscriber:
             raise
         self.stats.pulls += 1
         nbytes = sum(t.nbytes for t in m.tensors)
-        snap = Snapshot(m.version, m, arrays, time.monotonic() - t0, nbytes)
-        if convert is not None:
+        pinned = into is None and self.staging_pinned
+        snap = Snapshot(m.version, m, arrays, time.monotonic() - t0, nbytes, pinned)
+        if convert is not None:  # converted arrays may be fresh (pageable) copies
             snap = Snapshot(snap.version, m, dict(convert(arrays)), snap.elapsed_s, nbytes)
         return snap
 
@@ -238,10 +251,9 @@ class Subscriber:
         if into is None:
             need = _extent(m)
             if self._staging is None or self._staging.nbytes < need:
-                if self._staging is not None:
-                    self.transport.unregister(self._staging)
-                    self._staging = None
+                self._release_staging()
                 self._staging = self.transport.alloc(need)
+                self._pin_staging(self._staging)
             arr = self._staging.array
             assert arr is not None
             for t in m.tensors:
@@ -259,6 +271,40 @@ class Subscriber:
             )
             out[name] = (raw, region, 0)
         return out
+
+    def _pin_staging(self, region: Region) -> None:
+        pinning = self.config.pinning
+        if pinning is None:
+            return
+        try:
+            pinning.pin(region)
+        except PinningError as e:
+            _log.warning(
+                "gyre-xfer: staging buffer of %d bytes stays pageable (copies from it are slower): %s",
+                region.nbytes,
+                e,
+            )
+            return
+        self._staging_pinned_by = pinning
+
+    def _release_staging(self) -> None:
+        """Unpin (if pinned) and unregister the staging buffer; the unpin comes first, while it is mapped."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        pinned_by, self._staging_pinned_by = self._staging_pinned_by, None
+        try:
+            if pinned_by is not None:
+                pinned_by.unpin(staging)
+        except PinningError as e:
+            _log.warning("gyre-xfer: unpinning the staging buffer failed: %s", e)
+        finally:
+            self.transport.unregister(staging)
+
+    @property
+    def staging_pinned(self) -> bool:
+        """Whether the current staging buffer is page-locked."""
+        return self._staging_pinned_by is not None
 
     def _register(self, v: BufferView) -> Region:
         key = (v.addr, v.nbytes)
@@ -298,9 +344,7 @@ class Subscriber:
         for region in self.stats.registered.values():
             self.transport.unregister(region)
         self.stats.registered.clear()
-        if self._staging is not None:
-            self.transport.unregister(self._staging)
-            self._staging = None
+        self._release_staging()
 
     def __enter__(self) -> Subscriber:
         return self

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gyre_xfer.pinning import host_pinning
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -70,7 +71,7 @@ GYRE_ONLY = (
 def build_app(engine: Engine, config: AppConfig) -> Starlette:
     """The Starlette app serving `engine`: the route groups' routes behind the gate. `app.state` holds
     what `serve` closes at shutdown: the generation routes, the gyre-xfer hub and the weight groups."""
-    xfer = XferHub(config.xfer)
+    xfer = XferHub(config.xfer, pinning=host_pinning(engine.device))
     groups = WeightGroups(engine.model, engine.device)  # SGLang's distributed weight-update groups
     call = EngineCalls(engine, config.control_timeout_s)
     gen = GenerateRoutes(engine, config.request_timeout_s, config.control_timeout_s, config.health_timeout_s)

@@ -83,10 +83,19 @@ def check_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 
 
 def apply_named_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
-    """Copy `tensors` into the model's parameters and buffers; returns how many were copied."""
+    """Copy `tensors` into the model's parameters and buffers; returns how many were copied, once every
+    copy has landed. Copies to a GPU are queued without waiting (from page-locked memory they overlap
+    each other and this loop), then each GPU's stream is synchronized: the sources may be reused, and
+    the update is complete, when this returns."""
     check_named_tensors(model, tensors)
     targets = _targets(model)
+    devices: set[torch.device] = set()
     with torch.no_grad():
         for name, t in tensors.items():
-            targets[name].copy_(t.to(device=targets[name].device, dtype=targets[name].dtype))
+            dst = targets[name]
+            dst.copy_(t, non_blocking=True)  # casts to the parameter's dtype too
+            if dst.device.type == "cuda":
+                devices.add(dst.device)
+    for d in devices:
+        torch.cuda.current_stream(d).synchronize()
     return len(tensors)

@@ -27,6 +27,7 @@ import zmq
 from gyre_xfer.convert import megatron_to_hf
 from gyre_xfer.errors import PeerGoneError, PeerTimeoutError, XferError
 from gyre_xfer.kv import BlockResult, KvPool, KvTransferResult, peer_planes
+from gyre_xfer.pinning import Pinning
 from gyre_xfer.protocol import KvOffer
 from gyre_xfer.shm import ShmTransport
 from gyre_xfer.subscriber import Snapshot, Subscriber, SubscriberConfig
@@ -116,6 +117,10 @@ class XferHub:
     """One per server process: transports, snapshot subscribers and outstanding prefix offers."""
 
     config: XferConfig = field(default_factory=XferConfig)
+    pinning: Pinning | None = None
+    """Page-locks each subscriber's staging buffer, for a model on a GPU
+    (`gyre_xfer.pinning.host_pinning(engine.device)`: the copies into the model then run at full link
+    speed, asynchronously); None (a CPU model): pageable."""
     _transports: dict[str, Transport] = field(default_factory=dict)
     _subscribers: dict[tuple[str, str], Subscriber] = field(default_factory=dict)
     _offers: dict[str, _Offer] = field(default_factory=dict)
@@ -142,12 +147,14 @@ class XferHub:
 
     def pull_snapshot(self, body: UpdateFromXferRequest) -> Snapshot:
         """Pull one whole version into the subscriber's staging buffer (never into the model). Its
-        arrays stay valid until the next pull from the same publisher: callers serialize pull + apply."""
+        arrays stay valid until the next pull from the same publisher: callers serialize pull + apply,
+        and the apply waits for its (asynchronous, when the staging is pinned) copies to land."""
         tr = self.transport(body.transport)
         cfg = SubscriberConfig(
             publisher=body.publisher,
             control_timeout_s=body.control_timeout_s,
             pull_timeout_s=body.timeout_s,
+            pinning=self.pinning,
         )
         key = (body.publisher, body.transport)
         with self._lock:
