@@ -24,7 +24,9 @@
   core's checkpoint of the last version as a Hugging Face model directory, `policy/` (`policy.py`),
   `metrics.json` (`measure.runmetrics`, with the ledger's `accounting` of the records, the proxy's moved
   calls and the attempt's survival events), the samples, `timeline.png`; the run directory's state says
-  `finished`. Every step's scalars went to TensorBoard (and W&B) as it was applied (`runlog.py`).
+  `finished`. Every step's scalars went to TensorBoard (and W&B) as it was applied (`runlog.py`). An
+  attempt stopped at its deadline writes what it did until then instead: `metrics-partial.json` (the
+  same figures, `partial` saying why), the samples and `timeline-partial.png`; the run stays failed.
 """
 
 from __future__ import annotations
@@ -416,6 +418,7 @@ class Attempt:
             if traj.applied >= c.steps and driver.done.is_set() and all(p.done() for p in self.parts):
                 break
             if time.monotonic() > deadline:
+                self.t_end = time.time()  # what ran until now is measured up to here
                 self.proxy_stats = _proxy_stats(self.proxy_url)
                 raise DeadlinePassed(f"the run did not finish within [run] deadline_s = {c.deadline_s:.0f} s")
             if time.monotonic() - last_say > 5.0:
@@ -487,7 +490,7 @@ class Attempt:
         if self.driver is None or self.traj is None or self.sampler is None or not self.t_start:
             return
         try:
-            metrics = {"partial": why, **self._measured(time.time())}
+            metrics = {"partial": why, **self._measured(self.t_end)}
             write_json(self.out / "metrics-partial.json", metrics)
             self._write_samples()
             write_plot(
