@@ -113,8 +113,8 @@ NO_NODE = ROOT - 1
 _NO_PENDING = 1 << 62
 _umax = np.maximum.reduce
 _fmax = np.maximum.reduce
-_SIGN = 1 << 31  # an int32 id read as uint32 is at least this when negative
 _Ext = msgspec.msgpack.Ext
+_CODES = (EXT_IDS, EXT_IDS, EXT_F32)  # the extension types of a call's input ids, output ids, logprobs
 
 
 def _view_fields_ok(view: CallView) -> bool:
@@ -149,8 +149,10 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
         return n
     for lo in range(0, n, _CHUNK):
         hi = min(n, lo + _CHUNK)
-        if not np.array_equal(a[lo:hi], b[lo:hi]):
-            return lo + int(np.argmax(a[lo:hi] != b[lo:hi]))
+        ne = a[lo:hi] != b[lo:hi]
+        k = int(ne.argmax())
+        if ne[k]:
+            return lo + k
     return n
 
 
@@ -278,10 +280,7 @@ class ExecutionTree:
         self.execution_id = execution_id
         self.n = 0
         self._ids = np.empty(capacity, ID_DTYPE)
-        # The arena's bytes (a message's ids are copied in by memcpy) and its ids read as unsigned (a
-        # negative id is one maximum >= 2**31), made once per growth.
-        self._ids_b = memoryview(self._ids).cast("B")
-        self._ids_u = self._ids.view(np.uint32)
+        self._ids_b = memoryview(self._ids).cast("B")  # a message's ids are copied in by memcpy
         # The logprobs of the calls `extend_next` took, appended in one array grown 2x (a segment
         # refers to the array it was written into, which stays valid when a larger one replaces it).
         self._lps = np.empty(0, LOGPROB_DTYPE)
@@ -331,7 +330,6 @@ class ExecutionTree:
         ids[: self.n] = self._ids[: self.n]
         self._ids = ids
         self._ids_b = memoryview(ids).cast("B")
-        self._ids_u = ids.view(np.uint32)
 
     def _depth_of(self, node: int) -> int:
         r = bisect.bisect_right(self._starts, node) - 1
@@ -787,23 +785,24 @@ class ExecutionTree:
             or keep != par.n_input + par.n_output
             or cid in self.calls
             or self._pend_lo != _NO_PENDING
-            or not _view_fields_ok(view)
+            # `_view_fields_ok`, inline (this runs once per message)
+            or not cid
+            or view.v > SCHEMA_VERSION
+            or not 0 <= view.weight_version <= MAX_WEIGHT_VERSION
+            or view.t_start != view.t_start  # NaN
+            or view.t_end != view.t_end
         ):
             return None
         after, lo = par.end, self.n
         if after == ROOT or (after != lo - 1 and self.has_children(after)):
             return None  # a parent with no tokens, or one with something below its last token
         rest, out, lps = d.append, view.output_ids, view.output_logprobs
-        if (
-            type(rest) is not _Ext
-            or type(out) is not _Ext
-            or type(lps) is not _Ext
-            or rest.code != EXT_IDS
-            or out.code != EXT_IDS
-            or lps.code != EXT_F32
-        ):
+        try:
+            if (rest.code, out.code, lps.code) != _CODES:
+                return None
+            rest_b, out_b, lps_b = rest.data, out.data, lps.data
+        except AttributeError:  # not extension values (the only ones `CallView` gives with these names)
             return None
-        rest_b, out_b, lps_b = rest.data, out.data, lps.data
         n_rest, n_out = len(rest_b), len(out_b)  # in bytes
         if (n_rest | n_out) & 3 or len(lps_b) != n_out:
             return None  # not whole 4-byte items, or not one logprob per output id
@@ -816,8 +815,10 @@ class ExecutionTree:
         ids_b = self._ids_b
         ids_b[b0:b1] = rest_b
         ids_b[b1:b2] = out_b
-        if hi > lo and _umax(self._ids_u[lo:hi]) >= _SIGN:
-            return None  # a negative id (nothing is counted yet: the tree is as it was)
+        if hi > lo:
+            span = self._ids[lo:hi]
+            if span[span.argmin()] < 0:
+                return None  # a negative id (nothing is counted yet: the tree is as it was)
         mid = b1 >> 2
         k_out = hi - mid
         version = view.weight_version
@@ -828,7 +829,8 @@ class ExecutionTree:
                 self._grow_lps(b)
             arr = self._lps
             self._lps_b[a << 2 : b << 2] = lps_b
-            if not _fmax(arr[a:b]) <= 1e-4:  # max propagates NaN, so NaN fails this too
+            got = arr[a:b]
+            if not got[got.argmax()] <= 1e-4:  # argmax gives the first NaN if any, which fails too
                 return None
             self._lps_n = b
             self._seg_lo.append(mid)
@@ -867,15 +869,17 @@ class ExecutionTree:
 
     def add_view(self, view: CallView) -> CallInfo | None:
         """Add the call of `view` without building a `Call`: an agent's next call through `extend_next`,
-        any other call (a full input, a retry, a call after a compaction) through the merge `add` uses,
-        its arrays read as numpy views into the message. Taken when the call is well formed (its arrays
-        raw int32 ids and float32 logprobs, one logprob per output id and none above 0 or NaN, its
-        fields as `Call` requires them) and its delta parent is known, its `keep` within it and its call
-        id new; None (the tree unchanged) otherwise, and the decoded `Call`'s `add` then says what is
-        wrong. A negative id it meets while merging is refused as `add` refuses it (the same code)."""
-        info = self.extend_next(view)
-        if info is not None:
-            return info
+        any other through `merge_view`. None (the tree unchanged) when neither takes it."""
+        return self.extend_next(view) or self.merge_view(view)
+
+    def merge_view(self, view: CallView) -> CallInfo | None:
+        """Add the call of `view` (any call but one `extend_next` takes: a full input, a retry, a call
+        after a compaction) through the merge `add` uses, its arrays read as numpy views into the
+        message, no `Call` built. Taken when the call is well formed (its arrays raw int32 ids and
+        float32 logprobs, one logprob per output id and none above 0 or NaN, its fields as `Call`
+        requires them), its delta parent is known, its `keep` within it and its call id new; None (the
+        tree unchanged) otherwise, and the decoded `Call`'s `add` then says what is wrong. A negative id
+        it meets while merging is refused as `add` refuses it (the same code)."""
         cid, d = view.call_id, view.input_delta
         if (
             view.execution_id != self.execution_id
@@ -1367,21 +1371,19 @@ class Forest:
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
         if view is None:
-            view = self.read_view(data)
+            try:  # (`read_view`, inline: this runs once per message)
+                view = self._view_dec.decode(data)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                view = None
         if view is not None:
-            eid = view.execution_id
-            tree = self.trees.get(eid)
-            fresh = tree is None
-            if tree is None:  # registered first, as the full path below does before it adds the call
-                tree = self.trees[eid] = ExecutionTree(eid)
-                tree.score = self.pending_scores.pop(eid, None)
-            info = tree.add_view(view)
+            tree = self.trees.get(view.execution_id)
+            if tree is not None:
+                info = tree.extend_next(view)
+                if info is not None:
+                    return info
+            info = self._merge_view(view, tree)
             if info is not None:
                 return info
-            if fresh:  # not taken: the full path below registers it, or says what is wrong first
-                del self.trees[eid]
-                if tree.score is not None:
-                    self.pending_scores[eid] = tree.score
         with defer_input_sign_check():
             rec = decode_msgpack_record(data, name)
             if isinstance(rec, Call):
@@ -1392,6 +1394,22 @@ class Forest:
                 return tree.add(rec)
             self.add(rec)
         return rec
+
+    def _merge_view(self, view: CallView, tree: ExecutionTree | None) -> CallInfo | None:
+        """`ExecutionTree.merge_view` in the view's tree; a call of an execution not seen yet gets its
+        tree first, registered as the full path registers it (kept when the call is then refused there,
+        given back when the call is left to the full path)."""
+        if tree is not None:
+            return tree.merge_view(view)
+        eid = view.execution_id
+        tree = self.trees[eid] = ExecutionTree(eid)
+        tree.score = self.pending_scores.pop(eid, None)
+        info = tree.merge_view(view)
+        if info is None:
+            del self.trees[eid]
+            if tree.score is not None:
+                self.pending_scores[eid] = tree.score
+        return info
 
     def read_view(self, data: bytes | memoryview) -> CallView | None:
         """`data` read as a `CallView` (its arrays left in it), or None when it is not one: another kind
