@@ -113,6 +113,7 @@ NO_NODE = ROOT - 1
 _NO_PENDING = 1 << 62
 _umax = np.maximum.reduce
 _fmax = np.maximum.reduce
+_imin = np.minimum.reduce  # (`ndarray.min` without its Python wrapper)
 _Ext = msgspec.msgpack.Ext
 _CODES = (EXT_IDS, EXT_IDS, EXT_F32)  # the extension types of a call's input ids, output ids, logprobs
 
@@ -682,7 +683,7 @@ class ExecutionTree:
         n_in = keep + rest.shape[0]
         node, i = self._descend(start, rest, 0)
         if i < rest.shape[0]:
-            if int(rest[i:].min()) < 0:  # the part matched against the tree is known non-negative
+            if _imin(rest[i:]) < 0:  # the part matched against the tree is known non-negative
                 pos = i + int(np.flatnonzero(rest[i:] < 0)[0])
                 raise RecordError(
                     f"{_where(self.execution_id, call_id)}: input ids contain a negative id {int(rest[pos])} "
@@ -695,7 +696,7 @@ class ExecutionTree:
         if j > 0:
             self._promote(in_end, node, lps, weight_version, j)
         if j < out.shape[0]:
-            if check_output and int(out[j:].min()) < 0:
+            if check_output and _imin(out[j:]) < 0:
                 pos = j + int(np.flatnonzero(out[j:] < 0)[0])
                 raise RecordError(
                     f"{_where(self.execution_id, call_id)}: output ids contain a negative id {int(out[pos])} "
@@ -1365,9 +1366,11 @@ class Forest:
     ) -> CallInfo | Score | CallBatch:
         """The live ingest path, for a service that takes records off a socket one message at a time:
         `add_frame`'s contract, returning the CallInfo the tree gave a call (the record itself for a
-        score or a batch). An agent's next call (the proxy's usual message) goes from the message's
-        bytes straight into its tree (`ExecutionTree.extend_next`: no `Call` built, one copy of its
-        tokens); any other record, or one that path does not take, is decoded and added in full.
+        score or a batch). A call goes from the message's bytes straight into its tree, no `Call`
+        built: an agent's next call (the proxy's usual message) through `ExecutionTree.extend_next`
+        (one copy of its tokens), any other well-formed call through `ExecutionTree.merge_view` (the
+        merge `add` uses); any other record, or a call neither takes (a bad value, another array
+        encoding), is decoded and added in full, which gives the same tree and the same errors.
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
         if view is None:
