@@ -324,13 +324,29 @@ class ExecutionTree:
         cap = self._ids.shape[0]
         if need <= cap:
             return
-        # Grow 4x: each growth copies what is stored, and fresh pages are only touched when written, so
-        # the unused tail costs address space, not memory.
+        # Grow 4x: fresh pages are only touched when written, so the unused tail costs address space,
+        # not memory. In place when nothing else refers to the arena (numpy's resize, a realloc, which
+        # the allocator mostly does without copying what is stored); else into a new array, copied.
         new_cap = max(need, cap * 4)
-        ids = np.empty(new_cap, ID_DTYPE)
-        ids[: self.n] = self._ids[: self.n]
-        self._ids = ids
-        self._ids_b = memoryview(ids).cast("B")
+        self._ids_b.release()  # (an exported buffer is a reference: resize would refuse)
+        if not self._resize_arena(new_cap):
+            ids = np.empty(new_cap, ID_DTYPE)
+            ids[: self.n] = self._ids[: self.n]
+            self._ids = ids
+        self._ids_b = memoryview(self._ids).cast("B")
+
+    def _resize_arena(self, cap: int) -> bool:
+        """Resize the arena to `cap` ids keeping its contents, or False when something else refers to
+        it (a view a caller holds: it must stay valid). Its writeable flag is off meanwhile, so that
+        numpy does not zero the new tail (every id there is written before it is read)."""
+        self._ids.flags.writeable = False
+        try:
+            self._ids.resize(cap, refcheck=True)
+        except ValueError:
+            return False
+        finally:
+            self._ids.flags.writeable = True
+        return True
 
     def _depth_of(self, node: int) -> int:
         r = bisect.bisect_right(self._starts, node) - 1
