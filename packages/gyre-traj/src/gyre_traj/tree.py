@@ -133,9 +133,12 @@ def _view_fields_ok(view: CallView) -> bool:
 def _view_array(x: Any, code: int, dtype: np.dtype[Any]) -> np.ndarray | None:
     """A `CallView` array as a numpy view into its message when it came as extension type `code`
     holding whole 4-byte items, else None."""
-    if type(x) is not _Ext or x.code != code or len(x.data) & 3:
+    if type(x) is not _Ext or x.code != code:
         return None
-    return np.frombuffer(x.data, dtype)
+    data = cast(memoryview, x.data)  # (what `call_view_decoder` gives: a view into the message)
+    if len(data) & 3:
+        return None
+    return np.frombuffer(data, dtype)
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
