@@ -154,6 +154,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("unknown field", {"colour": "red"}, r"unknown field `colour`"),
     ("both inputs", {"input_ids": _ids(1001)}, r"exactly one of input_ids / input_delta"),
     ("empty call id", {"call_id": ""}, r"execution_id and call_id must be non-empty"),
+    ("empty execution id", {"execution_id": ""}, r"execution_id and call_id must be non-empty"),
 ]
 
 
@@ -179,6 +180,7 @@ def test_ingest_frame_refuses_what_the_plain_path_refuses(
     with pytest.raises(RecordError, match=message) as fast_err:
         fast.ingest_frame(frame, name="msg 1")
     assert str(fast_err.value) == str(plain_err.value)
+    assert fast.trees.keys() == plain.trees.keys()
     assert (tree.n, tree.stats.calls, tree.policy_tokens) == (before[0], before[3], before[4])
     assert np.array_equal(tree.ids, before[1]) and tree.calls == before[2]
     # The good record still goes in after the refused one, through the bytes path.
@@ -289,6 +291,7 @@ def test_every_well_formed_call_takes_the_view_path(monkeypatch: pytest.MonkeyPa
     [
         ("negative input id", {"input_ids": _ids(1001, -3)}, r"input ids contain a negative id -3"),
         ("positive logprob", {"output_logprobs": _lps(0.5)}, r"logprobs must be <= 0"),
+        ("empty execution id", {"execution_id": ""}, r"execution_id and call_id must be non-empty"),
     ],
 )
 def test_a_refused_first_call_leaves_the_forest_as_the_plain_path_does(

@@ -119,10 +119,11 @@ _CODES = (EXT_IDS, EXT_IDS, EXT_F32)  # the extension types of a call's input id
 
 
 def _view_fields_ok(view: CallView) -> bool:
-    """The checks `Call` makes of a record's scalar fields, on a `CallView`: non-empty call id, a schema
-    version this reader knows, a weight version in int32's range, timestamps not NaN."""
+    """The checks `Call` makes of a record's scalar fields, on a `CallView`: non-empty execution and call
+    ids, a schema version this reader knows, a weight version in int32's range, timestamps not NaN."""
     return (
-        bool(view.call_id)
+        bool(view.execution_id)
+        and bool(view.call_id)
         and view.v <= SCHEMA_VERSION
         and 0 <= view.weight_version <= MAX_WEIGHT_VERSION
         and view.t_start == view.t_start
