@@ -154,6 +154,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("unknown field", {"colour": "red"}, r"unknown field `colour`"),
     ("both inputs", {"input_ids": _ids(1001)}, r"exactly one of input_ids / input_delta"),
     ("empty call id", {"call_id": ""}, r"execution_id and call_id must be non-empty"),
+    ("empty execution id", {"execution_id": ""}, r"execution_id and call_id must be non-empty"),
 ]
 
 
@@ -179,6 +180,7 @@ def test_ingest_frame_refuses_what_the_plain_path_refuses(
     with pytest.raises(RecordError, match=message) as fast_err:
         fast.ingest_frame(frame, name="msg 1")
     assert str(fast_err.value) == str(plain_err.value)
+    assert fast.trees.keys() == plain.trees.keys()
     assert (tree.n, tree.stats.calls, tree.policy_tokens) == (before[0], before[3], before[4])
     assert np.array_equal(tree.ids, before[1]) and tree.calls == before[2]
     # The good record still goes in after the refused one, through the bytes path.
@@ -260,3 +262,53 @@ def test_ingest_frame_a_next_call_with_no_tokens_below_a_parent_inside_the_arena
     infos = [fast.ingest_frame(f) for f in frames]
     _same_tree(fast.trees["e"], _plain(frames).trees["e"])
     assert isinstance(infos[2], CallInfo) and infos[2].end == fast.trees["e"].calls["c0"].end
+
+
+def test_every_well_formed_call_takes_the_view_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only an agent's next call: each agent's first call, retries, calls after a compaction and
+    calls that drift are merged from the message's `CallView` too (`ExecutionTree.merge_view`), no
+    `Call` decoded, and the tree is the plain path's."""
+    cfg = SynthConfig(
+        main_calls=30, max_context=5_000, subagents=2, subagent_compactions=1, retries=3, drifts=2, seed=3
+    )
+    calls = synth_execution(cfg, "e")
+    frames = [CODEC.encode_msgpack(c) for c in calls]
+    plain = _plain(frames)
+
+    def refuse(data: Any, name: str = "<frame>") -> Any:
+        raise AssertionError(f"{name}: decoded in full")
+
+    monkeypatch.setattr("gyre_traj.tree.decode_msgpack_record", refuse)
+    fast = Forest()
+    for c, f in zip(calls, frames, strict=True):
+        assert fast.ingest_frame(f) == plain.trees["e"].calls[c.call_id]
+    _same_tree(fast.trees["e"], plain.trees["e"])
+    assert plain.trees["e"].stats.drifts  # the drifting calls were among them
+
+
+@pytest.mark.parametrize(
+    ("what", "changes", "message"),
+    [
+        ("negative input id", {"input_ids": _ids(1001, -3)}, r"input ids contain a negative id -3"),
+        ("positive logprob", {"output_logprobs": _lps(0.5)}, r"logprobs must be <= 0"),
+        ("empty execution id", {"execution_id": ""}, r"execution_id and call_id must be non-empty"),
+    ],
+)
+def test_a_refused_first_call_leaves_the_forest_as_the_plain_path_does(
+    what: str, changes: dict[str, Any], message: str
+) -> None:
+    """An execution's first call that its new tree refuses: the same error, and the same trees and
+    pending scores after it (the tree registered, the score it waited for handed to it)."""
+    first, _ = _next_call_fields()
+    frame = msgspec.msgpack.encode({**first, **changes})
+    score = CODEC.encode_msgpack(Score(execution_id="e", group_id="g", value=1.0))
+    plain, fast = Forest(), Forest()
+    plain.add_frame(score)
+    fast.ingest_frame(score)
+    with pytest.raises(RecordError, match=message) as plain_err:
+        plain.add_frame(frame, name="msg 1")
+    with pytest.raises(RecordError, match=message) as fast_err:
+        fast.ingest_frame(frame, name="msg 1")
+    assert str(fast_err.value) == str(plain_err.value)
+    assert fast.trees.keys() == plain.trees.keys() and fast.pending_scores == plain.pending_scores
+    assert [(t.score, t.n, t.calls) for t in fast] == [(t.score, t.n, t.calls) for t in plain]

@@ -41,8 +41,10 @@ from gyre_traj.records import (
 
 Record = Call | Score | CallBatch
 MAGIC = b"GYRETITO\x01"
-_EXT_IDS = 1
-_EXT_F32 = 2
+EXT_IDS = 1
+"""The msgpack extension type of an int32 token id array (raw little-endian bytes)."""
+EXT_F32 = 2
+"""The msgpack extension type of a float32 logprob array (raw little-endian bytes)."""
 _EXT_I64 = 3
 _EXT_F64 = 4
 _I64 = np.dtype("<i8")
@@ -65,16 +67,16 @@ def _mp_enc_hook(obj: Any) -> Any:
         if obj.dtype.kind in "iu":
             if obj.dtype.itemsize > 4:  # batch columns (lengths, versions) keep their 64-bit range
                 return msgspec.msgpack.Ext(_EXT_I64, np.ascontiguousarray(obj, _I64).tobytes())
-            return msgspec.msgpack.Ext(_EXT_IDS, np.ascontiguousarray(obj, ID_DTYPE).tobytes())
+            return msgspec.msgpack.Ext(EXT_IDS, np.ascontiguousarray(obj, ID_DTYPE).tobytes())
         if obj.dtype == np.float64:  # timestamps
             return msgspec.msgpack.Ext(_EXT_F64, np.ascontiguousarray(obj, _F64).tobytes())
-        return msgspec.msgpack.Ext(_EXT_F32, np.ascontiguousarray(obj, LOGPROB_DTYPE).tobytes())
+        return msgspec.msgpack.Ext(EXT_F32, np.ascontiguousarray(obj, LOGPROB_DTYPE).tobytes())
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 _EXT_DTYPES: dict[int, np.dtype[Any]] = {
-    _EXT_IDS: ID_DTYPE,
-    _EXT_F32: LOGPROB_DTYPE,
+    EXT_IDS: ID_DTYPE,
+    EXT_F32: LOGPROB_DTYPE,
     _EXT_I64: _I64,
     _EXT_F64: _F64,
 }
@@ -162,11 +164,12 @@ class CallView(
 ):
     """A `Call` record's msgpack bytes read without building its arrays or validating them: the same
     fields and field types as `Call` (so msgspec accepts and refuses the same messages), but each token
-    array is left in the message: an int32 id array sent as raw bytes (the proxy's encoding) is a
-    memoryview of format "i" into it, a float32 logprob array one of format "f"; anything else is left
-    as msgspec met it (another extension type as `(type, memoryview)`). The live ingest path
-    (`Forest.ingest_frame`) reads an agent's next call straight into its tree through it; whatever it
-    cannot take that way is decoded in full as a `Call`."""
+    array is left in the message: an array sent as a msgpack extension value (the proxy's encoding:
+    `EXT_IDS` for int32 ids, `EXT_F32` for float32 logprobs) is a `msgspec.msgpack.Ext` whose `data` is a
+    memoryview into the message (msgspec builds it, no Python hook runs); anything else is left as
+    msgspec met it (a list, for ids sent as a msgpack array). The live ingest path
+    (`Forest.ingest_frame`) reads a call straight into its tree through it (`ExecutionTree.add_view`);
+    whatever it cannot take that way is decoded in full as a `Call`."""
 
     execution_id: str
     call_id: str
@@ -184,20 +187,11 @@ class CallView(
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-def _view_ext_hook(code: int, data: memoryview) -> Any:
-    if len(data) & 3 == 0:  # else not an array of 4-byte items: left as it came
-        if code == _EXT_IDS:
-            return data.cast("i")
-        if code == _EXT_F32:
-            return data.cast("f")
-    return code, data
-
-
 def call_view_decoder() -> msgspec.msgpack.Decoder[CallView]:
     """A decoder of messages into `CallView`s (one per thread that reads a socket): it raises msgspec's
     errors for a message that is not one (another kind of record, or anything msgspec refuses: the full
     decoder then says what, `decode_msgpack_record`)."""
-    return msgspec.msgpack.Decoder(CallView, ext_hook=_view_ext_hook)
+    return msgspec.msgpack.Decoder(CallView, ext_hook=msgspec.msgpack.Ext)
 
 
 def _wrap(exc: Exception, where: str) -> RecordError:

@@ -24,7 +24,14 @@ from typing import Any, NamedTuple, cast
 import msgspec
 import numpy as np
 
-from gyre_traj.io import CallView, call_view_decoder, decode_msgpack_record, iter_msgpack
+from gyre_traj.io import (
+    EXT_F32,
+    EXT_IDS,
+    CallView,
+    call_view_decoder,
+    decode_msgpack_record,
+    iter_msgpack,
+)
 from gyre_traj.records import (
     ID_DTYPE,
     LOGPROB_DTYPE,
@@ -106,6 +113,33 @@ NO_NODE = ROOT - 1
 _NO_PENDING = 1 << 62
 _umax = np.maximum.reduce
 _fmax = np.maximum.reduce
+_imin = np.minimum.reduce  # (`ndarray.min` without its Python wrapper)
+_Ext = msgspec.msgpack.Ext
+_CODES = (EXT_IDS, EXT_IDS, EXT_F32)  # the extension types of a call's input ids, output ids, logprobs
+
+
+def _view_fields_ok(view: CallView) -> bool:
+    """The checks `Call` makes of a record's scalar fields, on a `CallView`: non-empty execution and call
+    ids, a schema version this reader knows, a weight version in int32's range, timestamps not NaN."""
+    return (
+        bool(view.execution_id)
+        and bool(view.call_id)
+        and view.v <= SCHEMA_VERSION
+        and 0 <= view.weight_version <= MAX_WEIGHT_VERSION
+        and view.t_start == view.t_start
+        and view.t_end == view.t_end
+    )
+
+
+def _view_array(x: Any, code: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+    """A `CallView` array as a numpy view into its message when it came as extension type `code`
+    holding whole 4-byte items, else None."""
+    if type(x) is not _Ext or x.code != code:
+        return None
+    data = cast(memoryview, x.data)  # (what `call_view_decoder` gives: a view into the message)
+    if len(data) & 3:
+        return None
+    return np.frombuffer(data, dtype)
 
 
 def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -120,8 +154,10 @@ def _first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
         return n
     for lo in range(0, n, _CHUNK):
         hi = min(n, lo + _CHUNK)
-        if not np.array_equal(a[lo:hi], b[lo:hi]):
-            return lo + int(np.argmax(a[lo:hi] != b[lo:hi]))
+        ne = a[lo:hi] != b[lo:hi]
+        k = int(ne.argmax())
+        if ne[k]:
+            return lo + k
     return n
 
 
@@ -249,11 +285,11 @@ class ExecutionTree:
         self.execution_id = execution_id
         self.n = 0
         self._ids = np.empty(capacity, ID_DTYPE)
-        self._ids_m = memoryview(self._ids).cast("B").cast("i")  # a message's ids are copied in by memcpy
+        self._ids_b = memoryview(self._ids).cast("B")  # a message's ids are copied in by memcpy
         # The logprobs of the calls `extend_next` took, appended in one array grown 2x (a segment
         # refers to the array it was written into, which stays valid when a larger one replaces it).
         self._lps = np.empty(0, LOGPROB_DTYPE)
-        self._lps_m = memoryview(self._lps).cast("B").cast("f")
+        self._lps_b = memoryview(self._lps).cast("B")
         self._lps_n = 0
         self._starts: list[int] = []  # first node of each run, ascending
         self._start_set: set[int] = set()
@@ -292,13 +328,29 @@ class ExecutionTree:
         cap = self._ids.shape[0]
         if need <= cap:
             return
-        # Grow 4x: each growth copies what is stored, and fresh pages are only touched when written, so
-        # the unused tail costs address space, not memory.
+        # Grow 4x: fresh pages are only touched when written, so the unused tail costs address space,
+        # not memory. In place when nothing else refers to the arena (numpy's resize, a realloc, which
+        # the allocator mostly does without copying what is stored); else into a new array, copied.
         new_cap = max(need, cap * 4)
-        ids = np.empty(new_cap, ID_DTYPE)
-        ids[: self.n] = self._ids[: self.n]
-        self._ids = ids
-        self._ids_m = memoryview(ids).cast("B").cast("i")
+        self._ids_b.release()  # (an exported buffer is a reference: resize would refuse)
+        if not self._resize_arena(new_cap):
+            ids = np.empty(new_cap, ID_DTYPE)
+            ids[: self.n] = self._ids[: self.n]
+            self._ids = ids
+        self._ids_b = memoryview(self._ids).cast("B")
+
+    def _resize_arena(self, cap: int) -> bool:
+        """Resize the arena to `cap` ids keeping its contents, or False when something else refers to
+        it (a view a caller holds: it must stay valid). Its writeable flag is off meanwhile, so that
+        numpy does not zero the new tail (every id there is written before it is read)."""
+        self._ids.flags.writeable = False
+        try:
+            self._ids.resize(cap, refcheck=True)
+        except ValueError:
+            return False
+        finally:
+            self._ids.flags.writeable = True
+        return True
 
     def _depth_of(self, node: int) -> int:
         r = bisect.bisect_right(self._starts, node) - 1
@@ -651,7 +703,7 @@ class ExecutionTree:
         n_in = keep + rest.shape[0]
         node, i = self._descend(start, rest, 0)
         if i < rest.shape[0]:
-            if int(rest[i:].min()) < 0:  # the part matched against the tree is known non-negative
+            if _imin(rest[i:]) < 0:  # the part matched against the tree is known non-negative
                 pos = i + int(np.flatnonzero(rest[i:] < 0)[0])
                 raise RecordError(
                     f"{_where(self.execution_id, call_id)}: input ids contain a negative id {int(rest[pos])} "
@@ -664,7 +716,7 @@ class ExecutionTree:
         if j > 0:
             self._promote(in_end, node, lps, weight_version, j)
         if j < out.shape[0]:
-            if check_output and int(out[j:].min()) < 0:
+            if check_output and _imin(out[j:]) < 0:
                 pos = j + int(np.flatnonzero(out[j:] < 0)[0])
                 raise RecordError(
                     f"{_where(self.execution_id, call_id)}: output ids contain a negative id {int(out[pos])} "
@@ -742,55 +794,62 @@ class ExecutionTree:
         are in range. Its ids are copied from the message into the arena and its logprobs into the
         tree's logprob array (one memcpy each), each checked once where it landed; nothing else is read,
         and the work is that copy plus a fixed cost whatever the context's length. Returns its CallInfo,
-        or None (the tree unchanged) for anything else, a bad value included: `add` of the decoded
-        `Call` then merges it or says what is wrong, as for any call."""
+        or None (the tree unchanged) for anything else, a bad value included: `add_view`, or `add` of
+        the decoded `Call`, then merges it or says what is wrong, as for any call."""
         d = view.input_delta
         if d is None or view.input_ids is not None or view.execution_id != self.execution_id:
             return None
-        cid, keep, out, lps = view.call_id, d.keep, view.output_ids, view.output_logprobs
+        cid, keep = view.call_id, d.keep
         par = self.calls.get(d.parent)
         if (
             par is None
-            or keep != par.length
-            or not cid
+            or keep != par.n_input + par.n_output
             or cid in self.calls
+            or self._pend_lo != _NO_PENDING
+            # `_view_fields_ok`, inline (this runs once per message)
+            or not cid
             or view.v > SCHEMA_VERSION
             or not 0 <= view.weight_version <= MAX_WEIGHT_VERSION
             or view.t_start != view.t_start  # NaN
             or view.t_end != view.t_end
-            or self._pend_lo != _NO_PENDING
-            or type(lps) is not memoryview
-            or len(lps) != len(out)
         ):
             return None
         after, lo = par.end, self.n
         if after == ROOT or (after != lo - 1 and self.has_children(after)):
             return None  # a parent with no tokens, or one with something below its last token
-        rest = d.append
+        rest, out, lps = d.append, view.output_ids, view.output_logprobs
         try:
-            k_in, k_out = len(rest), len(out)
-            mid = lo + k_in
-            hi = mid + k_out
-            if hi > self._ids.shape[0]:
-                self._reserve(k_in + k_out)
-            ids_m = self._ids_m
-            ids_m[lo:mid] = rest  # a ValueError unless an int32 id array ("i") of that length
-            ids_m[mid:hi] = out
-            if k_out:
-                a = self._lps_n
-                b = a + k_out
-                if b > self._lps.shape[0]:
-                    self._grow_lps(b)
-                self._lps_m[a:b] = lps  # likewise for float32 logprobs ("f")
-        except (TypeError, ValueError):
+            if (rest.code, out.code, lps.code) != _CODES:
+                return None
+            rest_b, out_b, lps_b = rest.data, out.data, lps.data
+        except AttributeError:  # not extension values (the only ones `CallView` gives with these names)
             return None
+        n_rest, n_out = len(rest_b), len(out_b)  # in bytes
+        if (n_rest | n_out) & 3 or len(lps_b) != n_out:
+            return None  # not whole 4-byte items, or not one logprob per output id
+        b0 = lo << 2
+        b1 = b0 + n_rest
+        b2 = b1 + n_out
+        hi = b2 >> 2
+        if hi > self._ids.shape[0]:
+            self._reserve(hi - lo)
+        ids_b = self._ids_b
+        ids_b[b0:b1] = rest_b
+        ids_b[b1:b2] = out_b
         if hi > lo:
             span = self._ids[lo:hi]
             if span[span.argmin()] < 0:
-                return None
+                return None  # a negative id (nothing is counted yet: the tree is as it was)
+        mid = b1 >> 2
+        k_out = hi - mid
         version = view.weight_version
         if k_out:
+            a = self._lps_n
+            b = a + k_out
+            if b > self._lps.shape[0]:
+                self._grow_lps(b)
             arr = self._lps
+            self._lps_b[a << 2 : b << 2] = lps_b
             got = arr[a:b]
             if not got[got.argmax()] <= 1e-4:  # argmax gives the first NaN if any, which fails too
                 return None
@@ -808,12 +867,13 @@ class ExecutionTree:
             else:
                 end = after
         self.n = hi
+        length = keep + hi - lo
         info = CallInfo(
             cid,
             view.agent_id,
             view.role,
             end,
-            keep + k_in,
+            length - k_out,
             k_out,
             version,
             view.finish_reason,
@@ -821,21 +881,76 @@ class ExecutionTree:
             view.t_end,
         )
         self.calls[cid] = info
-        self.order.append(cid)
-        if self._ends_seen == len(self.order) - 1:
-            self._ends.add(end)
-            self._ends_seen += 1
+        self.order.append(cid)  # (`_call_ends` picks its end up when it is next asked)
         st = self.stats
         st.calls += 1
-        st.call_tokens += keep + k_in + k_out
+        st.call_tokens += length
         st.delta_calls += 1
         return info
+
+    def add_view(self, view: CallView) -> CallInfo | None:
+        """Add the call of `view` without building a `Call`: an agent's next call through `extend_next`,
+        any other through `merge_view`. None (the tree unchanged) when neither takes it."""
+        return self.extend_next(view) or self.merge_view(view)
+
+    def merge_view(self, view: CallView) -> CallInfo | None:
+        """Add the call of `view` (any call but one `extend_next` takes: a full input, a retry, a call
+        after a compaction) through the merge `add` uses, its arrays read as numpy views into the
+        message, no `Call` built. Taken when the call is well formed (its arrays raw int32 ids and
+        float32 logprobs, one logprob per output id and none above 0 or NaN, its fields as `Call`
+        requires them), its delta parent is known, its `keep` within it and its call id new; None (the
+        tree unchanged) otherwise, and the decoded `Call`'s `add` then says what is wrong. A negative id
+        it meets while merging is refused as `add` refuses it (the same code)."""
+        cid, d = view.call_id, view.input_delta
+        if (
+            view.execution_id != self.execution_id
+            or cid in self.calls
+            or self._pend_lo != _NO_PENDING
+            or not _view_fields_ok(view)
+        ):
+            return None
+        parent: str | None = None
+        keep = 0
+        if d is None:
+            rest = _view_array(view.input_ids, EXT_IDS, ID_DTYPE)
+        else:
+            if view.input_ids is not None:
+                return None
+            parent, keep = d.parent, d.keep
+            par = self.calls.get(parent)
+            if par is None or not 0 <= keep <= par.n_input + par.n_output:
+                return None
+            if keep == par.n_input + par.n_output and par.end == self.n - 1 >= 0:
+                return None  # `add` takes such a call as the agent's next: `extend_next` did not
+            rest = _view_array(d.append, EXT_IDS, ID_DTYPE)
+        out = _view_array(view.output_ids, EXT_IDS, ID_DTYPE)
+        lps = _view_array(view.output_logprobs, EXT_F32, LOGPROB_DTYPE)
+        if rest is None or out is None or lps is None or lps.shape[0] != out.shape[0]:
+            return None
+        lps = lps.copy()  # owned: the tree keeps it, the message is the caller's
+        if lps.shape[0] and not _fmax(lps) <= 1e-4:
+            return None
+        return self._add(
+            cid,
+            view.agent_id,
+            view.role,
+            view.weight_version,
+            view.finish_reason,
+            view.t_start,
+            view.t_end,
+            parent,
+            keep,
+            rest,
+            out,
+            lps,
+            check_output=True,
+        )
 
     def _grow_lps(self, need: int) -> None:
         grown = np.empty(max(need, 2 * self._lps.shape[0], 1 << 12), LOGPROB_DTYPE)
         grown[: self._lps_n] = self._lps[: self._lps_n]
         self._lps = grown
-        self._lps_m = memoryview(grown).cast("B").cast("f")
+        self._lps_b = memoryview(grown).cast("B")
 
     def add_batch(self, batch: CallBatch) -> None:
         """Merge a `CallBatch` (its calls in order), all or nothing: if any call is bad, the error names
@@ -1271,19 +1386,27 @@ class Forest:
     ) -> CallInfo | Score | CallBatch:
         """The live ingest path, for a service that takes records off a socket one message at a time:
         `add_frame`'s contract, returning the CallInfo the tree gave a call (the record itself for a
-        score or a batch). An agent's next call (the proxy's usual message) goes from the message's
-        bytes straight into its tree (`ExecutionTree.extend_next`: no `Call` built, one copy of its
-        tokens); any other record, or one that path does not take, is decoded and added in full.
+        score or a batch). A call goes from the message's bytes straight into its tree, no `Call`
+        built: an agent's next call (the proxy's usual message) through `ExecutionTree.extend_next`
+        (one copy of its tokens), any other well-formed call through `ExecutionTree.merge_view` (the
+        merge `add` uses); any other record, or a call neither takes (a bad value, another array
+        encoding), is decoded and added in full, which gives the same tree and the same errors.
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
         if view is None:
-            view = self.read_view(data)
+            try:  # (`read_view`, inline: this runs once per message)
+                view = self._view_dec.decode(data)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                view = None
         if view is not None:
             tree = self.trees.get(view.execution_id)
             if tree is not None:
                 info = tree.extend_next(view)
                 if info is not None:
                     return info
+            info = self._merge_view(view, tree)
+            if info is not None:
+                return info
         with defer_input_sign_check():
             rec = decode_msgpack_record(data, name)
             if isinstance(rec, Call):
@@ -1294,6 +1417,22 @@ class Forest:
                 return tree.add(rec)
             self.add(rec)
         return rec
+
+    def _merge_view(self, view: CallView, tree: ExecutionTree | None) -> CallInfo | None:
+        """`ExecutionTree.merge_view` in the view's tree; a call of an execution not seen yet gets its
+        tree first, registered as the full path registers it (kept when the call is then refused there,
+        given back when the call is left to the full path)."""
+        if tree is not None:
+            return tree.merge_view(view)
+        eid = view.execution_id
+        tree = self.trees[eid] = ExecutionTree(eid)
+        tree.score = self.pending_scores.pop(eid, None)
+        info = tree.merge_view(view)
+        if info is None:
+            del self.trees[eid]
+            if tree.score is not None:
+                self.pending_scores[eid] = tree.score
+        return info
 
     def read_view(self, data: bytes | memoryview) -> CallView | None:
         """`data` read as a `CallView` (its arrays left in it), or None when it is not one: another kind
