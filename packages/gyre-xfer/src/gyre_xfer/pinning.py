@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .errors import XferError
-from .transport import Region
+from .transport import Region, Transport
 
 _log = logging.getLogger(__name__)
 
@@ -94,6 +94,37 @@ class CudaHostPinning:
         if not codes:
             raise PinningError("the CUDA registration call raised (its traceback is in the log)")
         return codes[0]
+
+
+def pin_or_keep_pageable(
+    pinning: Pinning | None, region: Region, what: str, log: logging.Logger
+) -> Pinning | None:
+    """Page-lock `region` with `pinning`; the pinning now holding it, or None when there is none or it
+    refused (logged on `log`, naming `what`: the buffer stays pageable, its copies slower)."""
+    if pinning is None:
+        return None
+    try:
+        pinning.pin(region)
+    except PinningError as e:
+        log.warning(
+            "gyre-xfer: %s of %d bytes stays pageable (copies are slower): %s", what, region.nbytes, e
+        )
+        return None
+    return pinning
+
+
+def unpin_and_unregister(
+    transport: Transport, region: Region, pinned_by: Pinning | None, what: str, log: logging.Logger
+) -> None:
+    """Release a buffer from `pin_or_keep_pageable`: unpinned first, while it is still mapped (a failure
+    logged on `log`), then unregistered from `transport` in any case."""
+    try:
+        if pinned_by is not None:
+            pinned_by.unpin(region)
+    except PinningError as e:
+        log.warning("gyre-xfer: unpinning the %s failed: %s", what, e)
+    finally:
+        transport.unregister(region)
 
 
 def host_pinning(device: object) -> Pinning | None:

@@ -29,7 +29,7 @@ from gyre_base import sockets
 from .buffers import BufferView, view_of
 from .errors import PublisherDeadError, XferError
 from .manifest import layout
-from .pinning import Pinning, PinningError
+from .pinning import Pinning, pin_or_keep_pageable, unpin_and_unregister
 from .protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -188,33 +188,15 @@ class Publisher:
             return self._version
 
     def _pin_slot(self, slot: _Slot) -> None:
-        pinning = self.config.pinning
-        if pinning is None or slot.region is None:
-            return
-        try:
-            pinning.pin(slot.region)
-        except PinningError as e:
-            _log.warning(
-                "gyre-xfer: publisher slot of %d bytes stays pageable (copies into it are slower): %s",
-                slot.region.nbytes,
-                e,
-            )
-            return
-        slot.pinned_by = pinning
+        if slot.region is not None:
+            slot.pinned_by = pin_or_keep_pageable(self.config.pinning, slot.region, "publisher slot", _log)
 
     def _release_slot(self, slot: _Slot) -> None:
-        """Unpin (if pinned) and unregister a slot's region; the unpin comes first, while it is mapped."""
+        """Unpin (if pinned) and unregister a slot's region."""
         region, slot.region = slot.region, None
         pinned_by, slot.pinned_by = slot.pinned_by, None
-        if region is None:
-            return
-        try:
-            if pinned_by is not None:
-                pinned_by.unpin(region)
-        except PinningError as e:
-            _log.warning("gyre-xfer: unpinning a publisher slot failed: %s", e)
-        finally:
-            self.transport.unregister(region)
+        if region is not None:
+            unpin_and_unregister(self.transport, region, pinned_by, "publisher slot", _log)
 
     def _claim_slot(self) -> int:
         """Pick a slot with no live lease that is not the newest; mark it as being written."""

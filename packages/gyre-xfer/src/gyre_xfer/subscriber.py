@@ -35,7 +35,7 @@ from .errors import (
     XferError,
 )
 from .manifest import match_destinations, validate
-from .pinning import Pinning, PinningError
+from .pinning import Pinning, pin_or_keep_pageable, unpin_and_unregister
 from .protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -273,33 +273,14 @@ class Subscriber:
         return out
 
     def _pin_staging(self, region: Region) -> None:
-        pinning = self.config.pinning
-        if pinning is None:
-            return
-        try:
-            pinning.pin(region)
-        except PinningError as e:
-            _log.warning(
-                "gyre-xfer: staging buffer of %d bytes stays pageable (copies from it are slower): %s",
-                region.nbytes,
-                e,
-            )
-            return
-        self._staging_pinned_by = pinning
+        self._staging_pinned_by = pin_or_keep_pageable(self.config.pinning, region, "staging buffer", _log)
 
     def _release_staging(self) -> None:
-        """Unpin (if pinned) and unregister the staging buffer; the unpin comes first, while it is mapped."""
+        """Unpin (if pinned) and unregister the staging buffer."""
         staging, self._staging = self._staging, None
-        if staging is None:
-            return
         pinned_by, self._staging_pinned_by = self._staging_pinned_by, None
-        try:
-            if pinned_by is not None:
-                pinned_by.unpin(staging)
-        except PinningError as e:
-            _log.warning("gyre-xfer: unpinning the staging buffer failed: %s", e)
-        finally:
-            self.transport.unregister(staging)
+        if staging is not None:
+            unpin_and_unregister(self.transport, staging, pinned_by, "staging buffer", _log)
 
     @property
     def staging_pinned(self) -> bool:
