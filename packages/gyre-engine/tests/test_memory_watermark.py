@@ -16,6 +16,7 @@ from gyre_engine.protocol import SamplingParams
 torch = pytest.importorskip("torch")
 from gyre_engine.server.engine import Engine  # noqa: E402
 from gyre_engine.server.request import EngineRequest, TokenEvent  # noqa: E402
+from gyre_engine.server.slots import SlotBatch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 GIB = 1 << 30
@@ -35,8 +36,7 @@ class SharedGpu(Engine):
 
 
 def kv_bytes(e: Engine) -> int:
-    mc = e.model.config
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4  # float32 on the CPU
+    return SlotBatch.token_bytes(e.model)
 
 
 @pytest.fixture

@@ -203,7 +203,7 @@ class Engine:
             "cache_returns": 0,
             "memory_evicted_tokens": 0,
         }
-        self._kv_token_bytes = _kv_token_bytes(mc, next(model.parameters()).dtype)
+        self._kv_token_bytes = SlotBatch.token_bytes(model)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
 
@@ -990,10 +990,3 @@ def _check_tags(tags: list[str] | None) -> list[str]:
     if bad:
         raise ProtocolError(f"unknown memory tags {bad}; expected 'weights' and/or 'kv_cache'")
     return list(tags)
-
-
-def _kv_token_bytes(mc: Any, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token keeps over every layer (2 x layers x KV heads x head dim x item size)."""
-    heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
-    dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
-    return 2 * int(mc.num_hidden_layers) * heads * dim * torch.empty(0, dtype=dtype).element_size()
