@@ -96,3 +96,8 @@ class ScalarLog:
         if self.wandb is not None:
             run, self.wandb = self.wandb, None
             run.finish()
+            # finish() returns before wandb's service has written the offline run's file out; teardown
+            # waits for it, so the run directory is complete when close() returns, not only at exit
+            import wandb
+
+            wandb.teardown()
