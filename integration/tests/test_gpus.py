@@ -32,6 +32,8 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
                     "compile_decode": False,
                     "max_cached_tokens": 65536,
                     "slot_widths": "full",
+                    "long_context_tokens": 33280,
+                    "long_context_slots": 6,
                 }
             }
         )
@@ -39,9 +41,10 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
     assert argv == [
         "--max-running-requests", "16", "--slot-kv-fraction", "0.1", "--warmup-decode-tokens", "256",
         "--decode-slots", "auto", "--slot-widths", "full", "--max-cached-tokens", "65536",
-        "--no-compile-decode",
+        "--long-context-tokens", "33280", "--long-context-slots", "6", "--no-compile-decode",
     ]  # fmt: skip
-    assert "--max-cached-tokens" not in gpus.engine_argv(config_from_dict({}))  # 0: the engine's default
+    plain = gpus.engine_argv(config_from_dict({}))
+    assert not {"--max-cached-tokens", "--long-context-tokens", "--long-context-slots"} & set(plain)  # 0
     from gyre_engine.cli import main
 
     with pytest.raises(SystemExit):
@@ -63,6 +66,8 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         ({"engine": {"decode_slots": "fast"}}, "decode_slots"),
         ({"engine": {"max_cached_tokens": -1}}, "max_cached_tokens must be >= 0"),
         ({"engine": {"slot_widths": "wide"}}, "slot_widths: bucketed|full"),
+        ({"engine": {"long_context_tokens": -1}}, "long_context_tokens and long_context_slots must be >= 0"),
+        ({"engine": {"long_context_slots": 4}}, "long_context_slots needs long_context_tokens"),
         ({"engine": {"graphs": 1}}, "unknown key 'graphs'"),
     ],
 )

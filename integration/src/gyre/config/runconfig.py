@@ -305,6 +305,16 @@ class EngineSection:
     """GiB of the GPU (every process on it) each engine keeps free by dropping its least recently used
     prefix-cache entries first (`--min-free-gib`; 0: off): rows longer than a slot, the other cells and
     the trainers then take memory from the caches, not from a step that would fail."""
+    long_context_tokens: int = 0
+    """Tokens of each long slot (`--long-context-tokens`; 0: none). A call whose context plus its
+    `max_new_tokens` does not fit a decode slot is prefilled chunk by chunk into a buffer of its own of
+    this many tokens (allocated on first use and kept: layers x 2 x KV heads x head dim x this many
+    elements) and decodes there; between calls the prefix cache holds that buffer, and the execution's
+    next call takes it over without a copy. Without long slots such a call decodes in the engine's
+    lanes, whose KV grows with it (and is copied whole when another row joins the lane)."""
+    long_context_slots: int = 0
+    """Long slots per engine at most (`--long-context-slots`; 0: the engine's default, one); a long call
+    waits while every one is busy. Their memory comes on top of `kv_fraction`."""
     warmup_tokens: int = 1024
     """CUDA graphs captured before serving, for rows up to this length (`--warmup-decode-tokens`; 0: each
     graph on first use)."""
@@ -517,6 +527,14 @@ class Config:
         _check(e.slot_widths in ("", "bucketed", "full"), "[engine] slot_widths: bucketed|full")
         _check(e.min_free_gib >= 0, "[engine] min_free_gib must be >= 0 (0: off)")
         _check(e.max_cached_tokens >= 0, "[engine] max_cached_tokens must be >= 0 (0: the engine's default)")
+        _check(
+            e.long_context_tokens >= 0 and e.long_context_slots >= 0,
+            "[engine] long_context_tokens and long_context_slots must be >= 0 (0: none; the engine's default)",
+        )
+        _check(
+            e.long_context_tokens > 0 or e.long_context_slots == 0,
+            "[engine] long_context_slots needs long_context_tokens (the tokens each long slot holds)",
+        )
         _check(
             e.decode_slots in ("auto", "graphs", "eager", "off"),
             "[engine] decode_slots: auto|graphs|eager|off",

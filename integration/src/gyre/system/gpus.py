@@ -40,6 +40,10 @@ def engine_argv(cfg: Config) -> list[str]:
         argv += ["--slot-widths", e.slot_widths]
     if e.max_cached_tokens:
         argv += ["--max-cached-tokens", str(e.max_cached_tokens)]
+    if e.long_context_tokens:
+        argv += ["--long-context-tokens", str(e.long_context_tokens)]
+    if e.long_context_slots:
+        argv += ["--long-context-slots", str(e.long_context_slots)]
     if e.min_free_gib:
         argv += ["--min-free-gib", str(e.min_free_gib)]
     if cfg.cell.device == "cuda":  # cells release and resume their engine's memory at every switch
