@@ -1,7 +1,5 @@
 """Shared fixtures: the tiny default model (created once per session), a transformers reference copy of
-it in this process, and a real `gyre-engine serve` subprocess on a loopback port. Tests marked `mooncake`
-skip, naming what to install, where Mooncake cannot load (a machine without Debian's libibverbs1); with
-GYRE_REQUIRE_MOONCAKE=1 (CI, which installs it) they fail instead."""
+it in this process, and a real `gyre-engine serve` subprocess on a loopback port."""
 
 from __future__ import annotations
 
@@ -18,19 +16,6 @@ import pytest
 from gyre_base.testing import free_port
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("mooncake") is None:
-        return
-    from gyre_xfer.mooncake import unavailable_reason  # the server extra's; only where a test needs it
-
-    if (why := unavailable_reason()) is None:
-        return
-    if os.environ.get("GYRE_REQUIRE_MOONCAKE") == "1":
-        pytest.fail(f"GYRE_REQUIRE_MOONCAKE=1 and {why}", pytrace=False)
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """Shared fixtures: start the peer process (tests/peer_proc.py) and always reap it (`beyond_loopback` and
-`no_token` come from gyre-base's pytest plugin). Tests marked `mooncake` skip, naming what to install,
-where Mooncake cannot load (a machine without Debian's libibverbs1); with GYRE_REQUIRE_MOONCAKE=1 (CI,
-which installs it) they fail instead."""
+`no_token` come from gyre-base's pytest plugin, the gate on tests marked `mooncake` from
+`gyre_xfer.pytest_gate`)."""
 
 from __future__ import annotations
 
@@ -15,19 +14,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from gyre_xfer.mooncake import unavailable_reason
 from gyre_xfer.shm import sweep_orphans
 
 PEER = Path(__file__).with_name("peer_proc.py")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("mooncake") is None or (why := unavailable_reason()) is None:
-        return
-    if os.environ.get("GYRE_REQUIRE_MOONCAKE") == "1":
-        pytest.fail(f"GYRE_REQUIRE_MOONCAKE=1 and {why}", pytrace=False)
-    pytest.skip(why)
 
 
 class Peer:
