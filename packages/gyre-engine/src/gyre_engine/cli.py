@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         if args.cmd == "serve":
+            from gyre_engine.server.listen import listen_token
+
+            listen_token(
+                args.host, args.allow_remote, _token_file(args.token_file)
+            )  # refused before torch loads
             from gyre_engine.server.engine import Engine
             from gyre_engine.server.serve import ServeConfig, serve
             from gyre_engine.server.xfer import XferConfig

@@ -1,10 +1,10 @@
 """Loads a model directory into an Engine and serves it over HTTP with uvicorn (loopback by default).
 
 `load_engine` is what tests and the benchmark use in-process; `serve` is the `gyre-engine serve` command.
-A host beyond loopback needs `allow_remote` and a token (the `token` setting, `--token-file`, or
-`$GYRE_TOKEN`), because the control endpoints can replace the weights; both are checked before the model
-loads, and a missing one exits with status 2 naming the setting. With a token, on any host, every request
-but the health probes must carry it as `Authorization: Bearer <token>` (`gate.py`).
+A host beyond loopback needs `allow_remote` and a token (`listen.py`); both are checked before the model
+loads (by `gyre-engine serve` before torch is even imported), and a missing one exits with status 2 naming
+the setting. With a token, on any host, every request but the health probes must carry it as
+`Authorization: Bearer <token>` (`gate.py`).
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import NoReturn
 
 import torch
 import uvicorn
-from gyre_base.token import TokenError, is_loopback_host, listener_token
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gyre_engine.server.app import AppConfig, build_app
 from gyre_engine.server.engine import Engine
+from gyre_engine.server.listen import listen_token
 from gyre_engine.server.xfer import XferConfig
 
 
@@ -78,21 +76,6 @@ def load_engine(cfg: ServeConfig) -> Engine:
     return engine
 
 
-def listen_token(cfg: ServeConfig) -> str:
-    """The token `cfg`'s listener runs with; SystemExit(2) naming the setting if it may not start."""
-    if not is_loopback_host(cfg.host) and not cfg.allow_remote:
-        _refuse(f"refusing to bind {cfg.host}: the control endpoints replace weights; pass --allow-remote")
-    try:
-        return listener_token(cfg.host, cfg.token, "`gyre-engine serve --token-file FILE`")
-    except TokenError as exc:
-        _refuse(str(exc))
-
-
-def _refuse(message: str) -> NoReturn:
-    print(f"gyre-engine serve: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
 ALLOC_CONF = "expandable_segments:True"
 """The CUDA caching allocator's setting for an engine process unless PYTORCH_CUDA_ALLOC_CONF is set: with
 fixed-size segments, the KV of chunked prefills (grown by concatenation, a new size every chunk) and the
@@ -102,7 +85,7 @@ second engine or a trainer on the same GPU then cannot get; expandable segments 
 
 def serve(cfg: ServeConfig) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # read at the first CUDA allocation
-    token = listen_token(cfg)
+    token = listen_token(cfg.host, cfg.allow_remote, cfg.token)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(cfg)
     app_cfg = AppConfig(
