@@ -3,7 +3,10 @@
 # carried wheels (.whl/: msgspec, pyzmq, starlette, uvicorn, tensorboardx), put every workspace member's
 # src/ on PYTHONPATH and run a bench script of integration/bench (default h200_run.py; `--script
 # h200_agentic.py` for the agent-shaped workload); results and logs go to $OUT. Further arguments go to
-# the script (e.g. --cpu --tiny to try it on a CPU box).
+# the script (e.g. --cpu --tiny to try it on a CPU box). With GYRE_CUDA_TESTS set to test files (the
+# CUDA-only tests, skipped elsewhere), pytest runs them first (carry pytest, pluggy, iniconfig, hypothesis,
+# sortedcontainers, attrs and pytest-timeout wheels too); their outcome goes to $OUT/cuda-tests.log and
+# does not stop the bench.
 set -euo pipefail
 OUT="${OUT:-$PWD/h200-run-out}"
 mkdir -p "$OUT"
@@ -24,4 +27,9 @@ missing = [m for m in need if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"h200_run.sh: missing modules {missing}: carry their wheels in .whl/")
 PY
+if [ -n "${GYRE_CUDA_TESTS:-}" ]; then
+    # shellcheck disable=SC2086  # a list of test files
+    python3 -m pytest -q -rs -p no:cacheprovider -o addopts="--import-mode=importlib" $GYRE_CUDA_TESTS \
+        2>&1 | tee "$OUT/cuda-tests.log" || true
+fi
 python3 "integration/bench/$SCRIPT" --out "$OUT" "$@" 2>&1 | tee "$OUT/${SCRIPT%.py}.log"
