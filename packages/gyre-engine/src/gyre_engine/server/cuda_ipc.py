@@ -43,7 +43,8 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _expandable(settings: str) -> bool:
+def expandable_segments(settings: str) -> bool:
+    """Whether the caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF's syntax) turn them on."""
     for item in settings.split(","):
         key, _, value = item.partition(":")
         if key.strip() == "expandable_segments":
@@ -55,7 +56,7 @@ def _expandable(settings: str) -> bool:
 def shareable_allocations() -> Iterator[None]:
     """Allocations inside come from plain cudaMalloc segments, which CUDA IPC can share (expandable
     segments turned off meanwhile, if they were on)."""
-    expandable = _expandable(torch._C._accelerator_getAllocatorSettings())
+    expandable = expandable_segments(torch._C._accelerator_getAllocatorSettings())
     if expandable:
         torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     try:
