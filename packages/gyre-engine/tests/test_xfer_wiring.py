@@ -306,6 +306,8 @@ def test_a_terminated_engine_removes_its_shared_memory(spawn_server: Callable[..
 
 
 def test_cuda_ipc_between_engines_off_cuda_goes_over_shared_memory(pair: tuple[Any, Any]) -> None:
+    from gyre_xfer.protocol import KvOffer
+
     a, b = pair
 
     async def go() -> None:
@@ -317,7 +319,7 @@ def test_cuda_ipc_between_engines_off_cuda_goes_over_shared_memory(pair: tuple[A
             covered = len(context) - 1
             offer = await ca.offer_prefix(context, transport="cuda_ipc")
             assert offer is not None and offer.cuda_ipc is None  # no device memory to share
-            assert msgspec.json.decode(offer.kv_offer)[2][0] == "SHM"  # KvOffer -> KvPoolDesc -> transport
+            assert msgspec.json.decode(offer.kv_offer, type=KvOffer).pool.transport.name == "SHM"
             await ca.release_prefix_offer(offer.offer_id)
             reply = await handoff_prefix(ca, cb, context, transport="cuda_ipc", block_tokens=8)
             assert reply is not None and reply.success and reply.transport == "shm"
