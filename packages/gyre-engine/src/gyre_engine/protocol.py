@@ -595,9 +595,9 @@ class CudaIpcTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     storage_size_bytes: Annotated[int, msgspec.Meta(ge=0)]
     storage_offset_bytes: Annotated[int, msgspec.Meta(ge=0)]
     """Where the storage starts in that allocation."""
-    ref_counter_handle: Annotated[str, msgspec.Meta(pattern=r"^/torch_[0-9]+(_[0-9]+)+$")]
-    """The shared-memory file of torch's reference counter for this share (the importer decrements it when
-    it drops the tensor)."""
+    ref_counter_handle: Annotated[str, msgspec.Meta(pattern=r"^/torch_[A-Za-z0-9_]+$", max_length=200)]
+    """The shared-memory file of torch's reference counter for this share, `/torch_<pid>_<random>_<n>`
+    (the importer decrements it when it drops the tensor): a name in /dev/shm, never a path."""
     ref_counter_offset: Annotated[int, msgspec.Meta(ge=0, lt=CUDA_IPC_REF_COUNTER_SLOTS)]
     event_handle: bytes
     """An interprocess CUDA event recorded after the exporter's copies; the importer's stream waits on it

@@ -56,14 +56,15 @@ def expandable_segments(settings: str) -> bool:
 def shareable_allocations() -> Iterator[None]:
     """Allocations inside come from plain cudaMalloc segments, which CUDA IPC can share (expandable
     segments turned off meanwhile, if they were on)."""
-    expandable = expandable_segments(torch._C._accelerator_getAllocatorSettings())
-    if expandable:
-        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    previous = torch._C._accelerator_getAllocatorSettings()
+    if not expandable_segments(previous):
+        yield
+        return
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
     try:
         yield
     finally:
-        if expandable:
-            torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+        torch._C._accelerator_setAllocatorSettings(previous)
 
 
 def share(t: torch.Tensor) -> CudaIpcTensor:

@@ -472,21 +472,23 @@ class XferHub:
             ) from exc
         try:
             with torch.cuda.device(src.device):
-                _check_stamp(
-                    src[-STAMP_BYTES:].cpu().numpy(), offer.offer_id
-                )  # waits for the exporter's copies
+                # read after the exporter's copies (this stream waits on its event), then once more after
+                # ours: a buffer released meanwhile has its id zeroed before it is freed
+                _check_stamp(src[-STAMP_BYTES:].cpu().numpy(), offer.offer_id)
                 out = [
                     src[p * plane : (p + 1) * plane].view(dtype).view(1, heads, n, dim).clone()
                     for p in range(2 * layers)
                 ]
-                _check_stamp(src[-STAMP_BYTES:].cpu().numpy(), offer.offer_id)  # not released meanwhile
+                _check_stamp(src[-STAMP_BYTES:].cpu().numpy(), offer.offer_id)
                 torch.cuda.current_stream().synchronize()
-        except RuntimeError as exc:
+        except KvPullError:
+            raise
+        except RuntimeError as exc:  # CUDA's error (out of memory among them)
             raise KvPullError(
                 f"copying the offer's device buffer failed: {exc}; nothing was installed", 502
             ) from exc
         finally:
-            del src  # torch gives the exporter's memory back once this process drops its mapping
+            del src  # torch gives the exporter its reference back once this process drops the mapping
         kv = RowKV(out[0::2], out[1::2])
         nb = -(-n // bt)
         blocks = tuple(BlockResult(b, b, EntryStatus.OK) for b in range(nb))
