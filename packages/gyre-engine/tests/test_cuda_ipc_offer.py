@@ -20,7 +20,7 @@ from gyre_engine.protocol import (
     ImportPrefixXferRequest,
     OfferPrefixRequest,
 )
-from gyre_engine.server.cuda_ipc import CudaIpcUnreachable, expandable_segments
+from gyre_engine.server.cuda_ipc import CudaIpcUnreachable, expandable_segments, open_shared
 from gyre_engine.server.errors import error_for
 from gyre_engine.server.kv_transfer import KvTransferError
 from gyre_engine.server.xfer import STAMP_BYTES, XferHub, offer_transport
@@ -111,6 +111,31 @@ def test_a_buffer_that_does_not_fit_the_prefix_is_bad_input(change: dict[str, ob
             hub.pull_prefix(
                 offer_of(described(full_size()), TOKENS, HEADS, DIM), LAYERS + 1, torch.device("cpu"), 5.0
             )
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"event_handle": b"\x01" * 8}, "malformed CUDA IPC handles"),  # torch reads 64 bytes from it
+        ({"storage_handle": b"\x02\x00"}, "malformed CUDA IPC handles"),
+        ({"storage_size_bytes": 2 * LAYERS * PLANE}, "runs past its storage"),
+        ({"tensor_offset": 64}, "runs past its storage"),
+        ({"stride": [1, 1]}, "differ in rank"),
+    ],
+)
+def test_a_description_torch_could_not_open_safely_is_bad_input(change: dict[str, object], why: str) -> None:
+    """Refused before the device is even looked at (here: the CPU), so before torch reads any handle."""
+    hub = XferHub()
+    try:
+        shared = described(full_size(), **change)
+        with pytest.raises(ValueError, match=why):
+            open_shared(shared, torch.device("cpu"))
+        if "stride" not in change:  # (a stride of another rank is already refused as not fitting)
+            with pytest.raises(KvTransferError, match=f"cannot be opened safely: .*{why}") as ei:
+                hub.pull_prefix(offer_of(shared, TOKENS, HEADS, DIM), LAYERS, torch.device("cpu"), 5.0)
+            assert error_for(ei.value).status_code == 400
     finally:
         hub.close()
 

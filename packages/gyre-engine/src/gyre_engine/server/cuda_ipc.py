@@ -120,18 +120,10 @@ def forgo(desc: CudaIpcTensor) -> None:
 
 
 def open_shared(desc: CudaIpcTensor, device: torch.device) -> torch.Tensor:
-    """The tensor `desc` describes, mapped into this process on `device` (which must be the exporter's
-    GPU: else CudaIpcUnreachable). ValueError for a description torch could not use safely; RuntimeError
-    from CUDA when the share cannot be opened (its exporter exited, or freed the memory)."""
-    if device.type != "cuda":
-        raise CudaIpcUnreachable(
-            f"the offer is in the memory of GPU {desc.device_uuid}; this engine is on {device}"
-        )
-    mine = device_uuid(device)
-    if mine != desc.device_uuid:
-        raise CudaIpcUnreachable(
-            f"the offer is in the memory of GPU {desc.device_uuid}; this engine is on {mine}"
-        )
+    """The tensor `desc` describes, mapped into this process on `device`. ValueError for a description
+    torch could not use safely (checked first, wherever this runs); CudaIpcUnreachable unless `device` is
+    the exporter's GPU; RuntimeError from CUDA when the share cannot be opened (its exporter exited, or
+    freed the memory)."""
     dtype = getattr(torch, desc.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {desc.dtype!r}")
@@ -142,6 +134,15 @@ def open_shared(desc: CudaIpcTensor, device: torch.device) -> torch.Tensor:
     last = desc.tensor_offset + sum((s - 1) * st for s, st in zip(desc.size, desc.stride, strict=True))
     if all(desc.size) and (last + 1) * dtype.itemsize > desc.storage_size_bytes:
         raise ValueError(f"the tensor runs past its storage of {desc.storage_size_bytes} bytes")
+    if device.type != "cuda":
+        raise CudaIpcUnreachable(
+            f"the offer is in the memory of GPU {desc.device_uuid}; this engine is on {device}"
+        )
+    mine = device_uuid(device)
+    if mine != desc.device_uuid:
+        raise CudaIpcUnreachable(
+            f"the offer is in the memory of GPU {desc.device_uuid}; this engine is on {mine}"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
         t: torch.Tensor = rebuild_cuda_tensor(
