@@ -5,7 +5,8 @@ request bodies); the set of `sampling_params` keys is closed, and `check_samplin
 key the way SGLang does. `KvPrefix` is gyre's own record for handing a cached prefix (KV arrays plus the
 token ids they cover) from one engine to another; it carries a protocol version and encodes to msgpack.
 The gyre-xfer records at the end (weight snapshots, prefix offers) carry gyre-xfer's own messages as raw
-JSON, so this module and the client need neither gyre-xfer nor torch. Every request body is a struct here,
+JSON, and a prefix offer over CUDA IPC carries torch's sharing arguments as plain values (`CudaIpcTensor`),
+so this module and the client need neither gyre-xfer nor torch. Every request body is a struct here,
 decoded by the server and encoded by the client (`client.py`), so the two cannot drift apart; requests
 omit their defaults on the wire, which are SGLang's where SGLang has the field.
 """
