@@ -17,7 +17,8 @@ index of that GPU. Copy out of it and drop it at once: while it lives, the expor
 
 Allocating: torch cannot share memory of expandable segments between processes, and the engine's
 caching allocator uses them; `shareable_allocations()` turns them off for the allocations made inside it
-(on the engine thread, between two steps, so no other allocation sees the change).
+(on the engine thread, between two steps, so the engine's own allocations do not see the change; an
+import running meanwhile on another thread of the process merely gets plain segments).
 """
 
 from __future__ import annotations
@@ -70,13 +71,15 @@ def shareable_allocations() -> Iterator[None]:
 def share(t: torch.Tensor) -> CudaIpcTensor:
     """Describe `t` (a CUDA tensor from `shareable_allocations`) for one importer. Keep `t` alive until
     that importer is done (or `forgo` its reference): the memory is freed once neither holds it."""
-    if t.device.type != "cuda" or t.requires_grad:
-        raise ValueError(f"only a CUDA tensor without grad can be shared, not one on {t.device}")
-    rebuild, args = reduce_tensor(t)
+    if type(t) is not torch.Tensor or t.device.type != "cuda" or t.requires_grad:
+        raise ValueError(
+            f"only a plain CUDA tensor without grad can be shared, not a {type(t)} on {t.device}"
+        )
+    rebuild, args = reduce_tensor(t)  # from here on torch holds the storage for one importer
     if rebuild is not rebuild_cuda_tensor:
         raise ValueError(f"torch reduces this tensor with {rebuild!r}, not rebuild_cuda_tensor")
     (
-        tensor_cls,
+        _tensor_cls,
         size,
         stride,
         tensor_offset,
@@ -92,8 +95,6 @@ def share(t: torch.Tensor) -> CudaIpcTensor:
         event_handle,
         event_sync_required,
     ) = args
-    if tensor_cls is not torch.Tensor:
-        raise ValueError(f"only a plain torch.Tensor can be shared, not {tensor_cls!r}")
     return CudaIpcTensor(
         device_uuid=device_uuid(t.device),
         size=[int(s) for s in size],
