@@ -11,9 +11,10 @@ moved call's prefix taken along against prefilled again.
 - `concurrency_of`: the run's mean number of calls in flight on an engine while it had any.
 - `train_again`: a core alone trains the run's kept steps (`[train] keep_batches`), the first step
   included (compile and allocation are part of the run's time too).
-- `migration_vs_reprefill`: two engines; a context cached on the first is handed to the second over
-  gyre-xfer, and the next call's time to its first token is timed, against the same call after the
-  second engine's cache was flushed.
+- `migration_vs_reprefill`: two engines; a context cached on the first is handed to the second (device
+  to device over CUDA IPC when both are on one GPU, else over gyre-xfer's shared memory), and the next
+  call's time to its first token is timed, against the same call after the second engine's cache was
+  flushed.
 - `decode_vs_context`: where a call's time goes as contexts grow: `batch` calls at once, each a fresh
   context of L tokens, prefilled (one output token), then continued from the cache for `new` tokens;
   the engine's seconds per decode step at each L.
@@ -29,7 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -183,31 +184,37 @@ def train_again(model_dir: Path, batches: Path, device: str, token_budget: int, 
 
 
 async def migration_vs_reprefill(
-    a: str, b: str, contexts: list[int], reps: int, vocab: int
+    a: str, b: str, contexts: list[int], reps: int, vocab: int, transport: str = "cuda_ipc"
 ) -> dict[str, Any]:
     """Per context length: the median seconds to a moved call's first token with its prefix handed from
-    engine `a` to engine `b` over gyre-xfer's shared memory (offer, pull, install, then the call), and
-    the same call on `b` with its cache flushed (prefilled again); also the hand-off alone."""
+    engine `a` to engine `b` (offer, pull, install, then the call), and the same call on `b` with its
+    cache flushed (prefilled again); also the hand-off alone, and the way the KV went (`transport`:
+    "cuda_ipc" when both engines are on one GPU, else "shm", which `handoff_prefix` falls back to; or
+    what `transport` names)."""
     from gyre_engine.client import EngineClient, handoff_prefix
-    from gyre_engine.protocol import SamplingParams
+    from gyre_engine.protocol import PrefixTransport, SamplingParams
 
+    way = cast(PrefixTransport, transport)
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
     async with EngineClient(a, timeout_s=600) as ca, EngineClient(b, timeout_s=600) as cb:
         warm = [random.Random(0).randrange(10, vocab) for _ in range(256)]
         await ca.generate(warm, one)
-        await handoff_prefix(ca, cb, warm, transport="shm")  # transports opened before timing
+        await handoff_prefix(ca, cb, warm, transport=way)  # transports opened before timing
         for n in contexts:
             rng = random.Random(n)
             moved, again, hand = [], [], []
+            went: set[str] = set()
             for r in range(reps):
                 ids = [rng.randrange(10, vocab) for _ in range(n)]
                 call = [*ids, rng.randrange(10, vocab)]
                 await ca.generate(ids, one)  # the drained engine holds the context
                 await cb.flush_cache()
                 t0 = time.perf_counter()
-                await handoff_prefix(ca, cb, ids, transport="shm")
+                reply = await handoff_prefix(ca, cb, ids, transport=way)
                 t1 = time.perf_counter()
+                assert reply is not None and reply.success, "the prefix was not handed over"
+                went.add(reply.transport)
                 got = await cb.generate(call, one)
                 t2 = time.perf_counter()
                 assert (got.meta_info.cached_tokens or 0) >= 0.9 * n, "the moved prefix was not used"
@@ -224,6 +231,7 @@ async def migration_vs_reprefill(
                 "handoff_s": round(statistics.median(hand), 4),
                 "ttft_reprefill_s": round(statistics.median(again), 4),
                 "speedup": round(statistics.median(again) / statistics.median(moved), 2),
+                "transport": ",".join(sorted(went)),
             }
     return out
 

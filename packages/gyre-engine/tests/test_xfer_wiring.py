@@ -4,7 +4,9 @@ publisher subprocess, bytes over Mooncake TCP on loopback and over shared memory
 (a) a weight update from a published snapshot changes greedy output to the new weights' and bumps the
 version; bad snapshots and a dead publisher change nothing. (b) engine A hands an agent's cached prefix
 to engine B; B continues it without re-prefill, exactly like a fresh prefill. (c) the source killed
-mid-transfer: a clear error on the target within its timeout, nothing installed.
+mid-transfer: a clear error on the target within its timeout, nothing installed. (d) "cuda_ipc" between
+engines off CUDA: offered over shared memory; an offer in a GPU's memory is refused by an engine that is
+not on that GPU before anything is read, and `handoff_prefix` hands the prefix over shared memory instead.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from typing import Any
 import msgspec
 import pytest
 from gyre_engine.client import EngineClient, EngineError, handoff_prefix
-from gyre_engine.protocol import SamplingParams
+from gyre_engine.protocol import (
+    CUDA_IPC_UNREACHABLE,
+    PrefixOffer,
+    PrefixTransport,
+    SamplingParams,
+    SuccessReply,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -33,6 +41,9 @@ SYSTEM = [1000 + i for i in range(37)]
 USER = [1200 + i * 7 for i in range(9)]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PUBLISHER = Path(__file__).with_name("xfer_publisher.py")
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
+from ipc_offers import on_device  # noqa: E402
 
 
 def run(coro: Any) -> Any:
@@ -292,6 +303,126 @@ def test_a_terminated_engine_removes_its_shared_memory(spawn_server: Callable[..
     c.proc.terminate()
     assert c.proc.wait(30) == -signal.SIGTERM
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"gyre-{c.proc.pid}-")]
+
+
+def test_cuda_ipc_between_engines_off_cuda_goes_over_shared_memory(pair: tuple[Any, Any]) -> None:
+    from gyre_xfer.protocol import KvOffer
+
+    a, b = pair
+
+    async def go() -> None:
+        async with EngineClient(a.url, timeout_s=60) as ca, EngineClient(b.url, timeout_s=60) as cb:
+            await ca.flush_cache()
+            await cb.flush_cache()
+            first = await ca.generate(SYSTEM + USER, GREEDY)
+            context = SYSTEM + USER + first.output_ids
+            covered = len(context) - 1
+            offer = await ca.offer_prefix(context, transport="cuda_ipc")
+            assert offer is not None and offer.cuda_ipc is None  # no device memory to share
+            assert msgspec.json.decode(offer.kv_offer, type=KvOffer).pool.transport.name == "SHM"
+            await ca.release_prefix_offer(offer.offer_id)
+            reply = await handoff_prefix(ca, cb, context, transport="cuda_ipc", block_tokens=8)
+            assert reply is not None and reply.success and reply.transport == "shm"
+            assert reply.tokens == covered and "over shm" in reply.message
+            again = await cb.generate(context, GREEDY)
+            assert again.meta_info.cached_tokens == covered
+            assert (await ca.server_info()).open_prefix_offers == 0
+
+    run(go())
+
+
+class OnAGpu(EngineClient):
+    """Engine A as if it were on a GPU: asked for "cuda_ipc", it answers what an engine on a GPU answers
+    (an offer of a device buffer, `ipc_offers.on_device`, of the prefix A caches); everything else is A's
+    own answer. Records every receipt."""
+
+    def __init__(self, url: str, layers: int) -> None:
+        super().__init__(url, timeout_s=60)
+        self.layers = layers
+        self.device_offers: list[PrefixOffer] = []
+        self.receipts: list[tuple[str, list[int]]] = []
+
+    async def offer_prefix(
+        self,
+        input_ids: list[int],
+        *,
+        transport: PrefixTransport = "shm",
+        block_tokens: int = 16,
+        lease_s: float = 120.0,
+        timeout: float | None = None,
+    ) -> PrefixOffer | None:
+        if transport != "cuda_ipc":
+            return await super().offer_prefix(input_ids, transport=transport, block_tokens=block_tokens)
+        like = await super().offer_prefix(input_ids, block_tokens=block_tokens)
+        assert like is not None
+        await super().release_prefix_offer(like.offer_id)
+        self.device_offers.append(on_device(like, self.layers, 4))  # the tiny model's KV is float32
+        return self.device_offers[-1]
+
+    async def release_prefix_offer(
+        self, offer_id: str, arrived: list[int] | None = None, failed: list[int] | None = None
+    ) -> SuccessReply:
+        self.receipts.append((offer_id, list(arrived or [])))
+        if any(o.offer_id == offer_id for o in self.device_offers):
+            return SuccessReply(True, f"offer {offer_id} released")
+        return await super().release_prefix_offer(offer_id, arrived, failed)
+
+
+def test_an_offer_in_a_gpus_memory_is_refused_off_that_gpu_and_sent_over_shared_memory(
+    pair: tuple[Any, Any], model_dir: Path
+) -> None:
+    a, b = pair
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+    async def go() -> None:
+        async with EngineClient(a.url, timeout_s=60) as ca, EngineClient(b.url, timeout_s=60) as cb:
+            await ca.flush_cache()
+            await cb.flush_cache()
+            first = await ca.generate(SYSTEM + USER, GREEDY)
+            context = SYSTEM + USER + first.output_ids
+            covered = len(context) - 1
+            gpu_a = OnAGpu(a.url, layers)
+            async with gpu_a:
+                offer = await gpu_a.offer_prefix(context, transport="cuda_ipc", block_tokens=8)
+                assert offer is not None and offer.cuda_ipc is not None
+                with pytest.raises(EngineError) as ei:
+                    await cb.import_prefix_xfer(offer)
+                assert ei.value.status == 409 and ei.value.err_type == CUDA_IPC_UNREACHABLE
+                assert "this engine is on cpu" in ei.value.message
+                assert (await cb.server_info()).cached_prefix_tokens == 0  # nothing read, nothing installed
+
+                reply = await handoff_prefix(gpu_a, cb, context, transport="cuda_ipc", block_tokens=8)
+                assert reply is not None and reply.success and reply.transport == "shm"
+                assert reply.tokens == covered
+                # the refused device offer was released with nothing arrived, the one over shm with all
+                second = gpu_a.device_offers[1].offer_id
+                assert gpu_a.receipts[0] == (second, [])
+                assert gpu_a.receipts[1][1] == list(range(-(-covered // 8)))
+            again = await cb.generate(context, GREEDY)
+            assert again.meta_info.cached_tokens == covered
+            assert (await ca.server_info()).open_prefix_offers == 0
+
+            # without "cuda_ipc" asked for, such a refusal is the caller's error: no second way is tried
+            with pytest.raises(EngineError, match="this engine is on cpu"):
+                await handoff_prefix(FixedOffer(a.url, offer), cb, context, transport="shm")
+
+    run(go())
+
+
+class FixedOffer(EngineClient):
+    """Engine A answering every offer request with one fixed offer (releases go nowhere)."""
+
+    def __init__(self, url: str, offer: PrefixOffer) -> None:
+        super().__init__(url, timeout_s=60)
+        self.offer = offer
+
+    async def offer_prefix(self, input_ids: list[int], **kw: Any) -> PrefixOffer | None:
+        return self.offer
+
+    async def release_prefix_offer(
+        self, offer_id: str, arrived: list[int] | None = None, failed: list[int] | None = None
+    ) -> SuccessReply:
+        return SuccessReply(True, f"offer {offer_id} released")
 
 
 @pytest.mark.mooncake

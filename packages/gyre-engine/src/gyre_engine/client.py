@@ -26,6 +26,7 @@ import msgspec
 from gyre_base.token import bearer, resolve_token
 
 from gyre_engine.protocol import (
+    CUDA_IPC_UNREACHABLE,
     KV_PREFIX_DECODER,
     KV_PREFIX_ENCODER,
     AbortRequest,
@@ -46,6 +47,7 @@ from gyre_engine.protocol import (
     PauseRequest,
     PrefixImportReply,
     PrefixOffer,
+    PrefixTransport,
     ReleaseOfferRequest,
     SamplingParams,
     ServerInfo,
@@ -70,11 +72,13 @@ _gen_list_dec = msgspec.json.Decoder(list[GenerateResponse])
 class EngineError(RuntimeError):
     """An error reply from the server (or a stream that reported one in-band)."""
 
-    def __init__(self, status: int, message: str, retryable: bool = False) -> None:
+    def __init__(self, status: int, message: str, retryable: bool = False, err_type: str = "") -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
         self.retryable = retryable
+        self.err_type = err_type
+        """The body's error `type` where it has one (gyre-engine's and SGLang's refusals), else ""."""
 
 
 def _error_from(status: int, body: bytes) -> EngineError:
@@ -91,7 +95,9 @@ def _error_from(status: int, body: bytes) -> EngineError:
     err = obj.get("error", obj) if isinstance(obj, dict) else obj
     if isinstance(err, dict):
         message = err.get("message", err.get("detail", err))
-        return EngineError(status, str(message), bool(err.get("retryable", default_retry)))
+        kind = err.get("type")
+        retry = bool(err.get("retryable", default_retry))
+        return EngineError(status, str(message), retry, kind if isinstance(kind, str) else "")
     return EngineError(status, str(err), default_retry)
 
 
@@ -512,13 +518,14 @@ class EngineClient:
         self,
         input_ids: list[int],
         *,
-        transport: Transport = "shm",
+        transport: PrefixTransport = "shm",
         block_tokens: int = 16,
         lease_s: float = 120.0,
         timeout: float | None = None,
     ) -> PrefixOffer | None:
-        """gyre-engine only: expose the cached prefix of `input_ids` in a registered KV pool (None if
-        nothing is cached). Release it with `release_prefix_offer` (else it expires after `lease_s`)."""
+        """gyre-engine only: expose the cached prefix of `input_ids` in a registered KV pool, or with
+        "cuda_ipc" in a device buffer another engine on the same GPU can map (None if nothing is cached).
+        Release it with `release_prefix_offer` (else it expires after `lease_s`)."""
         body = OfferPrefixRequest(input_ids, transport=transport, block_tokens=block_tokens, lease_s=lease_s)
         kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         r = await self._http.post("/offer_prefix", content=_enc.encode(body), **kw)
@@ -560,12 +567,32 @@ async def handoff_prefix(
     target: EngineClient,
     input_ids: list[int],
     *,
-    transport: Transport = "shm",
+    transport: PrefixTransport = "shm",
     timeout_s: float = 30.0,
     block_tokens: int = 16,
 ) -> PrefixImportReply | None:
     """Move the cached prefix of `input_ids` from `source` to `target` through gyre-xfer: offer, pull,
-    receipt. None if the source caches nothing of it; the offer is released whatever happens."""
+    receipt. None if the source caches nothing of it; the offer is released whatever happens.
+
+    "cuda_ipc": device to device when both engines are on one GPU; when the target is on another GPU or
+    off CUDA it refuses the offer before reading anything (CUDA_IPC_UNREACHABLE), which is released and
+    made again over shared memory. The reply's `transport` says which way the KV went."""
+    try:
+        return await _handoff(source, target, input_ids, transport, timeout_s, block_tokens)
+    except EngineError as exc:
+        if transport != "cuda_ipc" or exc.err_type != CUDA_IPC_UNREACHABLE:
+            raise
+    return await _handoff(source, target, input_ids, "shm", timeout_s, block_tokens)
+
+
+async def _handoff(
+    source: EngineClient,
+    target: EngineClient,
+    input_ids: list[int],
+    transport: PrefixTransport,
+    timeout_s: float,
+    block_tokens: int,
+) -> PrefixImportReply | None:
     offer = await source.offer_prefix(input_ids, transport=transport, block_tokens=block_tokens)
     if offer is None:
         return None

@@ -5,7 +5,8 @@ request bodies); the set of `sampling_params` keys is closed, and `check_samplin
 key the way SGLang does. `KvPrefix` is gyre's own record for handing a cached prefix (KV arrays plus the
 token ids they cover) from one engine to another; it carries a protocol version and encodes to msgpack.
 The gyre-xfer records at the end (weight snapshots, prefix offers) carry gyre-xfer's own messages as raw
-JSON, so this module and the client need neither gyre-xfer nor torch. Every request body is a struct here,
+JSON, and a prefix offer over CUDA IPC carries torch's sharing arguments as plain values (`CudaIpcTensor`),
+so this module and the client need neither gyre-xfer nor torch. Every request body is a struct here,
 decoded by the server and encoded by the client (`client.py`), so the two cannot drift apart; requests
 omit their defaults on the wire, which are SGLang's where SGLang has the field.
 """
@@ -389,6 +390,10 @@ Transport = Literal["mooncake", "shm"]
 """How gyre-engine moves weights and KV blocks through gyre-xfer: same-host shared memory (the default: it
 needs no system library and opens no port) or Mooncake Transfer Engine (TCP here, RDMA where present;
 across hosts)."""
+PrefixTransport = Literal["mooncake", "shm", "cuda_ipc"]
+"""How a prefix offer's KV moves: the gyre-xfer transports, or "cuda_ipc" (device to device between two
+engines on one GPU, through torch's CUDA IPC; an engine off CUDA offers over shared memory instead, and
+`client.handoff_prefix` falls back to shared memory when the importer is on another GPU)."""
 WeightLayout = Literal["transformers", "megatron"]
 """Tensor names and layout of a weight snapshot: transformers', or Megatron-core GPT's (fused QKV and
 gate/up), converted on the way in."""
@@ -553,18 +558,63 @@ class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Body of POST /offer_prefix: copy the cached prefix of `input_ids` into a registered KV pool."""
 
     input_ids: list[int]
-    transport: Transport = "shm"
-    """As in `UpdateFromXferRequest`: shared memory by default, Mooncake across hosts."""
+    transport: PrefixTransport = "shm"
+    """As in `UpdateFromXferRequest`: shared memory by default, Mooncake across hosts; "cuda_ipc" hands
+    the importer a handle to a device copy of the KV (an engine on CUDA; others offer over shared memory)."""
     block_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Tokens per KV block of the offered pool."""
     lease_s: Seconds = 120.0
     """The pool is freed after this long if no receipt (/release_prefix_offer) comes back first."""
 
 
+CUDA_IPC_UNREACHABLE = "CudaIpcUnreachable"
+"""The error type (HTTP 409) of an import refused because the offer is in another GPU's memory (or the
+importer is not on a GPU): nothing was read; the offer can be released and made again another way."""
+
+CUDA_IPC_REF_COUNTER_SLOTS = 10000
+"""Reference counters in one of torch's CUDA IPC counter files (torch's CUDA_IPC_REF_COUNTER_FILE_SIZE):
+a counter offset past it would make the importer write outside the file's mapping."""
+
+
+class CudaIpcTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tensor in another process's CUDA memory, shared through torch's CUDA IPC: the plain values among
+    the arguments of `torch.multiprocessing.reductions.rebuild_cuda_tensor`, as `reduce_tensor` gave them
+    to the exporter (the tensor and storage classes are always `torch.Tensor` and `TypedStorage`, and
+    `requires_grad` False, so they do not travel). Only a process whose device has the UUID
+    `device_uuid` can open it; it passes its own index of that device to torch. Nothing is pickled."""
+
+    device_uuid: str
+    """`str(torch.cuda.get_device_properties(device).uuid)` of the exporter's GPU."""
+    size: list[Annotated[int, msgspec.Meta(ge=0)]]
+    stride: list[Annotated[int, msgspec.Meta(ge=0)]]
+    tensor_offset: Annotated[int, msgspec.Meta(ge=0)]
+    """Elements from the storage's start to the tensor's."""
+    dtype: str
+    """torch's name without the `torch.` prefix ("uint8")."""
+    storage_handle: bytes
+    """torch's IPC handle of the CUDA allocation that holds the storage (base64 in JSON)."""
+    storage_size_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    storage_offset_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    """Where the storage starts in that allocation."""
+    ref_counter_handle: Annotated[str, msgspec.Meta(pattern=r"^/torch_[A-Za-z0-9_]+$", max_length=200)]
+    """The shared-memory file of torch's reference counter for this share, `/torch_<pid>_<random>_<n>`
+    (the importer decrements it when it drops the tensor): a name in /dev/shm, never a path."""
+    ref_counter_offset: Annotated[int, msgspec.Meta(ge=0, lt=CUDA_IPC_REF_COUNTER_SLOTS)]
+    event_handle: bytes
+    """An interprocess CUDA event recorded after the exporter's copies; the importer's stream waits on it
+    when `event_sync_required` (torch synchronized the exporter's stream instead when it is False)."""
+    event_sync_required: bool
+
+
 class PrefixOffer(msgspec.Struct, frozen=True):
     """A prefix ready to be pulled: `token_ids` are covered by `kv_offer`'s blocks (`block_tokens` each,
     per layer K and V laid out `[block_tokens, kv_heads, head_dim]` of `dtype`). `kv_offer` is
-    gyre-xfer's `KvOffer` as JSON, passed through untouched by the client (which needs no gyre-xfer)."""
+    gyre-xfer's `KvOffer` as JSON, passed through untouched by the client (which needs no gyre-xfer).
+
+    An offer over CUDA IPC has `cuda_ipc` instead (and `kv_offer` is JSON null): one flat uint8 buffer on
+    the exporter's GPU holding, per layer, K then V as `[kv_heads, len(token_ids), head_dim]` of `dtype`,
+    then the offer id (32 ASCII hex digits; zeroed when the offer is released). Its blocks, for the
+    receipt, are `block_tokens` tokens each as above."""
 
     offer_id: str
     model_fingerprint: str
@@ -576,6 +626,7 @@ class PrefixOffer(msgspec.Struct, frozen=True):
     block_tokens: int
     lease_s: float
     kv_offer: msgspec.Raw
+    cuda_ipc: CudaIpcTensor | None = None
 
 
 class ImportPrefixXferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -601,6 +652,8 @@ class PrefixImportReply(msgspec.Struct, frozen=True):
     blocks: list[BlockReport]
     nbytes: int
     elapsed_s: float
+    transport: str = ""
+    """The way the KV came: "cuda_ipc", "shm" or "mooncake" ("" from a server that does not say)."""
 
 
 class ReleaseOfferRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gyre_engine.protocol import ErrorBody, ErrorReply, ProtocolError, SuccessReply
+from gyre_engine.protocol import CUDA_IPC_UNREACHABLE, ErrorBody, ErrorReply, ProtocolError, SuccessReply
+from gyre_engine.server.cuda_ipc import CudaIpcUnreachable
 from gyre_engine.server.dist_update import DistUpdateError, GroupBusy
 from gyre_engine.server.engine import EngineUnavailable
 from gyre_engine.server.kv_transfer import KvTransferError
@@ -93,6 +94,8 @@ def error_for(exc: Exception) -> Response:
         return error_response(
             str(exc) or "the client left before its body arrived", 499, "ClientClosedRequest"
         )
+    if isinstance(exc, CudaIpcUnreachable):  # the client can release the offer and make it another way
+        return error_response(str(exc), 409, CUDA_IPC_UNREACHABLE)
     if isinstance(exc, KvPullError):
         return error_response(str(exc), exc.status, "KvTransferFailed", retryable=True)
     if isinstance(exc, XferError):

@@ -3,12 +3,15 @@ re-prefill: in the body of an HTTP call (`/export_prefix`, `/import_prefix`: a m
 through gyre-xfer (`/offer_prefix` copies the KV into a registered pool, the target's
 `/import_prefix_xfer` pulls every block and installs the prefix only if all arrived, and
 `/release_prefix_offer` frees the pool). A prefix of another model or weight version is refused.
+An offer with transport "cuda_ipc" from an engine on a GPU is made on the engine thread (`XferHub.
+offer_on_device`); from an engine elsewhere it is an offer over shared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,6 +23,7 @@ from gyre_engine.protocol import (
     ImportPrefixXferRequest,
     OfferPrefixRequest,
     PrefixImportReply,
+    PrefixOffer,
     ReleaseOfferRequest,
     SuccessReply,
 )
@@ -33,7 +37,7 @@ from gyre_engine.server.kv_transfer import (
     install_prefix,
 )
 from gyre_engine.server.routing import EngineCalls, body_as, route
-from gyre_engine.server.xfer import XferHub, block_reports
+from gyre_engine.server.xfer import XferHub, block_reports, offer_transport
 
 
 class PrefixRoutes:
@@ -67,11 +71,22 @@ class PrefixRoutes:
 
     async def offer_prefix(self, request: Request) -> Response:
         body = await body_as(request, OfferPrefixRequest)
-        got = await self.call(cached_prefix, self.engine, body.input_ids)
-        if got is None:
+        offer: PrefixOffer | None
+        if body.transport == "cuda_ipc" and self.engine.device.type == "cuda":
+            offer = await self.call(self._offer_on_device, body)
+        else:
+            if body.transport == "cuda_ipc":  # no device memory to share: shared memory instead
+                body = msgspec.structs.replace(body, transport="shm")
+            got = await self.call(cached_prefix, self.engine, body.input_ids)
+            offer = None if got is None else await asyncio.to_thread(self.xfer.offer, body, *got)
+        if offer is None:
             return error_response("no cached prefix of these input_ids", 404, "NotFound")
-        offer = await asyncio.to_thread(self.xfer.offer, body, *got)
         return json_response(offer)
+
+    def _offer_on_device(self, body: OfferPrefixRequest) -> PrefixOffer | None:
+        """On the engine thread: the cached prefix copied into a device buffer shared over CUDA IPC."""
+        got = cached_prefix(self.engine, body.input_ids)
+        return None if got is None else self.xfer.offer_on_device(body, *got)
 
     async def import_prefix_xfer(self, request: Request) -> Response:
         body = await body_as(request, ImportPrefixXferRequest)
@@ -83,8 +98,10 @@ class PrefixRoutes:
             body.timeout_s + 10,
         )
         n = await self.call(install_prefix, engine, o.token_ids, kv, o.weight_version)
-        msg = f"imported a prefix of {n} tokens in {len(res.blocks)} blocks"
-        return json_response(PrefixImportReply(True, msg, n, block_reports(res), res.nbytes, res.elapsed_s))
+        how = offer_transport(o)
+        msg = f"imported a prefix of {n} tokens in {len(res.blocks)} blocks over {how}"
+        reply = PrefixImportReply(True, msg, n, block_reports(res), res.nbytes, res.elapsed_s, how)
+        return json_response(reply)
 
     async def release_prefix_offer(self, request: Request) -> Response:
         body = await body_as(request, ReleaseOfferRequest)

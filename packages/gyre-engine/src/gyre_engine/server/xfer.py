@@ -11,6 +11,12 @@ here; otherwise (Mooncake) into a local pool in one batch of runs, and out of it
 kept for the next hand-off (`XferConfig.kv_spare_bytes`): fresh memory costs the kernel a fault and a
 zeroed page per 4 KiB, which cost more than the copies. An offer's arena is reused only after a receipt
 that every block arrived (the importer has finished reading it); an expired or failed one is freed.
+
+Between two engines on one GPU ("cuda_ipc"), the prefix never leaves the device: the offer copies it into
+one new device buffer on the engine thread (ordered after the KV's own writes) and shares that through
+torch's CUDA IPC (`cuda_ipc.py`); the importer, on the same GPU (same UUID), maps it and copies each plane
+into a fresh KV tensor, device to device. The buffer ends in the offer id like an arena; releasing the
+offer zeroes it first, so an importer of a released offer is refused, not handed other bytes.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ from gyre_xfer.transport import Config, EntryStatus, Region, Transport, open_tra
 
 from gyre_engine.protocol import (
     BlockReport,
+    CudaIpcTensor,
     OfferPrefixRequest,
     PrefixOffer,
     ProtocolError,
     UpdateFromXferRequest,
 )
 from gyre_engine.server.batch import RowKV
+from gyre_engine.server.cuda_ipc import forgo, open_shared, share, shareable_allocations
 from gyre_engine.server.kv_transfer import KvTransferError
 
 
@@ -68,11 +76,41 @@ class KvPullError(RuntimeError):
 
 
 @dataclass
+class _DeviceBuffer:
+    """An offer's KV in one buffer on the GPU, shared through CUDA IPC."""
+
+    buffer: torch.Tensor | None
+    shared: CudaIpcTensor
+
+    def close(self, read: bool) -> None:
+        """Zero the offer id (an importer reading now is refused when it checks it again), give up the
+        importer's reference unless it read the buffer and dropped it (`read`: a receipt for every block),
+        and drop ours: torch frees the memory once no importer holds it."""
+        buf, self.buffer = self.buffer, None
+        if buf is None:
+            return
+        with torch.cuda.device(buf.device):
+            buf[-STAMP_BYTES:].zero_()
+            torch.cuda.current_stream().synchronize()
+        if not read:
+            forgo(self.shared)
+        del buf
+
+
+@dataclass
 class _Offer:
-    pool: KvPool
+    pool: KvPool | None
     expires: float
     kind: str
     blocks: int
+    device: _DeviceBuffer | None = None
+
+    def close(self) -> None:
+        """Freed, never reused (no receipt for every block: the importer may still read it)."""
+        if self.pool is not None:
+            self.pool.close()
+        if self.device is not None:
+            self.device.close(read=False)
 
 
 def _plane(pool: KvPool, plane: int, dtype: torch.dtype, rows: int, heads: int, dim: int) -> torch.Tensor:
@@ -220,15 +258,71 @@ class XferHub:
             kv_offer=msgspec.Raw(msgspec.json.encode(kv_offer)),
         )
 
+    def offer_on_device(
+        self, body: OfferPrefixRequest, token_ids: list[int], kv: RowKV, fingerprint: str, version: str
+    ) -> PrefixOffer:
+        """Copy `kv` (covering `token_ids`, on a GPU) into one new device buffer and share it through CUDA
+        IPC. Runs on the engine thread: the copies queue on its stream after the KV's own writes, and the
+        buffer's allocation (expandable segments off) is the only one made meanwhile."""
+        if body.block_tokens < 1:
+            raise KvTransferError("block_tokens must be at least 1")
+        self.sweep()
+        n, layers = len(token_ids), len(kv.keys)
+        k0 = kv.keys[0]
+        heads, dim, dtype, device = int(k0.shape[1]), int(k0.shape[3]), k0.dtype, k0.device
+        if device.type != "cuda" or int(k0.shape[2]) != n:
+            raise KvTransferError(
+                f"a CUDA IPC offer needs KV of {n} tokens on a GPU, not {list(k0.shape)} on {device}"
+            )
+        plane = heads * n * dim * dtype.itemsize
+        offer_id = uuid.uuid4().hex
+        with torch.cuda.device(device):
+            try:
+                with shareable_allocations():
+                    buf = torch.empty(buf_nbytes(layers, plane), dtype=torch.uint8, device=device)
+            except torch.OutOfMemoryError as exc:
+                raise KvPullError(
+                    f"no room on {device} for a device copy of the prefix ({buf_nbytes(layers, plane)} bytes): {exc}",
+                    503,
+                ) from exc
+            planes = buf[: 2 * layers * plane].view(dtype).view(2 * layers, heads, n, dim)
+            for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
+                planes[2 * layer].copy_(k[0])
+                planes[2 * layer + 1].copy_(v[0])
+            del planes
+            buf[-STAMP_BYTES:].copy_(torch.frombuffer(bytearray(offer_id.encode()), dtype=torch.uint8))
+            shared = share(buf)  # its event follows the copies on this thread's stream
+        nb = -(-n // body.block_tokens)
+        with self._lock:
+            self._offers[offer_id] = _Offer(
+                None, time.monotonic() + body.lease_s, "cuda_ipc", nb, _DeviceBuffer(buf, shared)
+            )
+        return PrefixOffer(
+            offer_id=offer_id,
+            model_fingerprint=fingerprint,
+            weight_version=version,
+            token_ids=list(token_ids),
+            dtype=str(dtype).removeprefix("torch."),
+            kv_heads=heads,
+            head_dim=dim,
+            block_tokens=body.block_tokens,
+            lease_s=body.lease_s,
+            kv_offer=msgspec.Raw(b"null"),
+            cuda_ipc=shared,
+        )
+
     def release(self, offer_id: str, arrived: list[int] | None = None) -> bool:
         """Free an offer's pool; kept for reuse when `arrived` (the receipt) names every block."""
         with self._lock:
             off = self._offers.pop(offer_id, None)
         if off is not None:
-            if off.kind == "shm" and arrived is not None and set(arrived) == set(range(off.blocks)):
+            every = arrived is not None and set(arrived) == set(range(off.blocks))
+            if off.device is not None:
+                off.device.close(read=every)
+            elif off.kind == "shm" and every and off.pool is not None:
                 self._give_back(off.kind, off.pool)
             else:  # the importer may still be reading it: freed (its mapping keeps the bytes), never reused
-                off.pool.close()
+                off.close()
         self.sweep()
         return off is not None
 
@@ -276,7 +370,7 @@ class XferHub:
             dead = [k for k, o in self._offers.items() if o.expires < now]
             gone = [self._offers.pop(k) for k in dead]
         for o in gone:
-            o.pool.close()
+            o.close()
 
     @property
     def open_offers(self) -> int:
@@ -288,10 +382,12 @@ class XferHub:
         self, offer: PrefixOffer, layers: int, device: torch.device, timeout_s: float
     ) -> tuple[RowKV, KvTransferResult]:
         """Pull every block of `offer` into fresh local blocks; raise KvPullError unless all arrived."""
-        kv_offer = msgspec.json.decode(offer.kv_offer, type=KvOffer)
         dtype = getattr(torch, offer.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise KvTransferError(f"unknown KV dtype {offer.dtype!r}")
+        if offer.cuda_ipc is not None:
+            return self._pull_on_device(offer, offer.cuda_ipc, dtype, layers, device)
+        kv_offer = msgspec.json.decode(offer.kv_offer, type=KvOffer)
         n, bt = len(offer.token_ids), offer.block_tokens
         nb = len(kv_offer.block_ids)
         if kv_offer.num_tokens != n or not n or bt < 1 or nb != -(-n // bt):
@@ -346,6 +442,58 @@ class XferHub:
                 pool.close()
         return kv, res
 
+    def _pull_on_device(
+        self, offer: PrefixOffer, shared: CudaIpcTensor, dtype: torch.dtype, layers: int, device: torch.device
+    ) -> tuple[RowKV, KvTransferResult]:
+        """Map the offer's device buffer (CudaIpcUnreachable unless this engine is on the same GPU), copy
+        each plane into a fresh KV tensor, check the offer id before and after, and drop the mapping."""
+        n, bt, heads, dim = len(offer.token_ids), offer.block_tokens, offer.kv_heads, offer.head_dim
+        if not n or bt < 1 or heads < 1 or dim < 1:
+            raise KvTransferError(
+                f"offer of {n} token ids in blocks of {bt}, {heads} heads x {dim} does not fit"
+            )
+        plane = heads * n * dim * dtype.itemsize
+        nbytes = buf_nbytes(layers, plane)
+        if shared.dtype != "uint8" or shared.size != [nbytes] or shared.stride != [1]:
+            raise KvTransferError(
+                f"the offered device buffer is {shared.dtype} {shared.size}; {layers} layers of {n} tokens "
+                f"({heads} heads x {dim} of {offer.dtype}) need uint8 [{nbytes}]"
+            )
+        t0 = time.monotonic()
+        try:
+            src = open_shared(shared, device)
+        except ValueError as exc:
+            raise KvTransferError(f"the offered device buffer cannot be opened safely: {exc}") from exc
+        except RuntimeError as exc:  # CUDA's error: the exporter exited or freed the buffer
+            raise KvPullError(
+                f"the offer's device buffer could not be opened (its engine exited or released it): {exc}; "
+                "nothing was installed",
+                502,
+            ) from exc
+        try:
+            with torch.cuda.device(src.device):
+                # read after the exporter's copies (this stream waits on its event), then once more after
+                # ours: a buffer released meanwhile has its id zeroed before it is freed
+                _check_stamp(src[-STAMP_BYTES:].cpu().numpy(), offer.offer_id)
+                out = [
+                    src[p * plane : (p + 1) * plane].view(dtype).view(1, heads, n, dim).clone()
+                    for p in range(2 * layers)
+                ]
+                _check_stamp(src[-STAMP_BYTES:].cpu().numpy(), offer.offer_id)
+                torch.cuda.current_stream().synchronize()
+        except KvPullError:
+            raise
+        except RuntimeError as exc:  # CUDA's error (out of memory among them)
+            raise KvPullError(
+                f"copying the offer's device buffer failed: {exc}; nothing was installed", 502
+            ) from exc
+        finally:
+            del src  # torch gives the exporter its reference back once this process drops the mapping
+        kv = RowKV(out[0::2], out[1::2])
+        nb = -(-n // bt)
+        blocks = tuple(BlockResult(b, b, EntryStatus.OK) for b in range(nb))
+        return kv, KvTransferResult(blocks, time.monotonic() - t0, 2 * layers * plane)
+
     def close(self) -> None:
         with self._lock:
             offers, self._offers = list(self._offers.values()), {}
@@ -354,13 +502,25 @@ class XferHub:
             spares, self._spares = self._spares, []
         transports = list(by_kind.values())
         for o in offers:
-            o.pool.close()
+            o.close()
         for k, r in spares:
             by_kind[k].unregister(r)
         for s in subs:
             s.close()
         for t in transports:
             t.close()
+
+
+def buf_nbytes(layers: int, plane: int) -> int:
+    """Bytes of a CUDA IPC offer's buffer: K and V planes of `plane` bytes per layer, then the offer id."""
+    return 2 * layers * plane + STAMP_BYTES
+
+
+def offer_transport(offer: PrefixOffer) -> str:
+    """How `offer`'s KV moves: "cuda_ipc", else its gyre-xfer pool's transport ("shm", "mooncake")."""
+    if offer.cuda_ipc is not None:
+        return "cuda_ipc"
+    return msgspec.json.decode(offer.kv_offer, type=KvOffer).pool.transport.name.lower()
 
 
 def _pull_failed(res: KvTransferResult, peer: str, nb: int) -> KvPullError:
