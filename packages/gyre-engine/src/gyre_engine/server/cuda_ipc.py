@@ -24,6 +24,7 @@ import running meanwhile on another thread of the process merely gets plain segm
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -53,19 +54,36 @@ def expandable_segments(settings: str) -> bool:
     return False
 
 
+def allocator_settings() -> str:
+    """The caching allocator's settings now: torch's own answer where this build has it, else what the
+    process started with (PYTORCH_CUDA_ALLOC_CONF, which `gyre-engine serve` sets before CUDA starts)."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return str(get()) if get is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def set_allocator_settings(settings: str) -> None:
+    """Change the caching allocator's settings (torch's accelerator call, or the CUDA one of older builds)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
+    )
+    if setter is None:
+        raise RuntimeError(f"torch {torch.__version__} has no call to change the CUDA allocator's settings")
+    setter(settings)
+
+
 @contextlib.contextmanager
 def shareable_allocations() -> Iterator[None]:
     """Allocations inside come from plain cudaMalloc segments, which CUDA IPC can share (expandable
     segments turned off meanwhile, if they were on)."""
-    previous = torch._C._accelerator_getAllocatorSettings()
+    previous = allocator_settings()
     if not expandable_segments(previous):
         yield
         return
-    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    set_allocator_settings("expandable_segments:False")
     try:
         yield
     finally:
-        torch._C._accelerator_setAllocatorSettings(previous)
+        set_allocator_settings(previous)
 
 
 def share(t: torch.Tensor) -> CudaIpcTensor:
