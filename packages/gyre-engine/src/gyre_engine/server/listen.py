@@ -11,8 +11,9 @@ from typing import NoReturn
 from gyre_base.token import TokenError, is_loopback_host, listener_token
 
 
-def listen_token(host: str, allow_remote: bool, token: str | None) -> str:
-    """The token a listener on `host` runs with; SystemExit(2) naming the setting if it may not start."""
+def listen_token(host: str, allow_remote: bool, token: str = "") -> str:
+    """The token a listener on `host` runs with (`token`, else `$GYRE_TOKEN`); SystemExit(2) naming the
+    setting if it may not start."""
     if not is_loopback_host(host) and not allow_remote:
         _refuse(f"refusing to bind {host}: the control endpoints replace weights; pass --allow-remote")
     try:
