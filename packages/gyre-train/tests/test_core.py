@@ -64,6 +64,27 @@ def reference() -> dict[str, torch.Tensor]:
         core.close()
 
 
+def test_a_warmed_up_core_trains_as_one_that_was_not(reference: dict[str, torch.Tensor]) -> None:
+    # The warm-up computes synthetic micro-batches as a step would and applies nothing: same weights,
+    # version and (after the burst) the same weights as the reference, bit for bit.
+    core = new_core()
+    try:
+        before = weights(core)
+        core.set_computing(False)  # as the cell leaves it: the warm-up computes anyway, then restores it
+        assert core.warm_up(2) > 0.0 and core.version == 0
+        assert_same(weights(core), before)
+        core.set_computing(True)
+        core.train_burst([A, B])
+        assert_same(weights(core), reference)
+    finally:
+        core.close()
+    small = Core(build_model(MC), MC, CoreConfig(token_budget=64))
+    try:  # a budget below the synthetic agent's paths: nothing to warm up with, said and skipped
+        assert small.warm_up(2) == 0.0 and small.version == 0
+    finally:
+        small.close()
+
+
 @pytest.fixture
 def core_and_satellite() -> Iterator[tuple[Core, Satellite]]:
     core = new_core()

@@ -307,6 +307,8 @@ class Cell:
             log.info("core resumed from %s at version %d", ckpt, self.core.version)
         elif whole:
             self.core.load_whole_weights(pretrained_weights(mc, self.a.model_dir))
+        if self.a.device == "cuda":  # the attention kernels compiled now, beside the engine's start-up,
+            self.core.warm_up(2)  # not in the first step (as a satellite does at its start)
         self.core.set_computing(False)  # the cell starts in rollout
         self.publisher = self.core.publisher.address
         info = {"core": self.core.address, "publisher": self.publisher}

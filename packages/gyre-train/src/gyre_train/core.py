@@ -25,14 +25,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import torch
 from gyre_traj.loss import LossConfig, Mismatch, combine_metrics, combine_mismatch
-from gyre_traj.pack import PackConfig, PackedBatch
+from gyre_traj.pack import PackConfig, PackedBatch, PackError
 
 from gyre_train import batchlog, checkpoint
 from gyre_train.cell import Cell
@@ -378,6 +378,38 @@ class Core:
                     f"micro-batch {i}: tokens sampled at version {int(b.versions.max())}, "
                     f"newer than the trainer's {version}"
                 )
+
+    def warm_up(self, rounds: int) -> float:
+        """Compute `rounds` synthetic micro-batches of different lengths as a step would, and apply nothing
+        (weights, AdamW state, version and the step queue stay as they were): on a GPU this compiles the
+        attention kernels for dynamic shapes before the first real step, as a satellite does at its start;
+        the allocator's idle blocks go back to the driver after. Call before any step is queued and before satellites join.
+        Returns the seconds taken (0 for `rounds` <= 0)."""
+        if rounds <= 0:
+            return 0.0
+        from gyre_train.data import synthetic_minibatch
+
+        t0 = time.perf_counter()
+        vocab, budget = self.model_cfg.vocab_size, min(self.cfg.token_budget, 1 << 14)
+        try:
+            mbs = [
+                replace(mb, input_ids=mb.input_ids % vocab, target_ids=mb.target_ids % vocab)
+                for k in range(rounds)  # lengths differ by seed
+                for mb in synthetic_minibatch(1, seed=2000 + k, token_budget=budget)
+            ]
+        except PackError as exc:  # a budget below the synthetic agent's paths: nothing to warm up with
+            log.info("core warm-up skipped: %s", exc)
+            return 0.0
+        was = self._computing.is_set()
+        self.set_computing(True)
+        try:
+            self.gradient(mbs)
+        finally:
+            self.set_computing(was)
+        self.released_bytes += release_cached_memory()  # an engine on the same GPU may need it now
+        dt = time.perf_counter() - t0
+        log.info("core warmed up on %d synthetic micro-batches in %.2f s", len(mbs), dt)
+        return dt
 
     def set_computing(self, on: bool) -> None:
         """Let the core claim micro-batches itself (True) or only aggregate and apply (False), from its
