@@ -255,7 +255,9 @@ def replay_both(
 def train_phase(
     cfg: Config, model_dir: Path, run_dir: Path, metrics: dict[str, Any], device: str
 ) -> dict[str, Any]:
-    r = replay.train_again(model_dir, run_dir / "batches", device, cfg.train.token_budget, cfg.train.lr)
+    r = replay.train_again(
+        model_dir, run_dir / "batches", device, cfg.train.token_budget, cfg.train.lr, cfg.train.chunk_budget
+    )
     busy = metrics.get("efficiency", {}).get("device_seconds", {}).get("training_busy_s")
     return {
         **r,

@@ -141,9 +141,11 @@ async def serve_again(
     }
 
 
-def train_again(model_dir: Path, batches: Path, device: str, token_budget: int, lr: float) -> dict[str, Any]:
-    """A core alone (the run's model, attention and budget) trains every kept step in order; seconds per
-    step (the first included) and in all."""
+def train_again(
+    model_dir: Path, batches: Path, device: str, token_budget: int, lr: float, chunk_budget: int = 0
+) -> dict[str, Any]:
+    """A core alone (the run's model, attention, budgets and, on a GPU, the warm-up its cells do at
+    start-up) trains every kept step in order; seconds per step (the first included) and in all."""
     import torch
     from gyre_train import batchlog
     from gyre_train.core import Core, CoreConfig, OptimConfig
@@ -159,10 +161,19 @@ def train_again(model_dir: Path, batches: Path, device: str, token_budget: int, 
     model = build_model(mc, attention, device)
     load_pretrained(model, mc, model_dir)
     core = Core(
-        model, mc, CoreConfig(attention=attention, token_budget=token_budget, optim=OptimConfig(lr=lr))
+        model,
+        mc,
+        CoreConfig(
+            attention=attention,
+            token_budget=token_budget,
+            chunk_budget=chunk_budget,
+            optim=OptimConfig(lr=lr),
+        ),
     )
     per_step = []
     try:
+        if device.startswith("cuda"):
+            core.warm_up(2)  # as the run's cells do beside their engines' start-up: not in a step
         for _, mbs in steps:
             t0 = time.perf_counter()
             core.train_step(mbs)
