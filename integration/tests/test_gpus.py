@@ -8,7 +8,14 @@ from gyre.system import gpus
 
 
 def test_two_cells_share_gpu_0() -> None:
-    cfg = config_from_dict({"cell": {"device": "cuda", "gpus": [0, 0]}, "engine": {"kv_fraction": 0.1}})
+    cfg = config_from_dict(
+        {
+            "cell": {"device": "cuda", "gpus": [0, 0]},
+            "engine": {"kv_fraction": 0.1},
+            "proxy": {"kv_transport": "cuda_ipc"},  # moved calls' prefixes device to device on GPU 0
+        }
+    )
+    assert cfg.proxy.kv_transport == "cuda_ipc" and config_from_dict({}).proxy.kv_transport == "shm"
     assert gpus.cell_gpus(cfg) == [0, 0]
     assert gpus.cell_env(cfg, 1) == {"CUDA_VISIBLE_DEVICES": "0"}
     assert gpus.sharing(cfg) == {0: [0, 1]}
@@ -69,6 +76,10 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         ({"engine": {"long_context_tokens": -1}}, "long_context_tokens and long_context_slots must be >= 0"),
         ({"engine": {"long_context_slots": 4}}, "long_context_slots needs long_context_tokens"),
         ({"engine": {"graphs": 1}}, "unknown key 'graphs'"),
+        (
+            {"proxy": {"kv_transport": "nvlink"}},
+            "[proxy] kv_transport must be one of shm, mooncake, http, cuda_ipc",
+        ),
     ],
 )
 def test_bad_placements_are_refused_naming_the_key(raw: dict[str, object], says: str) -> None:

@@ -94,6 +94,8 @@ median_s = 2.0
 timeout_s = 8.0
 [train]
 mismatch_warn = 1e-9
+[proxy]
+kv_transport = "cuda_ipc"  # CPU engines offer moved calls' prefixes over shared memory instead
 [log]
 wandb_project = "gyre-e2e"
 """

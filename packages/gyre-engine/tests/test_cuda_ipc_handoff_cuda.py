@@ -128,3 +128,34 @@ def test_an_offer_never_imported_expires_and_the_exporter_keeps_serving(pair: tu
             assert served.meta_info.cached_tokens == covered
 
     run(go())
+
+
+def test_an_engine_short_of_free_gpu_memory_offers_over_shared_memory(
+    spawn_server: Callable[..., Any], pair: tuple[Any, Any]
+) -> None:
+    # An engine that keeps 2 GiB of the GPU free: with less than that left (a tensor of this process takes
+    # the rest), a cuda_ipc offer is made over shared memory instead of a device copy, and B takes it.
+    _, b = pair
+    keeper = spawn_server(*ON_GPU, "--min-free-gib", "2")
+
+    async def go() -> None:
+        async with EngineClient(keeper.url, timeout_s=120) as ck, EngineClient(b.url, timeout_s=120) as cb:
+            context, covered = await cached_context(ck, cb)
+            free = int(torch.cuda.mem_get_info(0)[0])
+            blocker = torch.empty(
+                max(0, free - (3 << 29)), dtype=torch.uint8, device="cuda:0"
+            )  # 1.5 GiB left
+            try:
+                offer = await ck.offer_prefix(context, transport="cuda_ipc", block_tokens=8)
+                assert offer is not None and offer.cuda_ipc is None  # a shared-memory offer
+                reply = await cb.import_prefix_xfer(offer)
+                assert reply.success and reply.transport == "shm" and reply.tokens == covered
+                await ck.release_prefix_offer(offer.offer_id, arrived=[x.src_block for x in reply.blocks])
+            finally:
+                del blocker
+                torch.cuda.empty_cache()
+            again = await ck.offer_prefix(context, transport="cuda_ipc", block_tokens=8)  # room again
+            assert again is not None and again.cuda_ipc is not None
+            await ck.release_prefix_offer(again.offer_id)
+
+    run(go())

@@ -66,16 +66,18 @@ def test_tiny_model_behind_the_proxy(tiny_engines: TinyEngines, make_proxy: Any,
     assert recs[0].output_ids.size == r1.usage.output_tokens
 
 
+@pytest.mark.parametrize("kv_transport", ["shm", "cuda_ipc"])
 def test_drain_moves_the_cached_prefix_between_gyre_engines(
-    tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any
+    tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any, kv_transport: str
 ) -> None:
     """A call drained off engine 0 mid-generation continues on engine 1: its prompt's KV is exported from
     engine 0 and imported into engine 1 (counted), the tokens already sampled are kept, and the harness
-    gets one response of the full length."""
+    gets one response of the full length. With "cuda_ipc" the proxy asks for a device-to-device offer,
+    which engines on the CPU make over shared memory: the KV still moves."""
     from gyre_sched.protocol import EngineAdd, EngineDrain, EngineDrained, Hello, Welcome
 
     urls, model = tiny_engines.urls, tiny_engines.model
-    ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint)
+    ps = make_proxy([], tokenizer=str(model), sched=sched_stub.endpoint, kv_transport=kv_transport)
     sched_stub.expect(Hello)
     sched_stub.send(Welcome())
     sched_stub.send(EngineAdd(0, urls[0]))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from gyre_base import tables
+from gyre_proxy.config import KV_TRANSPORTS, ProxyConfig
 from gyre_sched.workload import DriverConfig
 from gyre_train.defaults import CHUNK_BUDGET, MISMATCH_WARN, PIPELINE_PARALLEL, TENSOR_PARALLEL
 from gyre_train.modelconfig import ModelConfig
@@ -346,6 +347,10 @@ class ProxySection:
     """A call waits this long for a rollout engine (none while the whole pool trains) before 529."""
     drain_grace_s: float = 0.0
     """Seconds a draining engine's calls may finish before they are moved."""
+    kv_transport: str = default_of(ProxyConfig, "kv_transport")
+    """How a moved call's cached prefix goes to its next engine (gyre-proxy's `--kv-transport`): shm,
+    mooncake, http, or cuda_ipc (device to device between gyre-engines on one GPU: cells sharing a GPU;
+    an engine short of free GPU memory offers over shared memory instead)."""
 
 
 @dataclass(frozen=True)
@@ -522,6 +527,10 @@ class Config:
 
     def _check_placement(self) -> None:
         c, e = self.cell, self.engine
+        _check(
+            self.proxy.kv_transport in KV_TRANSPORTS,
+            f"[proxy] kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.proxy.kv_transport!r}",
+        )
         _check(e.max_running >= 1 and e.warmup_tokens >= 0, "[engine] max_running >= 1, warmup_tokens >= 0")
         _check(0 < e.kv_fraction < 1, "[engine] kv_fraction must be in (0, 1)")
         _check(e.slot_widths in ("", "bucketed", "full"), "[engine] slot_widths: bucketed|full")

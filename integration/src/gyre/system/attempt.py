@@ -333,6 +333,7 @@ class Attempt:
             "--host", host, *(["--allow-remote"] if host != LOOPBACK else []),
             "--sched", self.sched, "--record-log", str(self.log_path), "--record-push", traj.address,
             "--pick-wait", str(self.cfg.proxy.pick_wait_s), "--drain-grace", str(self.cfg.proxy.drain_grace_s),
+            "--kv-transport", self.cfg.proxy.kv_transport,
         )  # fmt: skip
         self.procs.start("proxy", argv)
         self.sup.watch(

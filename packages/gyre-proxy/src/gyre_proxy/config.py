@@ -67,7 +67,7 @@ def parse_token_file(path: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-KV_TRANSPORTS = ("shm", "mooncake", "http")
+KV_TRANSPORTS = ("shm", "mooncake", "http", "cuda_ipc")
 """Ways a cached prefix goes from one engine to another (`kvmove.py`)."""
 
 
@@ -114,8 +114,10 @@ class ProxyConfig:
     kv_transport: str = "shm"
     """How a call's cached prefix (KV) goes along when its execution moves to another engine (a drain, a
     rebalance): shm (gyre-xfer over shared memory, engines on one host), mooncake (gyre-xfer over Mooncake
-    Transfer Engine, across hosts) or http (the KV in HTTP bodies). Whatever does not arrive, the next
-    engine prefills again."""
+    Transfer Engine, across hosts), http (the KV in HTTP bodies) or cuda_ipc (device to device between
+    gyre-engines on one GPU; an engine off CUDA, or short of free GPU memory, offers over shared memory
+    instead, and an engine on another GPU refuses it: that call is prefilled again). Whatever does not
+    arrive, the next engine prefills again."""
     session_idle_s: float = 30.0
     """An execution with a call in the last this-many seconds is live on its engine; between two calls
     an execution moves to the engine with the fewest live executions when its own has at least two more

@@ -5,8 +5,10 @@ Two steps, because the first must happen while the old engine still holds the KV
 and the second once the next engine is known: `take_out` asks the old engine for the prefix, `put_in`
 installs it in the new one. The way is the pool's `kv_transport`: "shm" or "mooncake" hand the KV over
 gyre-xfer (`/offer_prefix` copies it into an offer pool that outlives the engine's own memory, the new
-engine pulls it with `/import_prefix_xfer`, the receipt frees it), "http" carries it as a `KvPrefix` in
-HTTP bodies (`/export_prefix`, `/import_prefix`). An engine without these endpoints (SGLang: 404, 405)
+engine pulls it with `/import_prefix_xfer`, the receipt frees it), "cuda_ipc" the same with the pool a
+buffer in the old engine's GPU memory that the new engine copies from device to device (an engine on
+another GPU refuses it: the call is prefilled), "http" carries it as a `KvPrefix` in HTTP bodies
+(`/export_prefix`, `/import_prefix`). An engine without these endpoints (SGLang: 404, 405)
 is not asked again; any failure means the next engine prefills the prefix itself, which is always exact.
 """
 

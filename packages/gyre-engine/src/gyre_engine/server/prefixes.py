@@ -4,12 +4,14 @@ through gyre-xfer (`/offer_prefix` copies the KV into a registered pool, the tar
 `/import_prefix_xfer` pulls every block and installs the prefix only if all arrived, and
 `/release_prefix_offer` frees the pool). A prefix of another model or weight version is refused.
 An offer with transport "cuda_ipc" from an engine on a GPU is made on the engine thread (`XferHub.
-offer_on_device`); from an engine elsewhere it is an offer over shared memory.
+offer_on_device`); from an engine elsewhere, or one whose GPU would keep less free than its
+`min_free_bytes` with the device copy made, it is an offer over shared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
 from starlette.requests import Request
@@ -37,7 +39,9 @@ from gyre_engine.server.kv_transfer import (
     install_prefix,
 )
 from gyre_engine.server.routing import EngineCalls, body_as, route
-from gyre_engine.server.xfer import XferHub, block_reports, offer_transport
+from gyre_engine.server.xfer import NoDeviceRoom, XferHub, block_reports, offer_transport
+
+log = logging.getLogger(__name__)
 
 
 class PrefixRoutes:
@@ -71,11 +75,16 @@ class PrefixRoutes:
 
     async def offer_prefix(self, request: Request) -> Response:
         body = await body_as(request, OfferPrefixRequest)
-        offer: PrefixOffer | None
-        if body.transport == "cuda_ipc" and self.engine.device.type == "cuda":
-            offer = await self.call(self._offer_on_device, body)
-        else:
-            if body.transport == "cuda_ipc":  # no device memory to share: shared memory instead
+        offer: PrefixOffer | None = None
+        on_device = body.transport == "cuda_ipc" and self.engine.device.type == "cuda"
+        if on_device:
+            try:
+                offer = await self.call(self._offer_on_device, body)
+            except NoDeviceRoom as exc:
+                log.info("prefix offered over shared memory: %s", exc)
+                on_device = False
+        if not on_device:
+            if body.transport == "cuda_ipc":  # no device memory to share (or to spare): shared memory
                 body = msgspec.structs.replace(body, transport="shm")
             got = await self.call(cached_prefix, self.engine, body.input_ids)
             offer = None if got is None else await asyncio.to_thread(self.xfer.offer, body, *got)
@@ -86,7 +95,8 @@ class PrefixRoutes:
     def _offer_on_device(self, body: OfferPrefixRequest) -> PrefixOffer | None:
         """On the engine thread: the cached prefix copied into a device buffer shared over CUDA IPC."""
         got = cached_prefix(self.engine, body.input_ids)
-        return None if got is None else self.xfer.offer_on_device(body, *got)
+        keep = self.engine.config.min_free_bytes
+        return None if got is None else self.xfer.offer_on_device(body, *got, keep_free_bytes=keep)
 
     async def import_prefix_xfer(self, request: Request) -> Response:
         body = await body_as(request, ImportPrefixXferRequest)

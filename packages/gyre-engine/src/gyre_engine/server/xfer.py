@@ -75,6 +75,11 @@ class KvPullError(RuntimeError):
         self.status = status
 
 
+class NoDeviceRoom(RuntimeError):
+    """A device copy of a prefix for a CUDA IPC offer does not fit the GPU's free memory (less what the
+    engine keeps free): the offer is made over shared memory instead."""
+
+
 @dataclass
 class _DeviceBuffer:
     """An offer's KV in one buffer on the GPU, shared through CUDA IPC."""
@@ -259,11 +264,18 @@ class XferHub:
         )
 
     def offer_on_device(
-        self, body: OfferPrefixRequest, token_ids: list[int], kv: RowKV, fingerprint: str, version: str
+        self,
+        body: OfferPrefixRequest,
+        token_ids: list[int],
+        kv: RowKV,
+        fingerprint: str,
+        version: str,
+        keep_free_bytes: int = 0,
     ) -> PrefixOffer:
         """Copy `kv` (covering `token_ids`, on a GPU) into one new device buffer and share it through CUDA
         IPC. Runs on the engine thread: the copies queue on its stream after the KV's own writes, and the
-        buffer's allocation (expandable segments off) is the only one made meanwhile."""
+        buffer's allocation (expandable segments off) is the only one made meanwhile. `NoDeviceRoom` when
+        the buffer would leave the GPU less than `keep_free_bytes` free (or does not fit at all)."""
         if body.block_tokens < 1:
             raise KvTransferError("block_tokens must be at least 1")
         self.sweep()
@@ -275,15 +287,21 @@ class XferHub:
                 f"a CUDA IPC offer needs KV of {n} tokens on a GPU, not {list(k0.shape)} on {device}"
             )
         plane = heads * n * dim * dtype.itemsize
+        nbytes = buf_nbytes(layers, plane)
+        free = int(torch.cuda.mem_get_info(device)[0])
+        if free - nbytes < keep_free_bytes:
+            raise NoDeviceRoom(
+                f"a device copy of the prefix ({nbytes} bytes) would leave {device} {free - nbytes} bytes "
+                f"free, under the {keep_free_bytes} the engine keeps"
+            )
         offer_id = uuid.uuid4().hex
         with torch.cuda.device(device):
             try:
                 with shareable_allocations():
-                    buf = torch.empty(buf_nbytes(layers, plane), dtype=torch.uint8, device=device)
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             except torch.OutOfMemoryError as exc:
-                raise KvPullError(
-                    f"no room on {device} for a device copy of the prefix ({buf_nbytes(layers, plane)} bytes): {exc}",
-                    503,
+                raise NoDeviceRoom(
+                    f"no room on {device} for a device copy of the prefix ({nbytes} bytes): {exc}"
                 ) from exc
             planes = buf[: 2 * layers * plane].view(dtype).view(2 * layers, heads, n, dim)
             for layer, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
