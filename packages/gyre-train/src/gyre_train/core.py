@@ -383,8 +383,8 @@ class Core:
         """Compute `rounds` synthetic micro-batches of different lengths as a step would, and apply nothing
         (weights, AdamW state, version and the step queue stay as they were): on a GPU this compiles the
         attention kernels for dynamic shapes before the first real step, as a satellite does at its start;
-        the allocator's idle blocks go back to the driver after. Call before any step is queued and before satellites join.
-        Returns the seconds taken (0 for `rounds` <= 0)."""
+        the allocator's idle blocks go back to the driver after. Call before any step is queued and
+        before satellites join. Returns the seconds taken (0 for `rounds` <= 0)."""
         if rounds <= 0:
             return 0.0
         from gyre_train.data import synthetic_minibatch
