@@ -16,6 +16,7 @@ import torch
 import zmq
 from gyre_base.testing import until
 from gyre_train.checkpoint import CheckpointError
+from gyre_train.control import CoreClient
 from gyre_train.core import Core, CoreConfig
 from gyre_train.data import synthetic_minibatch
 from gyre_train.model import ModelConfig, build_model
@@ -74,8 +75,14 @@ def test_a_warmed_up_core_trains_as_one_that_was_not(reference: dict[str, torch.
         assert core.warm_up(2) > 0.0 and core.version == 0
         assert_same(weights(core), before)
         core.set_computing(True)
-        core.train_burst([A, B])
+        # the feeder's steps start at queue position 0, as in a run: the warm-up took none of them
+        feeder = CoreClient(core.address)
+        for pos, mb in enumerate((A, B)):
+            feeder.submit(pos, mb)
+            core.train_step(core.next_step(5.0))
+        assert core.version == 2 and core.queue_position == 2
         assert_same(weights(core), reference)
+        feeder.close()
     finally:
         core.close()
     small = Core(build_model(MC), MC, CoreConfig(token_budget=64))

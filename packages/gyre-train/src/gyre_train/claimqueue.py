@@ -348,6 +348,13 @@ class ClaimQueue:
             self._cv.notify_all()
             return self._pos
 
+    def dropped(self) -> None:
+        """The finished step was not applied and is forgotten (`Core.gradient`: a gradient computed to
+        look at, not to train): step, version and queue position stay where they were."""
+        with self._cv:
+            self._landing = None
+            self._cv.notify_all()
+
     def skipped(self) -> Position:
         """A step with nothing to train took its queue position with no update."""
         with self._cv:

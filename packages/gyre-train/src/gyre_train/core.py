@@ -618,6 +618,7 @@ class Core:
         except BaseException:
             self._queue.abort()
             raise
+        self._queue.dropped()  # not applied: the queue's position stays, for the feeders' steps
         whole = self._cell.whole_gradient(res.batch, len(res.microbatches))
         assert whole is not None
         m = [res.metrics[i] for i in sorted(res.metrics)]
