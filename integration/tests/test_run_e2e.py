@@ -94,6 +94,8 @@ median_s = 2.0
 timeout_s = 8.0
 [train]
 mismatch_warn = 1e-9
+[cell]
+warmup = 1  # the trainer replicas warm up as on a GPU, and the run's steps still start at position 0
 [proxy]
 kv_transport = "cuda_ipc"  # CPU engines offer moved calls' prefixes over shared memory instead
 [log]
@@ -180,7 +182,9 @@ wandb_project = "gyre-e2e"
     # Above [train] mismatch_warn (set below the noise here): said on the run's output and in the core's log.
     assert first["abs_mean"] > 1e-9
     assert "gyre run: WARNING step 1: train-inference mismatch" in capsys.readouterr().out
-    assert "step 1: train-inference mismatch mean |logprob diff|" in (out / "logs" / "cell-0.log").read_text()
+    core_log = (out / "logs" / "cell-0.log").read_text()
+    assert "step 1: train-inference mismatch mean |logprob diff|" in core_log
+    assert "core warmed up on " in core_log  # [cell] warmup = 1
 
     # Every step's scalars, in TensorBoard's event files and the W&B offline run, at the step's number.
     tb = tb_scalars(out / "tb")

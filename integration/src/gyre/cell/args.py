@@ -54,6 +54,9 @@ class CellArgs:
     pipeline_parallel: int = PIPELINE_PARALLEL
     """Pipeline stages of this cell's trainer replica (`[cell] pipeline_parallel`)."""
     model_backend: str = CellSection.model_backend
+    warmup: int = CellSection.warmup
+    """Synthetic micro-batches the trainer replica computes at start (`[cell] warmup`; -1: 2 on a GPU,
+    0 on the CPU)."""
     trains: bool = True
     """False: a rollout-only cell (a shape no satellite of the core's may have, and the policy never
     trains it): it starts no trainer replica, only follows the core's weights."""

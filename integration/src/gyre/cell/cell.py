@@ -260,7 +260,13 @@ class Cell:
         from gyre_train.satellite import Satellite, SatelliteConfig
 
         sat = Satellite(
-            SatelliteConfig(core=self.a.core, name=self.name, device=self.a.device, reply_timeout_s=60.0),
+            SatelliteConfig(
+                core=self.a.core,
+                name=self.name,
+                device=self.a.device,
+                reply_timeout_s=60.0,
+                warmup=self._warmup(),
+            ),
             self.rank_cell,
         )
 
@@ -307,14 +313,19 @@ class Cell:
             log.info("core resumed from %s at version %d", ckpt, self.core.version)
         elif whole:
             self.core.load_whole_weights(pretrained_weights(mc, self.a.model_dir))
-        if self.a.device == "cuda":  # the attention kernels compiled now, beside the engine's start-up,
-            self.core.warm_up(2)  # not in the first step (as a satellite does at its start)
+        self.core.warm_up(self._warmup())  # the attention kernels compiled now, not in the first step
         self.core.set_computing(False)  # the cell starts in rollout
         self.publisher = self.core.publisher.address
         info = {"core": self.core.address, "publisher": self.publisher}
         tmp = self.run_dir / "core.json.tmp"
         tmp.write_text(json.dumps(info))
         tmp.rename(self.run_dir / "core.json")
+
+    def _warmup(self) -> int:
+        """Synthetic micro-batches the trainer replica computes at start (`[cell] warmup`)."""
+        if self.a.warmup >= 0:
+            return self.a.warmup
+        return 2 if self.a.device == "cuda" else 0
 
     def _await_core(self) -> None:
         """A satellite started beside the core: wait for the core's `core.json` in the run directory and

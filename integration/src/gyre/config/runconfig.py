@@ -284,6 +284,10 @@ class CellSection:
     model_backend: str = default_of(ModelConfig, "backend")
     """The trainers' model: transformers (the family's transformers class) or megatron (Megatron-core
     GPTModel, gyre-train's `megatron` extra; needed by cells of more than one rank)."""
+    warmup: int = -1
+    """Synthetic micro-batches each cell's trainer replica (the core, a satellite) computes at start, beside
+    its engine's start-up, their gradients thrown away and nothing applied, so the first step does not
+    compile the attention kernels; -1: 2 on a GPU, 0 on the CPU (where nothing is compiled)."""
 
 
 @dataclass(frozen=True)
@@ -527,6 +531,7 @@ class Config:
 
     def _check_placement(self) -> None:
         c, e = self.cell, self.engine
+        _check(c.warmup >= -1, "[cell] warmup must be >= 0, or -1 (2 on a GPU, 0 on the CPU)")
         _check(
             self.proxy.kv_transport in KV_TRANSPORTS,
             f"[proxy] kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.proxy.kv_transport!r}",

@@ -317,6 +317,7 @@ class Attempt:
             keep_batches=str(self.out / "batches") if i == 0 and cfg.train.keep_batches else "",
             tensor_parallel=cfg.cell_shape(i)[0], pipeline_parallel=cfg.cell_shape(i)[1],
             model_backend=cfg.cell.model_backend, trains=cfg.satellite_refusal(i) is None,
+            warmup=cfg.cell.warmup,
         )  # fmt: skip
         (self.out / "cells" / f"{i}.up").unlink(missing_ok=True)
         self.procs.start(

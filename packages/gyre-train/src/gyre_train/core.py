@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -387,16 +387,12 @@ class Core:
         before satellites join. Returns the seconds taken (0 for `rounds` <= 0)."""
         if rounds <= 0:
             return 0.0
-        from gyre_train.data import synthetic_minibatch
+        from gyre_train.data import warmup_microbatches
 
         t0 = time.perf_counter()
         vocab, budget = self.model_cfg.vocab_size, min(self.cfg.token_budget, 1 << 14)
         try:
-            mbs = [
-                replace(mb, input_ids=mb.input_ids % vocab, target_ids=mb.target_ids % vocab)
-                for k in range(rounds)  # lengths differ by seed
-                for mb in synthetic_minibatch(1, seed=2000 + k, token_budget=budget)
-            ]
+            mbs = [mb for k in range(rounds) for mb in warmup_microbatches(2000 + k, vocab, budget)]
         except PackError as exc:  # a budget below the synthetic agent's paths: nothing to warm up with
             log.info("core warm-up skipped: %s", exc)
             return 0.0

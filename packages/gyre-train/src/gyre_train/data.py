@@ -6,6 +6,7 @@ tree-packed under a token budget. Also reads a directory written by `gyre-traj p
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,15 @@ def synthetic_minibatch(
         for t, a in zip(trees, adv, strict=True)
     ]
     return pack(items, PackConfig(token_budget=token_budget, mode=mode))  # type: ignore[arg-type]
+
+
+def warmup_microbatches(seed: int, vocab_size: int, token_budget: int = 1 << 14) -> list[PackedBatch]:
+    """Micro-batches of one synthetic execution (their lengths differ by `seed`) with every token id
+    folded into `vocab_size`: what a replica computes at start to compile its kernels before real work."""
+    return [
+        replace(mb, input_ids=mb.input_ids % vocab_size, target_ids=mb.target_ids % vocab_size)
+        for mb in synthetic_minibatch(1, seed=seed, token_budget=token_budget)
+    ]
 
 
 def read_packed_dir(path: Path) -> list[PackedBatch]:

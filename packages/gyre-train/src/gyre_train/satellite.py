@@ -228,14 +228,14 @@ class Satellite:
         attention kernels for dynamic shapes, fills the allocator). Their gradients are thrown away."""
         if n <= 0:
             return 0.0
-        from gyre_train.data import synthetic_minibatch
+        from gyre_train.data import warmup_microbatches
 
         t0 = time.perf_counter()
         self.pull(-1)
         for k in range(n):
             fake = []
             for j in range(self.shape.dp):  # lengths differ by seed
-                mb = synthetic_minibatch(1, seed=1000 + k * self.shape.dp + j, token_budget=1 << 14)[0]
+                mb = warmup_microbatches(1000 + k * self.shape.dp + j, self.model_cfg.vocab_size)[0]
                 specs, frames = to_frames(microbatch_arrays(mb))
                 fake.append(Assignment(-1, j, -1, -1, mb, specs, frames))
             self._cell.compute(fake)
