@@ -90,16 +90,20 @@ class _DeviceBuffer:
     def close(self, read: bool) -> None:
         """Zero the offer id (an importer reading now is refused when it checks it again), give up the
         importer's reference unless it read the buffer and dropped it (`read`: a receipt for every block),
-        and drop ours: torch frees the memory once no importer holds it."""
+        and drop ours: torch frees the memory once no importer holds it (a share it still counted as held
+        waits in torch's list of sent blocks until `ipc_collect`, called here)."""
         buf, self.buffer = self.buffer, None
         if buf is None:
             return
-        with torch.cuda.device(buf.device):
+        device = buf.device
+        with torch.cuda.device(device):
             buf[-STAMP_BYTES:].zero_()
             torch.cuda.current_stream().synchronize()
         if not read:
             forgo(self.shared)
         del buf
+        with torch.cuda.device(device):
+            torch.cuda.ipc_collect()
 
 
 @dataclass
