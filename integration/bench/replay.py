@@ -149,6 +149,7 @@ def train_again(
     import torch
     from gyre_train import batchlog
     from gyre_train.core import Core, CoreConfig, OptimConfig
+    from gyre_train.defaults import warmup_rounds
     from gyre_train.model import Attention, build_model, load_pretrained
     from gyre_train.modelconfig import ModelConfig
 
@@ -172,8 +173,7 @@ def train_again(
     )
     per_step = []
     try:
-        if device.startswith("cuda"):
-            core.warm_up(2)  # as the run's cells do beside their engines' start-up: not in a step
+        core.warm_up(warmup_rounds(torch.device(device).type))  # as the run's cells do: not in a step
         for _, mbs in steps:
             t0 = time.perf_counter()
             core.train_step(mbs)

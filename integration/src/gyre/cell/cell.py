@@ -323,9 +323,9 @@ class Cell:
 
     def _warmup(self) -> int:
         """Synthetic micro-batches the trainer replica computes at start (`[cell] warmup`)."""
-        if self.a.warmup >= 0:
-            return self.a.warmup
-        return 2 if self.a.device == "cuda" else 0
+        from gyre_train.defaults import warmup_rounds
+
+        return self.a.warmup if self.a.warmup >= 0 else warmup_rounds(self.a.device)
 
     def _await_core(self) -> None:
         """A satellite started beside the core: wait for the core's `core.json` in the run directory and

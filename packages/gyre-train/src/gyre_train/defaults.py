@@ -28,3 +28,9 @@ KiB per shared token on the Qwen3-0.6B shape); "layers" = layer by layer, keepin
 hidden states on the device (`layered.py`: 56 KiB per token); "layers-host" = the same with the layer
 inputs in page-locked host memory (copied on a side CUDA stream); "auto" = the first of these whose kept
 state fits the free memory (always "kept" on the CPU)."""
+
+
+def warmup_rounds(device_type: str) -> int:
+    """Warm-up rounds a trainer replica computes at start by default: 2 on a GPU (the attention kernels
+    compiled for dynamic shapes before real work), none on the CPU (nothing to compile)."""
+    return 2 if device_type == "cuda" else 0

@@ -39,6 +39,7 @@ from gyre_traj.loss import LossConfig
 
 from gyre_train.cell import Cell
 from gyre_train.claimqueue import Assignment
+from gyre_train.defaults import warmup_rounds
 from gyre_train.devmem import release_cached_memory
 from gyre_train.model import Attention, ModelConfig, build_model
 from gyre_train.protocol import (
@@ -169,8 +170,8 @@ class Satellite:
         self.released_bytes = 0
         """Device memory given back to the driver when the core had no work for this replica (`devmem`)."""
         self.rejoins = 0
-        cuda = rank0.device.type == "cuda"
-        self.warmup_s = self._warm_up(cfg.warmup if cfg.warmup is not None else (2 if cuda else 0))
+        rounds = cfg.warmup if cfg.warmup is not None else warmup_rounds(rank0.device.type)
+        self.warmup_s = self._warm_up(rounds)
 
     def _hello(self) -> Welcome:
         w = self._request(Hello(PROTOCOL, self.cfg.name, self.shape), timeout_s=self.cfg.hello_timeout_s)

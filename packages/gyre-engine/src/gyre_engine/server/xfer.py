@@ -252,19 +252,16 @@ class XferHub:
             pool.close()
             raise
         kv_offer = KvOffer(offer_id, pool.describe(), tuple(range(nb)), n)
-        with self._lock:
-            self._offers[offer_id] = _Offer(pool, time.monotonic() + body.lease_s, body.transport, nb)
-        return PrefixOffer(
-            offer_id=offer_id,
-            model_fingerprint=fingerprint,
-            weight_version=version,
-            token_ids=list(token_ids),
-            dtype=str(dtype).removeprefix("torch."),
-            kv_heads=heads,
-            head_dim=dim,
-            block_tokens=bt,
-            lease_s=body.lease_s,
-            kv_offer=msgspec.Raw(msgspec.json.encode(kv_offer)),
+        held = _Offer(pool, time.monotonic() + body.lease_s, body.transport, nb)
+        return self._opened(
+            offer_id,
+            held,
+            body,
+            token_ids,
+            kv,
+            fingerprint,
+            version,
+            msgspec.Raw(msgspec.json.encode(kv_offer)),
         )
 
     def offer_on_device(
@@ -315,22 +312,39 @@ class XferHub:
             buf[-STAMP_BYTES:].copy_(torch.frombuffer(bytearray(offer_id.encode()), dtype=torch.uint8))
             shared = share(buf)  # its event follows the copies on this thread's stream
         nb = -(-n // body.block_tokens)
+        held = _Offer(None, time.monotonic() + body.lease_s, "cuda_ipc", nb, _DeviceBuffer(buf, shared))
+        return self._opened(
+            offer_id, held, body, token_ids, kv, fingerprint, version, msgspec.Raw(b"null"), shared
+        )
+
+    def _opened(
+        self,
+        offer_id: str,
+        held: _Offer,
+        body: OfferPrefixRequest,
+        token_ids: list[int],
+        kv: RowKV,
+        fingerprint: str,
+        version: str,
+        kv_offer: msgspec.Raw,
+        cuda_ipc: CudaIpcTensor | None = None,
+    ) -> PrefixOffer:
+        """Keep `held` until its receipt or lease, and describe it: the offer the importer pulls."""
         with self._lock:
-            self._offers[offer_id] = _Offer(
-                None, time.monotonic() + body.lease_s, "cuda_ipc", nb, _DeviceBuffer(buf, shared)
-            )
+            self._offers[offer_id] = held
+        k0 = kv.keys[0]
         return PrefixOffer(
             offer_id=offer_id,
             model_fingerprint=fingerprint,
             weight_version=version,
             token_ids=list(token_ids),
-            dtype=str(dtype).removeprefix("torch."),
-            kv_heads=heads,
-            head_dim=dim,
+            dtype=str(k0.dtype).removeprefix("torch."),
+            kv_heads=int(k0.shape[1]),
+            head_dim=int(k0.shape[3]),
             block_tokens=body.block_tokens,
             lease_s=body.lease_s,
-            kv_offer=msgspec.Raw(b"null"),
-            cuda_ipc=shared,
+            kv_offer=kv_offer,
+            cuda_ipc=cuda_ipc,
         )
 
     def release(self, offer_id: str, arrived: list[int] | None = None) -> bool:
