@@ -147,3 +147,25 @@ def test_huge_tree_bench_case_runs_and_scales_sampled_paths() -> None:
         "accumulator_bytes": per * 512 * 4,
     }
     assert r["chunked_speedup"] == pytest.approx(r["paths_chunked_s"] / r["chunked_s"])
+
+
+def test_a_flex_model_raises_the_recompile_limit_and_fails_rather_than_run_unfused() -> None:
+    """Past torch.compile's per-function graph limit FlexAttention would run unfused (every score
+    materialised: minutes a layer for a long chunk); a flex model raises the limit and makes reaching
+    it an error. The dense model leaves torch's settings alone."""
+    import torch._dynamo.config as dynamo
+    from gyre_train.model import FLEX_RECOMPILE_LIMIT
+
+    was = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit, dynamo.fail_on_recompile_limit_hit)
+    try:
+        dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = 8, False
+        build_model(ModelConfig(), "dense")
+        assert (dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit) == (8, False)
+        build_model(ModelConfig(), "flex")
+        assert dynamo.recompile_limit == FLEX_RECOMPILE_LIMIT and dynamo.fail_on_recompile_limit_hit
+        assert dynamo.accumulated_recompile_limit >= 4 * FLEX_RECOMPILE_LIMIT
+        dynamo.recompile_limit = 1000  # never lowered
+        build_model(ModelConfig(), "flex")
+        assert dynamo.recompile_limit == 1000
+    finally:
+        dynamo.recompile_limit, dynamo.accumulated_recompile_limit, dynamo.fail_on_recompile_limit_hit = was

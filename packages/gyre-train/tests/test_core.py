@@ -92,6 +92,38 @@ def test_a_warmed_up_core_trains_as_one_that_was_not(reference: dict[str, torch.
         small.close()
 
 
+def test_the_warm_up_trains_a_micro_batch_in_chunks_where_the_core_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a chunk budget, each warm-up round adds a micro-batch above it, for the core and for a
+    # satellite (whose budget comes in the Welcome): the chunked path's kernels compile before real
+    # steps as well. Nothing is applied.
+    import gyre_train.chunked as chunked
+
+    sizes: list[tuple[int, int]] = []
+    real = chunked.chunked_loss_backward
+
+    def spy(model: torch.nn.Module, batch: object, budget: int, *a: object, **kw: object) -> dict[str, float]:
+        sizes.append((batch.num_tokens, budget))  # type: ignore[attr-defined]
+        return real(model, batch, budget, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(chunked, "chunked_loss_backward", spy)
+    core = Core(build_model(MC), MC, CoreConfig(token_budget=2000, chunk_budget=700))
+    sat = None
+    try:
+        before = weights(core)
+        assert core.warm_up(2) > 0.0 and core.version == 0
+        assert_same(weights(core), before)
+        assert len(sizes) == 2 and all(budget < n <= 2000 for n, budget in sizes)
+        assert sizes[0][0] != sizes[1][0]  # lengths differ by round: the dynamic-shape kernels compile
+        sat = Satellite(SatelliteConfig(core.address, "sat-c", warmup=2))
+        assert len(sizes) == 4 and all(budget == 700 < n for n, budget in sizes[2:])
+    finally:
+        core.close()
+        if sat is not None:
+            sat.close()
+
+
 @pytest.fixture
 def core_and_satellite() -> Iterator[tuple[Core, Satellite]]:
     core = new_core()

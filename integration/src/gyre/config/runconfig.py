@@ -64,7 +64,8 @@ class RunSection:
     model_dtype: str = "float32"
     """dtype of a created model (float32 or bfloat16)."""
     deadline_s: float = 900.0
-    """The whole run fails (every process stopped) if it has not finished in this long."""
+    """The whole run fails (every process stopped) if it has not finished this long after its first rollout
+    began (the start-up before it is held to `startup_timeout_s`)."""
     startup_timeout_s: float = 180.0
     """Processes that are not up within this long are an error."""
     ray_address: str = ""

@@ -382,7 +382,8 @@ class Core:
     def warm_up(self, rounds: int) -> float:
         """Compute `rounds` synthetic micro-batches of different lengths as a step would, and apply nothing
         (weights, AdamW state, version and the step queue stay as they were): on a GPU this compiles the
-        attention kernels for dynamic shapes before the first real step, as a satellite does at its start;
+        attention kernels for dynamic shapes before the first real step (with `chunk_budget`, the chunked
+        path's too: each round adds a micro-batch above it), as a satellite does at its start;
         the allocator's idle blocks go back to the driver after. Call before any step is queued and
         before satellites join. Returns the seconds taken (0 for `rounds` <= 0)."""
         if rounds <= 0:
@@ -390,9 +391,15 @@ class Core:
         from gyre_train.data import warmup_microbatches
 
         t0 = time.perf_counter()
-        vocab, budget = self.model_cfg.vocab_size, min(self.cfg.token_budget, 1 << 14)
+        c = self.cfg
         try:
-            mbs = [mb for k in range(rounds) for mb in warmup_microbatches(2000 + k, vocab, budget)]
+            mbs = [
+                mb
+                for k in range(rounds)
+                for mb in warmup_microbatches(
+                    2000 + k, self.model_cfg.vocab_size, c.token_budget, c.chunk_budget
+                )
+            ]
         except PackError as exc:  # a budget below the synthetic agent's paths: nothing to warm up with
             log.info("core warm-up skipped: %s", exc)
             return 0.0

@@ -57,13 +57,42 @@ def synthetic_minibatch(
     return pack(items, PackConfig(token_budget=token_budget, mode=mode))  # type: ignore[arg-type]
 
 
-def warmup_microbatches(seed: int, vocab_size: int, token_budget: int = 1 << 14) -> list[PackedBatch]:
+def warmup_microbatches(
+    seed: int, vocab_size: int, token_budget: int = 1 << 14, chunk_budget: int = 0
+) -> list[PackedBatch]:
     """Micro-batches of one synthetic execution (their lengths differ by `seed`) with every token id
-    folded into `vocab_size`: what a replica computes at start to compile its kernels before real work."""
+    folded into `vocab_size`: what a replica computes at start to compile its kernels before real work.
+    With a `chunk_budget` below `token_budget`, one more micro-batch of a long execution above the chunk
+    budget (and within `token_budget`) comes last, so the chunked path (`gyre_train.chunked`: a chunk over
+    its ancestors' keys and values, with and without autograd) compiles its kernels too."""
+    mbs = synthetic_minibatch(1, seed=seed, token_budget=token_budget)
+    if 0 < chunk_budget < token_budget:
+        long = chunked_warmup_microbatch(seed, chunk_budget, token_budget)
+        if long is not None:
+            mbs.append(long)
     return [
-        replace(mb, input_ids=mb.input_ids % vocab_size, target_ids=mb.target_ids % vocab_size)
-        for mb in synthetic_minibatch(1, seed=seed, token_budget=token_budget)
+        replace(mb, input_ids=mb.input_ids % vocab_size, target_ids=mb.target_ids % vocab_size) for mb in mbs
     ]
+
+
+def chunked_warmup_microbatch(seed: int, chunk_budget: int, token_budget: int) -> PackedBatch | None:
+    """A synthetic micro-batch of one execution of more than `chunk_budget` and at most `token_budget`
+    tokens whose trunk runs past the first chunk (so later chunks attend to kept ancestors), or None where
+    no such execution fits between the two budgets."""
+    for scale in (1.0, 0.8, 0.6, 0.45):
+        t = int(2 * chunk_budget * scale)
+        synth = replace(
+            SMALL,
+            main_calls=8,
+            max_context=t // 2,
+            system_tokens=t // 16,
+            output_tokens=(max(6, t // 200), max(20, t // 50)),
+            summary_tokens=max(20, t // 30),
+        )
+        mb = synthetic_minibatch(1, seed=seed, token_budget=1 << 40, synth=synth)[0]
+        if chunk_budget < mb.num_tokens <= token_budget:
+            return mb
+    return None
 
 
 def read_packed_dir(path: Path) -> list[PackedBatch]:

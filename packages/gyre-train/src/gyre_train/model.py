@@ -29,10 +29,12 @@ from gyre_train.defaults import CHUNK_MEMORY
 from gyre_train.modelconfig import Attention, ModelConfig
 
 __all__ = [
+    "FLEX_RECOMPILE_LIMIT",
     "Attention",
     "ChunkMemory",
     "Layout",
     "ModelConfig",
+    "allow_flex_recompiles",
     "build_model",
     "load_params",
     "load_pretrained",
@@ -57,9 +59,37 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
         torch.manual_seed(cfg.seed)
         return megatron.build_gpt(cfg).to(device).train()
     torch.manual_seed(cfg.seed)
+    if attention == "flex":
+        allow_flex_recompiles()
     with torch.device(device):  # initialise in place: a 1.5B model is not built on the CPU first
         model = AutoModelForCausalLM.from_config(cfg.hf_config(attention), dtype=getattr(torch, cfg.dtype))
     return model.train()
+
+
+FLEX_RECOMPILE_LIMIT = 64
+"""Graphs torch.compile may keep for one function (FlexAttention's): its default of 8 is reached by the
+variants a run meets (a micro-batch whole, a chunk with and without autograd, over ancestors or not, static
+shapes then dynamic), and past it torch runs FlexAttention unfused, materialising every score: a 16k-token
+chunk over 32k keys then takes minutes a layer. A run that reaches even this many stops with an error."""
+
+
+def allow_flex_recompiles() -> None:
+    """Raise torch.compile's per-function graph limit to `FLEX_RECOMPILE_LIMIT` (never lower it) and make
+    reaching it an error rather than a silent fall back to the unfused FlexAttention (process-wide)."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name first
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(int(getattr(dynamo, name)), FLEX_RECOMPILE_LIMIT))
+            break
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(int(getattr(dynamo, name)), 4 * FLEX_RECOMPILE_LIMIT))
+            break
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, True)
+            break
 
 
 def pretrained_weights(mc: ModelConfig, model_dir: str | Path) -> dict[str, torch.Tensor]:

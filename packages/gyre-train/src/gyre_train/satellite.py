@@ -226,20 +226,27 @@ class Satellite:
     def _warm_up(self, n: int) -> float:
         """At start, not at a join: pull the current snapshot (maps the publisher's segment, registers the
         staging) and compute `n` rounds of synthetic micro-batches of different lengths (compiles the
-        attention kernels for dynamic shapes, fills the allocator). Their gradients are thrown away."""
+        attention kernels for dynamic shapes, the chunked path's too where the core chunks, and fills
+        the allocator). Their gradients are thrown away."""
         if n <= 0:
             return 0.0
         from gyre_train.data import warmup_microbatches
 
         t0 = time.perf_counter()
         self.pull(-1)
+        chunk = self.welcome.chunk_budget  # with chunking on, a micro-batch above it is computed too
+        budget = 2 * chunk if chunk else 1 << 14
         for k in range(n):
-            fake = []
-            for j in range(self.shape.dp):  # lengths differ by seed
-                mb = warmup_microbatches(1000 + k * self.shape.dp + j, self.model_cfg.vocab_size)[0]
-                specs, frames = to_frames(microbatch_arrays(mb))
-                fake.append(Assignment(-1, j, -1, -1, mb, specs, frames))
-            self._cell.compute(fake)
+            per_rank = [  # lengths differ by seed
+                warmup_microbatches(1000 + k * self.shape.dp + j, self.model_cfg.vocab_size, budget, chunk)
+                for j in range(self.shape.dp)
+            ]
+            for i in range(min(len(mbs) for mbs in per_rank)):
+                fake = []
+                for j, mbs in enumerate(per_rank):
+                    specs, frames = to_frames(microbatch_arrays(mbs[i]))
+                    fake.append(Assignment(-1, j, -1, -1, mbs[i], specs, frames))
+                self._cell.compute(fake)
         return time.perf_counter() - t0
 
     def pull(self, snapshot: int) -> float:
