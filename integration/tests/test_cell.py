@@ -151,3 +151,41 @@ def _engine_started(port: int) -> bool:
         if b"gyre_engine" in argv and str(port).encode() in argv:
             return True
     return False
+
+
+@pytest.mark.slow
+def test_an_engine_up_when_the_start_up_time_is_spent_is_taken(tmp_path: Path) -> None:
+    # The cell asks for its engine's health only after the trainer's start-up; a warm-up that took the
+    # whole start-up time used to fail the cell with "not healthy" without asking once, its engine up.
+    import asyncio
+
+    from gyre.cell.args import CellArgs
+    from gyre.cell.cell import Cell
+    from gyre.procs.group import free_port
+    from gyre_engine.client import EngineClient
+    from gyre_engine.server.model_factory import create_model
+
+    model_dir = str(create_model(tmp_path / "model"))
+    cell = Cell(CellArgs(sched="tcp://127.0.0.1:9", cell_id=0, is_core=False, capacity=1, model_dir=model_dir,
+                         engine_port=free_port(), run_dir=str(tmp_path), release_memory=False,
+                         startup_timeout_s=0.5))  # fmt: skip
+
+    async def healthy() -> bool:
+        async with EngineClient(cell.url, timeout_s=5.0) as c:
+            return bool(await c.health(timeout=2.0))
+
+    try:
+        cell.launch_engine()
+        deadline = time.monotonic() + 120.0
+        while True:  # the start-up time long spent (a trainer warming up) by the time the engine is up
+            try:
+                if asyncio.run(healthy()):
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "the engine never came up"
+            time.sleep(0.2)
+        cell.wait_engine()  # asks once more, and takes it
+    finally:
+        cell.stop.set()
+        cell.procs.close()

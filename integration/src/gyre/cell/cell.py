@@ -132,16 +132,19 @@ class Cell:
         self._engine_deadline = time.monotonic() + self.a.startup_timeout_s
 
     def wait_engine(self) -> None:
-        """Until the launched engine answers its health check (SIGTERM meanwhile stops the cell)."""
+        """Until the launched engine answers its health check (SIGTERM meanwhile stops the cell). It is
+        asked at least once, also when the trainer's start-up (its warm-up) took the whole time."""
         if self.sglang is not None:
             return
-        while time.monotonic() < self._engine_deadline:
+        while True:
             if self.stop.is_set():
                 raise StoppedWhileStarting(f"cell {self.a.cell_id} stopped while its engine was starting")
             self.procs.check()
             with contextlib.suppress(Exception):
                 if self._engine(lambda c: c.health(timeout=2.0), timeout_s=5.0):
                     return
+            if time.monotonic() >= self._engine_deadline:
+                break
             time.sleep(0.3)
         raise TimeoutError(f"engine of cell {self.a.cell_id} not healthy within {self.a.startup_timeout_s}s")
 

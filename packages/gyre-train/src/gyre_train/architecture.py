@@ -77,7 +77,7 @@ class Architecture:
         "dense" = SDPA with a 4D mask, "flex" = FlexAttention)."""
         from transformers import CONFIG_MAPPING
 
-        kw = {} if attention is None else {"attn_implementation": _ATTN[attention]}
+        kw = {} if attention is None else {"attn_implementation": HF_ATTENTION[attention]}
         return CONFIG_MAPPING[self.family].from_dict(self.to_dict(), **kw)
 
     @cached_property
@@ -167,7 +167,8 @@ class Architecture:
         return None if v is None else str(v).removeprefix("torch.")
 
 
-_ATTN = {"dense": "sdpa", "flex": "flex_attention"}
+HF_ATTENTION = {"dense": "sdpa", "flex": "flex_attention"}
+"""transformers' `attn_implementation` of each `Attention`."""
 
 
 def _refuse(where: str, field: str, value: Any, why: str) -> ModelConfigError:

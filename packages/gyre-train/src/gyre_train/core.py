@@ -382,8 +382,8 @@ class Core:
     def warm_up(self, rounds: int) -> float:
         """Compute `rounds` synthetic micro-batches of different lengths as a step would, and apply nothing
         (weights, AdamW state, version and the step queue stay as they were): on a GPU this compiles the
-        attention kernels for dynamic shapes before the first real step (with `chunk_budget`, the chunked
-        path's too: each round adds a micro-batch above it), as a satellite does at its start;
+        attention kernels for dynamic shapes before the first real step (with `chunk_budget`, each round
+        adds a micro-batch above it, so the chunked path runs once too), as a satellite does at its start;
         the allocator's idle blocks go back to the driver after. Call before any step is queued and
         before satellites join. Returns the seconds taken (0 for `rounds` <= 0)."""
         if rounds <= 0:

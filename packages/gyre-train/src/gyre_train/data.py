@@ -64,7 +64,8 @@ def warmup_microbatches(
     folded into `vocab_size`: what a replica computes at start to compile its kernels before real work.
     With a `chunk_budget` below `token_budget`, one more micro-batch of a long execution above the chunk
     budget (and within `token_budget`) comes last, so the chunked path (`gyre_train.chunked`: a chunk over
-    its ancestors' keys and values, with and without autograd) compiles its kernels too."""
+    its ancestors' keys and values, with and without autograd) runs once before real steps and takes its
+    memory then."""
     mbs = synthetic_minibatch(1, seed=seed, token_budget=token_budget)
     if 0 < chunk_budget < token_budget:
         long = chunked_warmup_microbatch(seed, chunk_budget, token_budget)

@@ -30,6 +30,15 @@ inputs in page-locked host memory (copied on a side CUDA stream); "auto" = the f
 state fits the free memory (always "kept" on the CPU)."""
 
 
+DENSE_CHUNK_ELEMENTS = 1 << 30
+"""On a FlexAttention model, a micro-batch trained in chunks whose masks have at most this many elements
+(`chunk_budget` x its tokens: a chunk's queries by the keys it may see) is computed with SDPA over a dense
+mask (`dense` attention), which needs no compilation; a larger one with FlexAttention, whose first use
+compiles kernels for minutes (a 27k-token micro-batch in 16k chunks: 206 s on an H200, against seconds to
+compute) but skips masked blocks and needs no mask in memory (a 700k-token tree in 8k chunks would need a
+5.6 G-element mask per chunk). 2**30 elements: a 2 GiB bfloat16 mask at most."""
+
+
 def warmup_rounds(device_type: str) -> int:
     """Warm-up rounds a trainer replica computes at start by default: 2 on a GPU (the attention kernels
     compiled for dynamic shapes before real work), none on the CPU (nothing to compile)."""

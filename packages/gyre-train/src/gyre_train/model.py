@@ -24,8 +24,8 @@ import torch
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs_entropy
 from gyre_traj.pack import PackedBatch
 
-from gyre_train.architecture import ChunkMemory
-from gyre_train.defaults import CHUNK_MEMORY
+from gyre_train.architecture import HF_ATTENTION, ChunkMemory
+from gyre_train.defaults import CHUNK_MEMORY, DENSE_CHUNK_ELEMENTS
 from gyre_train.modelconfig import Attention, ModelConfig
 
 __all__ = [
@@ -35,7 +35,9 @@ __all__ = [
     "Layout",
     "ModelConfig",
     "allow_flex_recompiles",
+    "attention_implementation",
     "build_model",
+    "chunk_attention",
     "load_params",
     "load_pretrained",
     "micro_gradient",
@@ -226,6 +228,30 @@ def target_logprobs_of(
         return target_logprobs_entropy(model, tb, attention=attention)[0]
 
 
+def chunk_attention(attention: Attention, chunk_budget: int, num_tokens: int) -> Attention:
+    """The attention a micro-batch of `num_tokens` trained in chunks of `chunk_budget` is computed with on a
+    model built for `attention`: dense (SDPA, no compilation) where the chunks' masks have at most
+    `defaults.DENSE_CHUNK_ELEMENTS` elements, else the model's own."""
+    return "dense" if chunk_budget * num_tokens <= DENSE_CHUNK_ELEMENTS else attention
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, attention: Attention) -> Any:
+    """`model` (a transformers model) computing with `attention` inside the block, and with the
+    implementation it had before after it."""
+    cfg = getattr(model, "config", None)
+    was = getattr(cfg, "_attn_implementation", None)
+    want = HF_ATTENTION[attention]
+    if cfg is None or was is None or was == want:
+        yield
+        return
+    model.set_attn_implementation(want)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(was)  # type: ignore[operator]
+
+
 def _attention_kernels(device: torch.device) -> Any:
     """On a GPU, keep SDPA (dense ancestor masks) off cuDNN's kernel, which builds a plan for every new
     sequence length (seconds on a 1.5B model at a satellite's first micro-batch of a new length); the
@@ -253,11 +279,13 @@ def _loss_backward(
         from gyre_train.layered import choose, layered_loss_backward
 
         how = choose(batch, chunk_budget, model, chunk_memory)
-        if how == "kept":
-            return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, attention)
-        return layered_loss_backward(
-            model, batch, chunk_budget, loss_cfg, attention, host=how == "layers-host"
-        )
+        kernel = chunk_attention(attention, chunk_budget, batch.num_tokens)
+        with attention_implementation(model, kernel):
+            if how == "kept":
+                return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, kernel)
+            return layered_loss_backward(
+                model, batch, chunk_budget, loss_cfg, kernel, host=how == "layers-host"
+            )
     tb = TorchBatch.from_packed(batch, device=device)
     if megatron:  # this rank's part: its tensor-parallel shards, its pipeline stage
         from gyre_train.megatron import pipeline_loss_backward

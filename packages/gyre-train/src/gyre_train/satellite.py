@@ -226,8 +226,8 @@ class Satellite:
     def _warm_up(self, n: int) -> float:
         """At start, not at a join: pull the current snapshot (maps the publisher's segment, registers the
         staging) and compute `n` rounds of synthetic micro-batches of different lengths (compiles the
-        attention kernels for dynamic shapes, the chunked path's too where the core chunks, and fills
-        the allocator). Their gradients are thrown away."""
+        attention kernels for dynamic shapes, runs the chunked path once where the core chunks, and
+        fills the allocator). Their gradients are thrown away."""
         if n <= 0:
             return 0.0
         from gyre_train.data import warmup_microbatches
