@@ -25,6 +25,8 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
    of earlier calls given with `--reuse`) on the same workload, calibrated on all of them as `gyre compare
    --reuse` does: per policy `sim_end_to_end_s` and `sim_ratio` (measured / simulated), and the ratios
    against elastic measured and simulated, each held to within 15%.
+A part that dies fails its run at once (`[survive] restart` off), naming it with its log's last lines; on
+SIGTERM (the call's wall limit) the runs' logs go to OUT before the bench stops.
 Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
 timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<policy>.json.
 
@@ -57,6 +59,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -520,6 +523,9 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     cfg = load_config(a.config)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, keep_batches=True))
+    # A part that dies fails the run at once, naming it with its log's last lines: a new attempt from the
+    # checkpoint would spend the call's budget and blur the figures.
+    cfg = dataclasses.replace(cfg, survive=dataclasses.replace(cfg.survive, restart=False))
     if a.tiny:
         cfg = tiny(cfg, str(work / "run"))
     if a.cpu:
@@ -562,6 +568,7 @@ def main() -> int:
         res["reused"] = {k: {"metrics": path, "end_to_end_s": m.get("end_to_end_s"),
                              "steps_applied": m.get("steps_applied")} for k, (path, m) in reused.items()}  # fmt: skip
     say(f"device {device}; policies {policies}; work {work}")
+    signal.signal(signal.SIGTERM, lambda signum, _: stop_keeping_logs(signum, work, out))
 
     def save() -> None:
         res["goals"] = goals(res)
@@ -682,6 +689,21 @@ def main() -> int:
     if alone_parts and room("alone", after_s["alone-startup"]):
         alone(first_dir, first_metrics)
     return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
+
+
+def stop_keeping_logs(signum: int, work: Path, out: Path) -> None:
+    """On SIGTERM (the call's wall limit: `h200_run.sh` passes it on): each run's logs, partial metrics and
+    timeline into `out` as the end of a run would put them, then SystemExit, which stops the run's
+    processes on its way out. A call cut short still says where its time went."""
+    for run_dir in sorted(work.glob("run-*")):
+        pol = run_dir.name.removeprefix("run-")
+        if (run_dir / "logs").is_dir():
+            shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
+        for name in ("metrics-partial.json", "timeline-partial.png"):
+            if (run_dir / name).exists():
+                shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
+    say(f"signal {signum}: stopped; the runs' logs are in {out}")
+    raise SystemExit(128 + signum)
 
 
 def finish(out: Path, res: dict[str, Any], rc: int) -> int:

@@ -32,4 +32,15 @@ if [ -n "${GYRE_CUDA_TESTS:-}" ]; then
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="--import-mode=importlib" $GYRE_CUDA_TESTS \
         2>&1 | tee "$OUT/cuda-tests.log" || true
 fi
-python3 "integration/bench/$SCRIPT" --out "$OUT" "$@" 2>&1 | tee "$OUT/${SCRIPT%.py}.log"
+# The bench in the background so that a SIGTERM (a `timeout` around this script) reaches it: it then puts
+# its runs' logs into $OUT before it stops.
+python3 "integration/bench/$SCRIPT" --out "$OUT" "$@" > >(tee "$OUT/${SCRIPT%.py}.log") 2>&1 &
+BENCH=$!
+trap 'kill -TERM "$BENCH" 2>/dev/null' TERM INT
+rc=0
+wait "$BENCH" || rc=$?
+if [ "$rc" -gt 128 ] && kill -0 "$BENCH" 2>/dev/null; then  # interrupted: wait for it to finish stopping
+    rc=0
+    wait "$BENCH" || rc=$?
+fi
+exit "$rc"

@@ -434,3 +434,27 @@ def test_a_full_disk_is_told_from_its_errors(tmp_path: Path) -> None:
         diskfull.check_room(tmp_path)
     stopped = diskfull.stopped(tmp_path, RestartAttempt("cell-0 exited with code 70"))
     assert stopped is not None and "(a part failed: cell-0 exited with code 70)" in str(stopped)
+
+
+def test_a_new_attempt_says_why_the_part_died(tmp_path: Path) -> None:
+    # A part that is not restartable in place died with a traceback in its log: the run's message for the
+    # new attempt carries the log's last lines (it used to print only the first line, "last lines:").
+    from gyre.system.run import new_attempt_message
+
+    pg = ProcessGroup(tmp_path / "logs")
+    sup = Supervisor(pg, max_restarts=2, backoff_s=0.0)
+    code = "import sys; print('working', flush=True); sys.exit('RuntimeError: out of memory in step 0')"
+    pg.start("cell-0", [sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60.0
+        with pytest.raises(RestartAttempt) as info:
+            while time.monotonic() < deadline:
+                sup.check()
+                time.sleep(0.05)
+        msg = new_attempt_message(info.value, 1)
+        first, *rest = msg.splitlines()
+        assert first == "gyre run: cell-0 exited with code 1 (not restartable in place); last lines:; " \
+            "attempt 1 continues the run"  # fmt: skip
+        assert "    RuntimeError: out of memory in step 0" in rest and "    working" in rest
+    finally:
+        pg.close()

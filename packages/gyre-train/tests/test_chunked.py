@@ -193,3 +193,22 @@ def test_a_flex_model_trains_chunks_with_dense_masks_up_to_the_limit_and_is_flex
     assert m["shared_chunks"] >= 1
     torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
     assert flex.config._attn_implementation == "flex_attention"
+
+
+def test_a_dense_chunk_mask_is_additive_in_the_model_dtype_with_rows_16_apart() -> None:
+    """The dense chunk mask is built once per chunk for all layers as an additive mask of the model's
+    dtype (SDPA would turn a boolean one into a new tensor at every layer, each kept for backward), its
+    rows a multiple of 16 elements apart (the memory-efficient kernel's alignment, else it pads a copy),
+    and sees what the boolean ancestor mask sees."""
+    from gyre_train.chunked import chunk_mask
+
+    tb = TorchBatch.from_packed(BIG)
+    c = next(c for c in plan(BIG, 300) if c.ext.shape[0] and (c.ext.shape[0] + c.hi - c.lo) % 16)
+    kidx = torch.cat([torch.as_tensor(c.ext, dtype=torch.long), torch.arange(c.lo, c.hi)])
+    m = chunk_mask(tb, c, kidx, "dense", torch.bfloat16)
+    n = int(kidx.shape[0])
+    assert m.dtype == torch.bfloat16 and m.shape == (1, 1, c.hi - c.lo, n)
+    assert all(st % 16 == 0 for st in m.stride()[:-1]) and m.stride(-1) == 1
+    q = torch.arange(c.lo, c.hi)
+    seen = (kidx[None, :] <= q[:, None]) & (q[:, None] <= tb.last_desc[kidx][None, :])
+    assert torch.equal(m[0, 0] == 0, seen) and bool(torch.isneginf(m[0, 0][~seen]).all())

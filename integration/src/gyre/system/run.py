@@ -98,7 +98,7 @@ def run(
                     why = f"{', '.join(fixed)} cannot start again" if fixed else "[survive] max_restarts"
                     raise RunError(f"{exc}; no new attempt ({why})") from exc
                 events.append(Event("attempt", str(exc).splitlines()[0], time.time(), time.time()))
-                say(f"gyre run: {str(exc).splitlines()[0]}; attempt {rd.attempt + 1} continues the run")
+                say(new_attempt_message(exc, rd.attempt + 1))
                 rd.next_attempt()
     except BaseException as exc:
         full = diskfull.stopped(out, exc, model_dir) if is_full(exc) else None
@@ -114,3 +114,11 @@ def run(
         sweep_segments(out / "logs")
         rd.release()
     return metrics
+
+
+def new_attempt_message(exc: BaseException, attempt: int) -> str:
+    """What `gyre run` says when attempt `attempt` starts after `exc`: its first line, then the rest (the
+    failed part's last log lines, which say why it died) indented below."""
+    first, *rest = str(exc).splitlines() or [""]
+    said = "".join(f"\n    {line}" for line in rest)
+    return f"gyre run: {first}; attempt {attempt} continues the run{said}"

@@ -110,7 +110,7 @@ class Supervisor:
             if not self.restart:
                 raise ChildDied(f"{why}; last lines of {child.log}:\n{tail(child.log)}", rc)
             if w is None:
-                raise RestartAttempt(f"{why} (not restartable in place); last lines:\n{tail(child.log, 5)}")
+                raise RestartAttempt(f"{why} (not restartable in place); last lines:\n{tail(child.log, 12)}")
             n = self.restarts[child.name] + 1
             if n > self.max_restarts:
                 raise ChildDied(

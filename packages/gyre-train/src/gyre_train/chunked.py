@@ -104,11 +104,24 @@ def _sub(tb: TorchBatch, idx: torch.Tensor, lo: int) -> TorchBatch:
     )
 
 
-def chunk_mask(tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention) -> Any:
+def chunk_mask(
+    tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention, dtype: torch.dtype = torch.float32
+) -> Any:
+    """What chunk `c`'s queries may see of the keys `kidx` (its ancestors', then its own): for "dense" an
+    additive mask of `dtype` (0 seen, -inf not) of shape [1, 1, queries, keys], made once for every layer
+    (SDPA would otherwise turn a boolean mask into a new one at each layer and keep each for backward)
+    and laid out with its rows a multiple of 16 apart, so the memory-efficient kernel takes it without a
+    padded copy; for "flex" a BlockMask."""
     q = torch.arange(c.lo, c.hi, device=kidx.device)
     if attention == "dense":
         ld = tb.last_desc[kidx]
-        return ((kidx[None, :] <= q[:, None]) & (q[:, None] <= ld[None, :]))[None, None]
+        seen = (kidx[None, :] <= q[:, None]) & (q[:, None] <= ld[None, :])
+        n = int(kidx.shape[0])
+        mask = torch.full(
+            (1, 1, c.hi - c.lo, -(-n // 16) * 16), float("-inf"), dtype=dtype, device=kidx.device
+        )
+        mask[0, 0, :, :n].masked_fill_(seen, 0.0)
+        return mask[..., :n]
     from torch.nn.attention.flex_attention import create_block_mask
 
     # The kernel evaluates the mask on whole blocks, so key indices past the end occur: pad the lookup
@@ -238,8 +251,8 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
     kidx = torch.cat(
         [torch.as_tensor(c.ext, device=dev, dtype=torch.long), torch.arange(c.lo, c.hi, device=dev)]
     )
-    mask = chunk_mask(tb, c, kidx, attention)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    mask = chunk_mask(tb, c, kidx, attention, backbone.embed_tokens.weight.dtype)
     # transformers >= 5.2x names the argument `cache`; earlier 5.x releases call it `past_key_values`.
     arg = "cache" if "cache" in inspect.signature(backbone.forward).parameters else "past_key_values"
     out = backbone(

@@ -176,7 +176,7 @@ class _Layers:
             kidx = torch.cat(
                 [torch.as_tensor(c.ext, device=dev, dtype=torch.long), torch.arange(c.lo, c.hi, device=dev)]
             )
-            self.masks.append(chunk_mask(tb, c, kidx, attention))
+            self.masks.append(chunk_mask(tb, c, kidx, attention, probe.dtype))
             self.rope.append(backbone.rotary_emb(probe[None], tb.position_ids[c.lo : c.hi][None]))
 
     def run(self, layer: int, i: int, x: torch.Tensor, cache: Any) -> torch.Tensor:
