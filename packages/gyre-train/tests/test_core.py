@@ -93,7 +93,7 @@ def test_a_warmed_up_core_trains_as_one_that_was_not(reference: dict[str, torch.
 
 
 def test_the_warm_up_trains_a_micro_batch_in_chunks_where_the_core_chunks(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # With a chunk budget, each warm-up round adds a micro-batch above it, for the core and for a
     # satellite (whose budget comes in the Welcome): the chunked path's kernels compile before real
@@ -108,6 +108,7 @@ def test_the_warm_up_trains_a_micro_batch_in_chunks_where_the_core_chunks(
         return real(model, batch, budget, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(chunked, "chunked_loss_backward", spy)
+    caplog.set_level("INFO", logger="gyre_train.core")
     core = Core(build_model(MC), MC, CoreConfig(token_budget=2000, chunk_budget=700))
     sat = None
     try:
@@ -116,6 +117,8 @@ def test_the_warm_up_trains_a_micro_batch_in_chunks_where_the_core_chunks(
         assert_same(weights(core), before)
         assert len(sizes) == 2 and all(budget < n <= 2000 for n, budget in sizes)
         assert sizes[0][0] != sizes[1][0]  # lengths differ by round: the dynamic-shape kernels compile
+        for n, _ in sizes:  # each micro-batch's log line says its tokens (and, on a GPU, the peak memory)
+            assert any(f"({n} tokens) computed in" in r.getMessage() for r in caplog.records)
         sat = Satellite(SatelliteConfig(core.address, "sat-c", warmup=2))
         assert len(sizes) == 4 and all(budget == 700 < n for n, budget in sizes[2:])
     finally:

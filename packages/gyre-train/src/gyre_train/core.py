@@ -41,7 +41,7 @@ from gyre_train.claimqueue import Assignment, ClaimQueue, QueuedStep, Verdict
 from gyre_train.corecell import CoreCell
 from gyre_train.corerank import MOMENTS, CoreRank, OptimConfig, RankWork
 from gyre_train.defaults import CHUNK_BUDGET, CHUNK_MEMORY, MISMATCH_WARN
-from gyre_train.devmem import release_cached_memory
+from gyre_train.devmem import peak_gib_since_last, release_cached_memory
 from gyre_train.engine_sync import (
     PushReport,
     SGLangSyncConfig,
@@ -505,10 +505,12 @@ class Core:
                 for a, m in zip(assignments, metrics, strict=True):
                     self._queue.deliver(CORE, a.batch, a.index, a.version, m)
                 info = self._queue.progress()
+                peak = peak_gib_since_last()
                 log.info(
-                    "step %d: micro-batches %s computed in %.2f s (%d of %d in)",
-                    info.seq, ",".join(str(a.index) for a in assignments), time.monotonic() - c0,
-                    info.done, info.microbatches,
+                    "step %d: micro-batches %s (%d tokens) computed in %.2f s (%d of %d in)%s",
+                    info.seq, ",".join(str(a.index) for a in assignments),
+                    sum(a.microbatch.num_tokens for a in assignments), time.monotonic() - c0,
+                    info.done, info.microbatches, "" if peak is None else f"; peak {peak:.1f} GiB on the GPU",
                 )  # fmt: skip
                 if on_progress is not None:
                     on_progress(self._queue.progress().done)

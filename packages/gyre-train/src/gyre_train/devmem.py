@@ -19,3 +19,13 @@ def release_cached_memory() -> int:
     before = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
     return max(0, before - torch.cuda.memory_reserved())
+
+
+def peak_gib_since_last() -> float | None:
+    """The most device memory this process's tensors held since the last call (GiB), then the count
+    starts again; None without CUDA in use. What the log says beside each micro-batch on a GPU."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
