@@ -69,10 +69,12 @@ def build_model(cfg: ModelConfig, attention: Attention = "dense", device: str = 
 
 
 FLEX_RECOMPILE_LIMIT = 64
-"""Graphs torch.compile may keep for one function (FlexAttention's): its default of 8 is reached by the
-variants a run meets (a micro-batch whole, a chunk with and without autograd, over ancestors or not, static
-shapes then dynamic), and past it torch runs FlexAttention unfused, materialising every score: a 16k-token
-chunk over 32k keys then takes minutes a layer. A run that reaches even this many stops with an error."""
+"""Graphs torch.compile may keep for one function (FlexAttention's). Its default of 8 is close to what a
+run meets: counted on the CPU (forward only, dynamo's guards), 15 chunks and 12 whole micro-batches of
+different lengths made 7 graphs (static shapes, then dynamic ones, chunks over ancestors or not, block
+masks with and without full blocks), and with autograd a GPU run has as many again. Past the limit torch
+runs FlexAttention unfused, every score materialised (quadratic memory and time), so a run that reaches
+even this many stops with an error instead."""
 
 
 def allow_flex_recompiles() -> None:
