@@ -79,10 +79,11 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parent / "examples" / "h200-agentic.toml"
 RESULTS = "results-h200-agentic.json"
 CALL_LIMIT_S = 600.0
+"""One device call's wall limit: the phases of a call have to fit in it (`plan`)."""
 STARTUP_S = 90.0
 """Seconds a run's start-up takes before its `[run] deadline_s` starts counting (engines, trainer warm-up,
-registration), allowed for when the deadline is cut to the call's budget."""
-"""One device call's wall limit: the phases of a call have to fit in it (`plan`)."""
+registration; 74 s measured on the H200 for the example), allowed for when the deadline is cut to the
+call's budget."""
 
 
 def tiny(cfg: Config, out_dir: str) -> Config:
@@ -632,8 +633,7 @@ def main() -> int:
     measured = {k: m for k, (_, m) in reused.items()}
     for pol in policies:
         run_dir = work / f"run-{pol}"
-        # the parts after it give way, not the run; its deadline counts from the first rollout, after
-        # the start-up (74 s measured on the H200 for this config)
+        # the parts after it give way, not the run; its deadline counts from the first rollout
         left = budget - (time.monotonic() - t_begin) - 60.0 - STARTUP_S
         c = cfg.with_policy(pol, str(run_dir))
         if left < c.run.deadline_s:
@@ -652,11 +652,7 @@ def main() -> int:
                 res.setdefault("partial", {})[pol] = policy_figures(partial, run_dir / "records.msgpack")
             except Exception as exc:  # a run cut short may lack what a figure needs; the file is kept
                 res.setdefault("partial", {})[pol] = {"error": f"{type(exc).__name__}: {exc}"}
-        for name in ("timeline.png", "metrics.json", "timeline-partial.png", "metrics-partial.json"):
-            if (run_dir / name).exists():
-                shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
-        if (run_dir / "logs").is_dir():  # every process's log, for the note on where the time went
-            shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
+        keep_run_outputs(run_dir, out)
     if measured:  # the simulator on the same workload, calibrated on every run measured
         res["sim"] = phase("sim", lambda: sim_phase(cfg, measured))
         for pol, f in ((res.get("sim") or {}).get("arms") or {}).items():
@@ -691,17 +687,23 @@ def main() -> int:
     return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
 
 
+def keep_run_outputs(run_dir: Path, out: Path) -> None:
+    """A run's timeline and metrics (whole or partial) into `out` as `<stem>-<policy><suffix>`, and every
+    process's log as `logs-<policy>.tar.gz`, for the note on where the time went."""
+    pol = run_dir.name.removeprefix("run-")
+    for name in ("timeline.png", "metrics.json", "timeline-partial.png", "metrics-partial.json"):
+        if (run_dir / name).exists():
+            shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
+    if (run_dir / "logs").is_dir():
+        shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
+
+
 def stop_keeping_logs(signum: int, work: Path, out: Path) -> None:
-    """On SIGTERM (the call's wall limit: `h200_run.sh` passes it on): each run's logs, partial metrics and
-    timeline into `out` as the end of a run would put them, then SystemExit, which stops the run's
-    processes on its way out. A call cut short still says where its time went."""
+    """On SIGTERM (the call's wall limit: `h200_run.sh` passes it on): what each run has so far into `out`
+    as the end of a run would put it, then SystemExit, which stops the run's processes on its way out. A
+    call cut short still says where its time went."""
     for run_dir in sorted(work.glob("run-*")):
-        pol = run_dir.name.removeprefix("run-")
-        if (run_dir / "logs").is_dir():
-            shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
-        for name in ("metrics-partial.json", "timeline-partial.png"):
-            if (run_dir / name).exists():
-                shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
+        keep_run_outputs(run_dir, out)
     say(f"signal {signum}: stopped; the runs' logs are in {out}")
     raise SystemExit(128 + signum)
 
