@@ -589,6 +589,31 @@ def test_replicas_give_device_memory_back_once_they_stop_computing(
     assert sat.released_bytes >= 1024
 
 
+def test_a_satellite_gives_its_warm_up_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up's activations go back to the driver at its end, before any claim: the rollout engine
+    of the satellite's cell starts on the same GPU right after (kept, they ran both engines out of
+    memory on an H200)."""
+    import gyre_train.satellite as sat_mod
+
+    released: list[int] = []
+
+    def release() -> int:
+        released.append(1)
+        return 4096
+
+    monkeypatch.setattr(sat_mod, "release_cached_memory", release)
+    core = new_core()
+    try:
+        sat = Satellite(SatelliteConfig(core.address, "sat-w", warmup=1))
+        try:
+            assert sat.warmup_s > 0 and sat.claims == 0
+            assert released == [1] and sat.released_bytes == 4096
+        finally:
+            sat.close()
+    finally:
+        core.close()
+
+
 def test_release_cached_memory_is_a_no_op_where_cuda_was_never_used() -> None:
     from gyre_train.devmem import release_cached_memory
 
