@@ -171,30 +171,6 @@ def test_a_flex_model_raises_the_recompile_limit_and_fails_rather_than_run_unfus
         dynamo.recompile_limit, dynamo.accumulated_recompile_limit, dynamo.fail_on_recompile_limit_hit = was
 
 
-def test_a_flex_model_trains_chunks_with_dense_masks_up_to_the_limit_and_is_flex_again_after() -> None:
-    """On a FlexAttention model a chunked micro-batch whose masks are small computes with SDPA over dense
-    masks (no compilation; FlexAttention's first chunked use compiles for minutes on a GPU): the same
-    gradient as a dense model's, and the model is a FlexAttention one again afterwards. Larger ones keep
-    FlexAttention."""
-    from gyre_train.defaults import DENSE_CHUNK_ELEMENTS
-    from gyre_train.model import Layout, chunk_attention, micro_gradient
-
-    assert chunk_attention("flex", 16_384, 27_000) == "dense"  # the agentic run's 27k trees in 16k chunks
-    assert chunk_attention("flex", 8_192, 698_000) == "flex"  # a 700k tree: a 5.7 G-element mask
-    assert chunk_attention("dense", 8_192, 698_000) == "dense"
-    assert chunk_attention("flex", 1 << 15, DENSE_CHUNK_ELEMENTS >> 15) == "dense"
-    mc = ModelConfig()
-    dense, flex = build_model(mc, "dense"), build_model(mc, "flex")
-    flex.load_state_dict(dense.state_dict())
-    layout = Layout.of(dense)
-    cfg = LossConfig()
-    want, _ = micro_gradient(dense, layout, BIG, cfg, "dense", chunk_budget=300)
-    got, m = micro_gradient(flex, layout, BIG, cfg, "flex", chunk_budget=300)
-    assert m["shared_chunks"] >= 1
-    torch.testing.assert_close(got, want, atol=0.0, rtol=0.0)
-    assert flex.config._attn_implementation == "flex_attention"
-
-
 def test_a_dense_chunk_mask_is_additive_in_the_model_dtype_with_rows_16_apart() -> None:
     """The dense chunk mask is built once per chunk for all layers as an additive mask of the model's
     dtype (SDPA would turn a boolean one into a new tensor at every layer, each kept for backward), its

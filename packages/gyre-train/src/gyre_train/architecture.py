@@ -28,6 +28,11 @@ micro-batch (or an engine's batch of rows) does not share with the sequence run 
 MULTIMODAL_KEYS = ("text_config", "vision_config", "audio_config")
 
 Attention = Literal["dense", "flex"]
+"""The attention a model is built with: SDPA over a dense ancestor mask (CPU), or FlexAttention (GPU)."""
+Kernel = Literal["dense", "flex", "tree"]
+"""The attention one micro-batch is computed with: a model's `Attention`, or "tree" (`gyre_train.treeattn`:
+flash attention over runs of the tree, no mask, nothing compiled), which a model built for FlexAttention
+switches to for a micro-batch trained in chunks (`gyre_train.model.chunk_attention`)."""
 ChunkMemory = Literal["auto", "kept", "layers", "layers-host"]
 """How a tree larger than the chunk budget is trained (`CoreConfig.chunk_memory`; see `layered.py`)."""
 
@@ -167,8 +172,8 @@ class Architecture:
         return None if v is None else str(v).removeprefix("torch.")
 
 
-HF_ATTENTION = {"dense": "sdpa", "flex": "flex_attention"}
-"""transformers' `attn_implementation` of each `Attention`."""
+HF_ATTENTION = {"dense": "sdpa", "flex": "flex_attention", "tree": "gyre_tree"}
+"""transformers' `attn_implementation` of each `Kernel`."""
 
 
 def _refuse(where: str, field: str, value: Any, why: str) -> ModelConfigError:

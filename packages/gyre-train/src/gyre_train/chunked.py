@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gyre_traj.loss import LossConfig, TorchBatch, merge_mismatch_sums, policy_loss
+from gyre_traj.loss import LossConfig, TorchBatch, combine_metrics, merge_mismatch_sums, policy_loss
 from gyre_traj.pack import PackedBatch
 
-from gyre_train.modelconfig import Attention
+from gyre_train.architecture import HF_ATTENTION, Kernel
+from gyre_train.treeattn import TreeRuns, plan_runs
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,16 @@ def _sub(tb: TorchBatch, idx: torch.Tensor, lo: int) -> TorchBatch:
 
 
 def chunk_mask(
-    tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Attention, dtype: torch.dtype = torch.float32
+    tb: TorchBatch, c: Chunk, kidx: torch.Tensor, attention: Kernel, dtype: torch.dtype = torch.float32
 ) -> Any:
     """What chunk `c`'s queries may see of the keys `kidx` (its ancestors', then its own): for "dense" an
     additive mask of `dtype` (0 seen, -inf not) of shape [1, 1, queries, keys], made once for every layer
     (SDPA would otherwise turn a boolean mask into a new one at each layer and keep each for backward)
     and laid out with its rows a multiple of 16 apart, so the memory-efficient kernel takes it without a
-    padded copy; for "flex" a BlockMask."""
+    padded copy; for "flex" a BlockMask; for "tree" the chunk's runs (`treeattn.TreeRuns`), which the
+    forward passes as `gyre_tree` (`model_inputs`)."""
+    if attention == "tree":
+        return plan_runs(tb.last_desc.cpu().numpy(), c.lo, c.hi, kidx.cpu().numpy())
     q = torch.arange(c.lo, c.hi, device=kidx.device)
     if attention == "dense":
         ld = tb.last_desc[kidx]
@@ -246,7 +250,29 @@ class ChunkCache:
         return 0
 
 
-def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attention) -> torch.Tensor:
+def check_kernel(model: Any, attention: Kernel) -> None:
+    """Refuse to compute with masks of `attention` on a model whose attention implementation is another
+    (tree runs given to SDPA would be ignored, silently): `gyre_train.model.attention_implementation`
+    switches a model for a micro-batch."""
+    want = HF_ATTENTION[attention]
+    have = getattr(getattr(model, "config", None), "_attn_implementation", want)
+    if have != want:
+        raise ValueError(
+            f"masks for {attention!r} attention need a model computing with {want!r}, not {have!r}"
+        )
+
+
+def model_inputs(mask: Any) -> dict[str, Any]:
+    """The keyword arguments that hand a forward (a model's or one layer's) the mask of `chunk_mask`: a
+    4D mask or BlockMask as the attention mask (it passes every family's mask builder as it is), tree
+    runs beside no mask (transformers passes keyword arguments on to the attention function)."""
+    if isinstance(mask, TreeRuns):
+        return {"attention_mask": None, "gyre_tree": mask}
+    return {"attention_mask": mask}
+
+
+def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Kernel) -> torch.Tensor:
+    check_kernel(model, attention)
     dev = tb.input_ids.device
     kidx = torch.cat(
         [torch.as_tensor(c.ext, device=dev, dtype=torch.long), torch.arange(c.lo, c.hi, device=dev)]
@@ -258,8 +284,8 @@ def _forward(model: Any, tb: TorchBatch, c: Chunk, cache: Any, attention: Attent
     out = backbone(
         input_ids=tb.input_ids[c.lo : c.hi][None],
         position_ids=tb.position_ids[c.lo : c.hi][None],
-        attention_mask=mask,  # a 4D mask (or BlockMask) passes every family's mask builder as it is
         use_cache=True,
+        **model_inputs(mask),
         **{arg: cache},
     )
     return out.last_hidden_state[0]
@@ -290,16 +316,32 @@ def sliced_loss_backward(
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
         if loss_cfg.temperature != 1.0:
             logits = logits / loss_cfg.temperature
-        lp = torch.log_softmax(logits, -1).gather(1, sub.target_ids[:, None])[:, 0]
-        loss, m = policy_loss(lp, sub, loss_cfg)
+        lsm = torch.log_softmax(logits, -1)
+        lp = lsm.gather(1, sub.target_ids[:, None])[:, 0]
+        with torch.no_grad():  # in row slices: the temporaries stay small on a 150k vocabulary
+            entropy = torch.cat([-(s.exp() * s).sum(-1) for s in lsm.detach().split(256)])
+        loss, m = policy_loss(lp, sub, loss_cfg, entropy)
         total += m["loss"]
         slices.append(m)
         loss.backward()
-        del logits, lp, loss
+        del logits, lsm, lp, loss
     assert h.grad is not None
     outs.append(hidden)
     grads.append(h.grad)
     return total
+
+
+def tree_metrics(b: PackedBatch, total: float, slices: list[dict[str, float]]) -> dict[str, float]:
+    """A tree's metrics from its loss slices' (`sliced_loss_backward`) as a micro-batch computed in one
+    piece reports them: the summed loss, its tokens, the weighted means and their weight (so a step's
+    `combine_metrics` counts the tree like any micro-batch), and the mismatch sums of its newest tokens."""
+    newest = int(b.versions.max()) if len(b.versions) else None
+    return {
+        **combine_metrics(slices),
+        "loss": total,
+        "weight": float(sum(s["weight"] for s in slices)),
+        **merge_mismatch_sums(slices, newest),
+    }
 
 
 def chunked_loss_backward(
@@ -307,7 +349,7 @@ def chunked_loss_backward(
     b: PackedBatch,
     budget: int,
     loss_cfg: LossConfig,
-    attention: Attention = "dense",
+    attention: Kernel = "dense",
     loss_slice: int = 2048,
 ) -> dict[str, float]:
     """Accumulate into `.grad` the gradient of the policy loss of tree `b`, chunk by chunk (see module)."""
@@ -338,10 +380,8 @@ def chunked_loss_backward(
         if outs:
             torch.autograd.backward(outs, grads)
         del cache, hidden, outs, grads
-    newest = int(b.versions.max()) if len(b.versions) else None
     return {
-        "loss": total,
-        **merge_mismatch_sums(slices, newest),
+        **tree_metrics(b, total, slices),
         "chunks": float(len(chunks)),
         "shared_chunks": float(sum(c.needed for c in chunks)),
         "joined_in_place": float(kept.in_place),

@@ -30,13 +30,14 @@ inputs in page-locked host memory (copied on a side CUDA stream); "auto" = the f
 state fits the free memory (always "kept" on the CPU)."""
 
 
-DENSE_CHUNK_ELEMENTS = 1 << 30
-"""On a FlexAttention model, a micro-batch trained in chunks whose masks have at most this many elements
-(`chunk_budget` x its tokens: a chunk's queries by the keys it may see) is computed with SDPA over a dense
-mask (`dense` attention), which needs no compilation; a larger one with FlexAttention, whose first use
-compiles kernels for minutes (a 27k-token micro-batch in 16k chunks: 206 s on an H200, against seconds to
-compute) but skips masked blocks and needs no mask in memory (a 700k-token tree in 8k chunks would need a
-5.6 G-element mask per chunk). 2**30 elements: a 2 GiB bfloat16 mask at most."""
+TREE_CHUNK_ELEMENTS = 1 << 30
+"""On a FlexAttention model, a micro-batch trained in chunks of `chunk_budget` tokens with `chunk_budget` x
+its tokens at most this many is computed with tree attention (`gyre_train.treeattn`: flash attention over
+the tree's runs), which needs no compilation; a larger one with FlexAttention, whose first use compiles
+kernels for minutes (a 27k-token micro-batch in 16k chunks: 206 s on an H200, against seconds to compute)
+but reads every ancestor's keys in place, where tree attention gathers a branch's ancestors' keys and
+values for each layer and keeps them for backward (a branch of a 650k-token trunk: about 2.7 GB a layer
+on the Qwen3-0.6B shape). Below 2**30, a chunk's gathers are at most its tokens' keys."""
 
 
 def warmup_rounds(device_type: str) -> int:

@@ -21,19 +21,22 @@ import inspect
 from typing import Any
 
 import torch
-from gyre_traj.loss import LossConfig, TorchBatch, merge_mismatch_sums
+from gyre_traj.loss import LossConfig, TorchBatch
 from gyre_traj.pack import PackedBatch
 
-from gyre_train.architecture import Attention, ChunkMemory
+from gyre_train.architecture import ChunkMemory, Kernel
 from gyre_train.chunked import (
     Chunk,
     ChunkCache,
     Kept,
+    check_kernel,
     chunk_mask,
     head_dim,
     kept_bytes,
+    model_inputs,
     plan,
     sliced_loss_backward,
+    tree_metrics,
 )
 from gyre_train.layerstore import LayerStore
 
@@ -161,7 +164,8 @@ class _Layers:
     """The model's pieces as layer-major training calls them: embedding, decoder layers, final norm, head,
     rotary embedding; the per-chunk masks and position embeddings are built once and reused by every layer."""
 
-    def __init__(self, model: Any, tb: TorchBatch, chunks: list[Chunk], attention: Attention) -> None:
+    def __init__(self, model: Any, tb: TorchBatch, chunks: list[Chunk], attention: Kernel) -> None:
+        check_kernel(model, attention)
         backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
         self.embed, self.norm = backbone.embed_tokens, backbone.norm
         self.layers = list(backbone.layers[: model.config.num_hidden_layers])
@@ -182,8 +186,8 @@ class _Layers:
     def run(self, layer: int, i: int, x: torch.Tensor, cache: Any) -> torch.Tensor:
         out = self.layers[layer](
             x[None],
-            attention_mask=self.masks[i],
             position_embeddings=self.rope[i],
+            **model_inputs(self.masks[i]),
             use_cache=True,
             **{self.cache_arg: cache},
         )
@@ -195,7 +199,7 @@ def layered_loss_backward(
     b: PackedBatch,
     budget: int,
     loss_cfg: LossConfig,
-    attention: Attention = "dense",
+    attention: Kernel = "dense",
     loss_slice: int = 2048,
     host: bool = False,
     store: LayerStore | None = None,
@@ -256,10 +260,8 @@ def layered_loss_backward(
         del hin
     for c in chunks:  # the embedding's gradient, a chunk at a time
         torch.autograd.backward(net.embed(tb.input_ids[c.lo : c.hi]), grad_out[c.lo : c.hi].to(dtype))
-    newest = int(b.versions.max()) if len(b.versions) else None
     return {
-        "loss": total,
-        **merge_mismatch_sums(slices, newest),
+        **tree_metrics(b, total, slices),
         "chunks": float(len(chunks)),
         "shared_chunks": float(sum(c.needed for c in chunks)),
         "joined_in_place": float(kept.in_place / n_layers),

@@ -24,8 +24,8 @@ import torch
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs_entropy
 from gyre_traj.pack import PackedBatch
 
-from gyre_train.architecture import HF_ATTENTION, ChunkMemory
-from gyre_train.defaults import CHUNK_MEMORY, DENSE_CHUNK_ELEMENTS
+from gyre_train.architecture import HF_ATTENTION, ChunkMemory, Kernel
+from gyre_train.defaults import CHUNK_MEMORY, TREE_CHUNK_ELEMENTS
 from gyre_train.modelconfig import Attention, ModelConfig
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "ModelConfig",
     "allow_flex_recompiles",
     "attention_implementation",
+    "attention_kernels",
     "build_model",
     "chunk_attention",
     "load_params",
@@ -186,7 +187,7 @@ def micro_gradient(
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     megatron = type(model).__module__.startswith("megatron.")  # a Megatron-core GPTModel
-    with _attention_kernels(device):
+    with attention_kernels(device):
         metrics = _loss_backward(
             model, batch, loss_cfg, attention, chunk_budget, chunk_memory, megatron, device
         )
@@ -222,7 +223,7 @@ def target_logprobs_of(
     trains with (same attention kernels), without the gradient."""
     device = next(model.parameters()).device
     tb = TorchBatch.from_packed(batch, device=device)
-    with _attention_kernels(device):
+    with attention_kernels(device):
         if type(model).__module__.startswith("megatron."):
             from gyre_train.megatron import tree_target_logprobs
 
@@ -230,20 +231,25 @@ def target_logprobs_of(
         return target_logprobs_entropy(model, tb, attention=attention)[0]
 
 
-def chunk_attention(attention: Attention, chunk_budget: int, num_tokens: int) -> Attention:
-    """The attention a micro-batch of `num_tokens` trained in chunks of `chunk_budget` is computed with on a
-    model built for `attention`: dense (SDPA, no compilation) where the chunks' masks have at most
-    `defaults.DENSE_CHUNK_ELEMENTS` elements, else the model's own."""
-    return "dense" if chunk_budget * num_tokens <= DENSE_CHUNK_ELEMENTS else attention
+def chunk_attention(attention: Attention, chunk_budget: int, num_tokens: int) -> Kernel:
+    """The attention a micro-batch of `num_tokens` trained in chunks of `chunk_budget` (a whole one: one
+    chunk of `num_tokens`) is computed with on a model built for `attention`: on a FlexAttention model,
+    tree attention (flash attention over the tree's runs, nothing compiled) up to
+    `defaults.TREE_CHUNK_ELEMENTS` (chunk budget x tokens), else FlexAttention; a dense model's own."""
+    return "tree" if attention == "flex" and chunk_budget * num_tokens <= TREE_CHUNK_ELEMENTS else attention
 
 
 @contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, attention: Attention) -> Any:
+def attention_implementation(model: torch.nn.Module, attention: Kernel) -> Any:
     """`model` (a transformers model) computing with `attention` inside the block, and with the
     implementation it had before after it."""
     cfg = getattr(model, "config", None)
     was = getattr(cfg, "_attn_implementation", None)
     want = HF_ATTENTION[attention]
+    if attention == "tree":
+        from gyre_train import treeattn
+
+        treeattn.register()
     if cfg is None or was is None or was == want:
         yield
         return
@@ -254,7 +260,7 @@ def attention_implementation(model: torch.nn.Module, attention: Attention) -> An
         model.set_attn_implementation(was)  # type: ignore[operator]
 
 
-def _attention_kernels(device: torch.device) -> Any:
+def attention_kernels(device: torch.device) -> Any:
     """On a GPU, keep SDPA (dense ancestor masks) off cuDNN's kernel, which builds a plan for every new
     sequence length (seconds on a 1.5B model at a satellite's first micro-batch of a new length); the
     memory-efficient kernel takes the same masks with no per-shape set-up. The same choice everywhere
@@ -276,18 +282,18 @@ def _loss_backward(
     megatron: bool,
     device: torch.device,
 ) -> dict[str, float]:
-    if chunk_budget and batch.num_tokens > chunk_budget and not megatron:
+    chunked = bool(chunk_budget) and batch.num_tokens > chunk_budget and not megatron
+    kernel = chunk_attention(attention, chunk_budget if chunked else batch.num_tokens, batch.num_tokens)
+    if chunked or (kernel == "tree" and not megatron):  # a whole micro-batch: one chunk of its own size
         from gyre_train.chunked import chunked_loss_backward
         from gyre_train.layered import choose, layered_loss_backward
 
-        how = choose(batch, chunk_budget, model, chunk_memory)
-        kernel = chunk_attention(attention, chunk_budget, batch.num_tokens)
+        budget = chunk_budget if chunked else batch.num_tokens
+        how = choose(batch, budget, model, chunk_memory) if chunked else "kept"
         with attention_implementation(model, kernel):
             if how == "kept":
-                return chunked_loss_backward(model, batch, chunk_budget, loss_cfg, kernel)
-            return layered_loss_backward(
-                model, batch, chunk_budget, loss_cfg, kernel, host=how == "layers-host"
-            )
+                return chunked_loss_backward(model, batch, budget, loss_cfg, kernel)
+            return layered_loss_backward(model, batch, budget, loss_cfg, kernel, host=how == "layers-host")
     tb = TorchBatch.from_packed(batch, device=device)
     if megatron:  # this rank's part: its tensor-parallel shards, its pipeline stage
         from gyre_train.megatron import pipeline_loss_backward
