@@ -16,7 +16,13 @@ import pytest
 import torch
 from gyre_train.chunked import chunked_loss_backward
 from gyre_train.data import synthetic_minibatch
-from gyre_train.model import ModelConfig, build_model, load_pretrained, pretrained_weights
+from gyre_train.model import (
+    ModelConfig,
+    attention_implementation,
+    build_model,
+    load_pretrained,
+    pretrained_weights,
+)
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs
 from gyre_traj.pack import PackedBatch
 
@@ -86,11 +92,13 @@ def test_chunked_tree_gradient_equals_one_microbatch(family: str, dirs: dict[str
     loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     scale = max(float(g.abs().max()) for g in ref.values())
-    model.zero_grad()
-    m = chunked_loss_backward(model, big, 128, cfg)
-    assert m["shared_chunks"] >= 1
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n], atol=1e-5 * scale, rtol=1e-4, msg=n)
+    for kernel in ("dense", "tree"):  # the CPU's mask, and the GPU's tree attention (keyword-passed runs)
+        model.zero_grad()
+        with attention_implementation(model, kernel):  # type: ignore[arg-type]
+            m = chunked_loss_backward(model, big, 128, cfg, kernel)  # type: ignore[arg-type]
+        assert m["shared_chunks"] >= 1
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], atol=1e-5 * scale, rtol=1e-4, msg=f"{kernel} {n}")
 
 
 def test_a_satellite_builds_the_directory_model_and_trains_it_exactly(dirs: dict[str, Path]) -> None:
