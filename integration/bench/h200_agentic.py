@@ -27,6 +27,17 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
    against elastic measured and simulated, each held to within 15%.
 A part that dies fails its run at once (`[survive] restart` off), naming it with its log's last lines; on
 SIGTERM (the call's wall limit) the runs' logs go to OUT before the bench stops.
+
+The first policy's finished run also goes to OUT as archives (`runarchive`: `run-<policy>.tar.xz`, its
+metrics and record log, and `run-<policy>-batches-<k>.tar.xz`, its kept steps; names and sizes under
+`run_archives`). Where the run leaves a call no time for the lone trainer and the replay, a later call
+measures them with `--from-run` and those archives (copied into the working tree, in an ignored folder
+the call carries), with no run of its own:
+
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic \
+        --skip probe,migrate,replay,train
+    bash integration/bench/h200_run.sh --script h200_agentic.py --skip probe,migrate \
+        --from-run .runs/run-elastic.tar.xz,.runs/run-elastic-batches-0.tar.xz
 Results go to OUT/results-h200-agentic.json (every figure, per policy, and the goals it is held to), the
 timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<policy>.json.
 
@@ -70,6 +81,7 @@ from typing import Any
 
 import h200_run
 import replay
+import runarchive
 from gyre.config.runconfig import Config, load_config
 from gyre.measure import arms, floors
 from gyre.procs.group import ProcessGroup, free_port, python_argv
@@ -384,9 +396,11 @@ def plan_estimates(paths: str, cfg: Config, reused: dict[str, dict[str, Any]]) -
     return estimates(results, probe, sim)
 
 
-def plan(policies: list[str], skip: set[str], est: dict[str, float]) -> list[tuple[str, float | None]]:
-    """The phases one call runs (`--policies`, `--skip`) in order, each with its estimated seconds (None:
-    no estimate), as `main` runs them."""
+def plan(
+    policies: list[str], skip: set[str], est: dict[str, float], from_run: bool = False
+) -> list[tuple[str, float | None]]:
+    """The phases one call runs (`--policies`, `--skip`; `from_run`: an earlier call's run measured instead
+    of a run) in order, each with its estimated seconds (None: no estimate), as `main` runs them."""
     out: list[tuple[str, float | None]] = [("model", est.get("model"))]
     for name in ("warmstart", "floors"):
         if name not in skip:
@@ -397,7 +411,7 @@ def plan(policies: list[str], skip: set[str], est: dict[str, float]) -> list[tup
     if alone and "replay" not in alone:
         out += parts
     out += [(f"run-{p}", est.get(f"run-{p}")) for p in ([] if "run" in skip else policies)]
-    if policies and "run" not in skip and "train" not in skip:
+    if (from_run or (policies and "run" not in skip)) and "train" not in skip:
         out.append(("train", est.get("train")))
     if alone and "replay" in alone:
         out += parts
@@ -506,6 +520,13 @@ def main() -> int:
         "calibrated on them too and their policies count in the goals across policies",
     )
     p.add_argument(
+        "--from-run",
+        default="",
+        help="comma list of the run archives an earlier call wrote to OUT (run-<policy>.tar.xz and its "
+        "run-<policy>-batches-<k>.tar.xz): no run in this call; the lone trainer and the replay measure "
+        "that run",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="print the phases of this call (--policies, --skip) with their seconds estimated from "
@@ -535,6 +556,9 @@ def main() -> int:
     if device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus.cell_env(cfg, 0)["CUDA_VISIBLE_DEVICES"]
     skip = set(filter(None, a.skip.split(",")))
+    from_run = [Path(x).resolve() for x in a.from_run.split(",") if x]
+    if from_run:
+        skip.add("run")
     policies = [] if "run" in skip else [x for x in (a.policies or cfg.run.policy).split(",") if x]
     budget = a.budget_s or (3000.0 if a.tiny else 575.0)
     reused = {}
@@ -543,7 +567,7 @@ def main() -> int:
         if m["policy"] not in policies:  # a policy run in this call: its run counts
             reused[m["policy"]] = (path, m)
     ests = plan_estimates(a.plan_from, load_config(a.config), {k: m for k, (_, m) in reused.items()})
-    steps_plan = plan(policies, skip, ests)
+    steps_plan = plan(policies, skip, ests, bool(from_run))
     known = [x for _, x in steps_plan if x is not None]
     if a.tiny:
         say("plan: the device call of these arguments, in an earlier device call's seconds (not this run's)")
@@ -630,6 +654,11 @@ def main() -> int:
         alone_parts = set()
     first_metrics: dict[str, Any] | None = None
     first_dir: Path | None = None
+    if from_run:  # an earlier call's run: its steps trained again and its calls replayed here
+        first_dir = runarchive.unpack(from_run, work / "from-run")
+        first_metrics = json.loads((first_dir / "metrics.json").read_text())
+        res["from_run"] = {"archives": [str(x) for x in from_run], "policy": first_metrics.get("policy"),
+                           "end_to_end_s": first_metrics.get("end_to_end_s")}  # fmt: skip
     measured = {k: m for k, (_, m) in reused.items()}
     for pol in policies:
         run_dir = work / f"run-{pol}"
@@ -646,6 +675,7 @@ def main() -> int:
             measured[pol] = m
             if first_metrics is None:
                 first_metrics, first_dir = m, run_dir
+                keep_run_archives(run_dir, out, pol, res)
         if m is None and (run_dir / "metrics-partial.json").exists():  # cut short: what it did until then
             partial = json.loads((run_dir / "metrics-partial.json").read_text())
             try:
@@ -685,6 +715,22 @@ def main() -> int:
     if alone_parts and room("alone", after_s["alone-startup"]):
         alone(first_dir, first_metrics)
     return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
+
+
+def keep_run_archives(run_dir: Path, out: Path, pol: str, res: dict[str, Any]) -> None:
+    """The run's metrics, record log and kept steps as archives in `out` (`runarchive`), so that a later
+    call can train and replay them (`--from-run`) where this one has no time left to; their names and
+    sizes under `run_archives`, with any a call would not return."""
+    try:
+        paths = runarchive.pack(run_dir, out, pol)
+    except FileNotFoundError as exc:
+        res["run_archives"] = {"error": str(exc)}
+        return
+    res["run_archives"] = {
+        "files": {p.name: p.stat().st_size for p in paths},
+        "too_large": runarchive.too_large(paths),
+    }
+    say(f"run archives for --from-run: {res['run_archives']}")
 
 
 def keep_run_outputs(run_dir: Path, out: Path) -> None:

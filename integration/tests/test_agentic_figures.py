@@ -180,3 +180,60 @@ def test_plan_of_a_call_in_phase_order() -> None:
         "run-colocate",
     ]
     assert dict(p)["run-colocate"] is None  # no estimate for it
+    # an earlier call's run measured here: no run, the lone trainer and the replay
+    p = bench.plan([], {"run", "probe", "migrate"}, est, from_run=True)
+    assert [n for n, _ in p] == ["model", "warmstart", "floors", "train", "alone-startup", "replay"]
+
+
+def _runarchive() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("runarchive")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _fake_run(d: Path, steps: int) -> Path:
+    (d / "batches").mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps({"policy": "elastic", "end_to_end_s": 1.5}))
+    (d / "records.msgpack").write_bytes(bytes(range(256)) * 40)
+    for k in range(steps):
+        (d / "batches" / f"step-{k:06d}.gtb").write_bytes(bytes([k]) * (3000 + k))
+    (d / "logs").mkdir()  # not part of what a later call needs
+    (d / "logs" / "cell-0.log").write_text("x")
+    return d
+
+
+def test_a_run_archived_in_parts_comes_back_whole(tmp_path: Path) -> None:
+    """The run's metrics, record log and kept steps go out in parts of bounded size and come back as the
+    run directory the lone trainer and the replay read, byte for byte; nothing else travels."""
+    ra = _runarchive()
+    run = _fake_run(tmp_path / "run", 5)
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = ra.pack(run, out, "elastic", part_bytes=7000)  # two steps per part
+    assert [p.name for p in parts] == ["run-elastic.tar.xz"] + [
+        f"run-elastic-batches-{k}.tar.xz" for k in range(3)
+    ]
+    assert ra.too_large(parts) == []
+    back = ra.unpack(list(reversed(parts)), tmp_path / "back")
+    for rel in ["metrics.json", "records.msgpack", *(f"batches/step-{k:06d}.gtb" for k in range(5))]:
+        assert (back / rel).read_bytes() == (run / rel).read_bytes(), rel
+    assert not (back / "logs").exists()
+    with pytest.raises(ValueError, match="no kept steps"):  # the first part alone is not a run
+        ra.unpack(parts[:1], tmp_path / "half")
+
+
+def test_a_run_archive_refuses_what_it_did_not_write(tmp_path: Path) -> None:
+    import tarfile
+
+    ra = _runarchive()
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        ra.pack(tmp_path, tmp_path, "elastic")  # no metrics.json: a run cut short
+    evil = tmp_path / "evil.tar.xz"
+    (tmp_path / "x").write_text("y")
+    with tarfile.open(evil, "w:xz") as t:
+        t.add(tmp_path / "x", arcname="../escape")
+    with pytest.raises(ValueError, match="unexpected member"):
+        ra.unpack([evil], tmp_path / "dest")
+    assert not (tmp_path / "escape").exists()
