@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import tarfile
 from pathlib import Path, PurePosixPath
+from typing import Final
 
 PART_BYTES = 24 << 20
 """Uncompressed bytes of kept steps per archive: about 12 MiB compressed, within a returned file's 16."""
-PRESET = 3
+PRESET: Final = 3
 """xz's compression level: near the default's ratio on token ids at a fraction of its time."""
 RETURNED_FILE_BYTES = 16 << 20
 """The largest file a device call returns from its results folder."""
