@@ -75,7 +75,10 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         torch.testing.assert_close(got[n], want[n], atol=1e-6 * scale, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("budget", [100_000, 300, 64])
+@pytest.mark.parametrize(
+    "budget",
+    [300, pytest.param(100_000, marks=pytest.mark.long), pytest.param(64, marks=pytest.mark.long)],
+)
 def test_tree_attention_trains_as_the_dense_mask_does(budget: int) -> None:
     """Whole (one chunk) and in chunks over kept keys and values (in place and gathered)."""
     model = build_model(ModelConfig())
