@@ -5,12 +5,10 @@ it does not bring the call back; the next client is served and recorded as usual
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 import socket
 import time
-import warnings
 from typing import Any
 
 import httpx
@@ -19,7 +17,7 @@ from gyre_base.testing import until
 from gyre_traj.io import read_records
 from gyre_traj.records import Call
 
-from .conftest import EngineProc, TinyEngines
+from .conftest import EngineProc, TinyEngines, left_to_gc
 
 pytestmark = pytest.mark.slow
 
@@ -150,15 +148,6 @@ def test_clients_leaving_while_calls_wait_for_an_engine_connection_leak_nothing(
     churn()  # and the proxy stops at once, its calls' aborts still queued
     # Every engine connection of a cancelled call (its stream, its abort) was closed by the proxy itself,
     # while it runs and when it stops with aborts still queued: none is left for the garbage collector.
-    assert _left_to_gc() == []
+    assert left_to_gc() == []
     ps.server.stop()
-    assert _left_to_gc() == []
-
-
-def _left_to_gc() -> list[str]:
-    """The unclosed-resource warnings a garbage collection emits now (the suite turns warnings into
-    errors, which would blame whichever test the collector happens to run in)."""
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always", ResourceWarning)
-        gc.collect()
-    return [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
+    assert left_to_gc() == []
