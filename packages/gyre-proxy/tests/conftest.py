@@ -11,11 +11,13 @@ tokenized with the policy's tokenizer; every input it receives is kept for the t
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from tokenizers import Tokenizer
+
+
+def left_to_gc() -> list[str]:
+    """The unclosed-resource warnings a garbage collection emits now (the suite turns warnings into
+    errors, which would blame whichever test the collector happens to run in)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    return [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
 
 
 @pytest.fixture(scope="session")

@@ -156,18 +156,19 @@ class Proxy:
         self.owned(size, fn, rec).add_done_callback(_log_failure)
 
     async def start(self) -> None:
+        # One pool of kept-alive connections for the engines' streams and aborts (`upstream.py`): no cap
+        # on the connections in use (the calls in flight bound them, one engine stream per call).
+        tls = ssl.create_default_context()  # made once: each takes milliseconds, and engines may use https
+        self.http = UpstreamClient(
+            timeout_s=self.cfg.request_timeout_s, connect_timeout_s=5.0, max_keepalive=512, ssl_context=tls
+        )
         self.pool = EnginePool(
             self.cfg.drain_grace_s,
             self.cfg.request_timeout_s,
             retry_s=self.cfg.engine_retry_s,
             retry_max_s=self.cfg.engine_retry_max_s,
             session_idle_s=self.cfg.session_idle_s,
-        )
-        # One pool of kept-alive connections for the engines' streams (`upstream.py`): no cap on the
-        # connections in use (the calls in flight bound them, one engine stream per call).
-        tls = ssl.create_default_context()  # made once: each takes milliseconds, and engines may use https
-        self.http = UpstreamClient(
-            timeout_s=self.cfg.request_timeout_s, connect_timeout_s=5.0, max_keepalive=512, ssl_context=tls
+            http=self.http,
         )
         self.sink = RecordSink(self.cfg.record_log or None, self.cfg.record_push, token=self.cfg.token)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gyre-proxy-worker")

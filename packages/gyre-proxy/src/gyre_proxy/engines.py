@@ -13,6 +13,13 @@ makes its in-flight calls continue elsewhere at once; only the scheduler removes
 engine a connection to failed is only set aside (FAILED): its `/health` is polled with exponential backoff
 and it takes requests again as soon as it answers 200; the probes go through the engine client's own
 probe pool, which no load (calls, aborts, prefix moves) can fill.
+
+A call whose client left has its engine request aborted (`abort_soon`): a task of its own, bounded by a
+timeout, at most `ABORT_SLOTS` at once per engine, sent through the proxy's own HTTP/1.1 client
+(`upstream.py`), whose connection is closed whenever a request is left before its answer's end, so an
+abort cut short by its timeout or by the proxy stopping leaves no connection behind (an httpx pool's
+timeout is a cancellation inside httpcore, which can leave the connection it had assigned to the garbage
+collector). `aclose` stops the aborts still queued and waits for them before it returns.
 """
 
 from __future__ import annotations
@@ -24,9 +31,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from gyre_engine.client import EngineClient
+from gyre_engine.protocol import AbortRequest
+
+from gyre_proxy.upstream import UpstreamClient
 
 log = logging.getLogger("gyre_proxy.engines")
+ABORT_SLOTS = 16
+"""Aborts in flight at once per engine; more wait their turn (within their timeout)."""
+STOP_WAIT_S = 5.0
+"""How long `EnginePool.aclose` waits for its cancelled tasks to end."""
 
 
 class EngineState(enum.StrEnum):
@@ -67,6 +82,7 @@ class Engine:
     failures: int = 0  # times it was set aside after a connection failure
     revived: int = 0  # times it came back after one
     supports_prefix_export: bool | None = None  # learnt on first try
+    abort_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ABORT_SLOTS))
 
 
 class NoEngine(RuntimeError):
@@ -84,10 +100,12 @@ class EnginePool:
         retry_s: float = 0.2,
         retry_max_s: float = 5.0,
         session_idle_s: float = 30.0,
+        http: UpstreamClient | None = None,
     ) -> None:
         """`retry_s`: first wait before a failed engine's health check, doubling up to `retry_max_s`;
         `session_idle_s`: an execution without a call for this long no longer counts as live on its engine
-        (0: no rebalancing)."""
+        (0: no rebalancing); `http`: the client aborts go through (the caller closes it after `aclose`;
+        default: one of the pool's own)."""
         self.engines: dict[int, Engine] = {}
         self.affinity: dict[str, int] = {}
         self.last_call: dict[str, float] = {}
@@ -104,6 +122,8 @@ class EnginePool:
         self.moved_calls = 0
         self.aborts_sent = 0  # engine requests aborted because their caller went away
         self._tasks: set[asyncio.Task[None]] = set()
+        self._own_http = http is None
+        self.http = UpstreamClient(timeout_s=request_timeout_s) if http is None else http
 
     # ------------------------------------------------------------------ membership
     def add(self, engine_id: int, url: str) -> Engine:
@@ -275,18 +295,32 @@ class EnginePool:
 
     def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> asyncio.Future[None]:
         """Tell `eng` to stop `rid`: the abort is a task of its own, so a caller cancelled meanwhile still
-        sends it, and it is bounded by the client's timeout rather than cancelled (a request cancelled
-        while it waits for a connection leaks that connection in httpx 0.28). Failures are logged, not
+        sends it, and `timeout_s` bounds it whole (the wait for a slot included). Failures are logged, not
         raised; the returned future is done once the engine answered or the abort gave up."""
         if eng.state is EngineState.REMOVED:  # its client is closed; nothing runs there for us now
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
         self.aborts_sent += 1
+        body = msgspec.json.encode(AbortRequest(rid=rid))
 
         async def send() -> None:
             try:
-                await eng.client.abort(rid, timeout=timeout_s)
+                url = f"{eng.url}/abort_request"
+                async with (
+                    asyncio.timeout(timeout_s),
+                    eng.abort_slots,
+                    self.http.stream(url, body, eng.client.headers) as r,
+                ):
+                    answer = await r.aread()
+                if r.status_code >= 400:
+                    log.info(
+                        "abort of %s on engine %d refused: %d %s",
+                        rid,
+                        eng.engine_id,
+                        r.status_code,
+                        answer[:200].decode(errors="replace"),
+                    )
             except Exception as exc:  # a dead engine runs nothing; anything else is worth a line
                 log.info("abort of %s on engine %d failed: %r", rid, eng.engine_id, exc)
 
@@ -305,8 +339,15 @@ class EnginePool:
             eng.served += 1
 
     async def aclose(self) -> None:
+        """Stop what the pool still runs (aborts, health checks) and wait for it, then close the engines'
+        clients: nothing opens a connection after this returns."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_WAIT_S)
         for eng in list(self.engines.values()):
             await eng.client.aclose()
         self.engines.clear()
-        for t in list(self._tasks):
-            t.cancel()
+        if self._own_http:
+            await self.http.aclose()
