@@ -145,3 +145,18 @@ def test_a_flex_model_trains_whole_micro_batches_with_tree_attention_and_reports
     for k in same:
         assert gm[k] == pytest.approx(wm[k], rel=1e-4, abs=1e-6), k
     assert flex.config._attn_implementation == "flex_attention"
+
+
+def test_target_logprobs_of_a_flex_model_are_the_dense_models() -> None:
+    """What `gyre-train mismatch` compares with the engine: the forward micro_gradient trains with, tree
+    attention on a FlexAttention model, equal to the dense model's."""
+    from gyre_train.model import target_logprobs_of
+
+    mc = ModelConfig()
+    dense, flex = build_model(mc, "dense"), build_model(mc, "flex")
+    flex.load_state_dict(dense.state_dict())
+    want = target_logprobs_of(dense, BIG, "dense")
+    got = target_logprobs_of(flex, BIG, "flex")
+    assert got.shape == (BIG.num_loss_tokens,)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert flex.config._attn_implementation == "flex_attention"

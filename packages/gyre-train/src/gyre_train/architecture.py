@@ -32,7 +32,7 @@ Attention = Literal["dense", "flex"]
 Kernel = Literal["dense", "flex", "tree"]
 """The attention one micro-batch is computed with: a model's `Attention`, or "tree" (`gyre_train.treeattn`:
 flash attention over runs of the tree, no mask, nothing compiled), which a model built for FlexAttention
-switches to for a micro-batch trained in chunks (`gyre_train.model.chunk_attention`)."""
+switches to for a micro-batch up to a size, whole or in chunks (`gyre_train.model.chunk_attention`)."""
 ChunkMemory = Literal["auto", "kept", "layers", "layers-host"]
 """How a tree larger than the chunk budget is trained (`CoreConfig.chunk_memory`; see `layered.py`)."""
 

@@ -344,6 +344,26 @@ def tree_metrics(b: PackedBatch, total: float, slices: list[dict[str, float]]) -
     }
 
 
+@torch.no_grad()
+def tree_target_logprobs(
+    model: Any, b: PackedBatch, attention: Kernel, loss_slice: int = 2048
+) -> torch.Tensor:
+    """Logprobs [L] of `b`'s loss targets at temperature 1, the whole micro-batch forwarded as one chunk
+    with `attention` (the model switched to it by the caller), the log-softmax a slice of targets at a
+    time: the forward `chunked_loss_backward` trains with, without the gradient."""
+    dev = next(model.parameters()).device
+    tb = TorchBatch.from_packed(b, device=dev)
+    c = plan(b, max(1, b.num_tokens))[0]
+    hidden = _forward(model, tb, c, ChunkCache(Kept(0, c.hi), c, False, dev), attention)
+    head = model.get_output_embeddings()
+    parts = []
+    for s in range(0, int(tb.target_pos.shape[0]), loss_slice):
+        logits = head(hidden.index_select(0, tb.target_pos[s : s + loss_slice]))
+        lsm = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        parts.append(lsm.gather(1, tb.target_ids[s : s + loss_slice, None])[:, 0])
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
 def chunked_loss_backward(
     model: Any,
     b: PackedBatch,

@@ -182,7 +182,9 @@ def micro_gradient(
     and its metrics. With
     `chunk_budget`, a micro-batch larger than it is trained in chunks (`gyre_train.chunked`: shared
     prefix forwarded once, activation memory of one chunk), keeping what the chunks share as
-    `chunk_memory` says (`gyre_train.defaults.CHUNK_MEMORY`); transformers backend only."""
+    `chunk_memory` says (`gyre_train.defaults.CHUNK_MEMORY`); transformers backend only. On a
+    FlexAttention model a micro-batch computes with tree attention where `chunk_attention` says so
+    (whole or in chunks), with FlexAttention beyond."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
@@ -228,6 +230,12 @@ def target_logprobs_of(
             from gyre_train.megatron import tree_target_logprobs
 
             return tree_target_logprobs(model, tb)
+        kernel = chunk_attention(attention, batch.num_tokens, batch.num_tokens)
+        if kernel == "tree":  # as micro_gradient computes it on a FlexAttention model
+            from gyre_train.chunked import tree_target_logprobs as whole_tree
+
+            with attention_implementation(model, kernel):
+                return whole_tree(model, batch, kernel)
         return target_logprobs_entropy(model, tb, attention=attention)[0]
 
 
@@ -261,9 +269,10 @@ def attention_implementation(model: torch.nn.Module, attention: Kernel) -> Any:
 
 
 def attention_kernels(device: torch.device) -> Any:
-    """On a GPU, keep SDPA (dense ancestor masks) off cuDNN's kernel, which builds a plan for every new
-    sequence length (seconds on a 1.5B model at a satellite's first micro-batch of a new length); the
-    memory-efficient kernel takes the same masks with no per-shape set-up. The same choice everywhere
+    """On a GPU, keep SDPA (dense ancestor masks; tree attention's runs, which go to flash attention) off
+    cuDNN's kernel, which builds a plan for every new sequence length (seconds on a 1.5B model at a
+    satellite's first micro-batch of a new length); the memory-efficient kernel takes the same masks with
+    no per-shape set-up. The same choice everywhere
     micro_gradient runs, so every replica computes a micro-batch with the same kernels."""
     if device.type != "cuda":
         return contextlib.nullcontext()
