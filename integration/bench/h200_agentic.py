@@ -28,11 +28,11 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
 A part that dies fails its run at once (`[survive] restart` off), naming it with its log's last lines; on
 SIGTERM (the call's wall limit) the runs' logs go to OUT before the bench stops.
 
-The first policy's finished run also goes to OUT as archives (`runarchive`: `run-<policy>.tar.xz`, its
+Where the lone trainer or the replay of the first policy's finished run is skipped (`--skip`, or for
+want of the call's time), that run goes to OUT as archives (`runarchive`: `run-<policy>.tar.xz`, its
 metrics and record log, and `run-<policy>-batches-<k>.tar.xz`, its kept steps; names and sizes under
-`run_archives`). Where the run leaves a call no time for the lone trainer and the replay, a later call
-measures them with `--from-run` and those archives (copied into the working tree, in an ignored folder
-the call carries), with no run of its own:
+`run_archives`), and a later call measures them with `--from-run` and those archives (copied into the
+working tree, in an ignored folder the call carries), with no run of its own:
 
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic \
         --skip probe,migrate,replay,train
@@ -675,7 +675,8 @@ def main() -> int:
             measured[pol] = m
             if first_metrics is None:
                 first_metrics, first_dir = m, run_dir
-                keep_run_archives(run_dir, out, pol, res)
+                if {"replay", "train"} & skip:  # measured by a later call, if at all
+                    keep_run_archives(run_dir, out, res)
         if m is None and (run_dir / "metrics-partial.json").exists():  # cut short: what it did until then
             partial = json.loads((run_dir / "metrics-partial.json").read_text())
             try:
@@ -714,15 +715,18 @@ def main() -> int:
         skip.add("replay")
     if alone_parts and room("alone", after_s["alone-startup"]):
         alone(first_dir, first_metrics)
+    lacking = res.get("train_again") is None or res.get("replay") is None
+    if first_dir is not None and not from_run and "run_archives" not in res and lacking:
+        keep_run_archives(first_dir, out, res)  # what the call's time did not allow, for a later one
     return finish(out, res, 0 if len(res["policies"]) == len(policies) and not res["errors"] else 1)
 
 
-def keep_run_archives(run_dir: Path, out: Path, pol: str, res: dict[str, Any]) -> None:
+def keep_run_archives(run_dir: Path, out: Path, res: dict[str, Any]) -> None:
     """The run's metrics, record log and kept steps as archives in `out` (`runarchive`), so that a later
     call can train and replay them (`--from-run`) where this one has no time left to; their names and
     sizes under `run_archives`, with any a call would not return."""
     try:
-        paths = runarchive.pack(run_dir, out, pol)
+        paths = runarchive.pack(run_dir, out, run_dir.name.removeprefix("run-"))
     except FileNotFoundError as exc:
         res["run_archives"] = {"error": str(exc)}
         return
