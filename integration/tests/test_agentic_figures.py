@@ -28,10 +28,11 @@ def _metrics(policy: str) -> dict[str, Any]:
     return out
 
 
-def _bench() -> Any:
+def _bench(module: str = "h200_agentic") -> Any:
+    """A module of bench/ (a folder of scripts, not a package)."""
     sys.path.insert(0, str(BENCH))
     try:
-        return importlib.import_module("h200_agentic")
+        return importlib.import_module(module)
     finally:
         sys.path.remove(str(BENCH))
 
@@ -185,14 +186,6 @@ def test_plan_of_a_call_in_phase_order() -> None:
     assert [n for n, _ in p] == ["model", "warmstart", "floors", "train", "alone-startup", "replay"]
 
 
-def _runarchive() -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("runarchive")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def _fake_run(d: Path, steps: int) -> Path:
     (d / "batches").mkdir(parents=True)
     (d / "metrics.json").write_text(json.dumps({"policy": "elastic", "end_to_end_s": 1.5}))
@@ -207,7 +200,7 @@ def _fake_run(d: Path, steps: int) -> Path:
 def test_a_run_archived_in_parts_comes_back_whole(tmp_path: Path) -> None:
     """The run's metrics, record log and kept steps go out in parts of bounded size and come back as the
     run directory the lone trainer and the replay read, byte for byte; nothing else travels."""
-    ra = _runarchive()
+    ra = _bench("runarchive")
     run = _fake_run(tmp_path / "run", 5)
     out = tmp_path / "out"
     out.mkdir()
@@ -227,7 +220,7 @@ def test_a_run_archived_in_parts_comes_back_whole(tmp_path: Path) -> None:
 def test_a_run_archive_refuses_what_it_did_not_write(tmp_path: Path) -> None:
     import tarfile
 
-    ra = _runarchive()
+    ra = _bench("runarchive")
     with pytest.raises(FileNotFoundError, match="did not finish"):
         ra.pack(tmp_path, tmp_path, "elastic")  # no metrics.json: a run cut short
     evil = tmp_path / "evil.tar.xz"

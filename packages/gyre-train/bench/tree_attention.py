@@ -37,14 +37,11 @@ import torch
 from gyre_train.bench.run import QWEN3_06B
 from gyre_train.chunked import chunked_loss_backward
 from gyre_train.data import chunked_warmup_microbatch
-from gyre_train.model import ModelConfig, attention_implementation, attention_kernels, build_model
+from gyre_train.model import attention_implementation, attention_kernels, build_model
 from gyre_traj.loss import LossConfig, TorchBatch, policy_loss, target_logprobs_entropy
 from gyre_traj.pack import PackedBatch
+from long_tree import TINY  # the same 4-layer model as the long-tree bench's --tiny
 
-TINY = ModelConfig(
-    vocab_size=8192, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-)  # fmt: skip
 ATTENTION_KERNELS = ("attention", "fmha", "flash", "flex")
 
 

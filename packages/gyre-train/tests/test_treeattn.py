@@ -52,6 +52,9 @@ def test_a_trunk_reads_its_keys_as_one_view_and_branches_off_it_gather() -> None
     assert runs.runs[0].cols == slice(0, 10) and runs.gathers() == 2
     assert np.array_equal(runs.runs[1].cols, [*range(8), *range(10, 15)])
     assert np.array_equal(runs.runs[2].cols, [*range(5), *range(15, 20)])
+    cpu = torch.device("cpu")  # a gathered run's index goes to the device once for every layer
+    assert runs.columns(1, cpu) is runs.columns(1, cpu) and runs.columns(0, cpu) == slice(0, 10)
+    assert torch.equal(runs.columns(2, cpu), torch.as_tensor(runs.runs[2].cols))
     # the first branch as a chunk of its own over its ancestors kept before it: one view
     chunk = plan_runs(last_desc, 10, 15, np.array([*range(8), *range(10, 15)]))
     assert [(r.lo, r.hi, r.cols) for r in chunk.runs] == [(0, 5, slice(0, 13))] and chunk.keys == 13

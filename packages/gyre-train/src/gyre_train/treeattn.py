@@ -18,7 +18,7 @@ same tree under a dense ancestor mask (tested on the CPU, whole micro-batches an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,10 +47,22 @@ class TreeRuns:
     runs: tuple[Run, ...]
     keys: int
     """Columns of the key tensor the forward's layers attend over."""
+    _on_device: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def gathers(self) -> int:
         """Runs whose columns are gathered rather than read as a view."""
         return sum(not isinstance(r.cols, slice) for r in self.runs)
+
+    def columns(self, i: int, device: torch.device) -> slice | torch.Tensor:
+        """Run `i`'s key columns as a slice, or as an index tensor on `device`, copied there once for
+        every layer of the forward."""
+        cols = self.runs[i].cols
+        if isinstance(cols, slice):
+            return cols
+        key = (i, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = torch.as_tensor(cols, device=device)
+        return self._on_device[key]
 
 
 def plan_runs(last_desc: np.ndarray, lo: int, hi: int, kidx: np.ndarray) -> TreeRuns:
@@ -113,12 +125,12 @@ def tree_attention(
         raise ValueError(f"{ATTN_NAME} attention does not do dropout")
     group = query.shape[1] // key.shape[1]
     outs = []
-    for r in tr.runs:
-        if isinstance(r.cols, slice):
-            k, v = key[:, :, r.cols], value[:, :, r.cols]
+    for i, r in enumerate(tr.runs):
+        cols = tr.columns(i, key.device)
+        if isinstance(cols, slice):
+            k, v = key[:, :, cols], value[:, :, cols]
         else:
-            idx = torch.as_tensor(r.cols, device=key.device)
-            k, v = key.index_select(2, idx), value.index_select(2, idx)
+            k, v = key.index_select(2, cols), value.index_select(2, cols)
         outs.append(_causal_bottom_right(query[:, :, r.lo : r.hi], k, v, group, scaling))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
     return out.transpose(1, 2).contiguous(), None
