@@ -268,6 +268,7 @@ def replay_both(
         "rollout_busy_gpu_s": busy,
         "rollout_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("rollout_busy_s"),
         "rollout_efficiency": round(wall / busy, 4) if busy else None,
+        "run_partial": metrics.get("partial"),  # a run cut at its deadline: the calls it recorded
     }
 
 
@@ -283,6 +284,7 @@ def train_phase(
         "training_busy_gpu_s": busy,
         "training_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("training_busy_s"),
         "train_efficiency": round(r["total_s"] / busy, 4) if busy else None,
+        "run_partial": metrics.get("partial"),  # a run cut at its deadline: its applied steps only
     }
 
 
@@ -300,6 +302,7 @@ def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
         engine_startup_s=eff.get("startup", {}).get("engine_startup_s"),
         engines_started_together=eff.get("startup", {}).get("engines_started_together"),
         device_seconds=eff.get("device_seconds"),
+        engine_time=eff.get("engine_time"),
         timeouts=metrics.get("timeouts"),
         executions=metrics.get("executions"),
         moves=metrics.get("moves"),
@@ -683,6 +686,10 @@ def main() -> int:
                 res.setdefault("partial", {})[pol] = policy_figures(partial, run_dir / "records.msgpack")
             except Exception as exc:  # a run cut short may lack what a figure needs; the file is kept
                 res.setdefault("partial", {})[pol] = {"error": f"{type(exc).__name__}: {exc}"}
+            if first_metrics is None and partial.get("steps_applied"):  # its applied steps and calls
+                first_metrics, first_dir = partial, run_dir  # are trained and replayed as far as it went
+                if {"replay", "train"} & skip:
+                    keep_run_archives(run_dir, out, res)
         keep_run_outputs(run_dir, out)
     if measured:  # the simulator on the same workload, calibrated on every run measured
         res["sim"] = phase("sim", lambda: sim_phase(cfg, measured))

@@ -26,19 +26,25 @@ RETURNED_FILE_BYTES = 16 << 20
 
 
 def pack(run_dir: Path, out: Path, policy: str, part_bytes: int = PART_BYTES) -> list[Path]:
-    """Archives of `run_dir` (a finished run: `metrics.json`, `records.msgpack`, `batches/`) in `out`;
-    returns their paths, the metrics' first. Raises FileNotFoundError when the run lacks one of them."""
-    need = [run_dir / "metrics.json", run_dir / "records.msgpack"]
+    """Archives of `run_dir` (`metrics.json`, `records.msgpack`, `batches/`) in `out`; returns their
+    paths, the metrics' first. A run stopped at its deadline has `metrics-partial.json` instead: it is
+    archived as `metrics.json` (its `partial` entry says why it stopped), with the steps it applied, so
+    that its calls and its training are measured as far as it went. Raises FileNotFoundError when the
+    run lacks one of them."""
+    metrics = run_dir / "metrics.json"
+    if not metrics.is_file() and (run_dir / "metrics-partial.json").is_file():
+        metrics = run_dir / "metrics-partial.json"
+    need = [metrics, run_dir / "records.msgpack"]
     steps = sorted((run_dir / "batches").glob("step-*.gtb"))
     for p in need:
         if not p.is_file():
-            raise FileNotFoundError(f"{p}: the run did not finish, nothing to replay")
+            raise FileNotFoundError(f"{p}: the run wrote no metrics or records, nothing to replay")
     if not steps:
         raise FileNotFoundError(f"{run_dir / 'batches'}: no kept steps ([train] keep_batches)")
     first = out / f"run-{policy}.tar.xz"
     with tarfile.open(first, "w:xz", preset=PRESET) as t:
-        for p in need:
-            t.add(p, arcname=p.name)
+        t.add(metrics, arcname="metrics.json")
+        t.add(need[1], arcname=need[1].name)
     groups: list[list[Path]] = [[]]
     size = 0
     for s in steps:

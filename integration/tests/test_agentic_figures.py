@@ -217,12 +217,27 @@ def test_a_run_archived_in_parts_comes_back_whole(tmp_path: Path) -> None:
         ra.unpack(parts[:1], tmp_path / "half")
 
 
+def test_a_run_stopped_at_its_deadline_is_archived_with_its_partial_metrics(tmp_path: Path) -> None:
+    """A run cut by its deadline wrote metrics-partial.json: it travels as the metrics of the run, with the
+    steps it applied, so that a later call measures the run as far as it went."""
+    ra = _bench("runarchive")
+    run = _fake_run(tmp_path / "run", 2)
+    whole = (run / "metrics.json").read_bytes()
+    (run / "metrics.json").rename(run / "metrics-partial.json")
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = ra.pack(run, out, "elastic")
+    back = ra.unpack(parts, tmp_path / "back")
+    assert (back / "metrics.json").read_bytes() == whole
+    assert sorted(p.name for p in (back / "batches").iterdir()) == ["step-000000.gtb", "step-000001.gtb"]
+
+
 def test_a_run_archive_refuses_what_it_did_not_write(tmp_path: Path) -> None:
     import tarfile
 
     ra = _bench("runarchive")
-    with pytest.raises(FileNotFoundError, match="did not finish"):
-        ra.pack(tmp_path, tmp_path, "elastic")  # no metrics.json: a run cut short
+    with pytest.raises(FileNotFoundError, match="no metrics or records"):
+        ra.pack(tmp_path, tmp_path, "elastic")  # no metrics at all: a run that never began
     evil = tmp_path / "evil.tar.xz"
     (tmp_path / "x").write_text("y")
     with tarfile.open(evil, "w:xz") as t:

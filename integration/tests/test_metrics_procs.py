@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gyre.measure.efficiency import engine_time
 from gyre.measure.metrics import role_accounting
 from gyre.measure.runmetrics import switch_times as _switch_times
 from gyre.measure.samples import Sample
@@ -133,3 +134,46 @@ def test_a_step_applied_between_samples_counts_as_busy_and_a_skipped_one_not() -
     ]
     assert [(x.step, x.busy) for x in credit_done(samples)] == [(0, True), (1, False), (2, False), (2, False)]
     assert TrainTrack(samples).busy_s(0.0, 4.0) == 1.0
+
+
+def test_engine_time_by_hand() -> None:
+    """Counters of two engines over five samples: engine 0 in rollout throughout (it restarts between the
+    last two samples: its counters start again from zero), engine 1 training after the second sample
+    (its growth there does not count)."""
+    R, T = int(Role.ROLLOUT), int(Role.TRAINING)
+
+    def c(steps: int, tokens: int, dec: float, pre_tok: int, pre: float | None, waiting: int) -> dict:
+        return {"decode_steps": steps, "decode_tokens": tokens, "decode_s": dec, "prefill_tokens": pre_tok,
+                "prefill_s": pre, "waiting": waiting}  # fmt: skip
+
+    e0 = [c(0, 0, 0.0, 0, 0.0, 2), c(10, 80, 0.2, 1000, 0.1, 2), c(20, 160, 0.4, 1000, 0.1, 0),
+          c(30, 240, 0.6, 3000, 0.3, 0), c(5, 40, 0.1, 0, 0.0, 0)]  # fmt: skip
+    e1 = [c(0, 0, 0.0, 0, None, 0), c(4, 4, 0.5, 10, None, 0), c(99, 99, 9.0, 99, None, 0),
+          c(99, 99, 9.0, 99, None, 0), c(99, 99, 9.0, 99, None, 0)]  # fmt: skip
+    roles = [(R, R), (R, T), (R, T), (R, T), (R, T)]
+    busy = [(True, True), (True, True), (True, False), (False, False), (True, False)]
+    samples = [
+        Sample(float(t), {0: r0, 1: r1}, {0: b0, 1: b1}, {0: "1", 1: "1"}, {0: e0[t], 1: e1[t]})
+        for t, ((r0, r1), (b0, b1)) in enumerate(zip(roles, busy, strict=True))
+    ]
+    got = engine_time(samples, 0.0, 4.0)
+    assert got["0"] == {
+        "rollout_busy_s": 4.0,  # every interval has a busy end
+        "decode_s": 0.7,  # 0.2 + 0.2 + 0.2, then 0.1 after the restart
+        "prefill_s": 0.3,
+        "computing_share": 0.25,
+        "decode_steps": 35,
+        "decode_ms_per_step": 20.0,
+        "mean_decode_batch": 8.0,
+        "decode_tok_s": 400.0,
+        "prefill_tokens": 3000,
+        "prefill_tok_s": 10000.0,
+        "mean_waiting": 1.0,  # 2 queued in the first two of four seconds
+    }
+    # engine 1: only its first second counts, and it does not time its prefill
+    assert got["1"]["decode_s"] == 0.5 and got["1"]["decode_steps"] == 4 and got["1"]["rollout_busy_s"] == 1.0
+    assert got["1"]["prefill_s"] is None and got["1"]["prefill_tok_s"] is None
+    assert got["1"]["computing_share"] == 0.5
+    # a window: the last two seconds only
+    late = engine_time(samples, 2.0, 4.0)["0"]
+    assert late["decode_steps"] == 15 and late["rollout_busy_s"] == 2.0

@@ -1,6 +1,7 @@
 """How well a run used its machines, from what it recorded: the cells' start-up, each engine's share of
-the calls, the prefix cache's hits beside their ideal (`prefixes`), the longest context, and the busy
-seconds of each device.
+the calls, the prefix cache's hits beside their ideal (`prefixes`), the longest context, the busy
+seconds of each device, and how each engine spent its busy rollout time (`engine_time`: decode and
+prefill seconds, rows per decode step, requests queued).
 
 Read after the run from the run directory (`cells/<id>.startup.json`, the proxy's records with their
 `engines` and `cached_tokens` metadata) and the sampler's readings. Device seconds count a device once
@@ -149,6 +150,62 @@ def device_seconds(
     }
 
 
+COUNTERS = ("decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s")
+
+
+def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, dict[str, float | None]]:
+    """Per engine, over the samples in [t0, t1] in which its cell was in rollout: how its busy rollout
+    time went, from the growth of its cumulative counters between two samples (a counter that fell
+    counts from zero: the engine restarted). `computing_share` = (decode + prefill seconds of the engine
+    thread) / busy rollout seconds (the rest: the engine thread idle while a request waits or streams,
+    graph captures, prefix copies, the process's own overhead); `decode_ms_per_step`, `mean_decode_batch`
+    (rows per decode step), `decode_tok_s`, `prefill_tok_s` and `mean_waiting` (requests queued for
+    admission, averaged over rollout time). Engines that report no counters are left out."""
+    acc: dict[int, dict[str, float]] = {}
+    timed_prefill: set[int] = set()
+    for prev, cur in itertools.pairwise(samples):
+        a, b = max(prev.t, t0), min(cur.t, t1)
+        if b <= a:
+            continue
+        for cid, role in prev.roles.items():
+            p, c = prev.engine_counters.get(cid), cur.engine_counters.get(cid)
+            if role != int(Role.ROLLOUT) or p is None or c is None:
+                continue
+            e = acc.setdefault(cid, dict.fromkeys((*COUNTERS, "rollout_s", "busy_s", "waiting_s"), 0.0))
+            for k in COUNTERS:
+                x, y = p.get(k), c.get(k)
+                if x is None or y is None:
+                    continue
+                if k == "prefill_s":
+                    timed_prefill.add(cid)
+                e[k] += y - x if y >= x else y
+            e["rollout_s"] += b - a
+            e["waiting_s"] += float(p.get("waiting") or 0.0) * (b - a)
+            if cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False):
+                e["busy_s"] += b - a
+
+    def ratio(x: float, y: float, scale: float = 1.0, nd: int = 3) -> float | None:
+        return round(scale * x / y, nd) if y > 0 else None
+
+    out: dict[str, dict[str, float | None]] = {}
+    for cid, e in sorted(acc.items()):
+        prefill_s = e["prefill_s"] if cid in timed_prefill else None
+        out[str(cid)] = {
+            "rollout_busy_s": round(e["busy_s"], 3),
+            "decode_s": round(e["decode_s"], 3),
+            "prefill_s": None if prefill_s is None else round(prefill_s, 3),
+            "computing_share": ratio(e["decode_s"] + (prefill_s or 0.0), e["busy_s"], nd=4),
+            "decode_steps": int(e["decode_steps"]),
+            "decode_ms_per_step": ratio(e["decode_s"], e["decode_steps"], 1000.0),
+            "mean_decode_batch": ratio(e["decode_tokens"], e["decode_steps"], nd=2),
+            "decode_tok_s": ratio(e["decode_tokens"], e["decode_s"], nd=1),
+            "prefill_tokens": int(e["prefill_tokens"]),
+            "prefill_tok_s": None if prefill_s is None else ratio(e["prefill_tokens"], prefill_s, nd=1),
+            "mean_waiting": ratio(e["waiting_s"], e["rollout_s"], nd=2),
+        }
+    return out
+
+
 def efficiency(
     cfg: Config, out: Path, records: Iterable[Call], samples: Sequence[Sample], track: TrainTrack, t0: float,
     t1: float,
@@ -168,4 +225,5 @@ def efficiency(
         },
         **engine_call_share(calls, samples),
         "device_seconds": device_seconds(samples, track, device_of(cfg), t0, t1),
+        "engine_time": engine_time(samples, t0, t1),
     }

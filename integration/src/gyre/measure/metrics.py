@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 from gyre_engine.client import EngineClient
 from gyre_sched.client import dealer
@@ -88,9 +89,9 @@ class Sampler:
                 st = self.state(sock, codec)
                 if st is not None:
                     self.last_state = st
-                    busy, ver = await engine_activity(clients, work)
+                    busy, ver, counters = await engine_activity(clients, work)
                     self.samples.append(
-                        Sample(time.time(), {v.cell_id: int(v.role) for v in st.cells}, busy, ver)
+                        Sample(time.time(), {v.cell_id: int(v.role) for v in st.cells}, busy, ver, counters)
                     )
                 await asyncio.sleep(self.interval_s)
         finally:
@@ -102,11 +103,13 @@ class Sampler:
 
 async def engine_activity(
     clients: dict[int, EngineClient], work: dict[int, int]
-) -> tuple[dict[int, bool], dict[int, str]]:
+) -> tuple[dict[int, bool], dict[int, str], dict[int, dict[str, float | None]]]:
     """Per engine: busy (a request running or queued, or its work counter moved since the last reading,
-    kept in `work`) and its weight version. An engine that does not answer is left out: idle."""
+    kept in `work`), its weight version, and its cumulative counters with its waiting requests (where it
+    reports them). An engine that does not answer is left out: idle."""
     busy: dict[int, bool] = {}
     ver: dict[int, str] = {}
+    counters: dict[int, dict[str, float | None]] = {}
     for cid, c in clients.items():
         try:
             load = await c.load()
@@ -115,7 +118,9 @@ async def engine_activity(
         busy[cid] = load.running + load.waiting > 0 or load.work != work.get(cid, load.work)
         work[cid] = load.work
         ver[cid] = load.weight_version
-    return busy, ver
+        if load.counters is not None:
+            counters[cid] = {**msgspec.structs.asdict(load.counters), "waiting": load.waiting}
+    return busy, ver, counters
 
 
 SWITCHING = {int(Role.DRAINING), int(Role.TO_TRAINING), int(Role.TO_ROLLOUT)}

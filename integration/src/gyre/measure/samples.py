@@ -9,7 +9,7 @@ and what the held-out evaluation waits for before it starts).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre_sched.protocol import Role
 
@@ -21,6 +21,9 @@ class Sample:
     engine_busy: dict[int, bool]
     """The engine ran or queued a request at this sample, or computed anything since the last one."""
     engine_version: dict[int, str]
+    engine_counters: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    """Each engine's cumulative work (gyre-engine's `EngineCounters` as a dict) and its `waiting`
+    requests, where it reported them: what `efficiency.engine_time` reads how it spent its time from."""
 
 
 def at_least(v: str | None, version: int) -> bool:

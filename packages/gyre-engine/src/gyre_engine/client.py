@@ -32,6 +32,7 @@ from gyre_engine.protocol import (
     AbortRequest,
     ContinueRequest,
     DestroyWeightsUpdateGroupRequest,
+    EngineCounters,
     EngineLoad,
     ExportPrefixRequest,
     GenerateRequest,
@@ -431,6 +432,7 @@ class EngineClient:
         if not self._sglang:
             return _gyre_load(await self.server_info())
         loads, model = await self.loads(), await self.model_info()
+        moments = [x.decode_moments for x in loads.loads if x.decode_moments and len(x.decode_moments) >= 3]
         return EngineLoad(
             running=sum(x.num_running_reqs for x in loads.loads),
             waiting=sum(x.num_waiting_reqs for x in loads.loads),
@@ -440,6 +442,13 @@ class EngineClient:
             ),
             weight_version=model.weight_version,
             source="sglang",
+            counters=EngineCounters(
+                decode_steps=sum(int(m[0]) for m in moments),
+                decode_tokens=sum(int(m[1]) for m in moments),
+                decode_s=sum(m[2] for m in moments) / 1e6,
+                prefill_tokens=sum(x.total_prefill_uncached_tokens for x in loads.loads),
+                prefill_s=(sum(x.total_prefill_busy_us for x in loads.loads) / 1e6) or None,  # 0: not counted
+            ),
         )
 
     async def health(self, timeout: float = 30.0) -> bool:
@@ -559,6 +568,13 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
         work=info.decode_steps + info.prefill_tokens_computed,
         weight_version=info.weight_version,
         source="gyre-engine",
+        counters=EngineCounters(
+            decode_steps=info.decode_steps,
+            decode_tokens=info.decode_tokens,
+            decode_s=info.decode_time_s,
+            prefill_tokens=info.prefill_tokens_computed,
+            prefill_s=info.prefill_time_s,
+        ),
     )
 
 

@@ -359,6 +359,20 @@ class Loads(msgspec.Struct, frozen=True):
     timestamp: str | None = None
 
 
+class EngineCounters(msgspec.Struct, frozen=True):
+    """An engine's cumulative work since it started, read the same way from gyre-engine (`/server_info`)
+    and SGLang (`/v1/loads`, summed over its ranks): two readings say how it spent the time between them.
+    `decode_tokens` is the sum of decode batch sizes over `decode_steps` steps; `prefill_s` is None where
+    the server does not count it."""
+
+    decode_steps: int
+    decode_tokens: int
+    decode_s: float
+    prefill_tokens: int
+    """Prompt tokens computed (not served from the prefix cache)."""
+    prefill_s: float | None = None
+
+
 class EngineLoad(msgspec.Struct, frozen=True):
     """What an engine is doing now, read the same way from gyre-engine and SGLang (`EngineClient.load`).
 
@@ -370,6 +384,7 @@ class EngineLoad(msgspec.Struct, frozen=True):
     work: int
     weight_version: str
     source: Literal["gyre-engine", "sglang"]
+    counters: EngineCounters | None = None
 
 
 class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):
