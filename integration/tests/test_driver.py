@@ -130,3 +130,36 @@ def test_no_welcome_is_an_error() -> None:
     with _driver_that_gave_up() as d:
         assert isinstance(d.error, NoWelcome) and "no Welcome" in str(d.error)
         assert _started(d) == set()
+
+
+def test_stopping_ends_the_executions_in_flight(sched: Scheduler) -> None:
+    """Executions whose calls never get an answer (a listener that accepts and stays silent) end when the
+    driver is stopped, as at their timeout, rather than keeping stop() waiting for its threads' join
+    limit (30 s) with the driver thread left running."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    port = silent.getsockname()[1]
+    cfg = config_from_dict(
+        {
+            "run": {"steps": 2},
+            "batch": {"queries": 1, "group_size": 2},
+            "agent": {"turns": 1, "timeout_s": 120.0, "request_timeout_s": 120.0},
+            "driver": {"max_ahead": 1, "report_s": 0.05},
+        }
+    )
+    traj = TrajectoryService(sched.endpoint, sched.endpoint, 1, streaming=True, token_budget=1024, j_max=5)
+    d = Driver(cfg, f"http://127.0.0.1:{port}", sched.endpoint, traj, np.full((2, 1, 2), 0.01))
+    try:
+        d.start()
+        _wait(lambda: len(d.state.running) == 4, "four executions waiting on their first call")
+        d.stop()
+        assert d.done.is_set(), "the driver thread is still running"
+        assert "driver" not in {t.name for t in threading.enumerate()}
+        assert d.error is None
+    finally:
+        d.stop()
+        traj.stop()
+        silent.close()

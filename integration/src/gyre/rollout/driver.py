@@ -164,7 +164,15 @@ class Driver:
                     batches.append(asyncio.create_task(self._batch(http, rng, k)))
                     await asyncio.sleep(0)  # batch k registers (and draws its tasks) before k+1
                     k += 1
-            await asyncio.gather(*batches)
+            work = asyncio.gather(*batches)
+            while not work.done():
+                if self._stop.is_set():  # the run stopped (its deadline): executions in flight end now,
+                    work.cancel()  # as at their timeout, rather than keeping stop() waiting for them
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await work
+                    return
+                await asyncio.wait({work}, timeout=0.05)
+            await work
 
     async def _welcome(self) -> Admission:
         """The policy's admission, once the scheduler has welcomed the water-level socket."""
