@@ -108,3 +108,27 @@ def test_a_stream_whose_client_leaves_before_or_after_its_first_chunk_is_aborted
             await wait_idle(c)
 
     asyncio.run(go())
+
+
+def test_events_of_a_request_outliving_its_server_loop_are_dropped() -> None:
+    """The engine thread hands events to the HTTP loop's queue; once that loop has closed (uvicorn shut
+    down with requests still running), the events are dropped quietly instead of raising on the engine
+    thread for every such request. While the loop runs, they arrive."""
+    import asyncio
+
+    from gyre_engine.server.generate import event_sink
+    from gyre_engine.server.request import TokenEvent
+
+    ev = TokenEvent("r", [1], [0.0], None, None, 3, 0, "0")
+    got: list[TokenEvent] = []
+    sinks = []
+
+    async def live() -> None:
+        q: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        sinks.append(event_sink(asyncio.get_running_loop(), q))
+        sinks[0](ev)
+        got.append(await asyncio.wait_for(q.get(), 5.0))
+
+    asyncio.run(live())  # runs the loop, then closes it
+    assert got == [ev]
+    sinks[0](ev)  # the loop is closed: dropped, no error

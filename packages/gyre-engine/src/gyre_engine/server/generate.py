@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -85,6 +85,21 @@ def max_token_bytes(tokenizer: Any) -> int:
     return max(1, *(len(p.encode()) for p in pieces))
 
 
+def event_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[TokenEvent]) -> Callable[[TokenEvent], None]:
+    """What the engine thread calls with each of a request's events: hands it to `q` on `loop`. Once the
+    loop is closed (the server shutting down with the request still running) nobody reads the events:
+    they are dropped, where handing them over would raise on the engine thread for every such request."""
+
+    def sink(ev: TokenEvent) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+        except RuntimeError:
+            if not loop.is_closed():
+                raise
+
+    return sink
+
+
 class GenerateRoutes:
     """The handlers of /generate and /health(_generate) over one engine."""
 
@@ -149,13 +164,8 @@ class GenerateRoutes:
 
     async def start(self, er: EngineRequest) -> asyncio.Queue[TokenEvent]:
         """Submit `er`; its events arrive on the queue. Cancelled or refused: nothing is left running."""
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-        def sink(ev: TokenEvent) -> None:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-
-        fut = self.engine.submit(er, sink)
+        fut = self.engine.submit(er, event_sink(asyncio.get_running_loop(), q))
         try:
             await asyncio.wait_for(asyncio.wrap_future(fut), self.control_timeout_s)
         except BaseException:
