@@ -113,6 +113,9 @@ wandb_project = "gyre-e2e"
     assert [s["version"] for s in m["steps"]] == [1, 2]
     rollout = [c for c in m["final_cells"].values() if c["role"] == "rollout"]
     assert rollout and all(c["engine_version"] == "2" for c in rollout)
+    # Every engine pulled the weights it started with once before registering (the pull path set up).
+    per_cell = m["efficiency"]["startup"]["per_cell"]
+    assert sorted(per_cell) == ["0", "1"] and all(c["first_pull_s"] > 0 for c in per_cell.values())
     # Each push's end is the serving engines' own record of taking the version, not the sampler's tick.
     took = {int(p.name.split(".")[0]) for p in (out / "cells").glob("*.versions.jsonl")}
     assert took, "no cell recorded the versions its engine took"

@@ -24,7 +24,8 @@ its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, 
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
 `steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
-version into its engine before it registers, so a restarted or resumed cell never serves older weights.
+version into its engine before it registers, so a restarted or resumed cell never serves older weights
+(a fresh one pulls the weights its engine holds, to set the pull path up before its first switch).
 A cell the scheduler refuses at Hello (a restarted one whose old self is not yet failed) asks again
 until `startup_timeout_s`; once welcomed it writes its pid to `cells/<id>.up` in the run directory.
 """
@@ -69,6 +70,7 @@ from gyre.procs import nospace
 from gyre.procs.group import ProcessGroup, python_argv
 
 if TYPE_CHECKING:
+    from gyre_engine.protocol import XferWeightsReply
     from gyre_train.cell import Cell as TrainCell
     from gyre_train.claimqueue import QueuedStep
     from gyre_traj.loss import LossConfig
@@ -148,13 +150,16 @@ class Cell:
             time.sleep(0.3)
         raise TimeoutError(f"engine of cell {self.a.cell_id} not healthy within {self.a.startup_timeout_s}s")
 
-    def _startup_record(self, launched: float, trainer_ready: float, engine_ready: float) -> None:
+    def _startup_record(
+        self, launched: float, trainer_ready: float, engine_ready: float, first_pull_s: float | None
+    ) -> None:
         """`cells/<id>.startup.json` in the run directory: when the engine was launched, the trainer side
-        was ready and the engine answered (wall times; `gyre run`'s metrics read them)."""
+        was ready and the engine answered (wall times; `gyre run`'s metrics read them), and the seconds of
+        the engine's first weight pull at start-up (None: SGLang's engine, which is pushed to)."""
         d = self.run_dir / "cells"
         d.mkdir(parents=True, exist_ok=True)
         rec = {"cell": self.a.cell_id, "engine_launched": launched, "trainer_ready": trainer_ready,
-               "engine_ready": engine_ready}  # fmt: skip
+               "engine_ready": engine_ready, "first_pull_s": first_pull_s}  # fmt: skip
         tmp = d / f"{self.a.cell_id}.startup.json.tmp"
         tmp.write_text(json.dumps(rec))
         tmp.rename(d / f"{self.a.cell_id}.startup.json")
@@ -202,22 +207,44 @@ class Cell:
             self._version_record(st.version, asked, push_s)
             log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
             return True
-        with self.weights_lock:
-            rep = self._engine(
-                lambda c: c.update_weights_from_xfer(
-                    self.publisher,
-                    min_version=st.snapshot,
-                    transport="shm",
-                    weight_version=str(st.version),
-                    layout="megatron" if self.a.model_backend == "megatron" else "transformers",
-                )  # the core publishes its backend's one-rank layout; the engine converts Megatron's
-            )
+        rep = self._pull(st.snapshot, st.version)
         if not rep.success:
             raise RuntimeError(f"cell {self.a.cell_id}: weight update failed: {rep.message}")
         self.engine_version = st.version
         self._version_record(st.version, asked, rep.pull_s)
         log.info("cell %d: engine at version %d (%.3fs pull)", self.a.cell_id, st.version, rep.pull_s)
         return True
+
+    def first_pull(self) -> float | None:
+        """At start-up, before the cell registers: the core's newest version into the engine (a resumed
+        core's, or the running core's on a restart), or, where the engine already holds it, the same
+        weights pulled once anyway, so that the pull path is set up before the first switch to rollout
+        (the subscriber's sockets, its staging buffer, page-locked on a GPU, and the shared memory's
+        mapping: on the H200 a first pull of the 0.6B model took 1.4 s inside that switch, later ones
+        0.3 s). Returns the pull's seconds; None for SGLang's engine (pushed to in `sync_weights`)."""
+        if self.sglang is not None:
+            self.sync_weights()
+            return None
+        t0 = time.monotonic()
+        if not self.sync_weights():
+            rep = self._pull(self.client.status().snapshot, self.engine_version)
+            if not rep.success:
+                raise RuntimeError(f"cell {self.a.cell_id}: first weight pull failed: {rep.message}")
+            log.info("cell %d: first pull at start-up in %.3fs", self.a.cell_id, rep.pull_s)
+        return round(time.monotonic() - t0, 4)
+
+    def _pull(self, snapshot: int, version: int) -> XferWeightsReply:
+        """The engine pulls the core's snapshot `snapshot` (or newer) and serves it as `version`."""
+        with self.weights_lock:
+            return self._engine(
+                lambda c: c.update_weights_from_xfer(
+                    self.publisher,
+                    min_version=snapshot,
+                    transport="shm",
+                    weight_version=str(version),
+                    layout="megatron" if self.a.model_backend == "megatron" else "transformers",
+                )  # the core publishes its backend's one-rank layout; the engine converts Megatron's
+            )
 
     def _version_record(self, version: int, asked: float, pull_s: float) -> None:
         """A line of `cells/<id>.versions.jsonl` in the run directory: when this cell asked for `version`
@@ -552,8 +579,9 @@ class Cell:
             self.start_trainer()  # while the engine loads: the core's addresses go out at once
             t_trainer = time.time()
             self.wait_engine()
-            self._startup_record(t_launch, t_trainer, time.time())
-            self.sync_weights()  # a resumed core's version (or the running core's, on a restart)
+            t_engine = time.time()
+            first_pull_s = self.first_pull()
+            self._startup_record(t_launch, t_trainer, t_engine, first_pull_s)
             threading.Thread(target=self.weight_loop, name="weights", daemon=True).start()
             self.serve()
         except StoppedWhileStarting as exc:

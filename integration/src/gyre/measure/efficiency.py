@@ -29,7 +29,7 @@ from gyre.measure.trainwatch import TrainTrack
 
 def startup(out: Path) -> dict[str, Any]:
     """Per cell: seconds from launching its engine to the trainer side being ready and to the engine
-    answering; `engines_started_together`: every engine was launched before the first one was up."""
+    answering, and its engine's first weight pull at start-up; `engines_started_together`: every engine was launched before the first one was up."""
     recs = []
     for p in sorted((out / "cells").glob("*.startup.json")):
         recs.append(json.loads(p.read_text()))
@@ -39,6 +39,7 @@ def startup(out: Path) -> dict[str, Any]:
         str(r["cell"]): {
             "engine_s": round(r["engine_ready"] - r["engine_launched"], 3),
             "trainer_s": round(r["trainer_ready"] - r["engine_launched"], 3),
+            "first_pull_s": r.get("first_pull_s"),
         }
         for r in recs
     }
