@@ -151,7 +151,7 @@ def device_seconds(
     }
 
 
-COUNTERS = ("decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s")
+COUNTERS = ("decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens")
 
 
 def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, dict[str, float | None]]:
@@ -160,10 +160,12 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     counts from zero: the engine restarted). `computing_share` = (decode + prefill seconds of the engine
     thread) / busy rollout seconds (the rest: the engine thread idle while a request waits or streams,
     graph captures, prefix copies, the process's own overhead); `decode_ms_per_step`, `mean_decode_batch`
-    (rows per decode step), `decode_tok_s`, `prefill_tok_s` and `mean_waiting` (requests queued for
-    admission, averaged over rollout time). Engines that report no counters are left out."""
+    (rows per decode step), `decode_tok_s`, `prefill_tok_s`, `mean_waiting` (requests queued for
+    admission, averaged over rollout time) and `evicted_tokens` (cached prefix tokens the engine dropped
+    to keep memory free; None where it does not count them). Engines that report no counters are left
+    out."""
     acc: dict[int, dict[str, float]] = {}
-    timed_prefill: set[int] = set()
+    counted: dict[int, set[str]] = {}  # the counters each engine reported
     for prev, cur in itertools.pairwise(samples):
         a, b = max(prev.t, t0), min(cur.t, t1)
         if b <= a:
@@ -177,8 +179,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 x, y = p.get(k), c.get(k)
                 if x is None or y is None:
                     continue
-                if k == "prefill_s":
-                    timed_prefill.add(cid)
+                counted.setdefault(cid, set()).add(k)
                 e[k] += y - x if y >= x else y
             e["rollout_s"] += b - a
             e["waiting_s"] += float(p.get("waiting") or 0.0) * (b - a)
@@ -190,7 +191,8 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
 
     out: dict[str, dict[str, float | None]] = {}
     for cid, e in sorted(acc.items()):
-        prefill_s = e["prefill_s"] if cid in timed_prefill else None
+        has = counted.get(cid, set())
+        prefill_s = e["prefill_s"] if "prefill_s" in has else None
         out[str(cid)] = {
             "rollout_busy_s": round(e["busy_s"], 3),
             "decode_s": round(e["decode_s"], 3),
@@ -203,6 +205,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
             "prefill_tokens": int(e["prefill_tokens"]),
             "prefill_tok_s": None if prefill_s is None else ratio(e["prefill_tokens"], prefill_s, nd=1),
             "mean_waiting": ratio(e["waiting_s"], e["rollout_s"], nd=2),
+            "evicted_tokens": int(e["evicted_tokens"]) if "evicted_tokens" in has else None,
         }
     return out
 

@@ -574,6 +574,7 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             decode_s=info.decode_time_s,
             prefill_tokens=info.prefill_tokens_computed,
             prefill_s=info.prefill_time_s,
+            evicted_tokens=info.memory_evicted_tokens,
         ),
     )
 

@@ -371,6 +371,8 @@ class EngineCounters(msgspec.Struct, frozen=True):
     prefill_tokens: int
     """Prompt tokens computed (not served from the prefix cache)."""
     prefill_s: float | None = None
+    evicted_tokens: int | None = None
+    """Cached prefix tokens dropped to keep GPU memory free (gyre-engine's `memory_evicted_tokens`)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):
