@@ -1,8 +1,10 @@
 """Long slots on the CPU with the tiny model: a context too long for a decode slot is prefilled chunk by
 chunk into a long slot's buffer and decodes there, exactly as an unchunked prefill in the lanes (same
 greedy tokens, logprobs within float tolerance); the next call that extends it reuses the buffer through
-the prefix cache; and a short request admitted while a long prefill is under way keeps getting tokens
-before the long one's first."""
+the prefix cache; a short request admitted while a long prefill is under way keeps getting tokens
+before the long one's first; and a long request that must wait (every long slot busy, or the chunked
+prefill taken) holds its place in the queue without holding up the short requests behind it, while the
+requests that need a long slot or the chunked prefill keep their order."""
 
 from __future__ import annotations
 
@@ -35,9 +37,27 @@ class Call:
 
 
 def run(
-    engine: Engine, calls: dict[str, tuple[list[int], SamplingParams]], order: list[str] | None = None
+    engine: Engine,
+    calls: dict[str, tuple[list[int], SamplingParams]],
+    order: list[str] | None = None,
+    together: bool = False,
 ) -> dict[str, Call]:
-    """Submit every call at once (in the given order); wait for all of them."""
+    """Submit every call (in the given order; with `together`, all before the engine's next step);
+    wait for all of them."""
+    out = submit(engine, calls, order, together)
+    for c in out.values():
+        assert c.done.wait(120)
+    return out
+
+
+def submit(
+    engine: Engine,
+    calls: dict[str, tuple[list[int], SamplingParams]],
+    order: list[str] | None = None,
+    together: bool = False,
+) -> dict[str, Call]:
+    """Submit every call in the given order (with `together`, while the engine thread is held, so that
+    all of them are queued before its next step); returns their records, filled as events come."""
     out = {rid: Call() for rid in calls}
 
     def sink(ev: TokenEvent) -> None:
@@ -51,10 +71,16 @@ def run(
             c.finish = ev.finish.type
             c.done.set()
 
-    for rid, (ids, sp) in calls.items():
-        engine.submit(EngineRequest(rid, ids, sp), sink).result(30)
-    for c in out.values():
-        assert c.done.wait(120)
+    hold = threading.Event()
+    held = engine.call(hold.wait, 30) if together else None
+    try:
+        queued = [engine.submit(EngineRequest(rid, ids, sp), sink) for rid, (ids, sp) in calls.items()]
+    finally:
+        hold.set()
+    if held is not None:
+        assert held.result(30)
+    for f in queued:
+        f.result(30)
     return out
 
 
@@ -159,3 +185,79 @@ def test_releasing_kv_frees_the_long_slot_and_it_comes_back(model_dir: Path, pla
         e.shutdown()
     assert again.cached == 0  # the prefix cache and the slot's buffer were dropped
     assert again.tokens == first.tokens == run(plain_engine, {"ref": (SYSTEM, GREEDY)})["ref"].tokens
+
+
+OTHER = [1100 + (i * 17) % 600 for i in range(280)]
+"""A second long context (no prefix shared with SYSTEM)."""
+MIDDLE = [1600 + (i * 5) % 90 for i in range(44)]
+"""A prompt that fits a decode slot but not one 32-token prefill pass: it needs the chunked prefill."""
+
+
+def test_short_requests_pass_a_long_one_waiting_for_a_long_slot(
+    model_dir: Path, plain_engine: Engine
+) -> None:
+    # one long slot, decoding "busy"; then "waiting" (long: no slot free), "chunked" (needs the chunked
+    # prefill, which must not overtake "waiting") and "short" are queued in that order
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=1,
+        prefill_chunk=32,
+        run_steps=1,
+    )
+    order: list[str] = []
+    busy_sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    short_sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    calls = {
+        "waiting": (OTHER, GREEDY),
+        "chunked": (MIDDLE, short_sp),
+        "short": (USER, short_sp),
+    }
+    try:
+        busy = submit(e, {"busy": (SYSTEM, busy_sp)}, order)["busy"]
+        while not busy.tokens:
+            threading.Event().wait(0.01)
+        got = run(e, calls, order, together=True)
+        assert busy.done.wait(120)
+        got["busy"] = busy
+    finally:
+        e.shutdown()
+    first = {rid: order.index(rid) for rid in ("busy", *calls)}
+    last = {rid: len(order) - 1 - order[::-1].index(rid) for rid in ("busy", *calls)}
+    assert last["short"] < last["busy"] < first["waiting"]  # the short one ran while the long one waited
+    assert first["waiting"] < first["chunked"]  # the chunked prefill went to the earlier request
+    ref = run(plain_engine, {"busy": (SYSTEM, busy_sp), **calls})
+    for rid in ("busy", *calls):
+        assert got[rid].tokens == ref[rid].tokens, rid
+        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
+def test_short_request_passes_a_long_one_waiting_for_the_chunked_prefill(
+    model_dir: Path, plain_engine: Engine
+) -> None:
+    # two long slots, but one chunked prefill at a time: "second" waits for "first"'s prefill to end;
+    # "short", queued behind both, is admitted at once and done before "first" has its first token
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=2,
+        prefill_chunk=16,
+        run_steps=1,
+    )
+    order: list[str] = []
+    short_sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    calls = {"first": (SYSTEM, GREEDY), "second": (OTHER, GREEDY), "short": (USER, short_sp)}
+    try:
+        got = run(e, calls, order, together=True)
+    finally:
+        e.shutdown()
+    assert order.count("short") == 8  # a token a step: one event each
+    assert len(order) - 1 - order[::-1].index("short") < order.index("first") < order.index("second")
+    ref = run(plain_engine, calls)
+    for rid in calls:
+        assert got[rid].tokens == ref[rid].tokens, rid
+        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid

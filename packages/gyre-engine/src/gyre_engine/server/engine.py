@@ -418,45 +418,8 @@ class Engine:
         decoding); then decode every lane once."""
         t0 = time.perf_counter()
         self._keep_memory_free()
-        budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
-        group: list[Running] = []
-        while (
-            self._waiting
-            and len(self._in_flight()) + len(joining) + len(group) < self.config.max_running_requests
-            and budget > 0
-        ):
-            r = self._waiting[0]
-            ctx = r.context()
-            hit = (
-                self.prefix.lookup(ctx, limit=len(ctx) - 1)
-                if self.config.enable_prefix_cache
-                else PrefixHit(0, None)
-            )
-            long = self._wants_long(r, ctx)
-            if not long and hit.kv is None and len(ctx) <= budget:
-                self._waiting.popleft()
-                group.append(r)  # fresh short prompts share one padded forward pass
-                budget -= len(ctx)
-                continue
-            if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
-                # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
-                self._waiting.popleft()
-                whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
-                budget -= self._advance(whole, budget, joining)
-                continue
-            if self._partial is not None:
-                break  # one chunked prefill at a time (first come, first served)
-            cache: Any
-            if long:
-                claim = self._claim_long_slot(hit)
-                if claim is None:
-                    break  # every long slot is busy
-                cache, pos = claim
-            else:
-                cache, pos = start_cache(hit.kv), hit.length
-            self._waiting.popleft()
-            self._partial = _Partial(r, ctx, cache, pos, pos)
+        group, budget = self._admit_waiting(joining)
         if group:
             self._prefill_group(group, joining)
         chunked = self._partial is not None and self._prefill_turn()
@@ -477,6 +440,66 @@ class Engine:
         share = self.config.prefill_share
         if self._partial is not None and share < 1.0:
             self._prefill_credit += (time.perf_counter() - t1) * share / (1.0 - share)
+
+    def _admit_waiting(self, joining: list[tuple[Running, RowKV, int]]) -> tuple[list[Running], int]:
+        """Take waiting requests, in queue order, while rows and the `prefill_chunk` budget last: fresh
+        prompts that fit the budget (returned, for one padded prefill pass, with the budget left),
+        prefix-cached prompts whose rest fits (prefilled now, into `joining`), and the chunked prefill
+        (a long slot claimed for a long context) when none is under way. A request that needs the
+        chunked prefill or a long slot while neither is free keeps its place; the requests behind it
+        that can start now do, and those that need the chunked prefill or a long slot too wait behind it
+        (first come, first served among them)."""
+        budget = self.config.prefill_chunk
+        group: list[Running] = []
+        admitted: list[Running] = []
+        held = False  # a request that needs the chunked prefill or a long slot could not start this step
+        running = len(self._in_flight())
+        try:
+            for r in list(self._waiting):
+                if running + len(joining) + len(group) >= self.config.max_running_requests or budget <= 0:
+                    break
+                ctx = r.context()
+                long = self._wants_long(r, ctx)
+                if long and held:
+                    continue  # it may not overtake the earlier one that is waiting
+                hit = (
+                    self.prefix.lookup(ctx, limit=len(ctx) - 1)
+                    if self.config.enable_prefix_cache
+                    else PrefixHit(0, None)
+                )
+                if not long and hit.kv is None and len(ctx) <= budget:
+                    admitted.append(r)
+                    group.append(r)  # fresh short prompts share one padded forward pass
+                    budget -= len(ctx)
+                    continue
+                if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
+                    # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
+                    admitted.append(r)
+                    whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                    budget -= self._advance(whole, budget, joining)
+                    continue
+                # it needs the chunked prefill (and a long slot if long): one at a time, first come first
+                # served; while it cannot start, it keeps its place and those behind it that fit go on
+                if held or self._partial is not None:
+                    held = True
+                    continue
+                cache: Any
+                if long:
+                    claim = self._claim_long_slot(hit)
+                    if claim is None:  # every long slot is busy
+                        held = True
+                        continue
+                    cache, pos = claim
+                else:
+                    cache, pos = start_cache(hit.kv), hit.length
+                admitted.append(r)
+                running += 1
+                self._partial = _Partial(r, ctx, cache, pos, pos)
+        finally:  # those admitted leave the queue (also when a prefill failed half-way)
+            if admitted:
+                gone = {id(r) for r in admitted}
+                self._waiting = deque(r for r in self._waiting if id(r) not in gone)
+        return group, budget
 
     def _prefill_turn(self) -> bool:
         """Whether the chunked prefill may run a chunk now: always while nothing decodes, else once the
