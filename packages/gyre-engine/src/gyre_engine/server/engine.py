@@ -7,7 +7,8 @@ reuses the longest cached prefix), then one batched decode step per lane of runn
 (`lanes.py`: rows of similar length share a left-padded batch). On CUDA, rows decode first in fixed slots of
 a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`), several steps per replay
 when no row needs truncation or logit processing; the lanes take what does not fit there. A context too long
-for a slot is prefilled chunk by chunk into a long slot of its own and decodes there (`long_kv.py`); while
+for a slot is prefilled chunk by chunk into a long slot of its own and decodes there, all long slots' rows
+in one step (`long_kv.py`); while
 other requests decode, a chunked prefill gets at most `prefill_share` of the engine's time. Each layer's
 q/k/v and gate/up projections run as one GEMM each (`fused.py`).
 """
@@ -71,13 +72,14 @@ class EngineStats:
 @dataclass
 class _Partial:
     """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache.
-    `cache` is a DynamicCache, or the long slot whose buffer the prefill writes into."""
+    `cache` is a DynamicCache, or the long slots' batch, whose slot `row` the prefill writes into."""
 
     r: Running
     ctx: list[int]
     cache: Any
     pos: int
     cached: int
+    row: int = -1
 
 
 class Engine:
@@ -141,12 +143,14 @@ class Engine:
         long_context_tokens: int = 0
         """Tokens each long slot holds (0: no long slots). A request whose context plus `max_new_tokens`
         does not fit a decode slot (`slot_max_len`) but fits here is prefilled chunk by chunk straight
-        into a long slot's buffer (allocated once: 2 x layers x KV heads x head dim x this many
-        elements; 112 KiB a token for the Qwen3-0.6B shape in bf16) and decodes there; when it finishes
-        the prefix cache keeps the buffer itself, which the next call extending that context takes over
-        (no copy). A row that reaches the end of its long slot finishes (`length`)."""
+        into a long slot (a row of one buffer for all of them, allocated once at first use: 2 x layers x
+        KV heads x head dim x this many elements per slot; 112 KiB a token for the Qwen3-0.6B shape in
+        bf16) and decodes there, the long slots' rows in one step; when it finishes the prefix cache
+        keeps the slot's KV itself, which the next call extending that context takes over (no copy). A
+        row that reaches the end of its long slot finishes (`length`)."""
         long_context_slots: int = 1
-        """Long slots at most (each allocated on first use); further long requests wait for one."""
+        """Long slots (the rows of their buffer, all allocated at first use); further long requests wait
+        for a free one."""
         prefill_share: float = 0.4
         """While other requests decode, a chunked prefill (a long or prefix-cached prompt, `prefill_chunk`
         tokens per chunk) gets at most this share of the engine's time: decode steps run between its
@@ -189,6 +193,8 @@ class Engine:
         """Seconds of prefill the chunked prefill may still spend before decode steps catch up (see
         `prefill_share`); negative while it must wait."""
         self._placing: list[Running] = []
+        self._long_copies = 0
+        """Cached prefixes copied into a long slot (a hit held elsewhere than in the slot taken)."""
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self.compiled_prefill: Any = None
         """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
@@ -262,6 +268,7 @@ class Engine:
     def slot_stats(self) -> dict[str, Any]:
         if self.slots is None:
             return {"enabled": False}
+        long = self._long_batch()
         return {
             "enabled": True,
             "graphs": self.slots.use_graphs,
@@ -270,7 +277,9 @@ class Engine:
             "slots": self.slots.slots,
             "max_len": self.slots.max_len,
             "capacity": self.slots.capacity,
-            "long_slots": len(self.lanes.long),
+            "long_slots": long.slots if long is not None else 0,
+            "long_rows": len(long) if long is not None else 0,
+            "long_prefix_copies": self._long_copies,
             **self.slots.stats,
         }
 
@@ -489,12 +498,12 @@ class Engine:
                     if claim is None:  # every long slot is busy
                         held = True
                         continue
-                    cache, pos = claim
+                    cache, row, pos = claim
                 else:
-                    cache, pos = start_cache(hit.kv), hit.length
+                    cache, row, pos = start_cache(hit.kv), -1, hit.length
                 admitted.append(r)
                 running += 1
-                self._partial = _Partial(r, ctx, cache, pos, pos)
+                self._partial = _Partial(r, ctx, cache, pos, pos, row)
         finally:  # those admitted leave the queue (also when a prefill failed half-way)
             if admitted:
                 gone = {id(r) for r in admitted}
@@ -519,66 +528,76 @@ class Engine:
             return False
         return len(ctx) + r.req.max_new_tokens > self.slots.max_len and len(ctx) < cap
 
-    def _long_slot_idle(self, lane: Lane) -> bool:
+    def _long_batch(self) -> SlotBatch | None:
+        """The long slots' batch (None before the first long request)."""
+        lane = self.lanes.long
+        return lane.batch if lane is not None and isinstance(lane.batch, SlotBatch) else None
+
+    def _claim_long_slot(self, hit: PrefixHit) -> tuple[SlotBatch, int, int] | None:
+        """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
+        prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is
+        (taken back from the prefix cache: nothing is copied), else an idle slot (the lowest that no
+        cached entry holds, else the lowest) into which a hit held elsewhere is copied. None if every
+        slot is busy."""
+        batch = self._long_batch()
+        if batch is None:
+            batch = self._new_long_batch()
+        buf = batch.allocate()
+        busy = set(batch.slot_of)
         p = self._partial
-        return not lane.reqs and (p is None or p.cache is not lane.batch)
-
-    def _claim_long_slot(self, hit: PrefixHit) -> tuple[SlotBatch, int] | None:
-        """An idle long slot holding `hit`'s prefix, and how many tokens of the context it covers: the slot
-        whose buffer the prefix cache's hit is (taken back from the prefix cache: nothing is copied),
-        else an idle slot (one no cached entry holds first; a new one while there are fewer than
-        `long_context_slots`) into which a hit held elsewhere is copied. None if every slot is busy."""
-        idle = [
-            lane.batch
-            for lane in self.lanes.long
-            if isinstance(lane.batch, SlotBatch) and self._long_slot_idle(lane)
-        ]
-        slot: SlotBatch | None = None
-        if isinstance(hit.kv, LongRowKV):
-            slot = next((b for b in idle if b.kv is hit.kv.buf), None)
-        if slot is None:
-            unheld = [b for b in idle if not self._prefix_holds(b)]
-            slot = next(iter(unheld or idle), None)
-            if slot is None and len(self.lanes.long) < self.config.long_context_slots:
-                slot = self._new_long_slot()
-            if slot is None:
-                return None
-        buf = slot.allocate()
-        own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf
-        self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf)
+        if p is not None and p.cache is batch:
+            busy.add(p.row)
+        idle = [s for s in range(batch.slots) if s not in busy]
+        if not idle:
+            return None
+        if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle:
+            slot = hit.kv.row
+        else:
+            unheld = [s for s in idle if not self._prefix_holds(buf, s)]
+            slot = (unheld or idle)[0]
+        own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row == slot
+        self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot)
         if hit.kv is not None and not own:
-            copy_prefix(buf, hit.kv)
-        return slot, hit.length
+            copy_prefix(batch.row_buffer(slot), hit.kv)
+            self._long_copies += 1
+        return batch, slot, hit.length
 
-    def _prefix_holds(self, slot: SlotBatch) -> bool:
-        return self.prefix.holds(lambda kv: isinstance(kv, LongRowKV) and kv.buf is slot.kv)
+    def _prefix_holds(self, buf: torch.Tensor, slot: int) -> bool:
+        return self.prefix.holds(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot)
 
-    def _new_long_slot(self) -> SlotBatch:
+    def _new_long_batch(self) -> SlotBatch:
         assert self.slots is not None
         cap = min(self.config.long_context_tokens, self.context_len)
-        log.info("long slot %d: %d tokens", len(self.lanes.long), cap)
-        slot = SlotBatch(
+        n = max(1, self.config.long_context_slots)
+        log.info("long slots: %d of %d tokens", n, cap)
+        batch = SlotBatch(
             self.model,
-            1,
+            n,
             cap,
             use_graphs=self.slots.use_graphs,
             compile_model=self.slots.compile_model,
             dedicated=True,
         )
-        self.lanes.long.append(Lane(slot))
-        return slot
+        self.lanes.long = Lane(batch)
+        return batch
 
     def _finish_full_long_slots(self) -> None:
-        """A row that filled its long slot finishes (`length`); its KV goes to the prefix cache."""
-        for lane in self.lanes.long:
-            batch = lane.batch
-            assert isinstance(batch, SlotBatch)
-            if lane.reqs and batch.full_rows():
-                r = lane.reqs[0]
-                if self.config.enable_prefix_cache:
-                    self.prefix.insert(r.context()[:-1], batch.finished_kv(0), owned=True)
-                lane.drop([0])
-                self._finish(r, FinishReason(type="length", length=len(r.output)), [], [], None)
+        """Rows that filled their long slot finish (`length`); their KV goes to the prefix cache."""
+        lane = self.lanes.long
+        if lane is None or not lane.reqs:
+            return
+        batch = lane.batch
+        assert isinstance(batch, SlotBatch)
+        full = batch.full_rows()
+        for i in full:
+            r = lane.reqs[i]
+            if self.config.enable_prefix_cache:
+                self.prefix.insert(r.context()[:-1], batch.finished_kv(i), owned=True)
+        finished = [lane.reqs[i] for i in full]
+        if full:
+            lane.drop(full)
+        for r in finished:
+            self._finish(r, FinishReason(type="length", length=len(r.output)), [], [], None)
 
     def _advance_partial(self, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
         """Prefill the next `budget` tokens of the request in chunked prefill (sampling its first token
@@ -604,7 +623,7 @@ class Engine:
         Returns the tokens computed."""
         end = min(len(p.ctx), p.pos + max(budget, 1))
         if isinstance(p.cache, SlotBatch):
-            logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.kv, p.pos, end)
+            logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.row_buffer(p.row), p.pos, end)
         else:
             logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
         done, p.pos = end - p.pos, end
@@ -613,7 +632,7 @@ class Engine:
             first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num], [p.r.req.token_ids_logprob])
             top = first.top[0] if first.top else None
             if isinstance(p.cache, SlotBatch):
-                row: RowKV = buffer_row(p.cache.kv, len(p.ctx))
+                row: RowKV = buffer_row(p.cache.kv, len(p.ctx), p.row)
             else:
                 row = RowKV(*cache_layers(p.cache))
             self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
@@ -959,9 +978,9 @@ class Engine:
         self.released -= set(tags)
 
     def _slot_batches(self) -> list[SlotBatch]:
-        """The decode slots and every long slot."""
-        long = [lane.batch for lane in self.lanes.long if isinstance(lane.batch, SlotBatch)]
-        return ([self.slots] if self.slots is not None else []) + long
+        """The decode slots and the long slots."""
+        long = self._long_batch()
+        return ([self.slots] if self.slots is not None else []) + ([long] if long is not None else [])
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the model by name (shared ones once)."""
