@@ -127,3 +127,4 @@ def test_graphs_long_rows_decode_as_one_batch(model_dir: Path, ref: Any, compile
     assert again["ids"] == slot_checks.reference_greedy(ref, follow, 20)
     assert again["cached"] == len(a) + 5 - 1
     assert st["long_slots"] == 3 and st["long_prefix_copies"] == 0, st
+    assert st["long_replays"] > 0 and st["long_captures"] > 0 and st["long_run_steps"] > 0, st

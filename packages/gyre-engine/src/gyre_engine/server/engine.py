@@ -280,6 +280,7 @@ class Engine:
             "long_slots": long.slots if long is not None else 0,
             "long_rows": len(long) if long is not None else 0,
             "long_prefix_copies": self._long_copies,
+            **{f"long_{k}": v for k, v in (long.stats if long is not None else {}).items()},
             **self.slots.stats,
         }
 
