@@ -91,12 +91,13 @@ def test_graphs_release_and_resume(engines: tuple[Engine, Engine], ref: Any) -> 
     assert slot_checks.run_all(a, [(ids, slot_checks.greedy_params(16))])[0]["ids"] == before
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_graphs_long_rows_decode_as_one_batch(model_dir: Path, ref: Any, compiled: bool) -> None:
+@pytest.mark.parametrize(("compiled", "widths"), [(True, "bucketed"), (False, "full")])
+def test_graphs_long_rows_decode_as_one_batch(model_dir: Path, ref: Any, compiled: bool, widths: str) -> None:
     """The long slots as one batch under CUDA graphs (runs of 8 steps): rows of different lengths start
     and end at different steps, with holes among the slots a step covers (a finished row's slot held by
     the prefix cache, a slot being prefilled), each equal to transformers' generate run alone; a
-    follow-up takes its context's slot back (no copy)."""
+    follow-up takes its context's slot back (no copy). With full widths every graph was captured when the
+    buffer was allocated (greedy rows: no sampled graph), none later."""
     e = _engine(
         model_dir,
         slot_max_len=64,
@@ -104,6 +105,7 @@ def test_graphs_long_rows_decode_as_one_batch(model_dir: Path, ref: Any, compile
         long_context_slots=3,
         prefill_chunk=64,
         compile_decode=compiled,
+        slot_widths=widths,
     )
     a = [1000 + (i * 13) % 700 for i in range(300)]
     b = [1100 + (i * 17) % 600 for i in range(200)]
@@ -128,3 +130,5 @@ def test_graphs_long_rows_decode_as_one_batch(model_dir: Path, ref: Any, compile
     assert again["cached"] == len(a) + 5 - 1
     assert st["long_slots"] == 3 and st["long_prefix_copies"] == 0, st
     assert st["long_replays"] > 0 and st["long_captures"] > 0 and st["long_run_steps"] > 0, st
+    if widths == "full":  # batch buckets 1, 2 and 3, run lengths 1 and 8
+        assert st["long_captures"] == 6, st

@@ -283,7 +283,10 @@ def _snapshot(e: Engine, calls: dict[str, Call]) -> tuple[int, int, dict[str, in
     return e.call(take).result(30)
 
 
-def test_long_rows_decode_in_one_step_each_as_served_alone(model_dir: Path, plain_engine: Engine) -> None:
+@pytest.mark.parametrize("widths", ["bucketed", "full"])
+def test_long_rows_decode_in_one_step_each_as_served_alone(
+    model_dir: Path, plain_engine: Engine, widths: str
+) -> None:
     e = make(
         model_dir,
         decode_slots="eager",
@@ -292,6 +295,7 @@ def test_long_rows_decode_in_one_step_each_as_served_alone(model_dir: Path, plai
         long_context_slots=3,
         prefill_chunk=64,
         run_steps=1,
+        slot_widths=widths,
     )
     sp = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
     calls = {"a": (SYSTEM, sp), "b": (OTHER, sp), "c": (THIRD, sp)}

@@ -128,7 +128,8 @@ class Engine:
         slot_widths: str = "bucketed"
         """Columns a slot step attends over: "bucketed" (the length bucket of the longest row: a graph per
         bucket, captured on first use, all dropped when the buffer grows) or "full" (the whole buffer,
-        allocated at once: a graph per batch bucket, captured at warm-up; for contexts that keep growing)."""
+        allocated at once: a graph per batch bucket, captured at warm-up; for contexts that keep growing).
+        The long slots follow it: with "full" their graphs are captured when their buffer is allocated."""
         slot_max_len: int | None = None
         """Tokens per slot at most (default: from `slot_kv_fraction` on CUDA, the context length else);
         longer rows continue in the lanes."""
@@ -261,9 +262,12 @@ class Engine:
         t0 = time.perf_counter()
         if self.slots is not None and self.slots.use_graphs and not self.lanes.requests():
             with torch.inference_mode():
-                runs = (1, self.config.run_steps) if self.config.run_steps > 1 else (1,)
-                self.slots.warmup(max_tokens, runs)
+                self.slots.warmup(max_tokens, self._run_lengths())
         return time.perf_counter() - t0
+
+    def _run_lengths(self) -> tuple[int, ...]:
+        """The run lengths a slot step is captured for: 1, and `run_steps` when runs are on."""
+        return (1, self.config.run_steps) if self.config.run_steps > 1 else (1,)
 
     def slot_stats(self) -> dict[str, Any]:
         if self.slots is None:
@@ -543,7 +547,9 @@ class Engine:
         batch = self._long_batch()
         if batch is None:
             batch = self._new_long_batch()
-        buf = batch.allocate()
+        if not batch.capacity:  # first use, or the KV cache was released since
+            self._allocate_long_batch(batch)
+        buf = batch.kv
         busy = set(batch.slot_of)
         p = self._partial
         if p is not None and p.cache is batch:
@@ -577,10 +583,21 @@ class Engine:
             cap,
             use_graphs=self.slots.use_graphs,
             compile_model=self.slots.compile_model,
+            full_width=self.config.slot_widths == "full",
             dedicated=True,
         )
         self.lanes.long = Lane(batch)
         return batch
+
+    def _allocate_long_batch(self, batch: SlotBatch) -> None:
+        """Allocate the long slots' buffer, all slots at once; with graphs of full widths, capture every
+        graph of its steps now (each batch bucket and run length; sampled steps on first use, as the
+        decode slots'), so none is captured later in the middle of decoding. Bucketed widths capture a
+        length bucket's graph when a step first needs it."""
+        batch.allocate()
+        if batch.use_graphs and batch.full_width:
+            with torch.inference_mode():
+                batch.warmup(batch.max_len, self._run_lengths())
 
     def _finish_full_long_slots(self) -> None:
         """Rows that filled their long slot finish (`length`); their KV goes to the prefix cache."""
