@@ -17,7 +17,9 @@ On CUDA the step for a (batch bucket, length bucket, run length) is captured onc
 `torch.cuda.CUDAGraph` (optionally over a `torch.compile`d forward, which fuses the norms, rotary and
 MLP elementwise work) and replayed; the inputs (token ids, positions) are copied into static buffers
 before each replay. Padding rows of a bucket sit in free slots at position 0, so they never touch a
-running row's KV. The head is captured too: what `sampling.sample` computes for a row without processing
+running row's KV; in the long slots (`dedicated`: rows keep their slot, and an idle slot may hold a
+cached context) the slots a step covers besides its rows are holes at position -1, which the attention
+neither reads nor writes. The head is captured too: what `sampling.sample` computes for a row without processing
 or truncation (the float log-softmax at the row's temperature, the argmax for greedy rows, the same
 seeded Gumbel-max draw for rows sampled at their temperature), as Triton kernels over vocabulary chunks
 on CUDA (`head.py`) and torch ops elsewhere; such a batch runs several steps per replay, each step's
