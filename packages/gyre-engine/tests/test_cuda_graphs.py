@@ -2,7 +2,7 @@
 `torch.compile`d forward, replayed with per-row positions. Same exactness checks as the CPU slot tests
 (greedy equals transformers' generate on the same GPU, logprobs equal a separate forward, prefix reuse
 and export/import, weight updates in place while graphs stay captured, release/resume of weights
-re-captures). Float32 tiny model, so the reference and the graph path agree to ~1e-5. Skipped without
+re-captures, the long slots' rows decoding as one batch). Float32 tiny model, so the reference and the graph path agree to ~1e-5. Skipped without
 CUDA."""
 
 from __future__ import annotations
@@ -89,3 +89,46 @@ def test_graphs_release_and_resume(engines: tuple[Engine, Engine], ref: Any) -> 
     a.call(a.release_memory, None).result(60)
     a.call(a.resume_memory, None).result(60)
     assert slot_checks.run_all(a, [(ids, slot_checks.greedy_params(16))])[0]["ids"] == before
+
+
+@pytest.mark.parametrize(("compiled", "widths"), [(True, "bucketed"), (False, "full")])
+def test_graphs_long_rows_decode_as_one_batch(model_dir: Path, ref: Any, compiled: bool, widths: str) -> None:
+    """The long slots as one batch under CUDA graphs (runs of 8 steps): rows of different lengths start
+    and end at different steps, with holes among the slots a step covers (a finished row's slot held by
+    the prefix cache, a slot being prefilled), each equal to transformers' generate run alone; a
+    follow-up takes its context's slot back (no copy). With full widths every graph was captured when the
+    buffer was allocated (greedy rows: no sampled graph), none later."""
+    e = _engine(
+        model_dir,
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=3,
+        prefill_chunk=64,
+        compile_decode=compiled,
+        slot_widths=widths,
+    )
+    a = [1000 + (i * 13) % 700 for i in range(300)]
+    b = [1100 + (i * 17) % 600 for i in range(200)]
+    c = [1500 + (i * 11) % 400 for i in range(150)]
+    try:
+        outs = slot_checks.run_all(
+            e,
+            [
+                (a, slot_checks.greedy_params(5)),
+                (b, slot_checks.greedy_params(90)),
+                (c, slot_checks.greedy_params(40)),
+            ],
+        )
+        follow = a + outs[0]["ids"] + slot_checks.TOOL
+        again = slot_checks.run_all(e, [(follow, slot_checks.greedy_params(20))])[0]
+        st = e.slot_stats()
+    finally:
+        e.shutdown()
+    for p, n, o in zip((a, b, c), (5, 90, 40), outs, strict=True):
+        assert o["ids"] == slot_checks.reference_greedy(ref, p, n)
+    assert again["ids"] == slot_checks.reference_greedy(ref, follow, 20)
+    assert again["cached"] == len(a) + 5 - 1
+    assert st["long_slots"] == 3 and st["long_prefix_copies"] == 0, st
+    assert st["long_replays"] > 0 and st["long_captures"] > 0 and st["long_run_steps"] > 0, st
+    if widths == "full":  # batch buckets 1, 2 and 3, run lengths 1 and 8
+        assert st["long_captures"] == 6, st

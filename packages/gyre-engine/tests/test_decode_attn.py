@@ -122,6 +122,10 @@ def test_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
                 c = t._slot_case(seed, b, h, kvh, d, cap, width)
                 got = torch.ops.gyre.slot_decode_attention(**c)  # the op takes the Triton path here
                 assert float((got - want).abs().max()) < 1e-5 and torch.equal(c["kv"], want_kv)
+            c, live, want, want_kv = t._hole_case(seed, b, h, kvh, d, cap, width)
+            got = torch.ops.gyre.slot_decode_attention(**c)  # holes (valid 0): nothing read or written
+            assert float((got[live] - want).abs().max()) < 1e-5 and torch.equal(c["kv"], want_kv)
+            assert bool(torch.isfinite(got).all())  # a hole's output stays finite (its head's token too)
         print("ok")
         """,
         timeout=300,
@@ -156,6 +160,36 @@ def _slot_reference(c: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     b, w = c["query"].shape[0], c["width"]
     k, v = kv[0, c["layer"], :b, :, :w], kv[1, c["layer"], :b, :, :w]
     return masked_reference(c["query"], k, v, c["valid"], c["scale"]), kv
+
+
+def _hole_case(
+    seed: int, b: int, h: int, kvh: int, d: int, cap: int, width: int
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A slot case whose first row (and every other one past it) is a hole, valid 0: (the case, the
+    running rows, their output and the buffer the op must leave: theirs written, the holes' untouched)."""
+    c = _slot_case(seed, b, h, kvh, d, cap, width)
+    live = torch.tensor([i % 2 == 1 for i in range(b)])
+    c["valid"][~live] = 0
+    live_case = {**c, "query": c["query"][live], "new_key": c["new_key"][live]}
+    live_case |= {"new_value": c["new_value"][live], "valid": c["valid"][live]}
+    slot = live.nonzero()[:, 0]
+    kv = c["kv"].clone()
+    for i, n in zip(slot.tolist(), c["valid"][live].tolist(), strict=True):
+        kv[0, c["layer"], i, :, n - 1] = c["new_key"][i]
+        kv[1, c["layer"], i, :, n - 1] = c["new_value"][i]
+    k, v = kv[0, c["layer"], slot, :, :width], kv[1, c["layer"], slot, :, :width]
+    want = masked_reference(live_case["query"], k, v, live_case["valid"], c["scale"])
+    return c, live, want, kv
+
+
+def test_slot_decode_attention_leaves_holes_untouched() -> None:
+    """Rows at valid 0 (holes: long slots free, being prefilled or held by the prefix cache) off Triton:
+    nothing of their slots is written, and the running rows beside them get what they get alone."""
+    c, live, want, want_kv = _hole_case(0, 5, 4, 2, 16, 64, 40)
+    got = torch.ops.gyre.slot_decode_attention(**c)
+    assert torch.allclose(got[live], want, atol=1e-6)
+    assert torch.equal(c["kv"], want_kv)
+    assert bool(torch.isfinite(got).all())
 
 
 def test_slot_decode_attention_writes_the_new_key_value_and_attends() -> None:
@@ -224,5 +258,45 @@ def test_the_triton_head_equals_the_torch_head_in_the_interpreter() -> None:
         print("ok")
         """,
         timeout=300,
+    )
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.long  # a minute or two in Triton's CPU interpreter
+def test_long_slots_with_the_triton_kernels_equal_generate(model_dir: Path) -> None:
+    """The long slots as one batch on the CPU with the Triton attention and head kernels (interpreted),
+    runs of 4 steps: long rows that start and end at different steps, a finished row's slot a hole held
+    by the prefix cache while the others decode, each equal to transformers' generate; a follow-up takes
+    the held slot back (no copy)."""
+    out = _interpret(
+        f"""
+        import slot_checks
+        from gyre_engine.server.engine import Engine
+        from gyre_engine.server.serve import ServeConfig, load_engine
+        cfg = Engine.Config(
+            decode_slots="eager", slot_max_len=64, long_context_tokens=512, long_context_slots=3,
+            prefill_chunk=64, run_steps=4,
+        )
+        eng = load_engine(ServeConfig(model={str(model_dir)!r}, device="cpu", engine=cfg))
+        ref = slot_checks.load_hf({str(model_dir)!r})
+        a = [1000 + (i * 13) % 700 for i in range(200)]
+        b = [1100 + (i * 17) % 600 for i in range(150)]
+        c = [1500 + (i * 11) % 400 for i in range(100)]
+        budgets = (3, 30, 14)
+        try:
+            outs = slot_checks.run_all(eng, [(p, slot_checks.greedy_params(n)) for p, n in zip((a, b, c), budgets)])
+            follow = a + outs[0]["ids"] + slot_checks.TOOL
+            again = slot_checks.run_all(eng, [(follow, slot_checks.greedy_params(9))])[0]
+            st = eng.slot_stats()
+        finally:
+            eng.shutdown()
+        for p, n, o in zip((a, b, c), budgets, outs):
+            assert o["ids"] == slot_checks.reference_greedy(ref, p, n), (o["ids"], slot_checks.reference_greedy(ref, p, n))
+        assert again["ids"] == slot_checks.reference_greedy(ref, follow, 9)
+        assert again["cached"] == len(a) + budgets[0] - 1
+        assert st["long_prefix_copies"] == 0 and st["long_run_steps"] > 0, st
+        print("ok")
+        """,
+        timeout=600,
     )
     assert out.strip().endswith("ok")

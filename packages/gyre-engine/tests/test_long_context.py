@@ -1,8 +1,13 @@
 """Long slots on the CPU with the tiny model: a context too long for a decode slot is prefilled chunk by
 chunk into a long slot's buffer and decodes there, exactly as an unchunked prefill in the lanes (same
 greedy tokens, logprobs within float tolerance); the next call that extends it reuses the buffer through
-the prefix cache; and a short request admitted while a long prefill is under way keeps getting tokens
-before the long one's first."""
+the prefix cache; a short request admitted while a long prefill is under way keeps getting tokens
+before the long one's first; and a long request that must wait (every long slot busy, or the chunked
+prefill taken) holds its place in the queue without holding up the short requests behind it, while the
+requests that need a long slot or the chunked prefill keep their order. The long slots are one batch:
+concurrent long rows decode in one step (one lane step, k tokens), each exactly as served alone; a
+slot that is free, prefilled or held by the prefix cache is a hole that the step leaves untouched; a
+follow-up takes over its context's slot without a copy; request N + 1 waits for one of N slots."""
 
 from __future__ import annotations
 
@@ -10,11 +15,13 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gyre_engine.protocol import SamplingParams
 
 torch = pytest.importorskip("torch")
+from gyre_engine.server.batch import LongRowKV  # noqa: E402
 from gyre_engine.server.engine import Engine  # noqa: E402
 from gyre_engine.server.request import EngineRequest, TokenEvent  # noqa: E402
 from gyre_engine.server.serve import ServeConfig, load_engine  # noqa: E402
@@ -35,9 +42,27 @@ class Call:
 
 
 def run(
-    engine: Engine, calls: dict[str, tuple[list[int], SamplingParams]], order: list[str] | None = None
+    engine: Engine,
+    calls: dict[str, tuple[list[int], SamplingParams]],
+    order: list[str] | None = None,
+    together: bool = False,
 ) -> dict[str, Call]:
-    """Submit every call at once (in the given order); wait for all of them."""
+    """Submit every call (in the given order; with `together`, all before the engine's next step);
+    wait for all of them."""
+    out = submit(engine, calls, order, together)
+    for c in out.values():
+        assert c.done.wait(120)
+    return out
+
+
+def submit(
+    engine: Engine,
+    calls: dict[str, tuple[list[int], SamplingParams]],
+    order: list[str] | None = None,
+    together: bool = False,
+) -> dict[str, Call]:
+    """Submit every call in the given order (with `together`, while the engine thread is held, so that
+    all of them are queued before its next step); returns their records, filled as events come."""
     out = {rid: Call() for rid in calls}
 
     def sink(ev: TokenEvent) -> None:
@@ -51,10 +76,16 @@ def run(
             c.finish = ev.finish.type
             c.done.set()
 
-    for rid, (ids, sp) in calls.items():
-        engine.submit(EngineRequest(rid, ids, sp), sink).result(30)
-    for c in out.values():
-        assert c.done.wait(120)
+    hold = threading.Event()
+    held = engine.call(hold.wait, 30) if together else None
+    try:
+        queued = [engine.submit(EngineRequest(rid, ids, sp), sink) for rid, (ids, sp) in calls.items()]
+    finally:
+        hold.set()
+    if held is not None:
+        assert held.result(30)
+    for f in queued:
+        f.result(30)
     return out
 
 
@@ -104,7 +135,8 @@ def test_long_slot_equals_unchunked_prefill_and_carries_the_context(
     assert got2.tokens == ref2.tokens
     assert got2.logprobs == pytest.approx(ref2.logprobs, abs=1e-4)
     assert got2.cached == len(first) + len(got.tokens) - 1
-    assert long_engine.slot_stats()["long_slots"] == 1
+    stats = long_engine.slot_stats()
+    assert stats["long_slots"] == 1 and stats["long_prefix_copies"] == 0  # taken over, not copied
 
 
 def test_row_that_fills_its_long_slot_finishes_with_length(model_dir: Path, plain_engine: Engine) -> None:
@@ -159,3 +191,226 @@ def test_releasing_kv_frees_the_long_slot_and_it_comes_back(model_dir: Path, pla
         e.shutdown()
     assert again.cached == 0  # the prefix cache and the slot's buffer were dropped
     assert again.tokens == first.tokens == run(plain_engine, {"ref": (SYSTEM, GREEDY)})["ref"].tokens
+
+
+OTHER = [1100 + (i * 17) % 600 for i in range(280)]
+"""A second long context (no prefix shared with SYSTEM)."""
+MIDDLE = [1600 + (i * 5) % 90 for i in range(44)]
+"""A prompt that fits a decode slot but not one 32-token prefill pass: it needs the chunked prefill."""
+
+
+def test_short_requests_pass_a_long_one_waiting_for_a_long_slot(
+    model_dir: Path, plain_engine: Engine
+) -> None:
+    # one long slot, decoding "busy"; then "waiting" (long: no slot free), "chunked" (needs the chunked
+    # prefill, which must not overtake "waiting") and "short" are queued in that order
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=1,
+        prefill_chunk=32,
+        run_steps=1,
+    )
+    order: list[str] = []
+    busy_sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    short_sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    calls = {
+        "waiting": (OTHER, GREEDY),
+        "chunked": (MIDDLE, short_sp),
+        "short": (USER, short_sp),
+    }
+    try:
+        busy = submit(e, {"busy": (SYSTEM, busy_sp)}, order)["busy"]
+        while not busy.tokens:
+            threading.Event().wait(0.01)
+        got = run(e, calls, order, together=True)
+        assert busy.done.wait(120)
+        got["busy"] = busy
+    finally:
+        e.shutdown()
+    first = {rid: order.index(rid) for rid in ("busy", *calls)}
+    last = {rid: len(order) - 1 - order[::-1].index(rid) for rid in ("busy", *calls)}
+    assert last["short"] < last["busy"] < first["waiting"]  # the short one ran while the long one waited
+    assert first["waiting"] < first["chunked"]  # the chunked prefill went to the earlier request
+    ref = run(plain_engine, {"busy": (SYSTEM, busy_sp), **calls})
+    for rid in ("busy", *calls):
+        assert got[rid].tokens == ref[rid].tokens, rid
+        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
+def test_short_request_passes_a_long_one_waiting_for_the_chunked_prefill(
+    model_dir: Path, plain_engine: Engine
+) -> None:
+    # two long slots, but one chunked prefill at a time: "second" waits for "first"'s prefill to end;
+    # "short", queued behind both, is admitted at once and done before "first" has its first token
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=2,
+        prefill_chunk=16,
+        run_steps=1,
+    )
+    order: list[str] = []
+    short_sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    calls = {"first": (SYSTEM, GREEDY), "second": (OTHER, GREEDY), "short": (USER, short_sp)}
+    try:
+        got = run(e, calls, order, together=True)
+    finally:
+        e.shutdown()
+    assert order.count("short") == 8  # a token a step: one event each
+    assert len(order) - 1 - order[::-1].index("short") < order.index("first") < order.index("second")
+    ref = run(plain_engine, calls)
+    for rid in calls:
+        assert got[rid].tokens == ref[rid].tokens, rid
+        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
+THIRD = [1200 + (i * 19) % 500 for i in range(260)]
+"""A third long context."""
+
+
+def _snapshot(e: Engine, calls: dict[str, Call]) -> tuple[int, int, dict[str, int]]:
+    """(decode steps, decode tokens, tokens per call) at one moment between two engine steps."""
+
+    def take() -> tuple[int, int, dict[str, int]]:
+        st = e.stats()
+        return st.decode_steps, st.decode_tokens, {rid: len(c.tokens) for rid, c in calls.items()}
+
+    return e.call(take).result(30)
+
+
+@pytest.mark.parametrize("widths", ["bucketed", "full"])
+def test_long_rows_decode_in_one_step_each_as_served_alone(
+    model_dir: Path, plain_engine: Engine, widths: str
+) -> None:
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=3,
+        prefill_chunk=64,
+        run_steps=1,
+        slot_widths=widths,
+    )
+    sp = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+    calls = {"a": (SYSTEM, sp), "b": (OTHER, sp), "c": (THIRD, sp)}
+    try:
+        got = submit(e, calls, together=True)
+        while min(_snapshot(e, got)[2].values()) < 1:  # until all three decode
+            threading.Event().wait(0.01)
+        steps0, toks0, n0 = _snapshot(e, got)
+        while min(_snapshot(e, got)[2].values()) < max(n0.values()) + 10:
+            threading.Event().wait(0.01)
+        steps1, toks1, n1 = _snapshot(e, got)
+        for c in got.values():
+            assert c.done.wait(120)
+        stats = e.slot_stats()
+    finally:
+        e.shutdown()
+    assert all(0 < n < 120 for n in n1.values())  # all three decoded from the first snapshot to the second
+    grown = {rid: n1[rid] - n0[rid] for rid in calls}
+    assert len(set(grown.values())) == 1  # in step: one row each of the same lane steps
+    assert steps1 - steps0 == grown["a"]  # one lane step per step for the three rows
+    assert toks1 - toks0 == 3 * grown["a"]
+    assert stats["long_slots"] == 3 and stats["long_rows"] == 0
+    ref = run(plain_engine, calls)
+    for rid in calls:
+        assert got[rid].tokens == ref[rid].tokens, rid
+        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
+def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, plain_engine: Engine) -> None:
+    # "a" (slot 0) ends early; "b" (slot 1) decodes on with slot 0 a hole held by the prefix cache; "a2",
+    # extending "a", takes slot 0 back while "b" runs (prefilled there beside it, then decoding with it)
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=2,
+        prefill_chunk=32,
+        run_steps=4,
+    )
+    short_sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    long_sp = SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True)
+    try:
+        got = submit(e, {"a": (SYSTEM, short_sp), "b": (OTHER, long_sp)}, together=True)
+        assert got["a"].done.wait(120)
+        second = SYSTEM + got["a"].tokens + TOOL
+        kept = e.call(e.prefix.lookup, second, len(second)).result(30).kv
+        a2 = run(e, {"a2": (second, GREEDY)})["a2"]
+        b_running = not got["b"].done.is_set()
+        assert got["b"].done.wait(120)
+        after = e.call(e.prefix.lookup, second + a2.tokens, len(second) + len(a2.tokens)).result(30).kv
+        stats = e.slot_stats()
+    finally:
+        e.shutdown()
+    assert b_running  # "a2" ran beside "b"
+    assert a2.cached == len(SYSTEM) + len(got["a"].tokens) - 1
+    assert isinstance(kept, LongRowKV) and isinstance(after, LongRowKV)
+    assert kept.buf is after.buf and kept.row == after.row == 0
+    assert after.keys[0].data_ptr() == kept.keys[0].data_ptr()
+    assert stats["long_prefix_copies"] == 0  # the cached context was taken over, not copied
+    ref = run(plain_engine, {"a": (SYSTEM, short_sp), "b": (OTHER, long_sp), "a2": (second, GREEDY)})
+    for rid, c in (("a", got["a"]), ("b", got["b"]), ("a2", a2)):
+        assert c.tokens == ref[rid].tokens, rid
+        assert c.logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
+def test_a_long_request_waits_for_a_free_long_slot(model_dir: Path, plain_engine: Engine) -> None:
+    e = make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=2,
+        prefill_chunk=64,
+        run_steps=1,
+    )
+    order: list[str] = []
+    sp = SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True)
+    calls = {"a": (SYSTEM, sp), "b": (OTHER, GREEDY), "c": (THIRD, GREEDY)}
+    try:
+        got = run(e, calls, order, together=True)
+        stats = e.slot_stats()
+    finally:
+        e.shutdown()
+    last_b = len(order) - 1 - order[::-1].index("b")
+    assert order.index("b") < last_b < order.index("c")  # "c" had "b"'s slot once "b" finished
+    assert order.index("c") < len(order) - 1 - order[::-1].index("a")  # while "a" still ran
+    assert stats["long_slots"] == 2
+    ref = run(plain_engine, calls)
+    for rid in calls:
+        assert got[rid].tokens == ref[rid].tokens, rid
+        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
+def test_a_long_rows_kv_exports_from_its_slot(model_dir: Path, hf_model: Any) -> None:
+    """The prefix export (/export_prefix, /offer_prefix read the same cached KV) of a context whose KV
+    sits in the second long slot: that slot's columns, equal to the model's own KV of the context."""
+    from gyre_engine.server.kv_transfer import export_prefix
+
+    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=1024, long_context_slots=2)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        got = run(e, {"a": (SYSTEM, sp), "b": (OTHER, sp)}, together=True)
+        ctx = OTHER + got["b"].tokens[:-1]
+        kv = e.call(e.prefix.lookup, ctx, len(ctx)).result(30).kv
+        rec = e.call(export_prefix, e, ctx).result(30)
+    finally:
+        e.shutdown()
+    assert isinstance(kv, LongRowKV) and kv.row == 1
+    assert rec is not None and rec.token_ids == ctx
+    with torch.inference_mode():
+        ref = hf_model(input_ids=torch.tensor([ctx]), use_cache=True).past_key_values
+    heads, n, dim = rec.shape
+    for layer, (kb, vb) in enumerate(zip(rec.keys, rec.values, strict=True)):
+        k = torch.frombuffer(bytearray(kb), dtype=getattr(torch, rec.dtype)).reshape(heads, n, dim)
+        v = torch.frombuffer(bytearray(vb), dtype=getattr(torch, rec.dtype)).reshape(heads, n, dim)
+        assert torch.allclose(k, ref.layers[layer].keys[0], atol=1e-4)
+        assert torch.allclose(v, ref.layers[layer].values[0], atol=1e-4)

@@ -1,8 +1,9 @@
 """The slot decode path (`server/slots.py`) on CPU, without CUDA graphs: requests decode in fixed slots
 of a static KV cache (per-row positions, compaction when rows leave, eviction to the eager lanes when a
 slot is full), and stay exact: greedy equals transformers' generate, logprobs equal a separate forward,
-prefix reuse and export/import, weight updates in place. `test_cuda_graphs.py` runs the same checks with
-captured graphs on a GPU."""
+prefix reuse and export/import, weight updates in place; and the long slots' steps (rows pinned to their
+slots, holes among them) change nothing but their running rows' next columns. `test_cuda_graphs.py` runs
+the same checks with captured graphs on a GPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 import sys  # noqa: E402
@@ -217,3 +220,35 @@ def test_sampled_rows_run_on_the_device_and_draw_what_the_host_draws(model_dir: 
     finally:
         runs.shutdown()
         single.shutdown()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["start", "stop", "step"]), st.integers(0, 3)), max_size=14))
+def test_long_slots_steps_touch_only_their_running_rows(hf_model: Any, ops: list[tuple[str, int]]) -> None:
+    """The long slots (`dedicated`): rows start in chosen slots, leave from anywhere, and each step (runs
+    of 1 or 2) writes only its running rows' next columns; a slot that is free, held or being prefilled
+    is a hole whose KV no step changes, and no row moves."""
+    sb = SlotBatch(hf_model, 4, 48, use_graphs=False, dedicated=True)
+    kv = sb.allocate()
+    with torch.inference_mode():
+        kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
+    for op, arg in ops:
+        free = [s for s in range(4) if s not in sb.slot_of]
+        if op == "start" and free:
+            sb.start_row(free[arg % len(free)], 5 + 3 * arg, 7 + arg)
+        elif op == "stop" and sb.slot_of:
+            sb.remove([arg % len(sb.slot_of)])
+        elif op == "step" and sb.slot_of:
+            steps = 1 + arg % 2
+            before, old = kv.clone(), dict(zip(sb.slot_of, sb.lengths, strict=True))
+            toks, _ = sb.step_run(steps)
+            assert [len(t) for t in toks] == [len(sb.slot_of)] * steps
+            for s in range(4):
+                if s not in old:  # a hole: untouched
+                    assert torch.equal(kv[:, :, s], before[:, :, s])
+                    continue
+                n = old[s]
+                assert torch.equal(kv[:, :, s, :, :n], before[:, :, s, :, :n])  # its KV stays
+                assert torch.equal(kv[:, :, s, :, n + steps :], before[:, :, s, :, n + steps :])
+                assert not torch.equal(kv[:, :, s, :, n : n + steps], before[:, :, s, :, n : n + steps])
+            assert sb.lengths == [old[s] + steps for s in sb.slot_of]

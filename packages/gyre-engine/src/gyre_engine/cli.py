@@ -102,9 +102,15 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="tokens of each long slot: a context too long for a decode slot is prefilled chunk by chunk "
-        "into a buffer of its own and decodes there (default 0: none; Engine.Config.long_context_tokens)",
+        "into a slot of its own and decodes there (default 0: none; Engine.Config.long_context_tokens)",
     )
-    s.add_argument("--long-context-slots", type=int, default=None, help="long slots at most (default 1)")
+    s.add_argument(
+        "--long-context-slots",
+        type=int,
+        default=None,
+        help="long slots (default 1): rows of one buffer, all allocated at the first long request, "
+        "decoded in one step",
+    )
     s.add_argument(
         "--prefill-share",
         type=float,

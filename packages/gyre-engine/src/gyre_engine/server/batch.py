@@ -37,20 +37,28 @@ class RowKV:
 
 @dataclass
 class LongRowKV(RowKV):
-    """A row's KV held as views of a long slot's buffer `buf` (handed to the prefix cache as it is: never
-    cloned; the slot takes the buffer back when a later call extends or replaces the context)."""
+    """A row's KV held as views of row `row` of the long slots' buffer `buf` (handed to the prefix cache as
+    it is: never cloned; the long slots take the row back when a later call extends or replaces the
+    context)."""
 
     buf: torch.Tensor | None = None
+    row: int = 0
 
     def crop(self, n: int) -> LongRowKV:
-        return LongRowKV([k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values], self.buf)
+        return LongRowKV(
+            [k[:, :, :n] for k in self.keys], [v[:, :, :n] for v in self.values], self.buf, self.row
+        )
 
 
-def buffer_row(buf: torch.Tensor, n: int) -> LongRowKV:
-    """The first `n` columns of a one-row buffer as a `LongRowKV` (views)."""
+def buffer_row(buf: torch.Tensor, n: int, row: int = 0) -> LongRowKV:
+    """The first `n` columns of row `row` of a slot buffer `[2, layers, rows, kv_heads, capacity,
+    head_dim]` as a `LongRowKV` (views)."""
     layers = buf.shape[1]
     return LongRowKV(
-        [buf[0, i, :, :, :n] for i in range(layers)], [buf[1, i, :, :, :n] for i in range(layers)], buf
+        [buf[0, i, row : row + 1, :, :n] for i in range(layers)],
+        [buf[1, i, row : row + 1, :, :n] for i in range(layers)],
+        buf,
+        row,
     )
 
 

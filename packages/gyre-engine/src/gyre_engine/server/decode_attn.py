@@ -162,7 +162,8 @@ if triton is not None:
         w = tl.exp2(lse - mx)
         w = tl.where(sm & (lse > -float("inf")), w, 0.0)
         o = tl.load(PART + b * so_b + h * so_h + sp[:, None] * so_s + d[None, :], mask=sm[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        den = tl.sum(w, 0)  # 0 only for a hole (valid 0: no column attended), whose output is then 0
+        out = tl.sum(o * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
         tl.store(OUT + b * sout_b + h * sout_h + d, out.to(OUT.dtype.element_ty))
 
 
@@ -271,6 +272,9 @@ def slot_decode_attention(
     """One decode step's attention for rows 0..B-1 of the slot buffer `kv` ([2, layers, slots, KVH,
     capacity, D]) at layer `layer`: row i's new key/value (new_key/new_value [B, KVH, D]) go to column
     valid[i] - 1 of its slot, and its query [B, H, D] attends columns [0, valid[i]) of the first `width`.
+    A row with valid[i] = 0 is a hole (a long slot that is free, prefilling or held by the prefix cache):
+    nothing of its slot is written and its output is finite but meaningless (the Triton kernels read no
+    column and give 0; finite, so that the head's token for the row stays inside the vocabulary).
     On CUDA one Triton kernel does both (the write costs no kernel of its own); else (or for a head
     dimension that is not a power of two) an indexed write, then `masked_reference`. Declared as mutating `kv`, so torch.compile keeps the write in place."""
     b, d = query.shape[0], query.shape[-1]
@@ -278,8 +282,12 @@ def slot_decode_attention(
     if triton_available(query.device) and not d & (d - 1):  # the kernel tiles a power-of-two head dim
         return triton_decode_attention(query, key, value, valid, scale, new_key=new_key, new_value=new_value)
     rows = torch.arange(b, device=query.device)
-    kv[:, layer, rows, :, valid - 1] = torch.stack([new_key, new_value], dim=1).to(kv.dtype)
-    return masked_reference(query, key, value, valid, scale)
+    col = (valid - 1).clamp(min=0)
+    new = torch.stack([new_key, new_value], dim=1).to(kv.dtype)  # [B, 2, KVH, D]
+    kv[:, layer, rows, :, col] = torch.where(
+        (valid > 0)[:, None, None, None], new, kv[:, layer, rows, :, col]
+    )
+    return masked_reference(query, key, value, valid.clamp(min=1), scale)
 
 
 @slot_decode_attention.register_fake

@@ -7,7 +7,8 @@ reuses the longest cached prefix), then one batched decode step per lane of runn
 (`lanes.py`: rows of similar length share a left-padded batch). On CUDA, rows decode first in fixed slots of
 a preallocated KV cache whose step is captured as CUDA graphs (`slots.py`), several steps per replay
 when no row needs truncation or logit processing; the lanes take what does not fit there. A context too long
-for a slot is prefilled chunk by chunk into a long slot of its own and decodes there (`long_kv.py`); while
+for a slot is prefilled chunk by chunk into a long slot of its own and decodes there, all long slots' rows
+in one step (`long_kv.py`); while
 other requests decode, a chunked prefill gets at most `prefill_share` of the engine's time. Each layer's
 q/k/v and gate/up projections run as one GEMM each (`fused.py`).
 """
@@ -71,13 +72,14 @@ class EngineStats:
 @dataclass
 class _Partial:
     """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache.
-    `cache` is a DynamicCache, or the long slot whose buffer the prefill writes into."""
+    `cache` is a DynamicCache, or the long slots' batch, whose slot `row` the prefill writes into."""
 
     r: Running
     ctx: list[int]
     cache: Any
     pos: int
     cached: int
+    row: int = -1
 
 
 class Engine:
@@ -126,7 +128,8 @@ class Engine:
         slot_widths: str = "bucketed"
         """Columns a slot step attends over: "bucketed" (the length bucket of the longest row: a graph per
         bucket, captured on first use, all dropped when the buffer grows) or "full" (the whole buffer,
-        allocated at once: a graph per batch bucket, captured at warm-up; for contexts that keep growing)."""
+        allocated at once: a graph per batch bucket, captured at warm-up; for contexts that keep growing).
+        The long slots follow it: with "full" their graphs are captured when their buffer is allocated."""
         slot_max_len: int | None = None
         """Tokens per slot at most (default: from `slot_kv_fraction` on CUDA, the context length else);
         longer rows continue in the lanes."""
@@ -141,12 +144,14 @@ class Engine:
         long_context_tokens: int = 0
         """Tokens each long slot holds (0: no long slots). A request whose context plus `max_new_tokens`
         does not fit a decode slot (`slot_max_len`) but fits here is prefilled chunk by chunk straight
-        into a long slot's buffer (allocated once: 2 x layers x KV heads x head dim x this many
-        elements; 112 KiB a token for the Qwen3-0.6B shape in bf16) and decodes there; when it finishes
-        the prefix cache keeps the buffer itself, which the next call extending that context takes over
-        (no copy). A row that reaches the end of its long slot finishes (`length`)."""
+        into a long slot (a row of one buffer for all of them, allocated once at first use: 2 x layers x
+        KV heads x head dim x this many elements per slot; 112 KiB a token for the Qwen3-0.6B shape in
+        bf16) and decodes there, the long slots' rows in one step; when it finishes the prefix cache
+        keeps the slot's KV itself, which the next call extending that context takes over (no copy). A
+        row that reaches the end of its long slot finishes (`length`)."""
         long_context_slots: int = 1
-        """Long slots at most (each allocated on first use); further long requests wait for one."""
+        """Long slots (the rows of their buffer, all allocated at first use); further long requests wait
+        for a free one."""
         prefill_share: float = 0.4
         """While other requests decode, a chunked prefill (a long or prefix-cached prompt, `prefill_chunk`
         tokens per chunk) gets at most this share of the engine's time: decode steps run between its
@@ -189,6 +194,8 @@ class Engine:
         """Seconds of prefill the chunked prefill may still spend before decode steps catch up (see
         `prefill_share`); negative while it must wait."""
         self._placing: list[Running] = []
+        self._long_copies = 0
+        """Cached prefixes copied into a long slot (a hit held elsewhere than in the slot taken)."""
         self.prefix = PrefixCache(self.config.max_cached_tokens)
         self.compiled_prefill: Any = None
         """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
@@ -255,13 +262,17 @@ class Engine:
         t0 = time.perf_counter()
         if self.slots is not None and self.slots.use_graphs and not self.lanes.requests():
             with torch.inference_mode():
-                runs = (1, self.config.run_steps) if self.config.run_steps > 1 else (1,)
-                self.slots.warmup(max_tokens, runs)
+                self.slots.warmup(max_tokens, self._run_lengths())
         return time.perf_counter() - t0
+
+    def _run_lengths(self) -> tuple[int, ...]:
+        """The run lengths a slot step is captured for: 1, and `run_steps` when runs are on."""
+        return (1, self.config.run_steps) if self.config.run_steps > 1 else (1,)
 
     def slot_stats(self) -> dict[str, Any]:
         if self.slots is None:
             return {"enabled": False}
+        long = self._long_batch()
         return {
             "enabled": True,
             "graphs": self.slots.use_graphs,
@@ -270,7 +281,10 @@ class Engine:
             "slots": self.slots.slots,
             "max_len": self.slots.max_len,
             "capacity": self.slots.capacity,
-            "long_slots": len(self.lanes.long),
+            "long_slots": long.slots if long is not None else 0,
+            "long_rows": len(long) if long is not None else 0,
+            "long_prefix_copies": self._long_copies,
+            **{f"long_{k}": v for k, v in (long.stats if long is not None else {}).items()},
             **self.slots.stats,
         }
 
@@ -418,45 +432,8 @@ class Engine:
         decoding); then decode every lane once."""
         t0 = time.perf_counter()
         self._keep_memory_free()
-        budget = self.config.prefill_chunk
         joining: list[tuple[Running, RowKV, int]] = []
-        group: list[Running] = []
-        while (
-            self._waiting
-            and len(self._in_flight()) + len(joining) + len(group) < self.config.max_running_requests
-            and budget > 0
-        ):
-            r = self._waiting[0]
-            ctx = r.context()
-            hit = (
-                self.prefix.lookup(ctx, limit=len(ctx) - 1)
-                if self.config.enable_prefix_cache
-                else PrefixHit(0, None)
-            )
-            long = self._wants_long(r, ctx)
-            if not long and hit.kv is None and len(ctx) <= budget:
-                self._waiting.popleft()
-                group.append(r)  # fresh short prompts share one padded forward pass
-                budget -= len(ctx)
-                continue
-            if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
-                # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
-                self._waiting.popleft()
-                whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
-                budget -= self._advance(whole, budget, joining)
-                continue
-            if self._partial is not None:
-                break  # one chunked prefill at a time (first come, first served)
-            cache: Any
-            if long:
-                claim = self._claim_long_slot(hit)
-                if claim is None:
-                    break  # every long slot is busy
-                cache, pos = claim
-            else:
-                cache, pos = start_cache(hit.kv), hit.length
-            self._waiting.popleft()
-            self._partial = _Partial(r, ctx, cache, pos, pos)
+        group, budget = self._admit_waiting(joining)
         if group:
             self._prefill_group(group, joining)
         chunked = self._partial is not None and self._prefill_turn()
@@ -478,6 +455,66 @@ class Engine:
         if self._partial is not None and share < 1.0:
             self._prefill_credit += (time.perf_counter() - t1) * share / (1.0 - share)
 
+    def _admit_waiting(self, joining: list[tuple[Running, RowKV, int]]) -> tuple[list[Running], int]:
+        """Take waiting requests, in queue order, while rows and the `prefill_chunk` budget last: fresh
+        prompts that fit the budget (returned, for one padded prefill pass, with the budget left),
+        prefix-cached prompts whose rest fits (prefilled now, into `joining`), and the chunked prefill
+        (a long slot claimed for a long context) when none is under way. A request that needs the
+        chunked prefill or a long slot while neither is free keeps its place; the requests behind it
+        that can start now do, and those that need the chunked prefill or a long slot too wait behind it
+        (first come, first served among them)."""
+        budget = self.config.prefill_chunk
+        group: list[Running] = []
+        admitted: list[Running] = []
+        held = False  # a request that needs the chunked prefill or a long slot could not start this step
+        running = len(self._in_flight())
+        try:
+            for r in list(self._waiting):
+                if running + len(joining) + len(group) >= self.config.max_running_requests or budget <= 0:
+                    break
+                ctx = r.context()
+                long = self._wants_long(r, ctx)
+                if long and held:
+                    continue  # it may not overtake the earlier one that is waiting
+                hit = (
+                    self.prefix.lookup(ctx, limit=len(ctx) - 1)
+                    if self.config.enable_prefix_cache
+                    else PrefixHit(0, None)
+                )
+                if not long and hit.kv is None and len(ctx) <= budget:
+                    admitted.append(r)
+                    group.append(r)  # fresh short prompts share one padded forward pass
+                    budget -= len(ctx)
+                    continue
+                if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
+                    # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
+                    admitted.append(r)
+                    whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                    budget -= self._advance(whole, budget, joining)
+                    continue
+                # it needs the chunked prefill (and a long slot if long): one at a time, first come first
+                # served; while it cannot start, it keeps its place and those behind it that fit go on
+                if held or self._partial is not None:
+                    held = True
+                    continue
+                cache: Any
+                if long:
+                    claim = self._claim_long_slot(hit)
+                    if claim is None:  # every long slot is busy
+                        held = True
+                        continue
+                    cache, row, pos = claim
+                else:
+                    cache, row, pos = start_cache(hit.kv), -1, hit.length
+                admitted.append(r)
+                running += 1
+                self._partial = _Partial(r, ctx, cache, pos, pos, row)
+        finally:  # those admitted leave the queue (also when a prefill failed half-way)
+            if admitted:
+                gone = {id(r) for r in admitted}
+                self._waiting = deque(r for r in self._waiting if id(r) not in gone)
+        return group, budget
+
     def _prefill_turn(self) -> bool:
         """Whether the chunked prefill may run a chunk now: always while nothing decodes, else once the
         decode steps since its last chunk make up `1 - prefill_share` of the time."""
@@ -496,66 +533,89 @@ class Engine:
             return False
         return len(ctx) + r.req.max_new_tokens > self.slots.max_len and len(ctx) < cap
 
-    def _long_slot_idle(self, lane: Lane) -> bool:
+    def _long_batch(self) -> SlotBatch | None:
+        """The long slots' batch (None before the first long request)."""
+        lane = self.lanes.long
+        return lane.batch if lane is not None and isinstance(lane.batch, SlotBatch) else None
+
+    def _claim_long_slot(self, hit: PrefixHit) -> tuple[SlotBatch, int, int] | None:
+        """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
+        prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is
+        (taken back from the prefix cache: nothing is copied), else an idle slot (the lowest that no
+        cached entry holds, else the lowest) into which a hit held elsewhere is copied. None if every
+        slot is busy."""
+        batch = self._long_batch()
+        if batch is None:
+            batch = self._new_long_batch()
+        if not batch.capacity:  # first use, or the KV cache was released since
+            self._allocate_long_batch(batch)
+        buf = batch.kv
+        busy = set(batch.slot_of)
         p = self._partial
-        return not lane.reqs and (p is None or p.cache is not lane.batch)
-
-    def _claim_long_slot(self, hit: PrefixHit) -> tuple[SlotBatch, int] | None:
-        """An idle long slot holding `hit`'s prefix, and how many tokens of the context it covers: the slot
-        whose buffer the prefix cache's hit is (taken back from the prefix cache: nothing is copied),
-        else an idle slot (one no cached entry holds first; a new one while there are fewer than
-        `long_context_slots`) into which a hit held elsewhere is copied. None if every slot is busy."""
-        idle = [
-            lane.batch
-            for lane in self.lanes.long
-            if isinstance(lane.batch, SlotBatch) and self._long_slot_idle(lane)
-        ]
-        slot: SlotBatch | None = None
-        if isinstance(hit.kv, LongRowKV):
-            slot = next((b for b in idle if b.kv is hit.kv.buf), None)
-        if slot is None:
-            unheld = [b for b in idle if not self._prefix_holds(b)]
-            slot = next(iter(unheld or idle), None)
-            if slot is None and len(self.lanes.long) < self.config.long_context_slots:
-                slot = self._new_long_slot()
-            if slot is None:
-                return None
-        buf = slot.allocate()
-        own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf
-        self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf)
+        if p is not None and p.cache is batch:
+            busy.add(p.row)
+        idle = [s for s in range(batch.slots) if s not in busy]
+        if not idle:
+            return None
+        if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle:
+            slot = hit.kv.row
+        else:
+            unheld = [s for s in idle if not self._prefix_holds(buf, s)]
+            slot = (unheld or idle)[0]
+        own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row == slot
+        self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot)
         if hit.kv is not None and not own:
-            copy_prefix(buf, hit.kv)
-        return slot, hit.length
+            copy_prefix(batch.row_buffer(slot), hit.kv)
+            self._long_copies += 1
+        return batch, slot, hit.length
 
-    def _prefix_holds(self, slot: SlotBatch) -> bool:
-        return self.prefix.holds(lambda kv: isinstance(kv, LongRowKV) and kv.buf is slot.kv)
+    def _prefix_holds(self, buf: torch.Tensor, slot: int) -> bool:
+        return self.prefix.holds(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot)
 
-    def _new_long_slot(self) -> SlotBatch:
+    def _new_long_batch(self) -> SlotBatch:
         assert self.slots is not None
         cap = min(self.config.long_context_tokens, self.context_len)
-        log.info("long slot %d: %d tokens", len(self.lanes.long), cap)
-        slot = SlotBatch(
+        n = max(1, self.config.long_context_slots)
+        log.info("long slots: %d of %d tokens", n, cap)
+        batch = SlotBatch(
             self.model,
-            1,
+            n,
             cap,
             use_graphs=self.slots.use_graphs,
             compile_model=self.slots.compile_model,
+            full_width=self.config.slot_widths == "full",
             dedicated=True,
         )
-        self.lanes.long.append(Lane(slot))
-        return slot
+        self.lanes.long = Lane(batch)
+        return batch
+
+    def _allocate_long_batch(self, batch: SlotBatch) -> None:
+        """Allocate the long slots' buffer, all slots at once; with graphs of full widths, capture every
+        graph of its steps now (each batch bucket and run length; sampled steps on first use, as the
+        decode slots'), so none is captured later in the middle of decoding. Bucketed widths capture a
+        length bucket's graph when a step first needs it."""
+        batch.allocate()
+        if batch.use_graphs and batch.full_width:
+            with torch.inference_mode():
+                batch.warmup(batch.max_len, self._run_lengths())
 
     def _finish_full_long_slots(self) -> None:
-        """A row that filled its long slot finishes (`length`); its KV goes to the prefix cache."""
-        for lane in self.lanes.long:
-            batch = lane.batch
-            assert isinstance(batch, SlotBatch)
-            if lane.reqs and batch.full_rows():
-                r = lane.reqs[0]
-                if self.config.enable_prefix_cache:
-                    self.prefix.insert(r.context()[:-1], batch.finished_kv(0), owned=True)
-                lane.drop([0])
-                self._finish(r, FinishReason(type="length", length=len(r.output)), [], [], None)
+        """Rows that filled their long slot finish (`length`); their KV goes to the prefix cache."""
+        lane = self.lanes.long
+        if lane is None or not lane.reqs:
+            return
+        batch = lane.batch
+        assert isinstance(batch, SlotBatch)
+        full = batch.full_rows()
+        for i in full:
+            r = lane.reqs[i]
+            if self.config.enable_prefix_cache:
+                self.prefix.insert(r.context()[:-1], batch.finished_kv(i), owned=True)
+        finished = [lane.reqs[i] for i in full]
+        if full:
+            lane.drop(full)
+        for r in finished:
+            self._finish(r, FinishReason(type="length", length=len(r.output)), [], [], None)
 
     def _advance_partial(self, budget: int, joining: list[tuple[Running, RowKV, int]]) -> int:
         """Prefill the next `budget` tokens of the request in chunked prefill (sampling its first token
@@ -581,7 +641,7 @@ class Engine:
         Returns the tokens computed."""
         end = min(len(p.ctx), p.pos + max(budget, 1))
         if isinstance(p.cache, SlotBatch):
-            logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.kv, p.pos, end)
+            logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.row_buffer(p.row), p.pos, end)
         else:
             logits = prefill_chunk(self.model, self._cache_kw, p.ctx, p.cache, p.pos, end, self.device)
         done, p.pos = end - p.pos, end
@@ -590,7 +650,7 @@ class Engine:
             first = sample(logits, [p.r.sampler], [p.r.req.top_logprobs_num], [p.r.req.token_ids_logprob])
             top = first.top[0] if first.top else None
             if isinstance(p.cache, SlotBatch):
-                row: RowKV = buffer_row(p.cache.kv, len(p.ctx))
+                row: RowKV = buffer_row(p.cache.kv, len(p.ctx), p.row)
             else:
                 row = RowKV(*cache_layers(p.cache))
             self._started(p.r, p.ctx, row, first.tokens[0], first.logprobs[0], top, joining)
@@ -936,9 +996,9 @@ class Engine:
         self.released -= set(tags)
 
     def _slot_batches(self) -> list[SlotBatch]:
-        """The decode slots and every long slot."""
-        long = [lane.batch for lane in self.lanes.long if isinstance(lane.batch, SlotBatch)]
-        return ([self.slots] if self.slots is not None else []) + long
+        """The decode slots and the long slots."""
+        long = self._long_batch()
+        return ([self.slots] if self.slots is not None else []) + ([long] if long is not None else [])
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer of the model by name (shared ones once)."""

@@ -1,9 +1,11 @@
 """Decode lanes: running requests grouped into left-padded batches of similar length.
 
 With a slot batch (`slots.py`, CUDA), rows go to its fixed slots first while they fit; the lanes take
-the rest (rows too long for a slot, or more rows than slots). Long slots (`long_kv.py`: one row each,
-prefilled in place) are lanes of their own, kept while empty so their buffer and graphs stay. One batch for all rows would pad every short row to the longest context (an agent at 30k tokens next to
-one at 2k would cost 30k of KV per row). A row joins a lane only while the lane's longest row stays within
+the rest (rows too long for a slot, or more rows than slots). The long slots (`long_kv.py`: rows
+prefilled in place, each in a slot of its own) are one more slot batch and lane, decoded in one step
+for all their rows, kept while empty so the buffer and graphs stay. One batch for all rows would pad
+every short row to the longest context (an agent at 30k tokens next to one at 2k would cost 30k of KV
+per row). A row joins a lane only while the lane's longest row stays within
 twice its shortest plus `slack` tokens; otherwise it opens a new lane. Each engine step decodes every lane.
 """
 
@@ -42,14 +44,16 @@ class Lanes:
         self.slack = slack
         self.eager: list[Lane] = []
         self.slot_lane = Lane(slots) if slots is not None else None
-        self.long: list[Lane] = []
-        """The long slots' lanes (one row each at most), with or without a row."""
+        self.long: Lane | None = None
+        """The long slots' lane (its batch made on first use), with or without rows."""
 
     @property
     def lanes(self) -> list[Lane]:
-        """Every lane with rows: the slot lane first, then the long slots, then the eager ones."""
-        s = self.slot_lane
-        return ([s] if s is not None and s.reqs else []) + [x for x in self.long if x.reqs] + self.eager
+        """Every lane with rows: the slot lane first, then the long slots', then the eager ones."""
+        s, x = self.slot_lane, self.long
+        return (
+            ([s] if s is not None and s.reqs else []) + ([x] if x is not None and x.reqs else []) + self.eager
+        )
 
     def __len__(self) -> int:
         return sum(len(lane.reqs) for lane in self.lanes)
@@ -62,12 +66,12 @@ class Lanes:
 
     def place(self, items: list[tuple[Running, RowKV, int]]) -> None:
         """Add prefilled requests (request, its KV, its next input token); one re-pad per lane touched. A
-        row prefilled in a long slot's buffer (`LongRowKV`) starts in that slot."""
+        row prefilled in a long slot (`LongRowKV`) starts in that slot."""
         for r, kv, tok in items:
             if isinstance(kv, LongRowKV):
-                lane = next(x for x in self.long if isinstance(x.batch, SlotBatch) and x.batch.kv is kv.buf)
-                assert isinstance(lane.batch, SlotBatch)
-                lane.batch.start_row(kv.length, tok)
+                lane = self.long
+                assert lane is not None and isinstance(lane.batch, SlotBatch) and lane.batch.kv is kv.buf
+                lane.batch.start_row(kv.row, kv.length, tok)
                 lane.reqs.append(r)
         items = [x for x in items if not isinstance(x[1], LongRowKV)]
         if self.slot_lane is not None:
@@ -140,10 +144,10 @@ class Lanes:
         """Drop every row (and its KV); returns the requests in row order."""
         out = self.requests()
         self.eager = []
-        for lane in self.long:
-            assert isinstance(lane.batch, SlotBatch)
-            lane.batch.clear()
-            lane.reqs = []
+        if self.long is not None:
+            assert isinstance(self.long.batch, SlotBatch)
+            self.long.batch.clear()
+            self.long.reqs = []
         if self.slot_lane is not None:
             self.slot_lane.batch.clear()  # type: ignore[union-attr]
             self.slot_lane.reqs = []

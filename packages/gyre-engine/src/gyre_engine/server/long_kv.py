@@ -1,14 +1,17 @@
-"""Long contexts: KV buffers of one row each, prefilled in place, chunk by chunk.
+"""Long contexts: rows of one KV buffer, each prefilled in place, chunk by chunk.
 
 A request whose context plus its new tokens does not fit a decode slot (`Engine.Config.slot_max_len`) is
-served from a long slot: a one-row `SlotBatch` whose buffer (`[2, layers, 1, kv_heads, capacity,
-head_dim]`, `Engine.Config.long_context_tokens` columns) is allocated once. Its prefill writes each chunk's
-keys and values straight into that buffer and attends to the cached prefix there (`prefill_into`: causal
-attention aligned to the bottom right, `chunk_attention`: flash attention over grouped KV heads on CUDA), so prefill
-activations are one chunk's and the context is never concatenated or copied; it then decodes there with
-the slots' CUDA graphs and Triton decode kernel. When it finishes, the prefix cache keeps views of the
-buffer (`LongRowKV`), and the next call that extends the context takes the buffer over: an agent's
-context is carried from call to call without a copy.
+served from a long slot: a row of the long slots' `SlotBatch` (`dedicated`), whose buffer (`[2, layers,
+long_context_slots, kv_heads, capacity, head_dim]`, `Engine.Config.long_context_tokens` columns) is
+allocated once, at the first long request. Its prefill writes each chunk's keys and values straight into
+its slot (a one-row view of the buffer, `SlotBatch.row_buffer`) and attends to the cached prefix there
+(`prefill_into`: causal attention aligned to the bottom right, `chunk_attention`: flash attention over
+grouped KV heads on CUDA), so prefill activations are one chunk's and the context is never concatenated
+or copied; it then decodes there, all running long rows in one step of the slots' CUDA graphs and Triton
+decode kernel (a slot being prefilled, free, or held by the prefix cache is a hole that the step neither
+reads nor writes). When it finishes, the prefix cache keeps views of its slot (`LongRowKV`), and the next
+call that extends the context takes the slot over: an agent's context is carried from call to call
+without a copy.
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ def register_attention() -> None:
 def prefill_into(
     model: Any, cache_kw: str, ctx: list[int], buf: torch.Tensor, start: int, end: int
 ) -> torch.Tensor:
-    """Run `ctx[start:end]` over a one-row buffer that holds `ctx[:start]`, writing its KV at columns
-    [start, end); returns the logits of position `end - 1` [1, V]."""
+    """Run `ctx[start:end]` over a one-row buffer (a long slot's view) that holds `ctx[:start]`, writing
+    its KV at columns [start, end); returns the logits of position `end - 1` [1, V]."""
     if not 0 <= start < end <= len(ctx):
         raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
     if end > buf.shape[-2]:
@@ -135,7 +138,7 @@ def prefill_into(
 
 
 def copy_prefix(buf: torch.Tensor, kv: RowKV) -> None:
-    """Write a cached prefix held elsewhere into the first columns of a one-row buffer."""
+    """Write a cached prefix held elsewhere into the first columns of a one-row buffer (a long slot's view)."""
     n = kv.length
     with torch.inference_mode():
         for i, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):

@@ -17,7 +17,9 @@ On CUDA the step for a (batch bucket, length bucket, run length) is captured onc
 `torch.cuda.CUDAGraph` (optionally over a `torch.compile`d forward, which fuses the norms, rotary and
 MLP elementwise work) and replayed; the inputs (token ids, positions) are copied into static buffers
 before each replay. Padding rows of a bucket sit in free slots at position 0, so they never touch a
-running row's KV. The head is captured too: what `sampling.sample` computes for a row without processing
+running row's KV; in the long slots (`dedicated`: rows keep their slot, and an idle slot may hold a
+cached context) the slots a step covers besides its rows are holes at position -1, which the attention
+neither reads nor writes. The head is captured too: what `sampling.sample` computes for a row without processing
 or truncation (the float log-softmax at the row's temperature, the argmax for greedy rows, the same
 seeded Gumbel-max draw for rows sampled at their temperature), as Triton kernels over vocabulary chunks
 on CUDA (`head.py`) and torch ops elsewhere; such a batch runs several steps per replay, each step's
@@ -132,7 +134,8 @@ def length_bucket(n: int) -> int:
 
 
 class SlotBatch:
-    """The decode rows held in slots 0..n-1 (compact: a leaving row's slot is filled by the last one).
+    """The decode rows held in slots 0..n-1 (compact: a leaving row's slot is filled by the last one), or
+    for the long slots (`dedicated`) each in a slot of its own that it keeps while it runs (`slot_of`).
     Same interface as `DecodeBatch` (`lengths`, `next_tokens`, `add_many`, `remove`, `row_kv`, `step`)."""
 
     def __init__(
@@ -164,12 +167,17 @@ class SlotBatch:
         later and no buffer grows, at the cost of planning the attention's splits for the whole width
         (tiles past a row's length are still skipped). For contexts that keep growing."""
         self.dedicated = dedicated
-        """A long slot (`long_kv.py`): its buffer is allocated at `max_len` at once (it never grows by
-        copying), its row is prefilled in place (`start_row`), and a finished row's KV is handed on as
-        views of the buffer (`finished_kv`), not copied. Widths stay bucketed unless `full_width`."""
+        """The long slots (`long_kv.py`): the buffer is allocated at `max_len` at once (it never grows by
+        copying); a row is prefilled in place in a slot the engine picks (`start_row`) and stays in that
+        slot (rows never move: `remove` copies nothing), and a finished row's KV is handed on as views of
+        its slot (`finished_kv`), not copied. A step covers slots 0 .. the highest running one; the
+        others among them (free, being prefilled, or held by the prefix cache) are holes at position -1,
+        whose KV the step neither reads nor writes. Widths stay bucketed unless `full_width`."""
         self.cache_kw = cache_kwarg(model)
         self.lengths: list[int] = []
         self.next_tokens: list[int] = []
+        self.slot_of: list[int] = []
+        """The slot of each row (row i is slot i, except in the long slots)."""
         self.capacity = 0
         self.kv = torch.zeros(0, device=self.device)
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
@@ -292,6 +300,8 @@ class SlotBatch:
     def add_many(self, rows: list[tuple[RowKV, int]]) -> None:
         if not rows:
             return
+        if self.dedicated:
+            raise RuntimeError("rows start in the long slots in place (start_row)")
         if len(self.lengths) + len(rows) > self.slots:
             raise RuntimeError("no free decode slot")
         self._ensure_capacity(max(kv.length for kv, _ in rows) + 1)
@@ -301,23 +311,31 @@ class SlotBatch:
             self.kv[1, :, i, :, :n].copy_(torch.cat(kv.values, dim=0))
             self.lengths.append(n)
             self.next_tokens.append(tok)
+            self.slot_of.append(i)
 
-    def start_row(self, length: int, next_token: int) -> None:
-        """Add a row whose KV was written into the next free slot in place (a long slot's prefill)."""
-        if not self.dedicated or self.lengths:
-            raise RuntimeError("start_row is for an empty long slot")
+    def row_buffer(self, slot: int) -> torch.Tensor:
+        """Slot `slot` of the buffer as a one-row buffer `[2, layers, 1, kv_heads, capacity, head_dim]`
+        (a view: what a long prefill writes into)."""
+        return self.kv[:, :, slot : slot + 1]
+
+    def start_row(self, slot: int, length: int, next_token: int) -> None:
+        """Add a row whose KV was written into slot `slot` in place (a long slot's prefill)."""
+        if not self.dedicated:
+            raise RuntimeError("start_row is for the long slots")
+        if not 0 <= slot < self.slots or slot in self.slot_of:
+            raise RuntimeError(f"slot {slot} is not a free long slot")
         if not 0 < length < self.capacity:
             raise ValueError(f"a row of {length} tokens does not fit a slot of {self.capacity}")
         self.lengths.append(length)
         self.next_tokens.append(next_token)
+        self.slot_of.append(slot)
 
     def finished_kv(self, row: int) -> RowKV:
-        """What the prefix cache keeps of a finished row: one gathered copy of its valid KV, or for a long
-        slot views of its buffer (the row must leave at once: the slot writes there again only once the
-        buffer has been taken back from the prefix cache)."""
+        """What the prefix cache keeps of a finished row: one gathered copy of its valid KV, or in the long
+        slots views of its slot (the row must leave at once: its slot is written again only once it has
+        been taken back from the prefix cache)."""
         if self.dedicated:
-            assert self.slots == 1
-            return buffer_row(self.kv, self.lengths[row])
+            return buffer_row(self.kv, self.lengths[row], self.slot_of[row])
         return self.row_kv_copy(row)
 
     def add(self, kv: RowKV, next_token: int) -> None:
@@ -326,8 +344,15 @@ class SlotBatch:
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:
         """Drop rows: the last remaining rows move into the freed slots (one gather/scatter of whole slots,
-        all layers at once). Returns the old row indices in their new order."""
+        all layers at once; in the long slots nothing moves). Returns the old row indices in their new
+        order."""
         gone = set(rows)
+        if self.dedicated:
+            keep = [i for i in range(len(self.lengths)) if i not in gone]
+            self.lengths = [self.lengths[i] for i in keep]
+            self.next_tokens = [self.next_tokens[i] for i in keep]
+            self.slot_of = [self.slot_of[i] for i in keep]
+            return keep
         n = len(self.lengths)
         new_n = n - len(gone)
         order = list(range(new_n))
@@ -341,23 +366,25 @@ class SlotBatch:
             self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
         self.lengths = [self.lengths[i] for i in order]
         self.next_tokens = [self.next_tokens[i] for i in order]
+        self.slot_of = list(range(new_n))
         return order
 
     def clear(self) -> None:
-        self.lengths, self.next_tokens = [], []
+        self.lengths, self.next_tokens, self.slot_of = [], [], []
 
     def row_kv(self, row: int) -> RowKV:
         """The valid KV of one row (views of the slot buffer: clone before keeping it)."""
-        n = self.lengths[row]
+        n, s = self.lengths[row], self.slot_of[row]
         return RowKV(
-            [self.kv[0, layer, row : row + 1, :, :n] for layer in range(self.layers)],
-            [self.kv[1, layer, row : row + 1, :, :n] for layer in range(self.layers)],
+            [self.kv[0, layer, s : s + 1, :, :n] for layer in range(self.layers)],
+            [self.kv[1, layer, s : s + 1, :, :n] for layer in range(self.layers)],
         )
 
     @torch.inference_mode()
     def row_kv_copy(self, row: int) -> RowKV:
         """A copy of one row's valid KV, made by one gather into one tensor (the layers are views of it)."""
-        t = self.kv[:, :, row, :, : self.lengths[row]].clone()  # [2, layers, kv_heads, n, head_dim]
+        s = self.slot_of[row]
+        t = self.kv[:, :, s, :, : self.lengths[row]].clone()  # [2, layers, kv_heads, n, head_dim]
         return RowKV([t[0, i][None] for i in range(self.layers)], [t[1, i][None] for i in range(self.layers)])
 
     # ------------------------------------------------------------------ the step
@@ -430,8 +457,8 @@ class SlotBatch:
                         record[i, 1].copy_(lp)
                         if more:
                             ids.copy_(chosen)
-                    if more:
-                        pos.add_(1)
+                    if more:  # holes of the long slots stay at -1
+                        pos.add_(pos.ge(0).to(pos.dtype) if self.dedicated else 1)
         finally:
             cfg._attn_implementation = old
         return logits, record
@@ -439,19 +466,25 @@ class SlotBatch:
     def _prepare(
         self, steps: int, temps: list[float] | None = None, seeds: list[int] | None = None
     ) -> tuple[int, int]:
-        n = len(self.lengths)
+        """Fill the step's inputs: row i at its slot; the other slots of the step are padding (free
+        decode slots at position 0, whose writes land where no row reads) or, in the long slots, holes
+        at position -1. Returns the batch (slots covered) and the columns attended."""
+        span = max(self.slot_of) + 1
         top = max(self.lengths) + steps
         self._ensure_capacity(top)
-        b = next(x for x in self.buckets if x >= n) if self.use_graphs else n
+        b = next(x for x in self.buckets if x >= span) if self.use_graphs else span
         width = self.capacity if self.full_width else min(length_bucket(top), self.capacity)
         host = torch.zeros((4, b), dtype=torch.long)
-        host[0, :n] = torch.tensor(self.next_tokens, dtype=torch.long)
-        host[1, :n] = torch.tensor(self.lengths, dtype=torch.long)
+        if self.dedicated:
+            host[1] = -1
+        at = torch.tensor(self.slot_of, dtype=torch.long)
+        host[0, at] = torch.tensor(self.next_tokens, dtype=torch.long)
+        host[1, at] = torch.tensor(self.lengths, dtype=torch.long)
         t = torch.ones(b, dtype=torch.float32)
         if temps is not None and seeds is not None:
-            host[2, :n] = torch.tensor(seeds, dtype=torch.long)
-            host[3, :n] = torch.tensor([1 if x > 0 else 0 for x in temps], dtype=torch.long)
-            t[:n] = torch.tensor([x if x > 0 else 1.0 for x in temps], dtype=torch.float32)
+            host[2, at] = torch.tensor(seeds, dtype=torch.long)
+            host[3, at] = torch.tensor([1 if x > 0 else 0 for x in temps], dtype=torch.long)
+            t[at] = torch.tensor([x if x > 0 else 1.0 for x in temps], dtype=torch.float32)
         self.io[:, :b].copy_(host, non_blocking=False)
         self.temps[:b].copy_(t, non_blocking=False)
         return b, width
@@ -525,7 +558,10 @@ class SlotBatch:
         self.lengths = [x + steps for x in self.lengths]
         if steps > 1:
             self.stats["run_steps"] += steps
-        return logits[:n], greedy[:, :, :n]
+        if self.slot_of == list(range(n)):
+            return logits[:n], greedy[:, :, :n]
+        at = torch.tensor(self.slot_of, device=self.device)
+        return logits[at], greedy[:, :, at]
 
     def can_run(self, steps: int) -> bool:
         """Whether every row has room for `steps` more tokens in its slot."""
@@ -572,6 +608,8 @@ class SlotBatch:
             else sorted({min(length_bucket(n), self.capacity) for n in range(1, top + 1)})
         )
         self.io.zero_()  # rows at position 0 of free slots: their writes land where no row reads
+        if self.dedicated:
+            self.io[1].fill_(-1)  # holes: a long slot may hold a cached row
         for k in steps:
             for width in widths:
                 if width < k:
