@@ -472,24 +472,25 @@ class Engine:
             for r in list(self._waiting):
                 if running + len(joining) + len(group) >= self.config.max_running_requests or budget <= 0:
                     break
-                ctx = r.context()
-                long = self._wants_long(r, ctx)
-                if long and held:
-                    continue  # it may not overtake the earlier one that is waiting
+                n = r.context_length()
+                long = self._wants_long(r, n)
+                if long and (held or self._partial is not None):
+                    held = True  # it may not overtake an earlier one that waits, nor start before the
+                    continue  # chunked prefill under way ends: no lookup (a step may pass many of them)
                 hit = (
-                    self.prefix.lookup(ctx, limit=len(ctx) - 1)
+                    self.prefix.lookup(r.context_array(), limit=n - 1)
                     if self.config.enable_prefix_cache
                     else PrefixHit(0, None)
                 )
-                if not long and hit.kv is None and len(ctx) <= budget:
+                if not long and hit.kv is None and n <= budget:
                     admitted.append(r)
                     group.append(r)  # fresh short prompts share one padded forward pass
-                    budget -= len(ctx)
+                    budget -= n
                     continue
-                if not long and hit.kv is not None and len(ctx) - hit.length <= budget:
+                if not long and hit.kv is not None and n - hit.length <= budget:
                     # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
                     admitted.append(r)
-                    whole = _Partial(r, ctx, start_cache(hit.kv), hit.length, hit.length)
+                    whole = _Partial(r, r.context(), start_cache(hit.kv), hit.length, hit.length)
                     budget -= self._advance(whole, budget, joining)
                     continue
                 # it needs the chunked prefill (and a long slot if long): one at a time, first come first
@@ -497,6 +498,7 @@ class Engine:
                 if held or self._partial is not None:
                     held = True
                     continue
+                ctx = r.context()
                 cache: Any
                 if long:
                     claim = self._claim_long_slot(hit)
@@ -525,13 +527,13 @@ class Engine:
         return self.lanes.requests() + ([self._partial.r] if self._partial is not None else [])
 
     # ----------------------------------------------------------------- long slots
-    def _wants_long(self, r: Running, ctx: list[int]) -> bool:
-        """Whether `r` is served from a long slot: there are long slots, its context plus its new tokens
-        do not fit a decode slot, and its context fits a long slot."""
+    def _wants_long(self, r: Running, n: int) -> bool:
+        """Whether `r`, whose context is `n` tokens, is served from a long slot: there are long slots, its
+        context plus its new tokens do not fit a decode slot, and its context fits a long slot."""
         cap = self.config.long_context_tokens
         if cap <= 0 or self.slots is None:
             return False
-        return len(ctx) + r.req.max_new_tokens > self.slots.max_len and len(ctx) < cap
+        return n + r.req.max_new_tokens > self.slots.max_len and n < cap
 
     def _long_batch(self) -> SlotBatch | None:
         """The long slots' batch (None before the first long request)."""

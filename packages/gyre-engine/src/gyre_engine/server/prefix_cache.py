@@ -8,7 +8,7 @@ buffer, `LongRowKV`, is the exception: the slot drops its entries, `drop_where`,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,9 +76,10 @@ class PrefixCache:
         self._buckets.clear()
         self._total = 0
 
-    def lookup(self, tokens: list[int], limit: int) -> PrefixHit:
-        """Longest cached prefix of `tokens`, at most `limit` long."""
-        if not tokens:
+    def lookup(self, tokens: Sequence[int] | np.ndarray, limit: int) -> PrefixHit:
+        """Longest cached prefix of `tokens` (ids, or an int64 array of them: not copied), at most `limit`
+        long."""
+        if len(tokens) == 0:
             return PrefixHit(0, None)
         query = np.asarray(tokens, dtype=np.int64)
         best, best_len = None, 0

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gyre_engine.protocol import FinishReason, ProtocolError, SamplingParams
 from gyre_engine.server.sampling import RowLogprobs, SamplerState
 
@@ -76,6 +78,18 @@ class Running:
     output: list[int] = field(default_factory=list)
     cached_tokens: int = -1
     started: float = field(default_factory=time.monotonic)
+    _context_ids: np.ndarray | None = field(default=None, repr=False)
+
+    def context_length(self) -> int:
+        return len(self.req.input_ids) + len(self.output)
+
+    def context_array(self) -> np.ndarray:
+        """The context as int64 ids (what a prefix lookup compares), kept while the output does not grow:
+        a request waiting for admission is looked up again every step."""
+        n = self.context_length()
+        if self._context_ids is None or len(self._context_ids) != n:
+            self._context_ids = np.asarray(self.context(), dtype=np.int64)
+        return self._context_ids
 
     @property
     def rid(self) -> str:
