@@ -247,8 +247,8 @@ class ServerInfo(msgspec.Struct, frozen=True):
     decode_time_s: float = 0.0
     """Seconds the engine thread spent decoding since start (graph captures on first use included)."""
     graph_captures: int = 0
-    """CUDA graphs of the decode step captured since start (one per batch bucket, length bucket and run
-    length; a slot buffer that grows drops them all)."""
+    """CUDA graphs of the decode step captured since start, the decode slots' and the long slots' (one per
+    batch bucket, length bucket and run length; a slot buffer that grows drops them all)."""
     graph_capture_s: float = 0.0
     """Seconds those captures took."""
     slot_grows: int = 0

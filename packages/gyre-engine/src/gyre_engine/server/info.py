@@ -163,8 +163,10 @@ class InfoRoutes:
                 open_prefix_offers=self.xfer.open_offers,
                 prefill_time_s=round(st.prefill_time_s, 4),
                 decode_time_s=round(st.decode_time_s, 4),
-                graph_captures=int(slots.get("captures", 0)),
-                graph_capture_s=round(float(slots.get("capture_s", 0.0)), 4),
+                graph_captures=int(slots.get("captures", 0)) + int(slots.get("long_captures", 0)),
+                graph_capture_s=round(
+                    float(slots.get("capture_s", 0.0)) + float(slots.get("long_capture_s", 0.0)), 4
+                ),
                 slot_grows=int(slots.get("grows", 0)),
                 cache_returns=st.cache_returns,
                 memory_evicted_tokens=st.memory_evicted_tokens,
