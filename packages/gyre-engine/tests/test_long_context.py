@@ -93,6 +93,18 @@ def make(model_dir: Path, **kw: object) -> Engine:
     return load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=Engine.Config(**kw)))  # type: ignore[arg-type]
 
 
+def with_long_slots(model_dir: Path, slots: int, **kw: object) -> Engine:
+    """Decode slots of 64 tokens (eager) and `slots` long slots of 1024."""
+    return make(
+        model_dir,
+        decode_slots="eager",
+        slot_max_len=64,
+        long_context_tokens=1024,
+        long_context_slots=slots,
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def long_engine(model_dir: Path) -> Iterator[Engine]:
     """Slots of 64 tokens, one long slot of 1024, chunks of 32 tokens."""
@@ -204,15 +216,7 @@ def test_short_requests_pass_a_long_one_waiting_for_a_long_slot(
 ) -> None:
     # one long slot, decoding "busy"; then "waiting" (long: no slot free), "chunked" (needs the chunked
     # prefill, which must not overtake "waiting") and "short" are queued in that order
-    e = make(
-        model_dir,
-        decode_slots="eager",
-        slot_max_len=64,
-        long_context_tokens=1024,
-        long_context_slots=1,
-        prefill_chunk=32,
-        run_steps=1,
-    )
+    e = with_long_slots(model_dir, 1, prefill_chunk=32, run_steps=1)
     order: list[str] = []
     busy_sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     short_sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -245,15 +249,7 @@ def test_short_request_passes_a_long_one_waiting_for_the_chunked_prefill(
 ) -> None:
     # two long slots, but one chunked prefill at a time: "second" waits for "first"'s prefill to end;
     # "short", queued behind both, is admitted at once and done before "first" has its first token
-    e = make(
-        model_dir,
-        decode_slots="eager",
-        slot_max_len=64,
-        long_context_tokens=1024,
-        long_context_slots=2,
-        prefill_chunk=16,
-        run_steps=1,
-    )
+    e = with_long_slots(model_dir, 2, prefill_chunk=16, run_steps=1)
     order: list[str] = []
     short_sp = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     calls = {"first": (SYSTEM, GREEDY), "second": (OTHER, GREEDY), "short": (USER, short_sp)}
@@ -287,16 +283,7 @@ def _snapshot(e: Engine, calls: dict[str, Call]) -> tuple[int, int, dict[str, in
 def test_long_rows_decode_in_one_step_each_as_served_alone(
     model_dir: Path, plain_engine: Engine, widths: str
 ) -> None:
-    e = make(
-        model_dir,
-        decode_slots="eager",
-        slot_max_len=64,
-        long_context_tokens=1024,
-        long_context_slots=3,
-        prefill_chunk=64,
-        run_steps=1,
-        slot_widths=widths,
-    )
+    e = with_long_slots(model_dir, 3, prefill_chunk=64, run_steps=1, slot_widths=widths)
     sp = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
     calls = {"a": (SYSTEM, sp), "b": (OTHER, sp), "c": (THIRD, sp)}
     try:
@@ -327,15 +314,7 @@ def test_long_rows_decode_in_one_step_each_as_served_alone(
 def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, plain_engine: Engine) -> None:
     # "a" (slot 0) ends early; "b" (slot 1) decodes on with slot 0 a hole held by the prefix cache; "a2",
     # extending "a", takes slot 0 back while "b" runs (prefilled there beside it, then decoding with it)
-    e = make(
-        model_dir,
-        decode_slots="eager",
-        slot_max_len=64,
-        long_context_tokens=1024,
-        long_context_slots=2,
-        prefill_chunk=32,
-        run_steps=4,
-    )
+    e = with_long_slots(model_dir, 2, prefill_chunk=32, run_steps=4)
     short_sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     long_sp = SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True)
     try:
@@ -363,15 +342,7 @@ def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, p
 
 
 def test_a_long_request_waits_for_a_free_long_slot(model_dir: Path, plain_engine: Engine) -> None:
-    e = make(
-        model_dir,
-        decode_slots="eager",
-        slot_max_len=64,
-        long_context_tokens=1024,
-        long_context_slots=2,
-        prefill_chunk=64,
-        run_steps=1,
-    )
+    e = with_long_slots(model_dir, 2, prefill_chunk=64, run_steps=1)
     order: list[str] = []
     sp = SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True)
     calls = {"a": (SYSTEM, sp), "b": (OTHER, GREEDY), "c": (THIRD, GREEDY)}
@@ -395,7 +366,7 @@ def test_a_long_rows_kv_exports_from_its_slot(model_dir: Path, hf_model: Any) ->
     sits in the second long slot: that slot's columns, equal to the model's own KV of the context."""
     from gyre_engine.server.kv_transfer import export_prefix
 
-    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=1024, long_context_slots=2)
+    e = with_long_slots(model_dir, 2)
     sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     try:
         got = run(e, {"a": (SYSTEM, sp), "b": (OTHER, sp)}, together=True)
