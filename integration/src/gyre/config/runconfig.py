@@ -313,14 +313,15 @@ class EngineSection:
     the trainers then take memory from the caches, not from a step that would fail."""
     long_context_tokens: int = 0
     """Tokens of each long slot (`--long-context-tokens`; 0: none). A call whose context plus its
-    `max_new_tokens` does not fit a decode slot is prefilled chunk by chunk into a buffer of its own of
-    this many tokens (allocated on first use and kept: layers x 2 x KV heads x head dim x this many
-    elements) and decodes there; between calls the prefix cache holds that buffer, and the execution's
-    next call takes it over without a copy. Without long slots such a call decodes in the engine's
-    lanes, whose KV grows with it (and is copied whole when another row joins the lane)."""
+    `max_new_tokens` does not fit a decode slot is prefilled chunk by chunk into a long slot of this many
+    tokens (layers x 2 x KV heads x head dim x this many elements each) and decodes there, every long
+    slot's row in one step; between calls the prefix cache holds that slot, and the execution's next
+    call takes it over without a copy. Without long slots such a call decodes in the engine's lanes,
+    whose KV grows with it (and is copied whole when another row joins the lane)."""
     long_context_slots: int = 0
-    """Long slots per engine at most (`--long-context-slots`; 0: the engine's default, one); a long call
-    waits while every one is busy. Their memory comes on top of `kv_fraction`."""
+    """Long slots per engine (`--long-context-slots`; 0: the engine's default, one), all allocated at the
+    first long call and kept; a long call waits while every one is busy. Their memory comes on top of
+    `kv_fraction`."""
     warmup_tokens: int = 1024
     """CUDA graphs captured before serving, for rows up to this length (`--warmup-decode-tokens`; 0: each
     graph on first use)."""
