@@ -29,7 +29,8 @@ from gyre.measure.trainwatch import TrainTrack
 
 def startup(out: Path) -> dict[str, Any]:
     """Per cell: seconds from launching its engine to the trainer side being ready and to the engine
-    answering, and its engine's first weight pull at start-up; `engines_started_together`: every engine was launched before the first one was up."""
+    answering, and its engine's first weight pull at start-up; `engines_started_together`: every engine
+    was launched before the first one was up."""
     recs = []
     for p in sorted((out / "cells").glob("*.startup.json")):
         recs.append(json.loads(p.read_text()))
