@@ -385,3 +385,30 @@ def test_a_long_rows_kv_exports_from_its_slot(model_dir: Path, hf_model: Any) ->
         v = torch.frombuffer(bytearray(vb), dtype=getattr(torch, rec.dtype)).reshape(heads, n, dim)
         assert torch.allclose(k, ref.layers[layer].keys[0], atol=1e-4)
         assert torch.allclose(v, ref.layers[layer].values[0], atol=1e-4)
+
+
+def test_a_new_long_context_takes_the_slot_used_least_recently(model_dir: Path, plain_engine: Engine) -> None:
+    """Both long slots hold a cached context when a new one comes: it takes the slot whose context was
+    used least recently ("b"'s), so the agent that came back since ("a", whose next call took its slot
+    over) keeps its context, and its next call takes the slot over again with no copy."""
+    e = with_long_slots(model_dir, 2, prefill_chunk=64, run_steps=1)
+    try:
+        a = run(e, {"a": (SYSTEM, GREEDY)})["a"]
+        run(e, {"b": (OTHER, GREEDY)})
+        second = SYSTEM + a.tokens + TOOL
+        a2 = run(e, {"a2": (second, GREEDY)})["a2"]
+        run(e, {"c": (THIRD, GREEDY)})
+        third = second + a2.tokens + USER
+        a3 = run(e, {"a3": (third, GREEDY)})["a3"]
+        c_ctx = [*THIRD, 0]
+        c_kv = e.call(e.prefix.lookup, c_ctx, len(c_ctx)).result(30).kv
+        b_hit = e.call(e.prefix.lookup, [*OTHER, 0], len(OTHER)).result(30).length
+        stats = e.slot_stats()
+    finally:
+        e.shutdown()
+    assert isinstance(c_kv, LongRowKV) and c_kv.row == 1  # "b"'s slot, used least recently
+    assert b_hit == 0  # "b"'s context went with its slot
+    assert a3.cached == len(second) + len(a2.tokens) - 1  # "a"'s context stayed in slot 0
+    assert stats["long_prefix_copies"] == 0
+    ref = run(plain_engine, {"a3": (third, GREEDY)})["a3"]
+    assert a3.tokens == ref.tokens

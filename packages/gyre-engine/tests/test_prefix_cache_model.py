@@ -101,3 +101,34 @@ def test_lookups_compare_only_entries_with_the_same_first_token(monkeypatch: pyt
     hit = cache.lookup([417, 5, 6, 9], 3)
     assert hit.length == 3 and calls[0] == 1
     assert cache.lookup([5000, 1], 1).length == 0 and calls[0] == 1
+
+
+def test_a_long_slots_cached_context_is_out_of_the_budget_and_of_eviction() -> None:
+    """Entries that are a long slot's views (`LongRowKV`) hold no memory of their own: they count in
+    `total_tokens`, not in `held_tokens`; the budget and `evict` (memory pressure) drop only the cache's
+    own copies, least recently used first, and a long entry past the budget is still kept."""
+    from gyre_engine.server.batch import buffer_row
+
+    buf = torch.zeros(2, 1, 2, 1, 64, 1)  # the long slots' buffer: 2 slots of 64 columns
+    cache = PrefixCache(30)
+    long_a, long_b = [1] * 40, [2] * 20  # the first alone passes the budget of 30
+    cache.insert(long_a, buffer_row(buf, len(long_a), 0), owned=True)
+    cache.insert(long_b, buffer_row(buf, len(long_b), 1), owned=True)
+    assert (cache.total_tokens, cache.held_tokens) == (60, 0)
+    for ids in ([3] * 10, [4] * 10, [5] * 10):  # copies: 30 tokens, the whole budget
+        cache.insert(ids, kv_of(ids))
+    assert (cache.total_tokens, cache.held_tokens) == (90, 30)
+    cache.insert([6] * 10, kv_of([6] * 10))  # over the budget: the oldest copy goes, no long entry
+    assert cache.held_tokens == 30 and cache.lookup([3] * 10 + [0], 10).length == 0
+    assert cache.lookup([*long_a, 0], 40).length == 40 and cache.lookup([*long_b, 0], 20).length == 20
+    assert cache.evict(15) == 20  # memory pressure: two copies (the least recently used), not a slot
+    assert cache.held_tokens == 10 and cache.lookup([4] * 10 + [0], 10).length == 0
+    assert cache.lookup([6] * 10 + [0], 10).length == 10
+    assert cache.evict(100) == 10 and cache.held_tokens == 0  # copies only: the slots' contexts stay
+    assert cache.total_tokens == 60
+    # which slot's context was used least recently (the one a new long context is given)
+    in_slot = [lambda kv, s=s: getattr(kv, "row", None) == s for s in (0, 1)]
+    assert cache.last_used(in_slot[1]) > cache.last_used(in_slot[0])
+    cache.lookup([*long_a, 0], 40)
+    assert cache.last_used(in_slot[0]) > cache.last_used(in_slot[1])
+    assert cache.last_used(lambda kv: False) == -1

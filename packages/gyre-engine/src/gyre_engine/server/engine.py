@@ -544,8 +544,8 @@ class Engine:
         """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
         prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is
         (taken back from the prefix cache: nothing is copied), else an idle slot (the lowest that no
-        cached entry holds, else the lowest) into which a hit held elsewhere is copied. None if every
-        slot is busy."""
+        cached entry holds, else the one whose cached context was used least recently) into which a hit
+        held elsewhere is copied. None if every slot is busy."""
         batch = self._long_batch()
         if batch is None:
             batch = self._new_long_batch()
@@ -561,18 +561,25 @@ class Engine:
             return None
         if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle:
             slot = hit.kv.row
-        else:
+        else:  # a slot no entry holds, else the one whose cached context was used least recently
             unheld = [s for s in idle if not self._prefix_holds(buf, s)]
-            slot = (unheld or idle)[0]
+            slot = (
+                unheld[0] if unheld else min(idle, key=lambda s: self.prefix.last_used(self._in_slot(buf, s)))
+            )
         own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row == slot
-        self.prefix.drop_where(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot)
+        self.prefix.drop_where(self._in_slot(buf, slot))
         if hit.kv is not None and not own:
             copy_prefix(batch.row_buffer(slot), hit.kv)
             self._long_copies += 1
         return batch, slot, hit.length
 
     def _prefix_holds(self, buf: torch.Tensor, slot: int) -> bool:
-        return self.prefix.holds(lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot)
+        return self.prefix.holds(self._in_slot(buf, slot))
+
+    @staticmethod
+    def _in_slot(buf: torch.Tensor, slot: int) -> Callable[[RowKV], bool]:
+        """Whether a cached KV is the views of long slot `slot` of `buf`."""
+        return lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot
 
     def _new_long_batch(self) -> SlotBatch:
         assert self.slots is not None
@@ -947,9 +954,10 @@ class Engine:
         return int(torch.cuda.mem_get_info(self.device)[0])
 
     def _keep_memory_free(self) -> None:
-        """Evict prefix-cache entries while the GPU has less than `min_free_bytes` free (see the setting)."""
+        """Evict prefix-cache entries while the GPU has less than `min_free_bytes` free (see the setting):
+        those that hold memory of their own (a long slot's cached context frees nothing)."""
         want = self.config.min_free_bytes
-        if want <= 0 or not self.prefix.total_tokens:
+        if want <= 0 or not self.prefix.held_tokens:
             return
         free = self.device_free_bytes()
         if free is None or free >= want:

@@ -4,6 +4,11 @@ An agent resends its whole, growing context every call, so the entry left by cal
 k+1; an entry that a newer one extends is dropped. Entries are evicted least-recently-used past a token
 budget. Lookups return a view cropped to the shared prefix; the caller never mutates it (a long slot's
 buffer, `LongRowKV`, is the exception: the slot drops its entries, `drop_where`, before writing to it).
+
+An entry that is a long slot's views holds no memory of its own (the long slots' buffer is allocated
+whatever they hold): it counts in `total_tokens` but not in the budget (`held_tokens`), and neither the
+budget nor `evict` (memory pressure) drops it, since that would free nothing and lose the context; it
+goes when its slot is taken for another context.
 """
 
 from __future__ import annotations
@@ -63,11 +68,19 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self._buckets: dict[int, list[_Entry]] = {}
         self._total = 0
+        self._held = 0
         self._clock = 0
 
     @property
     def total_tokens(self) -> int:
+        """Tokens of every entry."""
         return self._total
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of the entries whose KV is the cache's own memory (not a long slot's views): what the
+        budget counts and what `evict` can free."""
+        return self._held
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
@@ -75,6 +88,7 @@ class PrefixCache:
     def clear(self) -> None:
         self._buckets.clear()
         self._total = 0
+        self._held = 0
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, limit: int) -> PrefixHit:
         """Longest cached prefix of `tokens` (ids, or an int64 array of them: not copied), at most `limit`
@@ -98,7 +112,7 @@ class PrefixCache:
         as `SlotBatch.row_kv_copy`'s); entries that are a prefix of `tokens` are replaced."""
         if len(tokens) != kv.length:
             raise ValueError(f"KV covers {kv.length} tokens but {len(tokens)} token ids were given")
-        if not tokens or len(tokens) > self.max_tokens:
+        if not tokens or (len(tokens) > self.max_tokens and not isinstance(kv, LongRowKV)):
             return
         arr = np.asarray(tokens, dtype=np.int64)
         bucket = self._buckets.setdefault(int(arr[0]), [])
@@ -107,25 +121,33 @@ class PrefixCache:
                 self._clock += 1
                 e.last_used = self._clock
                 return  # already covered by a longer entry
-        keep = [e for e in bucket if common_prefix_len(e.tokens, arr) < len(e.tokens)]
-        self._total -= sum(len(e.tokens) for e in bucket) - sum(len(e.tokens) for e in keep)
-        bucket[:] = keep
+        for e in [e for e in bucket if common_prefix_len(e.tokens, arr) == len(e.tokens)]:
+            self._remove(e)  # prefixes of the new entry
         self._clock += 1
-        bucket.append(_Entry(arr, kv if owned else _owned(kv), self._clock))
-        self._total += len(arr)
-        while self._total > self.max_tokens:
-            victim = min((e for b in self._buckets.values() for e in b), key=lambda e: e.last_used)
-            self._remove(victim)
+        self._add(_Entry(arr, kv if owned else _owned(kv), self._clock))
+        while self._held > self.max_tokens:
+            self._remove(self._least_recent_held())
 
     def evict(self, tokens: int) -> int:
-        """Drop least-recently-used entries until at least `tokens` cached tokens are gone (or none is
-        left); returns the tokens dropped."""
+        """Drop least-recently-used entries that hold memory of their own until at least `tokens` cached
+        tokens are gone (or none is left); returns the tokens dropped."""
         gone = 0
-        while gone < tokens and self._buckets:
-            victim = min((e for b in self._buckets.values() for e in b), key=lambda e: e.last_used)
+        while gone < tokens and self._held:
+            victim = self._least_recent_held()
             gone += len(victim.tokens)
             self._remove(victim)
         return gone
+
+    def last_used(self, match: Callable[[RowKV], bool]) -> int:
+        """When an entry whose KV `match` accepts was last inserted or looked up (a clock: larger is
+        later), the latest of them; -1 if none."""
+        return max((e.last_used for b in self._buckets.values() for e in b if match(e.kv)), default=-1)
+
+    def _least_recent_held(self) -> _Entry:
+        return min(
+            (e for b in self._buckets.values() for e in b if not isinstance(e.kv, LongRowKV)),
+            key=lambda e: e.last_used,
+        )
 
     def holds(self, match: Callable[[RowKV], bool]) -> bool:
         """Whether some entry's KV is one `match` accepts."""
@@ -138,6 +160,12 @@ class PrefixCache:
             self._remove(e)
         return len(gone)
 
+    def _add(self, e: _Entry) -> None:
+        self._buckets.setdefault(int(e.tokens[0]), []).append(e)
+        self._total += len(e.tokens)
+        if not isinstance(e.kv, LongRowKV):
+            self._held += len(e.tokens)
+
     def _remove(self, e: _Entry) -> None:
         first = int(e.tokens[0])
         bucket = self._buckets[first]
@@ -145,3 +173,5 @@ class PrefixCache:
         if not bucket:
             del self._buckets[first]
         self._total -= len(e.tokens)
+        if not isinstance(e.kv, LongRowKV):
+            self._held -= len(e.tokens)
