@@ -412,3 +412,33 @@ def test_a_new_long_context_takes_the_slot_used_least_recently(model_dir: Path, 
     assert stats["long_prefix_copies"] == 0
     ref = run(plain_engine, {"a3": (third, GREEDY)})["a3"]
     assert a3.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("host_tokens", [0, 4096])
+def test_a_context_whose_long_slot_is_taken_comes_back_from_the_host_tier(
+    model_dir: Path, plain_engine: Engine, host_tokens: int
+) -> None:
+    """One long slot, two agents: "b" takes the slot holding "a"'s context. With a host tier that
+    context is copied to host memory first, and "a"'s next call gets it back from there (copied into
+    the slot, not computed again: its cached tokens are the whole earlier context); without one it is
+    computed again. The tokens are the same either way."""
+    e = with_long_slots(model_dir, 1, prefill_chunk=64, run_steps=1, host_cached_tokens=host_tokens)
+    try:
+        a = run(e, {"a": (SYSTEM, GREEDY)})["a"]
+        run(e, {"b": (OTHER, GREEDY)})
+        second = SYSTEM + a.tokens + TOOL
+        a2 = run(e, {"a2": (second, GREEDY)})["a2"]
+        st = e.stats()
+    finally:
+        e.shutdown()
+    earlier = len(SYSTEM) + len(a.tokens) - 1
+    if host_tokens:
+        assert a2.cached == earlier
+        assert st.host_hit_tokens >= earlier and st.host_spilled_tokens >= earlier
+        assert st.host_cached_tokens > 0  # "b"'s context went there in turn
+    else:
+        assert a2.cached < len(SYSTEM)  # at most what the slot's new context shares with it
+        assert (st.host_hit_tokens, st.host_spilled_tokens, st.host_cached_tokens) == (0, 0, 0)
+    ref = run(plain_engine, {"a2": (second, GREEDY)})["a2"]
+    assert a2.tokens == ref.tokens
+    assert a2.logprobs == pytest.approx(ref.logprobs, abs=1e-4)

@@ -132,3 +132,47 @@ def test_a_long_slots_cached_context_is_out_of_the_budget_and_of_eviction() -> N
     cache.lookup([*long_a, 0], 40)
     assert cache.last_used(in_slot[0]) > cache.last_used(in_slot[1])
     assert cache.last_used(lambda kv: False) == -1
+
+
+def test_the_host_tier_keeps_what_leaves_the_device() -> None:
+    """With a host budget, what the device budget, `evict` or `release_where` would drop is copied to the
+    host instead: a lookup then serves the same KV from there (counted), the host tier drops its least
+    recently used entries past its own budget, and a long slot's context released to it is a copy that
+    the slot's next writes do not change."""
+    from gyre_engine.server.batch import buffer_row
+
+    cache = PrefixCache(20, host_tokens=25)
+    for ids in ([3] * 10, [4] * 10, [5] * 10):  # the third passes the device budget: [3] goes to the host
+        cache.insert(ids, kv_of(ids))
+    assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (20, 10, 10)
+    hit = cache.lookup([3] * 10 + [0], 10)
+    assert hit.length == 10 and cache.host_hit_tokens == 10
+    assert torch.equal(hit.kv.keys[0], kv_of([3] * 10).keys[0])
+    assert cache.evict(5) == 10  # [4], the device's least recently used, to the host
+    assert (cache.held_tokens, cache.host_held_tokens) == (10, 20)
+    assert cache.lookup([4] * 10 + [0], 10).length == 10 and cache.host_hit_tokens == 20
+    # [5] too: 30 on the host, past its 25, so the least recently used entry goes: [5] itself (its last
+    # use is older than the lookups of [3] and [4]), and it does not count as spilled
+    cache.evict(5)
+    assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (0, 20, 20)
+    assert cache.lookup([5] * 10 + [0], 10).length == 0 and cache.lookup([4] * 10 + [0], 10).length == 10
+
+    buf = torch.arange(2 * 1 * 2 * 1 * 64 * 1, dtype=torch.float32).reshape(2, 1, 2, 1, 64, 1)
+    long_ids = [7] * 12
+    cache.insert(long_ids, buffer_row(buf, 12, 1), owned=True)
+    before = buf[0, 0, 1, 0, :12, 0].clone()
+    assert cache.release_where(lambda kv: getattr(kv, "row", None) == 1) == 1
+    buf.zero_()  # the slot is written for another context
+    hit = cache.lookup([*long_ids, 0], 12)
+    assert hit.length == 12 and torch.equal(hit.kv.keys[0][0, 0, :, 0], before)
+    assert cache.host_held_tokens == 22 and cache.total_tokens == 22  # [3] dropped: 32 was past 25
+    assert cache.lookup([3] * 10 + [0], 10).length == 0
+
+
+def test_without_a_host_tier_what_leaves_the_device_is_dropped() -> None:
+    cache = PrefixCache(20)
+    for ids in ([3] * 10, [4] * 10, [5] * 10):
+        cache.insert(ids, kv_of(ids))
+    assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (20, 0, 0)
+    assert cache.lookup([3] * 10 + [0], 10).length == 0
+    assert cache.evict(1) == 10 and cache.total_tokens == 10

@@ -307,6 +307,11 @@ class EngineSection:
     max_cached_tokens: int = 0
     """Tokens of finished calls' KV each engine keeps for prefix reuse (`--max-cached-tokens`; 0: the
     engine's own default). This memory comes on top of `kv_fraction`: size both for the live contexts."""
+    host_cached_tokens: int = 0
+    """Tokens of cached prefixes each engine keeps in host memory when they leave the GPU (past
+    `max_cached_tokens`, under `min_free_gib`, or a long slot taken for another context), copied back
+    when a call extends them instead of computed again (`--host-cached-tokens`; 0: dropped). Host memory:
+    layers x 2 x KV heads x head dim x bytes per token (112 KiB for the Qwen3-0.6B shape in bf16)."""
     min_free_gib: float = 0.0
     """GiB of the GPU (every process on it) each engine keeps free by dropping its least recently used
     prefix-cache entries first (`--min-free-gib`; 0: off): rows longer than a slot, the other cells and
@@ -543,6 +548,7 @@ class Config:
         _check(e.slot_widths in ("", "bucketed", "full"), "[engine] slot_widths: bucketed|full")
         _check(e.min_free_gib >= 0, "[engine] min_free_gib must be >= 0 (0: off)")
         _check(e.max_cached_tokens >= 0, "[engine] max_cached_tokens must be >= 0 (0: the engine's default)")
+        _check(e.host_cached_tokens >= 0, "[engine] host_cached_tokens must be >= 0 (0: none)")
         _check(
             e.long_context_tokens >= 0 and e.long_context_slots >= 0,
             "[engine] long_context_tokens and long_context_slots must be >= 0 (0: none; the engine's default)",

@@ -40,6 +40,8 @@ def engine_argv(cfg: Config) -> list[str]:
         argv += ["--slot-widths", e.slot_widths]
     if e.max_cached_tokens:
         argv += ["--max-cached-tokens", str(e.max_cached_tokens)]
+    if e.host_cached_tokens:
+        argv += ["--host-cached-tokens", str(e.host_cached_tokens)]
     if e.long_context_tokens:
         argv += ["--long-context-tokens", str(e.long_context_tokens)]
     if e.long_context_slots:

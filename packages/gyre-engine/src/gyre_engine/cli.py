@@ -63,6 +63,14 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-running-requests", type=int, default=64)
     s.add_argument("--max-cached-tokens", type=int, default=1 << 20)
     s.add_argument(
+        "--host-cached-tokens",
+        type=int,
+        default=0,
+        help="tokens of cached prefixes kept in host memory when they leave the device (past "
+        "--max-cached-tokens, under --min-free-gib, or a long slot taken for another context), copied "
+        "back when a call extends them instead of computed again (0: dropped)",
+    )
+    s.add_argument(
         "--min-free-gib",
         type=float,
         default=0.0,
@@ -231,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                     engine=Engine.Config(
                         max_running_requests=args.max_running_requests,
                         max_cached_tokens=args.max_cached_tokens,
+                        host_cached_tokens=args.host_cached_tokens,
                         min_free_bytes=int(args.min_free_gib * (1 << 30)),
                         prefill_chunk=args.prefill_chunk,
                         decode_slots=args.decode_slots,

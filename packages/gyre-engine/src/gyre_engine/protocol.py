@@ -264,7 +264,13 @@ class ServerInfo(msgspec.Struct, frozen=True):
     """Times the engine gave its allocator's free cached blocks back to the driver after a prefill step
     (when they passed its bound)."""
     memory_evicted_tokens: int = 0
-    """Prefix-cache tokens dropped to keep `--min-free-gib` of the GPU free."""
+    """Prefix-cache tokens dropped (or moved to the host tier) to keep `--min-free-gib` of the GPU free."""
+    host_cached_prefix_tokens: int = 0
+    """Prefix-cache tokens in the host tier now (`--host-cached-tokens`)."""
+    host_spilled_tokens: int = 0
+    """Prefix-cache tokens copied to the host tier since start, instead of dropped."""
+    host_hit_tokens: int = 0
+    """Prefix tokens that lookups found in the host tier since start (copied back, not computed)."""
 
 
 SGLANG_VERSION = "0.5.23"

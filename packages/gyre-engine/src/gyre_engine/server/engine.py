@@ -67,6 +67,9 @@ class EngineStats:
     prefill_time_s: float
     cache_returns: int
     memory_evicted_tokens: int = 0
+    host_cached_tokens: int = 0
+    host_spilled_tokens: int = 0
+    host_hit_tokens: int = 0
 
 
 @dataclass
@@ -91,6 +94,11 @@ class Engine:
         """Rows in the decode batch at most; further requests wait."""
         max_cached_tokens: int = 1 << 20
         """Budget of the prefix cache, in tokens (summed over entries)."""
+        host_cached_tokens: int = 0
+        """Budget of the prefix cache's host tier, in tokens (0: none): what leaves the device (past
+        `max_cached_tokens`, under `min_free_bytes`, or a long slot's context when the slot is taken for
+        another) is copied to host memory instead of dropped, and a later call that extends it copies it
+        back rather than computing it again."""
         prefill_chunk: int = 2048
         """Tokens per prefill forward pass: a step prefills fresh (and prefix-cached) prompts up to this
         many tokens, and one chunk of this many of the chunked prefill (a long or prefix-cached prompt
@@ -196,7 +204,7 @@ class Engine:
         self._placing: list[Running] = []
         self._long_copies = 0
         """Cached prefixes copied into a long slot (a hit held elsewhere than in the slot taken)."""
-        self.prefix = PrefixCache(self.config.max_cached_tokens)
+        self.prefix = PrefixCache(self.config.max_cached_tokens, self.config.host_cached_tokens)
         self.compiled_prefill: Any = None
         """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
         self._compile_prefill = self.config.compile_prefill and self.device.type == "cuda"
@@ -327,6 +335,9 @@ class Engine:
             prefill_time_s=st["prefill_time_s"],
             cache_returns=int(st["cache_returns"]),
             memory_evicted_tokens=int(st["memory_evicted_tokens"]),
+            host_cached_tokens=self.prefix.host_held_tokens,
+            host_spilled_tokens=self.prefix.spilled_tokens,
+            host_hit_tokens=self.prefix.host_hit_tokens,
         )
 
     def counts(self) -> tuple[int, int]:
@@ -490,7 +501,9 @@ class Engine:
                 if not long and hit.kv is not None and n - hit.length <= budget:
                     # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
                     admitted.append(r)
-                    whole = _Partial(r, r.context(), start_cache(hit.kv), hit.length, hit.length)
+                    whole = _Partial(
+                        r, r.context(), start_cache(self._on_device(hit.kv)), hit.length, hit.length
+                    )
                     budget -= self._advance(whole, budget, joining)
                     continue
                 # it needs the chunked prefill (and a long slot if long): one at a time, first come first
@@ -507,7 +520,7 @@ class Engine:
                         continue
                     cache, row, pos = claim
                 else:
-                    cache, row, pos = start_cache(hit.kv), -1, hit.length
+                    cache, row, pos = start_cache(self._on_device(hit.kv)), -1, hit.length
                 admitted.append(r)
                 running += 1
                 self._partial = _Partial(r, ctx, cache, pos, pos, row)
@@ -567,11 +580,20 @@ class Engine:
                 unheld[0] if unheld else min(idle, key=lambda s: self.prefix.last_used(self._in_slot(buf, s)))
             )
         own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row == slot
-        self.prefix.drop_where(self._in_slot(buf, slot))
+        if own:  # the context is extended in place: its entry goes (the finished call leaves a longer one)
+            self.prefix.drop_where(self._in_slot(buf, slot))
+        else:  # another context's: to the host tier (if any) before the slot is written
+            self.prefix.release_where(self._in_slot(buf, slot))
         if hit.kv is not None and not own:
             copy_prefix(batch.row_buffer(slot), hit.kv)
             self._long_copies += 1
         return batch, slot, hit.length
+
+    def _on_device(self, kv: RowKV | None) -> RowKV | None:
+        """`kv` on the engine's device (a hit from the prefix cache's host tier is copied there)."""
+        if kv is None or not kv.keys or kv.keys[0].device == self.device:
+            return kv
+        return RowKV([k.to(self.device) for k in kv.keys], [v.to(self.device) for v in kv.values])
 
     def _prefix_holds(self, buf: torch.Tensor, slot: int) -> bool:
         return self.prefix.holds(self._in_slot(buf, slot))

@@ -170,6 +170,9 @@ class InfoRoutes:
                 slot_grows=int(slots.get("grows", 0)),
                 cache_returns=st.cache_returns,
                 memory_evicted_tokens=st.memory_evicted_tokens,
+                host_cached_prefix_tokens=st.host_cached_tokens,
+                host_spilled_tokens=st.host_spilled_tokens,
+                host_hit_tokens=st.host_hit_tokens,
                 **_device_memory(engine.device),
             )
         )

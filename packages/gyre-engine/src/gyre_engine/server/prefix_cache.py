@@ -8,7 +8,12 @@ buffer, `LongRowKV`, is the exception: the slot drops its entries, `drop_where`,
 An entry that is a long slot's views holds no memory of its own (the long slots' buffer is allocated
 whatever they hold): it counts in `total_tokens` but not in the budget (`held_tokens`), and neither the
 budget nor `evict` (memory pressure) drops it, since that would free nothing and lose the context; it
-goes when its slot is taken for another context.
+goes when its slot is taken for another context (`release_where`).
+
+With a host budget (`host_tokens` > 0) the cache has a second tier in host memory: what the device
+budget, `evict` or `release_where` would drop is copied to the host instead (least recently used
+host entries dropped past that budget), and a lookup serves it from there (`PrefixHit.kv` then holds
+host tensors: the caller copies them where it needs them, a transfer in place of a prefill).
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ class _Entry:
     tokens: np.ndarray
     kv: RowKV
     last_used: int
+    on_host: bool = False
+
+
+def _to_host(kv: RowKV) -> RowKV:
+    """A compact copy of `kv` in host memory."""
+    return RowKV(
+        [k.to("cpu", copy=True).contiguous() for k in kv.keys],
+        [v.to("cpu", copy=True).contiguous() for v in kv.values],
+    )
 
 
 @dataclass(frozen=True)
@@ -64,12 +78,19 @@ class PrefixCache:
     with it, so a lookup or insert compares against those alone (a thousand unrelated contexts cost one
     dict lookup, not a thousand comparisons)."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, host_tokens: int = 0) -> None:
         self.max_tokens = max_tokens
+        self.host_tokens = host_tokens
+        """Budget of the host tier, in tokens (0: none; what leaves the device is dropped)."""
         self._buckets: dict[int, list[_Entry]] = {}
         self._total = 0
         self._held = 0
+        self._host = 0
         self._clock = 0
+        self.spilled_tokens = 0
+        """Tokens copied to the host tier since start."""
+        self.host_hit_tokens = 0
+        """Tokens of lookups served from the host tier since start."""
 
     @property
     def total_tokens(self) -> int:
@@ -78,9 +99,14 @@ class PrefixCache:
 
     @property
     def held_tokens(self) -> int:
-        """Tokens of the entries whose KV is the cache's own memory (not a long slot's views): what the
-        budget counts and what `evict` can free."""
+        """Tokens of the entries whose KV is the cache's own device memory (not a long slot's views, not
+        the host tier's): what the budget counts and what `evict` can free."""
         return self._held
+
+    @property
+    def host_held_tokens(self) -> int:
+        """Tokens of the entries in the host tier."""
+        return self._host
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
@@ -89,6 +115,7 @@ class PrefixCache:
         self._buckets.clear()
         self._total = 0
         self._held = 0
+        self._host = 0
 
     def lookup(self, tokens: Sequence[int] | np.ndarray, limit: int) -> PrefixHit:
         """Longest cached prefix of `tokens` (ids, or an int64 array of them: not copied), at most `limit`
@@ -105,6 +132,8 @@ class PrefixCache:
             return PrefixHit(0, None)
         self._clock += 1
         best.last_used = self._clock
+        if best.on_host:
+            self.host_hit_tokens += best_len
         return PrefixHit(best_len, best.kv.crop(best_len))
 
     def insert(self, tokens: list[int], kv: RowKV, owned: bool = False) -> None:
@@ -126,17 +155,44 @@ class PrefixCache:
         self._clock += 1
         self._add(_Entry(arr, kv if owned else _owned(kv), self._clock))
         while self._held > self.max_tokens:
-            self._remove(self._least_recent_held())
+            self._spill(self._least_recent_held())
 
     def evict(self, tokens: int) -> int:
-        """Drop least-recently-used entries that hold memory of their own until at least `tokens` cached
-        tokens are gone (or none is left); returns the tokens dropped."""
+        """Free the device memory of least-recently-used entries that hold their own until at least
+        `tokens` cached tokens are gone from the device (or none is left): each is moved to the host
+        tier, or dropped without one; returns the tokens gone from the device."""
         gone = 0
         while gone < tokens and self._held:
             victim = self._least_recent_held()
             gone += len(victim.tokens)
-            self._remove(victim)
+            self._spill(victim)
         return gone
+
+    def release_where(self, match: Callable[[RowKV], bool]) -> int:
+        """Entries whose KV `match` accepts (a long slot taken for another context) leave their KV's
+        place: copied to the host tier, or dropped without one; returns how many."""
+        gone = [e for b in self._buckets.values() for e in b if not e.on_host and match(e.kv)]
+        for e in gone:
+            self._spill(e)
+        return len(gone)
+
+    def _spill(self, e: _Entry) -> None:
+        """`e` out of device memory: into the host tier (the least recently used host entries dropped
+        past its budget), or dropped."""
+        if e.on_host:
+            return
+        n = len(e.tokens)
+        self._remove(e)
+        if n > self.host_tokens:
+            return
+        e.kv, e.on_host = _to_host(e.kv), True
+        self._add(e)
+        while self._host > self.host_tokens:
+            self._remove(
+                min((x for b in self._buckets.values() for x in b if x.on_host), key=lambda x: x.last_used)
+            )
+        if any(x is e for x in self._buckets.get(int(e.tokens[0]), ())):  # unless the least recent itself
+            self.spilled_tokens += n
 
     def last_used(self, match: Callable[[RowKV], bool]) -> int:
         """When an entry whose KV `match` accepts was last inserted or looked up (a clock: larger is
@@ -145,9 +201,14 @@ class PrefixCache:
 
     def _least_recent_held(self) -> _Entry:
         return min(
-            (e for b in self._buckets.values() for e in b if not isinstance(e.kv, LongRowKV)),
+            (e for b in self._buckets.values() for e in b if self._holds_device(e)),
             key=lambda e: e.last_used,
         )
+
+    @staticmethod
+    def _holds_device(e: _Entry) -> bool:
+        """Whether `e`'s KV is device memory of the cache's own (not a long slot's views, not on the host)."""
+        return not e.on_host and not isinstance(e.kv, LongRowKV)
 
     def holds(self, match: Callable[[RowKV], bool]) -> bool:
         """Whether some entry's KV is one `match` accepts."""
@@ -163,7 +224,9 @@ class PrefixCache:
     def _add(self, e: _Entry) -> None:
         self._buckets.setdefault(int(e.tokens[0]), []).append(e)
         self._total += len(e.tokens)
-        if not isinstance(e.kv, LongRowKV):
+        if e.on_host:
+            self._host += len(e.tokens)
+        elif not isinstance(e.kv, LongRowKV):
             self._held += len(e.tokens)
 
     def _remove(self, e: _Entry) -> None:
@@ -173,5 +236,7 @@ class PrefixCache:
         if not bucket:
             del self._buckets[first]
         self._total -= len(e.tokens)
-        if not isinstance(e.kv, LongRowKV):
+        if e.on_host:
+            self._host -= len(e.tokens)
+        elif not isinstance(e.kv, LongRowKV):
             self._held -= len(e.tokens)

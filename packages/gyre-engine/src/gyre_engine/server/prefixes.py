@@ -95,6 +95,8 @@ class PrefixRoutes:
     def _offer_on_device(self, body: OfferPrefixRequest) -> PrefixOffer | None:
         """On the engine thread: the cached prefix copied into a device buffer shared over CUDA IPC."""
         got = cached_prefix(self.engine, body.input_ids)
+        if got is not None and got[1].keys[0].device.type != "cuda":
+            raise NoDeviceRoom("the cached prefix is in the host tier")  # offered over shared memory
         keep = self.engine.config.min_free_bytes
         return None if got is None else self.xfer.offer_on_device(body, *got, keep_free_bytes=keep)
 
