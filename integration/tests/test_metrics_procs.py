@@ -145,7 +145,8 @@ def test_engine_time_by_hand() -> None:
     def c(steps: int, tokens: int, dec: float, pre_tok: int, pre: float | None, waiting: int) -> dict:
         return {"decode_steps": steps, "decode_tokens": tokens, "decode_s": dec, "prefill_tokens": pre_tok,
                 "prefill_s": pre, "evicted_tokens": None if pre is None else 10 * steps,
-                "waiting": waiting}  # fmt: skip
+                "host_spilled_tokens": None if pre is None else 4 * steps,
+                "host_hit_tokens": None if pre is None else 2 * steps, "waiting": waiting}  # fmt: skip
 
     e0 = [c(0, 0, 0.0, 0, 0.0, 2), c(10, 80, 0.2, 1000, 0.1, 2), c(20, 160, 0.4, 1000, 0.1, 0),
           c(30, 240, 0.6, 3000, 0.3, 0), c(5, 40, 0.1, 0, 0.0, 0)]  # fmt: skip
@@ -171,6 +172,8 @@ def test_engine_time_by_hand() -> None:
         "prefill_tok_s": 10000.0,
         "mean_waiting": 1.0,  # 2 queued in the first two of four seconds
         "evicted_tokens": 350,
+        "host_spilled_tokens": 140,
+        "host_hit_tokens": 70,
     }
     # engine 1: only its first second counts, and it does not time its prefill
     assert got["1"]["decode_s"] == 0.5 and got["1"]["decode_steps"] == 4 and got["1"]["rollout_busy_s"] == 1.0

@@ -152,7 +152,10 @@ def device_seconds(
     }
 
 
-COUNTERS = ("decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens")
+COUNTERS = (
+    "decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens",
+    "host_spilled_tokens", "host_hit_tokens",
+)  # fmt: skip
 
 
 def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, dict[str, float | None]]:
@@ -162,9 +165,10 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     thread) / busy rollout seconds (the rest: the engine thread idle while a request waits or streams,
     graph captures, prefix copies, the process's own overhead); `decode_ms_per_step`, `mean_decode_batch`
     (rows per decode step), `decode_tok_s`, `prefill_tok_s`, `mean_waiting` (requests queued for
-    admission, averaged over rollout time) and `evicted_tokens` (cached prefix tokens the engine dropped
-    to keep memory free; None where it does not count them). Engines that report no counters are left
-    out."""
+    admission, averaged over rollout time), `evicted_tokens` (cached prefix tokens the engine dropped, or
+    moved to its host tier, to keep memory free), `host_spilled_tokens` and `host_hit_tokens` (prefix
+    tokens it copied to its host tier, and served from there instead of computing them); None where it
+    does not count them. Engines that report no counters are left out."""
     acc: dict[int, dict[str, float]] = {}
     counted: dict[int, set[str]] = {}  # the counters each engine reported
     for prev, cur in itertools.pairwise(samples):
@@ -206,7 +210,10 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
             "prefill_tokens": int(e["prefill_tokens"]),
             "prefill_tok_s": None if prefill_s is None else ratio(e["prefill_tokens"], prefill_s, nd=1),
             "mean_waiting": ratio(e["waiting_s"], e["rollout_s"], nd=2),
-            "evicted_tokens": int(e["evicted_tokens"]) if "evicted_tokens" in has else None,
+            **{
+                k: int(e[k]) if k in has else None
+                for k in ("evicted_tokens", "host_spilled_tokens", "host_hit_tokens")
+            },
         }
     return out
 

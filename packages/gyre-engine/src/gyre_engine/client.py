@@ -575,6 +575,8 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             prefill_tokens=info.prefill_tokens_computed,
             prefill_s=info.prefill_time_s,
             evicted_tokens=info.memory_evicted_tokens,
+            host_spilled_tokens=info.host_spilled_tokens,
+            host_hit_tokens=info.host_hit_tokens,
         ),
     )
 

@@ -378,7 +378,12 @@ class EngineCounters(msgspec.Struct, frozen=True):
     """Prompt tokens computed (not served from the prefix cache)."""
     prefill_s: float | None = None
     evicted_tokens: int | None = None
-    """Cached prefix tokens dropped to keep GPU memory free (gyre-engine's `memory_evicted_tokens`)."""
+    """Cached prefix tokens dropped (or moved to the host tier) to keep GPU memory free (gyre-engine's
+    `memory_evicted_tokens`)."""
+    host_spilled_tokens: int | None = None
+    """Cached prefix tokens copied to the host tier instead of dropped (gyre-engine's)."""
+    host_hit_tokens: int | None = None
+    """Prefix tokens served from the host tier: copied back, not computed (gyre-engine's)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):
