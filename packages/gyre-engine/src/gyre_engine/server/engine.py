@@ -988,7 +988,8 @@ class Engine:
         self._stats["memory_evicted_tokens"] += gone
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        log.info("%d MiB free of the %d MiB kept: %d cached tokens evicted", free >> 20, want >> 20, gone)
+        where = "moved to the host tier or dropped" if self.prefix.host_tokens else "dropped"
+        log.info("%d MiB free of the %d MiB kept: %d cached tokens %s", free >> 20, want >> 20, gone, where)
 
     def _return_cached_free(self) -> None:
         """The allocator's free cached blocks back to the driver once they pass `cached_free_bytes`."""
