@@ -89,6 +89,13 @@ def submit(
     return out
 
 
+def assert_as_served_alone(got: dict[str, Call], ref: dict[str, Call]) -> None:
+    """Each call's tokens equal its reference's, and its logprobs within 1e-4."""
+    for rid, c in got.items():
+        assert c.tokens == ref[rid].tokens, rid
+        assert c.logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+
+
 def make(model_dir: Path, **kw: object) -> Engine:
     return load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=Engine.Config(**kw)))  # type: ignore[arg-type]
 
@@ -239,9 +246,7 @@ def test_short_requests_pass_a_long_one_waiting_for_a_long_slot(
     assert last["short"] < last["busy"] < first["waiting"]  # the short one ran while the long one waited
     assert first["waiting"] < first["chunked"]  # the chunked prefill went to the earlier request
     ref = run(plain_engine, {"busy": (SYSTEM, busy_sp), **calls})
-    for rid in ("busy", *calls):
-        assert got[rid].tokens == ref[rid].tokens, rid
-        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+    assert_as_served_alone(got, ref)
 
 
 def test_short_request_passes_a_long_one_waiting_for_the_chunked_prefill(
@@ -260,9 +265,7 @@ def test_short_request_passes_a_long_one_waiting_for_the_chunked_prefill(
     assert order.count("short") == 8  # a token a step: one event each
     assert len(order) - 1 - order[::-1].index("short") < order.index("first") < order.index("second")
     ref = run(plain_engine, calls)
-    for rid in calls:
-        assert got[rid].tokens == ref[rid].tokens, rid
-        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+    assert_as_served_alone(got, ref)
 
 
 THIRD = [1200 + (i * 19) % 500 for i in range(260)]
@@ -306,9 +309,7 @@ def test_long_rows_decode_in_one_step_each_as_served_alone(
     assert toks1 - toks0 == 3 * grown["a"]
     assert stats["long_slots"] == 3 and stats["long_rows"] == 0
     ref = run(plain_engine, calls)
-    for rid in calls:
-        assert got[rid].tokens == ref[rid].tokens, rid
-        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+    assert_as_served_alone(got, ref)
 
 
 def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, plain_engine: Engine) -> None:
@@ -336,9 +337,7 @@ def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, p
     assert after.keys[0].data_ptr() == kept.keys[0].data_ptr()
     assert stats["long_prefix_copies"] == 0  # the cached context was taken over, not copied
     ref = run(plain_engine, {"a": (SYSTEM, short_sp), "b": (OTHER, long_sp), "a2": (second, GREEDY)})
-    for rid, c in (("a", got["a"]), ("b", got["b"]), ("a2", a2)):
-        assert c.tokens == ref[rid].tokens, rid
-        assert c.logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+    assert_as_served_alone({"a": got["a"], "b": got["b"], "a2": a2}, ref)
 
 
 def test_a_long_request_waits_for_a_free_long_slot(model_dir: Path, plain_engine: Engine) -> None:
@@ -356,9 +355,7 @@ def test_a_long_request_waits_for_a_free_long_slot(model_dir: Path, plain_engine
     assert order.index("c") < len(order) - 1 - order[::-1].index("a")  # while "a" still ran
     assert stats["long_slots"] == 2
     ref = run(plain_engine, calls)
-    for rid in calls:
-        assert got[rid].tokens == ref[rid].tokens, rid
-        assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4), rid
+    assert_as_served_alone(got, ref)
 
 
 def test_a_long_rows_kv_exports_from_its_slot(model_dir: Path, hf_model: Any) -> None:
@@ -439,6 +436,4 @@ def test_a_context_whose_long_slot_is_taken_comes_back_from_the_host_tier(
     else:
         assert a2.cached < len(SYSTEM)  # at most what the slot's new context shares with it
         assert (st.host_hit_tokens, st.host_spilled_tokens, st.host_cached_tokens) == (0, 0, 0)
-    ref = run(plain_engine, {"a2": (second, GREEDY)})["a2"]
-    assert a2.tokens == ref.tokens
-    assert a2.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+    assert_as_served_alone({"a2": a2}, run(plain_engine, {"a2": (second, GREEDY)}))
