@@ -23,7 +23,7 @@ from gyre_traj.records import Call
 
 from gyre.config.runconfig import Config
 from gyre.measure import prefixes
-from gyre.measure.samples import Sample
+from gyre.measure.samples import Sample, busy_between
 from gyre.measure.trainwatch import TrainTrack
 
 
@@ -132,9 +132,7 @@ def device_seconds(
         train: set[str] = set()
         for cid, role in prev.roles.items():
             dev = devices.get(cid, "cpu")
-            if role == int(Role.ROLLOUT) and (
-                cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False)
-            ):
+            if role == int(Role.ROLLOUT) and (busy_between(prev, cur, cid)):
                 roll.add(dev)
             elif role == int(Role.TRAINING):
                 train.add(dev)
@@ -188,7 +186,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 e[k] += y - x if y >= x else y
             e["rollout_s"] += b - a
             e["waiting_s"] += float(p.get("waiting") or 0.0) * (b - a)
-            if cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False):
+            if busy_between(prev, cur, cid):
                 e["busy_s"] += b - a
 
     def ratio(x: float, y: float, scale: float = 1.0, nd: int = 3) -> float | None:

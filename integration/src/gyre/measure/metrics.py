@@ -29,7 +29,7 @@ from gyre_engine.client import EngineClient
 from gyre_sched.client import dealer
 from gyre_sched.protocol import Codec, GetState, Hello, PeerKind, Role, State
 
-from gyre.measure.samples import Sample
+from gyre.measure.samples import Sample, busy_between
 from gyre.measure.trainwatch import TrainTrack, TrainWatch
 
 log = logging.getLogger("gyre.metrics")
@@ -136,7 +136,7 @@ def role_accounting(samples: list[Sample], track: TrainTrack, t0: float, t1: flo
         if dt <= 0:
             continue
         for cid, role in prev.roles.items():
-            busy = cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False)
+            busy = busy_between(prev, cur, cid)
             acc = per_cell.setdefault(
                 cid, {"rollout_s": 0.0, "rollout_busy_s": 0.0, "training_s": 0.0, "training_busy_s": 0.0,
                       "switching_s": 0.0, "failed_s": 0.0}
@@ -192,7 +192,7 @@ def write_plot(metrics: dict[str, Any], samples: list[Sample], track: TrainTrack
     for prev, cur in itertools.pairwise(samples):
         for cid, role in prev.roles.items():
             if role == int(Role.ROLLOUT):
-                key = ("r", cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False))
+                key = ("r", busy_between(prev, cur, cid))
             elif role == int(Role.TRAINING):
                 key = ("t", False)  # light; the busy pieces are drawn over it
                 for s0, dt, x in track.segments(prev.t, cur.t):

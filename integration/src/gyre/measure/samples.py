@@ -26,6 +26,12 @@ class Sample:
     requests, where it reported them: what `efficiency.engine_time` reads how it spent its time from."""
 
 
+def busy_between(prev: Sample, cur: Sample, cid: int) -> bool:
+    """Whether cell `cid`'s engine counts as busy over the interval from `prev` to `cur`: busy at either
+    end (each sample's flag already says whether it computed since the one before)."""
+    return cur.engine_busy.get(cid, False) or prev.engine_busy.get(cid, False)
+
+
 def at_least(v: str | None, version: int) -> bool:
     """An engine's reported weight version (a string, as engines report it) is `version` or newer."""
     return v is not None and v.isdigit() and int(v) >= version
