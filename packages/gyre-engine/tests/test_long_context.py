@@ -22,9 +22,10 @@ from gyre_engine.protocol import SamplingParams
 
 torch = pytest.importorskip("torch")
 from gyre_engine.server.batch import LongRowKV  # noqa: E402
-from gyre_engine.server.engine import Engine  # noqa: E402
+from gyre_engine.server.engine import Engine, EngineUnavailable  # noqa: E402
 from gyre_engine.server.request import EngineRequest, TokenEvent  # noqa: E402
 from gyre_engine.server.serve import ServeConfig, load_engine  # noqa: E402
+from gyre_engine.server.slots import SlotBatch  # noqa: E402
 
 SYSTEM = [1000 + (i * 13) % 700 for i in range(300)]
 USER = [1800 + i * 7 for i in range(9)]
@@ -201,15 +202,79 @@ def test_short_request_decodes_while_a_long_prefill_runs(model_dir: Path, plain_
 def test_releasing_kv_frees_the_long_slot_and_it_comes_back(model_dir: Path, plain_engine: Engine) -> None:
     e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=512, prefill_chunk=64)
     try:
+        held = [e.slot_stats()["long_capacity"]]  # allocated at the first long call
         first = run(e, {"before": (SYSTEM, GREEDY)})["before"]
+        held.append(e.slot_stats()["long_capacity"])
         e.call(e.release_memory, ["kv_cache"]).result(30)
         assert e.slot_stats()["long_slots"] == 1
+        held.append(e.slot_stats()["long_capacity"])
         e.call(e.resume_memory, ["kv_cache"]).result(30)
+        held.append(e.slot_stats()["long_capacity"])  # held again at resume, before any call
         again = run(e, {"after": (SYSTEM, GREEDY)})["after"]
     finally:
         e.shutdown()
+    assert held == [0, 512, 0, 512]
     assert again.cached == 0  # the prefix cache and the slot's buffer were dropped
     assert again.tokens == first.tokens == run(plain_engine, {"ref": (SYSTEM, GREEDY)})["ref"].tokens
+
+
+def test_a_resume_without_room_for_the_long_slots_says_so(
+    model_dir: Path, plain_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The long slots' buffer is allocated at resume: a GPU without room for it (here an allocation that
+    fails as CUDA's does) is an error naming the memory, the KV cache stays released, and a later resume
+    with room serves as before."""
+    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=512, prefill_chunk=64)
+
+    def no_room(self: SlotBatch) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.44 GiB.")
+
+    try:
+        run(e, {"first": (SYSTEM, GREEDY)})  # the long slots are in use, so a resume allocates them
+        e.call(e.release_memory, ["kv_cache"]).result(30)
+        with monkeypatch.context() as m:
+            m.setattr(SlotBatch, "allocate", no_room)
+            with pytest.raises(EngineUnavailable, match=r"resuming the KV cache needs [0-9.]+ GiB"):
+                e.call(e.resume_memory, ["kv_cache"]).result(30)
+        assert "kv_cache" in e.released and e.slot_stats()["long_capacity"] == 0
+        e.call(e.resume_memory, ["kv_cache"]).result(30)
+        out = run(e, {"after": (SYSTEM, GREEDY)})["after"]
+    finally:
+        e.shutdown()
+    assert out.tokens == run(plain_engine, {"ref": (SYSTEM, GREEDY)})["ref"].tokens
+
+
+def test_long_requests_wait_while_the_long_slots_find_no_room(
+    model_dir: Path, plain_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The long slots' first allocation fails as CUDA's does when the GPU is full (another engine's prefix
+    cache, a trainer): the prefix cache's entries go, the allocation is tried again, and while it keeps
+    failing the long request waits and a short one runs on; once there is room the long one is served,
+    equal to its reference. No request fails."""
+    import gyre_engine.server.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "LONG_RETRY_S", 0.05)
+    e = make(model_dir, decode_slots="eager", slot_max_len=64, long_context_tokens=512, prefill_chunk=64)
+    real = SlotBatch.allocate
+    tries: list[int] = []
+
+    def full_gpu(self: SlotBatch) -> torch.Tensor:
+        if self.dedicated and len(tries) < 6:
+            tries.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.44 GiB.")
+        return real(self)
+
+    short = [1000 + i for i in range(20)]
+    order: list[str] = []
+    try:
+        monkeypatch.setattr(SlotBatch, "allocate", full_gpu)
+        outs = run(e, {"long": (SYSTEM, GREEDY), "short": (short, GREEDY)}, order, together=True)
+    finally:
+        e.shutdown()
+    assert len(tries) == 6  # two tries a round (before and after the cache's entries went), three rounds
+    ref = run(plain_engine, {"long": (SYSTEM, GREEDY), "short": (short, GREEDY)})
+    assert outs["long"].tokens == ref["long"].tokens and outs["short"].tokens == ref["short"].tokens
+    assert order.index("short") < order.index("long")  # the short one did not wait for the room
 
 
 OTHER = [1100 + (i * 17) % 600 for i in range(280)]

@@ -122,6 +122,41 @@ def test_drain_moves_the_cached_prefix_between_gyre_engines(
     assert stats["prefix_moved_tokens"] + stats["reprefilled_tokens"] > n_in  # + the partial output
 
 
+def test_a_call_that_continues_on_the_engine_it_left_moves_no_prefix(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """A call its only engine aborts mid-generation (an engine error ends every running request this way)
+    continues on that same engine: the prefix taken out for the move is not installed back into the
+    engine it came from (its prefix cache still holds it; over CUDA IPC an engine cannot open its own
+    offer), nothing counts as moved or prefilled again, and the offer is released."""
+    url, model = tiny_engines.urls[0], tiny_engines.model
+    ps = make_proxy([url], tokenizer=str(model), kv_transport="shm")
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    msgs: list[Any] = [{"role": "user", "content": "count"}]
+    assert client.messages.create(model="tiny", max_tokens=1, messages=msgs).usage.output_tokens == 1
+    n_out = 1500
+    with client.messages.stream(
+        model="tiny", max_tokens=n_out, messages=msgs, extra_body={"temperature": 0.0}
+    ) as st:
+        for ev in st:
+            if ev.type == "content_block_delta":
+                httpx.post(f"{url}/abort_request", json={"abort_all": True}).raise_for_status()
+                break
+        for _ in st:
+            pass
+        final = st.get_final_message()
+    assert final.usage.output_tokens == n_out
+    stats = httpx.get(f"{ps.url}/gyre/stats").json()
+    assert stats["moved_calls"] == 1
+    assert (stats["prefix_moved_calls"], stats["prefix_moved_tokens"], stats["reprefilled_tokens"]) == (
+        0,
+        0,
+        0,
+    )
+    assert httpx.get(f"{url}/server_info").json()["open_prefix_offers"] == 0
+
+
 def test_a_drained_call_exports_its_kv_before_the_drain_is_confirmed(
     tiny_engines: TinyEngines, make_proxy: Any, sched_stub: Any, request: Any
 ) -> None:

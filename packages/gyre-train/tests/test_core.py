@@ -5,6 +5,7 @@ and refusal of malformed input."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -619,3 +620,24 @@ def test_release_cached_memory_is_a_no_op_where_cuda_was_never_used() -> None:
 
     assert release_cached_memory() == 0
     assert not torch.cuda.is_initialized()  # asking did not start CUDA
+
+
+def test_a_trainer_takes_expandable_segments_unless_its_environment_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU the trainer's allocator gets expandable segments (set on the allocator, not in the
+    environment its engine processes inherit); a PYTORCH_CUDA_ALLOC_CONF of the user's wins; no GPU, no
+    change."""
+    from gyre_train import devmem
+
+    set_to: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", set_to.append)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not devmem.use_expandable_segments() and set_to == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devmem.use_expandable_segments() and set_to == ["expandable_segments:True"]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert not devmem.use_expandable_segments() and set_to == ["expandable_segments:True"]

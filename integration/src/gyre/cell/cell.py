@@ -624,6 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     cell = Cell(a)
     signal.signal(signal.SIGTERM, lambda *_: cell.stop.set())
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from gyre_train.devmem import use_expandable_segments
+
+    use_expandable_segments()  # the trainer's allocator (this process), before its first allocation
     try:
         return cell.run()
     except Exception as exc:

@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
     from gyre_train.cell import join_cell
+    from gyre_train.devmem import use_expandable_segments
     from gyre_train.follower import follow
 
     torch.set_num_threads(1)
+    use_expandable_segments()
     cell = join_cell(parallel_config(ns.tp, ns.pp, ns.control_host))
     logging.getLogger("gyre.cell.ranks").info(
         "rank %d of %d (pid %d) joined: tp %d, pp %d", cell.rank, cell.world, os.getpid(), ns.tp, ns.pp

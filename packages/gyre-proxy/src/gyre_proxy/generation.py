@@ -408,6 +408,8 @@ class Generation:
         `of` tokens the old engine held; default: the call's whole input so far)."""
         t0 = time.perf_counter()
         moved = await kvmove.put_in(carried, new)
+        if carried is not None and carried.source is new:
+            return  # back on its engine, whose cache still holds the prefix: nothing moved or lost
         if carried is not None:
             self.counters.prefix_move_s += time.perf_counter() - t0
         self.counters.prefix_moved_calls += moved > 0

@@ -77,8 +77,13 @@ async def take_out(old: Engine, ids: list[int], transport: str) -> Carried | Non
 
 async def put_in(carried: Carried | None, new: Engine) -> int:
     """Install a taken-out prefix in `new`; the tokens it covers there (0: the call prefills them). An
-    offer is released on its source whatever happens (it also expires after its lease)."""
+    offer is released on its source whatever happens (it also expires after its lease). A call that goes
+    back to the engine it left installs nothing (0): that engine's prefix cache still holds the prefix,
+    and an engine cannot open its own CUDA IPC offer."""
     if carried is None:
+        return 0
+    if new is carried.source:
+        await _release(carried, [])
         return 0
     try:
         if carried.record is not None:
@@ -91,9 +96,15 @@ async def put_in(carried: Carried | None, new: Engine) -> int:
             arrived = [b.src_block for b in reply.blocks if b.status == "OK"]
             return int(reply.tokens) if reply.success else 0
         finally:
-            if carried.source.state is not EngineState.REMOVED:
-                with contextlib.suppress(*_FAILURES):
-                    await carried.source.client.release_prefix_offer(carried.offer.offer_id, arrived=arrived)
+            await _release(carried, arrived)
     except _FAILURES as exc:
         log.info("prefix not installed in engine %d (%r); it prefills it", new.engine_id, exc)
         return 0
+
+
+async def _release(carried: Carried, arrived: list[int]) -> None:
+    """Free the offer on its source engine (if it is one, and the engine is still there)."""
+    if carried.offer is None or carried.source.state is EngineState.REMOVED:
+        return
+    with contextlib.suppress(*_FAILURES):
+        await carried.source.client.release_prefix_offer(carried.offer.offer_id, arrived=arrived)

@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+LONG_RETRY_S = 5.0
+"""Seconds between tries to allocate the long slots when a try found no room."""
+
+
 class EngineUnavailable(RuntimeError):
     """The engine cannot take this now (paused, weights or KV released, updating); retry later."""
 
@@ -152,14 +156,18 @@ class Engine:
         long_context_tokens: int = 0
         """Tokens each long slot holds (0: no long slots). A request whose context plus `max_new_tokens`
         does not fit a decode slot (`slot_max_len`) but fits here is prefilled chunk by chunk straight
-        into a long slot (a row of one buffer for all of them, allocated once at first use: 2 x layers x
-        KV heads x head dim x this many elements per slot; 112 KiB a token for the Qwen3-0.6B shape in
-        bf16) and decodes there, the long slots' rows in one step; when it finishes the prefix cache
+        into a long slot (a row of one buffer for all of them: 2 x layers x KV heads x head dim x this
+        many elements per slot; 112 KiB a token for the Qwen3-0.6B shape in bf16) and decodes there, the long slots' rows in one step; when it finishes the prefix cache
         keeps the slot's KV itself, which the next call extending that context takes over (no copy). A
         row that reaches the end of its long slot finishes (`length`)."""
         long_context_slots: int = 1
-        """Long slots (the rows of their buffer, all allocated at first use); further long requests wait
-        for a free one."""
+        """Long slots (the rows of one buffer); further long requests wait for a free one. The buffer is
+        allocated at the first long call (not at start, where a trainer's warm-up on the same GPU may
+        need the room) and again as soon as the KV cache is resumed after a release, so another engine
+        or a trainer on the same GPU cannot take its memory in between. If the first allocation finds
+        too little free memory, the prefix cache's copies on the device go to the host tier (or are
+        dropped) and it tries again; failing that, long requests wait and it tries again later, while
+        the other requests run on."""
         prefill_share: float = 0.4
         """While other requests decode, a chunked prefill (a long or prefix-cached prompt, `prefill_chunk`
         tokens per chunk) gets at most this share of the engine's time: decode steps run between its
@@ -205,6 +213,8 @@ class Engine:
         self._long_copies = 0
         """Cached prefixes copied into a long slot (a hit held elsewhere than in the slot taken)."""
         self.prefix = PrefixCache(self.config.max_cached_tokens, self.config.host_cached_tokens)
+        self._long_retry_at = 0.0
+        """When a long slots' allocation that found no room may be tried again (monotonic seconds)."""
         self.compiled_prefill: Any = None
         """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
         self._compile_prefill = self.config.compile_prefill and self.device.type == "cuda"
@@ -291,6 +301,7 @@ class Engine:
             "capacity": self.slots.capacity,
             "long_slots": long.slots if long is not None else 0,
             "long_rows": len(long) if long is not None else 0,
+            "long_capacity": long.capacity if long is not None else 0,
             "long_prefix_copies": self._long_copies,
             **{f"long_{k}": v for k, v in (long.stats if long is not None else {}).items()},
             **self.slots.stats,
@@ -562,8 +573,8 @@ class Engine:
         batch = self._long_batch()
         if batch is None:
             batch = self._new_long_batch()
-        if not batch.capacity:  # first use, or the KV cache was released since
-            self._allocate_long_batch(batch)
+        if not batch.capacity and not self._allocate_long_batch(batch):
+            return None  # no room yet: the request waits
         buf = batch.kv
         busy = set(batch.slot_of)
         p = self._partial
@@ -620,15 +631,39 @@ class Engine:
         self.lanes.long = Lane(batch)
         return batch
 
-    def _allocate_long_batch(self, batch: SlotBatch) -> None:
+    def _allocate_long_batch(self, batch: SlotBatch) -> bool:
         """Allocate the long slots' buffer, all slots at once; with graphs of full widths, capture every
         graph of its steps now (each batch bucket and run length; sampled steps on first use, as the
         decode slots'), so none is captured later in the middle of decoding. Bucketed widths capture a
-        length bucket's graph when a step first needs it."""
-        batch.allocate()
+        length bucket's graph when a step first needs it. Without the room, even once the prefix cache's
+        device copies are out: False, and no new try for `LONG_RETRY_S`."""
+        if time.monotonic() < self._long_retry_at:
+            return False
+        try:
+            try:
+                batch.allocate()
+            except torch.OutOfMemoryError:
+                gone = self.prefix.evict(self.prefix.held_tokens)  # to the host tier, if there is one
+                self._stats["memory_evicted_tokens"] += gone
+                torch.cuda.empty_cache()
+                batch.allocate()
+        except torch.OutOfMemoryError:
+            batch.release()
+            self._long_retry_at = time.monotonic() + LONG_RETRY_S
+            free = self.device_free_bytes()
+            log.warning(
+                "no room for the long slots (%.1f GiB, %.1f GiB free on %s): long requests wait; "
+                "trying again in %.0f s",
+                batch.buffer_bytes() / 2**30,
+                (free or 0) / 2**30,
+                self.device,
+                LONG_RETRY_S,
+            )
+            return False
         if batch.use_graphs and batch.full_width:
             with torch.inference_mode():
                 batch.warmup(batch.max_len, self._run_lengths())
+        return True
 
     def _finish_full_long_slots(self) -> None:
         """Rows that filled their long slot finish (`length`); their KV goes to the prefix cache."""
@@ -1017,6 +1052,13 @@ class Engine:
                 self.fused.drop()
             torch.cuda.empty_cache()
         self.released |= set(tags)
+        if self.device.type == "cuda":  # what a released engine still holds, for whoever needs the room
+            log.info(
+                "released %s: %d MiB of tensors still allocated, %d MiB reserved",
+                ",".join(sorted(tags)),
+                torch.cuda.memory_allocated(self.device) >> 20,
+                torch.cuda.memory_reserved(self.device) >> 20,
+            )
 
     def resume_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
@@ -1026,7 +1068,29 @@ class Engine:
                 self.fused.refresh()
             for batch in self._slot_batches():
                 batch.check_weights()
+        if "kv_cache" in tags and "kv_cache" in self.released:
+            self._reserve_kv()
         self.released -= set(tags)
+
+    def _reserve_kv(self) -> None:
+        """Allocate again the KV buffers that are held whole while the engine serves (the long slots' once
+        a long call has used them, the decode slots' with full widths), before any call needs them (see
+        `long_context_slots`); their graphs are captured at first use. Not enough free memory for them is
+        an error that says so."""
+        whole = [b for b in self._slot_batches() if b.dedicated or b.full_width]
+        try:
+            for batch in whole:
+                batch.allocate()
+        except torch.OutOfMemoryError as exc:
+            need = sum(b.buffer_bytes() for b in whole)
+            free = self.device_free_bytes()
+            have = "" if free is None else f", {free / 2**30:.1f} GiB free on {self.device}"
+            for batch in whole:
+                batch.release()
+            raise EngineUnavailable(
+                f"resuming the KV cache needs {need / 2**30:.1f} GiB for the decode and long slots{have}: "
+                "another process on this GPU holds the rest"
+            ) from exc
 
     def _slot_batches(self) -> list[SlotBatch]:
         """The decode slots and the long slots."""

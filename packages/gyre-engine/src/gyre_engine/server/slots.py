@@ -258,6 +258,11 @@ class SlotBatch:
         self.drop_graphs()
         self.stats["grows"] += 1
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the KV buffer at `max_len` tokens a slot."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.layers * self.slots * self.kv_heads * self.max_len * self.head_dim * itemsize
+
     def allocate(self) -> torch.Tensor:
         """The KV buffer, allocated to hold `max_len` tokens per slot if it does not yet."""
         self._ensure_capacity(self.max_len)
