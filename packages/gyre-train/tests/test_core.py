@@ -631,6 +631,7 @@ def test_a_trainer_takes_expandable_segments_unless_its_environment_says_otherwi
     from gyre_train import devmem
 
     set_to: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", set_to.append, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", set_to.append)
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)

@@ -52,6 +52,7 @@ from gyre.measure import predict as sim
 from gyre.measure.metrics import Sampler, write_json, write_plot
 from gyre.measure.runmetrics import read_steps
 from gyre.measure.samples import engines_serve
+from gyre.procs import hostmem
 from gyre.procs.group import ProcessGroup, python_argv, tail
 from gyre.rollout.driver import Driver
 from gyre.system import gpus, policy
@@ -59,7 +60,7 @@ from gyre.system.evaluator import Evaluator
 from gyre.system.launch import LOOPBACK, Launcher, Part, PartLost, RayLauncher, launcher_for
 from gyre.system.nodeagent import NodeLauncher
 from gyre.system.resume import CHECKPOINT, prepare
-from gyre.system.rundir import RunDir
+from gyre.system.rundir import PIDS, RunDir
 from gyre.system.runlog import RunLog
 from gyre.system.runparts import RunContext, RunPart
 from gyre.system.supervise import Event, RestartAttempt, Supervisor, kill_leftover
@@ -647,11 +648,13 @@ def _progress(t0: float, driver: Driver, traj: TrajectoryService, sampler: Sampl
         last = sampler.samples[-1]
         roles = " ".join(f"{cid}:{Role(r).name.lower()}" for cid, r in sorted(last.roles.items()))
     skipped = sum(bool(r.get("skipped")) for r in read_steps(out))
+    host = hostmem.summary(out / "logs" / PIDS)
     return (
         f"[{time.time() - t0:6.1f}s] executions running {running}, finished {finished}; records {traj.records}; "
         f"steps handed to the trainer {traj.steps_closed}, applied {traj.applied}"
         + (f" ({skipped} skipped: nothing to train)" if skipped else "")
         + f"; cells {roles}"
+        + (f"; {host}" if host else "")
     )
 
 

@@ -35,9 +35,9 @@ from typing import Any, Literal
 
 State = Literal["running", "failed", "finished"]
 PIDS = "pids.txt"
+"""Under the run's log directory: one `<pid> <name>` line per child process started."""
 STEPS = "steps.jsonl"
 """The core's line per completed step (applied or skipped), in the run directory."""
-"""Under the run's log directory: one `<pid> <name>` line per child process started."""
 
 
 class RunDirError(RuntimeError):

@@ -28,7 +28,8 @@ def use_expandable_segments() -> bool:
         return False
     if not torch.cuda.is_available():
         return False
-    torch.cuda.memory._set_allocator_settings(ALLOC_CONF)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # older builds: the CUDA call
+    (setter or torch.cuda.memory._set_allocator_settings)(ALLOC_CONF)
     return True
 
 

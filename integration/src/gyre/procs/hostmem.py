@@ -1,0 +1,66 @@
+"""The host memory a run's processes hold, for its progress lines: what the machine has available, its
+shared memory, and the resident set of the largest children (from `<log_dir>/pids.txt`).
+
+A machine that runs out of host memory has its kernel kill the largest process with SIGKILL, which
+leaves nothing in that process's log; the progress lines before it say which process grew.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
+    """/proc/meminfo's fields in bytes (empty where there is none)."""
+    out: dict[str, int] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def rss_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The resident set of process `pid` (None once it is gone)."""
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def children_rss(pids_file: Path, proc: Path = Path("/proc")) -> dict[str, int]:
+    """The resident set of each live child listed in `pids_file` (lines of "pid name"), by name."""
+    out: dict[str, int] = {}
+    try:
+        lines = pids_file.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        pid, _, name = line.partition(" ")
+        if not pid.isdigit():
+            continue
+        rss = rss_bytes(int(pid), proc)
+        if rss is not None:
+            out[name.strip() or pid] = rss
+    return out
+
+
+def summary(pids_file: Path, largest: int = 3, proc: Path = Path("/proc")) -> str:
+    """ "host 52.3 GiB available, shm 3.1; engine-1 23.4, engine-0 22.0, cell-0 6.1" ("" off Linux)."""
+    info = meminfo(proc / "meminfo")
+    if "MemAvailable" not in info:
+        return ""
+    top = sorted(children_rss(pids_file, proc).items(), key=lambda kv: -kv[1])[:largest]
+    head = f"host {info['MemAvailable'] / GIB:.1f} GiB available, shm {info.get('Shmem', 0) / GIB:.1f}"
+    return head + ("; " + ", ".join(f"{n} {b / GIB:.1f}" for n, b in top) if top else "")
