@@ -496,7 +496,7 @@ def test_a_context_whose_long_slot_is_taken_comes_back_from_the_host_tier(
     earlier = len(SYSTEM) + len(a.tokens) - 1
     if host_tokens:
         assert a2.cached == earlier
-        assert st.host_hit_tokens >= earlier and st.host_spilled_tokens >= earlier
+        assert st.host_hit_tokens == earlier and st.host_spilled_tokens >= earlier  # one hit, counted once
         assert st.host_cached_tokens > 0  # "b"'s context went there in turn
     else:
         assert a2.cached < len(SYSTEM)  # at most what the slot's new context shares with it

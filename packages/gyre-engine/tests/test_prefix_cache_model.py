@@ -146,11 +146,14 @@ def test_the_host_tier_keeps_what_leaves_the_device() -> None:
         cache.insert(ids, kv_of(ids))
     assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (20, 10, 10)
     hit = cache.lookup([3] * 10 + [0], 10)
-    assert hit.length == 10 and cache.host_hit_tokens == 10
+    assert hit.length == 10 and hit.on_host and cache.host_hit_tokens == 0  # counted once a call uses it
+    cache.used(hit)
+    assert cache.host_hit_tokens == 10
     assert torch.equal(hit.kv.keys[0], kv_of([3] * 10).keys[0])
     assert cache.evict(5) == 10  # [4], the device's least recently used, to the host
     assert (cache.held_tokens, cache.host_held_tokens) == (10, 20)
-    assert cache.lookup([4] * 10 + [0], 10).length == 10 and cache.host_hit_tokens == 20
+    cache.used(hit4 := cache.lookup([4] * 10 + [0], 10))
+    assert hit4.length == 10 and cache.host_hit_tokens == 20
     # [5] too: 30 on the host, past its 25, so the least recently used entry goes: [5] itself (its last
     # use is older than the lookups of [3] and [4]), and it does not count as spilled
     cache.evict(5)

@@ -512,6 +512,7 @@ class Engine:
                 if not long and hit.kv is not None and n - hit.length <= budget:
                     # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
                     admitted.append(r)
+                    self.prefix.used(hit)
                     whole = _Partial(
                         r, r.context(), start_cache(self._on_device(hit.kv)), hit.length, hit.length
                     )
@@ -533,6 +534,8 @@ class Engine:
                 else:
                     cache, row, pos = start_cache(self._on_device(hit.kv)), -1, hit.length
                 admitted.append(r)
+                if pos:
+                    self.prefix.used(hit)
                 running += 1
                 self._partial = _Partial(r, ctx, cache, pos, pos, row)
         finally:  # those admitted leave the queue (also when a prefill failed half-way)
@@ -1053,11 +1056,15 @@ class Engine:
             torch.cuda.empty_cache()
         self.released |= set(tags)
         if self.device.type == "cuda":  # what a released engine still holds, for whoever needs the room
+            host_stats: dict[str, Any] = getattr(torch.cuda, "host_memory_stats", dict)()
+            pinned = int(host_stats.get("allocated_bytes.current", 0))
             log.info(
-                "released %s: %d MiB of tensors still allocated, %d MiB reserved",
+                "released %s: %d MiB of tensors still allocated, %d MiB reserved; %d MiB of pinned host "
+                "memory in torch's host allocator",
                 ",".join(sorted(tags)),
                 torch.cuda.memory_allocated(self.device) >> 20,
                 torch.cuda.memory_reserved(self.device) >> 20,
+                pinned >> 20,
             )
 
     def resume_memory(self, tags: list[str] | None) -> None:

@@ -69,6 +69,8 @@ class PrefixHit:
 
     length: int
     kv: RowKV | None
+    on_host: bool = False
+    """`kv` is the host tier's (host tensors)."""
 
 
 class PrefixCache:
@@ -90,7 +92,7 @@ class PrefixCache:
         self.spilled_tokens = 0
         """Tokens copied to the host tier since start."""
         self.host_hit_tokens = 0
-        """Tokens of lookups served from the host tier since start."""
+        """Tokens of the host tier's hits that calls started on since start (`used`)."""
 
     @property
     def total_tokens(self) -> int:
@@ -132,9 +134,13 @@ class PrefixCache:
             return PrefixHit(0, None)
         self._clock += 1
         best.last_used = self._clock
-        if best.on_host:
-            self.host_hit_tokens += best_len
-        return PrefixHit(best_len, best.kv.crop(best_len))
+        return PrefixHit(best_len, best.kv.crop(best_len), best.on_host)
+
+    def used(self, hit: PrefixHit) -> None:
+        """Count `hit` as served: a call starts on it (a request that waits is looked up again at every
+        step, and only the lookup it starts on counts)."""
+        if hit.on_host:
+            self.host_hit_tokens += hit.length
 
     def insert(self, tokens: list[int], kv: RowKV, owned: bool = False) -> None:
         """Store KV covering `tokens` (cloned, unless `owned`: a copy nothing else holds or writes, such
