@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gyre_base.testing import until
 from gyre_engine.protocol import SamplingParams
 
 torch = pytest.importorskip("torch")
@@ -279,6 +280,41 @@ def test_long_requests_wait_while_the_long_slots_find_no_room(
 
 OTHER = [1100 + (i * 17) % 600 for i in range(280)]
 """A second long context (no prefix shared with SYSTEM)."""
+
+
+def test_long_calls_whose_rest_fits_start_together_beside_a_decoding_row(
+    model_dir: Path, plain_engine: Engine
+) -> None:
+    """Two agents' next calls (each its cached long context plus a tool output that fits one prefill
+    chunk) are prefilled at once into their long slots, in the same step, beside a long row that decodes:
+    neither waits for the other through the chunked prefill, whose share of the time (0.05 here) would
+    hold the second for many decode steps. Each equals its reference."""
+    e = with_long_slots(model_dir, 3, prefill_chunk=256, prefill_share=0.05, run_steps=1)
+    third = [1300 + (i * 7) % 500 for i in range(200)]
+    busy_sp = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+    order: list[str] = []
+    try:
+        first = run(e, {"a": (SYSTEM, GREEDY), "b": (OTHER, GREEDY)})
+        calls = {
+            "a2": (SYSTEM + first["a"].tokens + TOOL, GREEDY),
+            "b2": (OTHER + first["b"].tokens + TOOL, GREEDY),
+        }
+        busy = submit(e, {"busy": (third, busy_sp)}, order)["busy"]
+        until(lambda: len(busy.tokens) >= 5, "the long row decodes")
+        got = run(e, calls, order, together=True)
+        assert busy.done.wait(120)
+        stats = e.slot_stats()
+    finally:
+        e.shutdown()
+    start = {rid: order.index(rid) for rid in calls}
+    between = order[min(start.values()) : max(start.values())]
+    assert between.count("busy") <= 1, between  # started in one step, not one chunked prefill after another
+    assert stats["long_prefills_at_once"] >= 2 and stats["long_prefix_copies"] == 0
+    assert got["a2"].cached == len(SYSTEM) + len(first["a"].tokens) - 1  # each took its own slot back
+    ref = run(plain_engine, calls)
+    assert_as_served_alone(got, ref)
+
+
 MIDDLE = [1600 + (i * 5) % 90 for i in range(44)]
 """A prompt that fits a decode slot but not one 32-token prefill pass: it needs the chunked prefill."""
 

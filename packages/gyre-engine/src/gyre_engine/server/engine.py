@@ -169,8 +169,9 @@ class Engine:
         dropped) and it tries again; failing that, long requests wait and it tries again later, while
         the other requests run on."""
         prefill_share: float = 0.4
-        """While other requests decode, a chunked prefill (a long or prefix-cached prompt, `prefill_chunk`
-        tokens per chunk) gets at most this share of the engine's time: decode steps run between its
+        """While other requests decode, a chunked prefill (a long or prefix-cached prompt whose uncached
+        rest does not fit `prefill_chunk`, that many tokens per chunk; a rest that fits is prefilled at
+        admission) gets at most this share of the engine's time: decode steps run between its
         chunks until their time makes up the rest, so their time per token stays within 1 / (1 -
         share) of what it is alone. 1: a chunk every step, whatever it costs the others."""
 
@@ -212,6 +213,8 @@ class Engine:
         self._placing: list[Running] = []
         self._long_copies = 0
         """Cached prefixes copied into a long slot (a hit held elsewhere than in the slot taken)."""
+        self._long_at_once = 0
+        """Long requests whose rest was prefilled at once at admission (not through the chunked prefill)."""
         self.prefix = PrefixCache(self.config.max_cached_tokens, self.config.host_cached_tokens)
         self._long_retry_at = 0.0
         """When a long slots' allocation that found no room may be tried again (monotonic seconds)."""
@@ -303,6 +306,7 @@ class Engine:
             "long_rows": len(long) if long is not None else 0,
             "long_capacity": long.capacity if long is not None else 0,
             "long_prefix_copies": self._long_copies,
+            "long_prefills_at_once": self._long_at_once,
             **{f"long_{k}": v for k, v in (long.stats if long is not None else {}).items()},
             **self.slots.stats,
         }
@@ -480,11 +484,13 @@ class Engine:
     def _admit_waiting(self, joining: list[tuple[Running, RowKV, int]]) -> tuple[list[Running], int]:
         """Take waiting requests, in queue order, while rows and the `prefill_chunk` budget last: fresh
         prompts that fit the budget (returned, for one padded prefill pass, with the budget left),
-        prefix-cached prompts whose rest fits (prefilled now, into `joining`), and the chunked prefill
-        (a long slot claimed for a long context) when none is under way. A request that needs the
-        chunked prefill or a long slot while neither is free keeps its place; the requests behind it
-        that can start now do, and those that need the chunked prefill or a long slot too wait behind it
-        (first come, first served among them)."""
+        prefix-cached prompts whose rest fits (prefilled now, into `joining`), long contexts whose rest
+        fits (prefilled now into the long slot claimed for them, beside a chunked prefill under way: an
+        agent's next call is mostly its cached context and a tool output), and the chunked prefill (a
+        long slot claimed for a long context) when none is under way. A request that needs the chunked
+        prefill or a long slot while neither is free keeps its place; the requests behind it that can
+        start now do, and those that need the chunked prefill or a long slot too wait behind it (first
+        come, first served among them)."""
         budget = self.config.prefill_chunk
         group: list[Running] = []
         admitted: list[Running] = []
@@ -496,9 +502,8 @@ class Engine:
                     break
                 n = r.context_length()
                 long = self._wants_long(r, n)
-                if long and (held or self._partial is not None):
-                    held = True  # it may not overtake an earlier one that waits, nor start before the
-                    continue  # chunked prefill under way ends: no lookup (a step may pass many of them)
+                if long and held:
+                    continue  # it may not overtake an earlier one that waits: no lookup
                 hit = (
                     self.prefix.lookup(r.context_array(), limit=n - 1)
                     if self.config.enable_prefix_cache
@@ -518,6 +523,20 @@ class Engine:
                     )
                     budget -= self._advance(whole, budget, joining)
                     continue
+                if long and n - hit.length <= budget:
+                    # a long context whose rest fits: prefilled at once into the long slot it claims
+                    claim = self._claim_long_slot(hit, joining)
+                    if claim is None:  # every long slot is busy
+                        held = True
+                        continue
+                    slots, row, pos = claim  # pos is hit.length: the rest fits
+                    admitted.append(r)
+                    if pos:
+                        self.prefix.used(hit)
+                    whole = _Partial(r, r.context(), slots, pos, pos, row)
+                    budget -= self._advance(whole, budget, joining)
+                    self._long_at_once += 1
+                    continue
                 # it needs the chunked prefill (and a long slot if long): one at a time, first come first
                 # served; while it cannot start, it keeps its place and those behind it that fit go on
                 if held or self._partial is not None:
@@ -526,7 +545,7 @@ class Engine:
                 ctx = r.context()
                 cache: Any
                 if long:
-                    claim = self._claim_long_slot(hit)
+                    claim = self._claim_long_slot(hit, joining)
                     if claim is None:  # every long slot is busy
                         held = True
                         continue
@@ -567,7 +586,9 @@ class Engine:
         lane = self.lanes.long
         return lane.batch if lane is not None and isinstance(lane.batch, SlotBatch) else None
 
-    def _claim_long_slot(self, hit: PrefixHit) -> tuple[SlotBatch, int, int] | None:
+    def _claim_long_slot(
+        self, hit: PrefixHit, joining: list[tuple[Running, RowKV, int]]
+    ) -> tuple[SlotBatch, int, int] | None:
         """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
         prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is
         (taken back from the prefix cache: nothing is copied), else an idle slot (the lowest that no
@@ -580,6 +601,8 @@ class Engine:
             return None  # no room yet: the request waits
         buf = batch.kv
         busy = set(batch.slot_of)
+        # rows prefilled into a long slot this step, not yet placed in the batch
+        busy |= {kv.row for _, kv, _ in joining if isinstance(kv, LongRowKV) and kv.buf is buf}
         p = self._partial
         if p is not None and p.cache is batch:
             busy.add(p.row)
