@@ -42,17 +42,20 @@ Results go to OUT/results-h200-agentic.json (every figure, per policy, and the g
 timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<policy>.json.
 
 Before anything runs, the call's phases are printed with seconds estimated from an earlier call's results
-(`--plan-from`, default bench/results-h200-agentic.json and bench/results-h200-agentic-probe.json; a policy
+(`--plan-from`, default the committed results of bench/, the latest measurement of each part; a policy
 not run there scaled from elastic's run by the simulator), their sum against the 600 s of one call, and the
 first run's deadline (the budget less what precedes it: a run past its deadline fails and leaves no
 figures, so the parts after the runs give way: each is skipped, saying so under `skipped`, where the runs
-left it less than its planned seconds); `--plan` prints only that. With those figures the whole workload
-takes three calls (about 551, 516 and 359 s): elastic with the lone trainer and the replay; colocate with
-the standalone parts that need no run; async. The later calls reuse the earlier runs' metrics.json
+left it less than its planned seconds); `--plan` prints only that. With the committed figures a run takes
+about 510 s of a call (the model, the warm start, the floors, the run to its deadline) and measuring it
+(`--from-run`: the lone trainer and the replay of its 1,200 calls) about 440 s, so the workload takes four
+calls: elastic; its measurement; colocate; async. The later calls reuse the earlier runs' metrics.json
 (OUT/metrics-<policy>.json copied into the working tree) so the simulator and the goals across policies
 see all three:
 
-    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic --skip probe,migrate
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic --skip probe,migrate,replay,train
+    bash integration/bench/h200_run.sh --script h200_agentic.py --skip probe,migrate,floors --warmstart-steps 0 \
+        --from-run .runs/run-elastic.tar.xz,.runs/run-elastic-batches-0.tar.xz
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate --skip replay,train \
         --reuse integration/bench/metrics-h200-agentic-elastic.json
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies async \
@@ -90,6 +93,15 @@ from gyre.system import gpus
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parent / "examples" / "h200-agentic.toml"
 RESULTS = "results-h200-agentic.json"
+PLAN_FROM = (
+    RESULTS,
+    "results-h200-agentic-from-run.json",
+    "results-h200-agentic-fixes.json",
+    "results-h200-agentic-fixes-from-run.json",
+    "results-h200-agentic-probe.json",
+)
+"""The committed results the plan's estimates come from by default: the calls', oldest first, then the
+probe call's."""
 CALL_LIMIT_S = 600.0
 """One device call's wall limit: the phases of a call have to fit in it (`plan`)."""
 STARTUP_S = 60.0
@@ -376,15 +388,37 @@ def estimates(
     return est
 
 
+def merged_results(found: list[dict[str, Any]]) -> dict[str, Any]:
+    """Earlier calls' results, oldest first, as one: each phase's seconds, the standalone engines'
+    start-up and the replay from the latest call that measured them, the policies' figures merged the
+    same way. A phase that failed (a run past its deadline, a replay the call's time cut short) took at
+    least its seconds: it raises the estimate, never lowers it."""
+    out: dict[str, Any] = {"phase_s": {}, "policies": {}}
+    for r in found:
+        failed = set(r.get("errors") or {})
+        for k, v in (r.get("phase_s") or {}).items():
+            before = out["phase_s"].get(k)
+            out["phase_s"][k] = max(v, before) if k in failed and before is not None else v
+        for key in ("standalone_startup_s", "replay"):
+            if r.get(key):
+                out[key] = r[key]
+        for pol, figs in (r.get("policies") or {}).items():
+            out["policies"][pol] = {**out["policies"].get(pol, {}), **figs}
+    return out
+
+
 def plan_estimates(paths: str, cfg: Config, reused: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """`estimates` from the results files `paths` (an earlier call's, then a probe call's; a missing one
-    is left out), with the simulator on `cfg` (the device workload, also for a tiny run) calibrated on the
-    reused elastic run (else the earlier call's metrics file beside its results, when there is one)."""
+    """`estimates` from the results files `paths` (earlier calls', oldest first, and a probe call's, named
+    `*probe*`; a missing one is left out), with the simulator on `cfg` (the device workload, also for a
+    tiny run) calibrated on the reused elastic run (else the metrics file beside the first results, when
+    there is one)."""
     files = [Path(x) for x in paths.split(",") if x and Path(x).exists()]
-    if not files:
+    calls = [f for f in files if "probe" not in f.name]
+    probes = [f for f in files if "probe" in f.name]
+    if not calls:
         return {}
-    results = json.loads(files[0].read_text())
-    probe = json.loads(files[1].read_text()) if len(files) > 1 else None
+    results = merged_results([json.loads(f.read_text()) for f in calls])
+    probe = json.loads(probes[-1].read_text()) if probes else None
     runs = dict(reused)
     beside = files[0].parent / "metrics-h200-agentic-elastic.json"
     if not runs and beside.exists():
@@ -537,8 +571,8 @@ def main() -> int:
     )
     p.add_argument(
         "--plan-from",
-        default=",".join(str(HERE / f) for f in (RESULTS, "results-h200-agentic-probe.json")),
-        help="an earlier call's results and a probe call's (comma list), for the estimates",
+        default=",".join(str(HERE / f) for f in PLAN_FROM),
+        help="earlier calls' results, oldest first, and a probe call's (comma list), for the estimates",
     )
     a = p.parse_args()
     t_begin = time.monotonic()
@@ -570,7 +604,8 @@ def main() -> int:
         if m["policy"] not in policies:  # a policy run in this call: its run counts
             reused[m["policy"]] = (path, m)
     ests = plan_estimates(a.plan_from, load_config(a.config), {k: m for k, (_, m) in reused.items()})
-    steps_plan = plan(policies, skip, ests, bool(from_run))
+    steps = a.warmstart_steps if a.warmstart_steps is not None else (4 if a.tiny else 100)
+    steps_plan = plan(policies, skip | ({"warmstart"} if steps <= 0 else set()), ests, bool(from_run))
     known = [x for _, x in steps_plan if x is not None]
     if a.tiny:
         say("plan: the device call of these arguments, in an earlier device call's seconds (not this run's)")
@@ -622,7 +657,6 @@ def main() -> int:
     if model_dir is None:
         return finish(out, res, 1)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, model_dir=str(model_dir)))
-    steps = a.warmstart_steps if a.warmstart_steps is not None else (4 if a.tiny else 100)
     if steps > 0:
         res["warmstart"] = phase("warmstart", lambda: h200_run.warm_start(
             model_dir, device, steps, 3e-3 if a.tiny else 3e-4, 64, cfg.run.seed))  # fmt: skip

@@ -186,6 +186,29 @@ def test_plan_of_a_call_in_phase_order() -> None:
     assert [n for n, _ in p] == ["model", "warmstart", "floors", "train", "alone-startup", "replay"]
 
 
+def test_plan_estimates_take_each_parts_latest_measurement() -> None:
+    """Earlier calls' results, oldest first: a later call's measurement of a part replaces an earlier
+    one; a part that failed there (the call's time cut it short) only raises the estimate; the replay
+    and the standalone start-up come from the latest call that has them; the committed results make a
+    plan whose replay is the measured one, not the first call's."""
+    bench = _bench()
+    first = {"phase_s": {"model": 24.0, "run-elastic": 295.0, "alone": 185.0}, "standalone_startup_s": 35.0,
+             "replay": {"standalone_s": 116.0}, "policies": {"elastic": {"end_to_end_s": 200.0}}}  # fmt: skip
+    from_run = {"phase_s": {"model": 14.0, "alone": 388.0}, "standalone_startup_s": 23.0,
+                "replay": {"standalone_s": 363.0}}  # fmt: skip
+    cut = {"phase_s": {"model": 26.0, "run-elastic": 446.0, "alone": 248.0},
+           "errors": {"run-elastic": "DeadlinePassed", "alone": "TimeoutError"}}  # fmt: skip
+    m = bench.merged_results([first, from_run, cut])
+    assert m["phase_s"] == {"model": 26.0, "run-elastic": 446.0, "alone": 388.0}
+    assert m["standalone_startup_s"] == 23.0 and m["replay"] == {"standalone_s": 363.0}
+    assert m["policies"] == {"elastic": {"end_to_end_s": 200.0}}
+    est = bench.estimates(m, None, None)
+    assert (est["replay"], est["alone-startup"], est["run-elastic"]) == (363.0, 23.0, 446.0)
+    committed = ",".join(str(bench.HERE / f) for f in bench.PLAN_FROM)
+    cfg = bench.load_config(str(bench.HERE.parent / "examples" / "h200-agentic.toml"))
+    assert bench.plan_estimates(committed, cfg, {})["replay"] > 300  # the replay of the run's 1,200 calls
+
+
 def _fake_run(d: Path, steps: int) -> Path:
     (d / "batches").mkdir(parents=True)
     (d / "metrics.json").write_text(json.dumps({"policy": "elastic", "end_to_end_s": 1.5}))
