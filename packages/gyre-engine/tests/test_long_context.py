@@ -459,6 +459,28 @@ def test_a_long_request_waits_for_a_free_long_slot(model_dir: Path, plain_engine
     assert_as_served_alone(got, ref)
 
 
+def test_a_waiting_request_is_looked_up_again_only_when_the_cache_changed(model_dir: Path) -> None:
+    """One long slot decoding 60 tokens, a second long request waiting for it: the waiting one's context is
+    compared with the cache's entries once while nothing comes into or leaves the cache (not at each of
+    the 60 steps), and again once the first call's finish changed it."""
+    e = with_long_slots(model_dir, 1, prefill_chunk=64, run_steps=1)
+    sizes: list[int] = []
+    lookup = e.prefix.lookup
+
+    def counted(tokens: Any, limit: int) -> Any:
+        sizes.append(len(tokens))
+        return lookup(tokens, limit)
+
+    e.prefix.lookup = counted  # type: ignore[method-assign]
+    busy_sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    try:
+        got = run(e, {"busy": (SYSTEM, busy_sp), "waiting": (OTHER, GREEDY)}, together=True)
+    finally:
+        e.shutdown()
+    assert len(got["busy"].tokens) == 60 and len(got["waiting"].tokens) == GREEDY.max_new_tokens
+    assert 1 <= sizes.count(len(OTHER)) <= 3, sizes  # at the first step, after the finish (and a spare)
+
+
 def test_a_long_rows_kv_exports_from_its_slot(model_dir: Path, hf_model: Any) -> None:
     """The prefix export (/export_prefix, /offer_prefix read the same cached KV) of a context whose KV
     sits in the second long slot: that slot's columns, equal to the model's own KV of the context."""

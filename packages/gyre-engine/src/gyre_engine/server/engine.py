@@ -504,11 +504,7 @@ class Engine:
                 long = self._wants_long(r, n)
                 if long and held:
                     continue  # it may not overtake an earlier one that waits: no lookup
-                hit = (
-                    self.prefix.lookup(r.context_array(), limit=n - 1)
-                    if self.config.enable_prefix_cache
-                    else PrefixHit(0, None)
-                )
+                hit = self._lookup(r, n)
                 if not long and hit.kv is None and n <= budget:
                     admitted.append(r)
                     group.append(r)  # fresh short prompts share one padded forward pass
@@ -561,7 +557,21 @@ class Engine:
             if admitted:
                 gone = {id(r) for r in admitted}
                 self._waiting = deque(r for r in self._waiting if id(r) not in gone)
+                for r in admitted:
+                    r.hit = None  # its views would keep an entry's memory for as long as the call runs
         return group, budget
+
+    def _lookup(self, r: Running, n: int) -> PrefixHit:
+        """The longest cached prefix of `r`'s context (`n` tokens; at most `n - 1`, so one is computed).
+        A request that waits is asked about at every step: while nothing came into or left the cache since
+        the last time, that answer stands (a lookup compares the context with every entry that starts
+        like it: about 0.3 ms for 15 entries of 8-25k tokens on this project's CPU)."""
+        if not self.config.enable_prefix_cache:
+            return PrefixHit(0, None)
+        if r.hit is None or r.hit_version != self.prefix.version:
+            r.hit, r.hit_version = self.prefix.lookup(r.context_array(), limit=n - 1), self.prefix.version
+        hit: PrefixHit = r.hit
+        return hit
 
     def _prefill_turn(self) -> bool:
         """Whether the chunked prefill may run a chunk now: always while nothing decodes, else once the

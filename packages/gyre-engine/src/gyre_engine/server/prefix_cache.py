@@ -89,6 +89,8 @@ class PrefixCache:
         self._held = 0
         self._host = 0
         self._clock = 0
+        self.version = 0
+        """Bumped whenever an entry comes or goes: a lookup made at the same version finds the same."""
         self.spilled_tokens = 0
         """Tokens copied to the host tier since start."""
         self.host_hit_tokens = 0
@@ -114,6 +116,7 @@ class PrefixCache:
         return sum(len(b) for b in self._buckets.values())
 
     def clear(self) -> None:
+        self.version += 1
         self._buckets.clear()
         self._total = 0
         self._held = 0
@@ -228,6 +231,7 @@ class PrefixCache:
         return len(gone)
 
     def _add(self, e: _Entry) -> None:
+        self.version += 1
         self._buckets.setdefault(int(e.tokens[0]), []).append(e)
         self._total += len(e.tokens)
         if e.on_host:
@@ -236,6 +240,7 @@ class PrefixCache:
             self._held += len(e.tokens)
 
     def _remove(self, e: _Entry) -> None:
+        self.version += 1
         first = int(e.tokens[0])
         bucket = self._buckets[first]
         bucket[:] = [x for x in bucket if x is not e]

@@ -79,6 +79,10 @@ class Running:
     cached_tokens: int = -1
     started: float = field(default_factory=time.monotonic)
     _context_ids: np.ndarray | None = field(default=None, repr=False)
+    hit: Any = field(default=None, repr=False)
+    """The prefix cache's answer for this request's context while it waits (a `PrefixHit`), ..."""
+    hit_version: int = -1
+    """... and the cache's version it was found at: a later step at the same version reuses it."""
 
     def context_length(self) -> int:
         return len(self.req.input_ids) + len(self.output)
