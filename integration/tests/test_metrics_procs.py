@@ -146,7 +146,9 @@ def test_engine_time_by_hand() -> None:
         return {"decode_steps": steps, "decode_tokens": tokens, "decode_s": dec, "prefill_tokens": pre_tok,
                 "prefill_s": pre, "evicted_tokens": None if pre is None else 10 * steps,
                 "host_spilled_tokens": None if pre is None else 4 * steps,
-                "host_hit_tokens": None if pre is None else 2 * steps, "waiting": waiting}  # fmt: skip
+                "host_hit_tokens": None if pre is None else 2 * steps, "waiting": waiting,
+                "step_s": None if pre is None else dec + pre + 0.01 * steps,
+                "command_s": None if pre is None else 0.02 * steps}  # fmt: skip
 
     e0 = [c(0, 0, 0.0, 0, 0.0, 2), c(10, 80, 0.2, 1000, 0.1, 2), c(20, 160, 0.4, 1000, 0.1, 0),
           c(30, 240, 0.6, 3000, 0.3, 0), c(5, 40, 0.1, 0, 0.0, 0)]  # fmt: skip
@@ -174,6 +176,10 @@ def test_engine_time_by_hand() -> None:
         "evicted_tokens": 350,
         "host_spilled_tokens": 140,
         "host_hit_tokens": 70,
+        "step_s": 1.35,  # decode 0.7 + prefill 0.3 + 0.01 a decode step
+        "command_s": 0.7,
+        "step_other_s": 0.35,
+        "idle_s": 1.95,  # 4 busy seconds less 1.35 in steps and 0.7 on calls
     }
     # engine 1: only its first second counts, and it does not time its prefill
     assert got["1"]["decode_s"] == 0.5 and got["1"]["decode_steps"] == 4 and got["1"]["rollout_busy_s"] == 1.0
@@ -181,6 +187,7 @@ def test_engine_time_by_hand() -> None:
         got["1"]["prefill_s"] is None
         and got["1"]["prefill_tok_s"] is None
         and got["1"]["evicted_tokens"] is None
+        and got["1"]["idle_s"] is None  # a server that does not time its thread (SGLang)
     )
     assert got["1"]["computing_share"] == 0.5
     # a window: the last two seconds only

@@ -475,9 +475,12 @@ def test_a_waiting_request_is_looked_up_again_only_when_the_cache_changed(model_
     busy_sp = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     try:
         got = run(e, {"busy": (SYSTEM, busy_sp), "waiting": (OTHER, GREEDY)}, together=True)
+        st = e.call(e.stats).result(30)
     finally:
         e.shutdown()
     assert len(got["busy"].tokens) == 60 and len(got["waiting"].tokens) == GREEDY.max_new_tokens
+    # the thread's time: decode and prefill are parts of its steps; `run(together=True)` held it in a call
+    assert st.step_time_s >= st.decode_time_s + st.prefill_time_s > 0 and st.command_time_s > 0
     assert 1 <= sizes.count(len(OTHER)) <= 3, sizes  # at the first step, after the finish (and a spare)
 
 

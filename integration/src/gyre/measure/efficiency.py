@@ -152,7 +152,7 @@ def device_seconds(
 
 COUNTERS = (
     "decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens",
-    "host_spilled_tokens", "host_hit_tokens",
+    "host_spilled_tokens", "host_hit_tokens", "step_s", "command_s",
 )  # fmt: skip
 
 
@@ -165,8 +165,12 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     (rows per decode step), `decode_tok_s`, `prefill_tok_s`, `mean_waiting` (requests queued for
     admission, averaged over rollout time), `evicted_tokens` (cached prefix tokens the engine dropped, or
     moved to its host tier, to keep memory free), `host_spilled_tokens` and `host_hit_tokens` (prefix
-    tokens it copied to its host tier, and served from there instead of computing them); None where it
-    does not count them. Engines that report no counters are left out."""
+    tokens it copied to its host tier, and served from there instead of computing them), `step_s` and
+    `command_s` (the engine thread in its steps, and on calls from the server's other threads),
+    `step_other_s` (step seconds outside decode and prefill: admission's lookups and claims, prefixes
+    stored, copies to the host tier) and `idle_s` (busy rollout seconds with the engine thread in neither:
+    waiting for a request's turn, or the process's own overhead); None where it does not count them.
+    Engines that report no counters are left out."""
     acc: dict[int, dict[str, float]] = {}
     counted: dict[int, set[str]] = {}  # the counters each engine reported
     for prev, cur in itertools.pairwise(samples):
@@ -212,8 +216,22 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 k: int(e[k]) if k in has else None
                 for k in ("evicted_tokens", "host_spilled_tokens", "host_hit_tokens")
             },
+            **_thread_time(e, has, prefill_s),
         }
     return out
+
+
+def _thread_time(e: dict[str, float], has: set[str], prefill_s: float | None) -> dict[str, float | None]:
+    """`engine_time`'s split of the engine thread's busy rollout time (see there)."""
+    if not {"step_s", "command_s"} <= has:
+        return dict.fromkeys(("step_s", "command_s", "step_other_s", "idle_s"))
+    other = e["step_s"] - e["decode_s"] - (prefill_s or 0.0)
+    return {
+        "step_s": round(e["step_s"], 3),
+        "command_s": round(e["command_s"], 3),
+        "step_other_s": round(max(0.0, other), 3),
+        "idle_s": round(max(0.0, e["busy_s"] - e["step_s"] - e["command_s"]), 3),
+    }
 
 
 def efficiency(

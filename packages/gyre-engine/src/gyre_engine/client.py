@@ -577,6 +577,8 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             evicted_tokens=info.memory_evicted_tokens,
             host_spilled_tokens=info.host_spilled_tokens,
             host_hit_tokens=info.host_hit_tokens,
+            step_s=info.step_time_s,
+            command_s=info.command_time_s,
         ),
     )
 

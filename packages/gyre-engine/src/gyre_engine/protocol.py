@@ -270,7 +270,14 @@ class ServerInfo(msgspec.Struct, frozen=True):
     host_spilled_tokens: int = 0
     """Prefix-cache tokens copied to the host tier since start, instead of dropped."""
     host_hit_tokens: int = 0
-    """Prefix tokens that lookups found in the host tier since start (copied back, not computed)."""
+    """Prefix tokens of the host tier's hits that calls started on since start (copied back, not
+    computed)."""
+    step_time_s: float = 0.0
+    """Seconds the engine thread spent in its steps since start: admission (prefix lookups, long slots
+    claimed), prefill, decode, and what goes with them (prefixes stored, copies to the host tier)."""
+    command_time_s: float = 0.0
+    """Seconds the engine thread spent on calls from the server's other threads since start (prefix
+    offers and installs, weight updates, memory release and resume, counters read)."""
 
 
 SGLANG_VERSION = "0.5.23"
@@ -384,6 +391,10 @@ class EngineCounters(msgspec.Struct, frozen=True):
     """Cached prefix tokens copied to the host tier instead of dropped (gyre-engine's)."""
     host_hit_tokens: int | None = None
     """Prefix tokens served from the host tier: copied back, not computed (gyre-engine's)."""
+    step_s: float | None = None
+    """Seconds the engine thread spent in its steps (gyre-engine's `step_time_s`)."""
+    command_s: float | None = None
+    """Seconds the engine thread spent on calls from other threads (gyre-engine's `command_time_s`)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

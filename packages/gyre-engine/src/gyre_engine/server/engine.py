@@ -74,6 +74,8 @@ class EngineStats:
     host_cached_tokens: int = 0
     host_spilled_tokens: int = 0
     host_hit_tokens: int = 0
+    step_time_s: float = 0.0
+    command_time_s: float = 0.0
 
 
 @dataclass
@@ -230,6 +232,8 @@ class Engine:
             "prefill_time_s": 0.0,
             "cache_returns": 0,
             "memory_evicted_tokens": 0,
+            "step_time_s": 0.0,
+            "command_time_s": 0.0,
         }
         self._kv_token_bytes = SlotBatch.token_bytes(model)
         self._stop = threading.Event()
@@ -353,6 +357,8 @@ class Engine:
             host_cached_tokens=self.prefix.host_held_tokens,
             host_spilled_tokens=self.prefix.spilled_tokens,
             host_hit_tokens=self.prefix.host_hit_tokens,
+            step_time_s=st["step_time_s"],
+            command_time_s=st["command_time_s"],
         )
 
     def counts(self) -> tuple[int, int]:
@@ -436,20 +442,24 @@ class Engine:
                 fn, fut = cmd
                 # a call its caller cancelled before it ran (it timed out, or its client left) is dropped
                 if fut.set_running_or_notify_cancel():
+                    t0 = time.perf_counter()
                     try:
                         fut.set_result(fn())
                     except Exception as exc:  # handed to the caller through the future
                         fut.set_exception(exc)
+                    self._stats["command_time_s"] += time.perf_counter() - t0
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
             if self._can_step():
+                t0 = time.perf_counter()
                 try:
                     self._step()
                 except Exception as exc:
                     log.exception("engine step failed; failing the running requests")
                     self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
+                self._stats["step_time_s"] += time.perf_counter() - t0
 
     def _step(self) -> None:
         """Prefill fresh prompts up to `prefill_chunk` tokens (one padded pass) and prefix-cached prompts

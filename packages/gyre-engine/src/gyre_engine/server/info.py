@@ -173,6 +173,8 @@ class InfoRoutes:
                 host_cached_prefix_tokens=st.host_cached_tokens,
                 host_spilled_tokens=st.host_spilled_tokens,
                 host_hit_tokens=st.host_hit_tokens,
+                step_time_s=round(st.step_time_s, 4),
+                command_time_s=round(st.command_time_s, 4),
                 **_device_memory(engine.device),
             )
         )
