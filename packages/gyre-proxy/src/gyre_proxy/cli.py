@@ -14,12 +14,6 @@ import sys
 
 from gyre_proxy import __version__
 
-KEEP_ALIVE_S = 75
-"""How long the server keeps an idle client connection open. Longer than HTTP clients keep theirs in
-their pools (httpx and the official SDKs: 5 s), so the client lets go first: a server that closes a
-kept-alive connection as a client sends a request on it (uvicorn's default is 5 s too, and a busy event
-loop runs the close late) makes that request fail with a reset, not an answer."""
-
 
 def parser() -> argparse.ArgumentParser:
     """`gyre-proxy`'s flags; `serve`'s are derived from `ProxyConfig`."""
@@ -63,7 +57,7 @@ def serve(args: argparse.Namespace) -> None:
     from gyre_base.token import TokenError, resolve_token
 
     from gyre_proxy.app import build_app
-    from gyre_proxy.config import ConfigError, ProxyConfig
+    from gyre_proxy.config import KEEP_ALIVE_S, ConfigError, ProxyConfig
     from gyre_proxy.core import Proxy
     from gyre_proxy.flags import config_from
 

@@ -21,6 +21,12 @@ from gyre_base.token import TokenError, read_token_file
 from gyre_proxy.flags import flag
 from gyre_proxy.strip import CLAUDE_CODE_BILLING, StripRule
 
+KEEP_ALIVE_S = 75
+"""How long the server keeps an idle client connection open. Longer than HTTP clients keep theirs in
+their pools (httpx and the official SDKs: 5 s), so the client lets go first: a server that closes a
+kept-alive connection as a client sends a request on it (uvicorn's default is 5 s too, and a busy event
+loop runs the close late) makes that request fail with a reset, not an answer."""
+
 
 class ConfigError(ValueError):
     """A setting (or a combination of settings) the proxy refuses to run with."""

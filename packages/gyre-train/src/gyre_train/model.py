@@ -12,9 +12,8 @@ computed which micro-batch cannot change the result.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from gyre_traj.pack import PackedBatch
 
 from gyre_train.architecture import HF_ATTENTION, ChunkMemory, Kernel
 from gyre_train.defaults import CHUNK_MEMORY, TREE_CHUNK_ELEMENTS
+from gyre_train.layoutdigest import layout_digest
 from gyre_train.modelconfig import Attention, ModelConfig
 
 __all__ = [
@@ -152,14 +152,6 @@ class Layout:
             n += p.numel()
         digest = layout_digest((k, p.shape, p.dtype) for k, p in model.named_parameters())
         return Layout(tuple(names), tuple(shapes), tuple(offsets), n, digest)
-
-
-def layout_digest(params: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> str:
-    """The digest of a parameter layout: (name, shape, dtype) of every parameter, in order."""
-    h = hashlib.sha256()
-    for name, shape, dtype in params:
-        h.update(f"{name}:{tuple(shape)}:{dtype};".encode())
-    return h.hexdigest()[:16]
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,6 +23,8 @@ import msgspec
 import torch
 from megatron.core import parallel_state
 
+from gyre_train.layoutdigest import layout_digest
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -175,8 +177,6 @@ def shards_of(model: Any, full: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 def whole_digest(model: Any) -> str:
     """The `Layout` digest of the one-rank model this rank holds a part of (names, whole shapes, dtypes in
     order; one pipeline stage)."""
-    from gyre_train.model import layout_digest
-
     if parallel_state.get_pipeline_model_parallel_world_size() != 1:
         raise ValueError("the one-rank layout is known from a part only for a model of one pipeline stage")
     return layout_digest((n, _whole_shape(p), p.dtype) for n, p in model.named_parameters())

@@ -35,8 +35,7 @@ from starlette.routing import Route
 from tokenizers import Tokenizer
 
 from gyre_proxy.app import build_app
-from gyre_proxy.cli import KEEP_ALIVE_S
-from gyre_proxy.config import ProxyConfig
+from gyre_proxy.config import KEEP_ALIVE_S, ProxyConfig
 from gyre_proxy.core import Proxy
 
 _CORPUS = [
