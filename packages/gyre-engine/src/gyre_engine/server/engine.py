@@ -159,9 +159,10 @@ class Engine:
         """Tokens each long slot holds (0: no long slots). A request whose context plus `max_new_tokens`
         does not fit a decode slot (`slot_max_len`) but fits here is prefilled chunk by chunk straight
         into a long slot (a row of one buffer for all of them: 2 x layers x KV heads x head dim x this
-        many elements per slot; 112 KiB a token for the Qwen3-0.6B shape in bf16) and decodes there, the long slots' rows in one step; when it finishes the prefix cache
-        keeps the slot's KV itself, which the next call extending that context takes over (no copy). A
-        row that reaches the end of its long slot finishes (`length`)."""
+        many elements per slot; 112 KiB a token for the Qwen3-0.6B shape in bf16) and decodes there, the
+        long slots' rows in one step; when it finishes the prefix cache keeps the slot's KV itself, which
+        the next call extending that context takes over (no copy). A row that reaches the end of its long
+        slot finishes (`length`)."""
         long_context_slots: int = 1
         """Long slots (the rows of one buffer); further long requests wait for a free one. The buffer is
         allocated at the first long call (not at start, where a trainer's warm-up on the same GPU may
@@ -580,8 +581,7 @@ class Engine:
             return PrefixHit(0, None)
         if r.hit is None or r.hit_version != self.prefix.version:
             r.hit, r.hit_version = self.prefix.lookup(r.context_array(), limit=n - 1), self.prefix.version
-        hit: PrefixHit = r.hit
-        return hit
+        return r.hit
 
     def _prefill_turn(self) -> bool:
         """Whether the chunked prefill may run a chunk now: always while nothing decodes, else once the

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from gyre_engine.protocol import FinishReason, ProtocolError, SamplingParams
+from gyre_engine.server.prefix_cache import PrefixHit
 from gyre_engine.server.sampling import RowLogprobs, SamplerState
 
 
@@ -79,8 +80,8 @@ class Running:
     cached_tokens: int = -1
     started: float = field(default_factory=time.monotonic)
     _context_ids: np.ndarray | None = field(default=None, repr=False)
-    hit: Any = field(default=None, repr=False)
-    """The prefix cache's answer for this request's context while it waits (a `PrefixHit`), ..."""
+    hit: PrefixHit | None = field(default=None, repr=False)
+    """The prefix cache's answer for this request's context while it waits, ..."""
     hit_version: int = -1
     """... and the cache's version it was found at: a later step at the same version reuses it."""
 
