@@ -420,7 +420,7 @@ def plan_estimates(paths: str, cfg: Config, reused: dict[str, dict[str, Any]]) -
     results = merged_results([json.loads(f.read_text()) for f in calls])
     probe = json.loads(probes[-1].read_text()) if probes else None
     runs = dict(reused)
-    beside = files[0].parent / "metrics-h200-agentic-elastic.json"
+    beside = calls[0].parent / "metrics-h200-agentic-elastic.json"
     if not runs and beside.exists():
         runs = {"elastic": json.loads(beside.read_text())}
     sim = None
