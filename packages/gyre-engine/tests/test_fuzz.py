@@ -436,6 +436,11 @@ FOUND: list[list[Call]] = [
     ],
     # a logit_bias key `int()` reads but that is no ASCII token id: '\u00b2' raised a bare ValueError (500)
     [Call("POST", "/generate", _encode(_sampled({"logit_bias": {"\u00b2": 1.0}})), bearer(TOKEN), None)],
+    # a prefix asked for by ids past int64: the prefix cache's lookup raised OverflowError (500)
+    [
+        Call("POST", path, _encode({"input_ids": [2**63]}), bearer(TOKEN), None)
+        for path in ("/export_prefix", "/offer_prefix")
+    ],
 ]
 """Batches that found bugs, run first every time."""
 
@@ -489,6 +494,7 @@ def _fuzz_every_endpoint(fuzz_server: Any, batches: int) -> None:
         @example(FOUND[1])
         @example(FOUND[2])
         @example(FOUND[3])
+        @example(FOUND[4])
         def case(batch: list[Call]) -> None:
             async def go() -> int:
                 await asyncio.gather(*(send(h, c, url, tally) for c in batch))

@@ -269,6 +269,17 @@ def test_prefix_handoff_between_two_engines(pair: tuple[Any, Any], model_dir: Pa
                 await ca.release_prefix_offer("nope")
             assert ei.value.status == 404
             assert await ca.offer_prefix([7, 8, 9], transport=transport) is None
+            for ids in (
+                [2**63],
+                [-1],
+                [10**9],
+            ):  # outside the vocabulary (past int64 too): a 400 that says so
+                with pytest.raises(EngineError, match="outside the vocabulary") as ei:
+                    await ca.offer_prefix(ids, transport=transport)
+                assert ei.value.status == 400
+                with pytest.raises(EngineError, match="outside the vocabulary") as ei:
+                    await ca.export_prefix(ids)
+                assert ei.value.status == 400
 
             # a prefix of other weights is refused before any byte moves
             offer = await ca.offer_prefix(context, transport=transport)

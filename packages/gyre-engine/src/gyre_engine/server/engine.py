@@ -374,9 +374,7 @@ class Engine:
             raise ProtocolError(
                 f"The input ({len(req.input_ids)} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
-        if min(req.input_ids) < 0 or max(req.input_ids) >= self.vocab_size:
-            bad = next(t for t in req.input_ids if not 0 <= t < self.vocab_size)
-            raise ProtocolError(f"input_ids has {bad}, outside the vocabulary [0, {self.vocab_size})")
+        self.check_token_ids(req.input_ids)
         if not 0 <= req.top_logprobs_num <= 64:
             raise ProtocolError("top_logprobs_num must be in [0, 64]")
         for t in req.token_ids_logprob or ():
@@ -1049,6 +1047,12 @@ class Engine:
         else:
             self._bump_version(version)
         return n
+
+    def check_token_ids(self, ids: list[int], what: str = "input_ids") -> None:
+        """ProtocolError (a 400) unless every id of `ids` is in the vocabulary [0, vocab_size)."""
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ProtocolError(f"{what} has {bad}, outside the vocabulary [0, {self.vocab_size})")
 
     def device_free_bytes(self) -> int | None:
         """Free memory of the engine's GPU (every process's use counted); None off CUDA."""

@@ -44,6 +44,7 @@ def _from_bytes(
 
 def export_prefix(engine: Engine, token_ids: list[int]) -> KvPrefix | None:
     """The KV of the longest cached prefix of `token_ids`, or None when nothing is cached."""
+    engine.check_token_ids(token_ids)
     hit = engine.prefix.lookup(token_ids, limit=len(token_ids))
     if hit.kv is None:
         return None
@@ -100,6 +101,7 @@ def import_prefix(engine: Engine, rec: KvPrefix) -> int:
 def cached_prefix(engine: Engine, token_ids: list[int]) -> tuple[list[int], RowKV, str, str] | None:
     """(covered token ids, their KV, model fingerprint, weight version) of the longest cached prefix of
     `token_ids`, or None. The KV tensors are never written in place, so they may be read off-thread."""
+    engine.check_token_ids(token_ids)
     hit = engine.prefix.lookup(token_ids, limit=len(token_ids))
     if hit.kv is None:
         return None
