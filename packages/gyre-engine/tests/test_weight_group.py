@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 # An SGLang-style member (what SGLang's init_custom_process_group does, written out for this test).
 SGLANG_STYLE_RANK = textwrap.dedent(
     """
-    import datetime, json, sys, torch, torch.distributed as dist
+    import datetime, json, os, sys, torch, torch.distributed as dist
     from torch.distributed.distributed_c10d import (
         Backend, PrefixStore, _new_process_group_helper, _world, rendezvous)
     port, name = int(sys.argv[1]), sys.argv[2]
@@ -32,7 +32,11 @@ SGLANG_STYLE_RANK = textwrap.dedent(
     _world.pg_group_ranks[pg] = {0: 0, 1: 1}
     t = torch.zeros(6, dtype=torch.bfloat16)
     dist.broadcast(t, src=0, group=pg)
-    print(json.dumps(t.float().tolist()))
+    print(json.dumps(t.float().tolist()), flush=True)
+    # gone without the interpreter's teardown: with the group's gloo threads still up at exit, torch
+    # aborted now and then ("terminate called without an active exception", status -6; about 1 in 13
+    # runs of this file beside a busy CPU), after the broadcast this test checks had arrived
+    os._exit(0)
     """
 )
 
