@@ -519,49 +519,33 @@ class Engine:
                     group.append(r)  # fresh short prompts share one padded forward pass
                     budget -= n
                     continue
-                if not long and hit.kv is not None and n - hit.length <= budget:
-                    # a prefix-cached prompt whose rest fits: prefilled at once on top of its prefix
-                    admitted.append(r)
-                    self.prefix.used(hit)
-                    whole = _Partial(
-                        r, r.context(), start_cache(self._on_device(hit.kv)), hit.length, hit.length
-                    )
-                    budget -= self._advance(whole, budget, joining)
-                    continue
-                if long and n - hit.length <= budget:
-                    # a long context whose rest fits: prefilled at once into the long slot it claims
-                    claim = self._claim_long_slot(hit, joining)
-                    if claim is None:  # every long slot is busy
-                        held = True
-                        continue
-                    slots, row, pos = claim  # pos is hit.length: the rest fits
-                    admitted.append(r)
-                    if pos:
-                        self.prefix.used(hit)
-                    whole = _Partial(r, r.context(), slots, pos, pos, row)
-                    budget -= self._advance(whole, budget, joining)
-                    self._long_at_once += 1
-                    continue
-                # it needs the chunked prefill (and a long slot if long): one at a time, first come first
-                # served; while it cannot start, it keeps its place and those behind it that fit go on
-                if held or self._partial is not None:
+                # the rest of a prefix-cached prompt, or of a long context, that fits the budget is
+                # prefilled now (a long one into the long slot it claims, beside a chunked prefill under
+                # way); otherwise it needs the chunked prefill: one at a time, first come first served,
+                # and while it cannot start it keeps its place and those behind it that fit go on
+                at_once = n - hit.length <= budget
+                if not at_once and (held or self._partial is not None):
                     held = True
                     continue
-                ctx = r.context()
                 cache: Any
                 if long:
                     claim = self._claim_long_slot(hit, joining)
                     if claim is None:  # every long slot is busy
                         held = True
                         continue
-                    cache, row, pos = claim
+                    cache, row, pos = claim  # pos is hit.length
                 else:
                     cache, row, pos = start_cache(self._on_device(hit.kv)), -1, hit.length
                 admitted.append(r)
                 if pos:
                     self.prefix.used(hit)
-                running += 1
-                self._partial = _Partial(r, ctx, cache, pos, pos, row)
+                p = _Partial(r, r.context(), cache, pos, pos, row)
+                if at_once:
+                    budget -= self._advance(p, budget, joining)
+                    self._long_at_once += long
+                else:
+                    running += 1
+                    self._partial = p
         finally:  # those admitted leave the queue (also when a prefill failed half-way)
             if admitted:
                 gone = {id(r) for r in admitted}
