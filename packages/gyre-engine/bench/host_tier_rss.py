@@ -1,11 +1,12 @@
 """The prefix cache's host tier and the process's resident memory: contexts of the Qwen3-0.6B shape
-(28 layers, 8 KV heads of 128, bf16: 112 KiB a token) spilled to the host tier one after another past
-its budget, the way an engine under memory pressure spills them, on a thread of its own as the engine
-thread does. Two ways of copying a spilled entry: plane by plane (one host tensor per layer's K and V,
-tens of MiB each: what the cache does), or into one host buffer per entry (gigabytes, which the C library
-maps and unmaps whole). Each runs in a fresh process, so neither sees the other's heap. The question it
-answers: does the per-plane pattern leave freed memory in the process (heap fragmentation) on a scale
-that explains an engine's resident memory growing by tens of GiB in a run?
+(28 layers, 8 KV heads of 128, bf16: 112 KiB a token) spilled to a host tier one after another past its
+budget (the oldest entries dropped to make room), the way an engine under memory pressure spills them,
+on a thread of its own as the engine thread does. Three ways of holding a spilled entry: a host tensor
+per layer's K and V (tens of MiB each: what the cache did before its arena), one host buffer per entry
+(gigabytes, which the C library maps and unmaps whole), or a span of one buffer of the tier's size
+allocated once (`HostArena`: what the cache does). Each runs in a fresh process, so none sees another's
+heap. The question it answers: how much memory does the process keep for a tier of a given size, and
+what does each way cost in copy time?
 
     uv run python packages/gyre-engine/bench/host_tier_rss.py --out packages/gyre-engine/bench/results-host-tier-rss-cpu.json
 """
@@ -21,11 +22,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 LAYERS, HEADS, DIM = 28, 8, 128
 KIB_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 2 / 1024
-MODES = ("per_plane", "one_buffer")
+MODES = ("per_plane", "one_buffer", "arena")
 
 
 def _rss_bytes() -> int:
@@ -35,8 +37,16 @@ def _rss_bytes() -> int:
     return 0
 
 
+def _per_plane(kv: object) -> object:
+    """A host tensor per plane, as `Tensor.to("cpu")` makes it."""
+    from gyre_engine.server.batch import RowKV
+
+    assert isinstance(kv, RowKV)
+    return RowKV([k.to("cpu", copy=True) for k in kv.keys], [v.to("cpu", copy=True) for v in kv.values])
+
+
 def _one_buffer(kv: object) -> object:
-    """The alternative host copy: one buffer for every plane, the planes views of it."""
+    """One buffer for every plane, the planes views of it."""
     import torch
     from gyre_engine.server.batch import RowKV
 
@@ -60,34 +70,51 @@ def _one_mode(mode: str, spills: int, host_tokens: int, seed: int) -> dict[str, 
 
 def _spills(mode: str, spills: int, host_tokens: int, seed: int, q: queue.Queue[dict[str, object]]) -> None:
     import torch
-    from gyre_engine.server import prefix_cache
     from gyre_engine.server.batch import RowKV
+    from gyre_engine.server.host_arena import HostArena
 
     torch.set_num_threads(1)
-    if mode == "one_buffer":
-        prefix_cache._to_host = _one_buffer  # type: ignore[assignment]
     rng = random.Random(seed)
-    cache = prefix_cache.PrefixCache(max_tokens=12288, host_tokens=host_tokens)  # the last insert stays
+    token_bytes = int(KIB_PER_TOKEN * 1024)
+    arena = HostArena(host_tokens * token_bytes) if mode == "arena" else None
+    held: deque[tuple[int, object]] = deque()  # (tokens, host copy), oldest first
+    held_tokens = 0
     base = _rss_bytes()
     peak = base
+    copy_s = 0.0
     t0 = time.perf_counter()
-    for i in range(spills):
+    if arena is not None:
+        arena.reserve()  # allocated once, at start-up (timed with the run)
+    for _ in range(spills):
         n = rng.randint(4096, 12288)
         planes = [torch.empty((1, HEADS, n, DIM), dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
         kv = RowKV(planes[:LAYERS], planes[LAYERS:])
-        cache.insert([10_000 + i, *range(n - 1)], kv, owned=True)  # a distinct first token: no prefix shared
-        del kv, planes
+        c0 = time.perf_counter()  # making room and copying
+        if arena is None:
+            while held and held_tokens + n > host_tokens:
+                held_tokens -= held.popleft()[0]
+            copy = _per_plane(kv) if mode == "per_plane" else _one_buffer(kv)
+        else:
+            while (copy := arena.place(kv)) is None:
+                gone, old = held.popleft()
+                held_tokens -= gone
+                arena.release(old)  # type: ignore[arg-type]
+                del old
+        copy_s += time.perf_counter() - c0
+        held.append((n, copy))
+        held_tokens += n
+        del kv, planes, copy
         peak = max(peak, _rss_bytes())
     elapsed = time.perf_counter() - t0
-    held = cache.host_held_tokens * KIB_PER_TOKEN * 1024
     q.put(
         {
             "mode": mode,
             "spills": spills,
-            "host_tier_gib": round(held / 2**30, 2),
+            "host_tier_gib": round(held_tokens * token_bytes / 2**30, 2),
             "rss_growth_gib": round((_rss_bytes() - base) / 2**30, 2),
             "rss_peak_growth_gib": round((peak - base) / 2**30, 2),
             "seconds": round(elapsed, 1),
+            "copy_seconds": round(copy_s, 1),
         }
     )
 
@@ -117,8 +144,12 @@ def main() -> None:
         "contexts_tokens": [4096, 12288],
         "host_tokens": a.host_tokens,
         "rows": rows,
-        "rss_growth_ratio": round(rows[0]["rss_growth_gib"] / max(rows[1]["rss_growth_gib"], 0.01), 2),
-        "seconds_ratio": round(rows[0]["seconds"] / max(rows[1]["seconds"], 0.1), 2),
+        "rss_growth_over_tier": {
+            str(r["mode"]): round(
+                float(r["rss_growth_gib"]) / max(a.host_tokens * KIB_PER_TOKEN / 2**20, 0.01), 2
+            )
+            for r in rows
+        },
     }
     print(json.dumps(out))
     if a.out is not None:

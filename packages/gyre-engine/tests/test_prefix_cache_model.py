@@ -134,16 +134,23 @@ def test_a_long_slots_cached_context_is_out_of_the_budget_and_of_eviction() -> N
     assert cache.last_used(lambda kv: False) == -1
 
 
+def kv_layers(ids: list[int], layers: int = 4) -> RowKV:
+    """`kv_of` with `layers` layers (the host tier places each layer's keys and values apart)."""
+    kv = kv_of(ids)
+    return RowKV([kv.keys[0] + i for i in range(layers)], [kv.values[0] - i for i in range(layers)])
+
+
 def test_the_host_tier_keeps_what_leaves_the_device() -> None:
     """With a host budget, what the device budget, `evict` or `release_where` would drop is copied to the
     host instead: a lookup then serves the same KV from there (counted), the host tier drops its least
-    recently used entries past its own budget, and a long slot's context released to it is a copy that
+    recently used entries to make room within its own budget (or the entry spilled, when it is the least
+    recently used), and a long slot's context released to it is a copy that
     the slot's next writes do not change."""
     from gyre_engine.server.batch import buffer_row
 
     cache = PrefixCache(20, host_tokens=25)
     for ids in ([3] * 10, [4] * 10, [5] * 10):  # the third passes the device budget: [3] goes to the host
-        cache.insert(ids, kv_of(ids))
+        cache.insert(ids, kv_layers(ids))
     assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (20, 10, 10)
     hit = cache.lookup([3] * 10 + [0], 10)
     assert hit.length == 10 and hit.on_host and cache.host_hit_tokens == 0  # counted once a call uses it
@@ -154,13 +161,14 @@ def test_the_host_tier_keeps_what_leaves_the_device() -> None:
     assert (cache.held_tokens, cache.host_held_tokens) == (10, 20)
     cache.used(hit4 := cache.lookup([4] * 10 + [0], 10))
     assert hit4.length == 10 and cache.host_hit_tokens == 20
+    del hit, hit4  # read no more (an entry a lookup's KV still reads is not dropped for room)
     # [5] too: 30 on the host, past its 25, so the least recently used entry goes: [5] itself (its last
     # use is older than the lookups of [3] and [4]), and it does not count as spilled
     cache.evict(5)
     assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (0, 20, 20)
     assert cache.lookup([5] * 10 + [0], 10).length == 0 and cache.lookup([4] * 10 + [0], 10).length == 10
 
-    buf = torch.arange(2 * 1 * 2 * 1 * 64 * 1, dtype=torch.float32).reshape(2, 1, 2, 1, 64, 1)
+    buf = torch.arange(2 * 4 * 2 * 1 * 64 * 1, dtype=torch.float32).reshape(2, 4, 2, 1, 64, 1)
     long_ids = [7] * 12
     cache.insert(long_ids, buffer_row(buf, 12, 1), owned=True)
     before = buf[0, 0, 1, 0, :12, 0].clone()
@@ -168,7 +176,9 @@ def test_the_host_tier_keeps_what_leaves_the_device() -> None:
     buf.zero_()  # the slot is written for another context
     hit = cache.lookup([*long_ids, 0], 12)
     assert hit.length == 12 and torch.equal(hit.kv.keys[0][0, 0, :, 0], before)
-    assert cache.host_held_tokens == 22 and cache.total_tokens == 22  # [3] dropped: 32 was past 25
+    assert (
+        cache.host_held_tokens == 22 and cache.total_tokens == 22
+    )  # [3] dropped to make room: 32 was past 25
     assert cache.lookup([3] * 10 + [0], 10).length == 0
 
 
@@ -179,3 +189,39 @@ def test_without_a_host_tier_what_leaves_the_device_is_dropped() -> None:
     assert (cache.held_tokens, cache.host_held_tokens, cache.spilled_tokens) == (20, 0, 0)
     assert cache.lookup([3] * 10 + [0], 10).length == 0
     assert cache.evict(1) == 10 and cache.total_tokens == 10
+
+
+def test_a_host_entry_being_read_keeps_its_memory() -> None:
+    """The host tier is one buffer of its budget's size. A lookup's KV of a host entry holds that entry's
+    span: the entry is not dropped for room while the KV lives (the entry spilled after it is dropped
+    instead), and once the entry leaves the cache its span is still not reused until the KV is dropped,
+    so what the reader holds never changes under it. Then the span goes back to the arena."""
+    from gyre_engine.server.host_arena import HostRowKV
+
+    cache = PrefixCache(10, host_tokens=20)
+    for ids in ([3] * 10, [4] * 10, [5] * 10):  # [3] then [4] to the host: the tier is full
+        cache.insert(ids, kv_of(ids))
+    assert cache.host_held_tokens == 20
+    hit = cache.lookup([3] * 10 + [0], 10)
+    assert isinstance(hit.kv, HostRowKV) and hit.on_host
+    want = kv_of([3] * 10).keys[0]
+    cache.evict(10)  # [5] to the host: [3] is read, so [4] (idle, used before [5]) makes room
+    assert cache.lookup([4] * 10 + [0], 10).length == 0
+    assert cache.lookup([5] * 10 + [0], 10).length == 10
+    assert torch.equal(hit.kv.keys[0], want)
+
+    cache.insert([6] * 10, kv_of([6] * 10))
+    cache.clear()  # every entry leaves; [3]'s span is still read
+    cache.insert([7] * 10, kv_of([7] * 10))
+    cache.insert([8] * 10, kv_of([8] * 10))  # [7] to the host: the free half, not [3]'s span
+    assert cache.host_held_tokens == 10 and torch.equal(hit.kv.keys[0], want)
+    cropped = hit.kv.crop(4)  # a crop holds the span too
+    del hit
+    cache.insert([9] * 10, kv_of([9] * 10))  # [8] to the host: [7] goes, as the crop reads [3]'s span
+    assert cache.host_held_tokens == 10 and torch.equal(cropped.keys[0], want[:, :, :4])
+    assert cache.lookup([7] * 10 + [0], 10).length == 0
+    assert cache.lookup([8] * 10 + [0], 10).on_host
+    del cropped  # now the span is free
+    cache.insert([10] * 10, kv_of([10] * 10))  # [9] to the host, in [3]'s span: nothing dropped
+    assert cache.host_held_tokens == 20 and cache.lookup([9] * 10 + [0], 10).on_host
+    assert cache.lookup([8] * 10 + [0], 10).on_host

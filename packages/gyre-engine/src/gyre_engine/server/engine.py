@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from gyre_xfer.pinning import host_pinning
 
 from gyre_engine.protocol import FinishReason, ProtocolError
 from gyre_engine.server.batch import LongRowKV, RowKV, buffer_row, cache_kwarg, cache_layers
@@ -218,7 +219,9 @@ class Engine:
         """Cached prefixes copied into a long slot (a hit held elsewhere than in the slot taken)."""
         self._long_at_once = 0
         """Long requests whose rest was prefilled at once at admission (not through the chunked prefill)."""
-        self.prefix = PrefixCache(self.config.max_cached_tokens, self.config.host_cached_tokens)
+        self.prefix = PrefixCache(
+            self.config.max_cached_tokens, self.config.host_cached_tokens, host_pinning(self.device)
+        )
         self._long_retry_at = 0.0
         """When a long slots' allocation that found no room may be tried again (monotonic seconds)."""
         self.compiled_prefill: Any = None
@@ -237,6 +240,7 @@ class Engine:
             "command_time_s": 0.0,
         }
         self._kv_token_bytes = SlotBatch.token_bytes(model)
+        self.prefix.reserve_host(self._kv_token_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
 
@@ -1091,11 +1095,13 @@ class Engine:
             pinned = int(host_stats.get("allocated_bytes.current", 0))
             log.info(
                 "released %s: %d MiB of tensors still allocated, %d MiB reserved; %d MiB of pinned host "
-                "memory in torch's host allocator",
+                "memory in torch's host allocator; the host tier's %d MiB (%s, kept)",
                 ",".join(sorted(tags)),
                 torch.cuda.memory_allocated(self.device) >> 20,
                 torch.cuda.memory_reserved(self.device) >> 20,
                 pinned >> 20,
+                self.prefix.host_bytes >> 20,
+                "page-locked" if self.prefix.host_pinned else "pageable",
             )
 
     def resume_memory(self, tags: list[str] | None) -> None:

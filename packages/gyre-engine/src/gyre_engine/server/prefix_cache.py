@@ -11,20 +11,26 @@ budget nor `evict` (memory pressure) drops it, since that would free nothing and
 goes when its slot is taken for another context (`release_where`).
 
 With a host budget (`host_tokens` > 0) the cache has a second tier in host memory: what the device
-budget, `evict` or `release_where` would drop is copied to the host instead (least recently used
-host entries dropped past that budget), and a lookup serves it from there (`PrefixHit.kv` then holds
-host tensors: the caller copies them where it needs them, a transfer in place of a prefill).
+budget, `evict` or `release_where` would drop is copied to the host instead, into a span of one host
+buffer of the tier's size (`HostArena`, page-locked on a GPU), and a lookup serves it from there
+(`PrefixHit.kv` is then a `HostRowKV`: host tensors, which the caller copies where it needs them, a
+transfer in place of a prefill). Room for a spilled entry is made by dropping host entries least
+recently used first, but not one that a lookup's `HostRowKV` still reads, and not one used more recently
+than the entry being spilled (that entry is dropped instead).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
+from gyre_xfer.pinning import Pinning
 
 from gyre_engine.server.batch import LongRowKV, RowKV
+from gyre_engine.server.host_arena import HostArena, HostRowKV
 
 
 def _owned(kv: RowKV) -> RowKV:
@@ -55,14 +61,6 @@ class _Entry:
     on_host: bool = False
 
 
-def _to_host(kv: RowKV) -> RowKV:
-    """A compact copy of `kv` in host memory."""
-    return RowKV(
-        [k.to("cpu", copy=True).contiguous() for k in kv.keys],
-        [v.to("cpu", copy=True).contiguous() for v in kv.values],
-    )
-
-
 @dataclass(frozen=True)
 class PrefixHit:
     """`length` tokens of the query are covered by `kv` (already cropped to them)."""
@@ -80,10 +78,14 @@ class PrefixCache:
     with it, so a lookup or insert compares against those alone (a thousand unrelated contexts cost one
     dict lookup, not a thousand comparisons)."""
 
-    def __init__(self, max_tokens: int, host_tokens: int = 0) -> None:
+    def __init__(self, max_tokens: int, host_tokens: int = 0, pinning: Pinning | None = None) -> None:
         self.max_tokens = max_tokens
         self.host_tokens = host_tokens
         """Budget of the host tier, in tokens (0: none; what leaves the device is dropped)."""
+        self._pinning = pinning
+        self._arena: HostArena | None = None
+        """The host tier's memory: `host_tokens` tokens' worth, allocated by `reserve_host` or at the
+        first spill (when the size of a token's KV is known)."""
         self._buckets: dict[int, list[_Entry]] = {}
         self._total = 0
         self._held = 0
@@ -115,7 +117,28 @@ class PrefixCache:
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
 
+    def reserve_host(self, token_bytes: int) -> None:
+        """Allocate the host tier now (`host_tokens` tokens of `token_bytes` bytes of KV each), rather than
+        at the first spill; nothing without a host budget."""
+        if self.host_tokens > 0 and self._arena is None:
+            self._arena = HostArena(self.host_tokens * token_bytes, self._pinning)
+        if self._arena is not None:
+            self._arena.reserve()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the host tier holds (allocated once, whatever it stores)."""
+        return self._arena.nbytes if self._arena is not None and self._arena.allocated else 0
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the host tier's memory is page-locked."""
+        return self._arena is not None and self._arena.pinned
+
     def clear(self) -> None:
+        for e in self._entries():
+            if e.on_host:
+                self._host_arena().release(cast(HostRowKV, e.kv))
         self.version += 1
         self._buckets.clear()
         self._total = 0
@@ -137,7 +160,9 @@ class PrefixCache:
             return PrefixHit(0, None)
         self._clock += 1
         best.last_used = self._clock
-        return PrefixHit(best_len, best.kv.crop(best_len), best.on_host)
+        if best.on_host:
+            return PrefixHit(best_len, self._host_arena().lease(cast(HostRowKV, best.kv), best_len), True)
+        return PrefixHit(best_len, best.kv.crop(best_len))
 
     def used(self, hit: PrefixHit) -> None:
         """Count `hit` as served: a call starts on it (a request that waits is looked up again at every
@@ -186,22 +211,44 @@ class PrefixCache:
         return len(gone)
 
     def _spill(self, e: _Entry) -> None:
-        """`e` out of device memory: into the host tier (the least recently used host entries dropped
-        past its budget), or dropped."""
+        """`e` out of device memory: into the host tier, or dropped (no host tier, or no room there)."""
         if e.on_host:
             return
         n = len(e.tokens)
         self._remove(e)
         if n > self.host_tokens:
             return
-        e.kv, e.on_host = _to_host(e.kv), True
+        kv = self._to_host(e)
+        if kv is None:
+            return
+        e.kv, e.on_host = kv, True
         self._add(e)
-        while self._host > self.host_tokens:
-            self._remove(
-                min((x for b in self._buckets.values() for x in b if x.on_host), key=lambda x: x.last_used)
-            )
-        if any(x is e for x in self._buckets.get(int(e.tokens[0]), ())):  # unless the least recent itself
-            self.spilled_tokens += n
+        self.spilled_tokens += n
+
+    def _to_host(self, e: _Entry) -> HostRowKV | None:
+        """A copy of `e`'s KV in the host tier, made room for by dropping host entries least recently used
+        first (none that a lookup's KV still reads); None, `e` dropped, when `e` is used less recently
+        than every host entry that could go, or nothing left could make room."""
+        arena = self._arena
+        if arena is None:
+            arena = self._arena = HostArena(self.host_tokens * e.kv.nbytes() // len(e.tokens), self._pinning)
+        while (kv := arena.place(e.kv)) is None:
+            idle = [x for x in self._entries() if x.on_host and not arena.read(cast(HostRowKV, x.kv))]
+            if not idle:
+                return None
+            victim = min(idle, key=lambda x: x.last_used)
+            if victim.last_used > e.last_used:
+                return None
+            self._remove(victim)
+            del victim, idle
+        return kv
+
+    def _host_arena(self) -> HostArena:
+        assert self._arena is not None, "host entries without a host arena"
+        return self._arena
+
+    def _entries(self) -> list[_Entry]:
+        return [e for b in self._buckets.values() for e in b]
 
     def last_used(self, match: Callable[[RowKV], bool]) -> int:
         """When an entry whose KV `match` accepts was last inserted or looked up (a clock: larger is
@@ -249,5 +296,6 @@ class PrefixCache:
         self._total -= len(e.tokens)
         if e.on_host:
             self._host -= len(e.tokens)
+            self._host_arena().release(cast(HostRowKV, e.kv))
         elif not isinstance(e.kv, LongRowKV):
             self._held -= len(e.tokens)
