@@ -148,7 +148,8 @@ def test_engine_time_by_hand() -> None:
                 "host_spilled_tokens": None if pre is None else 4 * steps,
                 "host_hit_tokens": None if pre is None else 2 * steps, "waiting": waiting,
                 "step_s": None if pre is None else dec + pre + 0.01 * steps,
-                "command_s": None if pre is None else 0.02 * steps}  # fmt: skip
+                "command_s": None if pre is None else 0.02 * steps,
+                "waiting_s": None if pre is None else {"long_slot": 0.1 * steps, "rows": 0.05 * steps}}  # fmt: skip
 
     e0 = [c(0, 0, 0.0, 0, 0.0, 2), c(10, 80, 0.2, 1000, 0.1, 2), c(20, 160, 0.4, 1000, 0.1, 0),
           c(30, 240, 0.6, 3000, 0.3, 0), c(5, 40, 0.1, 0, 0.0, 0)]  # fmt: skip
@@ -180,6 +181,7 @@ def test_engine_time_by_hand() -> None:
         "command_s": 0.7,
         "step_other_s": 0.35,
         "idle_s": 1.95,  # 4 busy seconds less 1.35 in steps and 0.7 on calls
+        "waiting_by_reason": {"long_slot": 0.88, "rows": 0.44},  # 3.5 and 1.75 request-seconds in 4 s
     }
     # engine 1: only its first second counts, and it does not time its prefill
     assert got["1"]["decode_s"] == 0.5 and got["1"]["decode_steps"] == 4 and got["1"]["rollout_busy_s"] == 1.0
@@ -188,6 +190,7 @@ def test_engine_time_by_hand() -> None:
         and got["1"]["prefill_tok_s"] is None
         and got["1"]["evicted_tokens"] is None
         and got["1"]["idle_s"] is None  # a server that does not time its thread (SGLang)
+        and got["1"]["waiting_by_reason"] is None
     )
     assert got["1"]["computing_share"] == 0.5
     # a window: the last two seconds only

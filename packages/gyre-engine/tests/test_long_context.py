@@ -270,9 +270,11 @@ def test_long_requests_wait_while_the_long_slots_find_no_room(
     try:
         monkeypatch.setattr(SlotBatch, "allocate", full_gpu)
         outs = run(e, {"long": (SYSTEM, GREEDY), "short": (short, GREEDY)}, order, together=True)
+        waited = e.stats().waiting_s
     finally:
         e.shutdown()
     assert len(tries) == 6  # two tries a round (before and after the cache's entries went), three rounds
+    assert waited["long_memory"] > 0 and waited["long_slot"] == 0  # counted for what held it
     ref = run(plain_engine, {"long": (SYSTEM, GREEDY), "short": (short, GREEDY)})
     assert outs["long"].tokens == ref["long"].tokens and outs["short"].tokens == ref["short"].tokens
     assert order.index("short") < order.index("long")  # the short one did not wait for the room
@@ -340,8 +342,11 @@ def test_short_requests_pass_a_long_one_waiting_for_a_long_slot(
         got = run(e, calls, order, together=True)
         assert busy.done.wait(120)
         got["busy"] = busy
+        waited = e.stats().waiting_s
     finally:
         e.shutdown()
+    # what held them, in request-seconds of steps: "waiting" the busy slot, "chunked" the one before it
+    assert waited["long_slot"] > 0 and waited["behind"] > 0 and waited["long_memory"] == 0
     first = {rid: order.index(rid) for rid in ("busy", *calls)}
     last = {rid: len(order) - 1 - order[::-1].index(rid) for rid in ("busy", *calls)}
     assert last["short"] < last["busy"] < first["waiting"]  # the short one ran while the long one waited
@@ -361,8 +366,10 @@ def test_short_request_passes_a_long_one_waiting_for_the_chunked_prefill(
     calls = {"first": (SYSTEM, GREEDY), "second": (OTHER, GREEDY), "short": (USER, short_sp)}
     try:
         got = run(e, calls, order, together=True)
+        waited = e.stats().waiting_s
     finally:
         e.shutdown()
+    assert waited["chunked_prefill"] > 0 and waited["long_slot"] == 0
     assert order.count("short") == 8  # a token a step: one event each
     assert len(order) - 1 - order[::-1].index("short") < order.index("first") < order.index("second")
     ref = run(plain_engine, calls)

@@ -156,7 +156,7 @@ COUNTERS = (
 )  # fmt: skip
 
 
-def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, dict[str, float | None]]:
+def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, dict[str, Any]]:
     """Per engine, over the samples in [t0, t1] in which its cell was in rollout: how its busy rollout
     time went, from the growth of its cumulative counters between two samples (a counter that fell
     counts from zero: the engine restarted). `computing_share` = (decode + prefill seconds of the engine
@@ -169,10 +169,12 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     `command_s` (the engine thread in its steps, and on calls from the server's other threads),
     `step_other_s` (step seconds outside decode and prefill: admission's lookups and claims, prefixes
     stored, copies to the host tier) and `idle_s` (busy rollout seconds with the engine thread in neither:
-    waiting for a request's turn, or the process's own overhead); None where it does not count them.
-    Engines that report no counters are left out."""
+    waiting for a request's turn, or the process's own overhead); `waiting_by_reason` (requests waiting,
+    averaged over rollout time, by what held them at admission: gyre-engine's `waiting_s`, over the
+    engine's steps); None where it does not count them. Engines that report no counters are left out."""
     acc: dict[int, dict[str, float]] = {}
     counted: dict[int, set[str]] = {}  # the counters each engine reported
+    held: dict[int, dict[str, float]] = {}  # request-seconds waiting, by reason
     for prev, cur in itertools.pairwise(samples):
         a, b = max(prev.t, t0), min(cur.t, t1)
         if b <= a:
@@ -190,13 +192,19 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 e[k] += y - x if y >= x else y
             e["rollout_s"] += b - a
             e["waiting_s"] += float(p.get("waiting") or 0.0) * (b - a)
+            wp, wc = p.get("waiting_s"), c.get("waiting_s")
+            if isinstance(wp, dict) and isinstance(wc, dict):
+                w = held.setdefault(cid, {})
+                for why, y in wc.items():
+                    x = float(wp.get(why, 0.0))
+                    w[why] = w.get(why, 0.0) + (float(y) - x if float(y) >= x else float(y))
             if busy_between(prev, cur, cid):
                 e["busy_s"] += b - a
 
     def ratio(x: float, y: float, scale: float = 1.0, nd: int = 3) -> float | None:
         return round(scale * x / y, nd) if y > 0 else None
 
-    out: dict[str, dict[str, float | None]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for cid, e in sorted(acc.items()):
         has = counted.get(cid, set())
         prefill_s = e["prefill_s"] if "prefill_s" in has else None
@@ -217,6 +225,11 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 for k in ("evicted_tokens", "host_spilled_tokens", "host_hit_tokens")
             },
             **_thread_time(e, has, prefill_s),
+            "waiting_by_reason": (
+                {why: ratio(x, e["rollout_s"], nd=2) for why, x in sorted(held[cid].items())}
+                if cid in held
+                else None
+            ),
         }
     return out
 

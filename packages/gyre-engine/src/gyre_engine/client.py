@@ -579,6 +579,7 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             host_hit_tokens=info.host_hit_tokens,
             step_s=info.step_time_s,
             command_s=info.command_time_s,
+            waiting_s=info.waiting_s or None,
         ),
     )
 

@@ -278,6 +278,12 @@ class ServerInfo(msgspec.Struct, frozen=True):
     command_time_s: float = 0.0
     """Seconds the engine thread spent on calls from the server's other threads since start (prefix
     offers and installs, weight updates, memory release and resume, counters read)."""
+    waiting_s: dict[str, float] = msgspec.field(default_factory=dict)
+    """Request-seconds spent waiting for admission during the engine's steps since start, by what held
+    the requests: `rows` (every row taken), `prefill_budget` (the step's prefill budget spent),
+    `chunked_prefill` (it is busy with another request), `long_slot` (every long slot busy),
+    `long_memory` (the long slots not allocated for want of GPU memory), `behind` (an earlier request
+    that waits for the chunked prefill or a long slot goes first)."""
 
 
 SGLANG_VERSION = "0.5.23"
@@ -395,6 +401,8 @@ class EngineCounters(msgspec.Struct, frozen=True):
     """Seconds the engine thread spent in its steps (gyre-engine's `step_time_s`)."""
     command_s: float | None = None
     """Seconds the engine thread spent on calls from other threads (gyre-engine's `command_time_s`)."""
+    waiting_s: dict[str, float] | None = None
+    """Request-seconds spent waiting for admission, by what held the requests (gyre-engine's)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

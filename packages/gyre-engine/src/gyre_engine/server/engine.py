@@ -25,8 +25,8 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 from gyre_xfer.pinning import host_pinning
@@ -77,6 +77,15 @@ class EngineStats:
     host_hit_tokens: int = 0
     step_time_s: float = 0.0
     command_time_s: float = 0.0
+    waiting_s: dict[str, float] = field(default_factory=dict)
+
+
+WaitReason = Literal["rows", "prefill_budget", "chunked_prefill", "long_slot", "long_memory", "behind"]
+WAIT_REASONS: tuple[WaitReason, ...] = get_args(WaitReason)
+"""What keeps a request waiting at a step's admission: every row taken (`max_running_requests`), the
+step's `prefill_chunk` budget spent, the chunked prefill busy with another request, every long slot busy,
+the long slots not allocated for want of memory, or an earlier request that waits for the chunked prefill
+or a long slot (first come, first served among them)."""
 
 
 @dataclass
@@ -223,6 +232,10 @@ class Engine:
             self.config.max_cached_tokens, self.config.host_cached_tokens, host_pinning(self.device)
         )
         self._long_retry_at = 0.0
+        self._held: dict[WaitReason, int] = {}
+        """The requests this step's admission left waiting, by what held them."""
+        self._waiting_s: dict[WaitReason, float] = dict.fromkeys(WAIT_REASONS, 0.0)
+        """Request-seconds of steps spent waiting since start, by what held them (`WAIT_REASONS`)."""
         """When a long slots' allocation that found no room may be tried again (monotonic seconds)."""
         self.compiled_prefill: Any = None
         """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
@@ -364,6 +377,7 @@ class Engine:
             host_hit_tokens=self.prefix.host_hit_tokens,
             step_time_s=st["step_time_s"],
             command_time_s=st["command_time_s"],
+            waiting_s={str(why): t for why, t in self._waiting_s.items()},
         )
 
     def counts(self) -> tuple[int, int]:
@@ -457,12 +471,16 @@ class Engine:
                     cmd = None
             if self._can_step():
                 t0 = time.perf_counter()
+                self._held.clear()
                 try:
                     self._step()
                 except Exception as exc:
                     log.exception("engine step failed; failing the running requests")
                     self._abort_all_now(f"engine error: {exc}", 500, "InternalServerError")
-                self._stats["step_time_s"] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._stats["step_time_s"] += dt
+                for why, n in self._held.items():
+                    self._waiting_s[why] += n * dt
 
     def _step(self) -> None:
         """Prefill fresh prompts up to `prefill_chunk` tokens (one padded pass) and prefix-cached prompts
@@ -509,13 +527,16 @@ class Engine:
         admitted: list[Running] = []
         held = False  # a request that needs the chunked prefill or a long slot could not start this step
         running = len(self._in_flight())
+        waiting = list(self._waiting)
         try:
-            for r in list(self._waiting):
+            for i, r in enumerate(waiting):
                 if running + len(joining) + len(group) >= self.config.max_running_requests or budget <= 0:
+                    self._hold("rows" if budget > 0 else "prefill_budget", len(waiting) - i)
                     break
                 n = r.context_length()
                 long = self._wants_long(r, n)
                 if long and held:
+                    self._hold("behind")
                     continue  # it may not overtake an earlier one that waits: no lookup
                 hit = self._lookup(r, n)
                 if not long and hit.kv is None and n <= budget:
@@ -529,12 +550,14 @@ class Engine:
                 # and while it cannot start it keeps its place and those behind it that fit go on
                 at_once = n - hit.length <= budget
                 if not at_once and (held or self._partial is not None):
+                    self._hold("chunked_prefill" if self._partial is not None else "behind")
                     held = True
                     continue
                 cache: Any
                 if long:
                     claim = self._claim_long_slot(hit, joining)
-                    if claim is None:  # every long slot is busy
+                    if claim is None:  # every long slot is busy, or they have no memory yet
+                        self._hold("long_slot" if self._long_slots_allocated() else "long_memory")
                         held = True
                         continue
                     cache, row, pos = claim  # pos is hit.length
@@ -557,6 +580,14 @@ class Engine:
                 for r in admitted:
                     r.hit = None  # its views would keep an entry's memory for as long as the call runs
         return group, budget
+
+    def _hold(self, why: WaitReason, n: int = 1) -> None:
+        """Count `n` requests left waiting this step for `why`."""
+        self._held[why] = self._held.get(why, 0) + n
+
+    def _long_slots_allocated(self) -> bool:
+        batch = self._long_batch()
+        return batch is not None and bool(batch.capacity)
 
     def _lookup(self, r: Running, n: int) -> PrefixHit:
         """The longest cached prefix of `r`'s context (`n` tokens; at most `n - 1`, so one is computed).

@@ -175,6 +175,7 @@ class InfoRoutes:
                 host_hit_tokens=st.host_hit_tokens,
                 step_time_s=round(st.step_time_s, 4),
                 command_time_s=round(st.command_time_s, 4),
+                waiting_s={k: round(v, 4) for k, v in st.waiting_s.items()},
                 **_device_memory(engine.device),
             )
         )
