@@ -35,7 +35,6 @@ def test_summary_names_the_largest_live_children(tmp_path: Path) -> None:
     proc = _proc(tmp_path, {11: 24_536_678, 12: 23_068_672, 13: 6_396_314, 14: 1_048_576})
     pids = tmp_path / "pids.txt"
     pids.write_text("11 engine-1\n12 engine-0\n13 cell-0\n14 proxy\n99 cell-1\n")  # 99 is gone
-    assert hostmem.meminfo(proc / "meminfo")["HugePages_Total"] == 0  # a count, not kB
     assert hostmem.children_rss(pids, proc) == {
         "engine-1": (24_536_678 * 1024, 12_268_339 * 1024),
         "engine-0": (23_068_672 * 1024, 11_534_336 * 1024),
@@ -55,8 +54,7 @@ def test_summary_without_children_or_proc(tmp_path: Path) -> None:
 
 
 def test_this_machines_own_process() -> None:
-    if not Path("/proc/meminfo").exists():
+    if not Path("/proc/self/status").exists():
         pytest.skip("no /proc here")
-    assert hostmem.meminfo()["MemAvailable"] > 0
     rss, anon = hostmem.rss_bytes(os.getpid()) or (0, 0)
     assert rss >= anon > 10 << 20  # an interpreter with pytest holds more

@@ -9,22 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gyre_base.meminfo import meminfo
+
 GIB = 1 << 30
-
-
-def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
-    """/proc/meminfo's fields in bytes (empty where there is none)."""
-    out: dict[str, int] = {}
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return out
 
 
 def rss_bytes(pid: int, proc: Path = Path("/proc")) -> tuple[int, int] | None:

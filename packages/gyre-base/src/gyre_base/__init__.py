@@ -2,7 +2,8 @@
 
 `token` (the run token: where it comes from, the loopback rule, the HTTP bearer check; standard library
 only), `sockets` (ZeroMQ sockets made one way, bound and connected under the token with CURVE; needs the
-`zmq` extra), `tables` (strict TOML/JSON/YAML table -> dataclass loading), `version` (the version a
+`zmq` extra), `tables` (strict TOML/JSON/YAML table -> dataclass loading), `meminfo` (the host's memory, from
+/proc/meminfo), `version` (the version a
 package reports) and `testing` (helpers for the members' tests; `pytest_plugin` has their fixtures).
 Nothing here imports another gyre package.
 """

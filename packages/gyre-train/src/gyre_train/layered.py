@@ -21,6 +21,7 @@ import inspect
 from typing import Any
 
 import torch
+from gyre_base.meminfo import available_bytes
 from gyre_traj.loss import LossConfig, TorchBatch
 from gyre_traj.pack import PackedBatch
 
@@ -88,7 +89,7 @@ def choose(b: PackedBatch, budget: int, model: Any, memory: ChunkMemory) -> Chun
         "layers-host": (host["device_bytes"], host["host_bytes"]),
     }
     return pick_method(
-        need, memory, free_dev, _free_host_bytes(), f"tree of {b.num_tokens} tokens (chunk budget {budget})"
+        need, memory, free_dev, available_bytes(), f"tree of {b.num_tokens} tokens (chunk budget {budget})"
     )
 
 
@@ -113,17 +114,6 @@ def pick_method(
             f"free: {free_dev / 2**30:.1f} GiB device, {free_host / 2**30:.1f} GiB host"
         )
     return pick
-
-
-def _free_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class _OneLayer:
