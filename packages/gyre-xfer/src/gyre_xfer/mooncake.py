@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from .api import BatchResult, Config, EntryStatus, Op, Region, check_ranges
 from .buffers import view_of
 from .errors import TransferFailedError, TransportUnavailableError, XferError
 from .protocol import RegionDesc, TransportKind
-from .transport import BatchResult, Config, EntryStatus, Op, Region, check_ranges
 
 # shared library -> Debian package that provides it
 _SYSTEM_LIBS = {"libibverbs.so.1": "libibverbs1", "librdmacm.so.1": "librdmacm1", "libnuma.so.1": "libnuma1"}

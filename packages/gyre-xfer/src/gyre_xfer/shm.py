@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from .api import BatchResult, Config, EntryStatus, Op, Region, check_ranges
 from .buffers import view_of
 from .errors import PeerGoneError, TransportUnavailableError, XferError
 from .protocol import RegionDesc, TransportKind
-from .transport import BatchResult, Config, EntryStatus, Op, Region, check_ranges
 
 
 def _host_tag() -> str:
