@@ -871,7 +871,7 @@ extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *result = NULL, *eid = NULL, *cid = NULL, *parent = NULL, *agent = NULL, *finish = NULL;
-    PyObject *info = NULL;
+    PyObject *info = NULL, *tree = NULL, *par_info = NULL;
     Msg m;
     prefetch(msg_buf.buf, msg_buf.len);
 
@@ -892,9 +892,11 @@ extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* 2. Its tree, and the tree-side conditions of `extend_next`: the parent is known, the call
      *    keeps the whole of it, the call id is new, no batch is in progress, and the parent ends at
      *    the arena's last token (other placements are left to Python). */
-    PyObject *obj = PyDict_GetItemWithError(trees, eid);  /* borrowed */
+    PyObject *obj = PyDict_GetItemWithError(trees, eid);
     if (obj == NULL || !PyObject_TypeCheck(obj, &TreeStateType))
         goto fail_or_decline;
+    /* (held while the tree's methods are called back, which may let another thread change `trees`) */
+    tree = Py_NewRef(obj);
     TreeState *t = (TreeState *)obj;
     if (t->execution_id == NULL || t->calls == NULL || !PyDict_Check(t->calls) || t->order == NULL ||
         !PyList_Check(t->order) || t->seg_lo == NULL || !PyList_Check(t->seg_lo) || t->seg_hi == NULL ||
@@ -906,9 +908,10 @@ extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto fail_or_decline;
     if ((parent = cached_str(&cid_cache, &m.parent)) == NULL)
         goto fail_or_decline;
-    PyObject *par = PyDict_GetItemWithError(t->calls, parent);  /* borrowed */
+    PyObject *par = PyDict_GetItemWithError(t->calls, parent);
     if (par == NULL || Py_TYPE(par) != (PyTypeObject *)cfg.call_info)
         goto fail_or_decline;
+    par_info = Py_NewRef(par);
     Py_ssize_t par_end, par_len;
     if (par == t->last_info) {
         par_end = t->last_end;
@@ -1059,6 +1062,8 @@ fail:
     result = NULL;
 done:
     Py_XDECREF(info);
+    Py_XDECREF(tree);
+    Py_XDECREF(par_info);
     Py_XDECREF(eid);
     Py_XDECREF(cid);
     Py_XDECREF(parent);
