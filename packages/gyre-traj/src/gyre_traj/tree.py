@@ -804,7 +804,9 @@ class ExecutionTree(native.TreeState):
         tree's logprob array (one memcpy each), each checked once where it landed; nothing else is read,
         and the work is that copy plus a fixed cost whatever the context's length. Returns its CallInfo,
         or None (the tree unchanged) for anything else, a bad value included: `add_view`, or `add` of
-        the decoded `Call`, then merges it or says what is wrong, as for any call."""
+        the decoded `Call`, then merges it or says what is wrong, as for any call. The native half of
+        the live path (`gyre_traj.native.extend_next`) does the same from the message's bytes, and
+        leaves to this method whatever it is not sure of."""
         d = view.input_delta
         if d is None or view.input_ids is not None or view.execution_id != self.execution_id:
             return None
