@@ -287,8 +287,9 @@ class ExecutionTree(native.TreeState):
     Its base class (`gyre_traj.native.TreeState`) holds the fields an agent's next call writes (`n`,
     the arena `_ids`, the logprob array `_lps` and `_lps_n`, the policy segments, `_policy_count`,
     `_pend_lo`, `calls`, `order`, `stats`): a C struct when the native path is built, whose
-    `extend_next` then writes them directly; it calls back `_reserve` and `_grow_lps` to grow the two
-    arrays. They read and write as ordinary attributes either way."""
+    `extend_next` then writes them directly. For the rest it calls back four methods of this class:
+    `_reserve` and `_grow_lps` to grow the two arrays, `has_children` and `_new_run` for a call whose
+    parent ends inside the arena. They read and write as ordinary attributes either way."""
 
     def __init__(self, execution_id: str, capacity: int = 1 << 12) -> None:
         self.execution_id = execution_id
