@@ -1,7 +1,8 @@
 """The live ingest path `Forest.ingest_frame`: an agent's next call read from its message's bytes
-straight into its tree (`ExecutionTree.extend_next`), anything else decoded in full. It builds the same
-tree as the plain path (each message decoded into a `Call` and added), and refuses what the plain path
-refuses with the same error, the tree keeping what it had."""
+straight into its tree (the native half, `gyre_traj.native`, or `ExecutionTree.extend_next`), anything
+else decoded in full. It builds the same tree as the plain path (each message decoded into a `Call` and
+added), and refuses what the plain path refuses with the same error, the tree keeping what it had.
+Every test here runs twice: with the native half in use and with it turned off (`live_path`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .helpers import OUT, SYS, TOOL, USER, call, ids
+
+pytestmark = pytest.mark.usefixtures("live_path")
 
 CODEC = Codec()
 PROMPT = ids(SYS, 1, 2) + ids(USER, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from gyre_traj import native
 from gyre_traj.io import Codec
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Role
@@ -43,6 +44,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.full_tree = ExecutionTree("e")  # the same calls, every input in full
         self.live = Forest()  # the same records as the proxy sends them, one msgpack message each
         self.fast = Forest()  # the same messages through the live path (`Forest.ingest_frame`)
+        self.fast_python = Forest()  # ... with its native half turned off (the same forest without it)
         self.codec = Codec()
         self.calls: dict[str, tuple[list[int], list[int]]] = {}
         self.agents: list[Agent] = []
@@ -83,6 +85,8 @@ class TreeMachine(RuleBasedStateMachine):
         back = self.live.add_frame(frame)
         assert self.codec.encode_msgpack(back) == self.codec.encode_msgpack(rec)  # decoded as sent
         assert self.fast.ingest_frame(frame) == self.tree.calls[cid]
+        with native.use_native(False):
+            assert self.fast_python.ingest_frame(frame) == self.tree.calls[cid]
         self.full_tree.add(call(cid, inp, out, role=role, agent=agent.name, t=float(self.n)))
         self.calls[cid] = (inp, out)
         return cid
@@ -183,15 +187,17 @@ class TreeMachine(RuleBasedStateMachine):
     @invariant()
     def ingest_frame_builds_the_same_tree(self) -> None:
         """The same messages through `Forest.ingest_frame` (an agent's next call read from its bytes
-        straight into the tree, anything else decoded in full) build the same tree as the calls added
-        as objects: per-token arrays, calls, order and ingest statistics (drifts included)."""
+        straight into the tree, anything else decoded in full), with its native half in use (when
+        built) and turned off, build the same tree as the calls added as objects: per-token arrays,
+        calls, order and ingest statistics (drifts included)."""
         if not self.calls:
             return
-        fast = self.fast.trees["e"]
-        for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
-            assert np.array_equal(getattr(fast, name), getattr(self.tree, name)), name
-        assert fast.calls == self.tree.calls and fast.order == self.tree.order
-        assert fast.stats == self.tree.stats
+        for forest in (self.fast, self.fast_python):
+            fast = forest.trees["e"]
+            for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
+                assert np.array_equal(getattr(fast, name), getattr(self.tree, name)), name
+            assert fast.calls == self.tree.calls and fast.order == self.tree.order
+            assert fast.stats == self.tree.stats
 
     @invariant()
     def unique_tokens_equal_naive_prefix_set(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, cast
 import msgspec
 import numpy as np
 
+from gyre_traj import native
 from gyre_traj.io import (
     EXT_F32,
     EXT_IDS,
@@ -116,6 +117,8 @@ _fmax = np.maximum.reduce
 _imin = np.minimum.reduce  # (`ndarray.min` without its Python wrapper)
 _Ext = msgspec.msgpack.Ext
 _CODES = (EXT_IDS, EXT_IDS, EXT_F32)  # the extension types of a call's input ids, output ids, logprobs
+# What the native path (`native.extend_next`) builds and checks against.
+native.setup(CallInfo, {r.value: r for r in Role}, SCHEMA_VERSION, MAX_WEIGHT_VERSION, _NO_PENDING)
 
 
 def _view_fields_ok(view: CallView) -> bool:
@@ -273,21 +276,28 @@ class _BatchPlan:
         )
 
 
-class ExecutionTree:
+class ExecutionTree(native.TreeState):
     """Prefix tree of one execution's calls. Add calls in an order where delta parents come first.
 
     Stored per token: the id and the policy flag. Stored per run (a stretch appended together, inside
     which each token's parent is the one before it): first node, parent, depth. Parent and depth per
     token, and logprob and weight version per token (kept as references to the records' output arrays
-    until then), are derived on first use and cached until the tree changes."""
+    until then), are derived on first use and cached until the tree changes.
+
+    Its base class (`gyre_traj.native.TreeState`) holds the fields an agent's next call writes (`n`,
+    the arena `_ids`, the logprob array `_lps` and `_lps_n`, the policy segments, `_policy_count`,
+    `_pend_lo`, `calls`, `order`, `stats`): a C struct when the native path is built, whose
+    `extend_next` then writes them directly. For the rest it calls back four methods of this class:
+    `_reserve` and `_grow_lps` to grow the two arrays, `has_children` and `_new_run` for a call whose
+    parent ends inside the arena. They read and write as ordinary attributes either way."""
 
     def __init__(self, execution_id: str, capacity: int = 1 << 12) -> None:
         self.execution_id = execution_id
         self.n = 0
         self._ids = np.empty(capacity, ID_DTYPE)
         self._ids_b = memoryview(self._ids).cast("B")  # a message's ids are copied in by memcpy
-        # The logprobs of the calls `extend_next` took, appended in one array grown 2x (a segment
-        # refers to the array it was written into, which stays valid when a larger one replaces it).
+        # The logprobs of the calls `extend_next` took, appended to one array; when it is full, a fresh
+        # one twice its size takes over (a segment refers to the array it was written into).
         self._lps = np.empty(0, LOGPROB_DTYPE)
         self._lps_b = memoryview(self._lps).cast("B")
         self._lps_n = 0
@@ -795,7 +805,9 @@ class ExecutionTree:
         tree's logprob array (one memcpy each), each checked once where it landed; nothing else is read,
         and the work is that copy plus a fixed cost whatever the context's length. Returns its CallInfo,
         or None (the tree unchanged) for anything else, a bad value included: `add_view`, or `add` of
-        the decoded `Call`, then merges it or says what is wrong, as for any call."""
+        the decoded `Call`, then merges it or says what is wrong, as for any call. The native half of
+        the live path (`gyre_traj.native.extend_next`) does the same from the message's bytes, and
+        leaves to this method whatever it is not sure of."""
         d = view.input_delta
         if d is None or view.input_ids is not None or view.execution_id != self.execution_id:
             return None
@@ -847,7 +859,8 @@ class ExecutionTree:
             a = self._lps_n
             b = a + k_out
             if b > self._lps.shape[0]:
-                self._grow_lps(b)
+                self._grow_lps(k_out)
+                a, b = 0, k_out
             arr = self._lps
             self._lps_b[a << 2 : b << 2] = lps_b
             got = arr[a:b]
@@ -947,9 +960,12 @@ class ExecutionTree:
         )
 
     def _grow_lps(self, need: int) -> None:
+        """A fresh logprob array for `extend_next` with room for at least `need` logprobs (twice the
+        last one's size at least), written from its start. Nothing is copied: each segment refers to
+        the array its logprobs were written into, which it keeps alive."""
         grown = np.empty(max(need, 2 * self._lps.shape[0], 1 << 12), LOGPROB_DTYPE)
-        grown[: self._lps_n] = self._lps[: self._lps_n]
         self._lps = grown
+        self._lps_n = 0
         self._lps_b = memoryview(grown).cast("B")
 
     def add_batch(self, batch: CallBatch) -> None:
@@ -1387,12 +1403,19 @@ class Forest:
         """The live ingest path, for a service that takes records off a socket one message at a time:
         `add_frame`'s contract, returning the CallInfo the tree gave a call (the record itself for a
         score or a batch). A call goes from the message's bytes straight into its tree, no `Call`
-        built: an agent's next call (the proxy's usual message) through `ExecutionTree.extend_next`
-        (one copy of its tokens), any other well-formed call through `ExecutionTree.merge_view` (the
+        built: an agent's next call (the proxy's usual message) through the native path when it is in
+        use (`gyre_traj.native`: the message parsed in C, its tokens copied and checked in one pass,
+        the call registered), else, or when that path leaves it (anything it is not sure of), through
+        `ExecutionTree.extend_next` (one copy of its tokens); any other well-formed call through `ExecutionTree.merge_view` (the
         merge `add` uses); any other record, or a call neither takes (a bad value, another array
         encoding), is decoded and added in full, which gives the same tree and the same errors.
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
+        fast = native.extend_next
+        if fast is not None:  # the native path: an agent's next call placed from the bytes, or None
+            info = fast(data, self.trees)
+            if info is not None:
+                return info
         if view is None:
             try:  # (`read_view`, inline: this runs once per message)
                 view = self._view_dec.decode(data)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre_traj import __version__
+from gyre_traj import __version__, native
 from gyre_traj.io import Codec, encode_msgpack_stream
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Call
@@ -68,6 +68,13 @@ def _ingest_live(frames: list[bytes]) -> ExecutionTree:
     return forest.trees["bench"]
 
 
+def _ingest_live_python(frames: list[bytes]) -> ExecutionTree:
+    """The live path with its native half turned off (`gyre_traj.native.use_native(False)`): what an
+    install without a C compiler runs."""
+    with native.use_native(False):
+        return _ingest_live(frames)
+
+
 def _ingest_plain(frames: list[bytes]) -> ExecutionTree:
     """The same records one at a time through `Forest.add_frame` (each decoded into a `Call`, then
     added): the live path's reference."""
@@ -81,17 +88,21 @@ def _ingest_plain(frames: list[bytes]) -> ExecutionTree:
 class _SideBySide:
     """Medians (and pairwise-ratio quartiles) of the 700k execution's ingests against a copy of its bytes,
     each measured in turn in one loop so that all see the same machine load: the live path
-    (`ingest_frame`), the plain one-record-at-a-time path (`add_frame`: its reference) and the batched
+    (`ingest_frame`, its native half in use when built), the same with its native half turned off
+    (pure Python), the plain one-record-at-a-time path (`add_frame`: its reference) and the batched
     one."""
 
     live_s: float
     live_copy_s: float
+    live_python_s: float
     plain_s: float
     batched_s: float
     batched_copy_s: float
     live_pairs: list[float]
+    live_python_pairs: list[float]
     batched_pairs: list[float]
     live_cpu_ratio: float
+    live_python_cpu_ratio: float
     batched_cpu_ratio: float
     """The same ratios of medians in this process's CPU time (`time.process_time`), which other jobs on
     the machine inflate less than wall-clock time."""
@@ -106,7 +117,8 @@ def _side_by_side(
     live_dst, batch_dst = np.empty_like(live_src), np.empty_like(batch_src)
     np.copyto(live_dst, live_src)  # touch the destinations once: the copies are timed into warm memory
     np.copyto(batch_dst, batch_src)
-    t: dict[str, list[float]] = {k: [] for k in ("live", "live_copy", "plain", "batched", "batched_copy")}
+    keys = ("live", "live_copy", "live_python", "plain", "batched", "batched_copy")
+    t: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in t}
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
@@ -116,33 +128,46 @@ def _side_by_side(
         cpu[key].append(time.process_time() - c0)
         return result
 
-    live_tree = batched_tree = None
+    live_tree = batched_tree = python_tree = None
     for _ in range(repeats):
-        live_tree = None  # drop the previous tree first, as a long-running service would have
+        live_tree = python_tree = None  # drop the previous trees first, as a long-running service would
         timed("plain", lambda: _ingest_plain(frames))
         timed("live_copy", lambda: np.copyto(live_dst, live_src))
         live_tree = timed("live", lambda: _ingest_live(frames))
+        python_tree = timed("live_python", lambda: _ingest_live_python(frames))
         timed("batched_copy", lambda: np.copyto(batch_dst, batch_src))
         batched_tree = None
         batched_tree = timed("batched", lambda: _ingest(batched))
-    assert live_tree is not None and batched_tree is not None
+    assert live_tree is not None and batched_tree is not None and python_tree is not None
+    for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
+        if not np.array_equal(getattr(live_tree, name), getattr(python_tree, name)):
+            raise AssertionError(
+                f"the live path with and without its native half built different trees ({name})"
+            )
+    if live_tree.calls != python_tree.calls or live_tree.stats != python_tree.stats:
+        raise AssertionError("the live path with and without its native half registered different calls")
     med = {k: statistics.median(v) for k, v in t.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     side = _SideBySide(
         live_s=med["live"],
         live_copy_s=med["live_copy"],
+        live_python_s=med["live_python"],
         plain_s=med["plain"],
         batched_s=med["batched"],
         batched_copy_s=med["batched_copy"],
         live_pairs=[i / c for i, c in zip(t["live"], t["live_copy"], strict=True)],
+        live_python_pairs=[i / c for i, c in zip(t["live_python"], t["live_copy"], strict=True)],
         batched_pairs=[i / c for i, c in zip(t["batched"], t["batched_copy"], strict=True)],
         live_cpu_ratio=med_cpu["live"] / med_cpu["live_copy"],
+        live_python_cpu_ratio=med_cpu["live_python"] / med_cpu["live_copy"],
         batched_cpu_ratio=med_cpu["batched"] / med_cpu["batched_copy"],
     )
     return side, live_tree, batched_tree
 
 
-def _live_peak(frames: list[bytes], repeats: int = 3) -> int:
+def _live_peak(
+    frames: list[bytes], repeats: int = 3, ingest: Callable[[list[bytes]], Any] = _ingest_live
+) -> int:
     """Median over `repeats` of the peak of memory allocated (tracemalloc: Python objects and numpy
     buffers) while the live path ingests `frames`, above what was allocated before it started (the
     frames themselves are the input, not counted)."""
@@ -150,7 +175,7 @@ def _live_peak(frames: list[bytes], repeats: int = 3) -> int:
     for _ in range(repeats):
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        tree = _ingest_live(frames)
+        tree = ingest(frames)
         peaks.append(tracemalloc.get_traced_memory()[1] - base)
         tracemalloc.stop()
         del tree
@@ -185,6 +210,13 @@ def _check_calls(tree: ExecutionTree, calls: list[Call]) -> None:
             raise AssertionError(f"the live ingest does not give call {c.call_id} back as it went in")
 
 
+def _native_state() -> str:
+    """Whether the live path's native half is in use, in words."""
+    if native.in_use():
+        return "in use"
+    return "built, turned off" if native.BUILT else "not built: pure Python"
+
+
 def _progress(msg: str) -> None:
     print(f"[gyre-traj bench] {msg}", file=sys.stderr, flush=True)
 
@@ -211,7 +243,10 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
 
     _progress("ingesting full records")
     full_s, full_copy_s, _, tree_full = _ingest_vs_copy(full_stream, repeats)
-    _progress(f"ingesting delta records: live (one record at a time) and batched, {delta_repeats} rounds")
+    _progress(
+        f"ingesting delta records: live (one record at a time; native half {_native_state()}; and the "
+        f"same in pure Python) and batched, {delta_repeats} rounds"
+    )
     codec = Codec()
     frames = [codec.encode_msgpack(c) for c in delta_calls]  # what the proxy sends: one message a call
     live_bytes = sum(map(len, frames))
@@ -220,6 +255,7 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
     per_call_s, per_call_copy_s, _, tree_pc = _ingest_vs_copy(per_call_stream, delta_repeats)
     _progress("peak memory of the live ingest (tracemalloc)")
     live_peak = _live_peak(frames)
+    live_python_peak = _live_peak(frames, ingest=_ingest_live_python)
     for other in (tree_full, tree_pc, tree_live):
         for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
             if not np.array_equal(getattr(tree, name), getattr(other, name)):
@@ -261,11 +297,17 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "delta_over_copy": round(delta_s / delta_copy_s, 2),
         "delta_repeats": delta_repeats,
         "delta_pair_ratio_quartiles": _quartiles(side.batched_pairs),
+        "native_built": native.BUILT,
+        "native_in_use": native.in_use(),
         "execution_bytes_live": live_bytes,
         "ingest_live_s": round(side.live_s, 4),
         "memcpy_live_s": round(side.live_copy_s, 5),
         "ingest_over_memcpy_700k_live": round(side.live_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_live_pair_quartiles": _quartiles(side.live_pairs),
+        "ingest_live_python_s": round(side.live_python_s, 4),
+        "ingest_over_memcpy_700k_live_python": round(side.live_python_s / side.live_copy_s, 2),
+        "ingest_over_memcpy_700k_live_python_pair_quartiles": _quartiles(side.live_python_pairs),
+        "ingest_over_memcpy_700k_live_python_cpu": round(side.live_python_cpu_ratio, 2),
         "ingest_plain_s": round(side.plain_s, 4),
         "ingest_over_memcpy_700k_live_plain": round(side.plain_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_batched": round(delta_s / delta_copy_s, 2),
@@ -273,6 +315,8 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "ingest_over_memcpy_700k_batched_cpu": round(side.batched_cpu_ratio, 2),
         "ingest_peak_bytes_live": live_peak,
         "ingest_peak_over_bytes": round(live_peak / live_bytes, 3),
+        "ingest_peak_bytes_live_python": live_python_peak,
+        "ingest_peak_over_bytes_python": round(live_python_peak / live_bytes, 3),
         "ingest_peak_method": "tracemalloc: peak allocated during the live ingest, frames excluded",
         "delta_per_call_ingest_s": round(per_call_s, 4),
         "delta_per_call_copy_s": round(per_call_copy_s, 5),
@@ -290,6 +334,10 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "pack_tree_s": round(pack_s, 4),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    _progress(
+        f"live ingest / memcpy: {result['ingest_over_memcpy_700k_live']}x with the native half "
+        f"({_native_state()}), {result['ingest_over_memcpy_700k_live_python']}x in pure Python"
+    )
     line = json.dumps(result)
     if out:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
