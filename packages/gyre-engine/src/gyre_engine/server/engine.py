@@ -232,11 +232,11 @@ class Engine:
             self.config.max_cached_tokens, self.config.host_cached_tokens, host_pinning(self.device)
         )
         self._long_retry_at = 0.0
+        """When a long slots' allocation that found no room may be tried again (monotonic seconds)."""
         self._held: dict[WaitReason, int] = {}
         """The requests this step's admission left waiting, by what held them."""
         self._waiting_s: dict[WaitReason, float] = dict.fromkeys(WAIT_REASONS, 0.0)
         """Request-seconds of steps spent waiting since start, by what held them (`WAIT_REASONS`)."""
-        """When a long slots' allocation that found no room may be tried again (monotonic seconds)."""
         self.compiled_prefill: Any = None
         """The compiled `group_forward` (None: eager; compiled on the first prefill when enabled)."""
         self._compile_prefill = self.config.compile_prefill and self.device.type == "cuda"
