@@ -25,7 +25,8 @@ def _members() -> list[tuple[str, str, str, str]]:
     for pattern in globs:
         for folder in sorted(glob.glob(str(ROOT / pattern))):
             project = tomllib.loads((Path(folder) / "pyproject.toml").read_text())["project"]
-            (src,) = (Path(folder) / "src").iterdir()  # src layout: one package each
+            # src layout: one package each (beside it, setuptools' build metadata of an editable install)
+            (src,) = [p for p in (Path(folder) / "src").iterdir() if (p / "__init__.py").exists()]
             (script,) = project["scripts"]
             out.append((project["name"], project["version"], src.name, script))
     return out
