@@ -125,3 +125,19 @@ def test_an_offer_whose_copy_fails_frees_its_arena(hubs: tuple[XferHub, XferHub]
     with pytest.raises(RuntimeError):
         offer(src, bad)
     assert {f for f in os.listdir(SHM_DIR) if f.startswith(mine)} == before
+
+
+@pytest.mark.parametrize("block_tokens", [10, 11, 2**63 - 1])
+def test_a_block_larger_than_the_prefix_is_one_block_of_the_prefix(
+    hubs: tuple[XferHub, XferHub], block_tokens: int
+) -> None:
+    """A block of more tokens than the prefix holds it whole: the offer says blocks of the prefix's size,
+    and the import equals it. (2^63 - 1, which the fuzz test sent, made the pool's size overflow: a 500.)"""
+    src, dst = hubs
+    kv = kv_of(3, 2, 10)
+    o = offer(src, kv, block_tokens)
+    assert o.block_tokens == 10 and len(msgspec.json.decode(o.kv_offer, type=KvOffer).block_ids) == 1
+    got, arrived = pull(dst, o)
+    assert same(got, kv) and src.release(o.offer_id, arrived)
+    with pytest.raises(ValueError, match="at least 1"):
+        offer(src, kv, 0)

@@ -229,8 +229,7 @@ class XferHub:
     ) -> PrefixOffer:
         """Copy `kv` (covering `token_ids`) into a pool of `block_tokens`-token blocks, in a spare arena or
         a new one (freed if the copy fails)."""
-        if body.block_tokens < 1:
-            raise KvTransferError("block_tokens must be at least 1")
+        body = _whole_blocks(body, len(token_ids))
         self.sweep()
         n, bt = len(token_ids), body.block_tokens
         nb = -(-n // bt)
@@ -277,8 +276,7 @@ class XferHub:
         IPC. Runs on the engine thread: the copies queue on its stream after the KV's own writes, and the
         buffer's allocation (expandable segments off) is the only one made meanwhile. `NoDeviceRoom` when
         the buffer would leave the GPU less than `keep_free_bytes` free (or does not fit at all)."""
-        if body.block_tokens < 1:
-            raise KvTransferError("block_tokens must be at least 1")
+        body = _whole_blocks(body, len(token_ids))
         self.sweep()
         n, layers = len(token_ids), len(kv.keys)
         k0 = kv.keys[0]
@@ -612,3 +610,13 @@ def xfer_status(exc: XferError) -> tuple[int, str, bool]:
         if isinstance(exc, cls):
             return status, type(exc).__name__, retry
     return 400, type(exc).__name__, False
+
+
+def _whole_blocks(body: OfferPrefixRequest, n: int) -> OfferPrefixRequest:
+    """`body` with `block_tokens` at most the `n` tokens offered (a larger block holds the same one
+    block, and its bytes could not be counted in C); KvTransferError below 1."""
+    if body.block_tokens < 1:
+        raise KvTransferError("block_tokens must be at least 1")
+    if body.block_tokens <= n:
+        return body
+    return msgspec.structs.replace(body, block_tokens=max(n, 1))
