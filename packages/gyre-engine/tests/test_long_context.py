@@ -448,6 +448,33 @@ def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, p
     assert_as_served_alone({"a": got["a"], "b": got["b"], "a2": a2}, ref)
 
 
+def test_a_long_call_whose_rest_fits_passes_one_waiting_for_the_chunked_prefill(
+    model_dir: Path, plain_engine: Engine
+) -> None:
+    """Three long slots. "a" takes the chunked prefill, "b" waits for it (keeping an idle slot for when it
+    gets it), and "c", an agent's next call whose context is cached in its own idle slot and whose rest
+    fits one chunk, starts at once in that slot: its first token comes before "a"'s, whose prefill takes
+    many steps. (First come first served held "c" behind "b" until the chunked prefill was free.) Each
+    equals its reference."""
+    e = with_long_slots(model_dir, 3, prefill_chunk=32, run_steps=1)
+    order: list[str] = []
+    try:
+        first = run(e, {"c0": (THIRD, GREEDY)})["c0"]
+        calls = {
+            "a": (SYSTEM, GREEDY),
+            "b": (OTHER, GREEDY),
+            "c": (THIRD + first.tokens + TOOL[:16], GREEDY),
+        }
+        got = run(e, calls, order, together=True)
+        waited = e.stats().waiting_s
+    finally:
+        e.shutdown()
+    assert order.index("c") < order.index("a") < order.index("b")
+    assert got["c"].cached == len(THIRD) + len(first.tokens) - 1  # its own slot, taken back
+    assert waited["chunked_prefill"] > 0
+    assert_as_served_alone(got, run(plain_engine, calls))
+
+
 def test_a_long_request_waits_for_a_free_long_slot(model_dir: Path, plain_engine: Engine) -> None:
     e = with_long_slots(model_dir, 2, prefill_chunk=64, run_steps=1)
     order: list[str] = []

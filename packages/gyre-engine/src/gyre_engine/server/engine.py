@@ -518,14 +518,17 @@ class Engine:
         prefix-cached prompts whose rest fits (prefilled now, into `joining`), long contexts whose rest
         fits (prefilled now into the long slot claimed for them, beside a chunked prefill under way: an
         agent's next call is mostly its cached context and a tool output), and the chunked prefill (a
-        long slot claimed for a long context) when none is under way. A request that needs the chunked
-        prefill or a long slot while neither is free keeps its place; the requests behind it that can
-        start now do, and those that need the chunked prefill or a long slot too wait behind it (first
-        come, first served among them)."""
+        long slot claimed for a long context) when none is under way. A request that cannot start keeps
+        its place, and the requests behind it that can start now do, first come first served for each
+        of the two scarce things: a request waiting for the chunked prefill keeps it from those behind
+        it, and a long request waiting (for a long slot, or for the chunked prefill) keeps an idle long
+        slot from those behind it. So a long call whose rest fits starts in an idle slot while an earlier
+        call waits for the chunked prefill, as long as a slot is left for each long one ahead of it."""
         budget = self.config.prefill_chunk
         group: list[Running] = []
         admitted: list[Running] = []
-        held = False  # a request that needs the chunked prefill or a long slot could not start this step
+        chunked_ahead = False  # an earlier request waits for the chunked prefill
+        long_ahead = 0  # earlier long requests that wait: each keeps an idle long slot from those behind
         running = len(self._in_flight())
         waiting = list(self._waiting)
         try:
@@ -535,9 +538,6 @@ class Engine:
                     break
                 n = r.context_length()
                 long = self._wants_long(r, n)
-                if long and held:
-                    self._hold("behind")
-                    continue  # it may not overtake an earlier one that waits: no lookup
                 hit = self._lookup(r, n)
                 if not long and hit.kv is None and n <= budget:
                     admitted.append(r)
@@ -549,16 +549,18 @@ class Engine:
                 # way); otherwise it needs the chunked prefill: one at a time, first come first served,
                 # and while it cannot start it keeps its place and those behind it that fit go on
                 at_once = n - hit.length <= budget
-                if not at_once and (held or self._partial is not None):
+                if not at_once and (chunked_ahead or self._partial is not None):
                     self._hold("chunked_prefill" if self._partial is not None else "behind")
-                    held = True
+                    chunked_ahead = True
+                    long_ahead += long
                     continue
                 cache: Any
                 if long:
-                    claim = self._claim_long_slot(hit, joining)
-                    if claim is None:  # every long slot is busy, or they have no memory yet
-                        self._hold("long_slot" if self._long_slots_allocated() else "long_memory")
-                        held = True
+                    claim = self._claim_long_slot(hit, joining, long_ahead)
+                    if isinstance(claim, str):  # no idle slot (or none past those kept), or no memory
+                        self._hold(claim)
+                        chunked_ahead |= not at_once
+                        long_ahead += 1
                         continue
                     cache, row, pos = claim  # pos is hit.length
                 else:
@@ -584,10 +586,6 @@ class Engine:
     def _hold(self, why: WaitReason, n: int = 1) -> None:
         """Count `n` requests left waiting this step for `why`."""
         self._held[why] = self._held.get(why, 0) + n
-
-    def _long_slots_allocated(self) -> bool:
-        batch = self._long_batch()
-        return batch is not None and bool(batch.capacity)
 
     def _lookup(self, r: Running, n: int) -> PrefixHit:
         """The longest cached prefix of `r`'s context (`n` tokens; at most `n - 1`, so one is computed).
@@ -624,18 +622,20 @@ class Engine:
         return lane.batch if lane is not None and isinstance(lane.batch, SlotBatch) else None
 
     def _claim_long_slot(
-        self, hit: PrefixHit, joining: list[tuple[Running, RowKV, int]]
-    ) -> tuple[SlotBatch, int, int] | None:
+        self, hit: PrefixHit, joining: list[tuple[Running, RowKV, int]], keep: int = 0
+    ) -> tuple[SlotBatch, int, int] | WaitReason:
         """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
         prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is
         (taken back from the prefix cache: nothing is copied), else an idle slot (the lowest that no
         cached entry holds, else the one whose cached context was used least recently) into which a hit
-        held elsewhere is copied. None if every slot is busy."""
+        held elsewhere is copied. Taken only while more than `keep` slots are idle (those are kept for
+        the long requests that wait ahead); else why not: `long_memory` (the slots have no memory yet),
+        `long_slot` (none is idle), `behind` (the idle ones are kept)."""
         batch = self._long_batch()
         if batch is None:
             batch = self._new_long_batch()
         if not batch.capacity and not self._allocate_long_batch(batch):
-            return None  # no room yet: the request waits
+            return "long_memory"  # no room yet: the request waits
         buf = batch.kv
         busy = set(batch.slot_of)
         # rows prefilled into a long slot this step, not yet placed in the batch
@@ -644,8 +644,8 @@ class Engine:
         if p is not None and p.cache is batch:
             busy.add(p.row)
         idle = [s for s in range(batch.slots) if s not in busy]
-        if not idle:
-            return None
+        if len(idle) <= keep:
+            return "behind" if idle else "long_slot"
         if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle:
             slot = hit.kv.row
         else:  # a slot no entry holds, else the one whose cached context was used least recently
