@@ -451,25 +451,27 @@ def test_a_follow_up_takes_over_its_slot_beside_a_running_row(model_dir: Path, p
 def test_a_long_call_whose_rest_fits_passes_one_waiting_for_the_chunked_prefill(
     model_dir: Path, plain_engine: Engine
 ) -> None:
-    """Three long slots. "a" takes the chunked prefill, "b" waits for it (keeping an idle slot for when it
-    gets it), and "c", an agent's next call whose context is cached in its own idle slot and whose rest
-    fits one chunk, starts at once in that slot: its first token comes before "a"'s, whose prefill takes
-    many steps. (First come first served held "c" behind "b" until the chunked prefill was free.) Each
-    equals its reference."""
+    """Three long slots. "a" takes the chunked prefill, "b" and "d" wait for it (keeping one idle slot
+    between them: they start one at a time), and "c", an agent's next call whose context is cached in its
+    own idle slot and whose rest fits one chunk, starts at once in that slot: its first token comes before
+    "a"'s, whose prefill takes many steps. (First come first served held "c" behind "b" until the chunked
+    prefill was free.) Each equals its reference."""
     e = with_long_slots(model_dir, 3, prefill_chunk=32, run_steps=1)
     order: list[str] = []
+    fourth = [1400 + (i * 3) % 500 for i in range(270)]
     try:
         first = run(e, {"c0": (THIRD, GREEDY)})["c0"]
         calls = {
             "a": (SYSTEM, GREEDY),
             "b": (OTHER, GREEDY),
+            "d": (fourth, GREEDY),
             "c": (THIRD + first.tokens + TOOL[:16], GREEDY),
         }
         got = run(e, calls, order, together=True)
         waited = e.stats().waiting_s
     finally:
         e.shutdown()
-    assert order.index("c") < order.index("a") < order.index("b")
+    assert order.index("c") < order.index("a") < order.index("b") < order.index("d")
     assert got["c"].cached == len(THIRD) + len(first.tokens) - 1  # its own slot, taken back
     assert waited["chunked_prefill"] > 0
     assert_as_served_alone(got, run(plain_engine, calls))

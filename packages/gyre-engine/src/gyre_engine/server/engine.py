@@ -521,14 +521,16 @@ class Engine:
         long slot claimed for a long context) when none is under way. A request that cannot start keeps
         its place, and the requests behind it that can start now do, first come first served for each
         of the two scarce things: a request waiting for the chunked prefill keeps it from those behind
-        it, and a long request waiting (for a long slot, or for the chunked prefill) keeps an idle long
-        slot from those behind it. So a long call whose rest fits starts in an idle slot while an earlier
-        call waits for the chunked prefill, as long as a slot is left for each long one ahead of it."""
+        it, and the long requests waiting keep idle long slots from those behind them: one each for
+        those whose rest fits (they wait for a slot alone), one between those that wait for the chunked
+        prefill (they start one at a time). So a long call whose rest fits starts in an idle slot while
+        an earlier call waits for the chunked prefill, as long as the slots kept for those ahead remain."""
         budget = self.config.prefill_chunk
         group: list[Running] = []
         admitted: list[Running] = []
         chunked_ahead = False  # an earlier request waits for the chunked prefill
-        long_ahead = 0  # earlier long requests that wait: each keeps an idle long slot from those behind
+        long_ahead = 0  # earlier long requests whose rest fits that wait for a slot: one kept for each
+        long_chunked = False  # an earlier long request waits for the chunked prefill: one slot kept for it
         running = len(self._in_flight())
         waiting = list(self._waiting)
         try:
@@ -552,15 +554,17 @@ class Engine:
                 if not at_once and (chunked_ahead or self._partial is not None):
                     self._hold("chunked_prefill" if self._partial is not None else "behind")
                     chunked_ahead = True
-                    long_ahead += long
+                    long_chunked |= long
                     continue
                 cache: Any
                 if long:
-                    claim = self._claim_long_slot(hit, joining, long_ahead)
+                    claim = self._claim_long_slot(hit, joining, long_ahead + long_chunked)
                     if isinstance(claim, str):  # no idle slot (or none past those kept), or no memory
                         self._hold(claim)
-                        chunked_ahead |= not at_once
-                        long_ahead += 1
+                        if at_once:
+                            long_ahead += 1
+                        else:  # it comes first for the chunked prefill, once it has a slot
+                            chunked_ahead = long_chunked = True
                         continue
                     cache, row, pos = claim  # pos is hit.length
                 else:
