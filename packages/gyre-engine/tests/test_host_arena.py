@@ -36,6 +36,7 @@ def test_a_placed_entry_is_a_copy_in_the_arena_and_its_bytes_come_back() -> None
     src = kv(8, 2, 10)
     got = arena.place(src)
     assert got is not None and same(got, src) and isinstance(got, HostRowKV)
+    assert got.keys[0].data_ptr() % 4096 == 0  # the first range: the buffer starts on a page
     src.keys[0].zero_()
     assert not torch.equal(got.keys[0], src.keys[0])  # a copy, not the source
     assert arena.free_bytes() == ARENA - src.nbytes()

@@ -34,6 +34,7 @@ from gyre_engine.server.batch import RowKV
 
 log = logging.getLogger(__name__)
 
+PAGE = 1 << 12
 ALIGN = 8
 """Ranges start at multiples of this many bytes (every KV dtype's item size divides it; a plane of the
 Qwen3-0.6B shape is a multiple of 2 KiB)."""
@@ -99,7 +100,9 @@ class HostArena:
         if self._buf is not None:
             return
         t0 = time.perf_counter()
-        buf = np.empty(self.nbytes, np.uint8)
+        raw = np.empty(self.nbytes + PAGE, np.uint8)
+        start = -raw.ctypes.data % PAGE
+        buf = raw[start : start + self.nbytes]  # page-aligned, as CUDA's registration of host memory wants
         if self._pinning is not None:
             region = Region(RegionDesc(0, self.nbytes, buf.ctypes.data), "cpu", buf, buf)
             try:
@@ -111,7 +114,7 @@ class HostArena:
                 finalizer = weakref.finalize(self, self._pinning.unpin, region)
                 finalizer.atexit = False  # at exit the memory goes with the process
         if not self.pinned:
-            buf[:: 1 << 12] = 0  # one write in each page
+            buf[::PAGE] = 0  # one write in each page
         self._buf = buf
         log.info(
             "host tier: %d MiB of %s host memory allocated in %.2f s",
