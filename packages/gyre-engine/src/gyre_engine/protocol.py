@@ -282,8 +282,8 @@ class ServerInfo(msgspec.Struct, frozen=True):
     """Request-seconds spent waiting for admission during the engine's steps since start, by what held
     the requests: `rows` (every row taken), `prefill_budget` (the step's prefill budget spent),
     `chunked_prefill` (it is busy with another request), `long_slot` (every long slot busy),
-    `long_memory` (the long slots not allocated for want of GPU memory), `behind` (an earlier request
-    that waits for the chunked prefill or a long slot goes first)."""
+    `long_memory` (the long slots not allocated for want of GPU memory), `behind` (earlier waiting
+    requests go first: the chunked prefill is kept for one of them, or the idle long slots are)."""
 
 
 SGLANG_VERSION = "0.5.23"

@@ -84,8 +84,8 @@ WaitReason = Literal["rows", "prefill_budget", "chunked_prefill", "long_slot", "
 WAIT_REASONS: tuple[WaitReason, ...] = get_args(WaitReason)
 """What keeps a request waiting at a step's admission: every row taken (`max_running_requests`), the
 step's `prefill_chunk` budget spent, the chunked prefill busy with another request, every long slot busy,
-the long slots not allocated for want of memory, or an earlier request that waits for the chunked prefill
-or a long slot (first come, first served among them)."""
+the long slots not allocated for want of memory, or earlier waiting requests that go first (the chunked
+prefill is kept for one of them, or the idle long slots are: `_admit_waiting`)."""
 
 
 @dataclass
