@@ -189,7 +189,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 if x is None or y is None:
                     continue
                 counted.setdefault(cid, set()).add(k)
-                e[k] += y - x if y >= x else y
+                e[k] += _grown(x, y)
             e["rollout_s"] += b - a
             e["waiting_s"] += float(p.get("waiting") or 0.0) * (b - a)
             wp, wc = p.get("waiting_s"), c.get("waiting_s")
@@ -197,7 +197,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 w = held.setdefault(cid, {})
                 for why, y in wc.items():
                     x = float(wp.get(why, 0.0))
-                    w[why] = w.get(why, 0.0) + (float(y) - x if float(y) >= x else float(y))
+                    w[why] = w.get(why, 0.0) + _grown(x, float(y))
             if busy_between(prev, cur, cid):
                 e["busy_s"] += b - a
 
@@ -232,6 +232,11 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
             ),
         }
     return out
+
+
+def _grown(x: float, y: float) -> float:
+    """How much a cumulative counter grew from `x` to `y` (from zero when it fell: the engine restarted)."""
+    return y - x if y >= x else y
 
 
 def _thread_time(e: dict[str, float], has: set[str], prefill_s: float | None) -> dict[str, float | None]:

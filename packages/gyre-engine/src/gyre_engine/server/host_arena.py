@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -164,7 +164,7 @@ class HostArena:
         with self._lock:
             span.readers += 1
         weakref.finalize(lease, self._end_lease, span)
-        return HostRowKV([k[:, :, :n] for k in kv.keys], [v[:, :, :n] for v in kv.values], span, lease)
+        return replace(kv, lease=lease).crop(n)
 
     def release(self, kv: HostRowKV) -> None:
         """`kv`'s entry no longer holds its span: free unless a lease still reads it."""

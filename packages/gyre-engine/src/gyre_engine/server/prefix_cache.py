@@ -205,7 +205,7 @@ class PrefixCache:
     def release_where(self, match: Callable[[RowKV], bool]) -> int:
         """Entries whose KV `match` accepts (a long slot taken for another context) leave their KV's
         place: copied to the host tier, or dropped without one; returns how many."""
-        gone = [e for b in self._buckets.values() for e in b if not e.on_host and match(e.kv)]
+        gone = [e for e in self._entries() if not e.on_host and match(e.kv)]
         for e in gone:
             self._spill(e)
         return len(gone)
@@ -229,9 +229,8 @@ class PrefixCache:
         """A copy of `e`'s KV in the host tier, made room for by dropping host entries least recently used
         first (none that a lookup's KV still reads); None, `e` dropped, when `e` is used less recently
         than every host entry that could go, or nothing left could make room."""
-        arena = self._arena
-        if arena is None:
-            arena = self._arena = HostArena(self.host_tokens * e.kv.nbytes() // len(e.tokens), self._pinning)
+        self.reserve_host(e.kv.nbytes() // len(e.tokens))  # (done at start-up by an engine)
+        arena = self._host_arena()
         while (kv := arena.place(e.kv)) is None:
             idle = [x for x in self._entries() if x.on_host and not arena.read(cast(HostRowKV, x.kv))]
             if not idle:
@@ -248,16 +247,17 @@ class PrefixCache:
         return self._arena
 
     def _entries(self) -> list[_Entry]:
+        """Every entry, device and host (a list: callers may remove entries while they go through it)."""
         return [e for b in self._buckets.values() for e in b]
 
     def last_used(self, match: Callable[[RowKV], bool]) -> int:
         """When an entry whose KV `match` accepts was last inserted or looked up (a clock: larger is
         later), the latest of them; -1 if none."""
-        return max((e.last_used for b in self._buckets.values() for e in b if match(e.kv)), default=-1)
+        return max((e.last_used for e in self._entries() if match(e.kv)), default=-1)
 
     def _least_recent_held(self) -> _Entry:
         return min(
-            (e for b in self._buckets.values() for e in b if self._holds_device(e)),
+            (e for e in self._entries() if self._holds_device(e)),
             key=lambda e: e.last_used,
         )
 
@@ -268,11 +268,11 @@ class PrefixCache:
 
     def holds(self, match: Callable[[RowKV], bool]) -> bool:
         """Whether some entry's KV is one `match` accepts."""
-        return any(match(e.kv) for b in self._buckets.values() for e in b)
+        return any(match(e.kv) for e in self._entries())
 
     def drop_where(self, match: Callable[[RowKV], bool]) -> int:
         """Drop every entry whose KV `match` accepts (a long slot taking its buffer back); returns how many."""
-        gone = [e for b in self._buckets.values() for e in b if match(e.kv)]
+        gone = [e for e in self._entries() if match(e.kv)]
         for e in gone:
             self._remove(e)
         return len(gone)
