@@ -2,15 +2,20 @@
 
 `gyre_traj._ingest` is a C extension built with gyre-traj where a C compiler is found (an optional
 part of the build: an install without a compiler gets the pure-Python path, nothing else changes). It
-holds two things: `TreeState`, the base class of `ExecutionTree` (the fields an agent's next call
-writes, in a C struct), and `extend_next`, which places an agent's next call into its tree straight
+holds three things: `TreeState`, the base class of `ExecutionTree` (the fields an agent's next call
+writes, in a C struct); `extend_next`, which places an agent's next call into its tree straight
 from its msgpack message (`Forest.ingest_frame` calls it first; it returns None, the tree unchanged,
-for any message it is not sure of, which the Python path then takes as before).
+for any message it is not sure of, which the Python path then takes as before); and, on POSIX systems,
+`Arena`, where a tree's token ids move once they outgrow its first array: a reserved range of address
+space made writable as the tree grows, so that growing never copies what is stored, and recycled when
+the tree is dropped, so that the next tree writes into pages already mapped (`ExecutionTree._reserve`;
+without it, a numpy array grown 4x at a time).
 
 - `BUILT`: the extension was imported (set `GYRE_TRAJ_NATIVE=0` in the environment to not import it:
   `ExecutionTree` then stands on `PyTreeState`, its pure-Python twin).
-- `in_use()`: `Forest.ingest_frame` tries the native path first; `use_native(False)` turns that off (and
-  back on) at run time, as the tests do to check both paths give the same trees and errors.
+- `in_use()`: `Forest.ingest_frame` tries the native path first, and trees grow into arenas;
+  `use_native(False)` turns both off (and back on) at run time, as the tests do to check both paths
+  give the same trees and errors.
 """
 
 from __future__ import annotations
@@ -81,6 +86,11 @@ extend_next: ExtendNext | None = _ext.extend_next if BUILT else None
 the call it placed, or None (nothing changed) for a message it leaves to the Python path."""
 
 
+arena_type: type | None = getattr(_ext, "Arena", None)
+"""`Arena(nbytes)`, where `ExecutionTree._reserve` moves a tree's ids past its first array (None when it
+is not in use: numpy arrays instead)."""
+
+
 def in_use() -> bool:
     """Whether `Forest.ingest_frame` tries the native path first."""
     return extend_next is not None
@@ -89,13 +99,14 @@ def in_use() -> bool:
 @contextmanager
 def use_native(enabled: bool) -> Iterator[None]:
     """Inside this block the native path is used (when built) or not; as it was after it."""
-    global extend_next
-    before = extend_next
+    global extend_next, arena_type
+    before = extend_next, arena_type
     extend_next = _ext.extend_next if enabled and BUILT else None
+    arena_type = getattr(_ext, "Arena", None) if enabled else None
     try:
         yield
     finally:
-        extend_next = before
+        extend_next, arena_type = before
 
 
 def setup(

@@ -296,6 +296,7 @@ class ExecutionTree(native.TreeState):
         self.n = 0
         self._ids = np.empty(capacity, ID_DTYPE)
         self._ids_b = memoryview(self._ids).cast("B")  # a message's ids are copied in by memcpy
+        self._arena: Any = None  # the `native.Arena` under `_ids` once it outgrew `capacity`, if any
         # The logprobs of the calls `extend_next` took, appended to one array; when it is full, a fresh
         # one twice its size takes over (a segment refers to the array it was written into).
         self._lps = np.empty(0, LOGPROB_DTYPE)
@@ -338,16 +339,44 @@ class ExecutionTree(native.TreeState):
         cap = self._ids.shape[0]
         if need <= cap:
             return
-        # Grow 4x: fresh pages are only touched when written, so the unused tail costs address space,
-        # not memory. In place when nothing else refers to the arena (numpy's resize, a realloc, which
-        # the allocator mostly does without copying what is stored); else into a new array, copied.
-        new_cap = max(need, cap * 4)
-        self._ids_b.release()  # (an exported buffer is a reference: resize would refuse)
-        if not self._resize_arena(new_cap):
-            ids = np.empty(new_cap, ID_DTYPE)
-            ids[: self.n] = self._ids[: self.n]
-            self._ids = ids
+        self._ids_b.release()  # (an exported buffer is a reference: numpy's resize would refuse)
+        if not self._grow_in_arena(need):
+            new_cap = max(need, cap * 4)
+            # Grow 4x: fresh pages are only touched when written, so the unused tail costs address
+            # space, not memory. In place when nothing else refers to the arena (numpy's resize, a
+            # realloc, which the allocator mostly does without copying what is stored); else into a new
+            # array, copied.
+            if not self._resize_arena(new_cap):
+                ids = np.empty(new_cap, ID_DTYPE)
+                ids[: self.n] = self._ids[: self.n]
+                self._ids = ids
         self._ids_b = memoryview(self._ids).cast("B")
+
+    def _grow_in_arena(self, need: int) -> bool:
+        """Room for `need` ids in an `Arena`, or False (numpy arrays from here on). Past its first array
+        the tree moves into one (once: copying at most that array), which then grows in place: nothing
+        stored is copied again, and the pages it writes are mostly ones an earlier tree left mapped.
+        False when arenas are not in use, when no address space can be reserved, or past an arena's
+        reserved range (the tree then moves to a numpy array, copied once)."""
+        nbytes = (need + max(need >> 2, 1 << 18)) * ID_DTYPE.itemsize  # a quarter more, >= 1 MiB more
+        arena = self._arena
+        if arena is not None:
+            if arena.grow(nbytes):
+                self._ids = np.frombuffer(arena, ID_DTYPE)
+                return True
+            self._arena = None
+            return False
+        arena_type = native.arena_type
+        if arena_type is None:
+            return False
+        try:
+            arena = arena_type(nbytes)
+        except (OSError, ValueError):
+            return False
+        ids = np.frombuffer(arena, ID_DTYPE)
+        ids[: self.n] = self._ids[: self.n]
+        self._arena, self._ids = arena, ids
+        return True
 
     def _resize_arena(self, cap: int) -> bool:
         """Resize the arena to `cap` ids keeping its contents, or False when something else refers to
