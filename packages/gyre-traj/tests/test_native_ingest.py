@@ -1,9 +1,11 @@
 """The live ingest path's native half (`gyre_traj.native`, the C extension `gyre_traj._ingest`) against
-its pure-Python path: for any message, well formed or not (fields reordered, left out, added, repeated,
+its pure-Python path: for any message (an agent's next call, or any other call it merges: a full input,
+a retry, a call after a compaction, a branch with drift), well formed or not (fields reordered, left out, added, repeated,
 of another type or out of range; arrays in another encoding, negative ids, NaN logprobs; bytes flipped,
 cut or inserted), `Forest.ingest_frame` gives the same CallInfo or raises the same error with and
-without it, and leaves the same trees. Also: the native half is taken for an agent's next call, and
-gyre-traj works without the extension (`GYRE_TRAJ_NATIVE=0`, as an install without a C compiler)."""
+without it, and leaves the same trees. Also: the native half is taken for an agent's next call and
+for the calls it merges (all but the ones whose output repeats tokens already in the tree), and gyre-traj
+works without the extension (`GYRE_TRAJ_NATIVE=0`, as an install without a C compiler)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 from gyre_traj import native
 from gyre_traj.io import Codec
-from gyre_traj.records import MAX_WEIGHT_VERSION, Score
+from gyre_traj.records import MAX_WEIGHT_VERSION, Role, Score
 from gyre_traj.synth import SynthConfig, synth_execution
 from gyre_traj.tree import CallInfo, ExecutionTree, Forest
 from hypothesis import HealthCheck, given, settings
@@ -223,6 +225,99 @@ def test_a_whole_execution_takes_the_native_half_for_most_calls() -> None:
             forest.ingest_frame(frame)
     _same_forests(forest, slow)
     assert taken >= len(frames) * 3 // 4
+
+
+@needs_native
+def test_the_native_half_merges_first_calls_retries_compactions_and_branches() -> None:
+    """Calls that are not an agent's next call are merged by the native half too (a CallInfo, not
+    None), as the Python path merges them: a sub-agent's first call sharing the system prompt, a retry
+    of a call whose continuation is already in the tree, a compaction cutting its parent early, a
+    branch that drifts from the parent's output. One whose output repeats the tree's tokens (they
+    become policy tokens) is left to Python."""
+    frames = [
+        *_prefix(),
+        # a sub-agent's first call: a full input sharing SYS 1 with the main agent's, then its own
+        CODEC.encode_msgpack(call("s9", ids(SYS, 1, 9), ids(OUT, 8), agent="sub2", role=Role.SUBAGENT)),
+        # a retry of c1 (the same parent and cut, another continuation)
+        CODEC.encode_msgpack(call("r1", None, ids(OUT, 6), delta=("c0", 4, ids(TOOL, 1, 2)))),
+        # a compaction: keeps 2 tokens of c1, a summary after them
+        CODEC.encode_msgpack(
+            call("m1", None, ids(OUT, 9), delta=("c1", 2, ids(USER, 5)), role=Role.MAIN_SUMMARY)
+        ),
+        # a branch cutting c1 inside its output (drift: the policy said OUT 3 there)
+        CODEC.encode_msgpack(call("d1", None, ids(OUT, 7), delta=("c1", 6, ids(TOOL, 4)))),
+        # no new input, an output already in the tree after c0's input: left to Python (promotion)
+        CODEC.encode_msgpack(call("p1", None, ids(TOOL, 1), delta=("c0", 4, []))),
+    ]
+    slow, out_slow = _run(frames, False)
+    forest, out = Forest(), []
+    assert native.extend_next is not None
+    taken = []
+    for frame in frames:
+        info = native.extend_next(frame, forest.trees)
+        taken.append(info is not None)
+        out.append(info if info is not None else forest.ingest_frame(frame))
+    assert out == out_slow
+    _same_forests(forest, slow)
+    assert taken == [False, True, True, True, True, True, True, False]
+    t = forest.trees["e"]
+    assert [d.call_id for d in t.stats.drifts] == ["d1"] and t.stats.context_promoted == 1
+
+
+@st.composite
+def tree_calls(draw: st.DrawFn) -> list[bytes]:
+    """Calls of one execution, each a full input or a delta cutting an earlier call anywhere (its length
+    or past it included), their tokens from a small alphabet so that they often follow the tree's
+    (retries, shared prefixes, outputs repeating tokens: promotions, drift), now and then a negative
+    id, a logprob above 1e-4 or a NaN, or a call id used twice."""
+    n_calls = draw(st.integers(2, 12))
+    tok = st.integers(1, 4) | st.sampled_from([-3, 7])
+    lengths: dict[str, int] = {}
+    frames = []
+    for k in range(n_calls):
+        cid = f"c{draw(st.integers(0, k))}" if draw(st.integers(0, 9)) == 0 else f"c{k}"
+        out = draw(st.lists(tok, max_size=5))
+        lps = [
+            draw(
+                st.sampled_from([-0.5, -1.0, -0.25, 0.5, math.nan])
+                if draw(st.integers(0, 15)) == 0
+                else st.just(-0.5)
+            )
+            for _ in out
+        ]
+        fields: dict[str, Any] = {
+            "kind": "call",
+            "execution_id": "e",
+            "call_id": cid,
+            "agent_id": draw(st.sampled_from(["main", "sub"])),
+            "role": draw(st.sampled_from(["main", "subagent", "main_summary"])),
+            "output_ids": ids_ext(*out),
+            "output_logprobs": lps_ext(*lps),
+            "weight_version": draw(st.integers(0, 3)),
+        }
+        if not lengths or draw(st.integers(0, 3)) == 0:
+            inp = draw(st.lists(tok, max_size=8))
+            fields["input_ids"] = ids_ext(*inp)
+            n_in = len(inp)
+        else:
+            parent = draw(st.sampled_from(sorted(lengths)))
+            keep = draw(st.integers(0, lengths[parent] + 1))
+            rest = draw(st.lists(tok, max_size=6))
+            fields["input_delta"] = {"parent": parent, "keep": keep, "append": ids_ext(*rest)}
+            n_in = keep + len(rest)
+        lengths.setdefault(cid, n_in + len(out))
+        frames.append(enc(fields))
+    return frames
+
+
+@needs_native
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(frames=tree_calls())
+def test_any_sequence_of_calls_gives_the_same_outcomes_and_trees(frames: list[bytes]) -> None:
+    fast, out_fast = _run(frames, True)
+    slow, out_slow = _run(frames, False)
+    assert out_fast == out_slow
+    _same_forests(fast, slow)
 
 
 @needs_native

@@ -1,9 +1,9 @@
 /* gyre_traj._ingest: the native half of the live ingest path (`Forest.ingest_frame`).
  *
- * Two things live here:
+ * Three things live here:
  *
- *   TreeState      the base class of `ExecutionTree`: the part of a tree's state that an agent's next
- *                  call writes (the arena's length and array, the logprob array, the policy segment
+ *   TreeState      the base class of `ExecutionTree`: the part of a tree's state that a call placed
+ *                  here writes (the arena's length and array, the logprob array, the policy segment
  *                  tables, the call table, the ingest counters), held in a C struct so that the fast
  *                  path below reads and writes it directly. Python code reads and writes the same
  *                  fields as ordinary attributes (`tree.n`, `tree._ids`, ...). `gyre_traj.native`
@@ -16,19 +16,23 @@
  *                  recycled when its tree is dropped, so that the next tree writes into pages that are
  *                  already mapped rather than taking a page fault for each.
  *
- *   extend_next    one msgpack call message (as the proxy sends it) placed into its tree when it is an
- *                  agent's next call whose parent ends at the arena's last token: the message is parsed
- *                  here (no msgspec decode), its ids copied into the arena and its logprobs into the
- *                  tree's logprob array, each checked in the copy loop, and the call registered.
- *                  It returns the call's `CallInfo`, or None, leaving the tree as it was, for anything
- *                  it is not sure about (another kind of record, a field it does not know, a value out
- *                  of range, another array encoding, a parent it cannot extend in place, ...): the
- *                  Python path then takes the message and merges it or raises the RecordError it
- *                  always raised. It never raises for a bad message; only for a failure of Python
- *                  itself (memory).
+ *   extend_next    one msgpack call message (as the proxy sends it) placed into its tree: the message
+ *                  is parsed here (no msgspec decode), and the call placed. An agent's next call (its
+ *                  parent's last token has nothing below it) costs a copy of its ids into the arena and
+ *                  of its logprobs into the tree's logprob array, each checked in the copy loop. Any
+ *                  other call of a tree that exists (a full input, a retry, a call after a compaction,
+ *                  a branch) is merged as `ExecutionTree._add` merges it: followed down the tree while
+ *                  the tree agrees, the rest appended as a new run. It returns the call's `CallInfo`,
+ *                  or None, leaving the tree as it was, for anything it is not sure about (another kind
+ *                  of record, a field it does not know, a value out of range, another array encoding,
+ *                  an execution's first call, an output that repeats the tree's tokens, ...): the Python
+ *                  path then takes the message and merges it or raises the RecordError it always
+ *                  raised. It never raises for a bad message; only for a failure of Python itself
+ *                  (memory).
  *
- * Everything here mirrors `ExecutionTree.extend_next` (tree.py) and the checks `CallView` / `Call`
- * make (io.py, records.py); tests/test_native_ingest.py compares the two on mutated messages.
+ * Everything here mirrors `ExecutionTree.extend_next` and `ExecutionTree._add` (tree.py) and the checks
+ * `CallView` / `Call` make (io.py, records.py); tests/test_native_ingest.py compares the two on mutated
+ * messages and on random sequences of calls.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,6 +68,7 @@ typedef struct {
     long long schema_version;
     long long max_weight_version;
     long long no_pending;   /* `_pend_lo` outside `add_batch` */
+    Py_ssize_t root;        /* ROOT: the node above a tree's first tokens (NO_NODE is ROOT - 1) */
     int ready;
 } Config;
 
@@ -722,14 +727,17 @@ enum {
     F_OUT = 1 << 5, F_LPS = 1 << 6, F_VERSION = 1 << 7, F_FINISH = 1 << 8, F_INPUT_IDS = 1 << 9,
     F_DELTA = 1 << 10, F_T_START = 1 << 11, F_T_END = 1 << 12, F_V = 1 << 13, F_METADATA = 1 << 14,
 };
-/* What an agent's next call must carry (`kind` included: a message without it is left to Python). */
-#define F_REQUIRED (F_KIND | F_EXECUTION | F_CALL | F_AGENT | F_ROLE | F_OUT | F_LPS | F_VERSION | F_DELTA)
+/* What a call must carry (`kind` included: a message without it is left to Python), besides its input:
+ * a delta or full input ids. */
+#define F_REQUIRED (F_KIND | F_EXECUTION | F_CALL | F_AGENT | F_ROLE | F_OUT | F_LPS | F_VERSION)
 
 typedef struct {
     Str execution_id, call_id, agent_id, role, finish_reason, parent;
     int64_t weight_version, v, keep;
     double t_start, t_end;
-    Ext out, lps, append;
+    Ext out, lps, append;  /* `append`: the delta's new tokens, or the full input */
+    Ext input;
+    int full;              /* a full input (no delta: `parent` and `keep` unset) */
 } Msg;
 
 /* `input_delta`: a map of exactly parent, keep and append (each once), append an extension value. */
@@ -779,8 +787,8 @@ read_metadata(Reader *r)
     return 0;
 }
 
-/* The whole message as a call record that names an input delta, keys in any order, each at most once,
- * every key known, every value of the type `CallView` declares, nothing after it. 0 or -1. */
+/* The whole message as a call record with an input delta or full input ids, keys in any order, each at
+ * most once, every key known, every value of the type `CallView` declares, nothing after it. 0 or -1. */
 static int
 read_call(const uint8_t *data, Py_ssize_t size, Msg *m)
 {
@@ -845,8 +853,10 @@ read_call(const uint8_t *data, Py_ssize_t size, Msg *m)
             break;
         case 9:
             if (KEY(&k, "input_ids")) {
-                bit = F_INPUT_IDS;  /* only nil: a full input is not an agent's next call */
-                if (read_nil(&r) < 0) return -1;
+                bit = F_INPUT_IDS;  /* nil, or a full input (an agent's first call) */
+                if (read_nil(&r) == 0) break;
+                if (read_ext(&r, &m->input) < 0) return -1;
+                m->full = 1;
             } else {
                 return -1;
             }
@@ -908,6 +918,11 @@ read_call(const uint8_t *data, Py_ssize_t size, Msg *m)
     }
     if (r.p != r.end || (seen & F_REQUIRED) != F_REQUIRED)
         return -1;
+    /* exactly one input: a delta, or full input ids */
+    if (m->full == ((seen & F_DELTA) != 0))
+        return -1;
+    if (m->full)
+        m->append = m->input;
     return 0;
 }
 
@@ -1049,6 +1064,422 @@ prefetch(const void *data, Py_ssize_t len)
 #endif
 }
 
+/* A call being placed: its message, its tree, and the objects its CallInfo is made of. */
+typedef struct {
+    TreeState *t;
+    const Msg *m;
+    PyObject *cid, *agent, *role, *finish;
+    PyObject *par;         /* the delta parent's CallInfo (NULL for a full input) */
+    Py_ssize_t par_end;    /* its last node (ROOT for a full input) */
+} Call;
+
+/* The tree's `_new_run(after, lo, first_token)`: a run of new nodes from `lo` below node `after`. */
+static int
+new_run(TreeState *t, Py_ssize_t after, Py_ssize_t lo, int32_t first)
+{
+    PyObject *r = PyObject_CallMethod((PyObject *)t, "_new_run", "nnl", after, lo, (long)first);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The call's `k` logprobs copied into the tree's logprob array from its offset `*a` (`lps_n` is not
+ * advanced yet: `add_segment` does). 1, 0 (a logprob above 1e-4 or NaN, or no array to write: left to
+ * Python) or -1. */
+static int
+copy_call_logprobs(TreeState *t, const Msg *m, Py_ssize_t k, Py_ssize_t *a)
+{
+    *a = t->lps_n;
+    if (k == 0)
+        return 1;
+    Py_buffer buf;
+    /* (when the array is full, `_grow_lps` puts a fresh one in, written from its start) */
+    int got = items_buffer(t, &t->lps, &t->lps_n, k, s_grow_lps, k, &buf);
+    if (got <= 0)
+        return got;
+    *a = t->lps_n;
+    int bad = copy_logprobs((float *)buf.buf + *a, m->lps.data, k);
+    PyBuffer_Release(&buf);
+    return bad ? 0 : 1;
+}
+
+/* Nodes [lo, hi) as a policy segment, their logprobs at [a, a + hi - lo) of the tree's logprob array:
+ * (first node, end node, logprob offset, version, logprob array, shift), as `ExecutionTree`'s. */
+static int
+add_segment(TreeState *t, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t a, long long version)
+{
+    PyObject *o_lo = PyLong_FromSsize_t(lo), *o_hi = PyLong_FromSsize_t(hi);
+    PyObject *o_a = PyLong_FromSsize_t(a), *o_v = PyLong_FromLongLong(version);
+    PyObject *group = NULL;
+    if (o_lo && o_hi && o_a && o_v)
+        group = PyTuple_Pack(6, o_lo, o_hi, o_a, o_v, t->lps, cfg.zero);
+    int rc = (group == NULL || PyList_Append(t->seg_lo, o_lo) < 0 || PyList_Append(t->seg_hi, o_hi) < 0 ||
+              PyList_Append(t->seg_groups, group) < 0);
+    Py_XDECREF(o_lo);
+    Py_XDECREF(o_hi);
+    Py_XDECREF(o_a);
+    Py_XDECREF(o_v);
+    Py_XDECREF(group);
+    if (rc)
+        return -1;
+    t->lps_n = a + (hi - lo);
+    t->policy_count += hi - lo;
+    return 0;
+}
+
+/* The call's CallInfo (a new reference), entered in the call table and counted; NULL on an error. */
+static PyObject *
+register_call(const Call *c, Py_ssize_t end, Py_ssize_t length)
+{
+    TreeState *t = c->t;
+    const Msg *m = c->m;
+    Py_ssize_t k_out = m->out.len / 4;
+    PyObject *info = NULL;
+    PyObject *cargs[10] = {c->cid, c->agent, c->role, NULL, NULL, NULL, NULL, c->finish, NULL, NULL};
+    cargs[3] = PyLong_FromSsize_t(end);
+    cargs[4] = PyLong_FromSsize_t(length - k_out);
+    cargs[5] = PyLong_FromSsize_t(k_out);
+    cargs[6] = PyLong_FromLongLong(m->weight_version);
+    cargs[8] = PyFloat_FromDouble(m->t_start);
+    cargs[9] = PyFloat_FromDouble(m->t_end);
+    if (cargs[3] && cargs[4] && cargs[5] && cargs[6] && cargs[8] && cargs[9])
+        info = PyObject_Vectorcall(cfg.call_info, cargs, 10, NULL);
+    for (int i = 3; i < 10; i++)
+        if (i != 7)
+            Py_XDECREF(cargs[i]);
+    if (info == NULL || PyDict_SetItem(t->calls, c->cid, info) < 0 ||
+        PyList_Append(t->order, c->cid) < 0 || cache_set(&cid_cache, c->cid) < 0) {
+        Py_XDECREF(info);
+        return NULL;
+    }
+    if (m->full) {  /* (not a delta call: counted now, not with the delta calls below) */
+        if (bump(t->stats, s_calls, 1) < 0 || bump(t->stats, s_call_tokens, length) < 0) {
+            Py_DECREF(info);
+            return NULL;
+        }
+    } else {
+        t->new_calls += 1;  /* (added to `stats` when it is next read) */
+        t->new_call_tokens += length;
+    }
+    Py_XSETREF(t->last_info, Py_NewRef(info));
+    t->last_end = end;
+    t->last_length = length;
+    return info;
+}
+
+/* An agent's next call: its input's new tokens, then its output, copied after the arena's last token
+ * (checked for negative ids as they are copied), its logprobs into the tree's logprob array, a new run
+ * below the parent when the parent ends inside the arena, its output a policy segment. Nothing is
+ * counted until every check passed, so a refusal leaves the tree as it was. 1 (`*end`: its last node),
+ * 0 (left to Python) or -1. */
+static int
+place_next(const Call *c, Py_ssize_t *end)
+{
+    TreeState *t = c->t;
+    const Msg *m = c->m;
+    Py_ssize_t k_in = m->append.len / 4, k_out = m->out.len / 4;
+    Py_ssize_t lo = t->n, mid = lo + k_in, hi = mid + k_out;
+    Py_buffer ids_buf;
+    int got = items_buffer(t, &t->ids, &t->n, hi - lo, s_reserve, hi - lo, &ids_buf);
+    if (got <= 0)
+        return got;
+    int32_t *arena = (int32_t *)ids_buf.buf;
+    int negative = copy_ids(arena + lo, m->append.data, k_in) | copy_ids(arena + mid, m->out.data, k_out);
+    int32_t first_id = hi > lo ? arena[lo] : 0;
+    PyBuffer_Release(&ids_buf);
+    if (negative)
+        return 0;
+    Py_ssize_t a;
+    if ((got = copy_call_logprobs(t, m, k_out, &a)) <= 0)
+        return got;
+    *end = hi - 1;
+    if (c->par_end != lo - 1) {
+        if (hi > lo) {
+            if (new_run(t, c->par_end, lo, first_id) < 0)
+                return -1;
+        } else {
+            *end = c->par_end;  /* no tokens: it ends where its parent does */
+        }
+    }
+    if (k_out && add_segment(t, mid, hi, a, m->weight_version) < 0)
+        return -1;
+    t->n = hi;
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* merge: any other call (a full input, a retry, a call after a compaction, a branch), as
+ * `ExecutionTree._add` merges it: its input followed down the tree from where its delta cuts its
+ * parent while the tree agrees, the rest appended there as a new run (drift noted by the tree's
+ * `_note_drift`), its output appended below. Left to Python (0, nothing changed): an output that
+ * follows tokens already in the tree (they become policy tokens: `_promote`), a negative id or a bad
+ * logprob (Python says which), a tree whose tables are not as `ExecutionTree` keeps them. */
+
+/* The run tables of an `ExecutionTree` (its attributes) and a view of its arena. */
+typedef struct {
+    PyObject *starts, *rdep, *rpar, *start_set, *branches;
+    Py_buffer buf;
+    const int32_t *ids;
+    Py_ssize_t n;
+} Runs;
+
+static PyObject *s_starts, *s_rdep, *s_rpar, *s_start_set, *s_branches;
+
+static void
+runs_release(Runs *R)
+{
+    Py_CLEAR(R->starts);
+    Py_CLEAR(R->rdep);
+    Py_CLEAR(R->rpar);
+    Py_CLEAR(R->start_set);
+    Py_CLEAR(R->branches);
+    if (R->ids != NULL) {
+        PyBuffer_Release(&R->buf);
+        R->ids = NULL;
+    }
+}
+
+/* 1, 0 (not as expected: left to Python) or -1. Release with `runs_release` either way. */
+static int
+runs_get(TreeState *t, Runs *R)
+{
+    memset(R, 0, sizeof(*R));
+    PyObject *o = (PyObject *)t;
+    if ((R->starts = PyObject_GetAttr(o, s_starts)) == NULL ||
+        (R->rdep = PyObject_GetAttr(o, s_rdep)) == NULL || (R->rpar = PyObject_GetAttr(o, s_rpar)) == NULL ||
+        (R->start_set = PyObject_GetAttr(o, s_start_set)) == NULL ||
+        (R->branches = PyObject_GetAttr(o, s_branches)) == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();  /* (not an `ExecutionTree`'s tables) */
+        return 0;
+    }
+    if (!PyList_CheckExact(R->starts) || !PyList_CheckExact(R->rdep) || !PyList_CheckExact(R->rpar) ||
+        !PySet_CheckExact(R->start_set) || !PyDict_CheckExact(R->branches) ||
+        PyList_GET_SIZE(R->rdep) != PyList_GET_SIZE(R->starts) ||
+        PyList_GET_SIZE(R->rpar) != PyList_GET_SIZE(R->starts) || t->ids == NULL)
+        return 0;
+    if (PyObject_GetBuffer(t->ids, &R->buf, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (R->buf.itemsize != 4 || R->buf.len / 4 < t->n) {
+        PyBuffer_Release(&R->buf);
+        return 0;
+    }
+    R->ids = (const int32_t *)R->buf.buf;
+    R->n = t->n;
+    return 1;
+}
+
+/* Item `i` of a list of ints; -1 with an error set when it is not one (`PyErr_Occurred`). */
+static inline Py_ssize_t
+list_int(PyObject *list, Py_ssize_t i)
+{
+    return PyLong_AsSsize_t(PyList_GET_ITEM(list, i));
+}
+
+/* bisect.bisect_right of `x` in an ascending list of ints; -1 with an error set. */
+static Py_ssize_t
+bisect_right(PyObject *list, Py_ssize_t x)
+{
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(list);
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        Py_ssize_t v = list_int(list, mid);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (x < v)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+/* `ExecutionTree.node_at_depth`: the ancestor of `end` at `depth` (ROOT for -1). 1, 0 (none) or -1. */
+static int
+node_at_depth(const Runs *R, Py_ssize_t end, Py_ssize_t depth, Py_ssize_t *out)
+{
+    if (depth < 0) {
+        *out = cfg.root;
+        return 1;
+    }
+    Py_ssize_t node = end;
+    for (Py_ssize_t hops = 0; node != cfg.root && hops <= PyList_GET_SIZE(R->starts); hops++) {
+        Py_ssize_t r = bisect_right(R->starts, node) - 1;
+        if (r < -1)
+            return -1;
+        if (r < 0)
+            return 0;
+        Py_ssize_t d = list_int(R->rdep, r), start = list_int(R->starts, r);
+        if (PyErr_Occurred())
+            return -1;
+        if (d <= depth) {
+            *out = start + (depth - d);
+            return 1;
+        }
+        node = list_int(R->rpar, r);
+        if (node == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+/* `ExecutionTree._child`: the child of `node` holding `tok`, or NO_NODE. 1, 0 (the tables hold
+ * something else) or -1. */
+static int
+child_of(const Runs *R, Py_ssize_t node, int32_t tok, Py_ssize_t *out)
+{
+    *out = cfg.root - 1;  /* NO_NODE */
+    if (node == cfg.root) {
+        if (R->n > 0 && R->ids[0] == tok) {
+            *out = 0;
+            return 1;
+        }
+    } else if (node + 1 < R->n && R->ids[node + 1] == tok) {
+        PyObject *c = PyLong_FromSsize_t(node + 1);
+        if (c == NULL)
+            return -1;
+        int starts_run = PySet_Contains(R->start_set, c);
+        Py_DECREF(c);
+        if (starts_run < 0)
+            return -1;
+        if (!starts_run) {
+            *out = node + 1;
+            return 1;
+        }
+    }
+    PyObject *key = PyLong_FromSsize_t(node);
+    if (key == NULL)
+        return -1;
+    PyObject *below = PyDict_GetItemWithError(R->branches, key);  /* borrowed */
+    Py_DECREF(key);
+    if (below == NULL)
+        return PyErr_Occurred() ? -1 : 1;
+    if (!PyDict_CheckExact(below))
+        return 0;
+    PyObject *t = PyLong_FromLong(tok);
+    if (t == NULL)
+        return -1;
+    PyObject *v = PyDict_GetItemWithError(below, t);
+    Py_DECREF(t);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 1;
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (x < 0 || x >= R->n)
+        return 0;
+    *out = x;
+    return 1;
+}
+
+static inline int32_t
+load_id(const uint8_t *seq, Py_ssize_t i)
+{
+    int32_t v;
+    memcpy(&v, seq + 4 * i, 4);
+    return v;
+}
+
+/* `ExecutionTree._descend`: follow the `n_seq` ids at `seq` down from `node` while the tree agrees;
+ * `*node_out` is the last matched node, `*i_out` the ids matched. 1, 0 or -1. */
+static int
+descend(const Runs *R, Py_ssize_t node, const uint8_t *seq, Py_ssize_t n_seq, Py_ssize_t *node_out,
+        Py_ssize_t *i_out)
+{
+    Py_ssize_t i = 0;
+    while (i < n_seq) {
+        Py_ssize_t nxt;
+        int got = child_of(R, node, load_id(seq, i), &nxt);
+        if (got <= 0)
+            return got;
+        if (nxt == cfg.root - 1)
+            break;
+        Py_ssize_t r = bisect_right(R->starts, nxt);
+        if (r < 0)
+            return -1;
+        Py_ssize_t run_end = r < PyList_GET_SIZE(R->starts) ? list_int(R->starts, r) : R->n;
+        if (run_end == -1 && PyErr_Occurred())
+            return -1;
+        if (run_end <= nxt || run_end > R->n)
+            return 0;
+        Py_ssize_t span = run_end - nxt < n_seq - i ? run_end - nxt : n_seq - i, k = 1;
+        while (k < span && R->ids[nxt + k] == load_id(seq, i + k))
+            k++;
+        node = nxt + k - 1;
+        i += k;
+    }
+    *node_out = node;
+    *i_out = i;
+    return 1;
+}
+
+static int
+merge(const Call *c, Py_ssize_t *end)
+{
+    TreeState *t = c->t;
+    const Msg *m = c->m;
+    Py_ssize_t k_in = m->append.len / 4, k_out = m->out.len / 4, keep = m->keep;
+    Runs R;
+    int got = runs_get(t, &R);
+    Py_ssize_t start, node, i, j = 0, out_node;
+    if (got > 0)
+        got = node_at_depth(&R, c->par_end, keep - 1, &start);
+    if (got > 0)
+        got = descend(&R, start, m->append.data, k_in, &node, &i);
+    if (got > 0 && i == k_in && k_out)  /* (after new input tokens, the output starts a new leaf) */
+        got = descend(&R, node, m->out.data, k_out, &out_node, &j);
+    runs_release(&R);
+    if (got <= 0)
+        return got;
+    if (j > 0)
+        return 0;  /* its output follows tokens already in the tree: `_promote`, in Python */
+
+    /* The new tokens: the input's from its `i`-th, then the output, copied after the arena's last token
+     * and checked; then the logprobs. */
+    Py_ssize_t lo = t->n, r = k_in - i, mid = lo + r, hi = mid + k_out;
+    Py_buffer ids_buf;
+    got = items_buffer(t, &t->ids, &t->n, hi - lo, s_reserve, hi - lo, &ids_buf);
+    if (got <= 0)
+        return got;
+    int32_t *arena = (int32_t *)ids_buf.buf;
+    int negative = copy_ids(arena + lo, m->append.data + 4 * i, r) |
+                   copy_ids(arena + mid, m->out.data, k_out);
+    int32_t first_in = r ? arena[lo] : 0, first_out = k_out ? arena[mid] : 0;
+    PyBuffer_Release(&ids_buf);
+    if (negative)
+        return 0;
+    Py_ssize_t a;
+    if ((got = copy_call_logprobs(t, m, k_out, &a)) <= 0)
+        return got;
+
+    /* The tree's bookkeeping, as `_add` does it: drift, new runs, the output's policy segment. */
+    Py_ssize_t in_end = node;
+    if (r) {
+        PyObject *res = PyObject_CallMethod((PyObject *)t, "_note_drift", "OnlnO", c->cid, node,
+                                            (long)first_in, keep + i, c->par ? c->par : Py_None);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+        if ((node != lo - 1 || node == cfg.root) && new_run(t, node, lo, first_in) < 0)
+            return -1;
+        in_end = mid - 1;
+    }
+    *end = in_end;
+    if (k_out) {
+        if ((in_end != mid - 1 || in_end == cfg.root) && new_run(t, in_end, mid, first_out) < 0)
+            return -1;
+        if (add_segment(t, mid, hi, a, m->weight_version) < 0)
+            return -1;
+        *end = hi - 1;
+    }
+    t->n = hi;
+    return 1;
+}
+
 static PyObject *
 extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1109,37 +1540,40 @@ extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int same = PyObject_RichCompareBool(t->execution_id, eid, Py_EQ);
     if (same <= 0)
         goto fail_or_decline;
-    if ((parent = cached_str(&cid_cache, &m.parent)) == NULL)
-        goto fail_or_decline;
-    PyObject *par = PyDict_GetItemWithError(t->calls, parent);
-    if (par == NULL || Py_TYPE(par) != (PyTypeObject *)cfg.call_info)
-        goto fail_or_decline;
-    par_info = Py_NewRef(par);
-    Py_ssize_t par_end, par_len;
-    if (par == t->last_info) {
-        par_end = t->last_end;
-        par_len = t->last_length;
-    } else {
-        int err = 0;
-        par_end = info_field(par, s_end, &err);
-        par_len = info_field(par, s_n_input, &err);
-        par_len += info_field(par, s_n_output, &err);
-        if (err)
-            goto fail;
+    Py_ssize_t par_end = cfg.root, par_len = 0;
+    if (!m.full) {
+        if ((parent = cached_str(&cid_cache, &m.parent)) == NULL)
+            goto fail_or_decline;
+        PyObject *par = PyDict_GetItemWithError(t->calls, parent);
+        if (par == NULL || Py_TYPE(par) != (PyTypeObject *)cfg.call_info)
+            goto fail_or_decline;
+        par_info = Py_NewRef(par);
+        if (par == t->last_info) {
+            par_end = t->last_end;
+            par_len = t->last_length;
+        } else {
+            int err = 0;
+            par_end = info_field(par, s_end, &err);
+            par_len = info_field(par, s_n_input, &err);
+            par_len += info_field(par, s_n_output, &err);
+            if (err)
+                goto fail;
+        }
+        if (m.keep < 0 || m.keep > par_len)
+            goto decline;
     }
-    if (m.keep != par_len)
-        goto decline;
     if ((cid = to_str(&m.call_id)) == NULL)
         goto fail_or_decline;
     int known = PyDict_Contains(t->calls, cid);
     if (known != 0)
         goto fail_or_decline;
     Py_ssize_t lo = t->n;
-    if (par_end < 0)
-        goto decline;  /* a parent with no tokens */
-    if (par_end != lo - 1) {
-        /* The parent ends inside the arena: taken when nothing hangs below its last token. */
-        PyObject *end_obj = PyObject_GetAttr(par, s_end);
+    /* An agent's next call: it keeps the whole of its parent, and nothing hangs below the parent's last
+     * token yet (it is the arena's last token, or the tree says so), so that every token it carries is
+     * new. Anything else is merged (`merge`). */
+    int next = !m.full && m.keep == par_len && par_end >= 0;
+    if (next && par_end != lo - 1) {
+        PyObject *end_obj = PyLong_FromSsize_t(par_end);
         if (end_obj == NULL)
             goto fail;
         PyObject *below = PyObject_CallMethodOneArg((PyObject *)t, s_has_children, end_obj);
@@ -1148,8 +1582,9 @@ extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         int truth = PyObject_IsTrue(below);
         Py_DECREF(below);
-        if (truth != 0)
-            goto fail_or_decline;
+        if (truth < 0)
+            goto fail;
+        next = !truth;
     }
     if ((agent = cached_str(&agent_cache, &m.agent_id)) == NULL)
         goto fail_or_decline;
@@ -1158,99 +1593,17 @@ extend_next(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     } else if ((finish = cached_str(&finish_cache, &m.finish_reason)) == NULL) {
         goto fail_or_decline;
     }
-
-    /* 3. The tokens: input then output ids copied into the arena after its last token, checked for
-     *    negative ids as they are copied; then the logprobs into the tree's logprob array. Nothing is
-     *    counted until both checks passed, so a refusal leaves the tree as it was. */
-    Py_ssize_t k_in = m.append.len / 4, k_out = m.out.len / 4;
-    Py_ssize_t mid = lo + k_in, hi = mid + k_out;
-    Py_buffer ids_buf;
-    int got = items_buffer(t, &t->ids, &t->n, hi - lo, s_reserve, hi - lo, &ids_buf);
+    Call c = {t, &m, cid, agent, role, finish, par_info, par_end};
+    Py_ssize_t end, length;
+    int got = next ? place_next(&c, &end) : merge(&c, &end);
     if (got < 0)
         goto fail;
     if (got == 0)
         goto decline;
-    int32_t *arena = (int32_t *)ids_buf.buf;
-    int negative = copy_ids(arena + lo, m.append.data, k_in) | copy_ids(arena + mid, m.out.data, k_out);
-    int32_t first_id = hi > lo ? arena[lo] : 0;
-    PyBuffer_Release(&ids_buf);
-    if (negative)
-        goto decline;
-    Py_ssize_t a = t->lps_n, b = a + k_out;
-    if (k_out) {
-        Py_buffer lps_buf;
-        /* (when the array is full, `_grow_lps` puts a fresh one in, written from its start) */
-        got = items_buffer(t, &t->lps, &t->lps_n, k_out, s_grow_lps, k_out, &lps_buf);
-        if (got < 0)
-            goto fail;
-        if (got == 0)
-            goto decline;
-        a = t->lps_n;
-        b = a + k_out;
-        int bad = copy_logprobs((float *)lps_buf.buf + a, m.lps.data, k_out);
-        PyBuffer_Release(&lps_buf);
-        if (bad)
-            goto decline;
-    }
-
-    /* 4. The bookkeeping: a new run below the parent when it ends inside the arena (the tree's
-     *    `_new_run`), its output as a policy segment, its CallInfo, the counters. */
-    Py_ssize_t end = hi - 1;
-    if (par_end != lo - 1) {
-        if (hi > lo) {
-            PyObject *r = PyObject_CallMethod((PyObject *)t, "_new_run", "nnl", par_end, lo,
-                                              (long)first_id);
-            if (r == NULL)
-                goto fail;
-            Py_DECREF(r);
-        } else {
-            end = par_end;  /* no tokens: it ends where its parent does */
-        }
-    }
-    Py_ssize_t length = m.keep + (hi - lo);
-    if (k_out) {
-        /* (first node, end node, logprob offset, version, logprob array, shift), as `extend_next` */
-        PyObject *o_mid = PyLong_FromSsize_t(mid), *o_hi = PyLong_FromSsize_t(hi);
-        PyObject *o_a = PyLong_FromSsize_t(a), *o_v = PyLong_FromLongLong(m.weight_version);
-        PyObject *group = NULL;
-        if (o_mid && o_hi && o_a && o_v)
-            group = PyTuple_Pack(6, o_mid, o_hi, o_a, o_v, t->lps, cfg.zero);
-        int rc = (group == NULL || PyList_Append(t->seg_lo, o_mid) < 0 ||
-                  PyList_Append(t->seg_hi, o_hi) < 0 || PyList_Append(t->seg_groups, group) < 0);
-        Py_XDECREF(o_mid);
-        Py_XDECREF(o_hi);
-        Py_XDECREF(o_a);
-        Py_XDECREF(o_v);
-        Py_XDECREF(group);
-        if (rc)
-            goto fail;
-        t->lps_n = b;
-        t->policy_count += k_out;
-    }
-    t->n = hi;
-    {
-        PyObject *cargs[10] = {cid, agent, role, NULL, NULL, NULL, NULL, finish, NULL, NULL};
-        cargs[3] = PyLong_FromSsize_t(end);
-        cargs[4] = PyLong_FromSsize_t(length - k_out);
-        cargs[5] = PyLong_FromSsize_t(k_out);
-        cargs[6] = PyLong_FromLongLong(m.weight_version);
-        cargs[8] = PyFloat_FromDouble(m.t_start);
-        cargs[9] = PyFloat_FromDouble(m.t_end);
-        if (cargs[3] && cargs[4] && cargs[5] && cargs[6] && cargs[8] && cargs[9])
-            info = PyObject_Vectorcall(cfg.call_info, cargs, 10, NULL);
-        for (int i = 3; i < 10; i++)
-            if (i != 7)
-                Py_XDECREF(cargs[i]);
-    }
-    if (info == NULL || PyDict_SetItem(t->calls, cid, info) < 0 || PyList_Append(t->order, cid) < 0)
+    length = m.keep + (m.append.len + m.out.len) / 4;
+    info = register_call(&c, end, length);
+    if (info == NULL)
         goto fail;
-    t->new_calls += 1;  /* (added to `stats` when it is next read) */
-    t->new_call_tokens += length;
-    if (cache_set(&cid_cache, cid) < 0)
-        goto fail;
-    Py_XSETREF(t->last_info, Py_NewRef(info));
-    t->last_end = end;
-    t->last_length = length;
     result = info;
     info = NULL;
     goto done;
@@ -1284,8 +1637,9 @@ setup(PyObject *module, PyObject *args)
 {
     PyObject *call_info, *roles;
     long long schema_version, max_weight_version, no_pending;
-    if (!PyArg_ParseTuple(args, "OO!LLL", &call_info, &PyDict_Type, &roles, &schema_version,
-                          &max_weight_version, &no_pending))
+    Py_ssize_t root;
+    if (!PyArg_ParseTuple(args, "OO!LLLn", &call_info, &PyDict_Type, &roles, &schema_version,
+                          &max_weight_version, &no_pending, &root))
         return NULL;
     if (!PyType_Check(call_info)) {
         PyErr_SetString(PyExc_TypeError, "call_info must be the CallInfo type");
@@ -1315,6 +1669,7 @@ setup(PyObject *module, PyObject *args)
     cfg.schema_version = schema_version;
     cfg.max_weight_version = max_weight_version;
     cfg.no_pending = no_pending;
+    cfg.root = root;
     cfg.ready = 1;
     Py_RETURN_NONE;
 }
@@ -1356,6 +1711,11 @@ PyInit__ingest(void)
     INTERN(s_delta_calls, "delta_calls");
     INTERN(s_reserve, "_reserve");
     INTERN(s_grow_lps, "_grow_lps");
+    INTERN(s_starts, "_starts");
+    INTERN(s_rdep, "_rdep");
+    INTERN(s_rpar, "_rpar");
+    INTERN(s_start_set, "_start_set");
+    INTERN(s_branches, "_branches");
     INTERN(cfg.stop, "stop");
     cfg.zero = PyLong_FromLong(0);
 #undef INTERN

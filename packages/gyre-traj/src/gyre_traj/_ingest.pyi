@@ -30,5 +30,11 @@ class Arena:
 
 def extend_next(data: Any, trees: dict[str, Any], /) -> Any: ...
 def setup(
-    call_info: type, roles: dict[str, Any], schema_version: int, max_weight_version: int, no_pending: int, /
+    call_info: type,
+    roles: dict[str, Any],
+    schema_version: int,
+    max_weight_version: int,
+    no_pending: int,
+    root: int,
+    /,
 ) -> None: ...

@@ -3,8 +3,9 @@
 `gyre_traj._ingest` is a C extension built with gyre-traj where a C compiler is found (an optional
 part of the build: an install without a compiler gets the pure-Python path, nothing else changes). It
 holds three things: `TreeState`, the base class of `ExecutionTree` (the fields an agent's next call
-writes, in a C struct); `extend_next`, which places an agent's next call into its tree straight
-from its msgpack message (`Forest.ingest_frame` calls it first; it returns None, the tree unchanged,
+writes, in a C struct); `extend_next`, which places a call into its tree straight from its msgpack
+message: an agent's next call by a copy of its tokens, any other call of a tree that exists by the merge
+`ExecutionTree._add` does (`Forest.ingest_frame` calls it first; it returns None, the tree unchanged,
 for any message it is not sure of, which the Python path then takes as before); and, on POSIX systems,
 `Arena`, where a tree's token ids move once they outgrow its first array: a reserved range of address
 space made writable as the tree grows, so that growing never copies what is stored, and recycled when
@@ -110,8 +111,13 @@ def use_native(enabled: bool) -> Iterator[None]:
 
 
 def setup(
-    call_info: type, roles: dict[str, Any], schema_version: int, max_weight_version: int, no_pending: int
+    call_info: type,
+    roles: dict[str, Any],
+    schema_version: int,
+    max_weight_version: int,
+    no_pending: int,
+    root: int,
 ) -> None:
     """Hand the extension what it builds and checks against (gyre_traj.tree calls it once)."""
     if BUILT:
-        _ext.setup(call_info, roles, schema_version, max_weight_version, no_pending)
+        _ext.setup(call_info, roles, schema_version, max_weight_version, no_pending, root)

@@ -118,7 +118,7 @@ _imin = np.minimum.reduce  # (`ndarray.min` without its Python wrapper)
 _Ext = msgspec.msgpack.Ext
 _CODES = (EXT_IDS, EXT_IDS, EXT_F32)  # the extension types of a call's input ids, output ids, logprobs
 # What the native path (`native.extend_next`) builds and checks against.
-native.setup(CallInfo, {r.value: r for r in Role}, SCHEMA_VERSION, MAX_WEIGHT_VERSION, _NO_PENDING)
+native.setup(CallInfo, {r.value: r for r in Role}, SCHEMA_VERSION, MAX_WEIGHT_VERSION, _NO_PENDING, ROOT)
 
 
 def _view_fields_ok(view: CallView) -> bool:
@@ -1432,12 +1432,13 @@ class Forest:
         """The live ingest path, for a service that takes records off a socket one message at a time:
         `add_frame`'s contract, returning the CallInfo the tree gave a call (the record itself for a
         score or a batch). A call goes from the message's bytes straight into its tree, no `Call`
-        built: an agent's next call (the proxy's usual message) through the native path when it is in
-        use (`gyre_traj.native`: the message parsed in C, its tokens copied and checked in one pass,
-        the call registered), else, or when that path leaves it (anything it is not sure of), through
-        `ExecutionTree.extend_next` (one copy of its tokens); any other well-formed call through `ExecutionTree.merge_view` (the
-        merge `add` uses); any other record, or a call neither takes (a bad value, another array
-        encoding), is decoded and added in full, which gives the same tree and the same errors.
+        built. First through the native path when it is in use (`gyre_traj.native`: the message parsed
+        in C; an agent's next call, the proxy's usual message, by one checked copy of its tokens; any
+        other call of a tree that exists by the merge `add` does). Else, or when that path leaves it
+        (anything it is not sure of), an agent's next call through `ExecutionTree.extend_next` (one
+        copy of its tokens), any other well-formed call through `ExecutionTree.merge_view` (the merge
+        `add` uses). Any other record, or a call neither takes (a bad value, another array encoding),
+        is decoded and added in full, which gives the same tree and the same errors.
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
         fast = native.extend_next
