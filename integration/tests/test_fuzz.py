@@ -210,3 +210,46 @@ def test_a_call_with_a_negative_token_id_is_dropped_and_its_tree_keeps_what_it_h
         assert (traj.dropped, traj.recorded_calls(eid)) == (2, 2)
         push.close(0)
     ctx.term()
+
+
+def test_a_call_sent_again_is_booked_once_and_other_records_are_dropped() -> None:
+    """The PULL takes call records only, each once: a call sent again (as a proxy resends after a
+    reconnect) or replayed from the proxy's log after it was booked is skipped, not counted as booked
+    or dropped; a score or a call batch on the PULL is dropped and counted, and adds nothing."""
+    ctx: Ctx = zmq.Context()
+    eid = f"again-{uuid.uuid4().hex[:8]}"
+
+    def call(n: int) -> Call:
+        """The execution's n-th call: the first a full input, each next one extending the one before."""
+        return Call(
+            execution_id=eid, call_id=f"{eid}-c{n}", agent_id="main", role=Role.MAIN,
+            input_ids=None if n else np.array([1001, 2001]),
+            input_delta=Delta(f"{eid}-c{n - 1}", 2 * n + 1, np.array([3001])) if n else None,
+            output_ids=np.array([5001 + n]), output_logprobs=np.full(1, -0.5), weight_version=0,
+        )  # fmt: skip
+
+    calls = [call(n) for n in range(4)]
+
+    def booked(n: int, dropped: int) -> None:
+        deadline = time.monotonic() + 10.0
+        while traj.recorded_calls(eid) < n or traj.dropped < dropped:
+            assert traj.failure() is None and time.monotonic() < deadline, (traj.dropped, traj.records)
+            time.sleep(0.005)
+
+    with _serving() as traj:
+        push = sockets.connected(ctx, zmq.PUSH, traj.address, TOKEN)
+        push.send(_codec.encode_msgpack(calls[0]))
+        push.send(_codec.encode_msgpack(calls[0]))  # again
+        push.send(_codec.encode_msgpack(Score(execution_id=eid, group_id="g", value=1.0)))
+        push.send(_codec.encode_msgpack(CallBatch.of([calls[1]])))
+        push.send(_codec.encode_msgpack(calls[1]))
+        booked(2, 2)
+        traj.replay(calls[:2])  # both booked already
+        push.send(_codec.encode_msgpack(calls[1]))  # and once more
+        push.send(_codec.encode_msgpack(calls[2]))
+        booked(3, 2)
+        push.send(_codec.encode_msgpack(calls[3]))  # (the replay was taken in a round before this one)
+        booked(4, 2)
+        assert (traj.dropped, traj.records, traj.recorded_calls(eid)) == (2, 4, 4)
+        push.close(0)
+    ctx.term()

@@ -113,7 +113,7 @@ def test_whole_steps_count_the_batch_until_trained() -> None:
     sd = book.steps[0]
     assert book.report(0, 0, {}).ready == 2
     p = book.pack(sd, sd.groups)
-    sd.tally.add(p, p.microbatches, len(p.items), book.output_tokens)
+    sd.tally.add(p, p.microbatches, len(p.items))
     sd.closed = True
     n = len(p.microbatches)
     assert book.report(0, 0, {0: StepInfo(0, True, False, n, n, 0, 0)}).ready == 2  # waiting its turn
@@ -153,12 +153,12 @@ def test_groups_packed_one_by_one_train_each_execution_once() -> None:
         _finish_group(book, 0, 1)
     sd = whole.steps[0]
     p = whole.pack(sd, sd.groups)
-    sd.tally.add(p, p.microbatches, len(p.items), whole.output_tokens)
+    sd.tally.add(p, p.microbatches, len(p.items))
     sd = streamed.steps[0]
     for g in sd.ready:
         q = streamed.pack(sd, [g])
         mbs, n = execution_means(q.microbatches)
-        sd.tally.add(q, mbs, n, streamed.output_tokens)
+        sd.tally.add(q, mbs, n)
         assert all(np.allclose(b.weights, 0.5) for b in mbs)  # per-execution means: 2 loss tokens each
     a, b = whole.steps[0].tally.summary(0, []), streamed.steps[0].tally.summary(0, [])
     assert sorted(a["trained_executions"]) == sorted(b["trained_executions"])
@@ -183,7 +183,7 @@ def test_an_execution_with_a_path_over_the_budget_is_set_aside_and_named() -> No
     assert [it.tree.execution_id for it in p.items] == ["s0-q0-e1"]
     assert p.over_budget == {"s0-q0-e0": 1103}
     assert sum(b.num_loss_tokens for b in p.microbatches) == 2
-    sd.tally.add(p, p.microbatches, len(p.items), book.output_tokens)
+    sd.tally.add(p, p.microbatches, len(p.items))
     summary = sd.tally.summary(0, sd.scores.values())
     assert summary["over_budget"] == {"s0-q0-e0": 1103}
     assert summary["trained_executions"] == ["s0-q0-e1"]

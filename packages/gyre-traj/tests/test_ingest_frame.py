@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 from gyre_traj.io import Codec, call_view_decoder, encode_msgpack_stream
-from gyre_traj.records import Call, RecordError, Score
+from gyre_traj.records import Call, CallBatch, RecordError, Score
 from gyre_traj.synth import SynthConfig, synth_execution
 from gyre_traj.tree import CallInfo, ExecutionTree, Forest
 from hypothesis import HealthCheck, given, settings
@@ -315,3 +315,26 @@ def test_a_refused_first_call_leaves_the_forest_as_the_plain_path_does(
     assert str(fast_err.value) == str(plain_err.value)
     assert fast.trees.keys() == plain.trees.keys() and fast.pending_scores == plain.pending_scores
     assert [(t.score, t.n, t.calls) for t in fast] == [(t.score, t.n, t.calls) for t in plain]
+
+
+def test_ingest_call_takes_calls_and_refuses_any_other_record() -> None:
+    """`Forest.ingest_call` (a service's PULL of call records): a call as `ingest_frame` takes it; a
+    score or a call batch is a RecordError and nothing is added; a call sent twice is a RecordError
+    the second time, and `booked` says it is in its tree."""
+    c0 = call("c0", PROMPT, ids(OUT, 1))
+    c1 = call("c1", None, ids(OUT, 2), delta=("c0", 4, ids(TOOL, 1)))
+    forest, reference = Forest(), Forest()
+    for c in (c0, c1):
+        assert forest.ingest_call(CODEC.encode_msgpack(c)) == reference.ingest_frame(CODEC.encode_msgpack(c))
+    _same_tree(forest.trees["e"], reference.trees["e"])
+    score = CODEC.encode_msgpack(Score(execution_id="e2", group_id="g", value=1.0))
+    with pytest.raises(RecordError, match="a Score record, not a call"):
+        forest.ingest_call(score, name="msg 3")
+    batch = CODEC.encode_msgpack(CallBatch.of([call("b0", PROMPT, ids(OUT, 3), execution="e3")]))
+    with pytest.raises(RecordError, match="a CallBatch record, not a call"):
+        forest.ingest_call(batch)
+    assert forest.pending_scores == {} and set(forest.trees) == {"e"}
+    with pytest.raises(RecordError, match="duplicate call id"):
+        forest.ingest_call(CODEC.encode_msgpack(c1))
+    assert forest.booked("e", "c1") and not forest.booked("e", "c2") and not forest.booked("e2", "c1")
+    _same_tree(forest.trees["e"], reference.trees["e"])

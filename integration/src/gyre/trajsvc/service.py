@@ -39,8 +39,7 @@ from gyre_sched.protocol import Hello, PeerKind, ReadyGroups
 from gyre_train.control import CoreClient, InboxFull
 from gyre_train.normalize import execution_means
 from gyre_train.protocol import StepInfo
-from gyre_traj.io import Codec
-from gyre_traj.records import Call, RecordError, Score, defer_input_sign_check
+from gyre_traj.records import Call, RecordError, Score
 from gyre_traj.weights import group_advantages
 
 from gyre.trajsvc.stepbook import Packed, StepBook, StepData
@@ -92,8 +91,6 @@ class TrajectoryService:
             raise
         self._sched_address = sched_address
         self._core_address = core_address
-        self._codec = Codec()
-        """The records decoder, used by the service thread only."""
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._lock = threading.Lock()
         self._next_open = first_step
@@ -101,7 +98,6 @@ class TrajectoryService:
         self.steps_closed = first_step
         """Steps handed to the core whole (closed, or submitted), counted from step 0."""
         self._on_closed = on_closed
-        self._seen_calls: set[str] = set()
         self._packed_calls: dict[str, int] = {}
         """Execution id -> the calls it had when it was packed (the ledger's `calls_packed`)."""
         self._replayed: queue.Queue[Call] = queue.Queue()
@@ -137,8 +133,8 @@ class TrajectoryService:
             self._replayed.put(c)
 
     def recorded_calls(self, execution_id: str) -> int:
-        """Records received so far for one execution (any thread: a dict lookup)."""
-        return self.book.calls_seen.get(execution_id, 0)
+        """Records received so far for one execution (any thread: dict lookups)."""
+        return self.book.calls_of(execution_id)
 
     def start(self) -> None:
         self._thread.start()
@@ -227,19 +223,10 @@ class TrajectoryService:
         try:
             if len(msg) != 1:
                 raise RecordError(f"a message of {len(msg)} frames (a record is one frame)")
-            data = msg[0]
-            view = self.book.forest.read_view(data)
-            if view is not None:  # a call record: the forest's live path takes it from its bytes
-                if view.call_id not in self._seen_calls:
-                    self.book.record_frame(view, data)
-                    self._seen_calls.add(view.call_id)
-                    self.records += 1
-                return
-            with defer_input_sign_check():  # the tree checks the tokens it stores, where it stores them
-                rec = self._codec.decode_msgpack(data)
-                if not isinstance(rec, Call):
-                    raise RecordError(f"a {type(rec).__name__} record (the PULL takes calls only)")
-                self._record(rec)
+            # the forest's live path takes a call record from its bytes; a call booked already is
+            # skipped (the proxy may send one again), anything else that is not one is refused
+            if self.book.record_frame(msg[0]):
+                self.records += 1
         except (msgspec.DecodeError, msgspec.ValidationError, RecordError) as exc:
             self._drop(exc)
         except Exception as exc:  # a defect in decoding or ingesting one message must not end the service
@@ -260,13 +247,10 @@ class TrajectoryService:
             )
 
     def _record(self, rec: Call) -> None:
-        """Book a call once (by call id); RecordError if its execution's tree refuses it (then it is not
-        counted as seen: the same call may still come whole)."""
-        if rec.call_id in self._seen_calls:
-            return
-        self.book.record(rec)
-        self._seen_calls.add(rec.call_id)
-        self.records += 1
+        """Book a call once (by call id, in its execution); RecordError if its execution's tree refuses
+        it (then it is not booked: the same call may still come whole)."""
+        if self.book.record(rec):
+            self.records += 1
 
     def _report(self, core: CoreClient) -> ReadyGroups:
         st = core.status()
@@ -295,7 +279,7 @@ class TrajectoryService:
                     core.add(sd.step, mbs)
                     sd.first_given_at = sd.first_given_at or time.time()
                 sd.given[g] = len(mbs)
-                sd.tally.add(p, mbs, executions, self.book.output_tokens)
+                sd.tally.add(p, mbs, executions)
             if sd.complete and not self._held(sd.step):
                 self._ledger(sd, list(sd.tally.trained), sd.tally.over_budget)
                 core.close_step(sd.step, sd.tally.microbatches, max(1, sd.tally.executions))
@@ -313,14 +297,14 @@ class TrajectoryService:
             core.submit(sd.step, p.microbatches)
         except InboxFull:
             return  # the next round tries again
-        sd.tally.add(p, p.microbatches, len(p.items), self.book.output_tokens)
+        sd.tally.add(p, p.microbatches, len(p.items))
         sd.first_given_at = time.time()
         self._closed(sd)
 
     def _note_packed(self, step: int, p: Packed) -> None:
         for it in p.items:
             e = it.tree.execution_id
-            self._packed_calls[e] = self.book.calls_seen.get(e, 0)
+            self._packed_calls[e] = self.book.calls_of(e)
         for e, n in p.over_budget.items():
             log.warning(
                 "step %d: execution %s set aside, untrained: its longest path has %d tokens, over the "

@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 from gyre_sched.protocol import ReadyGroups
 from gyre_train.protocol import StepInfo
-from gyre_traj.io import CallView
 from gyre_traj.pack import PackConfig, PackedBatch, PackItem, pack
-from gyre_traj.records import Call, EvalStatus, Score
+from gyre_traj.records import Call, EvalStatus, RecordError, Score
 from gyre_traj.select import SelectionConfig, select
-from gyre_traj.tree import CallInfo, Forest
+from gyre_traj.tree import Forest
 from gyre_traj.weights import group_advantages
 
 
@@ -72,16 +71,14 @@ class Tally:
     jmax_dropped: int = 0
     over_budget: dict[str, int] = field(default_factory=dict)
 
-    def add(
-        self, p: Packed, microbatches: Sequence[PackedBatch], executions: int, out: Mapping[str, int]
-    ) -> None:
+    def add(self, p: Packed, microbatches: Sequence[PackedBatch], executions: int) -> None:
         self.trained += [it.tree.execution_id for it in p.items]
         self.groups |= p.groups
         self.eval_failed += p.eval_failed
         self.microbatches += len(microbatches)
         self.tokens += sum(b.num_tokens for b in microbatches)
         self.loss_tokens += sum(b.num_loss_tokens for b in microbatches)
-        self.output_tokens += sum(out.get(it.tree.execution_id, 0) for it in p.items)
+        self.output_tokens += sum(info.n_output for it in p.items for info in it.tree.calls.values())
         self.executions += executions
         self.versions += [b.versions for b in microbatches]
         self.leaves_by_role.update(p.leaves)
@@ -150,28 +147,38 @@ class StepBook:
         self.sel_cfg = SelectionConfig(j_max=j_max or None)
         self.record_wait_s = record_wait_s
         self.forest = Forest()
-        self.calls_seen: dict[str, int] = {}
-        self.output_tokens: dict[str, int] = {}
         self.steps: dict[int, StepData] = {}
 
     # ---- what comes in ------------------------------------------------------------------------------
     def register(self, step: int, groups: dict[str, list[str]]) -> None:
         self.steps[step] = StepData(step, groups)
 
-    def record(self, rec: Call) -> None:
+    def record(self, rec: Call) -> bool:
+        """Book a call (False: it was booked already, by call id in its execution); RecordError if its
+        execution's tree refuses it."""
+        if self.forest.booked(rec.execution_id, rec.call_id):
+            return False
         self.forest.add(rec)
-        self._count(rec.execution_id, len(rec.output_ids))
+        return True
 
-    def record_frame(self, view: CallView, data: bytes) -> None:
-        """A call record's message (`data`, read as `view`) through the forest's live path
-        (`Forest.ingest_frame`); RecordError if its execution's tree refuses it."""
-        info = self.forest.ingest_frame(data, view=view)
-        assert isinstance(info, CallInfo)  # a CallView's message is a call
-        self._count(view.execution_id, info.n_output)
+    def record_frame(self, data: bytes) -> bool:
+        """Book a call record's message through the forest's live path (`Forest.ingest_call`: no
+        decode of its own for a call the native path takes). False: the same call was booked already
+        (the proxy sent it again); RecordError for anything else its tree refuses, or for a message
+        that is not a call record."""
+        try:
+            self.forest.ingest_call(data)
+        except RecordError:
+            view = self.forest.read_view(data)  # (the refusal's path only: was it this call again?)
+            if view is not None and self.forest.booked(view.execution_id, view.call_id):
+                return False
+            raise
+        return True
 
-    def _count(self, eid: str, n_output: int) -> None:
-        self.calls_seen[eid] = self.calls_seen.get(eid, 0) + 1
-        self.output_tokens[eid] = self.output_tokens.get(eid, 0) + n_output
+    def calls_of(self, execution_id: str) -> int:
+        """Calls booked so far for one execution."""
+        tree = self.forest.trees.get(execution_id)
+        return 0 if tree is None else len(tree.calls)
 
     def score(self, step: int, score: Score, calls: int, now: float) -> None:
         sd = self.steps[step]
@@ -187,10 +194,10 @@ class StepBook:
             if g in sd.ready:
                 continue
             members = sd.groups[g]
-            if all(self.calls_seen.get(e, 0) >= sd.calls_expected[e] for e in members):
+            if all(self.calls_of(e) >= sd.calls_expected[e] for e in members):
                 sd.ready.append(g)
             elif now - at > self.record_wait_s:
-                missing = {e: (self.calls_seen.get(e, 0), sd.calls_expected[e]) for e in members}
+                missing = {e: (self.calls_of(e), sd.calls_expected[e]) for e in members}
                 raise RecordsMissing(
                     f"step {sd.step}, group {g}: records missing after {self.record_wait_s}s "
                     f"(execution: (arrived, expected)): {missing}"

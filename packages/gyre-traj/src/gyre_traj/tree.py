@@ -1441,8 +1441,34 @@ class Forest:
         is decoded and added in full, which gives the same tree and the same errors.
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
+        info = self._place(data, view)
+        if info is not None:
+            return info
+        with defer_input_sign_check():
+            rec = decode_msgpack_record(data, name)
+            if isinstance(rec, Call):
+                return self._add_call(rec)
+            self.add(rec)
+        return rec
+
+    def ingest_call(self, data: bytes | memoryview, name: str = "<frame>") -> CallInfo:
+        """`ingest_frame` for a service that takes call records only: the CallInfo its tree gave the
+        call, or `RecordError` for a message that is not a call record (a score, a batch: nothing is
+        added) as for a call its tree refuses (its tree keeps what it had)."""
+        info = self._place(data, None)
+        if info is not None:
+            return info
+        with defer_input_sign_check():
+            rec = decode_msgpack_record(data, name)
+            if not isinstance(rec, Call):
+                raise RecordError(f"{name}: a {type(rec).__name__} record, not a call")
+            return self._add_call(rec)
+
+    def _place(self, data: bytes | memoryview, view: CallView | None) -> CallInfo | None:
+        """A call placed from its message's bytes (`ingest_frame`'s paths short of the full decode), or
+        None (nothing changed) for a message none of them takes."""
         fast = native.extend_next
-        if fast is not None:  # the native path: an agent's next call placed from the bytes, or None
+        if fast is not None:  # the native path: a call placed from the bytes, or None
             info = fast(data, self.trees)
             if info is not None:
                 return info
@@ -1450,26 +1476,26 @@ class Forest:
             try:  # (`read_view`, inline: this runs once per message)
                 view = self._view_dec.decode(data)
             except (msgspec.ValidationError, msgspec.DecodeError):
-                view = None
-        if view is not None:
-            tree = self.trees.get(view.execution_id)
-            if tree is not None:
-                info = tree.extend_next(view)
-                if info is not None:
-                    return info
-            info = self._merge_view(view, tree)
+                return None
+        tree = self.trees.get(view.execution_id)
+        if tree is not None:
+            info = tree.extend_next(view)
             if info is not None:
                 return info
-        with defer_input_sign_check():
-            rec = decode_msgpack_record(data, name)
-            if isinstance(rec, Call):
-                tree = self.trees.get(rec.execution_id)
-                if tree is None:
-                    tree = self.trees[rec.execution_id] = ExecutionTree(rec.execution_id)
-                    tree.score = self.pending_scores.pop(rec.execution_id, None)
-                return tree.add(rec)
-            self.add(rec)
-        return rec
+        return self._merge_view(view, tree)
+
+    def _add_call(self, rec: Call) -> CallInfo:
+        """`rec` added to its tree (made for it when its execution is new): its CallInfo."""
+        tree = self.trees.get(rec.execution_id)
+        if tree is None:
+            tree = self.trees[rec.execution_id] = ExecutionTree(rec.execution_id)
+            tree.score = self.pending_scores.pop(rec.execution_id, None)
+        return tree.add(rec)
+
+    def booked(self, execution_id: str, call_id: str) -> bool:
+        """Whether the call `call_id` of that execution is in its tree."""
+        tree = self.trees.get(execution_id)
+        return tree is not None and call_id in tree.calls
 
     def _merge_view(self, view: CallView, tree: ExecutionTree | None) -> CallInfo | None:
         """`ExecutionTree.merge_view` in the view's tree; a call of an execution not seen yet gets its
