@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from gyre_engine.bench.run import make_model
 from gyre_engine.protocol import SamplingParams
@@ -155,12 +156,13 @@ def main() -> None:
     engine.start()
     say(f"{len(calls)} calls, longest {longest} tokens; {shape} {dtype} on {dev}, long slot of {capacity}")
 
-    def ids(xs: Any) -> list[int]:
-        return (
-            [int(x) % (vocab - 1) + 1 for x in xs] if int(max(xs, default=0)) >= vocab else list(map(int, xs))
-        )
+    def ids(xs: Any) -> np.ndarray:
+        xs = np.asarray(xs, np.int64)
+        return xs % (vocab - 1) + 1 if xs.size and int(xs.max()) >= vocab else xs
 
-    full: dict[str, list[int]] = {}  # call id -> the input and output the engine saw for it
+    # call id -> the input and output the engine saw for it, kept until the last call that extends it
+    full: dict[str, np.ndarray] = {}
+    last_use = {c.input_delta.parent: k for k, c in enumerate(calls) if c.input_delta is not None}
     served: list[dict[str, Any]] = []
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
@@ -209,11 +211,14 @@ def main() -> None:
                 inp = ids(c.input_ids)
             else:
                 d = c.input_delta
-                inp = full[d.parent][: d.keep] + ids(d.append)
+                inp = np.concatenate([full[d.parent][: d.keep], ids(d.append)])
+                if last_use[d.parent] == k:
+                    del full[d.parent]
             out_len = len(c.output_ids)
-            res = serve(engine, f"c{k}", inp, max(1, min(decode, out_len)))
-            sampled = res.tokens[:out_len]
-            full[c.call_id] = inp + sampled + ids(c.output_ids[len(sampled) :])
+            res = serve(engine, f"c{k}", inp.tolist(), max(1, min(decode, out_len)))
+            sampled = np.asarray(res.tokens[:out_len], np.int64)
+            if c.call_id in last_use:
+                full[c.call_id] = np.concatenate([inp, sampled, ids(c.output_ids[len(sampled) :])])
             served.append(res.summary(c))
             if (k + 1) % args.write_every == 0:
                 last = served[-1]
