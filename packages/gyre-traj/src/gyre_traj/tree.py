@@ -284,12 +284,14 @@ class ExecutionTree(native.TreeState):
     token, and logprob and weight version per token (kept as references to the records' output arrays
     until then), are derived on first use and cached until the tree changes.
 
-    Its base class (`gyre_traj.native.TreeState`) holds the fields an agent's next call writes (`n`,
-    the arena `_ids`, the logprob array `_lps` and `_lps_n`, the policy segments, `_policy_count`,
+    Its base class (`gyre_traj.native.TreeState`) holds the fields a placed call writes (`n`, the
+    arena `_ids`, the logprob array `_lps` and `_lps_n`, the policy segments, `_policy_count`,
     `_pend_lo`, `calls`, `order`, `stats`): a C struct when the native path is built, whose
-    `extend_next` then writes them directly. For the rest it calls back four methods of this class:
+    `extend_next` then writes them directly. For the rest it calls back five methods of this class:
     `_reserve` and `_grow_lps` to grow the two arrays, `has_children` and `_new_run` for a call whose
-    parent ends inside the arena. They read and write as ordinary attributes either way."""
+    parent ends inside the arena or that branches, `_note_drift` for a call that diverges; and it reads
+    the run tables (`_starts`, `_rdep`, `_rpar`, `_start_set`, `_branches`) to follow a call down the
+    tree as `_descend` does. They read and write as ordinary attributes either way."""
 
     def __init__(self, execution_id: str, capacity: int = 1 << 12) -> None:
         self.execution_id = execution_id
