@@ -91,7 +91,7 @@ static PyObject *s_has_children, *s_end, *s_n_input, *s_n_output, *s_reserve,
 /* Recycled arenas kept for the next trees: at most this many, each with at most this many bytes
  * written (a larger one is unmapped when its tree is dropped). */
 #define ARENA_CACHE_SLOTS 4
-#define ARENA_CACHE_MAX_BYTES ((size_t)256 << 20)
+#define ARENA_CACHE_MAX_BYTES ((size_t)64 << 20)
 /* The tracemalloc domain the arenas' writable bytes are reported in (so that a memory measurement
  * with tracemalloc counts them, as it counts numpy's arrays). */
 #define ARENA_TRACE_DOMAIN 0x67797265u
