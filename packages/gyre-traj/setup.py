@@ -1,11 +1,13 @@
-"""The build of gyre-traj's optional C extension (everything else is in pyproject.toml). Optional: where
-it does not compile (no C compiler), the install goes on without it and gyre-traj runs its pure-Python
-path (`gyre_traj.native`)."""
+"""The build of gyre-traj's optional C extensions (everything else is in pyproject.toml). Optional: where
+one does not compile (no C compiler), the install goes on without it and gyre-traj runs its pure-Python
+path (`gyre_traj.native`). `_arena` is POSIX only (it reserves address space with mmap)."""
+
+import os
 
 from setuptools import Extension, setup
 
-setup(
-    ext_modules=[
-        Extension("gyre_traj._ingest", sources=["src/gyre_traj/_ingest.c"], optional=True),
-    ]
-)
+extensions = [Extension("gyre_traj._ingest", sources=["src/gyre_traj/_ingest.c"], optional=True)]
+if os.name == "posix":
+    extensions.append(Extension("gyre_traj._arena", sources=["src/gyre_traj/_arena.c"], optional=True))
+
+setup(ext_modules=extensions)

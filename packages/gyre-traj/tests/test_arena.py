@@ -1,11 +1,14 @@
-"""Where a tree's token ids live once they outgrow its first array: `native.Arena` (a reserved range of
-address space, grown in place and recycled; POSIX, with the extension built), else a numpy array grown
-4x at a time. Growing keeps what is stored and every view taken before; a tree reads the same either
+"""Where a tree's token ids live once they outgrow its first array: an `Arena` of `gyre_traj._arena` (a
+reserved range of address space, grown in place and recycled; POSIX, with the extension built), else a
+numpy array grown 4x at a time. Growing keeps what is stored and every view taken before; a tree reads the same either
 way."""
 
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import sysconfig
 import tracemalloc
 from typing import Any
 
@@ -155,3 +158,12 @@ def test_a_tree_past_its_arenas_range_moves_to_a_numpy_array(monkeypatch: Any) -
     seq = t.call_sequence("c20")[0]
     assert seq[-1000:].tolist() == list(range(10_000 + 20 * 1000, 10_000 + 21 * 1000))
     assert seq[: len(PROMPT)].tolist() == PROMPT
+
+
+def test_the_arena_extension_is_built_where_a_compiler_is() -> None:
+    """On a POSIX system where gyre-traj was installed with a C compiler at hand, `gyre_traj._arena` is
+    there (the tests above are skipped without it: this one says why, rather than passing)."""
+    if os.environ.get(native.ENV) == "0" or os.name != "posix":
+        pytest.skip(f"{native.ENV}=0" if os.name == "posix" else "arenas are POSIX only")
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    assert native.ARENA is not None or shutil.which(compiler) is None, "a C compiler is here: build _arena"

@@ -2,18 +2,18 @@
 
 `gyre_traj._ingest` is a C extension built with gyre-traj where a C compiler is found (an optional
 part of the build: an install without a compiler gets the pure-Python path, nothing else changes). It
-holds three things: `TreeState`, the base class of `ExecutionTree` (the fields an agent's next call
-writes, in a C struct); `extend_next`, which places a call into its tree straight from its msgpack
+holds two things: `TreeState`, the base class of `ExecutionTree` (the fields a placed call writes,
+in a C struct); and `extend_next`, which places a call into its tree straight from its msgpack
 message: an agent's next call by a copy of its tokens, any other call of a tree that exists by the merge
 `ExecutionTree._add` does (`Forest.ingest_frame` calls it first; it returns None, the tree unchanged,
-for any message it is not sure of, which the Python path then takes as before); and, on POSIX systems,
-`Arena`, where a tree's token ids move once they outgrow its first array: a reserved range of address
-space made writable as the tree grows, so that growing never copies what is stored, and recycled when
-the tree is dropped, so that the next tree writes into pages already mapped (`ExecutionTree._reserve`;
-without it, a numpy array grown 4x at a time).
+for any message it is not sure of, which the Python path then takes as before). `gyre_traj._arena`, a
+second one built on POSIX systems, holds `Arena`, where a tree's token ids move once they outgrow its
+first array: a reserved range of address space made writable as the tree grows, so that growing never
+copies what is stored, and recycled when the tree is dropped, so that the next tree writes into pages
+already mapped (`ExecutionTree._reserve`; without it, a numpy array grown 4x at a time).
 
-- `BUILT`: the extension was imported (set `GYRE_TRAJ_NATIVE=0` in the environment to not import it:
-  `ExecutionTree` then stands on `PyTreeState`, its pure-Python twin).
+- `BUILT`: the extension was imported (set `GYRE_TRAJ_NATIVE=0` in the environment to import neither:
+  `ExecutionTree` then stands on `PyTreeState`, its pure-Python twin, and grows numpy arrays).
 - `in_use()`: `Forest.ingest_frame` tries the native path first, and trees grow into arenas;
   `use_native(False)` turns both off (and back on) at run time, as the tests do to check both paths
   give the same trees and errors.
@@ -67,11 +67,16 @@ class PyTreeState:
 
 
 _ext: Any = None
+_arena: Any = None
 if os.environ.get(ENV, "1") != "0":
     try:
         from gyre_traj import _ingest as _ext
     except ImportError:  # not built (no C compiler where gyre-traj was installed)
         _ext = None
+    try:
+        from gyre_traj import _arena
+    except ImportError:  # not built (no C compiler, or not a POSIX system)
+        _arena = None
 
 BUILT: bool = _ext is not None
 """Whether the extension is built and imported."""
@@ -87,7 +92,9 @@ extend_next: ExtendNext | None = _ext.extend_next if BUILT else None
 the call it placed, or None (nothing changed) for a message it leaves to the Python path."""
 
 
-arena_type: type | None = getattr(_ext, "Arena", None)
+ARENA: type | None = getattr(_arena, "Arena", None)
+"""`gyre_traj._arena.Arena` when that extension is built and imported, else None."""
+arena_type: type | None = ARENA
 """`Arena(nbytes)`, where `ExecutionTree._reserve` moves a tree's ids past its first array (None when it
 is not in use: numpy arrays instead)."""
 
@@ -103,7 +110,7 @@ def use_native(enabled: bool) -> Iterator[None]:
     global extend_next, arena_type
     before = extend_next, arena_type
     extend_next = _ext.extend_next if enabled and BUILT else None
-    arena_type = getattr(_ext, "Arena", None) if enabled else None
+    arena_type = ARENA if enabled else None
     try:
         yield
     finally:

@@ -298,7 +298,7 @@ class ExecutionTree(native.TreeState):
         self.n = 0
         self._ids = np.empty(capacity, ID_DTYPE)
         self._ids_b = memoryview(self._ids).cast("B")  # a message's ids are copied in by memcpy
-        self._arena: Any = None  # the `native.Arena` under `_ids` once it outgrew `capacity`, if any
+        self._arena: Any = None  # the arena (`native.ARENA`) under `_ids` once it outgrew `capacity`
         # The logprobs of the calls `extend_next` took, appended to one array; when it is full, a fresh
         # one twice its size takes over (a segment refers to the array it was written into).
         self._lps = np.empty(0, LOGPROB_DTYPE)
