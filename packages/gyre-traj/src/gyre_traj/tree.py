@@ -1443,7 +1443,12 @@ class Forest:
         is decoded and added in full, which gives the same tree and the same errors.
         `view`: the message already read as a `CallView` (`read_view`), by a caller that looked at it
         first."""
-        info = self._place(data, view)
+        fast = native.extend_next
+        if fast is not None:  # the native path: a call placed from the bytes, or None
+            info = fast(data, self.trees)
+            if info is not None:
+                return info
+        info = self._place_view(data, view)
         if info is not None:
             return info
         with defer_input_sign_check():
@@ -1457,7 +1462,12 @@ class Forest:
         """`ingest_frame` for a service that takes call records only: the CallInfo its tree gave the
         call, or `RecordError` for a message that is not a call record (a score, a batch: nothing is
         added) as for a call its tree refuses (its tree keeps what it had)."""
-        info = self._place(data, None)
+        fast = native.extend_next
+        if fast is not None:  # (as in `ingest_frame`)
+            info = fast(data, self.trees)
+            if info is not None:
+                return info
+        info = self._place_view(data, None)
         if info is not None:
             return info
         with defer_input_sign_check():
@@ -1466,14 +1476,9 @@ class Forest:
                 raise RecordError(f"{name}: a {type(rec).__name__} record, not a call")
             return self._add_call(rec)
 
-    def _place(self, data: bytes | memoryview, view: CallView | None) -> CallInfo | None:
-        """A call placed from its message's bytes (`ingest_frame`'s paths short of the full decode), or
-        None (nothing changed) for a message none of them takes."""
-        fast = native.extend_next
-        if fast is not None:  # the native path: a call placed from the bytes, or None
-            info = fast(data, self.trees)
-            if info is not None:
-                return info
+    def _place_view(self, data: bytes | memoryview, view: CallView | None) -> CallInfo | None:
+        """A call placed from its message read as a `CallView` (`ingest_frame`'s Python paths short of
+        the full decode), or None (nothing changed) for a message neither takes."""
         if view is None:
             try:  # (`read_view`, inline: this runs once per message)
                 view = self._view_dec.decode(data)
