@@ -90,10 +90,13 @@ class _SideBySide:
     each measured in turn in one loop so that all see the same machine load: the live path
     (`ingest_frame`, its native half in use when built), the same with its native half turned off
     (pure Python), the plain one-record-at-a-time path (`add_frame`: its reference) and the batched
-    one."""
+    one; and the live messages copied one at a time, their floor."""
 
     live_s: float
     live_copy_s: float
+    live_message_copy_s: float
+    """The same bytes copied one message at a time (a Python loop of slice assignments, each message
+    into its place in one buffer): the floor of anything that takes the messages one by one."""
     live_python_s: float
     plain_s: float
     batched_s: float
@@ -117,7 +120,16 @@ def _side_by_side(
     live_dst, batch_dst = np.empty_like(live_src), np.empty_like(batch_src)
     np.copyto(live_dst, live_src)  # touch the destinations once: the copies are timed into warm memory
     np.copyto(batch_dst, batch_src)
-    keys = ("live", "live_copy", "live_python", "plain", "batched", "batched_copy")
+    keys = ("live", "live_copy", "live_message_copy", "live_python", "plain", "batched", "batched_copy")
+    dst_view = memoryview(live_dst)
+    offsets = [0]
+    for frame in frames:
+        offsets.append(offsets[-1] + len(frame))
+
+    def copy_each() -> None:
+        for frame, at in zip(frames, offsets, strict=False):
+            dst_view[at : at + len(frame)] = frame
+
     t: dict[str, list[float]] = {k: [] for k in keys}
     cpu: dict[str, list[float]] = {k: [] for k in t}
 
@@ -138,6 +150,8 @@ def _side_by_side(
         timed("batched_copy", lambda: np.copyto(batch_dst, batch_src))
         batched_tree = None
         batched_tree = timed("batched", lambda: _ingest(batched))
+        _ingest_plain(frames)  # (untimed: the messages out of cache, as before the live ingest)
+        timed("live_message_copy", copy_each)
     assert live_tree is not None and batched_tree is not None and python_tree is not None
     for name in ("ids", "parent", "depth", "policy", "logprob", "version"):
         if not np.array_equal(getattr(live_tree, name), getattr(python_tree, name)):
@@ -151,6 +165,7 @@ def _side_by_side(
     side = _SideBySide(
         live_s=med["live"],
         live_copy_s=med["live_copy"],
+        live_message_copy_s=med["live_message_copy"],
         live_python_s=med["live_python"],
         plain_s=med["plain"],
         batched_s=med["batched"],
@@ -304,6 +319,9 @@ def run_bench(quick: bool = False, out: str | None = None) -> int:
         "memcpy_live_s": round(side.live_copy_s, 5),
         "ingest_over_memcpy_700k_live": round(side.live_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_live_pair_quartiles": _quartiles(side.live_pairs),
+        "memcpy_per_message_live_s": round(side.live_message_copy_s, 5),
+        "memcpy_per_message_over_memcpy_live": round(side.live_message_copy_s / side.live_copy_s, 2),
+        "ingest_over_memcpy_per_message_live": round(side.live_s / side.live_message_copy_s, 2),
         "ingest_live_python_s": round(side.live_python_s, 4),
         "ingest_over_memcpy_700k_live_python": round(side.live_python_s / side.live_copy_s, 2),
         "ingest_over_memcpy_700k_live_python_pair_quartiles": _quartiles(side.live_python_pairs),
