@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,31 +32,116 @@ ATTN_NAME = "gyre_long_prefill"
 _registered = False
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+"""attend(q, k, v, causal) -> (output [1, H, n, D], log-sum-exp of each query's scores [1, H, n], float32)."""
+
+_split_ok: dict[tuple[Any, ...], bool] = {}
+"""Per device, dtype and head shape: whether the split flash path agreed with the repeat path once."""
+
+
 def chunk_attention_path(q: torch.Tensor, k: torch.Tensor) -> str:
-    """Which kernel `chunk_attention` runs for these shapes: "flash" (CUDA, grouped KV heads as they are),
-    "repeat" (CUDA: KV heads repeated per query head, torch's lower-right causal kernels) or "masked"
-    (elsewhere: the mask is built)."""
+    """Which kernel `chunk_attention` runs for these shapes: "flash" (CUDA, grouped KV heads as they are,
+    flash's causal mask aligned to the bottom right), "flash-split" (CUDA, where flash takes no causal
+    mask between a chunk and a longer prefix: flash over the prefix without a mask and over the chunk's
+    own columns with the square causal one, the two merged by their log-sum-exps), "repeat" (CUDA: KV
+    heads repeated per query head, torch's lower-right causal kernels) or "masked" (elsewhere: the mask
+    is built)."""
     if q.device.type != "cuda":
         return "masked"
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
+    if q.shape[-1] % 8:
+        return "repeat"
     with warnings.catch_warnings():  # the check warns why a kernel cannot run; the fallback handles it
         warnings.simplefilter("ignore")
         gqa = k.shape[1] != q.shape[1]
-        ok = can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, True, gqa))
-    return "flash" if ok and q.shape[-1] % 8 == 0 else "repeat"
+        if can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, True, gqa)):
+            return "flash"
+        square = k[:, :, -q.shape[2] :]
+        split = can_use_flash_attention(
+            SDPAParams(q, k, k, None, 0.0, False, gqa)
+        ) and can_use_flash_attention(SDPAParams(q, square, square, None, 0.0, True, gqa))
+    return "flash-split" if split and _split_checked(q, k) else "repeat"
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """`chunk_attention` from two unmasked-or-square attentions: the chunk's n queries over the prefix's
+    columns [0, L - n) with no mask, and over their own last n columns with the square causal mask
+    (which aligns top left and bottom right alike), merged by their log-sum-exps: each part's output
+    weighted by the share of the softmax its scores hold."""
+    n, width = q.shape[2], k.shape[2]
+    own, lse_own = attend(q, k[:, :, width - n :], v[:, :, width - n :], True)
+    if width == n:
+        return own
+    pre, lse_pre = attend(q, k[:, :, : width - n], v[:, :, : width - n], False)
+    lse = torch.logaddexp(lse_pre, lse_own)
+    w_pre = torch.exp(lse_pre - lse).unsqueeze(-1)
+    w_own = torch.exp(lse_own - lse).unsqueeze(-1)
+    return (pre.float() * w_pre + own.float() * w_own).to(q.dtype)
+
+
+def _flash(scale: float) -> Attend:
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal=causal, return_debug_mask=False, scale=scale
+        )
+        return out[0], out[1]
+
+    return attend
+
+
+def _split_checked(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the split flash path agrees with the repeat path on this device, dtype and head shape
+    (checked once, on random inputs: 64 queries over 320 columns; agreeing is an error under 0.05, what
+    bf16 rounding leaves). A path that fails or disagrees is not used again in this process."""
+    key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1])
+    ok = _split_ok.get(key)
+    if ok is None:
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        h, kvh, d = q.shape[1], k.shape[1], q.shape[-1]
+        tq = torch.randn((1, h, 64, d), generator=gen, device=q.device).to(q.dtype)
+        tk, tv = (torch.randn((1, kvh, 320, d), generator=gen, device=q.device).to(q.dtype) for _ in range(2))
+        try:
+            got = split_attention(tq, tk, tv, _flash(d**-0.5)).float()
+            ref = _repeat_attention(tq, tk, tv, d**-0.5).float()
+            err = float((got - ref).abs().max())
+            ok = err < 0.05
+            if not ok:
+                log.warning("the split flash attention differs from the repeat path by %.3g: not used", err)
+        except RuntimeError:
+            log.warning("the split flash attention failed; repeating KV heads instead", exc_info=True)
+            ok = False
+        _split_ok[key] = ok
+    return ok
+
+
+def _repeat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    from torch.nn.attention.bias import causal_lower_right
+
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale
+    )
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of a chunk's queries [1, H, n, D] over keys/values [1, KVH, L, D] whose last n
     columns are the chunk's own (query i sits at column L - n + i): the bottom-right-aligned causal mask.
     On CUDA no [n, L] mask is built: flash attention (whose causal mask is aligned to the bottom right)
-    over the grouped KV heads as they are, else torch's lower-right causal bias over KV heads repeated
-    per query head."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    n, width = q.shape[2], k.shape[2]
+    over the grouped KV heads as they are (whole, or split at the chunk's own columns: `split_attention`),
+    else torch's lower-right causal bias over KV heads repeated per query head."""
     path = chunk_attention_path(q, k)
+    if path == "flash-split":
+        try:
+            return split_attention(q, k, v, _flash(scale))
+        except RuntimeError:  # (as below)
+            log.warning(
+                "the split flash attention refused a chunk; repeating KV heads instead", exc_info=True
+            )
     if path == "flash":
         try:
             out = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -66,10 +152,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             log.warning(
                 "flash attention refused a long-prefill chunk; repeating KV heads instead", exc_info=True
             )
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, width), scale=scale)
+    return _repeat_attention(q, k, v, scale)
 
 
 def _prefill_attention(
