@@ -40,6 +40,7 @@ import torch
 from gyre_engine.bench.run import make_model
 from gyre_engine.protocol import SamplingParams
 from gyre_engine.server.engine import Engine
+from gyre_engine.server.long_kv import chunk_attention_path
 from gyre_engine.server.request import EngineRequest, TokenEvent
 from gyre_traj.records import Call
 from gyre_traj.synth import SynthConfig, synth_execution
@@ -143,6 +144,10 @@ def main() -> None:
     dtype = "float32" if args.cpu else "bfloat16"
     model = make_model(shape, dtype, dev, overrides={"max_position_embeddings": capacity + 1024})
     vocab = int(model.config.vocab_size)
+    mc = model.config
+    kv = torch.zeros((1, mc.num_key_value_heads, 320, mc.head_dim), dtype=model.dtype, device=dev)
+    q = torch.zeros((1, mc.num_attention_heads, 64, mc.head_dim), dtype=model.dtype, device=dev)
+    attention_path = chunk_attention_path(q, kv)  # (the long prefill's kernel: flash, flash-split, repeat)
     cfg = Engine.Config(
         max_running_requests=8,
         prefill_chunk=chunk,
@@ -180,6 +185,7 @@ def main() -> None:
             "max_cached_tokens": cfg.max_cached_tokens,
             "budget_s": args.budget_s,
             "slot_max_len": cfg.slot_max_len,
+            "long_prefill_attention": attention_path,
             "milestones": milestones,
             "milestone_window": NEAR,
         },
