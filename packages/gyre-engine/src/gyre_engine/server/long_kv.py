@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from gyre_engine.server.slots import SlotCache
 
 log = logging.getLogger(__name__)
 ATTN_NAME = "gyre_long_prefill"
+CACHED_ATTN_NAME = "gyre_cached_prefill"
 _registered = False
 
 
@@ -180,13 +182,46 @@ def _prefill_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _cached_prefill_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function for a chunk prefilled on top of a cache (`prefill.prefill_chunk`:
+    one row, no padding): `key` and `value` are the cache's, the prefix and the chunk, so the mask is
+    the bottom-right causal one `chunk_attention` applies; the mask transformers hands in is a
+    placeholder (ignored). Returns [1, n, H, D]."""
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    return chunk_attention(query, key, value, scale).transpose(1, 2).contiguous(), None
+
+
 def register_attention() -> None:
     global _registered
     if not _registered:
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTN_NAME, _prefill_attention)
+        AttentionInterface.register(CACHED_ATTN_NAME, _cached_prefill_attention)
         _registered = True
+
+
+@contextmanager
+def attention_as(model: Any, name: str) -> Iterator[None]:
+    """The model's attention is the registered function `name` inside this block (the engine's thread
+    is the only one that runs the model)."""
+    register_attention()
+    cfg = model.config
+    old = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
 
 
 @torch.inference_mode()
@@ -199,12 +234,8 @@ def prefill_into(
         raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
     if end > buf.shape[-2]:
         raise ValueError(f"a long slot holds {buf.shape[-2]} tokens; the prefill reaches {end}")
-    register_attention()
     dev = buf.device
-    cfg = model.config
-    old = cfg._attn_implementation
-    cfg._attn_implementation = ATTN_NAME
-    try:
+    with attention_as(model, ATTN_NAME):
         out = model(
             input_ids=torch.tensor([ctx[start:end]], device=dev),
             position_ids=torch.arange(start, end, device=dev)[None],
@@ -215,8 +246,6 @@ def prefill_into(
             gyre_start=start,
             **{cache_kw: SlotCache()},
         )
-    finally:
-        cfg._attn_implementation = old
     return out.logits[:, -1]
 
 

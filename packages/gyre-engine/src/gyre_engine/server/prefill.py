@@ -1,6 +1,7 @@
 """Prefill forward passes: one chunk of a context on top of its cache (long or prefix-cached prompts are
-prefilled chunk by chunk, one chunk budget per engine step), or several fresh prompts at once in one
-left-padded pass (each with its own position ids, so each row's logits are its own, with its own KV).
+prefilled chunk by chunk, one chunk budget per engine step; its attention is `long_kv.chunk_attention`,
+the bottom-right causal mask without building it), or several fresh prompts at once in one left-padded
+pass (each with its own position ids, so each row's logits are its own, with its own KV).
 On CUDA the engine can run the left-padded pass through torch.compile (`Engine.Config.compile_prefill`,
 off by default: the compilation takes minutes): eagerly, a prefill of 64 prompts of 128 tokens spends
 more time in unfused elementwise kernels (norms, rotary, residual adds, the cache's concatenations) than
@@ -16,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from gyre_engine.server.batch import RowKV, cache_from_layers, cache_layers
+from gyre_engine.server.long_kv import CACHED_ATTN_NAME, attention_as
 
 
 def start_cache(kv: RowKV | None) -> DynamicCache:
@@ -30,13 +32,15 @@ def prefill_chunk(
     logits of position `end - 1` [1, V]."""
     if not 0 <= start < end <= len(ctx):
         raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
-    out = model(
-        input_ids=torch.tensor([ctx[start:end]], device=device),
-        position_ids=torch.arange(start, end, device=device)[None],
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_kw: cache},
-    )
+    with attention_as(model, CACHED_ATTN_NAME):  # (flash over the prefix and the chunk, no mask built)
+        out = model(
+            input_ids=torch.tensor([ctx[start:end]], device=device),
+            position_ids=torch.arange(start, end, device=device)[None],
+            attention_mask=torch.ones((1, 1, 1, 1), device=device),  # handed through untouched; unused
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kw: cache},
+        )
     return out.logits[:, -1]
 
 
