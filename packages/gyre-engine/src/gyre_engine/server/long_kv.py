@@ -89,7 +89,7 @@ def _flash(scale: float) -> Attend:
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, is_causal=causal, return_debug_mask=False, scale=scale
         )
-        return out[0], out[1]
+        return out[0], out[1][..., : q.shape[2]]  # (log-sum-exps [1, H, n] in float32)
 
     return attend
 
