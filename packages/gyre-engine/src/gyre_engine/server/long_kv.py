@@ -177,9 +177,8 @@ def _prefill_attention(
     end = start + query.shape[2]
     buf[0, layer, :, :, start:end].copy_(key)
     buf[1, layer, :, :, start:end].copy_(value)
-    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = chunk_attention(query, buf[0, layer, :, :, :end], buf[1, layer, :, :, :end], scale)
-    return out.transpose(1, 2).contiguous(), None
+    keys, values = buf[0, layer, :, :, :end], buf[1, layer, :, :, :end]
+    return _cached_prefill_attention(module, query, keys, values, attention_mask, scaling)
 
 
 def _cached_prefill_attention(
@@ -224,29 +223,52 @@ def attention_as(model: Any, name: str) -> Iterator[None]:
         cfg._attn_implementation = old
 
 
+def check_range(ctx: list[int], start: int, end: int) -> None:
+    """ValueError unless [start, end) is a non-empty range of `ctx`."""
+    if not 0 <= start < end <= len(ctx):
+        raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
+
+
+def chunk_forward(
+    model: Any,
+    cache_kw: str,
+    ctx: list[int],
+    start: int,
+    end: int,
+    device: torch.device,
+    cache: Any,
+    attention: str,
+    **extra: Any,
+) -> torch.Tensor:
+    """`ctx[start:end]` through the model at positions [start, end) on top of `cache` (which holds
+    `ctx[:start]`), its attention the registered function `attention` (which ignores the mask: a
+    placeholder is handed through, so that transformers builds none); `extra` goes to the attention
+    function as keyword arguments. Returns the logits of position `end - 1` [1, V]."""
+    with attention_as(model, attention):
+        out = model(
+            input_ids=torch.tensor([ctx[start:end]], device=device),
+            position_ids=torch.arange(start, end, device=device)[None],
+            attention_mask=torch.ones((1, 1, 1, 1), device=device),  # handed through untouched; unused
+            use_cache=True,
+            logits_to_keep=1,
+            **extra,
+            **{cache_kw: cache},
+        )
+    return out.logits[:, -1]
+
+
 @torch.inference_mode()
 def prefill_into(
     model: Any, cache_kw: str, ctx: list[int], buf: torch.Tensor, start: int, end: int
 ) -> torch.Tensor:
     """Run `ctx[start:end]` over a one-row buffer (a long slot's view) that holds `ctx[:start]`, writing
     its KV at columns [start, end); returns the logits of position `end - 1` [1, V]."""
-    if not 0 <= start < end <= len(ctx):
-        raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
+    check_range(ctx, start, end)
     if end > buf.shape[-2]:
         raise ValueError(f"a long slot holds {buf.shape[-2]} tokens; the prefill reaches {end}")
-    dev = buf.device
-    with attention_as(model, ATTN_NAME):
-        out = model(
-            input_ids=torch.tensor([ctx[start:end]], device=dev),
-            position_ids=torch.arange(start, end, device=dev)[None],
-            attention_mask=torch.ones((1, 1, 1, 1), device=dev),  # handed through untouched; unused
-            use_cache=True,
-            logits_to_keep=1,
-            gyre_kv=buf,
-            gyre_start=start,
-            **{cache_kw: SlotCache()},
-        )
-    return out.logits[:, -1]
+    return chunk_forward(
+        model, cache_kw, ctx, start, end, buf.device, SlotCache(), ATTN_NAME, gyre_kv=buf, gyre_start=start
+    )
 
 
 def copy_prefix(buf: torch.Tensor, kv: RowKV) -> None:

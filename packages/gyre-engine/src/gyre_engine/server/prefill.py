@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from gyre_engine.server.batch import RowKV, cache_from_layers, cache_layers
-from gyre_engine.server.long_kv import CACHED_ATTN_NAME, attention_as
+from gyre_engine.server.long_kv import CACHED_ATTN_NAME, check_range, chunk_forward
 
 
 def start_cache(kv: RowKV | None) -> DynamicCache:
@@ -30,18 +30,9 @@ def prefill_chunk(
 ) -> torch.Tensor:
     """Run `ctx[start:end]` on top of `cache` (which covers `ctx[:start]` and grows to `end`); returns the
     logits of position `end - 1` [1, V]."""
-    if not 0 <= start < end <= len(ctx):
-        raise ValueError(f"bad prefill range [{start}, {end}) of a {len(ctx)}-token context")
-    with attention_as(model, CACHED_ATTN_NAME):  # (flash over the prefix and the chunk, no mask built)
-        out = model(
-            input_ids=torch.tensor([ctx[start:end]], device=device),
-            position_ids=torch.arange(start, end, device=device)[None],
-            attention_mask=torch.ones((1, 1, 1, 1), device=device),  # handed through untouched; unused
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kw: cache},
-        )
-    return out.logits[:, -1]
+    check_range(ctx, start, end)
+    # (flash over the prefix and the chunk on CUDA, no mask built)
+    return chunk_forward(model, cache_kw, ctx, start, end, device, cache, CACHED_ATTN_NAME)
 
 
 def group_forward(
