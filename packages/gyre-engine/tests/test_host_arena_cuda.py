@@ -50,8 +50,11 @@ def test_a_prefix_cache_spills_device_kv_to_its_page_locked_tier() -> None:
     assert hit.on_host and hit.kv is not None and hit.kv.keys[0].is_pinned()
     assert torch.equal(hit.kv.keys[3].to("cuda"), kvs[1].keys[3])
     del hit
-    cache.evict(1000)  # 3 to the host: 1, least recently used and read no more, makes room
-    assert cache.lookup([1] * 1000 + [0], 1000).length == 0
+    cache.evict(1000)  # 3 to the host: 2, least recently used (1 was just read) and read by none, makes room
+    assert cache.lookup([2] * 1000 + [0], 1000).length == 0
+    hit1 = cache.lookup([1] * 1000 + [0], 1000)
+    assert hit1.on_host and hit1.kv is not None
+    assert torch.equal(hit1.kv.keys[3].to("cuda"), kvs[1].keys[3])
     hit3 = cache.lookup([3] * 1000 + [0], 1000)
     assert hit3.on_host and hit3.kv is not None
     assert torch.equal(hit3.kv.values[2].to("cuda"), kvs[3].values[2])
