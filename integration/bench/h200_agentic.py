@@ -98,6 +98,8 @@ PLAN_FROM = (
     "results-h200-agentic-from-run.json",
     "results-h200-agentic-fixes.json",
     "results-h200-agentic-fixes-from-run.json",
+    "results-h200-agentic-1205.json",
+    "results-h200-agentic-1205-from-run.json",
     "results-h200-agentic-probe.json",
 )
 """The committed results the plan's estimates come from by default: the calls', oldest first, then the

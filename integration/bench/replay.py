@@ -169,6 +169,8 @@ def train_again(
             token_budget=token_budget,
             chunk_budget=chunk_budget,
             optim=OptimConfig(lr=lr),
+            mismatch_warn=0.0,  # it times the run's steps on weights that need not be the run's (a call
+            # that measures another call's archives starts from the model without its warm start)
         ),
     )
     per_step = []

@@ -41,6 +41,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
                     "slot_widths": "full",
                     "long_context_tokens": 33280,
                     "long_context_slots": 6,
+                    "prefill_chunk": 4608,
                 }
             }
         )
@@ -48,10 +49,16 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
     assert argv == [
         "--max-running-requests", "16", "--slot-kv-fraction", "0.1", "--warmup-decode-tokens", "256",
         "--decode-slots", "auto", "--slot-widths", "full", "--max-cached-tokens", "65536",
-        "--long-context-tokens", "33280", "--long-context-slots", "6", "--no-compile-decode",
+        "--long-context-tokens", "33280", "--long-context-slots", "6", "--prefill-chunk", "4608",
+        "--no-compile-decode",
     ]  # fmt: skip
     plain = gpus.engine_argv(config_from_dict({}))
-    assert not {"--max-cached-tokens", "--long-context-tokens", "--long-context-slots"} & set(plain)  # 0
+    assert not {
+        "--max-cached-tokens",
+        "--long-context-tokens",
+        "--long-context-slots",
+        "--prefill-chunk",
+    } & set(plain)  # 0: the engine's defaults
     from gyre_engine.cli import main
 
     with pytest.raises(SystemExit):
@@ -72,6 +79,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         ({"engine": {"kv_fraction": 0.0}}, "kv_fraction must be in (0, 1)"),
         ({"engine": {"decode_slots": "fast"}}, "decode_slots"),
         ({"engine": {"max_cached_tokens": -1}}, "max_cached_tokens must be >= 0"),
+        ({"engine": {"prefill_chunk": -1}}, "prefill_chunk must be >= 0"),
         ({"engine": {"slot_widths": "wide"}}, "slot_widths: bucketed|full"),
         ({"engine": {"long_context_tokens": -1}}, "long_context_tokens and long_context_slots must be >= 0"),
         ({"engine": {"long_context_slots": 4}}, "long_context_slots needs long_context_tokens"),

@@ -312,6 +312,12 @@ class EngineSection:
     `max_cached_tokens`, under `min_free_gib`, or a long slot taken for another context), copied back
     when a call extends them instead of computed again (`--host-cached-tokens`; 0: dropped). Host memory:
     layers x 2 x KV heads x head dim x bytes per token (112 KiB for the Qwen3-0.6B shape in bf16)."""
+    prefill_chunk: int = 0
+    """Tokens each engine prefills in a step at admission at most, and the chunk of a longer prefill
+    (`--prefill-chunk`; 0: the engine's default, 2,048). A call whose uncached tokens fit starts at
+    once; a longer one goes through the engine's one chunked prefill, a chunk at a time beside the
+    decoding rows, and the calls behind it that need that prefill wait. For agents, size it to a
+    call's new tokens (its previous output and a tool output)."""
     min_free_gib: float = 0.0
     """GiB of the GPU (every process on it) each engine keeps free by dropping its least recently used
     prefix-cache entries first (`--min-free-gib`; 0: off): rows longer than a slot, the other cells and
@@ -549,6 +555,7 @@ class Config:
         _check(e.min_free_gib >= 0, "[engine] min_free_gib must be >= 0 (0: off)")
         _check(e.max_cached_tokens >= 0, "[engine] max_cached_tokens must be >= 0 (0: the engine's default)")
         _check(e.host_cached_tokens >= 0, "[engine] host_cached_tokens must be >= 0 (0: none)")
+        _check(e.prefill_chunk >= 0, "[engine] prefill_chunk must be >= 0 (0: the engine's default)")
         _check(
             e.long_context_tokens >= 0 and e.long_context_slots >= 0,
             "[engine] long_context_tokens and long_context_slots must be >= 0 (0: none; the engine's default)",

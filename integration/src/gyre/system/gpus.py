@@ -46,6 +46,8 @@ def engine_argv(cfg: Config) -> list[str]:
         argv += ["--long-context-tokens", str(e.long_context_tokens)]
     if e.long_context_slots:
         argv += ["--long-context-slots", str(e.long_context_slots)]
+    if e.prefill_chunk:
+        argv += ["--prefill-chunk", str(e.prefill_chunk)]
     if e.min_free_gib:
         argv += ["--min-free-gib", str(e.min_free_gib)]
     if cfg.cell.device == "cuda":  # cells release and resume their engine's memory at every switch

@@ -77,7 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         help="CUDA: GiB of the GPU (all processes) kept free; below it the prefix cache drops its least "
         "recently used entries first (0: off)",
     )
-    s.add_argument("--prefill-chunk", type=int, default=2048)
+    s.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        help="tokens a step prefills at admission at most, and each chunk of a longer prefill "
+        "(Engine.Config.prefill_chunk)",
+    )
     s.add_argument(
         "--decode-slots",
         default="auto",
