@@ -599,3 +599,33 @@ def test_a_context_whose_long_slot_is_taken_comes_back_from_the_host_tier(
         assert a2.cached < len(SYSTEM)  # at most what the slot's new context shares with it
         assert (st.host_hit_tokens, st.host_spilled_tokens, st.host_cached_tokens) == (0, 0, 0)
     assert_as_served_alone({"a2": a2}, run(plain_engine, {"a2": (second, GREEDY)}))
+
+
+@pytest.mark.parametrize("slots, host_tokens", [(2, 0), (1, 4096)])
+def test_a_call_sharing_only_a_groups_prompt_leaves_the_slot_to_its_context(
+    model_dir: Path, plain_engine: Engine, slots: int, host_tokens: int
+) -> None:
+    """Two executions of a group share a prompt longer than a decode slot. "b"'s first call finds that
+    prompt in the long slot holding "a"'s context, and its hit is only the prompt: it takes another slot
+    (the prompt copied there), or, with the one slot, the same after "a"'s context went to the host
+    tier. Either way "a"'s next call finds its whole context, and every call's tokens are those served
+    alone."""
+    prompt = SYSTEM[:200]
+    e = with_long_slots(model_dir, slots, prefill_chunk=64, run_steps=1, host_cached_tokens=host_tokens)
+    try:
+        a = run(e, {"a": (prompt + USER, GREEDY)})["a"]
+        b = run(e, {"b": (prompt + TOOL, GREEDY)})["b"]
+        second = prompt + USER + a.tokens + TOOL[:40]
+        a2 = run(e, {"a2": (second, GREEDY)})["a2"]
+        stats, st = e.slot_stats(), e.stats()
+    finally:
+        e.shutdown()
+    assert b.cached == len(prompt)
+    assert a2.cached == len(prompt) + len(USER) + len(a.tokens) - 1  # "a"'s whole context
+    if host_tokens:
+        assert st.host_hit_tokens == a2.cached  # it came back from the host tier
+    else:
+        assert stats["long_prefix_copies"] == 1  # the prompt, into "b"'s slot
+        assert st.host_hit_tokens == 0
+    ref = run(plain_engine, {"b": (prompt + TOOL, GREEDY), "a2": (second, GREEDY)})
+    assert_as_served_alone({"b": b, "a2": a2}, ref)

@@ -53,6 +53,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         q = np.asarray(query)
         best = max([min(common_prefix_len(np.asarray(s), q), limit) for s in self.stored] + [0])
         assert hit.length <= best
+        if hit.whole:  # the hit is an entry's whole context: a sequence stored as it is
+            assert query[: hit.length] in self.stored
         if hit.kv is not None:
             assert hit.length > 0 and hit.kv.length == hit.length
             assert torch.equal(hit.kv.keys[0], kv_of(query[: hit.length]).keys[0])
@@ -101,6 +103,23 @@ def test_lookups_compare_only_entries_with_the_same_first_token(monkeypatch: pyt
     hit = cache.lookup([417, 5, 6, 9], 3)
     assert hit.length == 3 and calls[0] == 1
     assert cache.lookup([5000, 1], 1).length == 0 and calls[0] == 1
+
+
+def test_a_hit_says_whether_it_is_its_entrys_whole_context() -> None:
+    """An extending call's hit is its entry whole; a call sharing only a group's prompt with an entry is
+    not (the engine's long slots give the slot to the first, not to the second)."""
+    cache = PrefixCache(100, host_tokens=100)
+    context = [7, 1, 2, 3, 4, 5]
+    cache.insert(context, kv_of(context))
+    ext = cache.lookup([*context, 9, 9], 7)
+    assert (ext.length, ext.whole) == (6, True)
+    shared = cache.lookup([7, 1, 2, 8, 8], 4)
+    assert (shared.length, shared.whole) == (3, False)
+    assert not cache.lookup(context, 5).whole  # cut by the limit: the entry is longer
+    cache.evict(100)  # to the host tier: the same there
+    host = cache.lookup([*context, 9], 6)
+    assert (host.on_host, host.whole) == (True, True)
+    assert not cache.lookup([7, 1, 8], 2).whole
 
 
 def test_a_long_slots_cached_context_is_out_of_the_budget_and_of_eviction() -> None:

@@ -2,9 +2,10 @@
 input an engine could have taken from its prefix cache, and where the rest of the shortfall went.
 
 Each record's full input (a delta-encoded input resolved against its parent) is matched, token by token,
-against the inputs and outputs of the calls that had ended before it started under the same weight version
-(a prefix computed by other weights is no cache for this call: an engine drops its cache at a new
-version). `ideal`: the longest such match on any engine (every cached prefix kept, every call sent to the
+against what the calls that had ended before it started left in an engine's cache under the same weight
+version: a finished call's input and output but the last output token (sampled, never fed to the model, so
+no KV of it exists). A prefix computed by other weights is no cache for this call: an engine drops its
+cache at a new version. `ideal`: the longest such match on any engine (every cached prefix kept, every call sent to the
 engine holding its prefix); `own`: the longest on the engine that served the call (that engine kept
 everything); `any_version`: the longest match under any version. An engine computes at
 least the last input token, so a call's ideal is at most its input less one. The measured hits are the
@@ -117,7 +118,7 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
         while ended and ended[0][0] <= r.t_start:
             _, _, e = heapq.heappop(ended)
             tries.setdefault((_engine(e), e.weight_version), _Trie()).insert(
-                np.concatenate([inputs[e.call_id], np.asarray(e.output_ids)])
+                np.concatenate([inputs[e.call_id], np.asarray(e.output_ids)[:-1]])
             )
         x = inputs[r.call_id]
         n = int(x.size)

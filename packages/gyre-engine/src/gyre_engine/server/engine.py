@@ -629,10 +629,11 @@ class Engine:
         self, hit: PrefixHit, joining: list[tuple[Running, RowKV, int]], keep: int = 0
     ) -> tuple[SlotBatch, int, int] | WaitReason:
         """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
-        prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is
-        (taken back from the prefix cache: nothing is copied), else an idle slot (the lowest that no
-        cached entry holds, else the one whose cached context was used least recently) into which a hit
-        held elsewhere is copied. Taken only while more than `keep` slots are idle (those are kept for
+        prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is when
+        the call extends that slot's whole context (taken back from the prefix cache: nothing is copied),
+        else an idle slot (the lowest that no cached entry holds, else the one whose cached context was
+        used least recently) into which a hit held elsewhere is copied. A hit that only shares part of a
+        slot's context (a group's prompt) does not take that slot from its context. Taken only while more than `keep` slots are idle (those are kept for
         the long requests that wait ahead); else why not: `long_memory` (the slots have no memory yet),
         `long_slot` (none is idle), `behind` (the idle ones are kept)."""
         batch = self._long_batch()
@@ -650,19 +651,22 @@ class Engine:
         idle = [s for s in range(batch.slots) if s not in busy]
         if len(idle) <= keep:
             return "behind" if idle else "long_slot"
-        if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle:
-            slot = hit.kv.row
+        held = (
+            hit.kv.row if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle else None
+        )
+        if held is not None and hit.whole:
+            slot = held
         else:  # a slot no entry holds, else the one whose cached context was used least recently
             unheld = [s for s in idle if not self._prefix_holds(buf, s)]
             slot = (
                 unheld[0] if unheld else min(idle, key=lambda s: self.prefix.last_used(self._in_slot(buf, s)))
             )
-        own = isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row == slot
-        if own:  # the context is extended in place: its entry goes (the finished call leaves a longer one)
-            self.prefix.drop_where(self._in_slot(buf, slot))
-        else:  # another context's: to the host tier (if any) before the slot is written
-            self.prefix.release_where(self._in_slot(buf, slot))
-        if hit.kv is not None and not own:
+        here = held == slot
+        if here and hit.whole:  # the context is extended in place: its entry goes (the finished call
+            self.prefix.drop_where(self._in_slot(buf, slot))  # leaves a longer one)
+        else:  # another context's (one that only shares the hit, e.g. a group's prompt, included): to
+            self.prefix.release_where(self._in_slot(buf, slot))  # the host tier (if any) first
+        if hit.kv is not None and not here:  # (a hit in the slot taken is in place already)
             copy_prefix(batch.row_buffer(slot), hit.kv)
             self._long_copies += 1
         return batch, slot, hit.length

@@ -69,6 +69,9 @@ class PrefixHit:
     kv: RowKV | None
     on_host: bool = False
     """`kv` is the host tier's (host tensors)."""
+    whole: bool = False
+    """The hit is its entry's whole context (the query extends it), not a part it shares with another
+    context (such as a group's prompt)."""
 
 
 class PrefixCache:
@@ -160,9 +163,11 @@ class PrefixCache:
             return PrefixHit(0, None)
         self._clock += 1
         best.last_used = self._clock
+        whole = best_len == len(best.tokens)
         if best.on_host:
-            return PrefixHit(best_len, self._host_arena().lease(cast(HostRowKV, best.kv), best_len), True)
-        return PrefixHit(best_len, best.kv.crop(best_len))
+            kv = self._host_arena().lease(cast(HostRowKV, best.kv), best_len)
+            return PrefixHit(best_len, kv, True, whole)
+        return PrefixHit(best_len, best.kv.crop(best_len), whole=whole)
 
     def used(self, hit: PrefixHit) -> None:
         """Count `hit` as served: a call starts on it (a request that waits is looked up again at every

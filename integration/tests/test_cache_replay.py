@@ -1,0 +1,104 @@
+"""The replay of a run's calls through gyre-engine's prefix cache (bench/cache_replay.py), on the records of a
+real tiny run of the profile workload (`h200_agentic.py --cpu --tiny --policies elastic`: two engines,
+compactions, sub-agents; contexts up to about 400 tokens)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from gyre.measure import prefixes
+from gyre.trajsvc import recordlog
+from gyre_traj.records import Call
+
+DATA = Path(__file__).parent / "data" / "agentic-tiny"
+RECORDS = DATA / "records-elastic.msgpack"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench() -> Any:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("cache_replay")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+cr = _bench()
+
+
+@pytest.fixture(scope="module")
+def records() -> list[Call]:
+    return [c for _, c in recordlog.calls(RECORDS)]
+
+
+def _sizes(device: int, host: int, slot: int = 1 << 20, long_slots: int = 0) -> Any:
+    return cr.Sizes(device, host, slot, 1024, long_slots, 64)
+
+
+def test_a_cache_that_keeps_everything_finds_the_own_engine_ideal(records: list[Call]) -> None:
+    own = prefixes.prefix_hits(records)["prefix_cache_hit_share_own_engine"]
+    res = cr.replay(records, _sizes(1 << 30, 0))
+    assert res["hit_share"] == own
+    assert res["host_hit_share"] == 0.0
+    # the run's own engines found at most that
+    assert res["measured_hit_share"] <= own
+    assert sum(e["calls"] for e in res["per_engine"].values()) == len(records)
+
+
+def test_a_device_budget_of_one_context_loses_hits_and_the_host_tier_gives_them_back(
+    records: list[Call],
+) -> None:
+    everything = cr.replay(records, _sizes(1 << 30, 0))["hit_share"]
+    small = cr.replay(records, _sizes(450, 0))  # about one context of the tiny run
+    tier = cr.replay(records, _sizes(450, 1 << 16))
+    assert small["hit_share"] < everything
+    assert small["host_hit_share"] == 0.0
+    assert tier["host_hit_share"] > 0.0
+    assert small["hit_share"] < tier["hit_share"] <= everything
+
+
+def test_long_slots_hold_their_contexts_in_place_and_give_the_least_recent_to_the_host(
+    records: list[Call],
+) -> None:
+    # every call passes a 16-token decode slot: each takes one of the long slots, whose contexts stay
+    # cached in place (no device budget at all) until another call takes the slot
+    one = cr.replay(records, _sizes(0, 0, slot=16, long_slots=1))
+    six = cr.replay(records, _sizes(0, 0, slot=16, long_slots=6))
+    six_host = cr.replay(records, _sizes(0, 1 << 16, slot=16, long_slots=6))
+    assert one["hit_share"] < six["hit_share"] < six_host["hit_share"]
+    assert six["host_hit_share"] == 0.0 < six_host["host_hit_share"]
+    # a call that finds every slot busy is counted (it would wait for one in the engine)
+    assert sum(e["long_waits"] for e in one["per_engine"].values()) > 0
+
+
+def test_a_new_weight_version_clears_the_engine_cache(records: list[Call]) -> None:
+    first = min(r.t_start for r in records)
+    last = max(r.t_start for r in records)
+    mid = first + (last - first) / 2
+    later = [msgspec.structs.replace(r, weight_version=r.weight_version + 1) if r.t_start > mid else r
+             for r in records]  # fmt: skip
+    base = cr.replay(records, _sizes(1 << 30, 0))["hit_share"]
+    bumped = cr.replay(later, _sizes(1 << 30, 0))["hit_share"]
+    assert bumped < base
+    assert bumped == prefixes.prefix_hits(later)["prefix_cache_hit_share_own_engine"]
+
+
+def test_the_command_line_reads_a_run_folder_and_writes_one_replay_per_host_size(
+    records: list[Call], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "records.msgpack").write_bytes(RECORDS.read_bytes())
+    out = tmp_path / "replay.json"
+    argv = [str(run), "--host-tokens", "0,65536", "--max-cached-tokens", "450", "--out", str(out)]
+    assert cr.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["calls"] == len(records)
+    assert [r["sizes"]["host_cached_tokens"] for r in res["replays"]] == [0, 65536]
+    assert res["replays"][0]["hit_share"] < res["replays"][1]["hit_share"]
