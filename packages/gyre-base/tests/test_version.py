@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import gyre_base
@@ -22,7 +23,8 @@ def _tree(root: Path, name: str, version: str) -> str:
 
 
 def test_installed_metadata_comes_first() -> None:
-    assert gyre_base.__version__ == importlib.metadata.version("gyre-base") == "0.1.0"
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert gyre_base.__version__ == importlib.metadata.version("gyre-base") == pyproject["project"]["version"]
 
 
 def test_a_source_tree_reports_its_pyproject(tmp_path: Path) -> None:
