@@ -107,6 +107,7 @@ def test_h200_run_predicted_within_15pct_with_its_timeouts_as_measured() -> None
     raw["train"]["token_budget"] = raw["profile"][
         "context_max"
     ]  # refused since; the simulator never reads it
+    raw["sched"]["train_held_steps"] = False  # the run was made under the report's rules alone
     cfg = config_from_dict(raw)
     assert cfg.agent.timeout_s == 45.0 and m["timeouts"] == m["executions"] == 128
     table = predicted(cfg, {"elastic": cfg}, {"elastic": [m]})
@@ -268,3 +269,22 @@ def test_a_run_archive_refuses_what_it_did_not_write(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unexpected member"):
         ra.unpack([evil], tmp_path / "dest")
     assert not (tmp_path / "escape").exists()
+
+
+def test_elastic_trains_a_step_the_next_batch_waits_for_on_the_agent_shaped_workload() -> None:
+    """`examples/h200-agentic.toml` (4 steps, `max_ahead` 1) predicted with the simulator calibrated on the
+    H200 elastic run: the core that trains a complete step at once where the next batch waits for it
+    (`[sched] train_held_steps`, the default) ends the run about a quarter sooner than the report's rules
+    alone, which leave that step waiting for the water level to fall while the next batch cannot start."""
+    from gyre.config.runconfig import load_config
+    from gyre.measure import predict
+
+    cfg = load_config(BENCH.parent / "examples" / "h200-agentic.toml")
+    assert cfg.sched.train_held_steps and cfg.driver.max_ahead == 1
+    m = json.loads((BENCH / "metrics-h200-agentic-elastic.json").read_text())
+    rules = dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, train_held_steps=False))
+    table = predicted(cfg, {"held": cfg, "rules": rules}, {"held": [m], "rules": [m]})
+    got = {r["arm"]: r["predicted"]["end_to_end_s"] for r in table["rows"]}
+    assert got["held"] < 0.85 * got["rules"], got
+    assert predict.sim_workload(cfg).elastic.train_held_steps
+    assert not predict.sim_workload(rules).elastic.train_held_steps

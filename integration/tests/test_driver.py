@@ -2,7 +2,7 @@
 `Welcome` its water-level socket receives (a real scheduler over ZeroMQ) and applies `batches_to_start`.
 ROLLING (elastic) starts batch k once k - applied <= max_ahead; COHORT (the report's Colocate) starts a
 cohort together and the next only once every started batch is trained; nothing starts without a
-Welcome. No engine or proxy: every execution fails at its first call, which is all the driver needs."""
+Welcome. The water level it reports says whether a batch waits for the next step. No engine or proxy: every execution fails at its first call, which is all the driver needs."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def test_batches_start_as_the_policy_admits(sched: Scheduler) -> None:
         time.sleep(0.3)
         assert d.admission is sched.policy.admission
         assert _started(d) == {0, 1}  # max_ahead = 1: batch 2 waits for step 0 either way
+        assert d.water_level().admission_held  # and the scheduler hears that it waits
         traj.applied = 1
         if cohort:  # batch 1 is not trained yet: no new cohort
             time.sleep(0.5)
@@ -84,6 +85,7 @@ def test_batches_start_as_the_policy_admits(sched: Scheduler) -> None:
             assert abs(started[3] - started[2]) < 0.5
         _wait(d.done.is_set, "the driver to finish")
         assert d.error is None
+        assert not d.water_level().admission_held  # every batch started: nothing waits
     finally:
         d.stop()
         traj.stop()

@@ -72,6 +72,42 @@ def test_returns_on_demand_and_when_done() -> None:
     assert (d.cell_id, d.action) == (0, Action.TO_ROLLOUT)
 
 
+def test_a_complete_step_that_holds_back_the_next_batch_is_trained_at_once() -> None:
+    """The driver holds a batch back until the next step is applied, and that step's batch is complete:
+    the core trains it whatever the water level (it goes, or it stays after the step before), while the
+    satellites follow the water level as before. Without the batch held back, or with the step's batch
+    incomplete, or with the rule off, the report's rules alone decide."""
+    p = WaterLevelPolicy(WaterLevelConfig(hold_s=60.0))
+    t = table()
+    held = {"batch_complete": True, "admission_held": True}
+    # 35 executions against 40 slots: (a) fails for any cell, and (b) has not held for 60 s
+    assert p.decide(obs(0, 35, 16), t) == []
+    [d] = p.decide(obs(0, 35, 16, **held), t)
+    assert (d.cell_id, d.action, d.rule) == (
+        0,
+        Action.TO_TRAINING,
+        "the next batch waits for a complete step",
+    )
+    assert d.why.capacity_after == 30 and d.why.unfinished == 35
+    assert p.decide(obs(0, 35, 16, batch_complete=False, admission_held=True), t) == []
+    assert p.decide(obs(0, 35, 0, **held), t) == []  # nothing left to train: the step is applied
+    off = WaterLevelPolicy(WaterLevelConfig(hold_s=60.0, train_held_steps=False))
+    assert off.decide(obs(0, 35, 16, **held), t) == []
+    # both trained the step before, and a new batch of demand came: the satellite returns ...
+    _train(t, 0)
+    _train(t, 1)
+    [d] = p.decide(obs(0, 35, 16, **held), t)
+    assert (d.cell_id, d.action, d.rule) == (1, Action.TO_ROLLOUT, "demand returned")
+    t.transition(1, Role.TO_ROLLOUT, 0.0)
+    t.transition(1, Role.ROLLOUT, 0.0)
+    # ... and the core stays for the held step though it has not opened it yet
+    assert p.decide(obs(0, 35, 16, **held), t) == []
+    [d] = off.decide(obs(0, 35, 16, **held), t)
+    assert (d.cell_id, d.action, d.rule) == (0, Action.TO_ROLLOUT, "demand returned")
+    [d] = p.decide(obs(0, 35, 16, batch_complete=True), t)  # no batch held back: the report's rule
+    assert (d.cell_id, d.action) == (0, Action.TO_ROLLOUT)
+
+
 def test_satellites_follow_the_core_one_at_a_time() -> None:
     p = WaterLevelPolicy(WaterLevelConfig(hold_s=0.0))
     t = table()

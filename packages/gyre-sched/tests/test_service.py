@@ -254,3 +254,22 @@ def test_batch_complete_is_the_senders_when_given() -> None:
             assert (obs.trainable, obs.batch_complete) == (trainable, complete), msg
     finally:
         s.close()
+
+
+def test_the_drivers_held_batch_reaches_the_policy() -> None:
+    """The driver says a batch waits for the next step (`WaterLevel.admission_held`); the service's
+    observation carries it, so elastic's core trains a complete step at once with the water level high.
+    A driver that omits it (an older sender) holds nothing back."""
+    s = Scheduler(WaterLevelPolicy(WaterLevelConfig(hold_s=60.0)), ServiceConfig(bind="tcp://127.0.0.1:0"))
+    try:
+        codec = Codec()
+        for ident, kind in ((b"driver", PeerKind.DRIVER), (b"traj", PeerKind.TRAJ)):
+            s.receive([ident, codec.encode(Hello(kind))])
+        s.receive([b"traj", codec.encode(ReadyGroups(4, 4, batch_complete=True))])
+        s.receive([b"driver", codec.encode(WaterLevel(32))])
+        assert not s.observation().admission_held
+        s.receive([b"driver", codec.encode(WaterLevel(32, admission_held=True))])
+        obs = s.observation()
+        assert obs.admission_held and obs.step_unblocks and obs.unfinished == 32
+    finally:
+        s.close()

@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 
 from gyre_base import tables
 from gyre_proxy.config import KV_TRANSPORTS, ProxyConfig
+from gyre_sched.policy import WaterLevelConfig
 from gyre_sched.workload import DriverConfig
 from gyre_train.defaults import CHUNK_BUDGET, MISMATCH_WARN, PIPELINE_PARALLEL, TENSOR_PARALLEL
 from gyre_train.modelconfig import ModelConfig
@@ -349,6 +350,10 @@ class SchedSection:
     """elastic: ready groups must stay at this fraction of the batch ..."""
     hold_s: float = 0.5
     """... for this long before a cell moves to training."""
+    train_held_steps: bool = default_of(WaterLevelConfig, "train_held_steps")
+    """elastic: the core trains a complete step at once where the next batch waits for it (the driver's
+    `max_ahead` holds it back), whatever the water level (gyre-sched's `WaterLevelConfig`); false: the
+    report's rules alone."""
     async_train_cells: int = 1
     """async: cells that train for the whole run (the core first)."""
     heartbeat_s: float = 1.0

@@ -97,7 +97,11 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
             streaming=cfg.streams,
             decision_interval_s=0.2,
         ),
-        elastic=WaterLevelConfig(ready_fraction=cfg.sched.ready_fraction, hold_s=cfg.sched.hold_s),
+        elastic=WaterLevelConfig(
+            ready_fraction=cfg.sched.ready_fraction,
+            hold_s=cfg.sched.hold_s,
+            train_held_steps=cfg.sched.train_held_steps,
+        ),
         async_=AsyncConfig(train_cells=cfg.sched.async_train_cells),
     )
 

@@ -11,7 +11,8 @@ out, or failed) the harness scores it and the score goes to the trajectory servi
 calls that completed. Nominal durations come from
 gyre-sched's `sample_durations` on the same workload the simulator predicts, so both see one sample.
 The driver reports the water level (`WaterLevel`: unfinished executions, their ages, finished
-durations and timeout flags) to gyre-sched every `report_s`. A resumed run (`gyre run --resume`)
+durations and timeout flags, and whether the admission rule holds a batch back) to gyre-sched every
+`report_s`. A resumed run (`gyre run --resume`)
 starts at batch `first_step` (the checkpoint's queue position), drawing the earlier batches' tasks
 without running them (the same tasks as the first attempt), and names its groups `s<k>-q<q>-a<attempt>`
 so that executions run again never share an id with an abandoned one in the record log.
@@ -111,6 +112,9 @@ class Driver:
         self.error: BaseException | None = None
         self.admission: Admission | None = None
         """When batches may start: from the scheduler's `Welcome` (None until it arrives)."""
+        self.admission_held = False
+        """A batch is left to start that the admission bound holds back until the next step is applied
+        (reported in the water level: elastic's core trains that step at once)."""
         self._welcomed = threading.Event()
         self._refused = ""
         self._stop = threading.Event()
@@ -155,6 +159,7 @@ class Driver:
                 n = batches_to_start(
                     admission, started=k, trained=self.traj.applied, max_ahead=c.driver.max_ahead
                 )
+                self.admission_held = n <= 0
                 if n <= 0:
                     if self._stop.is_set():
                         return
@@ -164,6 +169,7 @@ class Driver:
                     batches.append(asyncio.create_task(self._batch(http, rng, k)))
                     await asyncio.sleep(0)  # batch k registers (and draws its tasks) before k+1
                     k += 1
+            self.admission_held = False  # every batch started
             work = asyncio.gather(*batches)
             while not work.done():
                 if self._stop.is_set():  # the run stopped (its deadline): executions in flight end now,
@@ -310,6 +316,7 @@ class Driver:
             elapsed_count=tuple(buckets[b] for b in keys),
             finished_s=tuple(d for d, _ in fin),
             finished_timeout=tuple(t for _, t in fin),
+            admission_held=self.admission_held,
         )
 
     def outcomes(self) -> list[dict[str, Any]]:

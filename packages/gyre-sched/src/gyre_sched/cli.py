@@ -12,7 +12,7 @@ from typing import Any
 from gyre_base.token import TokenError
 
 from gyre_sched import __version__
-from gyre_sched.policy import POLICY_NAMES
+from gyre_sched.policy import POLICY_NAMES, WaterLevelConfig
 from gyre_sched.workload import ConfigError
 
 POLICY_HELP = "; ".join(f"{k}: {v}" for k, v in POLICY_NAMES.items())
@@ -26,14 +26,15 @@ def _token(a: argparse.Namespace) -> str:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from gyre_sched.policy import WaterLevelConfig
     from gyre_sched.service import Scheduler, ServiceConfig, serve_main
     from gyre_sched.sim import make_policy
     from gyre_sched.workload import AsyncConfig, Workload
 
     w = Workload(
         async_=AsyncConfig(train_cells=a.async_train_cells),
-        elastic=WaterLevelConfig(hold_s=a.hold_s, ready_fraction=a.ready_fraction),
+        elastic=WaterLevelConfig(
+            hold_s=a.hold_s, ready_fraction=a.ready_fraction, train_held_steps=a.train_held_steps
+        ),
     )
     w = replace(w, run=replace(w.run, cells=max(2, a.async_train_cells + 1), timeout_h=a.timeout_h))
     policy = make_policy(a.policy, w)
@@ -165,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--async-train-cells", type=int, default=1)
     s.add_argument("--ready-fraction", type=float, default=0.25)
     s.add_argument("--hold-s", type=float, default=120.0)
+    s.add_argument(
+        "--train-held-steps",
+        action=argparse.BooleanOptionalAction,
+        default=WaterLevelConfig().train_held_steps,
+        help="elastic: the core trains a complete step at once where the next batch waits for it",
+    )
     s.add_argument(
         "--timeout-h", type=float, default=6.0, help="executions' hard timeout (predictive policy)"
     )

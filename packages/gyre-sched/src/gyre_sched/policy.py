@@ -70,6 +70,15 @@ class Observation:
     """Unfinished executions bucketed by age: bucket ages (seconds) ..."""
     age_counts: tuple[int, ...] = ()
     """... and counts."""
+    admission_held: bool = False
+    """The driver has a batch left to start that the admission bound (`max_ahead`) holds back until the
+    next step is applied."""
+
+    @property
+    def step_unblocks(self) -> bool:
+        """The next step's batch is complete and untrained, and applying it lets the driver start a batch
+        it holds back: training it now keeps rollout fed later, whatever the water level now."""
+        return self.admission_held and self.batch_complete and self.trainable > 0
 
 
 class Policy(Protocol):
@@ -105,6 +114,11 @@ class WaterLevelConfig:
     """(a): the rollout capacity left after the switch must be >= headroom x unfinished executions."""
     return_above: float = 1.0
     """Demand returns when unfinished executions exceed this x the rollout capacity."""
+    train_held_steps: bool = True
+    """The core goes to (or stays in) training for a complete step whose application lets the driver start
+    a batch that the admission bound holds back, whatever the water level (not the report's rule: with
+    `max_ahead` bounding how far rollout runs ahead, a step left waiting for the water to fall leaves the
+    next batch waiting too). False: the report's rules alone."""
 
 
 def _why(obs: Observation, cells: CellTable, cap_after: int, held: float, pred: float = 0.0) -> Why:
@@ -124,7 +138,9 @@ def _why(obs: Observation, cells: CellTable, cap_after: int, held: float, pred: 
 class WaterLevelPolicy:
     """The report's elastic policy: one cell at a time moves to training when (a) the rest of rollout can
     serve the unfinished executions and (b) ready groups have stayed above a fraction of the batch for a
-    set time; cells come back when demand returns or the step's training is done."""
+    set time; cells come back when demand returns or the step's training is done. Beside the report's
+    rules, the core trains a complete step at once where the next batch waits for it
+    (`WaterLevelConfig.train_held_steps`)."""
 
     config: WaterLevelConfig = field(default_factory=WaterLevelConfig)
     name: str = "elastic"
@@ -163,7 +179,8 @@ class WaterLevelPolicy:
                 s = min(sats, key=lambda c: (obs.trainable > 0, c.cell_id))
                 return back(s.cell_id, "demand returned", s.capacity)
             idle = obs.trainable == 0 and not obs.updating
-            if core_training and core is not None and (not obs.step_open or idle):
+            keep = obs.step_unblocks and cfg.train_held_steps
+            if core_training and core is not None and (not obs.step_open or idle) and not keep:
                 return back(core.cell_id, "demand returned", core.capacity)
         # 2. Training done: nothing left to claim.
         if obs.trainable == 0 and sats:
@@ -177,10 +194,21 @@ class WaterLevelPolicy:
             and obs.trainable < threshold
         ):
             return back(core.cell_id, "step done, next batch not ready", core.capacity)
-        # 3. Move one rollout cell to training: (a) and (b).
-        if held < cfg.hold_s or obs.trainable < threshold:
-            return []
         if core is None or core.role is Role.FAILED:
+            return []
+        # 3. The core trains a complete step that holds back the next batch, whatever the water level.
+        if core.role is Role.ROLLOUT and obs.step_unblocks and cfg.train_held_steps:
+            return [
+                Decision(
+                    obs.now,
+                    core.cell_id,
+                    Action.TO_TRAINING,
+                    "the next batch waits for a complete step",
+                    _why(obs, cells, cap - core.capacity, held, pred),
+                )
+            ]
+        # 4. Move one rollout cell to training: (a) and (b).
+        if held < cfg.hold_s or obs.trainable < threshold:
             return []
         if core.role is Role.ROLLOUT:
             cand = core

@@ -134,6 +134,9 @@ class WaterLevel(msgspec.Struct, tag="water", **_S):
     finished_s: tuple[Seconds, ...] = ()  # wall durations of executions that ended since the last report
     finished_timeout: tuple[bool, ...] = ()  # ... and whether each ended at the hard timeout
     paused: Count = 0
+    admission_held: bool = False
+    """A batch is left to start that the admission bound (`max_ahead`) holds back until the next step is
+    applied."""
 
 
 class ReadyGroups(msgspec.Struct, tag="ready", **_S):

@@ -194,6 +194,7 @@ class Scheduler:
             mean_staleness=r.mean_staleness,
             ages=w.elapsed_s,
             age_counts=w.elapsed_count,
+            admission_held=w.admission_held,
         )
 
     def step(self) -> None:

@@ -200,6 +200,7 @@ class Simulator:
             mean_staleness=self.stale_sum / self.stale_n if self.stale_n else 0.0,
             ages=ages,
             age_counts=counts,
+            admission_held=self.launched < self.steps and self._room() == 0,
         )
 
     # ---- time ----------------------------------------------------------------------------------------
@@ -248,23 +249,23 @@ class Simulator:
             self.segments.append(Segment(cid, start, t, role, busy_t / (t - start)))
 
     # ---- events --------------------------------------------------------------------------------------
+    def _room(self) -> int:
+        """Batches the admission bound lets start now (see `_launch`)."""
+        target = self.w.driver.staleness_target
+        ahead = self.w.driver.max_ahead
+        if self.stale_n and self.stale_sum / self.stale_n > target:
+            ahead = min(ahead, int(target))
+        return batches_to_start(
+            self.policy.admission, started=self.launched, trained=self.version, max_ahead=ahead
+        )
+
     def _launch(self) -> None:
         """Start the batches the policy's admission allows now (`batches_to_start`). The staleness target
         narrows the bound: while the measured mean staleness of the steps trained so far is above the
         target, a batch may run at most floor(target) steps ahead instead of `max_ahead` (never fewer
         than 0: the next untrained batch may always start). Called after every optimizer step, the only
         time the bound, the measured staleness or COHORT's condition can change."""
-        target = self.w.driver.staleness_target
-        ahead = self.w.driver.max_ahead
-        if self.stale_n and self.stale_sum / self.stale_n > target:
-            ahead = min(ahead, int(target))
-        room = batches_to_start(
-            self.policy.admission,
-            started=self.launched,
-            trained=self.version,
-            max_ahead=ahead,
-        )
-        for _ in range(min(room, self.steps - self.launched)):
+        for _ in range(min(self._room(), self.steps - self.launched)):
             b = self.launched
             self.launched += 1
             base = b * self.Q * self.G
