@@ -2,7 +2,8 @@
 `Welcome` its water-level socket receives (a real scheduler over ZeroMQ) and applies `batches_to_start`.
 ROLLING (elastic) starts batch k once k - applied <= max_ahead; COHORT (the report's Colocate) starts a
 cohort together and the next only once every started batch is trained; nothing starts without a
-Welcome. The water level it reports says whether a batch waits for the next step. No engine or proxy: every execution fails at its first call, which is all the driver needs."""
+Welcome. The water level it reports says whether a batch waits for the next step. No engine or proxy:
+every execution fails at its first call, which is all the driver needs."""
 
 from __future__ import annotations
 

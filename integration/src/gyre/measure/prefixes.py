@@ -5,10 +5,10 @@ Each record's full input (a delta-encoded input resolved against its parent) is 
 against what the calls that had ended before it started left in an engine's cache under the same weight
 version: a finished call's input and output but the last output token (sampled, never fed to the model, so
 no KV of it exists). A prefix computed by other weights is no cache for this call: an engine drops its
-cache at a new version. `ideal`: the longest such match on any engine (every cached prefix kept, every call sent to the
-engine holding its prefix); `own`: the longest on the engine that served the call (that engine kept
-everything); `any_version`: the longest match under any version. An engine computes at
-least the last input token, so a call's ideal is at most its input less one. The measured hits are the
+cache at a new version. `ideal`: the longest such match on any engine (every cached prefix kept, every
+call sent to the engine holding its prefix); `own`: the longest on the engine that served the call (that
+engine kept everything); `any_version`: the longest match under any version. An engine computes at least
+the last input token, so a call's ideal is at most its input less one. The measured hits are the
 records' `cached_tokens` (gyre-proxy's `metadata`), as in `efficiency.calls_and_cache`.
 
 The input tokens split into:

@@ -12,10 +12,10 @@ calls that completed. Nominal durations come from
 gyre-sched's `sample_durations` on the same workload the simulator predicts, so both see one sample.
 The driver reports the water level (`WaterLevel`: unfinished executions, their ages, finished
 durations and timeout flags, and whether the admission rule holds a batch back) to gyre-sched every
-`report_s`. A resumed run (`gyre run --resume`)
-starts at batch `first_step` (the checkpoint's queue position), drawing the earlier batches' tasks
-without running them (the same tasks as the first attempt), and names its groups `s<k>-q<q>-a<attempt>`
-so that executions run again never share an id with an abandoned one in the record log.
+`report_s`. A resumed run (`gyre run --resume`) starts at batch `first_step` (the checkpoint's queue
+position), drawing the earlier batches' tasks without running them (the same tasks as the first
+attempt), and names its groups `s<k>-q<q>-a<attempt>` so that executions run again never share an id
+with an abandoned one in the record log.
 """
 
 from __future__ import annotations

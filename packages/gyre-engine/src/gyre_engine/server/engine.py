@@ -633,9 +633,10 @@ class Engine:
         the call extends that slot's whole context (taken back from the prefix cache: nothing is copied),
         else an idle slot (the lowest that no cached entry holds, else the one whose cached context was
         used least recently) into which a hit held elsewhere is copied. A hit that only shares part of a
-        slot's context (a group's prompt) does not take that slot from its context. Taken only while more than `keep` slots are idle (those are kept for
-        the long requests that wait ahead); else why not: `long_memory` (the slots have no memory yet),
-        `long_slot` (none is idle), `behind` (the idle ones are kept)."""
+        slot's context (a group's prompt) does not take that slot from its context. Taken only while more
+        than `keep` slots are idle (those are kept for the long requests that wait ahead); else why not:
+        `long_memory` (the slots have no memory yet), `long_slot` (none is idle), `behind` (the idle ones
+        are kept)."""
         batch = self._long_batch()
         if batch is None:
             batch = self._new_long_batch()
@@ -662,11 +663,13 @@ class Engine:
                 unheld[0] if unheld else min(idle, key=lambda s: self.prefix.last_used(self._in_slot(buf, s)))
             )
         here = held == slot
-        if here and hit.whole:  # the context is extended in place: its entry goes (the finished call
-            self.prefix.drop_where(self._in_slot(buf, slot))  # leaves a longer one)
-        else:  # another context's (one that only shares the hit, e.g. a group's prompt, included): to
-            self.prefix.release_where(self._in_slot(buf, slot))  # the host tier (if any) first
-        if hit.kv is not None and not here:  # (a hit in the slot taken is in place already)
+        if here and hit.whole:
+            # the context is extended in place: its entry goes (the finished call leaves a longer one)
+            self.prefix.drop_where(self._in_slot(buf, slot))
+        else:
+            # another context's, also one the hit only shares a part of: to the host tier (if any) first
+            self.prefix.release_where(self._in_slot(buf, slot))
+        if hit.kv is not None and not here:  # a hit in the slot taken is in place already
             copy_prefix(batch.row_buffer(slot), hit.kv)
             self._long_copies += 1
         return batch, slot, hit.length
