@@ -50,17 +50,16 @@ left it less than its planned seconds); `--plan` prints only that. With the comm
 about 510 s of a call (the model, the warm start, the floors, the run to its deadline) and measuring it
 (`--from-run`: the lone trainer and the replay of its 1,200 calls) about 440 s, so the workload takes four
 calls: elastic; its measurement; colocate; async. The later calls reuse the earlier runs' metrics.json
-(OUT/metrics-<policy>.json copied into the working tree) so the simulator and the goals across policies
-see all three:
+(OUT/metrics-<policy>.json copied into `.runs/`, the ignored folder the calls carry, beside the run
+archives) so the simulator and the goals across policies see all three:
 
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic --skip probe,migrate,replay,train
     bash integration/bench/h200_run.sh --script h200_agentic.py --skip probe,migrate,floors --warmstart-steps 0 \
         --from-run .runs/run-elastic.tar.xz,.runs/run-elastic-batches-0.tar.xz
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies colocate --skip replay,train \
-        --reuse integration/bench/metrics-h200-agentic-elastic.json
+        --reuse .runs/metrics-elastic.json
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies async \
-        --skip replay,migrate,probe,train \
-        --reuse integration/bench/metrics-h200-agentic-elastic.json,integration/bench/metrics-h200-agentic-colocate.json
+        --skip replay,migrate,probe,train --reuse .runs/metrics-elastic.json,.runs/metrics-colocate.json
     uv run python integration/bench/h200_agentic.py --cpu --tiny --policies elastic,colocate,async \
         --out /tmp/agentic-cpu   # the same path, tiny (about 4 minutes on 2 cores)
 """
