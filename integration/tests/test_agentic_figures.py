@@ -107,7 +107,7 @@ def test_h200_run_predicted_within_15pct_with_its_timeouts_as_measured() -> None
     raw["train"]["token_budget"] = raw["profile"][
         "context_max"
     ]  # refused since; the simulator never reads it
-    raw["sched"]["train_held_steps"] = False  # the run was made under the report's rules alone
+    raw["sched"]["train_complete_steps"] = False  # the run was made under the report's rules alone
     cfg = config_from_dict(raw)
     assert cfg.agent.timeout_s == 45.0 and m["timeouts"] == m["executions"] == 128
     table = predicted(cfg, {"elastic": cfg}, {"elastic": [m]})
@@ -274,22 +274,22 @@ def test_a_run_archive_refuses_what_it_did_not_write(tmp_path: Path) -> None:
 def test_elastic_trains_a_step_the_next_batch_waits_for_on_the_agent_shaped_workload() -> None:
     """`examples/h200-agentic.toml` (4 steps) at `max_ahead` 1 predicted with the simulator calibrated on the
     H200 elastic run: the core that trains a complete step at once where the next batch waits for it
-    (`[sched] train_held_steps`, the default) ends the run about a quarter sooner than the report's rules
+    (`[sched] train_complete_steps`, the default) ends the run about a quarter sooner than the report's rules
     alone, which leave that step waiting for the water level to fall while the next batch cannot start."""
     from gyre.config.runconfig import load_config
     from gyre.measure import predict
 
     cfg = load_config(BENCH.parent / "examples" / "h200-agentic.toml")
-    assert cfg.sched.train_held_steps and cfg.driver.max_ahead == 2
+    assert cfg.sched.train_complete_steps and cfg.driver.max_ahead == 2
     # at 1 batch ahead (the run's bound): at 2 the next batch starts under the step, and the rule is moot
     cfg = dataclasses.replace(cfg, driver=dataclasses.replace(cfg.driver, max_ahead=1))
     m = json.loads((BENCH / "metrics-h200-agentic-elastic.json").read_text())
-    rules = dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, train_held_steps=False))
+    rules = dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, train_complete_steps=False))
     table = predicted(cfg, {"held": cfg, "rules": rules}, {"held": [m], "rules": [m]})
     got = {r["arm"]: r["predicted"]["end_to_end_s"] for r in table["rows"]}
     assert got["held"] < 0.85 * got["rules"], got
-    assert predict.sim_workload(cfg).elastic.train_held_steps
-    assert not predict.sim_workload(rules).elastic.train_held_steps
+    assert predict.sim_workload(cfg).elastic.train_complete_steps
+    assert not predict.sim_workload(rules).elastic.train_complete_steps
 
 
 def test_the_agentic_examples_staleness_bound_puts_elastic_ahead_in_the_simulator() -> None:

@@ -72,11 +72,12 @@ def test_returns_on_demand_and_when_done() -> None:
     assert (d.cell_id, d.action) == (0, Action.TO_ROLLOUT)
 
 
-def test_a_complete_step_that_holds_back_the_next_batch_is_trained_at_once() -> None:
-    """The driver holds a batch back until the next step is applied, and that step's batch is complete:
-    the core trains it whatever the water level (it goes, or it stays after the step before), while the
-    satellites follow the water level as before. Without the batch held back, or with the step's batch
-    incomplete, or with the rule off, the report's rules alone decide."""
+def test_a_complete_step_is_trained_without_waiting_for_the_water_level() -> None:
+    """A complete step (its batch complete, not all trained): a training core stays for it when demand
+    returns, as for a step it has opened; and where the driver holds a batch back until that step is
+    applied, a rollout core goes to train it at once, whatever the water level. The satellites follow
+    the water level as before. With the step's batch incomplete, or with the rule off, the report's rules
+    alone decide."""
     p = WaterLevelPolicy(WaterLevelConfig(hold_s=60.0))
     t = table()
     held = {"batch_complete": True, "admission_held": True}
@@ -91,7 +92,7 @@ def test_a_complete_step_that_holds_back_the_next_batch_is_trained_at_once() -> 
     assert d.why.capacity_after == 30 and d.why.unfinished == 35
     assert p.decide(obs(0, 35, 16, batch_complete=False, admission_held=True), t) == []
     assert p.decide(obs(0, 35, 0, **held), t) == []  # nothing left to train: the step is applied
-    off = WaterLevelPolicy(WaterLevelConfig(hold_s=60.0, train_held_steps=False))
+    off = WaterLevelPolicy(WaterLevelConfig(hold_s=60.0, train_complete_steps=False))
     assert off.decide(obs(0, 35, 16, **held), t) == []
     # both trained the step before, and a new batch of demand came: the satellite returns ...
     _train(t, 0)
@@ -100,12 +101,13 @@ def test_a_complete_step_that_holds_back_the_next_batch_is_trained_at_once() -> 
     assert (d.cell_id, d.action, d.rule) == (1, Action.TO_ROLLOUT, "demand returned")
     t.transition(1, Role.TO_ROLLOUT, 0.0)
     t.transition(1, Role.ROLLOUT, 0.0)
-    # ... and the core stays for the held step though it has not opened it yet
+    # ... and the core stays for the complete step though it has not opened it yet (held back or not)
     assert p.decide(obs(0, 35, 16, **held), t) == []
+    assert p.decide(obs(0, 35, 16, batch_complete=True), t) == []
     [d] = off.decide(obs(0, 35, 16, **held), t)
     assert (d.cell_id, d.action, d.rule) == (0, Action.TO_ROLLOUT, "demand returned")
-    [d] = p.decide(obs(0, 35, 16, batch_complete=True), t)  # no batch held back: the report's rule
-    assert (d.cell_id, d.action) == (0, Action.TO_ROLLOUT)
+    [d] = p.decide(obs(0, 35, 4, admission_held=True), t)  # its batch incomplete: the report's rule
+    assert (d.cell_id, d.action, d.rule) == (0, Action.TO_ROLLOUT, "demand returned")
 
 
 def test_satellites_follow_the_core_one_at_a_time() -> None:

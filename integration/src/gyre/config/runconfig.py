@@ -350,10 +350,11 @@ class SchedSection:
     """elastic: ready groups must stay at this fraction of the batch ..."""
     hold_s: float = 0.5
     """... for this long before a cell moves to training."""
-    train_held_steps: bool = default_of(WaterLevelConfig, "train_held_steps")
-    """elastic: the core trains a complete step at once where the next batch waits for it (the driver's
-    `max_ahead` holds it back), whatever the water level (gyre-sched's `WaterLevelConfig`); false: the
-    report's rules alone."""
+    train_complete_steps: bool = default_of(WaterLevelConfig, "train_complete_steps")
+    """elastic, for a step whose batch is complete: the core stays in training for it when demand returns,
+    and goes to train it at once, whatever the water level, where the next batch waits for it (the
+    driver's `max_ahead` holds it back) (gyre-sched's `WaterLevelConfig`); false: the report's rules
+    alone."""
     async_train_cells: int = 1
     """async: cells that train for the whole run (the core first)."""
     heartbeat_s: float = 1.0

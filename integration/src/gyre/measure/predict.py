@@ -100,7 +100,7 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
         elastic=WaterLevelConfig(
             ready_fraction=cfg.sched.ready_fraction,
             hold_s=cfg.sched.hold_s,
-            train_held_steps=cfg.sched.train_held_steps,
+            train_complete_steps=cfg.sched.train_complete_steps,
         ),
         async_=AsyncConfig(train_cells=cfg.sched.async_train_cells),
     )

@@ -280,7 +280,7 @@ class Attempt:
                 "gyre_sched.cli", "serve", "--bind", self.sched, "--policy", self.cfg.run.policy,
                 "--async-train-cells", str(s.async_train_cells), "--ready-fraction", str(s.ready_fraction),
                 "--hold-s", str(s.hold_s), "--timeout-h", str(self.cfg.agent.timeout_s / 3600.0),
-                "--train-held-steps" if s.train_held_steps else "--no-train-held-steps",
+                "--train-complete-steps" if s.train_complete_steps else "--no-train-complete-steps",
                 "--heartbeat-s", str(s.heartbeat_s), "--failure-timeout-s", str(s.failure_timeout_s),
                 "--switch-timeout-s", str(s.switch_timeout_s), "--drain-timeout-s", str(s.drain_timeout_s),
             ),

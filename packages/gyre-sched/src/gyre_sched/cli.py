@@ -33,7 +33,7 @@ def _serve(a: argparse.Namespace) -> int:
     w = Workload(
         async_=AsyncConfig(train_cells=a.async_train_cells),
         elastic=WaterLevelConfig(
-            hold_s=a.hold_s, ready_fraction=a.ready_fraction, train_held_steps=a.train_held_steps
+            hold_s=a.hold_s, ready_fraction=a.ready_fraction, train_complete_steps=a.train_complete_steps
         ),
     )
     w = replace(w, run=replace(w.run, cells=max(2, a.async_train_cells + 1), timeout_h=a.timeout_h))
@@ -167,10 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-fraction", type=float, default=0.25)
     s.add_argument("--hold-s", type=float, default=120.0)
     s.add_argument(
-        "--train-held-steps",
+        "--train-complete-steps",
         action=argparse.BooleanOptionalAction,
-        default=WaterLevelConfig().train_held_steps,
-        help="elastic: the core trains a complete step at once where the next batch waits for it",
+        default=WaterLevelConfig().train_complete_steps,
+        help="elastic: the core stays for a complete step when demand returns, and goes to train one "
+        "that the next batch waits for at once",
     )
     s.add_argument(
         "--timeout-h", type=float, default=6.0, help="executions' hard timeout (predictive policy)"

@@ -75,10 +75,15 @@ class Observation:
     next step is applied."""
 
     @property
+    def step_ready(self) -> bool:
+        """The next step's batch is complete and not all trained: a whole step to train now."""
+        return self.batch_complete and self.trainable > 0
+
+    @property
     def step_unblocks(self) -> bool:
-        """The next step's batch is complete and untrained, and applying it lets the driver start a batch
-        it holds back: training it now keeps rollout fed later, whatever the water level now."""
-        return self.admission_held and self.batch_complete and self.trainable > 0
+        """`step_ready`, and applying that step lets the driver start a batch it holds back: training it
+        now keeps rollout fed later, whatever the water level now."""
+        return self.admission_held and self.step_ready
 
 
 class Policy(Protocol):
@@ -114,11 +119,13 @@ class WaterLevelConfig:
     """(a): the rollout capacity left after the switch must be >= headroom x unfinished executions."""
     return_above: float = 1.0
     """Demand returns when unfinished executions exceed this x the rollout capacity."""
-    train_held_steps: bool = True
-    """The core goes to (or stays in) training for a complete step whose application lets the driver start
-    a batch that the admission bound holds back, whatever the water level (not the report's rule: with
-    `max_ahead` bounding how far rollout runs ahead, a step left waiting for the water to fall leaves the
-    next batch waiting too). False: the report's rules alone."""
+    train_complete_steps: bool = True
+    """Beside the report's rules, for a complete step (`Observation.step_ready`): a training core stays for
+    it when demand returns, as it stays for a step it has opened (else a core that has just applied a
+    step and not yet opened the next, its batch complete, goes back to rollout and leaves that step to
+    wait for the water to fall); and a rollout core goes to train it at once, whatever the water level,
+    when applying it lets the driver start a batch that `max_ahead` holds back (`step_unblocks`: else
+    the next batch waits too). False: the report's rules alone."""
 
 
 def _why(obs: Observation, cells: CellTable, cap_after: int, held: float, pred: float = 0.0) -> Why:
@@ -139,8 +146,8 @@ class WaterLevelPolicy:
     """The report's elastic policy: one cell at a time moves to training when (a) the rest of rollout can
     serve the unfinished executions and (b) ready groups have stayed above a fraction of the batch for a
     set time; cells come back when demand returns or the step's training is done. Beside the report's
-    rules, the core trains a complete step at once where the next batch waits for it
-    (`WaterLevelConfig.train_held_steps`)."""
+    rules, the core trains a complete step without waiting for the water level where it is training
+    already or the next batch waits for that step (`WaterLevelConfig.train_complete_steps`)."""
 
     config: WaterLevelConfig = field(default_factory=WaterLevelConfig)
     name: str = "elastic"
@@ -179,7 +186,7 @@ class WaterLevelPolicy:
                 s = min(sats, key=lambda c: (obs.trainable > 0, c.cell_id))
                 return back(s.cell_id, "demand returned", s.capacity)
             idle = obs.trainable == 0 and not obs.updating
-            keep = obs.step_unblocks and cfg.train_held_steps
+            keep = obs.step_ready and cfg.train_complete_steps
             if core_training and core is not None and (not obs.step_open or idle) and not keep:
                 return back(core.cell_id, "demand returned", core.capacity)
         # 2. Training done: nothing left to claim.
@@ -196,8 +203,8 @@ class WaterLevelPolicy:
             return back(core.cell_id, "step done, next batch not ready", core.capacity)
         if core is None or core.role is Role.FAILED:
             return []
-        # 3. The core trains a complete step that holds back the next batch, whatever the water level.
-        if core.role is Role.ROLLOUT and obs.step_unblocks and cfg.train_held_steps:
+        # 3. The core trains a complete step that the next batch waits for, whatever the water level.
+        if core.role is Role.ROLLOUT and obs.step_unblocks and cfg.train_complete_steps:
             return [
                 Decision(
                     obs.now,
