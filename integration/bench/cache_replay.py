@@ -20,7 +20,7 @@ do not hold. The replay at the run's own sizes is printed beside the run's measu
 far these matter.
 
     uv run python integration/bench/cache_replay.py .runs/run-elastic.tar.xz \
-        --host-tokens 65536,131072,196608,262144 --out integration/bench/results-cache-replay.json
+        --host-tokens 0,65536,131072,196608,262144,1048576 --out integration/bench/results-cache-replay.json
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class Sizes:
     """A decode slot's width: a call whose context and longest output pass it takes a long slot."""
     long_context_tokens: int
     long_context_slots: int
-    max_new_tokens: int
+    max_new_tokens: int = -1
+    """The calls' `max_new_tokens` (the records do not hold it); -1: each call's own output length, which
+    is what the profile harness asks for."""
 
     def label(self) -> str:
         return (
@@ -155,7 +157,8 @@ def replay(records: list[Call], sizes: Sizes) -> dict[str, Any]:
             t["hit_tokens"] += hit.length
             t["host_hits"] += hit.length if hit.on_host else 0
             t["measured"] += min(n, int(r.metadata.get("cached_tokens", 0)))
-            if sizes.long_context_slots and n + sizes.max_new_tokens > sizes.slot_tokens:
+            new = sizes.max_new_tokens if sizes.max_new_tokens >= 0 else int(r.output_ids.size)
+            if sizes.long_context_slots and n + new > sizes.slot_tokens:
                 slot = e.claim_long(hit)
                 if slot is None:
                     t["long_waits"] += 1
@@ -191,10 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("archive", type=Path, help="a run archive (run-<policy>.tar.xz) or a run folder")
     p.add_argument("--max-cached-tokens", type=int, default=49152)
     p.add_argument("--host-tokens", default="65536", help="comma list of host tier sizes, in tokens")
-    p.add_argument("--slot-tokens", type=int, default=11904, help="a decode slot's width")
+    p.add_argument(
+        "--slot-tokens",
+        type=int,
+        default=12271,
+        help="a decode slot's width (the H200's with h200-agentic.toml: 0.15 of 139.8 GiB over 16 slots at "
+        "112 KiB a token)",
+    )
     p.add_argument("--long-context-tokens", type=int, default=33280)
     p.add_argument("--long-context-slots", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=400)
+    p.add_argument("--max-new-tokens", type=int, default=-1, help="-1: each call's own output length")
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     a = p.parse_args(argv)
     records = load_records(a.archive)

@@ -72,6 +72,8 @@ def test_long_slots_hold_their_contexts_in_place_and_give_the_least_recent_to_th
     six = cr.replay(records, _sizes(0, 0, slot=16, long_slots=6))
     six_host = cr.replay(records, _sizes(0, 1 << 16, slot=16, long_slots=6))
     assert one["hit_share"] < six["hit_share"] < six_host["hit_share"]
+    # each call's own output length as its max_new_tokens (the default): every call still passes 16
+    assert cr.replay(records, cr.Sizes(0, 0, 16, 1024, 6))["hit_share"] == six["hit_share"]
     assert six["host_hit_share"] == 0.0 < six_host["host_hit_share"]
     # a call that finds every slot busy is counted (it would wait for one in the engine)
     assert sum(e["long_waits"] for e in one["per_engine"].values()) > 0
