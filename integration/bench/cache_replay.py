@@ -166,11 +166,12 @@ def replay(records: list[Call], sizes: Sizes) -> dict[str, Any]:
                     slot_of[r.call_id] = slot
             continue
         whole = np.concatenate([x, np.asarray(r.output_ids)])[:-1]
-        if e.version != r.weight_version or whole.size == 0:
-            continue
         slot = slot_of.pop(r.call_id, None)
         if slot is not None:
-            e.busy.discard(slot)
+            e.busy.discard(slot)  # free again, whatever it leaves in the cache
+        if e.version != r.weight_version or whole.size == 0:
+            continue  # the cache was cleared for a newer version while the call ran
+        if slot is not None:
             kv: RowKV = buffer_row(e.buf, min(int(whole.size), sizes.long_context_tokens), slot)
             e.cache.insert(whole[: kv.length].tolist(), kv, owned=True)
         else:

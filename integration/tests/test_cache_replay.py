@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 from gyre.measure import prefixes
 from gyre.trajsvc import recordlog
@@ -104,3 +105,28 @@ def test_the_command_line_reads_a_run_folder_and_writes_one_replay_per_host_size
     assert res["calls"] == len(records)
     assert [r["sizes"]["host_cached_tokens"] for r in res["replays"]] == [0, 65536]
     assert res["replays"][0]["hit_share"] < res["replays"][1]["hit_share"]
+
+
+def _call(cid: str, version: int, t0: float, t1: float, ids: list[int]) -> Call:
+    from gyre_traj.records import Role
+
+    out = np.array([7, 8], dtype=np.int64)
+    return Call(
+        execution_id=f"e-{cid}", call_id=cid, agent_id="main", role=Role.MAIN, output_ids=out,
+        output_logprobs=np.zeros(2, dtype=np.float32), weight_version=version,
+        input_ids=np.array(ids, dtype=np.int64), t_start=t0, t_end=t1, metadata={"engines": "0"},
+    )  # fmt: skip
+
+
+def test_a_long_slot_is_free_again_when_its_call_ends_under_an_older_version() -> None:
+    """One long slot. "a" holds it across a weight update ("b", the engine's first call of the new version,
+    clears the cache); when "a" ends its KV is stale and stays out of the cache, but its slot is free:
+    "c" takes it rather than waiting for it."""
+    calls = [
+        _call("a", 0, 0.0, 10.0, list(range(1, 41))),
+        _call("b", 1, 5.0, 6.0, list(range(100, 140))),
+        _call("c", 1, 11.0, 12.0, list(range(200, 240))),
+    ]
+    res = cr.replay(calls, cr.Sizes(0, 0, 16, 1024, 1))
+    assert res["per_engine"]["0"]["long_waits"] == 1  # "b": "a" holds the slot
+    assert res["per_engine"]["0"]["calls"] == 3
