@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from gyre.measure.prefixes import full_inputs
 from gyre.trajsvc import recordlog
-from gyre_engine.server.batch import LongRowKV, RowKV, buffer_row
+from gyre_engine.server.batch import RowKV, buffer_row
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_traj.records import Call
 
@@ -83,25 +83,14 @@ class _Engine:
         self.cache.reserve_host(_kv(1).nbytes())
 
     def claim_long(self, hit: PrefixHit) -> int | None:
-        """The long slot a call takes (as the engine's `_claim_long_slot` picks it), None when none is
+        """The long slot a call takes (`PrefixCache.take_long_slot`, as the engine), None when none is
         idle."""
         idle = [s for s in range(self.sizes.long_context_slots) if s not in self.busy]
         if not idle:
             return None
-        kv = hit.kv
-        held = kv.row if isinstance(kv, LongRowKV) and kv.buf is self.buf and kv.row in idle else None
-        if held is not None and hit.whole:
-            slot = held
-            self.cache.drop_where(self._in_slot(slot))
-        else:
-            unheld = [s for s in idle if not self.cache.holds(self._in_slot(s))]
-            slot = unheld[0] if unheld else min(idle, key=lambda s: self.cache.last_used(self._in_slot(s)))
-            self.cache.release_where(self._in_slot(slot))
+        slot, _ = self.cache.take_long_slot(self.buf, idle, hit)
         self.busy.add(slot)
         return slot
-
-    def _in_slot(self, slot: int) -> Any:
-        return lambda kv: isinstance(kv, LongRowKV) and kv.buf is self.buf and kv.row == slot
 
 
 def _kv(n: int) -> RowKV:

@@ -244,3 +244,30 @@ def test_a_host_entry_being_read_keeps_its_memory() -> None:
     cache.insert([10] * 10, kv_of([10] * 10))  # [9] to the host, in [3]'s span: nothing dropped
     assert cache.host_held_tokens == 20 and cache.lookup([9] * 10 + [0], 10).on_host
     assert cache.lookup([8] * 10 + [0], 10).on_host
+
+
+def test_a_long_slot_goes_to_the_context_it_extends_and_not_to_one_it_shares_a_prompt_with() -> None:
+    """`take_long_slot`: a call that extends a slot's whole context takes that slot in place (its entry
+    dropped); one that shares only a prompt with it takes an idle slot no entry holds; with every idle slot
+    held, the one used least recently, whose context goes to the host tier first."""
+    from gyre_engine.server.batch import buffer_row
+
+    buf = torch.zeros(2, 1, 3, 1, 64, 1)  # the long slots' buffer: 3 slots of 64 columns
+    cache = PrefixCache(100, host_tokens=100)
+    a, b = [1] * 10 + [2] * 20, [1] * 10 + [3] * 20  # two contexts sharing a prompt of 10
+    cache.insert(a, buffer_row(buf, len(a), 0), owned=True)
+    shared = cache.lookup([*b, 0], len(b))
+    assert shared.length == 10 and not shared.whole
+    assert cache.take_long_slot(buf, [0, 1, 2], shared) == (1, False)  # not "a"'s slot
+    assert cache.lookup([*a, 0], len(a)).length == len(a)  # "a" kept in place
+    cache.insert(b, buffer_row(buf, len(b), 1), owned=True)
+    ext = cache.lookup([*a, 5], len(a))
+    assert ext.whole and cache.take_long_slot(buf, [0, 2], ext) == (0, True)
+    assert cache.lookup([*a, 0], len(a)).length == 10  # its entry dropped: the slot is the call's now
+    # every idle slot held: the least recently used one, its context to the host tier
+    cache.insert(a, buffer_row(buf, len(a), 0), owned=True)
+    cache.lookup([*b, 0], len(b))  # "b" used last
+    other = cache.lookup([9, 9], 1)
+    assert cache.take_long_slot(buf, [0, 1], other) == (0, False)
+    back = cache.lookup([*a, 0], len(a))
+    assert back.length == len(a) and back.on_host

@@ -629,11 +629,9 @@ class Engine:
         self, hit: PrefixHit, joining: list[tuple[Running, RowKV, int]], keep: int = 0
     ) -> tuple[SlotBatch, int, int] | WaitReason:
         """The long slots' batch, an idle slot of it (neither decoding nor being prefilled) holding `hit`'s
-        prefix, and how many tokens of the context it covers: the slot that the prefix cache's hit is when
-        the call extends that slot's whole context (taken back from the prefix cache: nothing is copied),
-        else an idle slot (the lowest that no cached entry holds, else the one whose cached context was
-        used least recently) into which a hit held elsewhere is copied. A hit that only shares part of a
-        slot's context (a group's prompt) does not take that slot from its context. Taken only while more
+        prefix, and how many tokens of the context it covers: the slot the prefix cache picks
+        (`PrefixCache.take_long_slot`: the hit's own slot when the call extends that slot's whole context,
+        nothing copied; else an idle one, into which a hit held elsewhere is copied). Taken only while more
         than `keep` slots are idle (those are kept for the long requests that wait ahead); else why not:
         `long_memory` (the slots have no memory yet), `long_slot` (none is idle), `behind` (the idle ones
         are kept)."""
@@ -652,23 +650,7 @@ class Engine:
         idle = [s for s in range(batch.slots) if s not in busy]
         if len(idle) <= keep:
             return "behind" if idle else "long_slot"
-        held = (
-            hit.kv.row if isinstance(hit.kv, LongRowKV) and hit.kv.buf is buf and hit.kv.row in idle else None
-        )
-        if held is not None and hit.whole:
-            slot = held
-        else:  # a slot no entry holds, else the one whose cached context was used least recently
-            unheld = [s for s in idle if not self._prefix_holds(buf, s)]
-            slot = (
-                unheld[0] if unheld else min(idle, key=lambda s: self.prefix.last_used(self._in_slot(buf, s)))
-            )
-        here = held == slot
-        if here and hit.whole:
-            # the context is extended in place: its entry goes (the finished call leaves a longer one)
-            self.prefix.drop_where(self._in_slot(buf, slot))
-        else:
-            # another context's, also one the hit only shares a part of: to the host tier (if any) first
-            self.prefix.release_where(self._in_slot(buf, slot))
+        slot, here = self.prefix.take_long_slot(buf, idle, hit)
         if hit.kv is not None and not here:  # a hit in the slot taken is in place already
             copy_prefix(batch.row_buffer(slot), hit.kv)
             self._long_copies += 1
@@ -679,14 +661,6 @@ class Engine:
         if kv is None or not kv.keys or kv.keys[0].device == self.device:
             return kv
         return RowKV([k.to(self.device) for k in kv.keys], [v.to(self.device) for v in kv.values])
-
-    def _prefix_holds(self, buf: torch.Tensor, slot: int) -> bool:
-        return self.prefix.holds(self._in_slot(buf, slot))
-
-    @staticmethod
-    def _in_slot(buf: torch.Tensor, slot: int) -> Callable[[RowKV], bool]:
-        """Whether a cached KV is the views of long slot `slot` of `buf`."""
-        return lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot
 
     def _new_long_batch(self) -> SlotBatch:
         assert self.slots is not None

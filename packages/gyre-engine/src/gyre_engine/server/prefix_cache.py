@@ -271,6 +271,28 @@ class PrefixCache:
         """Whether `e`'s KV is device memory of the cache's own (not a long slot's views, not on the host)."""
         return not e.on_host and not isinstance(e.kv, LongRowKV)
 
+    def take_long_slot(self, buf: torch.Tensor, idle: Sequence[int], hit: PrefixHit) -> tuple[int, bool]:
+        """The long slot of `buf` (one of `idle`, not empty) that a call whose lookup found `hit` takes, and
+        whether its hit is in place there (nothing to copy): the slot the hit is when the call extends
+        that slot's whole context (its entry dropped: the finished call leaves a longer one); else the
+        lowest idle slot no entry holds, else the idle one whose cached context was used least recently,
+        whose entries go to the host tier (or are dropped) before the slot is written. A hit that only
+        shares part of a slot's context (a group's prompt) does not take that slot from its context,
+        unless no other slot is idle."""
+
+        def in_slot(slot: int) -> Callable[[RowKV], bool]:
+            return lambda kv: isinstance(kv, LongRowKV) and kv.buf is buf and kv.row == slot
+
+        kv = hit.kv
+        held = kv.row if isinstance(kv, LongRowKV) and kv.buf is buf and kv.row in idle else None
+        if held is not None and hit.whole:
+            self.drop_where(in_slot(held))
+            return held, True
+        unheld = [s for s in idle if not self.holds(in_slot(s))]
+        slot = unheld[0] if unheld else min(idle, key=lambda s: self.last_used(in_slot(s)))
+        self.release_where(in_slot(slot))
+        return slot, slot == held
+
     def holds(self, match: Callable[[RowKV], bool]) -> bool:
         """Whether some entry's KV is one `match` accepts."""
         return any(match(e.kv) for e in self._entries())
