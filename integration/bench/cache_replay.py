@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gyre.measure.prefixes import full_inputs
+from gyre.measure.prefixes import full_inputs, serving_engine
 from gyre.trajsvc import recordlog
 from gyre_engine.server.batch import RowKV, buffer_row
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
@@ -97,10 +97,6 @@ def _kv(n: int) -> RowKV:
     return RowKV([torch.zeros(1, 1, n, 1, dtype=DTYPE)], [torch.zeros(1, 1, n, 1, dtype=DTYPE)])
 
 
-def _engine_of(r: Call) -> str:
-    return r.metadata.get("engines", "").split(",")[0]
-
-
 def load_records(archive: Path) -> list[Call]:
     """The calls of a run archive (`run-<policy>.tar.xz`) or of a run folder's `records.msgpack`."""
     if archive.is_dir():
@@ -127,7 +123,7 @@ def replay(records: list[Call], sizes: Sizes) -> dict[str, Any]:
     tot: dict[str, dict[str, int]] = {}
     while events:
         _, kind, _, r = heapq.heappop(events)
-        name = _engine_of(r)
+        name = serving_engine(r)
         e = engines.get(name)
         if e is None:
             e = engines[name] = _Engine(sizes)

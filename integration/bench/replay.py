@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
-
 
 @dataclass(order=True)
 class RecordedCall:
@@ -47,27 +45,24 @@ class RecordedCall:
 
 
 def recorded_calls(records: Path) -> list[RecordedCall]:
+    """Every call of a record log with its whole input (deltas resolved), in start order; ValueError for
+    a call whose delta's parent is not in the log."""
+    from gyre.measure.prefixes import full_inputs, serving_engine
     from gyre_traj.io import read_records
     from gyre_traj.records import Call
 
-    full: dict[tuple[str, str], np.ndarray] = {}
-    out = []
-    for r in read_records(records):
-        if not isinstance(r, Call):
-            continue
-        if r.input_ids is not None:
-            inp = r.input_ids
-        else:
-            assert r.input_delta is not None
-            d = r.input_delta
-            inp = np.concatenate([full[(r.execution_id, d.parent)][: d.keep], d.append])
-        full[(r.execution_id, r.call_id)] = np.concatenate([inp, r.output_ids])
-        engine = r.metadata.get("engines", "0").split(",")[0]
-        out.append(
-            RecordedCall(
-                r.t_start, r.execution_id, r.call_id, inp.tolist(), int(r.output_ids.size), r.t_end, engine
-            )
+    calls = [r for r in read_records(records) if isinstance(r, Call)]
+    inputs = full_inputs(calls)
+    missing = [r.call_id for r in calls if r.call_id not in inputs]
+    if missing:
+        raise ValueError(f"{records}: calls whose delta's parent is not in the log: {missing[:5]}")
+    out = [
+        RecordedCall(
+            r.t_start, r.execution_id, r.call_id, inputs[r.call_id].tolist(), int(r.output_ids.size), r.t_end,
+            serving_engine(r) or "0",
         )
+        for r in calls
+    ]  # fmt: skip
     return sorted(out)
 
 

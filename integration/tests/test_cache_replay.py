@@ -130,3 +130,21 @@ def test_a_long_slot_is_free_again_when_its_call_ends_under_an_older_version() -
     res = cr.replay(calls, cr.Sizes(0, 0, 16, 1024, 1))
     assert res["per_engine"]["0"]["long_waits"] == 1  # "b": "a" holds the slot
     assert res["per_engine"]["0"]["calls"] == 3
+
+
+def test_the_replays_recorded_calls_carry_whole_inputs_and_engines(records: list[Call]) -> None:
+    """bench/replay.py's `recorded_calls` (what the standalone engines serve again): every call in start
+    order, with its whole input as the prefix measures resolve it and the engine that served it."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        replay = importlib.import_module("replay")
+    finally:
+        sys.path.remove(str(BENCH))
+    got = replay.recorded_calls(RECORDS)
+    full = prefixes.full_inputs(records)
+    by_id = {r.call_id: r for r in records}
+    assert len(got) == len(records) and [c.t_start for c in got] == sorted(r.t_start for r in records)
+    for c in got:
+        r = by_id[c.call_id]
+        assert c.input_ids == full[c.call_id].tolist() and c.output_len == r.output_ids.size
+        assert c.engine == prefixes.serving_engine(r) != ""

@@ -87,10 +87,9 @@ def engine_call_share(calls: Sequence[tuple[Call, int]], samples: Sequence[Sampl
     spans = _all_rollout_spans(samples)
     counts: dict[str, int] = {}
     for r, _ in calls:
-        engines = r.metadata.get("engines", "")
-        if not engines or not any(a <= r.t_start < b for a, b in spans):
+        first = prefixes.serving_engine(r)
+        if not first or not any(a <= r.t_start < b for a, b in spans):
             continue
-        first = engines.split(",")[0]
         counts[first] = counts.get(first, 0) + 1
     n = sum(counts.values())
     cells = sorted({str(c) for s in samples for c in s.roles})

@@ -98,7 +98,9 @@ def full_inputs(records: Iterable[Call]) -> dict[str, np.ndarray]:
     return out
 
 
-def _engine(r: Call) -> str:
+def serving_engine(r: Call) -> str:
+    """The engine that served the call (the first, where a moved call had several; gyre-proxy's
+    `engines` metadata), "" where the record does not say."""
     return r.metadata.get("engines", "").split(",")[0]
 
 
@@ -117,7 +119,7 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
     for i, r in enumerate(recs):
         while ended and ended[0][0] <= r.t_start:
             _, _, e = heapq.heappop(ended)
-            tries.setdefault((_engine(e), e.weight_version), _Trie()).insert(
+            tries.setdefault((serving_engine(e), e.weight_version), _Trie()).insert(
                 np.concatenate([inputs[e.call_id], np.asarray(e.output_ids)[:-1]])
             )
         x = inputs[r.call_id]
@@ -126,7 +128,7 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
         per = {key: min(most, t.match(x)) for key, t in tries.items()}
         any_version = max(per.values(), default=0)
         ideal = max((v for (_, w), v in per.items() if w == r.weight_version), default=0)
-        own = per.get((_engine(r), r.weight_version), 0)
+        own = per.get((serving_engine(r), r.weight_version), 0)
         cached = min(n, int(r.metadata.get("cached_tokens", 0)))
         tot["input"] += n
         tot["cached"] += cached
