@@ -101,6 +101,15 @@ def one_run(model: Path, seed: int, prefill_chunk: int = 256) -> dict[str, Any]:
     }
 
 
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs' wall seconds, their median, and the median run's figures."""
+    return {
+        "runs_wall_s": [r["wall_s"] for r in runs],
+        "wall_s_median": statistics.median(r["wall_s"] for r in runs),
+        "median_run": sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
@@ -119,7 +128,6 @@ def main() -> None:
                 by_chunk[c].append(one_run(model, a.seed, c))
                 print(json.dumps({"prefill_chunk": c, **by_chunk[c][-1]}), flush=True)
     runs = by_chunk[chunks[0]]
-    median = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
     out: dict[str, Any] = {
         "bench": "agent_load",
         "machine": platform.machine(),
@@ -127,20 +135,11 @@ def main() -> None:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "agents": AGENTS,
         "calls_each": CALLS,
-        "runs_wall_s": [r["wall_s"] for r in runs],
-        "wall_s_median": statistics.median(r["wall_s"] for r in runs),
+        **summary(runs),
         "prefill_chunk": chunks[0],
-        "median_run": median,
     }
     if len(chunks) > 1:
-        out["by_prefill_chunk"] = {
-            str(c): {
-                "runs_wall_s": [r["wall_s"] for r in rs],
-                "wall_s_median": statistics.median(r["wall_s"] for r in rs),
-                "median_run": sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2],
-            }
-            for c, rs in by_chunk.items()
-        }
+        out["by_prefill_chunk"] = {str(c): summary(rs) for c, rs in by_chunk.items()}
     print(json.dumps(out))
     if a.out is not None:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
