@@ -315,3 +315,44 @@ def test_the_agentic_examples_staleness_bound_puts_elastic_ahead_in_the_simulato
     one = sim(dataclasses.replace(cfg, driver=dataclasses.replace(cfg.driver, max_ahead=1)))
     assert one["colocate"]["end_to_end_s"] < one["elastic"]["end_to_end_s"]
     assert two["elastic"]["end_to_end_s"] < one["elastic"]["end_to_end_s"]
+
+
+def test_calibration_measures_training_by_the_cells_that_trained_each_step() -> None:
+    """Two cells on one H200 trained step 0 of the 2026-12-05 run side by side at 11.46 cell-seconds a group,
+    and one cell, beside the other serving, step 1 at 9.21: the calibration keeps both, and the simulator
+    trains Colocate's whole pool at the first and Async's one cell at the second, where one median of both
+    (10.33) made Colocate faster and Async slower than that run's steps. A count not measured is
+    interpolated between counts that were, or takes the fewest measured below them."""
+    from gyre.config.runconfig import load_config
+    from gyre.measure import predict
+
+    cfg = load_config(BENCH.parent / "examples" / "h200-agentic.toml")
+    m = json.loads((BENCH / "metrics-h200-agentic-1205.json").read_text())
+    assert [(s["training_cells"], s["groups"]) for s in m["steps"]] == [(2, 4), (1, 4)]
+    cal = predict.calibrate([m])
+    assert cal.train_group_s_by_cells == (9.206, 11.4603)
+    assert cal.train_group_s == pytest.approx((9.206 + 11.4603) / 2, abs=1e-3)
+    assert predict.sim_workload(cfg, cal).cell.group_s(2) == pytest.approx(11.4603)
+
+    def steps(*by: tuple[int, float]) -> dict[str, Any]:
+        s = [{"groups": 4, "training_cells": k, "busy_cell_s": 4 * g} for k, g in by]
+        return {"outcomes": [], "steps": s, "switch_times": {"to_training_s": [], "to_rollout_s": []}}
+
+    assert predict.calibrate([steps((1, 8.0), (3, 12.0))]).train_group_s_by_cells == (8.0, 10.0, 12.0)
+    assert predict.calibrate([steps((2, 9.0))]).train_group_s_by_cells == (9.0, 9.0)
+    assert predict.calibrate([steps((1, 8.0)), steps((1, 10.0))]).train_group_s_by_cells == (9.0,)
+    old = steps((2, 9.0))
+    del old["steps"][0]["training_cells"]  # metrics written before the count was kept
+    assert predict.calibrate([old]).train_group_s_by_cells == ()
+
+    flat = json.loads(json.dumps(m))
+    for s in flat["steps"]:
+        del s["training_cells"]
+
+    def sim(metrics: dict[str, Any]) -> dict[str, float]:
+        arms = {p: cfg.with_policy(p, cfg.run.out_dir) for p in POLICIES}
+        table = predicted(cfg, arms, {p: [metrics] for p in arms})
+        return {r["arm"]: r["predicted"]["end_to_end_s"] for r in table["rows"]}
+
+    by, one = sim(m), sim(flat)
+    assert by["colocate"] > one["colocate"] + 5.0 and by["async"] < one["async"] - 5.0

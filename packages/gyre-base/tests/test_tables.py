@@ -16,6 +16,7 @@ class Section:
     name: str = "x"
     streaming: bool = False
     tags: list[str] = field(default_factory=list)
+    widths: tuple[float, ...] = ()
 
 
 def test_defaults_and_given_keys() -> None:
@@ -29,16 +30,26 @@ def test_int_becomes_float() -> None:
     assert got.rate == 2.0 and type(got.rate) is float
 
 
+def test_a_list_fills_a_tuple_field_item_by_item() -> None:
+    """TOML and JSON arrays arrive as lists; a `tuple[float, ...]` field keeps a tuple of floats."""
+    got = dataclass_from_table(Section, "s", {"widths": [1, 2.5]})
+    assert got.widths == (1.0, 2.5) and all(type(w) is float for w in got.widths)
+    assert dataclass_from_table(Section, "s", {"widths": []}).widths == ()
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"stepz": 1}, "[s] unknown key 'stepz'; known: name, rate, steps, streaming, tags"),
+        ({"stepz": 1}, "[s] unknown key 'stepz'; known: name, rate, steps, streaming, tags, widths"),
         ({"rate": "abc"}, "[s] rate must be float, got 'abc'"),
         ({"steps": 2.0}, "[s] steps must be int, got 2.0"),
         ({"steps": True}, "[s] steps must be int, got True"),  # a bool is not an int ...
         ({"rate": False}, "[s] rate must be float, got False"),  # ... nor a float
         ({"streaming": 1}, "[s] streaming must be bool, got 1"),
         ({"tags": "a"}, "[s] tags must be list, got 'a'"),
+        ({"widths": 1.0}, "[s] widths must be tuple, got 1.0"),
+        ({"widths": [1.0, "x"]}, "[s] widths[1] must be float, got 'x'"),
+        ({"widths": [True]}, "[s] widths[0] must be float, got True"),
     ],
 )
 def test_bad_keys(raw: dict[str, object], message: str) -> None:

@@ -173,3 +173,38 @@ def test_an_execution_cut_by_the_timeout_keeps_its_slot_for_its_overrun() -> Non
     for bad in (np.zeros((1, 1, 2)), np.full(d.shape, -1.0)):
         with pytest.raises(ValueError, match="overrun"):
             Simulator(w, make_policy("elastic", w), d, overrun=bad)
+
+
+def test_training_cells_train_at_the_measured_cost_for_their_count(tmp_path: Path) -> None:
+    """`cell.train_group_s_by_cells`: cells that share a GPU do not train twice as fast side by side. With
+    two cells costing twice the cell-seconds a group, Colocate's whole-pool training takes as long as one
+    cell's, and its run is longer; Async, whose one cell trains alone, is unchanged. The list loads from
+    a workload file, and a count past its end takes its last item."""
+    run = {"steps": 4, "cells": 2, "timeout_h": 2.0}
+    flat = workload_from_dict({**SMALL, "run": run, "cell": {"train_group_s": 120.0, "update_s": 0.0}})
+    path = tmp_path / "w.toml"
+    path.write_text(
+        "[run]\nsteps = 4\ncells = 2\ntimeout_h = 2.0\n[batch]\nqueries = 4\ngroup_size = 2\n"
+        "[durations]\nmedian_h = 0.5\nsigma = 0.8\n"
+        "[cell]\ntrain_group_s = 120.0\nupdate_s = 0.0\ntrain_group_s_by_cells = [120, 240.0]\n"
+    )
+    shared = load_workload(path)
+    assert shared.cell.train_group_s_by_cells == (120.0, 240.0)
+    assert [shared.cell.group_s(k) for k in (1, 2, 3)] == [120.0, 240.0, 240.0]
+    assert [flat.cell.group_s(k) for k in (1, 2)] == [120.0, 120.0]
+
+    def training_s(w: Any, policy: str) -> tuple[float, float]:
+        s = Simulator(w, make_policy(policy, w), sample_durations(flat))
+        r = s.run()
+        training = [g.end_s - g.start_s for g in r.timeline if g.role is Role.TRAINING]
+        return r.end_to_end_h * 3600.0, sum(training)
+
+    assert training_s(shared, "async") == training_s(flat, "async")
+    (e_flat, t_flat), (e_shared, t_shared) = training_s(flat, "colocate"), training_s(shared, "colocate")
+    assert e_shared > e_flat
+    # both cells in every training phase: the phases last twice as long
+    assert t_shared == pytest.approx(2 * t_flat)
+    with pytest.raises(ConfigError, match="train_group_s_by_cells"):
+        workload_from_dict({"cell": {"train_group_s_by_cells": [1.0, 0.0]}})
+    with pytest.raises(ConfigError, match=r"train_group_s_by_cells\[0\] must be float"):
+        workload_from_dict({"cell": {"train_group_s_by_cells": ["x"]}})

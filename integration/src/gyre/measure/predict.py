@@ -47,6 +47,11 @@ class Calibration:
     train_group_s: float = 2.0
     """Cell-seconds to train one group: the training cells' busy time on a step (sampled: micro-batches
     queued, being computed or applied), over its groups."""
+    train_group_s_by_cells: tuple[float, ...] = ()
+    """The same by how many cells trained the step (item k-1 for k cells; a count between two measured is
+    interpolated, one below the fewest measured takes the fewest's): two cells on one GPU train a group
+    in more cell-seconds side by side than one beside a serving cell. Empty: `train_group_s` at any
+    count."""
     update_s: float = 0.5
     """Optimizer step plus the weight push to the engines."""
     to_training_s: float = 0.5
@@ -87,6 +92,7 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
         cell=CellConfig(
             rollout_capacity=cfg.cell.capacity,
             train_group_s=max(cal.train_group_s, 1e-3),
+            train_group_s_by_cells=tuple(max(g, 1e-3) for g in cal.train_group_s_by_cells),
             update_s=cal.update_s,
             to_training_s=cal.to_training_s,
             to_rollout_s=cal.to_rollout_s,
@@ -139,6 +145,7 @@ def calibrate(
     the calls it made, and one cut in its tool time (ended at the timeout, no call in flight) is left out
     (its share of the sleep in hand is unknown); without it, the whole `tool_s`."""
     group_s: list[float] = []
+    by_cells: dict[int, list[float]] = {}
     update_s: list[float] = []
     to_t: list[float] = []
     to_r: list[float] = []
@@ -168,6 +175,8 @@ def calibrate(
             if "busy_cell_s" in s:  # sampled busy training (a streamed step's elapsed_s includes waits)
                 if s["busy_cell_s"] > 0:
                     group_s.append(s["busy_cell_s"] / s["groups"])
+                    if s.get("training_cells"):
+                        by_cells.setdefault(s["training_cells"], []).append(group_s[-1])
             elif s.get("elapsed_s"):  # metrics written before training was sampled
                 group_s.append(s["elapsed_s"] * max(1, s.get("training_cells", 1)) / s["groups"])
             if s.get("push_s") is not None:
@@ -178,12 +187,23 @@ def calibrate(
     q = np.linspace(0.0, 1.0, OVERRUN_QUANTILES)
     return Calibration(
         train_group_s=med(group_s) if group_s else Calibration.train_group_s,
+        train_group_s_by_cells=_by_cells({k: med(v) for k, v in by_cells.items()}),
         update_s=med(update_s) if update_s else Calibration.update_s,
         to_training_s=med(to_t) if to_t else Calibration.to_training_s,
         to_rollout_s=med(to_r) if to_r else Calibration.to_rollout_s,
         model_call_s=med(call_s) if call_s else None,
         timeout_overrun_s=tuple(round(float(x), 3) for x in np.quantile(overrun, q)) if overrun else (),
     )
+
+
+def _by_cells(measured: dict[int, float]) -> tuple[float, ...]:
+    """Item k-1 for k = 1 .. the most cells measured: the measured median, else interpolated between the
+    counts measured on either side, else (below the fewest measured) the fewest's."""
+    if not measured:
+        return ()
+    ks = sorted(measured)
+    vs = [measured[k] for k in ks]
+    return tuple(round(float(np.interp(k, ks, vs)), 4) for k in range(1, ks[-1] + 1))
 
 
 OVERRUN_DRAWS = 15

@@ -4,7 +4,8 @@ Executions advance on one shared progress clock: a rollout pool of capacity C se
 their model calls at min(1, C/n) speed (tool time is unaffected), so each execution's wall time follows
 from its nominal duration, the pool size over time and the hard timeout. An execution cut by the timeout
 may keep its slot a while past it (`overrun`: a harness that waits for the model call in flight when the
-timeout strikes); it still counts as timed out. Training is a fluid queue of ready groups; switches take
+timeout strikes); it still counts as timed out. Training is a fluid queue of ready groups, drained at k
+cells over the cell-seconds a group takes with k cells training (`CellConfig.group_s`); switches take
 the configured times; every role change goes through `CellTable.transition`.
 """
 
@@ -163,7 +164,8 @@ class Simulator:
         core = self.table.core
         if core is None or core.role is not Role.TRAINING:
             return 0.0
-        return self.table.counts[Role.TRAINING] / self.w.cell.train_group_s
+        k = self.table.counts[Role.TRAINING]
+        return k / self.w.cell.group_s(k)
 
     def _training_busy(self) -> bool:
         return self.update_end is not None or (
@@ -355,7 +357,8 @@ class Simulator:
         next_tick = 0.0
         self._decide()
         self._set_rate()
-        limit = 1000.0 * self.steps * (self.w.timeout_s + self.w.cell.train_group_s * self.Q)
+        slowest = max((self.w.cell.train_group_s, *self.w.cell.train_group_s_by_cells))
+        limit = 1000.0 * self.steps * (self.w.timeout_s + slowest * self.Q)
         while self.version < self.steps:
             cands = [next_tick]
             fh = self.finish_heap

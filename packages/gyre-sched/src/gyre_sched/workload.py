@@ -72,12 +72,23 @@ class CellConfig:
     """Concurrent executions one rollout cell serves at full speed; beyond it model calls queue."""
     train_group_s: float = 600.0
     """Cell-seconds to train one group on one cell (forward + backward of its trajectories)."""
+    train_group_s_by_cells: tuple[float, ...] = ()
+    """Cell-seconds per group with 1, 2, ... cells training at once (item k-1 for k cells; past the last
+    item, the last), replacing `train_group_s` where given. Training does not scale linearly with cells:
+    data-parallel ranks wait for each other, and cells that share a GPU share its time. Two cells on one
+    H200 trained a step in 46 cell-seconds side by side and in 37 for one training beside the other
+    serving (`gyre compare` measures these; empty: `train_group_s` at any count)."""
     update_s: float = 120.0
     """Optimizer step plus pushing the new weights to rollout engines."""
     to_training_s: float = 8.52
     """Rollout -> training switch (report, 122B: 8.52 s)."""
     to_rollout_s: float = 3.46
     """Training -> rollout switch (report, 122B: 3.46 s)."""
+
+    def group_s(self, training_cells: int) -> float:
+        """Cell-seconds to train one group while `training_cells` cells train at once."""
+        by = self.train_group_s_by_cells
+        return by[min(max(training_cells, 1), len(by)) - 1] if by else self.train_group_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,9 @@ class Workload:
         _check(0.0 < self.durations.model_fraction <= 1.0, "durations.model_fraction must be in (0, 1]")
         _check(self.cell.rollout_capacity >= 1, "cell.rollout_capacity must be >= 1")
         _check(self.cell.train_group_s > 0, "cell.train_group_s must be > 0")
+        _check(
+            all(g > 0 for g in self.cell.train_group_s_by_cells), "cell.train_group_s_by_cells must be > 0"
+        )
         _check(
             min(self.cell.update_s, self.cell.to_training_s, self.cell.to_rollout_s) >= 0, "cell times >= 0"
         )
