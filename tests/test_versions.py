@@ -88,3 +88,23 @@ def test_every_command_says_the_pyproject_version() -> None:
         lines = [line.split() for line in out.splitlines()]
         # `gyre --version` lists every component; the others print "<name> <version>"
         assert [dist, version] in lines, (dist, out)
+
+
+def test_every_member_admits_the_versions_of_the_members_it_depends_on() -> None:
+    """A member's requirement on another member (plain or in an extra) admits that member's version here:
+    installed from an index, the packages of one commit install together, and none pulls an older one that
+    lacks what it calls."""
+    from packaging.requirements import Requirement
+
+    versions = {dist: version for dist, version, _, _ in MEMBERS}
+    wrong = []
+    for pattern in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["uv"]["workspace"]["members"]:
+        for folder in sorted(glob.glob(str(ROOT / pattern))):
+            project = tomllib.loads((Path(folder) / "pyproject.toml").read_text())["project"]
+            reqs = list(project.get("dependencies", []))
+            reqs += [r for extra in project.get("optional-dependencies", {}).values() for r in extra]
+            for text in reqs:
+                req = Requirement(text)
+                if req.name in versions and not req.specifier.contains(versions[req.name]):
+                    wrong.append(f"{project['name']}: {text} (workspace has {versions[req.name]})")
+    assert wrong == []
