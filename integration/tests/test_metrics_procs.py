@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from gyre.measure.efficiency import engine_time
 from gyre.measure.metrics import role_accounting
+from gyre.measure.runmetrics import rollout_cells
 from gyre.measure.runmetrics import switch_times as _switch_times
 from gyre.measure.samples import Sample
 from gyre.measure.trainwatch import TrainSample, TrainTrack, train_overlap
@@ -76,6 +77,14 @@ def test_train_overlap_by_hand() -> None:
 def test_switch_times_from_samples() -> None:
     st = _switch_times(_samples())
     assert st == {"to_training_s": [2.0], "to_rollout_s": [1.0]}
+
+
+def test_rollout_cells_are_the_change_points_of_the_cells_in_rollout() -> None:
+    """Cell 0 as in `_samples`, cell 1 in rollout throughout: two cells until 2 s, one until 8 s, then two
+    again; seconds from the run's first batch (here at 1 s: the first sample comes before it)."""
+    samples = [Sample(x.t, {**x.roles, 1: R}, x.engine_busy, x.engine_version) for x in _samples()]
+    assert rollout_cells(samples, 1.0) == [[-1.0, 2], [1.0, 1], [7.0, 2]]
+    assert rollout_cells([], 0.0) == []
 
 
 def test_a_dead_child_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -52,6 +52,23 @@ def test_the_profile_draws_its_medians_and_the_simulator_sees_the_same_calls() -
     assert abs(sum(subs) / len(subs) - p.subagent_share) < 0.05
 
 
+def test_the_simulator_counts_every_call_an_execution_plans() -> None:
+    """`planned_calls_array`: each execution's main-agent calls and its sub-agents' and summary calls, as
+    the harness makes them when nothing cuts it short (the agent-shaped example: 15.0 an execution against
+    11.5 of the main agent)."""
+    cfg = load_config(EXAMPLES / "h200-agentic.toml")
+    p, shape = cfg.profile, (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
+    every, main = (
+        profile.planned_calls_array(p, cfg.run.seed, shape),
+        profile.calls_array(p, cfg.run.seed, shape),
+    )
+    assert every[1, 2, 3] == profile.planned_calls(
+        profile.plan(p, cfg.run.seed, 1, 2, 3, 5.0), p, p.prompt_tokens
+    )
+    assert (every >= main - 1).all() and every.mean() == pytest.approx(14.98, abs=0.01)
+    assert main.mean() == pytest.approx(11.48, abs=0.01)
+
+
 def test_the_reward_is_the_share_of_digits() -> None:
     assert profile.score_text("12 ab") == pytest.approx(0.5)
     assert profile.score_text("") == 0.0 and profile.score_text(None) == 0.0

@@ -5,6 +5,7 @@ and a gyre-train core/satellite, gyre-proxy), the built-in harness, two optimize
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -165,6 +166,11 @@ wandb_project = "gyre-e2e"
         assert roles[k] is None or 0.0 <= roles[k] <= 1.0
     assert m["end_to_end_s"] > 0
     assert m["switches"] == len(m["decisions"])
+    # the cells in rollout over the run, at each change: both at times (Async: one, from before the first
+    # batch), fewer while a cell trained
+    counts = [n for _, n in m["rollout_cells"]]
+    assert max(counts) == (1 if policy == "async" else 2) and min(counts) < 2
+    assert all(a != b for a, b in itertools.pairwise(counts))
     if policy == "async":  # the core moves to training once and stays there
         assert [(d["cell"], d["action"]) for d in m["decisions"]] == [(0, "TO_TRAINING")]
         assert m["final_cells"]["0"]["role"] == "training"

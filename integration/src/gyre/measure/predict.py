@@ -57,17 +57,25 @@ class Calibration:
     to_training_s: float = 0.5
     to_rollout_s: float = 0.5
     model_call_s: float | None = None
-    """Measured seconds per model call (wall time of finished executions minus their tool time, per
-    call). With it the simulator's executions are the harness's tool time plus `turns` such calls (or each
-    execution's planned calls, when the harness plans them: the profile harness), instead of the nominal
-    profile's model share (which the tiny model on a CPU does not fill)."""
+    """Seconds per model call at full speed, measured: an execution's wall time less its tool time, per
+    call, times the speed the simulator's congestion model gives it over its life in the run (the mean of
+    min(1, C/n): C the rollout capacity, n the executions running; `run_speed`), so that the queueing the
+    run had is not counted again when the simulator slows calls down by its own n/C. With it the
+    simulator's executions are the harness's tool time plus `turns` such calls (or each execution's planned
+    calls, when the harness plans them: the profile harness), instead of the nominal profile's model share
+    (which the tiny model on a CPU does not fill)."""
+    run_speed: float = 1.0
+    """The median of that speed over the executions measured: 1 where they ran uncongested; the seconds
+    per call the runs measured are `model_call_s` / this."""
     timeout_overrun_s: tuple[float, ...] = ()
     """Quantiles (`OVERRUN_QUANTILES`, evenly spaced from 0 to 1) of the seconds past the timeout at which
     executions cut by it ended, measured: a harness waits for the call in flight when the timeout strikes,
     and the execution holds its slot meanwhile. Empty: cut at the timeout."""
 
 
-def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
+def sim_workload(cfg: Config, cal: Calibration | None = None, calls: np.ndarray | None = None) -> Workload:
+    """The simulator's workload for `cfg`; with a calibration's seconds per call, the model share of the
+    durations is the calls' share of `sim_durations` (`calls`: each execution's planned calls)."""
     cal = cal or Calibration()
     a = cfg.agent
     return Workload(
@@ -87,7 +95,7 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
             exec_sigma=a.exec_sigma,
             model_fraction=a.model_fraction
             if cal.model_call_s is None
-            else _model_share(cfg, cal.model_call_s),
+            else _model_share(cfg, cal.model_call_s, calls),
         ),
         cell=CellConfig(
             rollout_capacity=cfg.cell.capacity,
@@ -112,9 +120,11 @@ def sim_workload(cfg: Config, cal: Calibration | None = None) -> Workload:
     )
 
 
-def _model_share(cfg: Config, call_s: float) -> float:
-    model = cfg.agent.turns * call_s
-    tool = float(np.median(durations(cfg))) * (1.0 - cfg.agent.model_fraction)
+def _model_share(cfg: Config, call_s: float, calls: np.ndarray | None) -> float:
+    """The model calls' share of the run's `sim_durations`, over all its executions."""
+    n = calls if calls is not None else np.full(durations(cfg).shape, cfg.agent.turns)
+    model = float(n.sum()) * call_s
+    tool = float(durations(cfg).sum()) * (1.0 - cfg.agent.model_fraction)
     return float(min(1.0, max(1e-3, model / (model + tool))))
 
 
@@ -150,9 +160,11 @@ def calibrate(
     to_t: list[float] = []
     to_r: list[float] = []
     call_s: list[float] = []
+    speeds: list[float] = []
     overrun: list[float] = []
     for m in metrics:
         timeout = (m.get("config") or {}).get("agent", {}).get("timeout_s")
+        speed = run_speed(m)
         for o in m.get("outcomes", []):
             if o["error"] or o["calls"] <= 0:
                 continue
@@ -168,7 +180,9 @@ def calibrate(
                     tool = slept(tuple(o["where"]), n, tool)
             else:
                 n = int(calls[tuple(o["where"])])
-            call_s.append(max(0.0, wall - tool) / n)
+            v = speed(o["start"], o["end"])
+            speeds.append(v)
+            call_s.append(max(0.0, wall - tool) / n * v)
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
                 continue
@@ -192,8 +206,49 @@ def calibrate(
         to_training_s=med(to_t) if to_t else Calibration.to_training_s,
         to_rollout_s=med(to_r) if to_r else Calibration.to_rollout_s,
         model_call_s=med(call_s) if call_s else None,
+        run_speed=round(med(speeds), 4) if speeds else 1.0,
         timeout_overrun_s=tuple(round(float(x), 3) for x in np.quantile(overrun, q)) if overrun else (),
     )
+
+
+def run_speed(m: dict[str, Any]) -> Callable[[float, float], float]:
+    """For one run's metrics: (start, end) -> the mean over [start, end] of min(1, C/n), the speed the
+    simulator gives model calls when n executions run on a rollout capacity of C. n counts the run's
+    outcomes running at each instant; C is the cells in rollout (`rollout_cells`: change points in seconds
+    from the run's first batch) times `[cell] capacity`. Metrics written before the change points were kept
+    count every cell in rollout but Async's training cells; metrics without a config, 1 throughout."""
+    cfg = m.get("config") or {}
+    if "capacity" not in cfg.get("cell", {}):  # no capacity known: no congestion to take out
+        return lambda a, b: 1.0
+    cap = float(cfg["cell"]["capacity"])
+    t0 = float(m.get("t0", 0.0))
+    if m.get("rollout_cells"):
+        at = np.array([t0 + t for t, _ in m["rollout_cells"]])
+        cells = np.array([float(c) for _, c in m["rollout_cells"]])
+    else:
+        run = cfg.get("run", {})
+        fixed = run.get("cells", 1) - (
+            cfg.get("sched", {}).get("async_train_cells", 1) if run.get("policy") == "async" else 0
+        )
+        at, cells = np.array([-np.inf]), np.array([float(fixed)])
+    spans = [(o["start"], o["end"]) for o in m.get("outcomes", []) if o["end"] > o["start"]]
+    starts = np.sort(np.array([a for a, _ in spans]))
+    ends = np.sort(np.array([b for _, b in spans]))
+
+    def speed(a: float, b: float) -> float:
+        if b <= a:
+            return 1.0
+        inside = (starts > a) & (starts < b)
+        cuts = np.unique(
+            np.concatenate([[a, b], starts[inside], ends[(ends > a) & (ends < b)], at[(at > a) & (at < b)]])
+        )
+        mid = (cuts[:-1] + cuts[1:]) / 2
+        n = np.searchsorted(starts, mid, side="right") - np.searchsorted(ends, mid, side="right")
+        c = cap * cells[np.maximum(np.searchsorted(at, mid, side="right") - 1, 0)]
+        v = np.minimum(1.0, c / np.maximum(n, 1))
+        return float(np.dot(v, np.diff(cuts)) / (b - a))
+
+    return speed
 
 
 def _by_cells(measured: dict[int, float]) -> tuple[float, ...]:
@@ -228,7 +283,7 @@ def predict(cfg: Config, cal: Calibration, calls: np.ndarray | None = None) -> d
     seconds past the timeout, `OVERRUN_DRAWS` runs of it, each execution's drawn anew: whether a batch's
     last executions hold their slots long decides when a cell may leave for training, so one draw may land
     on either side of a switch; the figures are the run of median end to end's."""
-    w = sim_workload(cfg, cal)
+    w = sim_workload(cfg, cal, calls)
     d = sim_durations(cfg, cal, calls)
     runs = [
         run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=d, overrun=overruns(cfg, cal, i))

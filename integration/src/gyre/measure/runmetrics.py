@@ -1,7 +1,8 @@
 """The metrics of a finished `gyre run` attempt (`metrics.json`): per applied step what the core trained
-and when (its `steps.jsonl` lines, with the train-inference mismatch of its on-policy tokens), how long the new version took to reach the serving engines, what the
-trajectory service handed over for it; over the run the cells' role accounting, training overlap,
-switches and their times, staleness, the executions' outcomes and the held-out evaluations.
+and when (its `steps.jsonl` lines, with the train-inference mismatch of its on-policy tokens), how long
+the new version took to reach the serving engines, what the trajectory service handed over for it; over
+the run the cells' role accounting, training overlap, switches and their times, the cells in rollout over
+time, staleness, the executions' outcomes and the held-out evaluations.
 
 Everything comes in as data: the core's `steps.jsonl` in the run directory, the sampler's readings
 (`metrics.Sampler`), the driver's outcomes and the trajectory service's step summaries and counts. A step
@@ -51,6 +52,20 @@ def switch_times(samples: Sequence[Sample]) -> dict[str, list[float]]:
                 t, to = left.pop(cid)
                 out["to_training_s" if to == int(Role.TRAINING) else "to_rollout_s"].append(round(s.t - t, 3))
             prev[cid] = r
+    return out
+
+
+def rollout_cells(samples: Sequence[Sample], t0: float) -> list[list[float]]:
+    """[seconds from `t0`, cells in rollout] at the first sample that has cells and wherever the count
+    changes: the rollout capacity over the run, which the simulator's calibration reads
+    (`predict.run_speed`)."""
+    out: list[list[float]] = []
+    for s in samples:
+        if not s.roles:  # before any cell registered
+            continue
+        n = sum(r == int(Role.ROLLOUT) for r in s.roles.values())
+        if not out or out[-1][1] != n:
+            out.append([round(s.t - t0, 3), n])
     return out
 
 
@@ -193,6 +208,7 @@ def collect(
         "switches": len(decisions),
         "switches_to_training": sum(d.action is Action.TO_TRAINING for d in decisions),
         "switch_times": switch_times(samples),
+        "rollout_cells": rollout_cells(samples, t0),
         "decisions": [
             {"at": round(d.at, 3), "cell": d.cell_id, "action": d.action.name, "rule": d.rule}
             for d in decisions

@@ -42,7 +42,7 @@ def predicted(
     calls, slept = None, None
     if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
         shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
-        calls = profile.calls_array(cfg.profile, cfg.run.seed, shape)
+        calls = profile.planned_calls_array(cfg.profile, cfg.run.seed, shape)
         p, seed = cfg.profile, cfg.run.seed
 
         def slept(where: tuple[int, int, int], made: int, tool_s: float) -> float:

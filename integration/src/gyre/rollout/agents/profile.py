@@ -64,7 +64,8 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int
 
 
 def calls_of(p: ProfileSection, seed: int, k: int, q: int, j: int) -> int:
-    """The planned main-agent calls of execution j of query q of batch k (what the simulator counts)."""
+    """The planned main-agent calls of execution j of query q of batch k (`planned_calls` adds its
+    sub-agents' and summary calls)."""
     rng = random.Random(f"gyre-profile/{seed}/{k}/{q}/{j}")
     return _lognormal(rng, p.calls_median, p.calls_sigma, p.calls_min, p.calls_max)
 
@@ -74,6 +75,16 @@ def calls_array(p: ProfileSection, seed: int, shape: tuple[int, int, int]) -> np
     out = np.zeros(shape, dtype=np.int64)
     for k, q, j in np.ndindex(*shape):
         out[k, q, j] = calls_of(p, seed, k, q, j)
+    return out
+
+
+def planned_calls_array(p: ProfileSection, seed: int, shape: tuple[int, int, int]) -> np.ndarray:
+    """`planned_calls` for every execution of a run, shape (steps, queries, group_size): every model call
+    it makes when nothing cuts it short, sub-agents' and summary calls included (what the simulator
+    counts: on the agent-shaped example, 15.0 calls an execution against 11.5 of the main agent)."""
+    out = np.zeros(shape, dtype=np.int64)
+    for k, q, j in np.ndindex(*shape):
+        out[k, q, j] = planned_calls(plan(p, seed, k, q, j, 0.0), p, p.prompt_tokens)
     return out
 
 
