@@ -108,3 +108,10 @@ def test_every_member_admits_the_versions_of_the_members_it_depends_on() -> None
                 if req.name in versions and not req.specifier.contains(versions[req.name]):
                     wrong.append(f"{project['name']}: {text} (workspace has {versions[req.name]})")
     assert wrong == []
+
+
+def test_the_readme_names_every_member_at_its_version() -> None:
+    """The root README's table of packages gives each member's version as its pyproject declares it."""
+    readme = (ROOT / "README.md").read_text()
+    stale = [f"{dist} {version}" for dist, version, _, _ in MEMBERS if f"| {dist} {version} |" not in readme]
+    assert stale == []
