@@ -10,7 +10,7 @@ key or a `raw` that is not a table is a `ConfigError` naming the section and the
     [run] unknown key 'stepz'; known: cells, seed, steps
     [run] steps must be int, got 'two'
     [run] must be a table, got list
-    [cell] train_group_s_by_cells[1] must be float, got 'x'
+    [cell] widths[1] must be float, got 'x'
 """
 
 from __future__ import annotations
