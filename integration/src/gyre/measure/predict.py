@@ -122,9 +122,9 @@ def sim_workload(cfg: Config, cal: Calibration | None = None, calls: np.ndarray 
 
 def _model_share(cfg: Config, call_s: float, calls: np.ndarray | None) -> float:
     """The model calls' share of the run's `sim_durations`, over all its executions."""
-    n = calls if calls is not None else np.full(durations(cfg).shape, cfg.agent.turns)
-    model = float(n.sum()) * call_s
-    tool = float(durations(cfg).sum()) * (1.0 - cfg.agent.model_fraction)
+    d = durations(cfg)
+    model = float((calls if calls is not None else np.full(d.shape, cfg.agent.turns)).sum()) * call_s
+    tool = float(d.sum()) * (1.0 - cfg.agent.model_fraction)
     return float(min(1.0, max(1e-3, model / (model + tool))))
 
 
