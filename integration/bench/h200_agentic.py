@@ -51,7 +51,9 @@ about 510 s of a call (the model, the warm start, the floors, the run to its dea
 (`--from-run`: the lone trainer and the replay of its 1,200 calls) about 440 s, so the workload takes four
 calls: elastic; its measurement; colocate; async. The later calls reuse the earlier runs' metrics.json
 (OUT/metrics-<policy>.json copied into `.runs/`, the ignored folder the calls carry, beside the run
-archives) so the simulator and the goals across policies see all three:
+archives) so the simulator and the goals across policies see all three. Calls made back to back on one
+machine kept warm can share the warm-started model (`--model-cache .model-cache`, an ignored folder of the
+working tree that outlives a call there: the later calls skip the model and the warm start, about 50 s):
 
     bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic --skip probe,migrate,replay,train
     bash integration/bench/h200_run.sh --script h200_agentic.py --skip probe,migrate,floors --warmstart-steps 0 \
@@ -82,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import h200_run
+import model_cache
 import replay
 import runarchive
 from gyre.config.runconfig import Config, load_config
@@ -569,6 +572,13 @@ def main() -> int:
         "that run",
     )
     p.add_argument(
+        "--model-cache",
+        default="",
+        help="a folder kept between calls on one machine: the warm-started model is made there once and "
+        "reused by a later call of the same shape, dtype, seed and warm start (its model and warmstart "
+        "phases then take no time)",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="print the phases of this call (--policies, --skip) with their seconds estimated from "
@@ -658,13 +668,28 @@ def main() -> int:
             say(f"{name} done in {res['phase_s'][name]} s")
             save()
 
-    model_dir = phase("model", lambda: h200_run.create_model(cfg, work / "model"))
-    if model_dir is None:
-        return finish(out, res, 1)
+    lr = 3e-3 if a.tiny else 3e-4
+    made = {"shape": cfg.run.model_shape, "dtype": cfg.run.model_dtype, "seed": cfg.run.seed,
+            "warmstart_steps": steps if "warmstart" not in skip else 0, "lr": lr}  # fmt: skip
+    cached = model_cache.find(Path(a.model_cache), made) if a.model_cache else None
+    if cached is not None:
+        model_dir, res["warmstart"] = cached
+        res["model_cache"] = {"dir": str(model_dir), "reused": True}
+        say(f"model: the warm-started model of an earlier call, {model_dir}")
+    else:
+        if a.model_cache:
+            model_cache.clear(Path(a.model_cache))
+        model_dir = phase("model", lambda: h200_run.create_model(
+            cfg, (Path(a.model_cache) if a.model_cache else work) / "model"))  # fmt: skip
+        if model_dir is None:
+            return finish(out, res, 1)
+        if made["warmstart_steps"] > 0:
+            res["warmstart"] = phase("warmstart", lambda: h200_run.warm_start(
+                model_dir, device, steps, lr, 64, cfg.run.seed))  # fmt: skip
+        if a.model_cache and "warmstart" not in res["errors"]:
+            model_cache.keep(Path(a.model_cache), made, res.get("warmstart"))
+            res["model_cache"] = {"dir": str(model_dir), "reused": False}
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, model_dir=str(model_dir)))
-    if steps > 0:
-        res["warmstart"] = phase("warmstart", lambda: h200_run.warm_start(
-            model_dir, device, steps, 3e-3 if a.tiny else 3e-4, 64, cfg.run.seed))  # fmt: skip
     fl = phase("floors", lambda: h200_run.bandwidths(model_dir, device))
     if fl is not None:
         res["bandwidth"] = {"copies": fl["copies"], "xfer": fl["xfer"]}
