@@ -307,13 +307,20 @@ def main() -> int:
         "so that the results are written within it",
     )
     p.add_argument("--skip", default="", help="comma list of parts to skip: warmstart,floors,engine,train")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="SECTION.KEY=VALUE",
+        help="override a key of the config, checked as the file is (e.g. train.token_budget=8192 to fit "
+        "an 80 GB GPU); the results keep them under `overrides`",
+    )
     a = p.parse_args()
     t_begin = time.monotonic()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work or f"/tmp/h200-run-{os.getpid()}").resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(a.config)
+    cfg = load_config(a.config, a.overrides)
     if a.policy:
         cfg = cfg.with_policy(a.policy, cfg.run.out_dir)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(work / "run")))
@@ -326,7 +333,8 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus.cell_env(cfg, 0)["CUDA_VISIBLE_DEVICES"]
     skip = set(filter(None, a.skip.split(",")))
     small = a.tiny
-    res: dict[str, Any] = {"config": a.config, "tiny": small, "device": device, "phase_s": {}, "errors": {}}
+    res: dict[str, Any] = {"config": a.config, "overrides": a.overrides, "tiny": small, "device": device,
+                           "phase_s": {}, "errors": {}}  # fmt: skip
     res["machine"] = machine(device)
     say(f"device {device}; config {a.config}; work {work}; results {out}")
 
