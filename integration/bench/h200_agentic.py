@@ -671,23 +671,23 @@ def main() -> int:
     lr = 3e-3 if a.tiny else 3e-4
     made = {"shape": cfg.run.model_shape, "dtype": cfg.run.model_dtype, "seed": cfg.run.seed,
             "warmstart_steps": steps if "warmstart" not in skip else 0, "lr": lr}  # fmt: skip
-    cached = model_cache.find(Path(a.model_cache), made) if a.model_cache else None
+    cache = Path(a.model_cache) if a.model_cache else None
+    cached = model_cache.find(cache, made) if cache is not None else None
     if cached is not None:
         model_dir, res["warmstart"] = cached
         res["model_cache"] = {"dir": str(model_dir), "reused": True}
         say(f"model: the warm-started model of an earlier call, {model_dir}")
     else:
-        if a.model_cache:
-            model_cache.clear(Path(a.model_cache))
-        model_dir = phase("model", lambda: h200_run.create_model(
-            cfg, (Path(a.model_cache) if a.model_cache else work) / "model"))  # fmt: skip
+        if cache is not None:
+            model_cache.clear(cache)
+        model_dir = phase("model", lambda: h200_run.create_model(cfg, (cache or work) / "model"))
         if model_dir is None:
             return finish(out, res, 1)
         if made["warmstart_steps"] > 0:
             res["warmstart"] = phase("warmstart", lambda: h200_run.warm_start(
                 model_dir, device, steps, lr, 64, cfg.run.seed))  # fmt: skip
-        if a.model_cache and "warmstart" not in res["errors"]:
-            model_cache.keep(Path(a.model_cache), made, res.get("warmstart"))
+        if cache is not None and "warmstart" not in res["errors"]:
+            model_cache.keep(cache, made, res.get("warmstart"))
             res["model_cache"] = {"dir": str(model_dir), "reused": False}
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, model_dir=str(model_dir)))
     fl = phase("floors", lambda: h200_run.bandwidths(model_dir, device))

@@ -7,9 +7,7 @@ bench/metrics-h200-agentic-elastic.json the H200 run's metrics.json."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,9 @@ from gyre.config.runconfig import config_from_dict
 from gyre.measure import arms, floors
 from gyre.scenarios.compare import compare, predicted
 
+from .benchmods import BENCH, bench_module
+
 DATA = Path(__file__).parent / "data" / "agentic-tiny"
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 POLICIES = ("elastic", "colocate", "async")
 
 
@@ -29,12 +28,8 @@ def _metrics(policy: str) -> dict[str, Any]:
 
 
 def _bench(module: str = "h200_agentic") -> Any:
-    """A module of bench/ (a folder of scripts, not a package)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
+    """A module of bench/ (the agent-shaped benchmark by default)."""
+    return bench_module(module)
 
 
 def test_step_figures_from_steps_jsonl_and_metrics() -> None:

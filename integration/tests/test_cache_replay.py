@@ -4,9 +4,7 @@ compactions, sub-agents; contexts up to about 400 tokens)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +15,11 @@ from gyre.measure import prefixes
 from gyre.trajsvc import recordlog
 from gyre_traj.records import Call
 
+from .benchmods import bench_module
+
 DATA = Path(__file__).parent / "data" / "agentic-tiny"
 RECORDS = DATA / "records-elastic.msgpack"
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _bench() -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("cache_replay")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-cr = _bench()
+cr = bench_module("cache_replay")
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +124,7 @@ def test_a_long_slot_is_free_again_when_its_call_ends_under_an_older_version() -
 def test_the_replays_recorded_calls_carry_whole_inputs_and_engines(records: list[Call]) -> None:
     """bench/replay.py's `recorded_calls` (what the standalone engines serve again): every call in start
     order, with its whole input as the prefix measures resolve it and the engine that served it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        replay = importlib.import_module("replay")
-    finally:
-        sys.path.remove(str(BENCH))
+    replay = bench_module("replay")
     got = replay.recorded_calls(RECORDS)
     full = prefixes.full_inputs(records)
     by_id = {r.call_id: r for r in records}

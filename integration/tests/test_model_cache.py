@@ -3,27 +3,17 @@ machine is found again only by a call that would make the same model, and one cu
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
-from typing import Any
 
 from gyre_engine.server.model_factory import create_model
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from .benchmods import bench_module
+
 MADE = {"shape": "tiny", "dtype": "float32", "seed": 7, "warmstart_steps": 4, "lr": 3e-3}
 
 
-def _model_cache() -> Any:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("model_cache")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 def test_a_kept_model_is_found_by_the_same_request_only(tmp_path: Path) -> None:
-    mc = _model_cache()
+    mc = bench_module("model_cache")
     cache = tmp_path / "cache"
     assert mc.find(cache, MADE) is None  # nothing there yet
     mc.clear(cache)
@@ -39,7 +29,7 @@ def test_a_kept_model_is_found_by_the_same_request_only(tmp_path: Path) -> None:
 
 
 def test_clear_forgets_the_model_and_a_lost_model_is_not_found(tmp_path: Path) -> None:
-    mc = _model_cache()
+    mc = bench_module("model_cache")
     cache = tmp_path / "cache"
     mc.clear(cache)
     create_model(cache / "model", shape="tiny", seed=7)
