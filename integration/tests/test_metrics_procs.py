@@ -158,7 +158,9 @@ def test_engine_time_by_hand() -> None:
                 "host_hit_tokens": None if pre is None else 2 * steps, "waiting": waiting,
                 "step_s": None if pre is None else dec + pre + 0.01 * steps,
                 "command_s": None if pre is None else 0.02 * steps,
-                "waiting_s": None if pre is None else {"long_slot": 0.1 * steps, "rows": 0.05 * steps}}  # fmt: skip
+                "waiting_s": None if pre is None else {"long_slot": 0.1 * steps, "rows": 0.05 * steps},
+                "graph_captures": None if pre is None else steps // 10,
+                "graph_capture_s": None if pre is None else 0.5 * (steps // 10)}  # fmt: skip
 
     e0 = [c(0, 0, 0.0, 0, 0.0, 2), c(10, 80, 0.2, 1000, 0.1, 2), c(20, 160, 0.4, 1000, 0.1, 0),
           c(30, 240, 0.6, 3000, 0.3, 0), c(5, 40, 0.1, 0, 0.0, 0)]  # fmt: skip
@@ -186,6 +188,8 @@ def test_engine_time_by_hand() -> None:
         "evicted_tokens": 350,
         "host_spilled_tokens": 140,
         "host_hit_tokens": 70,
+        "graph_captures": 3,  # one each 10 steps: 1 + 1 + 1, then 0 after the restart
+        "graph_capture_s": 1.5,
         "step_s": 1.35,  # decode 0.7 + prefill 0.3 + 0.01 a decode step
         "command_s": 0.7,
         "step_other_s": 0.35,
@@ -198,6 +202,7 @@ def test_engine_time_by_hand() -> None:
         got["1"]["prefill_s"] is None
         and got["1"]["prefill_tok_s"] is None
         and got["1"]["evicted_tokens"] is None
+        and got["1"]["graph_captures"] is None
         and got["1"]["idle_s"] is None  # a server that does not time its thread (SGLang)
         and got["1"]["waiting_by_reason"] is None
     )

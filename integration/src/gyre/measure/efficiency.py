@@ -151,7 +151,7 @@ def device_seconds(
 
 COUNTERS = (
     "decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens",
-    "host_spilled_tokens", "host_hit_tokens", "step_s", "command_s",
+    "host_spilled_tokens", "host_hit_tokens", "step_s", "command_s", "graph_captures", "graph_capture_s",
 )  # fmt: skip
 
 
@@ -166,6 +166,8 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     moved to its host tier, to keep memory free), `host_spilled_tokens` and `host_hit_tokens` (prefix
     tokens it copied to its host tier, and served from there instead of computing them), `step_s` and
     `command_s` (the engine thread in its steps, and on calls from the server's other threads),
+    `graph_captures` and `graph_capture_s` (decode steps captured as CUDA graphs while serving, and
+    their seconds: each holds every running row),
     `step_other_s` (step seconds outside decode and prefill: admission's lookups and claims, prefixes
     stored, copies to the host tier) and `idle_s` (busy rollout seconds with the engine thread in neither:
     waiting for a request's turn, or the process's own overhead); `waiting_by_reason` (requests waiting,
@@ -221,8 +223,9 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
             "mean_waiting": ratio(e["waiting_s"], e["rollout_s"], nd=2),
             **{
                 k: int(e[k]) if k in has else None
-                for k in ("evicted_tokens", "host_spilled_tokens", "host_hit_tokens")
+                for k in ("evicted_tokens", "host_spilled_tokens", "host_hit_tokens", "graph_captures")
             },
+            "graph_capture_s": round(e["graph_capture_s"], 3) if "graph_capture_s" in has else None,
             **_thread_time(e, has, prefill_s),
             "waiting_by_reason": (
                 {why: ratio(x, e["rollout_s"], nd=2) for why, x in sorted(held[cid].items())}

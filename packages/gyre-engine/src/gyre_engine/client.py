@@ -580,6 +580,8 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             step_s=info.step_time_s,
             command_s=info.command_time_s,
             waiting_s=info.waiting_s or None,
+            graph_captures=info.graph_captures,
+            graph_capture_s=info.graph_capture_s,
         ),
     )
 

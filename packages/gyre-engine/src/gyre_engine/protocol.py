@@ -403,6 +403,11 @@ class EngineCounters(msgspec.Struct, frozen=True):
     """Seconds the engine thread spent on calls from other threads (gyre-engine's `command_time_s`)."""
     waiting_s: dict[str, float] | None = None
     """Request-seconds spent waiting for admission, by what held the requests (gyre-engine's)."""
+    graph_captures: int | None = None
+    """Decode steps captured as CUDA graphs (gyre-engine's; a capture in the middle of decoding holds
+    every running row for its seconds)."""
+    graph_capture_s: float | None = None
+    """Seconds those captures took (gyre-engine's)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

@@ -494,9 +494,18 @@ class SlotBatch:
         self.temps[:b].copy_(t, non_blocking=False)
         return b, width
 
+    def _graph_variants(self) -> tuple[bool, ...]:
+        """The heads a step is captured with: one graph serves greedy and sampled rows alike where the
+        head kernels run (greedy rows are the kernel's mask 0), else a greedy graph and, while rows may
+        sample on the device, a sampled one."""
+        if head_kernels.available(self.device) or not self.device_sampling:
+            return (False,)
+        return (False, True)
+
     def _graph(
         self, b: int, width: int, steps: int, sampled: bool = False
     ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        sampled = sampled and len(self._graph_variants()) > 1
         key = (b, width, steps, sampled)
         got = self._graphs.get(key)
         if got is not None:
@@ -600,7 +609,9 @@ class SlotBatch:
     @torch.inference_mode()
     def warmup(self, max_tokens: int, steps: tuple[int, ...] = (1,)) -> None:
         """Capture the graphs of every batch bucket and every length bucket for rows of up to
-        `max_tokens` tokens, for each run length in `steps` (no row may be running)."""
+        `max_tokens` tokens, for each run length in `steps` and each head a row may need (greedy, and
+        sampled at the row's temperature where that is a graph of its own): none is captured later in
+        the middle of decoding rows of those lengths (no row may be running)."""
         if not self.use_graphs:
             return
         if self.lengths:
@@ -620,7 +631,8 @@ class SlotBatch:
                 if width < k:
                     continue
                 for b in self.buckets:
-                    self._graph(b, width, k)
+                    for sampled in self._graph_variants():
+                        self._graph(b, width, k, sampled)
 
 
 def _greedy_head(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
