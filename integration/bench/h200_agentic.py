@@ -77,6 +77,7 @@ import shutil
 import signal
 import statistics
 import sys
+import tarfile
 import time
 import traceback
 from collections.abc import Coroutine
@@ -102,6 +103,8 @@ PLAN_FROM = (
     "results-h200-agentic-fixes-from-run.json",
     "results-h200-agentic-1205.json",
     "results-h200-agentic-1205-from-run.json",
+    "results-h200-agentic-compare-elastic.json",
+    "results-h200-agentic-compare-colocate.json",
     "results-h200-agentic-probe.json",
 )
 """The committed results the plan's estimates come from by default: the calls', oldest first, then the
@@ -326,6 +329,7 @@ def policy_figures(metrics: dict[str, Any], records: Path) -> dict[str, Any]:
         timeouts=metrics.get("timeouts"),
         executions=metrics.get("executions"),
         moves=metrics.get("moves"),
+        run_end_s=metrics.get("end_s"),  # the run's end after its last step, part by part
     )
     out["not_measured"] = not_measured(out)
     return out
@@ -810,13 +814,23 @@ def keep_run_archives(run_dir: Path, out: Path, res: dict[str, Any]) -> None:
 
 def keep_run_outputs(run_dir: Path, out: Path) -> None:
     """A run's timeline and metrics (whole or partial) into `out` as `<stem>-<policy><suffix>`, and every
-    process's log as `logs-<policy>.tar.gz`, for the note on where the time went."""
+    process's log as `logs-<policy>.tar.gz`, for the note on where the time went. The archive holds the
+    timelines too: a machine that hands back only so many files from `out` leaves the last ones out, and
+    the run archives for `--from-run` come before the timelines."""
     pol = run_dir.name.removeprefix("run-")
-    for name in ("timeline.png", "metrics.json", "timeline-partial.png", "metrics-partial.json"):
-        if (run_dir / name).exists():
-            shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
+    kept = [
+        name
+        for name in ("timeline.png", "metrics.json", "timeline-partial.png", "metrics-partial.json")
+        if (run_dir / name).exists()
+    ]
+    for name in kept:
+        shutil.copy(run_dir / name, out / f"{Path(name).stem}-{pol}{Path(name).suffix}")
     if (run_dir / "logs").is_dir():
-        shutil.make_archive(str(out / f"logs-{pol}"), "gztar", run_dir / "logs")
+        with tarfile.open(out / f"logs-{pol}.tar.gz", "w:gz") as tar:
+            tar.add(run_dir / "logs", arcname=".")
+            for name in kept:
+                if name.endswith(".png"):
+                    tar.add(run_dir / name, arcname=name)
 
 
 def stop_keeping_logs(signum: int, work: Path, out: Path) -> None:
