@@ -252,6 +252,29 @@ def test_a_run_stopped_at_its_deadline_is_archived_with_its_partial_metrics(tmp_
     assert sorted(p.name for p in (back / "batches").iterdir()) == ["step-000000.gtb", "step-000001.gtb"]
 
 
+def test_a_runs_outputs_keep_its_timeline_inside_the_logs_archive(tmp_path: Path) -> None:
+    """The timeline and metrics go to OUT beside the logs archive, and the archive holds the timeline too
+    (a machine that hands back only so many files leaves the last ones out)."""
+    import tarfile
+
+    run = tmp_path / "run-colocate"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "engine-0.log").write_text("engine log\n")
+    (run / "timeline.png").write_bytes(b"\x89PNG timeline")
+    (run / "metrics.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    _bench().keep_run_outputs(run, out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "logs-colocate.tar.gz", "metrics-colocate.json", "timeline-colocate.png",
+    ]  # fmt: skip
+    with tarfile.open(out / "logs-colocate.tar.gz") as tar:
+        names = sorted(m.name.removeprefix("./") for m in tar.getmembers() if m.isfile())
+        png = tar.extractfile("timeline.png")
+        assert png is not None and png.read() == b"\x89PNG timeline"
+    assert names == ["engine-0.log", "timeline.png"]
+
+
 def test_a_run_archive_refuses_what_it_did_not_write(tmp_path: Path) -> None:
     import tarfile
 

@@ -211,6 +211,11 @@ wandb_project = "gyre-e2e"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert m["policy_dir"] == str(out / "policy")
+    # the run's end, part by part, after its last step was applied
+    assert list(m["end_s"]) == [
+        "seen", "engines_at_last_version", "checkpoint", "figures", "export", "samples", "plot",
+    ]  # fmt: skip
+    assert all(v >= 0.0 for v in m["end_s"].values())
     assert json.loads((out / "policy" / "gyre_export.json").read_text())["version"] == 2
     policy_model = AutoModelForCausalLM.from_pretrained(out / "policy")
     tok = AutoTokenizer.from_pretrained(out / "policy")

@@ -208,6 +208,17 @@ class Attempt:
         """Satellite cells lost on Ray in this attempt (let go), by cell id."""
         self._said_recovery: set[int] = set()
         """The losses (indices in `losses`) whose next applied step was said."""
+        self.end_s: dict[str, float] = {}
+        """Seconds of each part of the run's end, after its last step was applied (`metrics.json`'s
+        `end_s`): the loop seeing it, the engines at the last version, the core's checkpoint of it, the
+        figures, the policy's export, the samples and the timeline."""
+        self._lap_at = 0.0
+
+    def _lap(self, part: str) -> None:
+        """`part` of the run's end took the seconds since the previous lap."""
+        now = time.monotonic()
+        self.end_s[part] = round(now - self._lap_at, 3)
+        self._lap_at = now
 
     # ---- build --------------------------------------------------------------------------------------
     @classmethod
@@ -430,6 +441,8 @@ class Attempt:
                 self.say(_progress(self.t_start, driver, traj, sampler, self.out))
             time.sleep(0.1)
         self.t_end = _last_step_end(self.out)
+        self._lap_at = time.monotonic()
+        self.end_s = {"seen": round(max(0.0, time.time() - self.t_end), 3)}  # the last step's end to here
         self._say_recoveries()  # the last step's line may have come after its count
         final = traj.version  # from the same core status as `applied`; below `steps` if any was skipped
         self._wait(
@@ -437,12 +450,14 @@ class Attempt:
             lambda: engines_serve(sampler.samples, final, gone=set(self.lost)),
             60.0 + (c.startup_timeout_s if self.sup.pending() else 0.0),
         )
+        self._lap("engines_at_last_version")
         if self.cfg.checkpoints:
             self._wait(
                 "the core's checkpoint of the last weight version",
                 lambda: policy.checkpoint_version(self.out / CHECKPOINT) == final,
                 60.0,
             )
+            self._lap("checkpoint")
         self.proxy_stats = _proxy_stats(self.proxy_url)
         self.say(_progress(self.t_start, driver, traj, sampler, self.out))
 
@@ -518,6 +533,7 @@ class Attempt:
         traj, sampler, out = self.traj, self.sampler, self.out
         assert traj is not None and sampler is not None
         metrics = self._measured(self.t_end)
+        self._lap("figures")
         metrics["attempt"] = self.rd.attempt
         metrics["attempts"] = (
             self.rd.attempt + 1
@@ -539,9 +555,13 @@ class Attempt:
                 )
             except policy.NotExported as exc:  # the run is done: it is said, not lost
                 self.say(f"gyre run: the trained policy was not exported: {exc}")
-        write_json(out / "metrics.json", metrics)
+            self._lap("export")
         self._write_samples()
+        self._lap("samples")
         plot = write_plot(metrics, sampler.samples, sampler.training(), out / "timeline.png")
+        self._lap("plot")
+        metrics["end_s"] = dict(self.end_s)
+        write_json(out / "metrics.json", metrics)
         self.say(
             f"gyre run: done in {metrics['end_to_end_s']:.1f} s; idle rollout {metrics['roles']['idle_rollout']}, "
             f"idle training {metrics['roles']['idle_training']}, switches {metrics['switches']}; "
