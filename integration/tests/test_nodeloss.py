@@ -49,9 +49,14 @@ def cluster() -> Iterator[RayNodes]:
 
 
 def _config(tmp_path: Path, out: Path, steps: int) -> Path:
-    """tiny.toml for `steps` steps, out_dir `out`, the startup timeouts of a loaded machine."""
+    """tiny.toml for `steps` steps, out_dir `out`, the startup timeouts of a loaded machine. Each batch
+    starts once the step before it is applied (max_ahead 0), so the node is lost between the first step's
+    checkpoint and the next step (the core writes checkpoints in the background: with batches ready it
+    would train on while the first is written)."""
     text = TINY.read_text().replace('out_dir = "gyre-run"', f'out_dir = "{out}"')
     text = text.replace("\nsteps = 2\n", f"\nsteps = {steps}\n", 1)
+    assert "\nmax_ahead = 1" in text
+    text = text.replace("\nmax_ahead = 1", "\nmax_ahead = 0", 1)
     text = text.replace("[run]\n", "[run]\nstartup_timeout_s = 900.0\ndeadline_s = 1800.0\n", 1)
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(text)

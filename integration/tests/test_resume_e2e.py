@@ -56,7 +56,10 @@ timeout_s = 8.0
 def test_resume_after_kill_9_trains_every_record_once(
     tmp_path: Path, model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = config(tmp_path, model_dir, steps=3)
+    # Each batch starts once the step before it is applied (max_ahead 0): the kill below lands after the
+    # first step's checkpoint and before the next step, which waits for its batch's rollout (the core
+    # writes checkpoints in the background, so with batches ready it trains on while one is written).
+    cfg = config(tmp_path, model_dir, steps=3, extra="[driver]\nmax_ahead = 0")
     out = tmp_path / "run"
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen([sys.executable, "-m", "gyre.cli", "run", str(cfg)], stdout=log, stderr=log)

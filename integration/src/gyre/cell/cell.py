@@ -23,7 +23,9 @@ replica (rollout only). A cell that cannot write for want of space (its steps li
 its checkpoint, `core.json`) exits with `procs.nospace.EXIT_DISK_FULL` instead, and the run stops once.
 
 With `checkpoint` set, the core saves a gyre-train checkpoint there after each applied step (after its
-`steps.jsonl` line) and, when one is there at start, resumes from it; every cell loads the core's
+`steps.jsonl` line: a host copy of its state taken by the training thread, written by gyre-train's
+`CheckpointWriter` while the next step trains, one write at a time) and, when one is there at start,
+resumes from it; every cell loads the core's
 version into its engine before it registers, so a restarted or resumed cell never serves older weights
 (a fresh one pulls the weights its engine holds, to set the pull path up before its first switch).
 A cell the scheduler refuses at Hello (a restarted one whose old self is not yet failed) asks again
@@ -77,6 +79,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gyre.cell")
 QUIET_S = 120.0
+CHECKPOINT_WAIT_S = 60.0
+"""How long a stopping cell waits for the checkpoint being written (a 0.6B model's takes seconds)."""
 T = TypeVar("T")
 
 
@@ -97,6 +101,8 @@ class Cell:
         self.engine_version = 0
         self.weights_lock = threading.Lock()  # one weight update or memory change at a time
         self.core: Any = None
+        self.ckpt_writer: Any = None
+        """The core's checkpoint writer (gyre-train `CheckpointWriter`), with `checkpoint` set."""
         self.client: Any = None  # CoreClient (weight thread + admit/dismiss)
         self.publisher = a.publisher
         self.fatal: BaseException | None = None
@@ -337,6 +343,10 @@ class Cell:
             keep_batches=self.a.keep_batches,
         )
         self.core = Core(model, mc, cfg, self.rank_cell)
+        if self.a.checkpoint:
+            from gyre_train.ckptwriter import CheckpointWriter
+
+            self.ckpt_writer = CheckpointWriter(on_error=self._checkpoint_failed)
         ckpt = Path(self.a.checkpoint) if self.a.checkpoint else None
         if ckpt is not None and (ckpt / "state.json").exists():
             self.core.load(ckpt)
@@ -385,6 +395,13 @@ class Cell:
                 nospace.exit_process(f"cell {self.a.cell_id}: the core could not write", exc)
             raise
 
+    def _checkpoint_failed(self, exc: BaseException) -> None:
+        """A checkpoint write failed (on the writer's thread): a full disk ends the cell as such (the run
+        stops once); anything else ends it as a dead thread does."""
+        if nospace.is_full(exc) is not None:
+            nospace.exit_process(f"cell {self.a.cell_id}: the core could not write its checkpoint", exc)
+        raise exc
+
     def _train_steps(self) -> None:
         steps = self.run_dir / "steps.jsonl"
         while not self.stop.is_set():
@@ -396,8 +413,8 @@ class Cell:
             row = {**asdict(rep), "t_start": t0, "t_end": time.time()}
             with open(steps, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            if self.a.checkpoint:
-                self.core.save(Path(self.a.checkpoint))
+            if self.ckpt_writer is not None:
+                self.ckpt_writer.submit(self.core.state_dict(), Path(self.a.checkpoint))
             log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
             self._quiet_since = time.monotonic()
 
@@ -589,6 +606,9 @@ class Cell:
         finally:
             self.stop.set()
             self.training.clear()
+            if self.ckpt_writer is not None and not self.ckpt_writer.wait(CHECKPOINT_WAIT_S):
+                log.warning("cell %d: the last checkpoint was still being written after %.0f s; stopping "
+                            "anyway (the one before it stays whole)", self.a.cell_id, CHECKPOINT_WAIT_S)  # fmt: skip
             if self.core is not None:
                 self.core.close()  # stops the other ranks of a multi-rank core
             if self.rank_cell is not None:

@@ -15,6 +15,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 THREAD_DIED = 70
 """Exit status of a process whose service thread died (EX_SOFTWARE)."""
@@ -34,7 +35,7 @@ def start_thread(target: Callable[[], object], name: str) -> threading.Thread:
     return t
 
 
-def die(name: str) -> None:
+def die(name: str) -> NoReturn:
     """Write the exception being handled to stderr, naming thread `name`, and end the process."""
     try:
         sys.stderr.write(f"gyre-train: thread {name!r} died; the process exits ({THREAD_DIED})\n")
