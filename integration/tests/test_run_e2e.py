@@ -213,7 +213,7 @@ wandb_project = "gyre-e2e"
     assert m["policy_dir"] == str(out / "policy")
     # the run's end, part by part, after its last step was applied
     assert list(m["end_s"]) == [
-        "seen", "engines_at_last_version", "checkpoint", "figures", "export", "samples", "plot",
+        "seen", "engines_at_last_version", "checkpoint", "stop", "figures", "export", "samples", "plot",
     ]  # fmt: skip
     assert all(v >= 0.0 for v in m["end_s"].values())
     assert json.loads((out / "policy" / "gyre_export.json").read_text())["version"] == 2

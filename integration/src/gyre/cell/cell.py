@@ -80,7 +80,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gyre.cell")
 QUIET_S = 120.0
 CHECKPOINT_WAIT_S = 60.0
-"""How long a stopping cell waits for the checkpoint being written (a 0.6B model's takes seconds)."""
+"""How long a stopping cell waits for the checkpoint being written (a 0.6B model's takes seconds); the
+process that stops it may kill it sooner (`gyre run`'s own children: 10 s after SIGTERM), which leaves the
+checkpoint before whole."""
 T = TypeVar("T")
 
 

@@ -210,8 +210,8 @@ class Attempt:
         """The losses (indices in `losses`) whose next applied step was said."""
         self.end_s: dict[str, float] = {}
         """Seconds of each part of the run's end, after its last step was applied (`metrics.json`'s
-        `end_s`): the loop seeing it, the engines at the last version, the core's checkpoint of it, the
-        figures, the policy's export, the samples and the timeline."""
+        `end_s`): the loop seeing it, the engines at the last version, the core's checkpoint of it, every
+        part and process stopped, the figures, the policy's export, the samples and the timeline."""
         self._lap_at = 0.0
 
     def _lap(self, part: str) -> None:
@@ -482,6 +482,8 @@ class Attempt:
                 part.stop()
         self.procs.close()
         self.token.uninstall()
+        if self.end_s:  # after the last step: part of the run's end
+            self._lap("stop")
 
     # ---- collect ------------------------------------------------------------------------------------
     def _measured(self, t_end: float) -> dict[str, Any]:
