@@ -109,3 +109,27 @@ def test_host_copy_copies_tensors_already_on_the_host() -> None:
     t.add_(1.0)
     assert snap["model"]["w"].tolist() == [1.0] * 4 and snap["model"]["w"].data_ptr() != t.data_ptr()
     assert snap["optimizer"]["param_groups"] == [{"lr": 1.0}]
+
+
+def test_a_failed_write_without_a_handler_ends_the_process_loudly(tmp_path: Path) -> None:
+    """No `on_error`: the writer's failure ends its process with `THREAD_DIED`, naming the thread."""
+    import subprocess
+    import sys
+
+    from gyre_train.threads import THREAD_DIED
+
+    (tmp_path / "a-file").write_text("")
+    prog = f"""
+import time, torch
+from pathlib import Path
+from gyre_train import checkpoint
+from gyre_train.ckptwriter import CheckpointWriter
+t = torch.ones(2)
+state = checkpoint.TrainerState(model={{"w": t}}, optimizer={{"state": {{}}, "param_groups": []}},
+    position={{"step": 1, "version": 1, "queue_position": 1}}, layout="x", model_config={{}})
+CheckpointWriter().submit(state, Path({str(tmp_path / "a-file" / "ck")!r}))
+time.sleep(60)
+"""
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120)
+    assert p.returncode == THREAD_DIED, p.stderr[-2000:]
+    assert f"thread {ckptwriter.WRITER!r} died" in p.stderr

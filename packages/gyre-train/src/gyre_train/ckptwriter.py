@@ -9,7 +9,7 @@ is device-to-host copies only; the serialization, the write and its fsync overla
 One write at a time: `submit` first waits for the write before it, so at most one host copy is held and
 checkpoints land in step order. A checkpoint that lags the last applied step is what a crash during a
 synchronous save leaves too: a resumed run trains the steps after it again from their batches. A write
-that fails ends the process loudly by default (`threads.die`), as a training thread's failure does: a
+that fails ends the process loudly by default (`threads.start_thread`), as a training thread's failure does: a
 trainer that silently stopped checkpointing would lose every step since on the next restart. A caller
 with its own way to end (a full disk said as such) passes `on_error`.
 """
@@ -24,7 +24,7 @@ import torch
 
 from gyre_train import checkpoint
 from gyre_train.checkpoint import OptimizerState, TrainerState
-from gyre_train.threads import die
+from gyre_train.threads import start_thread
 
 WRITER = "checkpoint-writer"
 """The writer thread's name (in its log lines and in the message of a process it ends)."""
@@ -55,8 +55,8 @@ class CheckpointWriter:
     def __init__(self, on_error: Callable[[BaseException], None] | None = None) -> None:
         self.on_error = on_error
         """Called on the writer's thread with a write's exception (the handler then owns the failure: it
-        says so, or ends the process); if it raises, the process ends (`threads.die`). None: the process
-        ends at once."""
+        says so, or ends the process); if it raises, the process ends (`threads.start_thread`). None: the
+        process ends at once."""
         self._thread: threading.Thread | None = None
         self.written = 0
         """Checkpoints written so far."""
@@ -65,21 +65,19 @@ class CheckpointWriter:
         """Wait for the write before (if any), take a host copy of `state` and write it to `path` in the
         background. Returns once the copy is taken: the caller may update its tensors from then on."""
         self.wait()
-        snap = host_copy(state)
-        self._thread = threading.Thread(target=self._write, args=(snap, Path(path)), name=WRITER, daemon=True)
-        self._thread.start()
+        snap, dest = host_copy(state), Path(path)
+        self._thread = start_thread(lambda: self._write(snap, dest), WRITER)
 
     def _write(self, state: TrainerState, path: Path) -> None:
+        """On the writer's thread (`threads.start_thread`: an exception out of here ends the process)."""
         try:
             checkpoint.save(state, path)
-            self.written += 1
         except BaseException as exc:
             if self.on_error is None:
-                die(WRITER)
-            try:
-                self.on_error(exc)
-            except BaseException:
-                die(WRITER)
+                raise
+            self.on_error(exc)
+            return
+        self.written += 1
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Until the write in flight (if any) is done; False if it still runs after `timeout_s`."""
