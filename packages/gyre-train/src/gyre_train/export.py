@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from gyre_train.model import ModelConfig
 from gyre_train.modelconfig import ModelConfigError
@@ -33,6 +33,10 @@ TOKENIZER_FILES = (
 )
 """Copied from the tokenizer directory when present (the chat template and stop ids go with them)."""
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+MAX_SHARD_BYTES = 5 * 2**30
+"""The largest weight file an export writes (transformers' own default shard size); a larger model is
+sharded."""
+INDEX = "model.safetensors.index.json"
 
 
 class ExportError(ValueError):
@@ -85,9 +89,18 @@ def config_json(mc: ModelConfig, tokenizer: Path) -> dict[str, Any]:
 
 
 def export_model(
-    model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor], out: Path, tokenizer: Path
+    model_cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    out: Path,
+    tokenizer: Path,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """Write `weights` (transformers names) as a model directory at `out`, with `tokenizer`'s files."""
+    """Write `weights` (transformers names) as a model directory at `out`, with `tokenizer`'s files.
+
+    The weights are checked by name and shape against the model transformers builds from the config, on
+    the meta device (no memory, no random initialisation: building a 0.6B model for real took 10-40 s),
+    and written as they are, cast to the config's dtype: `model.safetensors`, or shards of at most
+    `max_shard_bytes` with `model.safetensors.index.json` for a larger model."""
     from transformers import AutoModelForCausalLM
 
     tokenizer, out = Path(tokenizer), Path(out)
@@ -96,25 +109,63 @@ def export_model(
             f"{tokenizer} has no tokenizer.json: give the model directory training started from"
         )
     config = config_json(model_cfg, tokenizer)
-    model = AutoModelForCausalLM.from_config(
-        model_cfg.arch.hf_config(), dtype=getattr(torch, model_cfg.dtype)
-    )
-    expected = {n for n, _ in model.named_parameters()}
-    missing = expected - set(weights)
-    extra = set(weights) - {n for n, _ in model.named_parameters(remove_duplicate=False)} - {"lm_head.weight"}
+    dtype = getattr(torch, model_cfg.dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_cfg.arch.hf_config(), dtype=dtype)
+    params = dict(model.named_parameters())  # a tied lm_head once, as the embedding
+    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    expected = {**params, **{n: t for n, t in model.state_dict().items() if n not in every}}  # + buffers
+    missing = set(expected) - set(weights)
+    extra = set(weights) - every - set(expected) - {"lm_head.weight"}
     if missing or extra:
         raise ExportError(
             f"weights do not fit the model: missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}"
         )
-    model.load_state_dict(dict(weights), strict=False)
-    model.tie_weights()
+    shapes = [f"{n} {tuple(weights[n].shape)} for {tuple(t.shape)}" for n, t in expected.items()
+              if weights[n].shape != t.shape]  # fmt: skip
+    if shapes:
+        raise ExportError(f"weights do not fit the model: shapes {shapes[:5]}")
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    write_weights(
+        {n: weights[n].detach().to("cpu", dtype).contiguous() for n in expected}, out, max_shard_bytes
+    )
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer / name).exists():
             shutil.copyfile(tokenizer / name, out / name)
     return out
+
+
+def write_weights(tensors: Mapping[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    """`tensors` into `out` as transformers reads them: one `model.safetensors` when they fit
+    `max_shard_bytes`, else `model-0000k-of-0000n.safetensors` shards in name order (a tensor larger than
+    the bound gets a shard of its own) and `model.safetensors.index.json`. Weight files of an earlier
+    export in `out` are removed first, so no stale shard is read beside the new ones."""
+    for old in [*out.glob("model*.safetensors"), out / INDEX]:
+        old.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        n = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += n
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+        return
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def export_checkpoint(ckpt: Path, out: Path, tokenizer: Path) -> Path:
