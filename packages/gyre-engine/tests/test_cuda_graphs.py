@@ -2,7 +2,7 @@
 `torch.compile`d forward, replayed with per-row positions. Same exactness checks as the CPU slot tests
 (greedy equals transformers' generate on the same GPU, logprobs equal a separate forward, prefix reuse
 and export/import, weight updates in place while graphs stay captured, release/resume of weights
-re-captures, the long slots' rows decoding as one batch). Float32 tiny model, so the reference and the graph path agree to ~1e-5. Skipped without
+re-captures (after a one-step warm-up), the long slots' rows decoding as one batch). Float32 tiny model, so the reference and the graph path agree to ~1e-5. Skipped without
 CUDA."""
 
 from __future__ import annotations
@@ -89,6 +89,24 @@ def test_graphs_release_and_resume(engines: tuple[Engine, Engine], ref: Any) -> 
     a.call(a.release_memory, None).result(60)
     a.call(a.resume_memory, None).result(60)
     assert slot_checks.run_all(a, [(ids, slot_checks.greedy_params(16))])[0]["ids"] == before
+
+
+def test_graphs_captured_again_after_a_release_warm_up_one_step(engines: tuple[Engine, Engine]) -> None:
+    """A release drops the graphs (the weights and KV move); each step shape that ran before is captured
+    again after one eager step instead of two runs of its steps (uncompiled forward), and the replays
+    decode the same tokens as the graphs captured before the release."""
+    b = engines[1]
+    reqs = [([1200 + 7 * i + k for i in range(10)], slot_checks.greedy_params(16)) for k in range(3)]
+    before = [o["ids"] for o in slot_checks.run_all(b, reqs)]
+    st0 = b.slot_stats()
+    b.call(b.release_memory, None).result(60)
+    b.call(b.resume_memory, None).result(60)
+    after = [o["ids"] for o in slot_checks.run_all(b, reqs)]
+    st1 = b.slot_stats()
+    captures = st1["captures"] - st0["captures"]
+    assert after == before
+    assert captures > 0 and st1["graphs"], st1
+    assert st1["warmup_steps"] - st0["warmup_steps"] == captures, (st0, st1)
 
 
 @pytest.mark.parametrize(("compiled", "widths"), [(True, "bucketed"), (False, "full")])

@@ -182,6 +182,10 @@ class SlotBatch:
         self.kv = torch.zeros(0, device=self.device)
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
+        self._stream: Any = None
+        self._warmed: set[tuple[int, int, int, bool]] = set()
+        """Step shapes (graph keys) that ran here since the forward was built: their graphs, dropped by a
+        release or a grown buffer, are captured again after a one-step warm-up."""
         self._weights_fp: tuple[int, ...] = ()
         self._compiled: Any = None
         # a compiled forward specializes on a batch of 1, so one row runs in a bucket of 2 (same cost:
@@ -190,6 +194,7 @@ class SlotBatch:
         self.stats = {
             "captures": 0,
             "capture_s": 0.0,
+            "warmup_steps": 0,
             "replays": 0,
             "eager_steps": 0,
             "grows": 0,
@@ -278,6 +283,12 @@ class SlotBatch:
     def drop_graphs(self) -> None:
         self._graphs.clear()
         self._pool = None
+
+    def _capture_stream(self) -> Any:
+        """The side stream every warm-up and capture runs on (one for the slots' life)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
 
     def check_weights(self) -> None:
         """Drop the graphs if any parameter moved (graphs hold their addresses)."""
@@ -514,13 +525,17 @@ class SlotBatch:
         if not self._weights_fp:
             self._weights_fp = tuple(p.data_ptr() for p in self.model.parameters())
         saved, saved_t = self.io.clone(), self.temps.clone()
-        stream = torch.cuda.Stream(self.device)
+        # The warm-up runs each kernel (and the compiler) once outside the capture. A step shape that ran
+        # here before (its graph dropped by a release of the weights or a grown buffer) needs one eager
+        # step, not two runs of `steps`: on a GPU shared with a trainer that was most of a capture's time.
+        runs, run_steps = (1, 1) if key in self._warmed and not self.compile_model else (2, steps)
+        stream = self._capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (and compilation) outside the capture; the step's own
-            try:  # KV writes are recomputed identically by the replay
-                for _ in range(2):
+        with torch.cuda.stream(stream):  # the step's own KV writes are recomputed identically by the replay
+            try:
+                for _ in range(runs):
                     self.io.copy_(saved)
-                    self._run(b, width, steps, sampled)
+                    self._run(b, width, run_steps, sampled)
             except Exception:
                 if not self.compile_model:
                     raise
@@ -529,14 +544,22 @@ class SlotBatch:
                 for _ in range(2):
                     self.io.copy_(saved)
                     self._run(b, width, steps, sampled)
+            self.stats["warmup_steps"] += runs * run_steps
+            self.io.copy_(saved)  # the replay starts from the same inputs
+            self.temps.copy_(saved_t)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            # capture_begin/end on the side stream rather than `torch.cuda.graph`, whose entry synchronizes
+            # the device and empties the device and page-locked host caches (every later allocation then
+            # goes back to the driver), which a capture between two decode runs does not need
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                logits, greedy = self._run(b, width, steps, sampled)
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.io.copy_(saved)  # the replay starts from the same inputs
-        self.temps.copy_(saved_t)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, greedy = self._run(b, width, steps, sampled)
+        self._warmed.add(key)
         self.io.copy_(saved)
         got = (graph, logits, greedy)
         self._graphs[key] = got
