@@ -550,8 +550,8 @@ class SlotBatch:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             # capture_begin/end on the side stream rather than `torch.cuda.graph`, whose entry synchronizes
-            # the device and empties the device and page-locked host caches (every later allocation then
-            # goes back to the driver), which a capture between two decode runs does not need
+            # the device and empties the allocator's cache (recent torch also its page-locked host cache),
+            # so that later allocations go back to the driver: a capture between decode runs needs neither
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
