@@ -27,23 +27,27 @@ def _config(src: Path, tied: bool) -> ModelConfig:
     )  # fmt: skip
 
 
-def test_checkpoint_exports_to_a_model_directory(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = create_model(tmp_path / "src", "tiny", seed=1)
-    c = json.loads((src / "config.json").read_text())
-    mc = _config(src, tied=True)
+def _trained(mc: ModelConfig, ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
+    """A core of `mc` with weights moved off their init, checkpointed to `ckpt`; its logits for `ids`."""
     core = Core(build_model(mc), mc, CoreConfig())
     try:
         with torch.no_grad():
             for p in core.model.parameters():
                 p.add_(torch.randn_like(p) * 0.01)  # weights no init reproduces
-        core.save(tmp_path / "ckpt")
-        ids = torch.tensor([[1, 50, 60, 70, 80]])
+        core.save(ckpt)
         with torch.no_grad():
-            want = core.model(input_ids=ids).logits
+            return core.model(input_ids=ids).logits
     finally:
         core.close()
+
+
+def test_checkpoint_exports_to_a_model_directory(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = create_model(tmp_path / "src", "tiny", seed=1)
+    c = json.loads((src / "config.json").read_text())
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    want = _trained(_config(src, tied=True), tmp_path / "ckpt", ids)
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--tokenizer", str(src)]) == 0
     out = tmp_path / "out"
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
@@ -75,20 +79,6 @@ def test_export_errors_say_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="not a gyre-train checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out", tmp_path)
     assert main(["export", str(tmp_path), str(tmp_path / "out"), "--tokenizer", str(tmp_path)]) == 2
-
-
-def _trained(mc: ModelConfig, ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
-    """A core of `mc` with weights moved off their init, checkpointed to `ckpt`; its logits for `ids`."""
-    core = Core(build_model(mc), mc, CoreConfig())
-    try:
-        with torch.no_grad():
-            for p in core.model.parameters():
-                p.add_(torch.randn_like(p) * 0.01)
-        core.save(ckpt)
-        with torch.no_grad():
-            return core.model(input_ids=ids).logits
-    finally:
-        core.close()
 
 
 def test_an_untied_model_exported_in_shards_loads_with_its_exact_weights(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ def write_weights(tensors: Mapping[str, torch.Tensor], out: Path, max_shard_byte
     for old in [*out.glob("model*.safetensors"), out / INDEX]:
         old.unlink(missing_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size = total = 0
     for name in sorted(tensors):
         n = tensors[name].numel() * tensors[name].element_size()
         if shards[-1] and size + n > max_shard_bytes:
@@ -154,6 +154,7 @@ def write_weights(tensors: Mapping[str, torch.Tensor], out: Path, max_shard_byte
             size = 0
         shards[-1][name] = tensors[name]
         size += n
+        total += n
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
@@ -163,7 +164,6 @@ def write_weights(tensors: Mapping[str, torch.Tensor], out: Path, max_shard_byte
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / fname), metadata=meta)
         weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
