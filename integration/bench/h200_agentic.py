@@ -69,7 +69,6 @@ working tree that outlives a call there: the later calls skip the model and the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -80,7 +79,6 @@ import sys
 import tarfile
 import time
 import traceback
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +88,6 @@ import replay
 import runarchive
 from gyre.config.runconfig import Config, load_config
 from gyre.measure import arms, floors
-from gyre.procs.group import ProcessGroup, free_port, python_argv
 from gyre.system import gpus
 
 HERE = Path(__file__).resolve().parent
@@ -152,58 +149,6 @@ def say(msg: str) -> None:
     print(f"[h200_agentic {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class Engines:
-    """Standalone `gyre-engine serve` processes with the run's engine options, on the run's first GPU."""
-
-    def __init__(
-        self,
-        cfg: Config,
-        model_dir: Path,
-        logs: Path,
-        n: int,
-        extra: list[list[str]] | None = None,
-        name: str = "engine-alone",
-    ) -> None:
-        """`n` engines with the run's options; `extra`: more options for each (later ones win); logs
-        under `name`-i."""
-        self.procs = ProcessGroup(logs)
-        self.urls = []
-        self.t0 = time.monotonic()
-        for i in range(n):
-            port = free_port()
-            more = extra[i] if extra else []
-            argv = python_argv("gyre_engine", "serve", "--model", str(model_dir), "--port", str(port),
-                               "--device", cfg.cell.device, *gpus.engine_argv(cfg), *more)  # fmt: skip
-            self.procs.start(f"{name}-{i}", argv, env={"OMP_NUM_THREADS": "1", **gpus.cell_env(cfg, 0)})
-            self.urls.append(f"http://127.0.0.1:{port}")
-        self.cfg = cfg
-
-    def wait(self) -> float:
-        from gyre_engine.client import EngineClient
-
-        async def up(url: str) -> None:
-            async with EngineClient(url, timeout_s=10.0) as c:
-                while True:
-                    self.procs.check()
-                    try:
-                        if await c.health(timeout=5.0):
-                            return
-                    except Exception:
-                        pass
-                    if time.monotonic() - self.t0 > self.cfg.run.startup_timeout_s:
-                        raise TimeoutError("standalone engine not healthy in time")
-                    await asyncio.sleep(0.3)
-
-        async def all_up() -> None:
-            await asyncio.gather(*(up(u) for u in self.urls))
-
-        asyncio.run(all_up())
-        return time.monotonic() - self.t0
-
-    def close(self) -> None:
-        self.procs.close()
-
-
 def alone_phase(
     cfg: Config,
     model_dir: Path,
@@ -221,14 +166,14 @@ def alone_phase(
     vocab = min(json.loads((model_dir / "config.json").read_text())["vocab_size"], 2000)
     replaying = run_dir is not None and metrics is not None and "replay" not in skip
     if replaying or "migrate" not in skip:
-        eng = Engines(cfg, model_dir, logs, 2)
+        eng = replay.Engines(cfg, model_dir, logs, 2)
         try:
             out["standalone_startup_s"] = round(eng.wait(), 2)
             if replaying:
                 assert run_dir is not None and metrics is not None
-                out["replay"] = replay_both(cfg, eng.urls, run_dir, metrics, deadline)
+                out["replay"] = replay.serve_run_again(cfg, eng.urls, run_dir, metrics, deadline)
             if "migrate" not in skip:
-                out["migrate"] = bounded(
+                out["migrate"] = replay.bounded(
                     replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab), deadline
                 )
         finally:
@@ -237,10 +182,10 @@ def alone_phase(
         out["probe_startup_s"], out["decode_vs_context"] = {}, {}
         lengths = [256, 1024] if contexts[0] < 1024 else [1024, 4096, 8192, 14336]
         for w in ["bucketed", "full"]:
-            probe = Engines(cfg, model_dir, logs, 1, [["--slot-widths", w]], name=f"probe-{w}")
+            probe = replay.Engines(cfg, model_dir, logs, 1, [["--slot-widths", w]], name=f"probe-{w}")
             try:
                 out["probe_startup_s"][w] = round(probe.wait(), 2)
-                out["decode_vs_context"][w] = bounded(
+                out["decode_vs_context"][w] = replay.bounded(
                     replay.decode_vs_context(probe.urls[0], lengths, cfg.engine.max_running, 64, vocab),
                     deadline,
                 )
@@ -249,50 +194,6 @@ def alone_phase(
             finally:
                 probe.close()
     return out
-
-
-def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
-    """Run `coro` to its end, or fail with TimeoutError at `deadline` (time.monotonic), so a stuck engine
-    costs the part it is in, not the results of the whole call."""
-    return asyncio.run(asyncio.wait_for(coro, max(1.0, deadline - time.monotonic())))
-
-
-def replay_both(
-    cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any], deadline: float
-) -> dict[str, Any]:
-    """`rollout_efficiency` = the seconds two standalone engines sharing the GPU take to serve the run's
-    recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
-    concurrency, both at once) / the run's busy rollout GPU-seconds; TimeoutError past `deadline`."""
-    calls = replay.recorded_calls(run_dir / "records.msgpack")
-    by_engine: dict[str, list[replay.RecordedCall]] = {}
-    for c in calls:
-        by_engine.setdefault(c.engine, []).append(c)
-    engines = sorted(by_engine)
-
-    async def both() -> list[dict[str, Any]]:
-        jobs = []
-        for url, e in zip(urls, engines, strict=False):
-            conc, _ = replay.concurrency_of(by_engine[e])
-            jobs.append(replay.serve_again(url, by_engine[e], max(1, round(conc)), cfg.agent.temperature))
-        return list(await asyncio.gather(*jobs))
-
-    t0 = time.monotonic()
-    got = bounded(both(), deadline)
-    wall = time.monotonic() - t0
-    per = {}
-    for e, r in zip(engines, got, strict=False):
-        conc, busy = replay.concurrency_of(by_engine[e])
-        per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
-    dev = metrics.get("efficiency", {}).get("device_seconds", {})
-    busy = dev.get("rollout_busy_s")
-    return {
-        "per_engine": per,
-        "standalone_s": round(wall, 3),
-        "rollout_busy_gpu_s": busy,
-        "rollout_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("rollout_busy_s"),
-        "rollout_efficiency": round(wall / busy, 4) if busy else None,
-        "run_partial": metrics.get("partial"),  # a run cut at its deadline: the calls it recorded
-    }
 
 
 def train_phase(

@@ -12,8 +12,13 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
 4. gyre-train standalone: forward+backward tokens/s of a tree-packed fan (trunk + branches) on the same
    shape, FlexAttention on CUDA (gyre-train's bench `train_time`; no optimizer step);
 5. `gyre run` of the config (`integration/examples/h200-shared.toml`);
+6. `replay`: as many standalone engines as the run had, started together on its first GPU, each serving
+   one run engine's recorded calls again (same inputs, output lengths and mean in-run concurrency, each
+   execution's calls in order), all at once: `rollout_efficiency` = their wall seconds / the run's busy
+   rollout GPU-seconds (`replay.serve_run_again`). This, not part 3's tokens/s, is what the rollout goal
+   holds the run to: part 3's calls are not the run's (a fixed prompt length, `max_tokens` every time);
 then writes OUT/results-h200-run.json (every figure, the floors, the goals), OUT/timeline.png,
-OUT/metrics.json and OUT/run-logs.tar.gz (the run's logs, steps.jsonl, the standalone engine's log).
+OUT/metrics.json and OUT/run-logs.tar.gz (the run's logs, steps.jsonl, the standalone engines' logs).
 
     bash integration/bench/h200_run.sh                      # on the H200 (OUT set by the device call)
     uv run python integration/bench/h200_run.py --cpu --tiny --out /tmp/h200-cpu   # the same path, tiny
@@ -36,6 +41,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import replay
 from gyre.config.runconfig import Config, load_config
 from gyre.measure import floors
 from gyre.procs.group import ProcessGroup, free_port, python_argv
@@ -43,6 +49,9 @@ from gyre.system import gpus
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parent / "examples" / "h200-shared.toml"
+REPLAY_S = 90.0
+"""Seconds the replay keeps of the call's budget when the run's deadline is cut to it: two engines'
+start-up (about 35 s on the H200) and the run's calls served again."""
 
 
 def tiny(cfg: Config, out_dir: str) -> Config:
@@ -306,7 +315,9 @@ def main() -> int:
         help="the whole call's wall budget (default: 570 s, 1500 with --tiny): the run's deadline is cut "
         "so that the results are written within it",
     )
-    p.add_argument("--skip", default="", help="comma list of parts to skip: warmstart,floors,engine,train")
+    p.add_argument(
+        "--skip", default="", help="comma list of parts to skip: warmstart,floors,engine,train,replay"
+    )
     p.add_argument(
         "overrides",
         nargs="*",
@@ -384,9 +395,10 @@ def main() -> int:
         res["train_tok_s_standalone"] = tr["train_tok_s_standalone"]
     from gyre.system.run import run
 
-    # The run's deadline counts from its first batch: leave its start-up and teardown room in the budget.
+    # The run's deadline counts from its first batch: leave its start-up and teardown room in the budget,
+    # and the replay's (its engines' start-up and the calls served again).
     budget = a.budget_s or (1500.0 if small else 570.0)
-    left = budget - (time.monotonic() - t_begin) - 90.0
+    left = budget - (time.monotonic() - t_begin) - 90.0 - (0.0 if "replay" in skip else REPLAY_S)
     if left < cfg.run.deadline_s:
         say(f"run deadline cut to {left:.0f} s to stay within --budget-s {budget:.0f}")
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, deadline_s=max(30.0, left)))
@@ -404,12 +416,33 @@ def main() -> int:
         res["policy"] = metrics.get("policy")
         res["decisions"] = metrics.get("decisions")
     run_dir = Path(cfg.run.out_dir)
+    if metrics is not None:
+        until = t_begin + budget - 10.0
+        rp = phase("replay", lambda: replay_run(cfg, model_dir, run_dir, metrics, work, until))
+        if rp is not None:
+            res["replay"] = rp
+            res["rollout_efficiency"] = rp["rollout_efficiency"]
     if (run_dir / "logs").exists():  # also when the run failed: the cells logged every switch they made
         res["switch_parts"] = floors.switch_parts(run_dir / "logs")
     if metrics is None and (run_dir / "steps.jsonl").exists():
         res["steps_in_steps_jsonl"] = len((run_dir / "steps.jsonl").read_text().splitlines())
     res["goals"] = floors.against_goals(res)
     return finish(out, work, res, 0 if metrics is not None else 1)
+
+
+def replay_run(
+    cfg: Config, model_dir: Path, run_dir: Path, metrics: dict[str, Any], work: Path, until: float
+) -> dict[str, Any]:
+    """Part 6: the run's recorded calls served again by standalone engines, one per engine of the run, all
+    started together; TimeoutError at `until` (time.monotonic)."""
+    engines = {c.engine for c in replay.recorded_calls(run_dir / "records.msgpack")}
+    eng = replay.Engines(cfg, model_dir, work / "standalone-logs", len(engines))
+    try:
+        startup = eng.wait()
+        out = replay.serve_run_again(cfg, eng.urls, run_dir, metrics, until)
+    finally:
+        eng.close()
+    return {"standalone_startup_s": round(startup, 2), **out}
 
 
 def machine(device: str) -> dict[str, Any]:

@@ -9,6 +9,10 @@ moved call's prefix taken along against prefilled again.
   execution's previous one is done, so the prefix cache sees what it saw in the run), `concurrency`
   calls in flight at most, the earliest-recorded ready call first. Returns the wall seconds.
 - `concurrency_of`: the run's mean number of calls in flight on an engine while it had any.
+- `Engines`: standalone `gyre-engine serve` processes with a run's engine options on its first GPU.
+- `serve_run_again`: each engine of a run has its recorded calls served again by one standalone engine,
+  all at once as they shared the GPU in the run: `rollout_efficiency` = their wall seconds / the run's
+  busy rollout GPU-seconds.
 - `train_again`: a core alone trains the run's kept steps (`[train] keep_batches`), the first step
   included (compile and allocation are part of the run's time too).
 - `migration_vs_reprefill`: two engines; a context cached on the first is handed to the second (device
@@ -28,9 +32,14 @@ import itertools
 import random
 import statistics
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
+
+from gyre.config.runconfig import Config
+from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.system import gpus
 
 
 @dataclass(order=True)
@@ -114,6 +123,10 @@ async def serve_again(
                 call = chains[ex][nxt[ex]]
             sp = SamplingParams(max_new_tokens=call.output_len, temperature=temperature, ignore_eos=True)
             r = await c.generate(call.input_ids, sp, return_logprob=True)
+            if len(r.output_ids) != call.output_len:  # EOS ignored: anything else is not the run's work
+                raise RuntimeError(
+                    f"call {call.call_id} served {len(r.output_ids)} tokens again, {call.output_len} in the run"
+                )
             cached[0] += int(r.meta_info.cached_tokens or 0)
             cached[1] += len(call.input_ids)
             async with cond:
@@ -133,6 +146,102 @@ async def serve_again(
         "wall_s": round(wall, 3),
         "output_tokens": sum(c.output_len for c in calls),
         "prefix_cache_hit_share": round(cached[0] / cached[1], 4) if cached[1] else None,
+    }
+
+
+class Engines:
+    """Standalone `gyre-engine serve` processes with the run's engine options, on the run's first GPU."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model_dir: Path,
+        logs: Path,
+        n: int,
+        extra: list[list[str]] | None = None,
+        name: str = "engine-alone",
+    ) -> None:
+        """`n` engines with the run's options; `extra`: more options for each (later ones win); logs
+        under `name`-i."""
+        self.procs = ProcessGroup(logs)
+        self.urls = []
+        self.t0 = time.monotonic()
+        for i in range(n):
+            port = free_port()
+            more = extra[i] if extra else []
+            argv = python_argv("gyre_engine", "serve", "--model", str(model_dir), "--port", str(port),
+                               "--device", cfg.cell.device, *gpus.engine_argv(cfg), *more)  # fmt: skip
+            self.procs.start(f"{name}-{i}", argv, env={"OMP_NUM_THREADS": "1", **gpus.cell_env(cfg, 0)})
+            self.urls.append(f"http://127.0.0.1:{port}")
+        self.cfg = cfg
+
+    def wait(self) -> float:
+        from gyre_engine.client import EngineClient
+
+        async def up(url: str) -> None:
+            async with EngineClient(url, timeout_s=10.0) as c:
+                while True:
+                    self.procs.check()
+                    try:
+                        if await c.health(timeout=5.0):
+                            return
+                    except Exception:
+                        pass
+                    if time.monotonic() - self.t0 > self.cfg.run.startup_timeout_s:
+                        raise TimeoutError("standalone engine not healthy in time")
+                    await asyncio.sleep(0.3)
+
+        async def all_up() -> None:
+            await asyncio.gather(*(up(u) for u in self.urls))
+
+        asyncio.run(all_up())
+        return time.monotonic() - self.t0
+
+    def close(self) -> None:
+        self.procs.close()
+
+
+def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
+    """Run `coro` to its end, or fail with TimeoutError at `deadline` (time.monotonic), so a stuck engine
+    costs the part it is in, not the results of the whole call."""
+    return asyncio.run(asyncio.wait_for(coro, max(1.0, deadline - time.monotonic())))
+
+
+def serve_run_again(
+    cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any], deadline: float
+) -> dict[str, Any]:
+    """`rollout_efficiency` = the seconds two standalone engines sharing the GPU take to serve the run's
+    recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
+    concurrency, both at once) / the run's busy rollout GPU-seconds; TimeoutError past `deadline`."""
+    calls = recorded_calls(run_dir / "records.msgpack")
+    by_engine: dict[str, list[RecordedCall]] = {}
+    for c in calls:
+        by_engine.setdefault(c.engine, []).append(c)
+    engines = sorted(by_engine)
+
+    async def both() -> list[dict[str, Any]]:
+        jobs = []
+        for url, e in zip(urls, engines, strict=False):
+            conc, _ = concurrency_of(by_engine[e])
+            jobs.append(serve_again(url, by_engine[e], max(1, round(conc)), cfg.agent.temperature))
+        return list(await asyncio.gather(*jobs))
+
+    t0 = time.monotonic()
+    got = bounded(both(), deadline)
+    wall = time.monotonic() - t0
+    per = {}
+    for e, r in zip(engines, got, strict=False):
+        conc, busy = concurrency_of(by_engine[e])
+        per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
+    dev = metrics.get("efficiency", {}).get("device_seconds", {})
+    busy = dev.get("rollout_busy_s")
+    return {
+        "per_engine": per,
+        "standalone_s": round(wall, 3),
+        "rollout_busy_gpu_s": busy,
+        "rollout_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("rollout_busy_s"),
+        "rollout_efficiency": round(wall / busy, 4) if busy else None,
+        "run_partial": metrics.get("partial"),  # a run cut at its deadline: the calls it recorded
     }
 
 

@@ -48,16 +48,16 @@ def test_run_figures_and_goals() -> None:
     assert r["push_s"] == {"1": 0.3, "2": None}
     assert r["rollout_tok_s_in_run"] == 500.0 and r["train_tok_s_in_run"] == 250.0
     assert r["kv_migrations"] == 2 and r["scores"] == [0.5, 0.75]
-    r.update(
-        floor_to_training_s=0.1, floor_to_rollout_s=0.6, push_floor_s=0.2, rollout_tok_s_standalone=700.0
-    )
+    r.update(floor_to_training_s=0.1, floor_to_rollout_s=0.6, push_floor_s=0.2, rollout_efficiency=0.79)
     g = floors.against_goals(r)
     assert g["to_training_within_2x_floor_plus_1s"] is True  # 0.6 <= 1.2
     assert g["to_rollout_within_2x_floor_plus_1s"] is True  # 2.0 <= 2 x 0.6 + 1
     assert g["push_within_2x_floor_plus_0_5s"] is True  # 0.3 <= 0.9
     assert g["kv_migrations_at_least_1"] is True
-    assert g["rollout_tok_s_at_least_80pct_standalone"] is False  # 500 < 560
+    assert g["rollout_efficiency_at_least_0_8"] is False  # 0.79 < 0.8
+    assert floors.against_goals({**r, "rollout_efficiency": 0.8})["rollout_efficiency_at_least_0_8"] is True
     assert floors.against_goals({})["kv_migrations_at_least_1"] is None
+    assert floors.against_goals({})["rollout_efficiency_at_least_0_8"] is None
 
 
 def test_switch_parts_from_the_cells_logs(tmp_path: Path) -> None:
