@@ -13,7 +13,8 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
 5. `alone`: two standalone engines on the run's GPU, started once, for
    - `replay` (first policy only): each engine's recorded calls served again by one of them, both at
      once as in the run, with their inputs and output lengths, at that engine's mean in-run
-     concurrency: `rollout_efficiency` = their wall seconds / the run's busy rollout GPU-seconds;
+     concurrency: `rollout_efficiency` = their wall seconds / the run's seconds with a call in flight
+     (`rollout_efficiency_sampled` holds them to the sampled busy rollout GPU-seconds);
    - `migrate`: a moved call's time to first token with its 16k-token prefix handed over (gyre-xfer,
      shared memory) against the same call prefilled again;
    - `probe`: two more engines, the slots' columns sized by length bucket and by the whole buffer

@@ -14,8 +14,8 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
 5. `gyre run` of the config (`integration/examples/h200-shared.toml`);
 6. `replay`: as many standalone engines as the run had, started together on its first GPU, each serving
    one run engine's recorded calls again (same inputs, output lengths and mean in-run concurrency, each
-   execution's calls in order), all at once: `rollout_efficiency` = their wall seconds / the run's busy
-   rollout GPU-seconds (`replay.serve_run_again`). This, not part 3's tokens/s, is what the rollout goal
+   execution's calls in order), all at once: `rollout_efficiency` = their wall seconds / the run's seconds
+   with a call in flight (`replay.serve_run_again`). This, not part 3's tokens/s, is what the rollout goal
    holds the run to: part 3's calls are not the run's (a fixed prompt length, `max_tokens` every time);
 then writes OUT/results-h200-run.json (every figure, the floors, the goals), OUT/timeline.png,
 OUT/metrics.json and OUT/run-logs.tar.gz (the run's logs, steps.jsonl, the standalone engines' logs).

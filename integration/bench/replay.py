@@ -210,9 +210,15 @@ def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
 def serve_run_again(
     cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any], deadline: float
 ) -> dict[str, Any]:
-    """`rollout_efficiency` = the seconds two standalone engines sharing the GPU take to serve the run's
+    """`rollout_efficiency` = the seconds standalone engines sharing the GPU take to serve the run's
     recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
-    concurrency, both at once) / the run's busy rollout GPU-seconds; TimeoutError past `deadline`."""
+    concurrency, all at once) / the run's seconds with a call in flight on any engine (the union of the
+    recorded calls' intervals, as the proxy timed them); TimeoutError past `deadline`.
+
+    `rollout_efficiency_sampled` holds the same seconds to the run's sampled busy rollout GPU-seconds
+    (metrics.json): a sample interval counts whole when its engine was busy at either end, which for calls
+    much shorter than the interval with idle time between them (a workload of short calls and tool time)
+    counts up to two intervals a call. Where the engines never wait for calls the two agree."""
     calls = recorded_calls(run_dir / "records.msgpack")
     by_engine: dict[str, list[RecordedCall]] = {}
     for c in calls:
@@ -233,14 +239,17 @@ def serve_run_again(
     for e, r in zip(engines, got, strict=False):
         conc, busy = concurrency_of(by_engine[e])
         per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
+    _, in_flight = concurrency_of(calls)
     dev = metrics.get("efficiency", {}).get("device_seconds", {})
     busy = dev.get("rollout_busy_s")
     return {
         "per_engine": per,
         "standalone_s": round(wall, 3),
+        "calls_in_flight_s": round(in_flight, 3),
         "rollout_busy_gpu_s": busy,
         "rollout_busy_cell_s": metrics.get("roles", {}).get("cell_seconds", {}).get("rollout_busy_s"),
-        "rollout_efficiency": round(wall / busy, 4) if busy else None,
+        "rollout_efficiency": round(wall / in_flight, 4) if in_flight > 0 else None,
+        "rollout_efficiency_sampled": round(wall / busy, 4) if busy else None,
         "run_partial": metrics.get("partial"),  # a run cut at its deadline: the calls it recorded
     }
 
