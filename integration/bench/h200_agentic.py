@@ -103,6 +103,9 @@ PLAN_FROM = (
     "results-h200-agentic-1205-from-run.json",
     "results-h200-agentic-compare-elastic.json",
     "results-h200-agentic-compare-colocate.json",
+    "results-h200-agentic-1206-elastic.json",
+    "results-h200-agentic-1206-colocate.json",
+    "results-h200-agentic-1206-async.json",
     "results-h200-agentic-probe.json",
 )
 """The committed results the plan's estimates come from by default: the calls', oldest first, then the

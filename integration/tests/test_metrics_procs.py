@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from gyre.measure.efficiency import engine_time
-from gyre.measure.metrics import role_accounting
+from gyre.measure.metrics import role_accounting, role_bars
 from gyre.measure.runmetrics import rollout_cells
 from gyre.measure.runmetrics import switch_times as _switch_times
 from gyre.measure.samples import Sample
@@ -41,6 +42,41 @@ def test_role_accounting_by_hand() -> None:
     assert acc["idle_rollout"] == 0.5
     assert acc["idle_training"] == pytest.approx(1 / 3, abs=1e-4)
     assert acc["switching_share"] == pytest.approx(3 / 8, abs=1e-4)
+
+
+def test_timeline_bars_merge_each_stretch_by_hand() -> None:
+    # `_samples`, with the core busy 4-6 s (sampled every 0.5 s): one bar a stretch, not one a sample
+    track = TrainTrack([TrainSample(t / 2, 0, 8 <= t < 12) for t in range(16)])
+    bars = role_bars(_samples(), track)
+    assert bars == {
+        (0, "r"): [(0.0, 1.0)],  # busy at one end of the interval
+        (0, "r-idle"): [(1.0, 1.0)],
+        (0, "s"): [(2.0, 2.0), (7.0, 1.0)],  # draining + to-training merge; to-rollout
+        (0, "t-idle"): [(4.0, 3.0)],
+        (0, "t"): [(4.0, 2.0)],  # four 0.5 s pieces of the core's samples, one bar
+    }
+
+
+def test_timeline_bars_of_a_long_run_are_as_many_as_its_changes_and_cover_it() -> None:
+    # An hour sampled every 0.2 s on two cells, each switching every 10 minutes, the core sampled every
+    # 0.05 s, at epoch seconds: bars come out one per stretch, and each kind's bars cover exactly its
+    # sampled intervals.
+    n, T0 = 18_000, 1.8e9
+    samples = [
+        Sample(T0 + i * 0.2, {0: R if (i // 3000) % 2 == 0 else T, 1: T if (i // 3000) % 2 == 0 else R},
+               {0: True, 1: True}, {0: "0", 1: "0"})
+        for i in range(n)
+    ]  # fmt: skip
+    track = TrainTrack([TrainSample(T0 + i * 0.05, 0, True) for i in range(4 * n)])
+    bars = role_bars(samples, track)
+    assert {k: len(v) for k, v in bars.items()} == {(0, "r"): 3, (0, "t-idle"): 3, (0, "t"): 3,
+                                                    (1, "t-idle"): 3, (1, "t"): 3, (1, "r"): 3}  # fmt: skip
+    total = {k: sum(w for _, w in v) for k, v in bars.items()}
+    span = samples[-1].t - samples[0].t
+    assert total[(0, "r")] + total[(0, "t-idle")] == pytest.approx(span, abs=1e-3)
+    assert total[(0, "t")] == pytest.approx(total[(0, "t-idle")], abs=1e-3)
+    for (_, _), v in bars.items():  # bars of one kind neither touch nor overlap (they would have merged)
+        assert all(a0 + w0 < a1 for (a0, w0), (a1, _) in itertools.pairwise(v))
 
 
 def test_train_overlap_by_hand() -> None:
