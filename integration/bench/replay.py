@@ -12,7 +12,7 @@ moved call's prefix taken along against prefilled again.
 - `Engines`: standalone `gyre-engine serve` processes with a run's engine options on its first GPU.
 - `serve_run_again`: each engine of a run has its recorded calls served again by one standalone engine,
   all at once as they shared the GPU in the run: `rollout_efficiency` = their wall seconds / the run's
-  busy rollout GPU-seconds.
+  seconds with a call in flight.
 - `train_again`: a core alone trains the run's kept steps (`[train] keep_batches`), the first step
   included (compile and allocation are part of the run's time too).
 - `migration_vs_reprefill`: two engines; a context cached on the first is handed to the second (device

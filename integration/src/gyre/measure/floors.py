@@ -209,7 +209,7 @@ def against_goals(res: dict[str, Any]) -> dict[str, bool | None]:
     """The two-cell run's goals, each true/false (None where a figure is missing): each switch direction's
     median within twice its floor plus 1 s, the median push within twice its floor plus 0.5 s, at least
     one KV migration, and `rollout_efficiency` (standalone engines' seconds for the run's own calls / the
-    run's busy rollout GPU-seconds) at least 0.8."""
+    run's seconds with a call in flight) at least 0.8."""
 
     def le(x: Any, bound: Any) -> bool | None:
         return None if x is None or bound is None else bool(x <= bound)
