@@ -27,6 +27,7 @@ def test_measured_copies_on_the_cpu_are_positive() -> None:
 def test_run_figures_and_goals() -> None:
     metrics = {
         "steps_applied": 2,
+        "end_to_end_s": 25.0,
         "switch_times": {"to_training_s": [0.4, 0.6, 2.0], "to_rollout_s": [1.0, 3.0]},
         "roles": {"cell_seconds": {"rollout_busy_s": 10.0}, "idle_rollout": 0.2},
         "steps": [
@@ -47,6 +48,8 @@ def test_run_figures_and_goals() -> None:
     assert r["switch_to_training_s"] == 0.6 and r["switch_to_rollout_s"] == 2.0
     assert r["push_s"] == {"1": 0.3, "2": None}
     assert r["rollout_tok_s_in_run"] == 500.0 and r["train_tok_s_in_run"] == 250.0
+    assert r["rollout_tok_s_end_to_end"] == 200.0  # 5000 tokens in a 25 s run
+    assert floors.run_figures({}, output_tokens=5000)["rollout_tok_s_end_to_end"] is None
     assert r["kv_migrations"] == 2 and r["scores"] == [0.5, 0.75]
     r.update(floor_to_training_s=0.1, floor_to_rollout_s=0.6, push_floor_s=0.2, rollout_efficiency=0.79)
     g = floors.against_goals(r)

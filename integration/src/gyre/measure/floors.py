@@ -154,9 +154,9 @@ def step_train_figures(steps: list[dict[str, Any]]) -> dict[str, float | None]:
 
 def run_figures(metrics: dict[str, Any], output_tokens: int) -> dict[str, Any]:
     """What the run itself measured (`gyre run`'s metrics.json): median switch times, push times per
-    version, rollout tokens/s per busy rollout cell-second (`output_tokens`: every recorded call's),
-    training tokens/s per busy training cell-second (the steps' trained tokens), and the first step's
-    training seconds against the later steps' (`step_train_figures`)."""
+    version, rollout tokens/s per busy rollout cell-second and per second of the run (`output_tokens`:
+    every recorded call's), training tokens/s per busy training cell-second (the steps' trained tokens),
+    and the first step's training seconds against the later steps' (`step_train_figures`)."""
     sw = metrics.get("switch_times", {})
     steps = [s for s in metrics.get("steps", []) if not s.get("skipped")]
     cs = metrics.get("roles", {}).get("cell_seconds", {})
@@ -187,6 +187,11 @@ def run_figures(metrics: dict[str, Any], output_tokens: int) -> dict[str, Any]:
         "scores": [s.get("mean_score") for s in steps],
         "losses": [s.get("loss") for s in steps],
         "end_to_end_s": metrics.get("end_to_end_s"),
+        # the work done per second of the run: where executions end at their timeout, a policy's faster
+        # rollout shows here (more calls made before the timeout), not in its end to end
+        "rollout_tok_s_end_to_end": round(output_tokens / e2e, 1)
+        if (e2e := metrics.get("end_to_end_s"))
+        else None,
         **step_train_figures(metrics.get("steps", [])),
     }
 
