@@ -11,6 +11,8 @@ import pytest
 from gyre.measure import efficiency, prefixes
 from gyre.trajsvc import recordlog
 from gyre_traj.records import Call
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 RECORDS = Path(__file__).parent / "data" / "agentic-tiny" / "records-elastic.msgpack"
 
@@ -18,6 +20,32 @@ RECORDS = Path(__file__).parent / "data" / "agentic-tiny" / "records-elastic.msg
 @pytest.fixture(scope="module")
 def records() -> list[Call]:
     return [c for _, c in recordlog.calls(RECORDS)]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# sequences over 3 tokens, so that they share prefixes, end inside each other's runs and part mid-run
+_seqs = st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(inserted=_seqs, queries=_seqs)
+def test_the_radix_tree_matches_the_longest_common_prefix_with_any_inserted_sequence(
+    inserted: list[list[int]], queries: list[list[int]]
+) -> None:
+    tree = prefixes.Radix()
+    for i, seq in enumerate(inserted):
+        tree.insert(np.asarray(seq, dtype=np.int64))
+        # after every insertion, for what was inserted so far: every inserted sequence is held whole
+        for q in [*queries, *inserted[: i + 1]]:
+            want = max((_common_prefix(q, x) for x in inserted[: i + 1]), default=0)
+            assert tree.match(np.asarray(q, dtype=np.int64)) == want
+    assert prefixes.Radix().match(np.asarray([1, 2], dtype=np.int64)) == 0
 
 
 def test_full_inputs_resolve_every_delta_to_the_lengths_the_run_measured(records: list[Call]) -> None:

@@ -35,33 +35,59 @@ import numpy as np
 from gyre_traj.records import Call
 
 
-class _Trie:
-    """Token sequences as a flat map node << 32 | token -> node; node 0 is the empty prefix."""
+class Radix:
+    """Token sequences in a radix tree, to ask how long a prefix of a sequence some inserted sequence
+    starts with. Each edge holds a run of tokens (a numpy array), so a walk takes one dict lookup per
+    branch point and compares each run with numpy: a run's calls, each extending its execution's previous
+    call by a few thousand tokens, cost a few lookups each, not one per token (with a node per token the
+    ideal of an H200 run's 1,274 calls and 7.9M input tokens took 5.9 s on a 2-core CPU, 0.10 s so)."""
+
+    __slots__ = ("children",)
 
     def __init__(self) -> None:
-        self.edges: dict[int, int] = {}
+        self.children: dict[int, list[Any]] = {}  # first token -> [run of tokens, child node]
 
     def insert(self, tokens: np.ndarray) -> None:
-        node = 0
-        edges = self.edges
-        for t in tokens.tolist():
-            key = node << 32 | t
-            nxt = edges.get(key)
-            if nxt is None:
-                nxt = len(edges) + 1
-                edges[key] = nxt
-            node = nxt
+        node, n, total = self, 0, int(tokens.size)
+        while n < total:
+            edge = node.children.get(int(tokens[n]))
+            if edge is None:
+                node.children[int(tokens[n])] = [tokens[n:].copy(), Radix()]
+                return
+            run, child = edge
+            k = _common(run, tokens[n:])
+            if k == run.size:
+                n, node = n + k, child
+                continue
+            if n + k == total:  # a prefix of a path already held
+                return
+            mid = Radix()  # the sequences part inside this edge: split it where they do
+            mid.children[int(run[k])] = [run[k:], child]
+            mid.children[int(tokens[n + k])] = [tokens[n + k :].copy(), Radix()]
+            edge[0], edge[1] = run[:k], mid
+            return
 
     def match(self, tokens: np.ndarray) -> int:
         """The length of the longest prefix of `tokens` that is a prefix of an inserted sequence."""
-        node, n = 0, 0
-        edges = self.edges
-        for t in tokens.tolist():
-            nxt = edges.get(node << 32 | t)
-            if nxt is None:
+        node, n, total = self, 0, int(tokens.size)
+        while n < total:
+            edge = node.children.get(int(tokens[n]))
+            if edge is None:
                 break
-            node, n = nxt, n + 1
+            run, child = edge
+            k = _common(run, tokens[n:])
+            n += k
+            if k < run.size:
+                break
+            node = child
         return n
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the common prefix of `a` and `b`."""
+    m = min(a.size, b.size)
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
 
 
 def full_inputs(records: Iterable[Call]) -> dict[str, np.ndarray]:
@@ -110,7 +136,7 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
     every = list(records)
     inputs = full_inputs(every)
     recs = sorted((r for r in every if r.call_id in inputs), key=lambda r: (r.t_start, r.call_id))
-    tries: dict[tuple[str, int], _Trie] = {}  # by (engine, weight version)
+    tries: dict[tuple[str, int], Radix] = {}  # by (engine, weight version)
     ended: list[tuple[float, int, Call]] = []  # (t_end, order, call): to insert once ended
     tot = dict.fromkeys(
         ("input", "cached", "ideal", "any", "own", "inherent", "version", "elsewhere", "lost"), 0
@@ -119,7 +145,7 @@ def prefix_hits(records: Iterable[Call]) -> dict[str, Any]:
     for i, r in enumerate(recs):
         while ended and ended[0][0] <= r.t_start:
             _, _, e = heapq.heappop(ended)
-            tries.setdefault((serving_engine(e), e.weight_version), _Trie()).insert(
+            tries.setdefault((serving_engine(e), e.weight_version), Radix()).insert(
                 np.concatenate([inputs[e.call_id], np.asarray(e.output_ids)[:-1]])
             )
         x = inputs[r.call_id]
