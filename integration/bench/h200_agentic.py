@@ -175,7 +175,8 @@ def alone_phase(
             out["standalone_startup_s"] = round(eng.wait(), 2)
             if replaying:
                 assert run_dir is not None and metrics is not None
-                out["replay"] = replay.serve_run_again(cfg, eng.urls, run_dir, metrics, deadline)
+                calls = replay.recorded_calls(run_dir / "records.msgpack")
+                out["replay"] = replay.serve_run_again(cfg, eng.urls, calls, metrics, deadline)
             if "migrate" not in skip:
                 out["migrate"] = replay.bounded(
                     replay.migration_vs_reprefill(eng.urls[0], eng.urls[1], contexts, 4, vocab), deadline

@@ -435,11 +435,11 @@ def replay_run(
 ) -> dict[str, Any]:
     """Part 6: the run's recorded calls served again by standalone engines, one per engine of the run, all
     started together; TimeoutError at `until` (time.monotonic)."""
-    engines = {c.engine for c in replay.recorded_calls(run_dir / "records.msgpack")}
-    eng = replay.Engines(cfg, model_dir, work / "standalone-logs", len(engines))
+    calls = replay.recorded_calls(run_dir / "records.msgpack")
+    eng = replay.Engines(cfg, model_dir, work / "standalone-logs", len({c.engine for c in calls}))
     try:
         startup = eng.wait()
-        out = replay.serve_run_again(cfg, eng.urls, run_dir, metrics, until)
+        out = replay.serve_run_again(cfg, eng.urls, calls, metrics, until)
     finally:
         eng.close()
     return {"standalone_startup_s": round(startup, 2), **out}

@@ -208,28 +208,28 @@ def bounded[T](coro: Coroutine[Any, Any, T], deadline: float) -> T:
 
 
 def serve_run_again(
-    cfg: Config, urls: list[str], run_dir: Path, metrics: dict[str, Any], deadline: float
+    cfg: Config, urls: list[str], calls: list[RecordedCall], metrics: dict[str, Any], deadline: float
 ) -> dict[str, Any]:
-    """`rollout_efficiency` = the seconds standalone engines sharing the GPU take to serve the run's
-    recorded calls (each run engine's calls on one of them, same inputs, output lengths and in-run mean
-    concurrency, all at once) / the run's seconds with a call in flight on any engine (the union of the
-    recorded calls' intervals, as the proxy timed them); TimeoutError past `deadline`.
+    """`rollout_efficiency` = the seconds standalone engines sharing the GPU take to serve a run's
+    recorded `calls` (`recorded_calls`; each run engine's calls on one of them, same inputs, output
+    lengths and in-run mean concurrency, all at once) / the run's seconds with a call in flight on any
+    engine (the union of the recorded calls' intervals, as the proxy timed them); TimeoutError past
+    `deadline`.
 
     `rollout_efficiency_sampled` holds the same seconds to the run's sampled busy rollout GPU-seconds
     (metrics.json): a sample interval counts whole when its engine was busy at either end, which for calls
     much shorter than the interval with idle time between them (a workload of short calls and tool time)
     counts up to two intervals a call. Where the engines never wait for calls the two agree."""
-    calls = recorded_calls(run_dir / "records.msgpack")
     by_engine: dict[str, list[RecordedCall]] = {}
     for c in calls:
         by_engine.setdefault(c.engine, []).append(c)
     engines = sorted(by_engine)
+    in_run = {e: concurrency_of(by_engine[e]) for e in engines}  # (mean in flight, busy seconds)
 
     async def both() -> list[dict[str, Any]]:
         jobs = []
         for url, e in zip(urls, engines, strict=False):
-            conc, _ = concurrency_of(by_engine[e])
-            jobs.append(serve_again(url, by_engine[e], max(1, round(conc)), cfg.agent.temperature))
+            jobs.append(serve_again(url, by_engine[e], max(1, round(in_run[e][0])), cfg.agent.temperature))
         return list(await asyncio.gather(*jobs))
 
     t0 = time.monotonic()
@@ -237,7 +237,7 @@ def serve_run_again(
     wall = time.monotonic() - t0
     per = {}
     for e, r in zip(engines, got, strict=False):
-        conc, busy = concurrency_of(by_engine[e])
+        conc, busy = in_run[e]
         per[e] = {**r, "run_concurrency": round(conc, 2), "run_busy_s": round(busy, 3)}
     _, in_flight = concurrency_of(calls)
     dev = metrics.get("efficiency", {}).get("device_seconds", {})
