@@ -29,17 +29,27 @@ from gyre_engine.server.decode_attn import masked_reference, plan_splits  # noqa
     width=st.integers(1, 16384),
     block_n=st.sampled_from([32, 64, 128]),
     target=st.sampled_from([256, 1024, 4096]),
+    max_tiles=st.sampled_from([0, 1, 4, 8, 32]),
 )
 def test_plan_splits_cover_the_width_in_whole_tiles(
-    batch: int, kv_heads: int, width: int, block_n: int, target: int
+    batch: int, kv_heads: int, width: int, block_n: int, target: int, max_tiles: int
 ) -> None:
-    splits, chunk = plan_splits(batch, kv_heads, width, block_n, target)
+    splits, chunk = plan_splits(batch, kv_heads, width, block_n, target, max_tiles)
     assert splits >= 1 and chunk % block_n == 0
     assert splits * chunk >= width and (splits - 1) * chunk < width  # every column, no empty split
     tiles = -(-width // block_n)
     want = -(-target // (batch * kv_heads))  # splits that would launch `target` programs
     assert splits <= tiles
     assert 2 * splits >= min(tiles, want)  # whole tiles per chunk cost at most half of the splits
+    if max_tiles:  # no program walks more than max_tiles tiles
+        assert chunk <= max_tiles * block_n
+
+
+def test_plan_splits_bound_the_chunk_only_when_asked() -> None:
+    """16 rows over 12,288 columns (full-width slots): the target alone gives chunks of 48 tiles."""
+    assert plan_splits(16, 8, 12288, 64, 512) == (4, 3072)
+    assert plan_splits(16, 8, 12288, 64, 512, 8) == (24, 512)
+    assert plan_splits(64, 8, 384, 64, 512, 8) == (1, 384)  # a batch of short rows: one chunk as before
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

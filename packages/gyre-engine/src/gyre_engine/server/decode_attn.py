@@ -15,6 +15,11 @@ with 8 KV heads that is one chunk per row), each program computes the softmax-we
 for all the query heads of its KV group at once (the group is padded to 16 rows for the tensor-core dot)
 and keeps a running max and sum; with several chunks a second kernel combines them by their
 log-sum-exp, with one the program writes the output itself. Tiles past a row's length are not visited.
+`MAX_CHUNK_TILES` can also bound the tiles one program walks; it is off: on one H100 with 16 full-width
+slots of 12,288 columns, every row taken at lengths uniform over the width, the kernel read the rows'
+keys and values at 2.90 TB/s (86% of the memory's speed) with the 4 chunks the target gives, and at
+2.80, 2.80, 2.74 and 2.62 TB/s with chunks of at most 4, 8, 16 and 32 tiles; 6 long slots of 33,280
+columns ran at 2.30 TB/s, 2.52-2.61 bounded (`bench/agentic_load.py --sweep`).
 The slot step's op `gyre::slot_decode_attention` hands over the step's new key/value: the tiles never
 read that column from the buffer (a select inside a tile stops Triton from streaming the tiles into shared
 memory: that first version took 38-42 µs in the microbenchmark above, against 29 µs now), the
@@ -46,6 +51,9 @@ BLOCK_N = 64
 TARGET_PROGRAMS = 512
 """Chunks are made small enough that a step launches about this many programs (the H200 has 132 SMs).
 At batch 64 with 8 KV heads that is one chunk per row (no combine kernel) up to long contexts."""
+MAX_CHUNK_TILES = 0
+"""Tiles one program walks at most (0: no bound; the chunks follow `TARGET_PROGRAMS` alone). Bounding
+them gained nothing on full-width decode slots (module docstring)."""
 
 
 def masked_reference(
@@ -168,12 +176,21 @@ if triton is not None:
 
 
 def plan_splits(
-    batch: int, kv_heads: int, width: int, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS
+    batch: int,
+    kv_heads: int,
+    width: int,
+    block_n: int = BLOCK_N,
+    target: int = TARGET_PROGRAMS,
+    max_tiles: int | None = None,
 ) -> tuple[int, int]:
     """(splits, chunk) for a step of `batch` rows over `width` columns: chunks of whole tiles of
-    `block_n` columns, enough of them that about `target` programs run."""
+    `block_n` columns, enough of them that about `target` programs run and none longer than `max_tiles`
+    tiles (default `MAX_CHUNK_TILES`; 0: no bound)."""
+    cap = MAX_CHUNK_TILES if max_tiles is None else max_tiles
     tiles = max(1, math.ceil(width / block_n))
     want = max(1, math.ceil(target / max(1, batch * kv_heads)))
+    if cap > 0:
+        want = max(want, math.ceil(tiles / cap))
     splits = min(tiles, want)
     chunk = math.ceil(tiles / splits) * block_n
     return math.ceil(width / chunk), chunk
@@ -191,13 +208,15 @@ def triton_decode_attention(
     num_stages: int = 2,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
+    max_tiles: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row on Triton (needs Triton; on the CPU only under
     TRITON_INTERPRET=1): query [B, H, D], key/value [B, KVH, L, D] (strided views of the slot buffer,
     head dimension contiguous), valid [B] integer (row i attends columns [0, valid[i])); returns
     [B, H, D].
     With `new_key`/`new_value` ([B, KVH, D]), column valid[i] - 1 of row i is the step's own key/value:
-    the kernel attends to them and writes them into `key`/`value` (views of the slot buffer)."""
+    the kernel attends to them and writes them into `key`/`value` (views of the slot buffer).
+    `max_tiles` bounds the tiles one program walks (default `MAX_CHUNK_TILES`)."""
     assert triton is not None
     b, h, d = query.shape
     kvh, width = key.shape[1], key.shape[2]
@@ -215,7 +234,9 @@ def triton_decode_attention(
         kn, vn = new_key.to(key.dtype), new_value.to(value.dtype)
     else:
         kn, vn = key, value  # not read
-    splits, chunk = plan_splits(b, kvh, width, block_n, TARGET_PROGRAMS if target is None else target)
+    splits, chunk = plan_splits(
+        b, kvh, width, block_n, TARGET_PROGRAMS if target is None else target, max_tiles
+    )
     out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
     if splits == 1:  # the split kernel writes the output itself
         part, lse = out, out
