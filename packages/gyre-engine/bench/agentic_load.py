@@ -13,7 +13,8 @@ settings (full-width slots of 12.3k tokens sized by `slot_kv_fraction`, six long
 Qwen3-0.6B shape with random weights in bfloat16.
 
 Per setting of `--max-running` and of the decode attention's bound on the tiles a program walks
-(`--max-tiles`, `decode_attn.MAX_CHUNK_TILES`; 0: none), its `slot_kv_fraction` scaled with
+(`--max-tiles`, `decode_attn.MAX_CHUNK_TILES`; 0: none) and of the engine's fused RMS norms
+(`--fuse-norms 0,1`), its `slot_kv_fraction` scaled with
 `max_running` so that every slot keeps 12.3k tokens, after `--warm-s` of load, over `--measure-s`: calls finished, output tokens/s, each call's
 latency (submit to last token) and wait for its first token (medians, 90th percentiles), and the engine's
 counters (seconds in steps, decode and prefill; decode steps and rows a step; prefill tokens computed and
@@ -22,10 +23,11 @@ many seconds at the end of each setting's measurement: the GPU's kernel seconds 
 wall seconds (how much of the time the GPU computed), the top kernels and the top host ops; with
 `--python-s`, the engine thread's Python functions under cProfile for that long after it.
 
-`--sweep 0,4,8` first times the decode attention alone at each bound (`attention_sweep`).
+On CUDA it first checks the fused RMS norm's kernel against transformers' forward in bfloat16
+(`norm_check`). `--sweep 0,4,8` times the decode attention alone at each bound (`attention_sweep`).
 
     PYTHONPATH=packages/gyre-engine/src python packages/gyre-engine/bench/agentic_load.py \
-        --max-running 16 --max-tiles 0,8 --sweep 0,4,8,16,32 --out results-agentic-load.json
+        --max-running 16 --fuse-norms 0,1 --out results-agentic-load.json
 
 On a CPU it runs the tiny shape with small contexts (`--tiny`, for checking the script).
 """
@@ -303,7 +305,26 @@ def attention_sweep(caps: list[int], seed: int = 0) -> dict[str, Any]:
     return out
 
 
-def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int) -> dict[str, Any]:
+def norm_check() -> dict[str, Any]:
+    """The fused RMS norm's kernel against transformers' forward in bfloat16 on this GPU: the share of
+    outputs that differ and the largest difference in units of the output's last place."""
+    from gyre_engine.server.norms import reference_rms_norm, triton_rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict[str, Any] = {}
+    for shape in ((64, 1024), (64, 16, 128), (4608, 1024)):
+        x = (3 * torch.randn(*shape, device="cuda", generator=g)).bfloat16()
+        w = torch.randn(shape[-1], device="cuda", generator=g).bfloat16()
+        got, want = triton_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)
+        ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
+        out["x".join(map(str, shape))] = {
+            "differ_share": round(float((got != want).float().mean()), 5),
+            "max_ulps": round(float(((got.float() - want.float()).abs() / ulp).max()), 2),
+        }
+    return out
+
+
+def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int, fuse: bool) -> dict[str, Any]:
     from gyre_engine.server import decode_attn
     from gyre_engine.server.engine import Engine
 
@@ -324,6 +345,7 @@ def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int) -> dict[
         min_free_bytes=0 if tiny else 12 << 30,
         slot_max_len=768 if tiny else None,
         decode_slots="auto" if torch.cuda.is_available() else "eager",
+        fuse_norms=fuse,
     )
     t0 = time.perf_counter()
     engine = Engine(model, None, cfg)
@@ -363,6 +385,7 @@ def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int) -> dict[
     res: dict[str, Any] = {
         "max_running": rows,
         "attention_max_tiles": cap,
+        "fuse_norms": fuse,
         "slot_kv_fraction": round(cfg.slot_kv_fraction, 3),
         "startup_s": round(startup, 2),
         "window_s": round(wall, 2),
@@ -400,7 +423,8 @@ def main() -> None:
     p.add_argument("--warm-s", type=float, default=20.0)
     p.add_argument("--measure-s", type=float, default=60.0)
     p.add_argument("--profile-s", type=float, default=0.0)
-    p.add_argument("--max-tiles", default="8", help="decode attention's MAX_CHUNK_TILES, comma list")
+    p.add_argument("--max-tiles", default="0", help="decode attention's MAX_CHUNK_TILES, comma list")
+    p.add_argument("--fuse-norms", default="1", help="the engine's fuse_norms, comma list of 0/1")
     p.add_argument("--sweep", default="", help="time the decode attention alone at these MAX_CHUNK_TILES")
     p.add_argument("--python-s", type=float, default=0.0, help="cProfile the engine thread this long")
     p.add_argument("--seed", type=int, default=0)
@@ -426,8 +450,17 @@ def main() -> None:
     if a.sweep and cuda:
         out["attention_sweep"] = attention_sweep([int(x) for x in a.sweep.split(",")])
         print(json.dumps(out["attention_sweep"]), flush=True)
-    for rows, cap in ((int(r), int(c)) for r in a.max_running.split(",") for c in a.max_tiles.split(",")):
-        r = one_setting(model, a, rows, cap)
+    if cuda:
+        out["norm_check"] = norm_check()
+        print(json.dumps(out["norm_check"]), flush=True)
+    settings = [
+        (int(r), int(c), f == "1")
+        for r in a.max_running.split(",")
+        for c in a.max_tiles.split(",")
+        for f in a.fuse_norms.split(",")
+    ]
+    for rows, cap, fuse in settings:
+        r = one_setting(model, a, rows, cap, fuse)
         print(json.dumps({k: v for k, v in r.items() if k not in ("profile", "slots", "python")}), flush=True)
         out["settings"].append(r)
         if a.out is not None:

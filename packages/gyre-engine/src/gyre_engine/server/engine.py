@@ -10,7 +10,8 @@ when no row needs truncation or logit processing; the lanes take what does not f
 for a slot is prefilled chunk by chunk into a long slot of its own and decodes there, all long slots' rows
 in one step (`long_kv.py`); while
 other requests decode, a chunked prefill gets at most `prefill_share` of the engine's time. Each layer's
-q/k/v and gate/up projections run as one GEMM each (`fused.py`).
+q/k/v and gate/up projections run as one GEMM each (`fused.py`), and on CUDA each RMS norm as one kernel
+(`norms.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from gyre_engine.server.batch import LongRowKV, RowKV, buffer_row, cache_kwarg, 
 from gyre_engine.server.fused import FusedProjections
 from gyre_engine.server.lanes import Lane, Lanes
 from gyre_engine.server.long_kv import copy_prefix, prefill_into
+from gyre_engine.server.norms import available as norms_available
+from gyre_engine.server.norms import fuse_rms_norms
 from gyre_engine.server.prefill import group_forward, prefill_chunk, prefill_group, start_cache
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
@@ -160,6 +163,9 @@ class Engine:
         fuse_projections: bool = True
         """Run each layer's q/k/v and gate/up projections as one GEMM each (`fused.py`; parameters and
         their names unchanged)."""
+        fuse_norms: bool = True
+        """Run each RMS norm of the model as one Triton kernel where Triton runs (`norms.py`; CUDA), not
+        transformers' seven."""
         run_steps: int = 8
         """Decode steps per graph replay when no slot row needs logit processing, truncation (top-k/p,
         min-p) or top logprobs: greedy rows and rows sampled at their temperature. Each step's tokens
@@ -215,6 +221,8 @@ class Engine:
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
         self.fused = FusedProjections(self.model) if self.config.fuse_projections else None
+        if self.config.fuse_norms and norms_available(self.device):
+            fuse_rms_norms(self.model)
         self.slots = self._make_slots()
         self.lanes = Lanes(self.device, slots=self.slots)
         if self.config.long_context_tokens > 0 and self.slots is None:
