@@ -88,7 +88,8 @@ def test_only_known_classes_are_replaced() -> None:
 @pytest.mark.slow
 def test_triton_kernel_equals_the_reference_in_the_interpreter() -> None:
     """Widths of a hidden state and of a head (several rows a program), widths that are not a power of
-    two, a row count that is not a multiple of the program's rows, and a strided input (a view)."""
+        two, a row count that is not a multiple of the program's rows, and strided inputs: heads of a slice of
+    a wider projection (read in place), and views that must be copied first."""
     pytest.importorskip("triton")
     code = """
         import torch
@@ -105,9 +106,14 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter() -> None:
                     tol = 1e-5 if dtype == torch.float32 else 2e-2  # a rounding of float16 at most
                     err = float((got.float() - want.float()).abs().max())
                     assert err <= tol * float(want.float().abs().max()), (shape, dtype, err)
-        x = torch.randn(4, 2, 64).transpose(0, 1)  # not contiguous
         w = torch.randn(64)
-        assert torch.allclose(triton_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6), atol=1e-5)
+        for x in (
+            torch.randn(4, 2, 64).transpose(0, 1),  # leading dimensions that do not merge: copied
+            torch.randn(2, 3, 4 * 64 + 96)[..., 32 : 32 + 4 * 64].view(2, 3, 4, 64),  # heads of a slice
+            torch.randn(5, 64 * 3)[:, ::3],  # a last dimension that is not contiguous
+        ):
+            got, want = triton_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)
+            assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5), x.stride()
         print("ok")
     """
     res = subprocess.run(

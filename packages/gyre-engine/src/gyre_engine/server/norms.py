@@ -55,13 +55,16 @@ if triton is not None:
 
     @triton.jit
     def _rms_kernel(  # type: ignore[no-untyped-def]
-        X, W, Y, rows, cols, eps,
+        X, W, Y, rows, inner, sx_o, sx_i, cols, eps,
         ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # row r of the input is (r // inner, r % inner) of a [outer, inner, cols] view with strides
+        # (sx_o, sx_i, 1): the query and key slices of a fused projection are read where they lie
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         c = tl.arange(0, BLOCK)
         m = (r[:, None] < rows) & (c[None, :] < cols)
-        x = tl.load(X + r[:, None] * cols + c[None, :], mask=m, other=0.0).to(tl.float32)
+        at = (r // inner) * sx_o + (r % inner) * sx_i
+        x = tl.load(X + at[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) / cols + eps)
         h = (x * inv[:, None]).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
@@ -79,15 +82,29 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     """The kernel (needs Triton; on the CPU only under TRITON_INTERPRET=1) over x's last dimension."""
     assert triton is not None
     cols = x.shape[-1]
-    xc = x.contiguous()
     y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    rows = xc.numel() // max(cols, 1)
+    x3 = _rows_view(x)
+    rows = x3.shape[0] * x3.shape[1]
     block = triton.next_power_of_2(cols)
     per = max(1, min(16, 4096 // block))  # rows a program: 4 for 1,024 columns, 16 for a head's 128
     _rms_kernel[(triton.cdiv(rows, per),)](
-        xc, weight, y, rows, cols, eps, ROWS=per, BLOCK=block, num_warps=4
+        x3, weight, y, rows, x3.shape[1], x3.stride(0), x3.stride(1), cols, eps,
+        ROWS=per, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return y
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x as [outer, inner, cols] with its last dimension contiguous, without a copy where its strides
+    allow (a head view [..., heads, head_dim] of a slice of a wider projection does), else a copy."""
+    cols = x.shape[-1]
+    inner = x.shape[-2] if x.dim() >= 2 else 1
+    if x.stride(-1) == 1 or cols == 1:
+        try:
+            return x.view(-1, inner, cols)
+        except RuntimeError:  # the leading dimensions do not merge into one stride
+            pass
+    return x.contiguous().view(-1, inner, cols)
 
 
 @torch.library.custom_op("gyre::rms_norm", mutates_args=())
