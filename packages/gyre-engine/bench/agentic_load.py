@@ -312,12 +312,20 @@ def norm_check() -> dict[str, Any]:
 
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict[str, Any] = {}
-    for shape in ((64, 1024), (64, 16, 128), (4608, 1024)):
-        x = (3 * torch.randn(*shape, device="cuda", generator=g)).bfloat16()
-        w = torch.randn(shape[-1], device="cuda", generator=g).bfloat16()
+    cases = {
+        "64x1024": (3 * torch.randn(64, 1024, device="cuda", generator=g)).bfloat16(),
+        "64x16x128": (3 * torch.randn(64, 16, 128, device="cuda", generator=g)).bfloat16(),
+        "4608x1024": (3 * torch.randn(4608, 1024, device="cuda", generator=g)).bfloat16(),
+        # the query heads of a fused q/k/v projection's output, read in place
+        "64x16x128_of_64x4096": (3 * torch.randn(64, 4096, device="cuda", generator=g))
+        .bfloat16()[:, :2048]
+        .view(64, 16, 128),
+    }
+    for name, x in cases.items():
+        w = torch.randn(x.shape[-1], device="cuda", generator=g).bfloat16()
         got, want = triton_rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)
         ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
-        out["x".join(map(str, shape))] = {
+        out[name] = {
             "differ_share": round(float((got != want).float().mean()), 5),
             "max_ulps": round(float(((got.float() - want.float()).abs() / ulp).max()), 2),
         }
