@@ -246,10 +246,11 @@ def python_window(engine: Any, seconds: float) -> dict[str, Any]:
 
 def attention_sweep(caps: list[int], seed: int = 0) -> dict[str, Any]:
     """The slot step's decode attention alone (`triton_decode_attention` with the step's new key and
-    value, one layer, timed as a CUDA graph's replay, median of 50) for each bound on a program's tiles
+    value, one layer, timed as a CUDA graph's replay by `kernels_b64.timed`, median of 50) for each bound on a program's tiles
     in `caps`: 16 decode slots of 12,288 columns and 6 long slots of 33,280, every slot taken, row
     lengths uniform over the slot's width (about what the load's rows hold), Qwen3-0.6B's heads."""
     from gyre_engine.server.decode_attn import plan_splits, triton_decode_attention
+    from kernels_b64 import timed  # this folder's script (on sys.path when run as one)
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     out: dict[str, Any] = {}
@@ -273,24 +274,7 @@ def attention_sweep(caps: list[int], seed: int = 0) -> dict[str, Any]:
                 new_value=vn,
                 max_tiles=cap,
             )
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            times = []
-            for _ in range(50):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1e3)
-            us = statistics.median(times)
+            us = 1e3 * timed(fn, reps=50)  # kernels_b64's: a CUDA graph's replay, median
             by_cap[str(cap)] = {
                 "us": round(us, 1),
                 "splits": plan_splits(rows, 8, width, max_tiles=cap)[0],
