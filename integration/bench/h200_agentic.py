@@ -65,6 +65,13 @@ working tree that outlives a call there: the later calls skip the model and the 
         --skip replay,migrate,probe,train --reuse .runs/metrics-elastic.json,.runs/metrics-colocate.json
     uv run python integration/bench/h200_agentic.py --cpu --tiny --policies elastic,colocate,async \
         --out /tmp/agentic-cpu   # the same path, tiny (about 4 minutes on 2 cores)
+
+Keys of the config can be overridden after the options (`SECTION.KEY=VALUE`, checked as the file is; the
+results keep them under `overrides`), e.g. a timeout that cuts only the tail of this load, one batch
+ahead (`bench/sim_settings.py` says where the policies part):
+
+    bash integration/bench/h200_run.sh --script h200_agentic.py --policies elastic \
+        --skip probe,migrate,replay,train agent.timeout_s=150 driver.max_ahead=1
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ import h200_run
 import model_cache
 import replay
 import runarchive
-from gyre.config.runconfig import Config, load_config
+from gyre.config.runconfig import Config, ConfigError, load_config
 from gyre.measure import arms, floors
 from gyre.system import gpus
 
@@ -499,13 +506,25 @@ def main() -> int:
         default=",".join(str(HERE / f) for f in PLAN_FROM),
         help="earlier calls' results, oldest first, and a probe call's (comma list), for the estimates",
     )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="SECTION.KEY=VALUE",
+        help="override a key of the config, checked as the file is (e.g. agent.timeout_s=150 "
+        "driver.max_ahead=1); the results keep them under `overrides`",
+    )
     a = p.parse_args()
     t_begin = time.monotonic()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work or f"/tmp/h200-agentic-{os.getpid()}").resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(a.config)
+    try:
+        cfg = load_config(a.config, a.overrides)
+    except ConfigError as exc:
+        sys.exit(f"h200_agentic: {exc}")
+    say(f"config {a.config}{' with ' + ' '.join(a.overrides) if a.overrides else ''}: timeout "
+        f"{cfg.agent.timeout_s:g} s, {cfg.driver.max_ahead} batches ahead")  # fmt: skip
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, keep_batches=True))
     # A part that dies fails the run at once, naming it with its log's last lines: a new attempt from the
     # checkpoint would spend the call's budget and blur the figures.
@@ -528,7 +547,9 @@ def main() -> int:
         m = json.loads(Path(path).read_text())
         if m["policy"] not in policies:  # a policy run in this call: its run counts
             reused[m["policy"]] = (path, m)
-    ests = plan_estimates(a.plan_from, load_config(a.config), {k: m for k, (_, m) in reused.items()})
+    ests = plan_estimates(
+        a.plan_from, load_config(a.config, a.overrides), {k: m for k, (_, m) in reused.items()}
+    )
     steps = a.warmstart_steps if a.warmstart_steps is not None else (4 if a.tiny else 100)
     steps_plan = plan(policies, skip | ({"warmstart"} if steps <= 0 else set()), ests, bool(from_run))
     known = [x for _, x in steps_plan if x is not None]
@@ -549,7 +570,7 @@ def main() -> int:
             f"after the runs, {after:.0f} s planned, are skipped where the runs leave them too little")  # fmt: skip
     if a.plan:
         return 0 if sum(known) <= CALL_LIMIT_S else 1
-    res: dict[str, Any] = {"config": a.config, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
+    res: dict[str, Any] = {"config": a.config, "overrides": a.overrides, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},
                            "machine": h200_run.machine(device), "policies": {},
                      "plan_s": dict(steps_plan)}  # fmt: skip
     if reused:
