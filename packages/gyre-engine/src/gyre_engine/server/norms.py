@@ -2,7 +2,7 @@
 transformers' forward runs seven (to float32, square, mean, add epsilon, reciprocal square root,
 multiply, back to the input's dtype, times the weight).
 
-Why: a decode step of the Qwen3-0.6B shape launches about 1,480 kernels (on one H100 under the
+Why: a decode step of the Qwen3-0.6B shape launches about 1,600 kernels (on one H100 under the
 agent-shaped load of `bench/agentic_load.py`), most of them elementwise kernels over a few rows that each
 cost the GPU a few microseconds whatever their size; its 113 RMS norms a step (the layer's two, the
 attention's query and key norms, the final one) are about 790 of them. Inside the step's CUDA graph one
