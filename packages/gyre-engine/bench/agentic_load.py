@@ -47,8 +47,6 @@ from typing import Any
 
 import torch
 
-KV_TOKEN_BYTES_QWEN3_0_6B = 2 * 28 * 8 * 128 * 2
-
 
 class Shape:
     """The execution profile (lengths in tokens, times in seconds), the agentic config's."""
@@ -69,7 +67,7 @@ def lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: fl
 
 
 class Load:
-    """The agents' threads and what they measured; `window` opens and closes the measured part."""
+    """The agents' threads and what they measured; calls that end while `measuring` is set are kept."""
 
     def __init__(self, engine: Any, shape: Shape, agents: int, vocab: int, seed: int) -> None:
         self.engine, self.shape, self.vocab = engine, shape, vocab
@@ -86,6 +84,14 @@ class Load:
     def tokens(self, rng: random.Random, n: int) -> list[int]:
         return [rng.randrange(10, self.vocab) for _ in range(n)]
 
+    def grown(self, ctx: list[int], new: list[int], rng: random.Random) -> list[int]:
+        """`ctx` extended by `new` (a call's output and its tool output); past the compaction threshold,
+        the prompt and a summary instead."""
+        ctx = ctx + new
+        if len(ctx) > self.shape.compact:
+            ctx = ctx[: self.shape.prompt] + self.tokens(rng, self.shape.summary)
+        return ctx
+
     def agent(self, i: int, seed: int) -> None:
         from gyre_engine.protocol import SamplingParams
         from gyre_engine.server.request import EngineRequest, TokenEvent
@@ -99,9 +105,8 @@ class Load:
             calls = int(lognormal(rng, *sh.calls))
             start = rng.randrange(calls) if first else 0  # staggered: the first execution starts midway
             for _ in range(start):
-                ctx += self.tokens(rng, int(lognormal(rng, *sh.output)) + int(lognormal(rng, *sh.tool)))
-                if len(ctx) > sh.compact:
-                    ctx = ctx[: sh.prompt] + self.tokens(rng, sh.summary)
+                made = int(lognormal(rng, *sh.output)) + int(lognormal(rng, *sh.tool))
+                ctx = self.grown(ctx, self.tokens(rng, made), rng)
             first = False
             for _ in range(start, calls):
                 if self.stop.is_set():
@@ -135,9 +140,7 @@ class Load:
                 with self.lock:
                     if self.measuring:
                         self.calls.append((t1 - t0, firsts[0] - t0, len(out)))
-                ctx = ctx + out + self.tokens(rng, int(lognormal(rng, *sh.tool)))
-                if len(ctx) > sh.compact:
-                    ctx = ctx[: sh.prompt] + self.tokens(rng, sh.summary)
+                ctx = self.grown(ctx, out + self.tokens(rng, int(lognormal(rng, *sh.tool))), rng)
                 self.stop.wait(lognormal(rng, sh.tool_s[0], sh.tool_s[1], 0.0, 30.0))
 
 
@@ -445,11 +448,13 @@ def main() -> None:
     if cuda:
         out["norm_check"] = norm_check()
         print(json.dumps(out["norm_check"]), flush=True)
+    # every setting without fused norms first: an engine that fuses them changes the forward of the
+    # model's norm modules, which every later engine on the same model keeps
     settings = [
         (int(r), int(c), f == "1")
+        for f in sorted(a.fuse_norms.split(","))
         for r in a.max_running.split(",")
         for c in a.max_tiles.split(",")
-        for f in a.fuse_norms.split(",")
     ]
     for rows, cap, fuse in settings:
         r = one_setting(model, a, rows, cap, fuse)
