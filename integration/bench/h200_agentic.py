@@ -520,9 +520,10 @@ def main() -> int:
     work = Path(a.work or f"/tmp/h200-agentic-{os.getpid()}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        cfg = load_config(a.config, a.overrides)
+        loaded = load_config(a.config, a.overrides)  # as the file and overrides say (for the plan)
     except ConfigError as exc:
         sys.exit(f"h200_agentic: {exc}")
+    cfg = loaded
     say(f"config {a.config}{' with ' + ' '.join(a.overrides) if a.overrides else ''}: timeout "
         f"{cfg.agent.timeout_s:g} s, {cfg.driver.max_ahead} batches ahead")  # fmt: skip
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, keep_batches=True))
@@ -547,9 +548,7 @@ def main() -> int:
         m = json.loads(Path(path).read_text())
         if m["policy"] not in policies:  # a policy run in this call: its run counts
             reused[m["policy"]] = (path, m)
-    ests = plan_estimates(
-        a.plan_from, load_config(a.config, a.overrides), {k: m for k, (_, m) in reused.items()}
-    )
+    ests = plan_estimates(a.plan_from, loaded, {k: m for k, (_, m) in reused.items()})
     steps = a.warmstart_steps if a.warmstart_steps is not None else (4 if a.tiny else 100)
     steps_plan = plan(policies, skip | ({"warmstart"} if steps <= 0 else set()), ests, bool(from_run))
     known = [x for _, x in steps_plan if x is not None]
