@@ -18,7 +18,8 @@ In one process, in order (each part's seconds land in the results as `phase_s`):
    with a call in flight (`replay.serve_run_again`). This, not part 3's tokens/s, is what the rollout goal
    holds the run to: part 3's calls are not the run's (a fixed prompt length, `max_tokens` every time);
 then writes OUT/results-h200-run.json (every figure, the floors, the goals), OUT/timeline.png,
-OUT/metrics.json and OUT/run-logs.tar.gz (the run's logs, steps.jsonl, the standalone engines' logs).
+OUT/metrics.json and OUT/run-logs.tar.gz (the run's logs, the cells' records, steps.jsonl, the standalone
+engines' logs).
 
     bash integration/bench/h200_run.sh                      # on the H200 (OUT set by the device call)
     uv run python integration/bench/h200_run.py --cpu --tiny --out /tmp/h200-cpu   # the same path, tiny
@@ -468,7 +469,7 @@ def finish(out: Path, work: Path, res: dict[str, Any], rc: int) -> int:
         if (run_dir / name).exists():
             shutil.copy(run_dir / name, out / name)
     with tarfile.open(out / "run-logs.tar.gz", "w:gz") as tar:
-        for sub in ("run/logs", "run/steps.jsonl", "run/samples.jsonl", "run/train-samples.jsonl",
+        for sub in ("run/logs", "run/cells", "run/steps.jsonl", "run/samples.jsonl", "run/train-samples.jsonl",
                     "standalone-logs", "model/config.json"):  # fmt: skip
             if (work / sub).exists():
                 tar.add(work / sub, arcname=sub)

@@ -51,8 +51,8 @@ def test_the_slowest_serving_engine_ends_the_push(tmp_path: Path) -> None:
     assert sorted(versions) == [0, 1, 2] and len(versions[1]) == 2
     served = push_served(_samples(), versions, 10.02, 1)
     assert served is not None
-    push_s, pull_s = served
-    assert abs(push_s - 0.45) < 1e-9 and pull_s == 0.31
+    push_s, parts = served
+    assert abs(push_s - 0.45) < 1e-9 and parts["pull_s_max"] == 0.31
     # The sampler saw both engines at version 1 only at its 10.6 tick: 0.58 s, 0.13 s late.
     assert abs(push_reached(_samples(), 10.02, 1)[0] - 10.02 - 0.58) < 1e-9
 
@@ -76,3 +76,36 @@ def test_a_serving_cell_without_a_record_leaves_the_sampled_figure(tmp_path: Pat
     assert read_versions(tmp_path / "nowhere") == {}
     # Nobody serving rollout after the step: no push to time.
     assert push_served([], read_versions(tmp_path), 10.0, 1) is None
+
+
+def test_the_parts_are_those_of_the_engine_that_ended_the_push(tmp_path: Path) -> None:
+    """Cell 2 pulled longer but cell 1 served last: the parts are cell 1's, and they add up."""
+    _write(
+        tmp_path,
+        [
+            {"cell": 1, "version": 1, "asked": 10.62, "served": 11.02, "status_s": 0.58, "pull_s": 0.2,
+             "apply_s": 0.15},
+            {"cell": 2, "version": 1, "asked": 10.05, "served": 10.5, "status_s": 0.01, "pull_s": 0.3,
+             "apply_s": 0.1},
+        ],
+    )  # fmt: skip
+    served = push_served(_samples(), read_versions(tmp_path), 10.02, 1)
+    assert served is not None
+    push_s, parts = served
+    assert abs(push_s - 1.0) < 1e-9
+    assert parts["notice_s"] == 0.6 and parts["status_s"] == 0.58 and parts["apply_s"] == 0.15
+    assert parts["pull_s"] == 0.2 and parts["pull_s_max"] == 0.3
+    assert parts["other_s"] is not None and abs(parts["other_s"] - 0.05) < 1e-9
+    total = sum(v for k, v in parts.items() if k in ("notice_s", "pull_s", "apply_s", "other_s"))
+    assert abs(total - push_s) < 1e-3
+
+
+def test_records_without_apply_seconds_count_it_in_the_rest(tmp_path: Path) -> None:
+    """A record of an engine that does not say its apply seconds (SGLang's one push figure)."""
+    _write(tmp_path, [{"cell": 1, "version": 1, "asked": 10.1, "served": 10.5, "pull_s": 0.3},
+                      {"cell": 2, "version": 1, "asked": 10.1, "served": 10.2, "pull_s": 0.1}])  # fmt: skip
+    served = push_served(_samples(), read_versions(tmp_path), 10.0, 1)
+    assert served is not None
+    _, parts = served
+    assert parts["apply_s"] is None and parts["status_s"] is None
+    assert parts["other_s"] is not None and abs(parts["other_s"] - 0.1) < 1e-9

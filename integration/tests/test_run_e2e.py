@@ -123,6 +123,10 @@ wandb_project = "gyre-e2e"
     for s in m["steps"]:
         if s["push_s"] is not None and s["push_pull_s"] is not None:
             assert 0 <= s["push_pull_s"] <= s["push_s"] and s["push_s"] <= s["push_sampled_s"] + 0.05, s
+            # ... split into its parts: gyre-engine says its pull and apply seconds, the cell its poll.
+            parts = s["push_parts"]
+            assert parts["apply_s"] is not None and parts["apply_s"] >= 0, parts
+            assert 0 <= parts["status_s"] <= parts["notice_s"] + 0.01, parts
 
     # Every execution ran and was scored; each trained one is in exactly one step's mini-batch.
     assert m["executions"] == 8

@@ -204,23 +204,28 @@ class Cell:
 
     def sync_weights(self) -> bool:
         """Load the core's newest version into the engine if it is newer; True if it changed."""
+        t_status = time.monotonic()
         st = self.client.status()
         if st.version <= self.engine_version:
             return False
         asked = time.time()
+        status_s = time.monotonic() - t_status
         if self.sglang is not None:
             with self.weights_lock:
                 push_s = self.sglang.load(self.publisher, st.snapshot, st.version)
             self.engine_version = st.version
-            self._version_record(st.version, asked, push_s)
+            self._version_record(st.version, asked, status_s, push_s, None)
             log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
             return True
         rep = self._pull(st.snapshot, st.version)
         if not rep.success:
             raise RuntimeError(f"cell {self.a.cell_id}: weight update failed: {rep.message}")
         self.engine_version = st.version
-        self._version_record(st.version, asked, rep.pull_s)
-        log.info("cell %d: engine at version %d (%.3fs pull)", self.a.cell_id, st.version, rep.pull_s)
+        self._version_record(st.version, asked, status_s, rep.pull_s, rep.apply_s)
+        log.info(
+            "cell %d: engine at version %d (status %.3fs, pull %.3fs, apply %.3fs, %.3fs in all)",
+            self.a.cell_id, st.version, status_s, rep.pull_s, rep.apply_s, time.time() - asked + status_s,
+        )  # fmt: skip
         return True
 
     def first_pull(self) -> float | None:
@@ -254,14 +259,19 @@ class Cell:
                 )  # the core publishes its backend's one-rank layout; the engine converts Megatron's
             )
 
-    def _version_record(self, version: int, asked: float, pull_s: float) -> None:
+    def _version_record(
+        self, version: int, asked: float, status_s: float, pull_s: float, apply_s: float | None
+    ) -> None:
         """A line of `cells/<id>.versions.jsonl` in the run directory: when this cell asked for `version`
-        and when its engine served it (wall times; `gyre run`'s metrics take each push's end from them,
-        not from the sampler's interval), and the engine's own pull seconds."""
+        (the core's status reply in hand, after `status_s` waiting for it) and when its engine served it
+        (wall times; `gyre run`'s metrics take each push's end from them, not from the sampler's
+        interval), and the engine's own seconds pulling the snapshot and applying it between two steps
+        (None where the engine does not say: SGLang's push is one figure)."""
         d = self.run_dir / "cells"
         d.mkdir(parents=True, exist_ok=True)
         rec = {"cell": self.a.cell_id, "version": version, "asked": asked, "served": time.time(),
-               "pull_s": round(pull_s, 4)}  # fmt: skip
+               "status_s": round(status_s, 4), "pull_s": round(pull_s, 4),
+               "apply_s": None if apply_s is None else round(apply_s, 4)}  # fmt: skip
         with open(d / f"{self.a.cell_id}.versions.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 

@@ -172,6 +172,7 @@ def run_figures(metrics: dict[str, Any], output_tokens: int) -> dict[str, Any]:
         "switches_to_rollout": len(sw.get("to_rollout_s", [])),
         "switch_times": sw,
         "push_s": {str(s["version"]): s.get("push_s") for s in steps},
+        "push_parts": {str(s["version"]): s.get("push_parts") for s in steps if s.get("push_parts")},
         "kv_migrations": moves.get("kv_migrations"),
         "moved_calls": moves.get("moved_calls"),
         "rollout_output_tokens": output_tokens,

@@ -85,24 +85,40 @@ def push_served(
     versions: Mapping[int, Sequence[Mapping[str, Any]]],
     t_applied: float,
     version: int,
-) -> tuple[float, float] | None:
-    """(seconds from `version` applied to every engine that was serving rollout then serving it, the
-    longest of their engines' pulls), from the cells' own records of when their engines took each
-    version; None when a serving cell has no such record (the sampled `push_reached` stands then)."""
+) -> tuple[float, dict[str, float | None]] | None:
+    """(seconds from `version` applied to every engine that was serving rollout then serving it, where
+    the slowest of them spent them), from the cells' own records of when their engines took each
+    version; None when a serving cell has no such record (the sampled `push_reached` stands then).
+
+    The parts, of the engine that ended the push: `notice_s` from the step applied to its cell holding
+    the core's status that names the version (the cell's poll; `status_s` of it waiting for the reply),
+    `pull_s` and `apply_s` (the engine's own seconds pulling the snapshot and copying it in between two
+    steps; None where the record does not say), and `other_s`, the rest (the HTTP round trip, the
+    engine's request queue)."""
     after = [x for x in samples if x.t >= t_applied]
     serving = [cid for cid, ro in after[0].roles.items() if ro == int(Role.ROLLOUT)] if after else []
     if not serving:
         return None
-    ends: list[float] = []
-    pulls: list[float] = []
+    firsts: list[Mapping[str, Any]] = []
     for cid in serving:
         took = [r for r in versions.get(int(cid), ()) if int(r["version"]) >= version]
         if not took:
             return None
-        first = min(took, key=lambda r: float(r["served"]))
-        ends.append(float(first["served"]))
-        pulls.append(float(first["pull_s"]))
-    return max(ends) - t_applied, max(pulls)
+        firsts.append(min(took, key=lambda r: float(r["served"])))
+    last = max(firsts, key=lambda r: float(r["served"]))
+    push_s = float(last["served"]) - t_applied
+    notice_s = float(last["asked"]) - t_applied
+    pull_s = float(last["pull_s"])
+    apply_s = None if last.get("apply_s") is None else float(last["apply_s"])
+    parts: dict[str, float | None] = {
+        "notice_s": round(notice_s, 4),
+        "status_s": None if last.get("status_s") is None else float(last["status_s"]),
+        "pull_s": pull_s,
+        "apply_s": apply_s,
+        "other_s": round(push_s - notice_s - pull_s - (apply_s or 0.0), 4),
+        "pull_s_max": max(float(r["pull_s"]) for r in firsts),
+    }
+    return push_s, parts
 
 
 def push_reached(samples: Sequence[Sample], t_applied: float, version: int) -> list[float]:
@@ -142,7 +158,8 @@ def _step_row(
         "skipped": bool(r.get("skipped", False)),
         "push_s": round(served[0], 3) if served is not None else sampled,
         "push_sampled_s": sampled,
-        "push_pull_s": round(served[1], 3) if served is not None else None,
+        "push_pull_s": served[1]["pull_s_max"] if served is not None else None,
+        "push_parts": served[1] if served is not None else None,
         "groups": cfg.batch.queries,
         "training_cells": len(r["by_replica"]),
         "by_replica": r["by_replica"],
