@@ -62,9 +62,12 @@ def test_writes_land_one_at_a_time_in_order(tmp_path: Path, monkeypatch: pytest.
     try:
         w = CheckpointWriter()
         core.train_step(synthetic_minibatch(4, seed=1))
-        w.submit(core.state_dict(), tmp_path / "ck")
+        waited_first, copy_first = w.submit(core.state_dict(), tmp_path / "ck")
+        assert waited_first < 0.5 and copy_first >= 0.0  # nothing before it to wait for
         core.train_step(synthetic_minibatch(4, seed=2))
-        second = threading.Thread(target=w.submit, args=(core.state_dict(), tmp_path / "ck"))
+        times: list[tuple[float, float]] = []
+        state = core.state_dict()
+        second = threading.Thread(target=lambda: times.append(w.submit(state, tmp_path / "ck")))
         second.start()
         second.join(0.5)
         assert second.is_alive() and started == [1]  # held behind the first write
@@ -73,6 +76,7 @@ def test_writes_land_one_at_a_time_in_order(tmp_path: Path, monkeypatch: pytest.
         second.join(30)
         assert not second.is_alive() and w.wait(30)
         assert started == [1, 2] and w.written == 2
+        assert times[0][0] >= 0.5  # it says how long it waited for the first write
         assert checkpoint.load(tmp_path / "ck")["position"]["step"] == 2
     finally:
         core.close()

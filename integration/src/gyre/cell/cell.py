@@ -425,9 +425,17 @@ class Cell:
             row = {**asdict(rep), "t_start": t0, "t_end": time.time()}
             with open(steps, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
+            ckpt = ""
             if self.ckpt_writer is not None:
-                self.ckpt_writer.submit(self.core.state_dict(), Path(self.a.checkpoint))
-            log.info("step %d applied: version %d, loss %.4f", rep.step, rep.version, rep.loss)
+                t_state = time.perf_counter()
+                state = self.core.state_dict()
+                state_s = time.perf_counter() - t_state
+                waited_s, copy_s = self.ckpt_writer.submit(state, Path(self.a.checkpoint))
+                ckpt = (
+                    f"; checkpoint {state_s + waited_s + copy_s:.2f} s after the step (its state"
+                    f" {state_s:.2f} s, the last write {waited_s:.2f} s, the host copy {copy_s:.2f} s)"
+                )
+            log.info("step %d applied: version %d, loss %.4f%s", rep.step, rep.version, rep.loss, ckpt)
             self._quiet_since = time.monotonic()
 
     def _next_step(self) -> QueuedStep | None:

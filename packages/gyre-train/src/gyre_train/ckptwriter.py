@@ -17,6 +17,7 @@ with its own way to end (a full disk said as such) passes `on_error`.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,12 +62,17 @@ class CheckpointWriter:
         self.written = 0
         """Checkpoints written so far."""
 
-    def submit(self, state: TrainerState, path: Path) -> None:
+    def submit(self, state: TrainerState, path: Path) -> tuple[float, float]:
         """Wait for the write before (if any), take a host copy of `state` and write it to `path` in the
-        background. Returns once the copy is taken: the caller may update its tensors from then on."""
+        background. Returns once the copy is taken: the caller may update its tensors from then on.
+        Returns the seconds it waited for the write before and the seconds the host copy took (what the
+        caller's thread spent here)."""
+        t0 = time.perf_counter()
         self.wait()
+        t1 = time.perf_counter()
         snap, dest = host_copy(state), Path(path)
         self._thread = start_thread(lambda: self._write(snap, dest), WRITER)
+        return t1 - t0, time.perf_counter() - t1
 
     def _write(self, state: TrainerState, path: Path) -> None:
         """On the writer's thread (`threads.start_thread`: an exception out of here ends the process)."""
