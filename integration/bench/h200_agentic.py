@@ -514,7 +514,7 @@ def main() -> int:
         "driver.max_ahead=1); the results keep them under `overrides`",
     )
     a = p.parse_args()
-    t_begin = time.monotonic()
+    t_begin = h200_run.call_began()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work or f"/tmp/h200-agentic-{os.getpid()}").resolve()
@@ -564,6 +564,7 @@ def main() -> int:
     if policies:
         names = [n for n, _ in steps_plan]
         before = sum(x or 0.0 for _, x in steps_plan[: names.index(f"run-{policies[0]}")])
+        before += time.monotonic() - t_begin  # the call's seconds before this script, and reading the config
         say(f"plan: run-{policies[0]}'s deadline about {budget - before - AFTER_RUN_S - STARTUP_S:.0f} s ([run] deadline_s "
             f"{cfg.run.deadline_s:.0f} s; a run past its deadline fails and leaves no figures); the parts "
             f"after the runs, {after:.0f} s planned, are skipped where the runs leave them too little")  # fmt: skip

@@ -8,6 +8,9 @@
 # sortedcontainers, attrs and pytest-timeout wheels too); their outcome goes to $OUT/cuda-tests.log and
 # does not stop the bench.
 set -euo pipefail
+# The call's start: the script's --budget-s counts from here, the wheels' install and any CUDA tests with it.
+GYRE_CALL_START="${GYRE_CALL_START:-$(date +%s.%N)}"
+export GYRE_CALL_START
 OUT="${OUT:-$PWD/h200-run-out}"
 mkdir -p "$OUT"
 SCRIPT=h200_run.py
