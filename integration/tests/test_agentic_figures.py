@@ -311,12 +311,15 @@ def test_elastic_trains_a_step_the_next_batch_waits_for_on_the_agent_shaped_work
     assert not predict.sim_workload(rules).elastic.train_complete_steps
 
 
-def test_the_agentic_examples_staleness_bound_puts_elastic_ahead_in_the_simulator() -> None:
-    """`examples/h200-agentic.toml`'s `max_ahead` 2, as its comments say: the simulator calibrated on the
-    2026-12-05 H200 run puts elastic ahead of Async and Colocate, at a mean staleness within the report's
-    target of 1.5, and sooner with the complete-step rules than with the report's alone; at 1 batch ahead,
-    where every policy waits out each pair of batches cut at the timeout, elastic has no lead: it and
-    Colocate are within 1% of each other."""
+def test_the_simulator_calibrated_on_one_run_predicts_the_next_days_three() -> None:
+    """Calibrated on the 2026-12-05 elastic run alone (`examples/h200-agentic.toml`, two batches ahead),
+    the simulator predicts the three policies' runs of 2026-12-06 on the same config within 3% each
+    (measured elastic 323.0 s, Colocate 359.9, Async 322.3): elastic and Async tie, Colocate is more than
+    10% behind, at a mean staleness within the report's target of 1.5, and elastic is sooner with the
+    complete-step rules than with the report's alone. Its training seconds follow the calls each group's
+    executions made: with a group's seconds fixed, it put Async 4% behind elastic. At one batch ahead,
+    where every policy waits out each pair of batches cut at the timeout, elastic is slower than at two
+    and no faster than Colocate."""
     from gyre.config.runconfig import load_config
 
     cfg = load_config(BENCH.parent / "examples" / "h200-agentic.toml")
@@ -328,22 +331,26 @@ def test_the_agentic_examples_staleness_bound_puts_elastic_ahead_in_the_simulato
         return {r["arm"]: r["predicted"] for r in table["rows"]}
 
     two = sim(cfg)
-    assert two["elastic"]["end_to_end_s"] < two["async"]["end_to_end_s"] < two["colocate"]["end_to_end_s"]
-    assert all(two[p]["staleness_mean"] <= 1.5 for p in POLICIES)
+    measured = {"elastic": 323.0, "colocate": 359.9, "async": 322.3}
+    for p in POLICIES:
+        assert two[p]["end_to_end_s"] == pytest.approx(measured[p], rel=0.03), p
+        assert two[p]["staleness_mean"] <= 1.5
+    assert two["async"]["end_to_end_s"] == pytest.approx(two["elastic"]["end_to_end_s"], rel=0.03)
+    assert two["colocate"]["end_to_end_s"] > 1.1 * two["elastic"]["end_to_end_s"]
     alone = sim(dataclasses.replace(cfg, sched=dataclasses.replace(cfg.sched, train_complete_steps=False)))
     assert two["elastic"]["end_to_end_s"] < alone["elastic"]["end_to_end_s"]
     one = sim(dataclasses.replace(cfg, driver=dataclasses.replace(cfg.driver, max_ahead=1)))
-    assert abs(one["colocate"]["end_to_end_s"] / one["elastic"]["end_to_end_s"] - 1.0) < 0.01
-    assert two["colocate"]["end_to_end_s"] > 1.1 * two["elastic"]["end_to_end_s"]
+    assert one["colocate"]["end_to_end_s"] <= one["elastic"]["end_to_end_s"] * 1.005
     assert two["elastic"]["end_to_end_s"] < one["elastic"]["end_to_end_s"]
 
 
 def test_calibration_measures_training_by_the_cells_that_trained_each_step() -> None:
-    """Two cells on one H200 trained step 0 of the 2026-12-05 run side by side at 11.46 cell-seconds a group,
-    and one cell, beside the other serving, step 1 at 9.21: the calibration keeps both, and the simulator
+    """Two cells on one H200 trained step 0 of the 2026-12-05 run side by side at 11.46 cell-seconds a group
+    (0.146 a model call its executions made), and one cell, beside the other serving, step 1 at 9.21 (0.122
+    a call): the calibration keeps both, as seconds of a group of the median calls, and the simulator
     trains Colocate's whole pool at the first and Async's one cell at the second, where one median of both
-    (10.33) made Colocate faster and Async slower than that run's steps. A count not measured is
-    interpolated between counts that were, or takes the fewest measured below them."""
+    made Colocate faster and Async slower than that run's steps. A count not measured is interpolated
+    between counts that were, or takes the fewest measured below them."""
     from gyre.config.runconfig import load_config
     from gyre.measure import predict
 
@@ -351,9 +358,13 @@ def test_calibration_measures_training_by_the_cells_that_trained_each_step() -> 
     m = json.loads((BENCH / "metrics-h200-agentic-1205.json").read_text())
     assert [(s["training_cells"], s["groups"]) for s in m["steps"]] == [(2, 4), (1, 4)]
     cal = predict.calibrate([m])
-    assert cal.train_group_s_by_cells == (9.206, 11.4603)
-    assert cal.train_group_s == pytest.approx((9.206 + 11.4603) / 2, abs=1e-3)
-    assert predict.sim_workload(cfg, cal).cell.group_s(2) == pytest.approx(11.4603)
+    # Per model call its executions made (314 and 301), as seconds of a group of the median calls.
+    per_group = (314 / 4 + 301 / 4) / 2
+    assert cal.train_group_calls == pytest.approx(per_group)
+    one_cell, two_cells = 36.824 / 301 * per_group, 45.841 / 314 * per_group
+    assert cal.train_group_s_by_cells == (round(one_cell, 4), round(two_cells, 4))
+    assert cal.train_group_s == pytest.approx((one_cell + two_cells) / 2, abs=1e-3)
+    assert predict.sim_workload(cfg, cal).cell.group_s(2) == pytest.approx(two_cells, abs=1e-4)
 
     def steps(*by: tuple[int, float]) -> dict[str, Any]:
         s = [{"groups": 4, "training_cells": k, "busy_cell_s": 4 * g} for k, g in by]
@@ -376,7 +387,7 @@ def test_calibration_measures_training_by_the_cells_that_trained_each_step() -> 
         return {r["arm"]: r["predicted"]["end_to_end_s"] for r in table["rows"]}
 
     by, one = sim(m), sim(flat)
-    assert by["colocate"] > one["colocate"] + 5.0 and by["async"] < one["async"] - 5.0
+    assert by["colocate"] > one["colocate"] + 3.0 and by["async"] < one["async"] - 3.0
 
 
 def test_calibration_takes_the_runs_queueing_out_of_its_seconds_per_call() -> None:

@@ -208,3 +208,46 @@ def test_training_cells_train_at_the_measured_cost_for_their_count(tmp_path: Pat
         workload_from_dict({"cell": {"train_group_s_by_cells": [1.0, 0.0]}})
     with pytest.raises(ConfigError, match=r"train_group_s_by_cells\[0\] must be float"):
         workload_from_dict({"cell": {"train_group_s_by_cells": ["x"]}})
+
+
+def test_groups_train_in_the_work_their_executions_brought() -> None:
+    """`work`: with each execution worth 1 / group_size of a group, and none cut by the timeout, the run is
+    the one without it; twice the work, training phases twice as long; an execution cut by the timeout
+    brings the share of its work its progress reached."""
+    run = {"steps": 3, "cells": 2, "timeout_h": 100.0}
+    w = workload_from_dict({**SMALL, "run": run, "cell": {"train_group_s": 120.0, "update_s": 0.0}})
+    d = sample_durations(w)
+    G = w.batch.group_size
+
+    def sim(policy: str, work: np.ndarray | None, durations: np.ndarray = d) -> Simulator:
+        s = Simulator(w, make_policy(policy, w), durations, work=work)
+        s.run()
+        return s
+
+    def training_s(s: Simulator) -> float:
+        return sum(g.end_s - g.start_s for g in s.segments if g.role is Role.TRAINING)
+
+    for policy in ("elastic", "colocate", "async"):
+        plain, unit = sim(policy, None), sim(policy, np.full(d.shape, 1.0 / G))
+        assert unit.t == pytest.approx(plain.t) and unit.timed_out.sum() == 0
+    unit, double = sim("colocate", np.full(d.shape, 1.0 / G)), sim("colocate", np.full(d.shape, 2.0 / G))
+    assert training_s(double) == pytest.approx(2 * training_s(unit))
+    assert double.t > unit.t
+
+    # One step of one group of two, on one cell: an execution cut at half its duration brings half its work.
+    one = workload_from_dict(
+        {"run": {"steps": 1, "cells": 1, "timeout_h": 1.0}, "batch": {"queries": 1, "group_size": 2},
+         "durations": {"median_h": 0.2}, "cell": {"train_group_s": 100.0, "update_s": 0.0,
+                                                   "to_training_s": 0.0}},
+    )  # fmt: skip
+    t = one.timeout_s
+    cut = Simulator(
+        one, make_policy("colocate", one), np.array([[[2 * t, 0.5 * t]]]), work=np.array([[[1.0, 1.0]]])
+    )
+    cut.run()
+    assert cut.timed_out.tolist() == [True, False]
+    assert cut.ready_work[0] == pytest.approx(1.5)  # half of the first, all of the second
+    assert cut.t == pytest.approx(t + 150.0)  # the batch ends at the timeout, then 1.5 x 100 s of training
+    for bad in (np.zeros((1, 1, 3)), np.full((1, 1, 2), -1.0), np.full((1, 1, 2), np.nan)):
+        with pytest.raises(ValueError, match="work"):
+            Simulator(one, make_policy("colocate", one), np.array([[[1.0, 1.0]]]), work=bad)

@@ -52,6 +52,13 @@ class Calibration:
     interpolated, one below the fewest measured takes the fewest's): two cells on one GPU train a group
     in more cell-seconds side by side than one beside a serving cell. Empty: `train_group_s` at any
     count."""
+    train_group_calls: float | None = None
+    """Model calls a group's executions made, in the steps the training seconds were measured on (the
+    median): `train_group_s` and `train_group_s_by_cells` are the seconds of a group of that many calls,
+    and `predict` trains each simulated group in its executions' calls over this (a trained token per
+    token the calls added: on the agent-shaped runs 1,420-1,670 trained tokens a call, step by step,
+    while the steps' calls ranged 1.7x). None where the runs do not say which calls each step trained:
+    every group is then one, whatever its executions ran."""
     update_s: float = 0.5
     """Optimizer step plus the weight push to the engines."""
     to_training_s: float = 0.5
@@ -156,6 +163,10 @@ def calibrate(
     (its share of the sleep in hand is unknown); without it, the whole `tool_s`."""
     group_s: list[float] = []
     by_cells: dict[int, list[float]] = {}
+    call_cost: list[float] = []  # busy training cell-seconds per model call made, step by step
+    call_cost_by_cells: dict[int, list[float]] = {}
+    group_calls: list[float] = []
+    every_step_counted = True
     update_s: list[float] = []
     to_t: list[float] = []
     to_r: list[float] = []
@@ -183,6 +194,12 @@ def calibrate(
             v = speed(o["start"], o["end"])
             speeds.append(v)
             call_s.append(max(0.0, wall - tool) / n * v)
+        calls_of_batch: dict[int, int] = {}  # the calls each batch's executions made (its step trains them)
+        for o in m.get("outcomes", []):
+            if "where" in o:
+                calls_of_batch[int(o["where"][0])] = calls_of_batch.get(int(o["where"][0]), 0) + int(
+                    o["calls"]
+                )
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
                 continue
@@ -191,6 +208,14 @@ def calibrate(
                     group_s.append(s["busy_cell_s"] / s["groups"])
                     if s.get("training_cells"):
                         by_cells.setdefault(s["training_cells"], []).append(group_s[-1])
+                    made = calls_of_batch.get(int(s.get("step", -1)), 0)
+                    if made > 0:
+                        call_cost.append(s["busy_cell_s"] / made)
+                        group_calls.append(made / s["groups"])
+                        if s.get("training_cells"):
+                            call_cost_by_cells.setdefault(s["training_cells"], []).append(call_cost[-1])
+                    else:
+                        every_step_counted = False
             elif s.get("elapsed_s"):  # metrics written before training was sampled
                 group_s.append(s["elapsed_s"] * max(1, s.get("training_cells", 1)) / s["groups"])
             if s.get("push_s") is not None:
@@ -199,9 +224,15 @@ def calibrate(
         to_r += m["switch_times"]["to_rollout_s"]
     med = statistics.median
     q = np.linspace(0.0, 1.0, OVERRUN_QUANTILES)
+    per_group: float | None = None
+    if call_cost and every_step_counted:  # seconds a call, as seconds of a group of the median calls
+        per_group = med(group_calls)
+        group_s = [c * per_group for c in call_cost]
+        by_cells = {k: [c * per_group for c in v] for k, v in call_cost_by_cells.items()}
     return Calibration(
         train_group_s=med(group_s) if group_s else Calibration.train_group_s,
         train_group_s_by_cells=_by_cells({k: med(v) for k, v in by_cells.items()}),
+        train_group_calls=round(per_group, 4) if per_group is not None else None,
         update_s=med(update_s) if update_s else Calibration.update_s,
         to_training_s=med(to_t) if to_t else Calibration.to_training_s,
         to_rollout_s=med(to_r) if to_r else Calibration.to_rollout_s,
@@ -278,6 +309,16 @@ def overruns(cfg: Config, cal: Calibration, draw: int = 0) -> np.ndarray | None:
     return out
 
 
+def training_work(cal: Calibration, calls: np.ndarray | None) -> np.ndarray | None:
+    """Each execution's training work for the simulator, in groups of the calibration's: its planned
+    calls over the calls a calibrated group made (an execution cut by the timeout brings, in the
+    simulator, the share its progress reached: the calls it made, as the runs' steps trained them); None
+    without planned calls or a calibration that counted them."""
+    if calls is None or not cal.train_group_calls:
+        return None
+    return np.asarray(calls, dtype=np.float64) / cal.train_group_calls
+
+
 def predict(cfg: Config, cal: Calibration, calls: np.ndarray | None = None) -> dict[str, Any]:
     """The simulator's figures for this config's policy (on the run's duration sample). With measured
     seconds past the timeout, `OVERRUN_DRAWS` runs of it, each execution's drawn anew: whether a batch's
@@ -285,8 +326,16 @@ def predict(cfg: Config, cal: Calibration, calls: np.ndarray | None = None) -> d
     on either side of a switch; the figures are the run of median end to end's."""
     w = sim_workload(cfg, cal, calls)
     d = sim_durations(cfg, cal, calls)
+    work = training_work(cal, calls)
     runs = [
-        run_one(w, cfg.run.policy, streaming=w.driver.streaming, durations=d, overrun=overruns(cfg, cal, i))
+        run_one(
+            w,
+            cfg.run.policy,
+            streaming=w.driver.streaming,
+            durations=d,
+            overrun=overruns(cfg, cal, i),
+            work=work,
+        )
         for i in range(OVERRUN_DRAWS if cal.timeout_overrun_s else 1)
     ]
     r = sorted(runs, key=lambda x: x.end_to_end_h)[len(runs) // 2]

@@ -5,8 +5,10 @@ their model calls at min(1, C/n) speed (tool time is unaffected), so each execut
 from its nominal duration, the pool size over time and the hard timeout. An execution cut by the timeout
 may keep its slot a while past it (`overrun`: a harness that waits for the model call in flight when the
 timeout strikes); it still counts as timed out. Training is a fluid queue of ready groups, drained at k
-cells over the cell-seconds a group takes with k cells training (`CellConfig.group_s`); switches take
-the configured times; every role change goes through `CellTable.transition`.
+cells over the cell-seconds a group takes with k cells training (`CellConfig.group_s`); with each
+execution's training `work` given, a group weighs what its executions brought (an execution cut by the
+timeout, the share of its work its progress reached), so that longer executions make longer steps;
+switches take the configured times; every role change goes through `CellTable.transition`.
 """
 
 from __future__ import annotations
@@ -88,7 +90,11 @@ def make_policy(name: str, w: Workload) -> Policy:
 
 class Simulator:
     """One run of one policy over one sample of durations (shape steps x queries x group_size); `overrun`
-    (the same shape, seconds; default none): how long each execution keeps running past its timeout."""
+    (the same shape, seconds; default none): how long each execution keeps running past its timeout;
+    `work` (the same shape, >= 0; default none): each execution's training work were it to run to its
+    end, in groups of `CellConfig.group_s` (a group trains in its executions' work, summed, times that;
+    an execution that ended short of its duration brings the share of its work its progress reached).
+    Without it every group is one, whatever its executions ran."""
 
     def __init__(
         self,
@@ -98,6 +104,7 @@ class Simulator:
         *,
         streaming: bool | None = None,
         overrun: np.ndarray | None = None,
+        work: np.ndarray | None = None,
     ) -> None:
         self.w = w
         self.policy = policy
@@ -109,6 +116,12 @@ class Simulator:
                 f"overrun: shape {durations.shape} of seconds >= 0 expected, got {overrun.shape}"
             )
         self.overrun = np.zeros(durations.shape) if overrun is None else overrun
+        if work is not None and (work.shape != durations.shape or not bool(np.isfinite(work).all())
+                                 or bool((work < 0).any())):  # fmt: skip
+            raise ValueError(
+                f"work: shape {durations.shape} of finite values >= 0 expected, got {work.shape}"
+            )
+        self.work = work
         n = w.run.cells
         self.table = CellTable(TableConfig(max_concurrent_switches=n if policy.moves_together else 1))
         cap = w.cell.rollout_capacity
@@ -136,6 +149,10 @@ class Simulator:
         self.timed_out = np.zeros(m, dtype=bool)
         self.group_left = np.full((self.steps, self.Q), self.G, dtype=np.int64)
         self.ready = [0] * self.steps
+        self.group_work = np.zeros((self.steps, self.Q))
+        self.ready_work = [
+            0.0
+        ] * self.steps  # the work of each batch's ready groups (1 a group without `work`)
         self.active_by_batch: dict[int, int] = {}
         self.batch_start: dict[int, float] = {}
         self.unfinished = 0
@@ -153,12 +170,11 @@ class Simulator:
         self._open: dict[int, tuple[float, Role, float, float]] = {}  # cell -> (start, role, busy-time, 0)
 
     # ---- helpers -----------------------------------------------------------------------------------
-    def _available(self) -> int:
+    def _available(self) -> float:
         k = self.version
         if k >= self.steps:
-            return 0
-        r = self.ready[k]
-        return r if (self.streaming or r == self.Q) else 0
+            return 0.0
+        return self.ready_work[k] if (self.streaming or self.ready[k] == self.Q) else 0.0
 
     def _train_rate(self) -> float:
         core = self.table.core
@@ -186,7 +202,10 @@ class Simulator:
 
     def observation(self) -> Observation:
         avail = self._available()
-        trainable = max(0, math.ceil(avail - self.consumed - 1e-6)) if self.update_end is None else 0
+        trainable = 0  # ready groups not yet trained: the work left of them, in their count
+        if self.update_end is None and avail > EPS:
+            groups = self.ready[self.version]
+            trainable = max(0, math.ceil(groups * (avail - self.consumed) / avail - 1e-6))
         k = self.version
         ages = tuple(self.t - self.batch_start[b] for b in self.active_by_batch)
         counts = tuple(self.active_by_batch.values())
@@ -303,9 +322,13 @@ class Simulator:
         self.active_by_batch[b] -= 1
         if self.active_by_batch[b] == 0:
             del self.active_by_batch[b]
+        if self.work is not None:
+            dur = float(self.dur.flat[e])
+            self.group_work[b, q] += float(self.work.flat[e]) * (min(1.0, dv / dur) if dur > EPS else 1.0)
         self.group_left[b, q] -= 1
         if self.group_left[b, q] == 0:
             self.ready[b] += 1
+            self.ready_work[b] += 1.0 if self.work is None else float(self.group_work[b, q])
         if self.model is not None:
             self.model.observe(wall, timed_out)
 
@@ -358,7 +381,8 @@ class Simulator:
         self._decide()
         self._set_rate()
         slowest = max((self.w.cell.train_group_s, *self.w.cell.train_group_s_by_cells))
-        limit = 1000.0 * self.steps * (self.w.timeout_s + slowest * self.Q)
+        heaviest = 1.0 if self.work is None else max(1.0, float(self.work.sum(axis=-1).max()))
+        limit = 1000.0 * self.steps * (self.w.timeout_s + slowest * self.Q * heaviest)
         while self.version < self.steps:
             cands = [next_tick]
             fh = self.finish_heap
@@ -386,7 +410,12 @@ class Simulator:
             while th and th[0][0] <= self.U + 1e-6:
                 _, e = heapq.heappop(th)
                 self._end(e, True)
-            if self.update_end is None and self.consumed >= self.Q - 1e-6:
+            k = self.version
+            if (
+                self.update_end is None
+                and self.ready[k] == self.Q
+                and self.consumed >= self.ready_work[k] - 1e-6
+            ):
                 self.update_end = self.t + self.w.cell.update_s
             elif self.update_end is not None and self.update_end <= self.t + EPS:
                 self._finish_update()
@@ -437,11 +466,13 @@ def run_one(
     streaming: bool | None = None,
     durations: np.ndarray | None = None,
     overrun: np.ndarray | None = None,
+    work: np.ndarray | None = None,
 ) -> SimResult:
     """Simulate `policy` on the workload's seeded sample (or on `durations`), with each execution's
-    seconds past its timeout (`overrun`, default none: cut at it)."""
+    seconds past its timeout (`overrun`, default none: cut at it) and training work (`work`, default
+    none: one a group; see `Simulator`)."""
     d = sample_durations(w) if durations is None else durations
-    return Simulator(w, make_policy(policy, w), d, streaming=streaming, overrun=overrun).run()
+    return Simulator(w, make_policy(policy, w), d, streaming=streaming, overrun=overrun, work=work).run()
 
 
 def compare(
