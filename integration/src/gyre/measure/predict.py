@@ -55,8 +55,8 @@ class Calibration:
     train_group_calls: float | None = None
     """Model calls a group's executions made, in the steps the training seconds were measured on (the
     median): `train_group_s` and `train_group_s_by_cells` are the seconds of a group of that many calls,
-    and `predict` trains each simulated group in its executions' calls over this (a trained token per
-    token the calls added: on the agent-shaped runs 1,420-1,670 trained tokens a call, step by step,
+    and `predict` trains each simulated group in its executions' calls over this (the trained tokens
+    follow the calls made: on the agent-shaped H200 runs 1,420-1,670 trained tokens a call, step by step,
     while the steps' calls ranged 1.7x). None where the runs do not say which calls each step trained:
     every group is then one, whatever its executions ran."""
     update_s: float = 0.5
