@@ -44,10 +44,13 @@ timelines to OUT/timeline-<policy>.png, each run's metrics.json to OUT/metrics-<
 
 Before anything runs, the call's phases are printed with seconds estimated from an earlier call's results
 (`--plan-from`, default the committed results of bench/, the latest measurement of each part; a policy
-not run there scaled from elastic's run by the simulator), their sum against the 600 s of one call, and the
-first run's deadline (the budget less what precedes it: a run past its deadline fails and leaves no
-figures, so the parts after the runs give way: each is skipped, saying so under `skipped`, where the runs
-left it less than its planned seconds); `--plan` prints only that. With the committed figures a run takes
+not run there scaled from elastic's run by the simulator; with config overrides, every run from the
+simulator's end to end for the overridden config, calibrated on each policy's newest complete run in
+bench/), their sum against the 600 s of one call, and the first run's deadline (the budget less what
+precedes it, counted from the call's start: a run past its deadline fails and leaves no figures, so the
+parts after the runs give way: each is skipped, saying so under `skipped`, where the runs left it less
+than its planned seconds), with a warning where the simulated end to end is past it; `--plan` prints only
+that. With the committed figures a run takes
 about 510 s of a call (the model, the warm start, the floors, the run to its deadline) and measuring it
 (`--from-run`: the lone trainer and the replay of its 1,200 calls) about 440 s, so the workload takes four
 calls: elastic; its measurement; colocate; async. The later calls reuse the earlier runs' metrics.json
@@ -283,11 +286,14 @@ def sim_phase(cfg: Config, measured: dict[str, dict[str, Any]]) -> dict[str, Any
 
 
 def estimates(
-    results: dict[str, Any], probe: dict[str, Any] | None, sim: dict[str, Any] | None
+    results: dict[str, Any], probe: dict[str, Any] | None, sim: dict[str, Any] | None, changed: bool = False
 ) -> dict[str, float]:
     """Seconds per part of a call, from an earlier call's results (its `phase_s` and parts) and a probe
     call's: `alone` split into the standalone engines' start-up, `replay`, `migrate` and one `probe` width;
-    a policy not run there scaled from elastic's run by the simulator (`sim`: `sim_phase` of the runs)."""
+    a policy not run there scaled from elastic's run by the simulator (`sim`: `sim_phase` of the runs, on
+    this call's config). With the config `changed` from the runs' (overrides), every run is the
+    simulator's end to end for this config plus the start and end elastic's run measured: a run measured
+    at another timeout says little of this one's length."""
     ph = results.get("phase_s", {})
     est = {
         k: float(v)
@@ -308,7 +314,10 @@ def estimates(
     if sim and run_e is not None and e2e:
         sims = {p: a["sim_end_to_end_s"] for p, a in sim.get("arms", {}).items()}
         for p, v in sims.items():  # the run's start and end as elastic's, its end to end as simulated
-            if f"run-{p}" not in est and sims.get("elastic"):
+            est[f"sim-{p}"] = round(v, 1)  # the end to end alone, held to the run's deadline by the plan
+            if changed:
+                est[f"run-{p}"] = round(run_e - e2e + v, 1)
+            elif f"run-{p}" not in est and sims.get("elastic"):
                 est[f"run-{p}"] = round(run_e - e2e + e2e * v / sims["elastic"], 1)
     return est
 
@@ -332,11 +341,26 @@ def merged_results(found: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plan_estimates(paths: str, cfg: Config, reused: dict[str, dict[str, Any]]) -> dict[str, float]:
+def newest_runs(folder: Path, steps: int) -> dict[str, dict[str, Any]]:
+    """Per policy, the metrics of its newest run in `folder` (`metrics-h200-agentic*.json`, by the run's
+    start) that applied all `steps`: what the plan calibrates the simulator on."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in folder.glob("metrics-h200-agentic*.json"):
+        m = json.loads(f.read_text())
+        if m.get("steps_applied") != steps or "policy" not in m:
+            continue
+        if m["policy"] not in out or float(m.get("t0", 0.0)) > float(out[m["policy"]].get("t0", 0.0)):
+            out[m["policy"]] = m
+    return out
+
+
+def plan_estimates(
+    paths: str, cfg: Config, reused: dict[str, dict[str, Any]], changed: bool = False
+) -> dict[str, float]:
     """`estimates` from the results files `paths` (earlier calls', oldest first, and a probe call's, named
     `*probe*`; a missing one is left out), with the simulator on `cfg` (the device workload, also for a
-    tiny run) calibrated on the reused elastic run (else the metrics file beside the first results, when
-    there is one)."""
+    tiny run, with this call's overrides: `changed`) calibrated on the reused runs (else each policy's
+    newest complete run beside the first results, `newest_runs`)."""
     files = [Path(x) for x in paths.split(",") if x and Path(x).exists()]
     calls = [f for f in files if "probe" not in f.name]
     probes = [f for f in files if "probe" in f.name]
@@ -344,18 +368,17 @@ def plan_estimates(paths: str, cfg: Config, reused: dict[str, dict[str, Any]]) -
         return {}
     results = merged_results([json.loads(f.read_text()) for f in calls])
     probe = json.loads(probes[-1].read_text()) if probes else None
-    runs = dict(reused)
-    beside = calls[0].parent / "metrics-h200-agentic-elastic.json"
-    if not runs and beside.exists():
-        runs = {"elastic": json.loads(beside.read_text())}
+    runs = dict(reused) or newest_runs(calls[0].parent, cfg.run.steps)
     sim = None
     if "elastic" in runs:
         base = runs["elastic"]
-        try:  # every policy predicted from elastic's calibration
-            sim = sim_phase(cfg, {p: {**base, "policy": p} for p in ("elastic", "colocate", "async")})
+        try:  # every policy predicted, calibrated on the runs there are (elastic's for the others)
+            sim = sim_phase(
+                cfg, {p: runs.get(p, {**base, "policy": p}) for p in ("elastic", "colocate", "async")}
+            )
         except Exception as exc:  # the estimates are advice: a run goes on without them
             say(f"plan: no simulated estimates ({type(exc).__name__}: {exc})")
-    return estimates(results, probe, sim)
+    return estimates(results, probe, sim, changed)
 
 
 def plan(
@@ -548,7 +571,7 @@ def main() -> int:
         m = json.loads(Path(path).read_text())
         if m["policy"] not in policies:  # a policy run in this call: its run counts
             reused[m["policy"]] = (path, m)
-    ests = plan_estimates(a.plan_from, loaded, {k: m for k, (_, m) in reused.items()})
+    ests = plan_estimates(a.plan_from, loaded, {k: m for k, (_, m) in reused.items()}, bool(a.overrides))
     steps = a.warmstart_steps if a.warmstart_steps is not None else (4 if a.tiny else 100)
     steps_plan = plan(policies, skip | ({"warmstart"} if steps <= 0 else set()), ests, bool(from_run))
     known = [x for _, x in steps_plan if x is not None]
@@ -565,9 +588,13 @@ def main() -> int:
         names = [n for n, _ in steps_plan]
         before = sum(x or 0.0 for _, x in steps_plan[: names.index(f"run-{policies[0]}")])
         before += time.monotonic() - t_begin  # the call's seconds before this script, and reading the config
-        say(f"plan: run-{policies[0]}'s deadline about {budget - before - AFTER_RUN_S - STARTUP_S:.0f} s ([run] deadline_s "
+        deadline = min(budget - before - AFTER_RUN_S - STARTUP_S, cfg.run.deadline_s)
+        say(f"plan: run-{policies[0]}'s deadline about {deadline:.0f} s ([run] deadline_s "
             f"{cfg.run.deadline_s:.0f} s; a run past its deadline fails and leaves no figures); the parts "
             f"after the runs, {after:.0f} s planned, are skipped where the runs leave them too little")  # fmt: skip
+        if (need := ests.get(f"sim-{policies[0]}")) is not None and need > deadline:
+            say(f"plan: WARNING: run-{policies[0]}'s end to end as simulated, {need:.0f} s, is past that deadline: "
+                "a larger --budget-s (under the call's limit), fewer phases before it, or a shorter run")  # fmt: skip
     if a.plan:
         return 0 if sum(known) <= CALL_LIMIT_S else 1
     res: dict[str, Any] = {"config": a.config, "overrides": a.overrides, "tiny": a.tiny, "device": device, "phase_s": {}, "errors": {},

@@ -32,3 +32,22 @@ def test_an_unknown_key_is_refused_before_anything_runs(tmp_path) -> None:  # ty
     assert (
         "unknown key 'timeout'" in res.stderr and "Traceback" not in res.stderr and "plan:" not in res.stdout
     )
+
+
+def _run_s(out: str, policy: str) -> float:
+    line = next(x for x in out.splitlines() if f"plan: run-{policy} " in x)
+    return float(line.split(f"plan: run-{policy} ")[1].split(" s")[0])
+
+
+def test_a_changed_config_plans_its_runs_from_the_simulator(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A run measured at a 120 s timeout says little of one at 150 s: with overrides the plan takes each run
+    from the simulator's end to end for this call's config (calibrated on each policy's newest complete run
+    in bench/), so the longer timeout plans a longer run; a budget that leaves its deadline short of the
+    simulated end to end is warned of before anything runs."""
+    args = ("--policies", "colocate", "--skip", "probe,migrate,replay,train,floors", "--warmstart-steps", "0")
+    plain = _plan(*args, out=str(tmp_path)).stdout
+    longer = _plan(*args, "agent.timeout_s=150", "driver.max_ahead=1", out=str(tmp_path)).stdout
+    assert _run_s(longer, "colocate") > _run_s(plain, "colocate") + 60.0
+    assert "WARNING" not in plain
+    short = _plan(*args, "--budget-s", "450", "agent.timeout_s=150", "driver.max_ahead=1", out=str(tmp_path))
+    assert "WARNING: run-colocate's end to end as simulated" in short.stdout
