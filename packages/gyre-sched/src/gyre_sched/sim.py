@@ -150,9 +150,8 @@ class Simulator:
         self.group_left = np.full((self.steps, self.Q), self.G, dtype=np.int64)
         self.ready = [0] * self.steps
         self.group_work = np.zeros((self.steps, self.Q))
-        self.ready_work = [
-            0.0
-        ] * self.steps  # the work of each batch's ready groups (1 a group without `work`)
+        # the work of each batch's ready groups (one a group without `work`)
+        self.ready_work = [0.0] * self.steps
         self.active_by_batch: dict[int, int] = {}
         self.batch_start: dict[int, float] = {}
         self.unfinished = 0
