@@ -24,7 +24,7 @@ from typing import Any
 
 from gyre.config.runconfig import Config, load_config
 from gyre.measure import predict as sim
-from gyre.rollout.agents import profile
+from gyre.scenarios.compare import planned_calls
 
 HERE = Path(__file__).resolve().parent
 POLICIES = ("elastic", "colocate", "async")
@@ -39,13 +39,11 @@ def table(
 ) -> tuple[sim.Calibration, list[dict[str, Any]]]:
     """The calibration on `measured` (the runs' metrics, as `gyre compare --reuse` makes it) and one row
     per (call scale, timeout, batches ahead): each policy's predicted end to end and the ratios."""
-    shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
-    calls = profile.planned_calls_array(cfg.profile, cfg.run.seed, shape)
-    prof, seed = cfg.profile, cfg.run.seed
-
-    def slept(where: tuple[int, int, int], made: int, tool_s: float) -> float:
-        return profile.slept_s(profile.plan(prof, seed, *where, tool_s), prof, made, prof.prompt_tokens)
-
+    calls, slept = planned_calls(cfg)
+    if calls is None:
+        raise SystemExit(
+            f"{cfg.agent.harness!r} harness: the table needs the profile harness's planned calls"
+        )
     cal = sim.calibrate(measured, calls, slept)
     if cal.model_call_s is None:
         raise SystemExit("the runs' metrics give no seconds a call (no outcomes with calls)")

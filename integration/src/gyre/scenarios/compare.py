@@ -19,9 +19,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gyre.config.runconfig import Config, ConfigError
 from gyre.measure.arms import arm_config, table, tabulate
 from gyre.measure.metrics import write_json
+from gyre.measure.predict import Slept
 from gyre.procs.group import ProcessGroup
 from gyre.rollout.agents import profile
 from gyre.system.attempt import RunError, ensure_model
@@ -39,16 +42,23 @@ def predicted(
     """The table of measured runs (`metrics.json` of each arm's repeats) beside the simulator's prediction
     for each arm's config, calibrated on all of them (`arms.tabulate`): what `compare` does after its runs,
     or with `reuse` instead of them."""
-    calls, slept = None, None
-    if cfg.agent.harness == "profile":  # the simulator counts each execution's planned calls
-        shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
-        calls = profile.planned_calls_array(cfg.profile, cfg.run.seed, shape)
-        p, seed = cfg.profile, cfg.run.seed
-
-        def slept(where: tuple[int, int, int], made: int, tool_s: float) -> float:
-            return profile.slept_s(profile.plan(p, seed, *where, tool_s), p, made, p.prompt_tokens)
-
+    calls, slept = planned_calls(cfg)
     return tabulate(cfg, configs, measured, repeats, calls, slept)
+
+
+def planned_calls(cfg: Config) -> tuple[np.ndarray | None, Slept | None]:
+    """For the profile harness, what the simulator's calibration and prediction take from each execution's
+    plan: its planned calls (steps x queries x group size) and the tool seconds it slept before the calls
+    it made; (None, None) for other harnesses."""
+    if cfg.agent.harness != "profile":
+        return None, None
+    shape = (cfg.run.steps, cfg.batch.queries, cfg.batch.group_size)
+    p, seed = cfg.profile, cfg.run.seed
+
+    def slept(where: tuple[int, int, int], made: int, tool_s: float) -> float:
+        return profile.slept_s(profile.plan(p, seed, *where, tool_s), p, made, p.prompt_tokens)
+
+    return profile.planned_calls_array(p, seed, shape), slept
 
 
 def compare(
