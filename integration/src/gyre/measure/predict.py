@@ -166,7 +166,6 @@ def calibrate(
     call_cost: list[float] = []  # busy training cell-seconds per model call made, step by step
     call_cost_by_cells: dict[int, list[float]] = {}
     group_calls: list[float] = []
-    every_step_counted = True
     update_s: list[float] = []
     to_t: list[float] = []
     to_r: list[float] = []
@@ -176,7 +175,11 @@ def calibrate(
     for m in metrics:
         timeout = (m.get("config") or {}).get("agent", {}).get("timeout_s")
         speed = run_speed(m)
+        calls_of_batch: dict[int, int] = {}  # the calls each batch's executions made (its step trains them)
         for o in m.get("outcomes", []):
+            if "where" in o:
+                k = int(o["where"][0])
+                calls_of_batch[k] = calls_of_batch.get(k, 0) + int(o["calls"])
             if o["error"] or o["calls"] <= 0:
                 continue
             wall, tool = o["end"] - o["start"], o.get("tool_s", 0.0)
@@ -194,12 +197,6 @@ def calibrate(
             v = speed(o["start"], o["end"])
             speeds.append(v)
             call_s.append(max(0.0, wall - tool) / n * v)
-        calls_of_batch: dict[int, int] = {}  # the calls each batch's executions made (its step trains them)
-        for o in m.get("outcomes", []):
-            if "where" in o:
-                calls_of_batch[int(o["where"][0])] = calls_of_batch.get(int(o["where"][0]), 0) + int(
-                    o["calls"]
-                )
         for s in m["steps"]:
             if s.get("skipped") or not s.get("groups"):
                 continue
@@ -214,8 +211,6 @@ def calibrate(
                         group_calls.append(made / s["groups"])
                         if s.get("training_cells"):
                             call_cost_by_cells.setdefault(s["training_cells"], []).append(call_cost[-1])
-                    else:
-                        every_step_counted = False
             elif s.get("elapsed_s"):  # metrics written before training was sampled
                 group_s.append(s["elapsed_s"] * max(1, s.get("training_cells", 1)) / s["groups"])
             if s.get("push_s") is not None:
@@ -225,7 +220,9 @@ def calibrate(
     med = statistics.median
     q = np.linspace(0.0, 1.0, OVERRUN_QUANTILES)
     per_group: float | None = None
-    if call_cost and every_step_counted:  # seconds a call, as seconds of a group of the median calls
+    # every step's training seconds with the calls it trained: seconds a call, as seconds of a group of
+    # the median calls
+    if call_cost and len(call_cost) == len(group_s):
         per_group = med(group_calls)
         group_s = [c * per_group for c in call_cost]
         by_cells = {k: [c * per_group for c in v] for k, v in call_cost_by_cells.items()}
