@@ -84,7 +84,7 @@ def test_the_parts_are_those_of_the_engine_that_ended_the_push(tmp_path: Path) -
         tmp_path,
         [
             {"cell": 1, "version": 1, "asked": 10.62, "served": 11.02, "status_s": 0.58, "pull_s": 0.2,
-             "apply_s": 0.15},
+             "apply_s": 0.15, "apply_wait_s": 0.12},
             {"cell": 2, "version": 1, "asked": 10.05, "served": 10.5, "status_s": 0.01, "pull_s": 0.3,
              "apply_s": 0.1},
         ],
@@ -94,7 +94,7 @@ def test_the_parts_are_those_of_the_engine_that_ended_the_push(tmp_path: Path) -
     push_s, parts = served
     assert abs(push_s - 1.0) < 1e-9
     assert parts["notice_s"] == 0.6 and parts["status_s"] == 0.58 and parts["apply_s"] == 0.15
-    assert parts["pull_s"] == 0.2 and parts["pull_s_max"] == 0.3
+    assert parts["apply_wait_s"] == 0.12 and parts["pull_s"] == 0.2 and parts["pull_s_max"] == 0.3
     assert parts["other_s"] is not None and abs(parts["other_s"] - 0.05) < 1e-9
     total = sum(v for k, v in parts.items() if k in ("notice_s", "pull_s", "apply_s", "other_s"))
     assert abs(total - push_s) < 1e-3
@@ -107,5 +107,5 @@ def test_records_without_apply_seconds_count_it_in_the_rest(tmp_path: Path) -> N
     served = push_served(_samples(), read_versions(tmp_path), 10.0, 1)
     assert served is not None
     _, parts = served
-    assert parts["apply_s"] is None and parts["status_s"] is None
+    assert parts["apply_s"] is None and parts["apply_wait_s"] is None and parts["status_s"] is None
     assert parts["other_s"] is not None and abs(parts["other_s"] - 0.1) < 1e-9

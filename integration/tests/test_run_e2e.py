@@ -126,6 +126,7 @@ wandb_project = "gyre-e2e"
             # ... split into its parts: gyre-engine says its pull and apply seconds, the cell its poll.
             parts = s["push_parts"]
             assert parts["apply_s"] is not None and parts["apply_s"] >= 0, parts
+            assert parts["apply_wait_s"] is not None and 0 <= parts["apply_wait_s"] <= parts["apply_s"], parts
             assert parts["status_s"] >= 0 and parts["notice_s"] > -0.5, parts
 
     # Every execution ran and was scored; each trained one is in exactly one step's mini-batch.

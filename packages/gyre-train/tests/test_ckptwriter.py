@@ -100,19 +100,88 @@ def test_a_failed_write_reaches_its_handler_and_keeps_the_checkpoint_before(tmp_
         core.close()
 
 
-def test_host_copy_copies_tensors_already_on_the_host() -> None:
-    t = torch.ones(4)
-    state = checkpoint.TrainerState(
-        model={"w": t},
-        optimizer=checkpoint.OptimizerState(state={"w": {"exp_avg": t * 2}}, param_groups=[{"lr": 1.0}]),
-        position={"step": 1, "version": 1, "queue_position": 1},
+def _state(w: torch.Tensor, m: torch.Tensor, step: int = 1) -> checkpoint.TrainerState:
+    return checkpoint.TrainerState(
+        model={"w": w},
+        optimizer=checkpoint.OptimizerState(
+            state={"w": {"exp_avg": m, "step": torch.tensor(float(step))}}, param_groups=[{"lr": 1.0}]
+        ),
+        position={"step": step, "version": step, "queue_position": step},
         layout="x",
         model_config={},
     )
-    snap = ckptwriter.host_copy(state)
-    t.add_(1.0)
-    assert snap["model"]["w"].tolist() == [1.0] * 4 and snap["model"]["w"].data_ptr() != t.data_ptr()
-    assert snap["optimizer"]["param_groups"] == [{"lr": 1.0}]
+
+
+def test_host_buffers_copy_tensors_already_on_the_host_into_memory_kept_for_the_next_copy() -> None:
+    w, m = torch.ones(4), torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    buf = ckptwriter.HostBuffers()
+    snap = buf.copy(_state(w, m))
+    w.add_(1.0)  # the trainer updates in place after the copy
+    assert snap["model"]["w"].tolist() == [1.0] * 4 and snap["model"]["w"].data_ptr() != w.data_ptr()
+    assert snap["optimizer"]["state"]["w"]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(
+        snap["optimizer"]["state"]["w"]["exp_avg"], torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    )
+    assert (
+        snap["optimizer"]["state"]["w"]["step"].shape == ()
+        and float(snap["optimizer"]["state"]["w"]["step"]) == 1.0
+    )
+    assert snap["optimizer"]["param_groups"] == [{"lr": 1.0}] and snap["position"]["step"] == 1
+    assert not buf.pinned  # host tensors: nothing to page-lock for
+    where = snap["model"]["w"].data_ptr()
+
+    again = buf.copy(_state(w, m * 2, step=2))  # same names, shapes, dtypes: the same memory
+    assert buf.layouts == 1 and again["model"]["w"].data_ptr() == where
+    assert (
+        again["model"]["w"].tolist() == [2.0] * 4 and float(again["optimizer"]["state"]["w"]["step"]) == 2.0
+    )
+    assert torch.equal(again["optimizer"]["state"]["w"]["exp_avg"], m * 2)
+
+    grown = buf.copy(_state(torch.zeros(5), m))  # another shape: laid out again
+    assert buf.layouts == 2 and grown["model"]["w"].tolist() == [0.0] * 5
+    buf.close()
+
+
+def test_a_checkpoint_written_from_the_kept_buffer_loads_back_exactly(tmp_path: Path) -> None:
+    """The views of one flat buffer are written as separate tensors (safetensors accepts them: they do
+    not overlap), and a second checkpoint through the same buffer holds the second state."""
+    core = _core()
+    try:
+        w = CheckpointWriter()
+        for seed in (1, 2):
+            core.train_step(synthetic_minibatch(4, seed=seed))
+            w.submit(core.state_dict(), tmp_path / "ck")
+            assert w.wait(60)
+        assert w.buffers.layouts == 1 and w.written == 2
+        back = checkpoint.load(tmp_path / "ck")
+        assert back["position"]["step"] == 2
+        live = core.state_dict()
+        for n, t in live["model"].items():
+            torch.testing.assert_close(back["model"][n], t, atol=0.0, rtol=0.0, msg=n)
+        for n, st in live["optimizer"]["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(
+                    back["optimizer"]["state"][n][k], torch.as_tensor(v), atol=0.0, rtol=0.0
+                )
+        assert w.buffers.nbytes > 0 and w.close(30) and w.buffers.nbytes == 0
+    finally:
+        core.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_buffers_of_a_gpu_state_are_page_locked_and_exact() -> None:
+    w = torch.randn(1000, 33, device="cuda")
+    m = torch.randn(7, device="cuda", dtype=torch.bfloat16)
+    buf = ckptwriter.HostBuffers()
+    try:
+        snap = buf.copy(_state(w, m))
+        assert buf.pinned and snap["model"]["w"].is_pinned()
+        w.add_(1.0)  # queued after the copy; the copy's bytes are those before
+        torch.testing.assert_close(snap["model"]["w"], (w - 1.0).cpu(), atol=0.0, rtol=0.0)
+        torch.testing.assert_close(snap["optimizer"]["state"]["w"]["exp_avg"], m.cpu(), atol=0.0, rtol=0.0)
+    finally:
+        buf.close()
+    assert not buf.pinned
 
 
 def test_a_failed_write_without_a_handler_ends_the_process_loudly(tmp_path: Path) -> None:

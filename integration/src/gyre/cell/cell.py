@@ -214,17 +214,19 @@ class Cell:
             with self.weights_lock:
                 push_s = self.sglang.load(self.publisher, st.snapshot, st.version)
             self.engine_version = st.version
-            self._version_record(st.version, asked, status_s, push_s, None)
+            self._version_record(st.version, asked, status_s, push_s, None, None)
             log.info("cell %d: SGLang at version %d (%.3fs push)", self.a.cell_id, st.version, push_s)
             return True
         rep = self._pull(st.snapshot, st.version)
         if not rep.success:
             raise RuntimeError(f"cell {self.a.cell_id}: weight update failed: {rep.message}")
         self.engine_version = st.version
-        self._version_record(st.version, asked, status_s, rep.pull_s, rep.apply_s)
+        self._version_record(st.version, asked, status_s, rep.pull_s, rep.apply_s, rep.apply_wait_s)
         log.info(
-            "cell %d: engine at version %d (status %.3fs, pull %.3fs, apply %.3fs, %.3fs in all)",
-            self.a.cell_id, st.version, status_s, rep.pull_s, rep.apply_s, time.time() - asked + status_s,
+            "cell %d: engine at version %d (status %.3fs, pull %.3fs, apply %.3fs of which %.3fs waiting"
+            " for the engine's step, %.3fs in all)",
+            self.a.cell_id, st.version, status_s, rep.pull_s, rep.apply_s, rep.apply_wait_s,
+            time.time() - asked + status_s,
         )  # fmt: skip
         return True
 
@@ -260,18 +262,26 @@ class Cell:
             )
 
     def _version_record(
-        self, version: int, asked: float, status_s: float, pull_s: float, apply_s: float | None
+        self,
+        version: int,
+        asked: float,
+        status_s: float,
+        pull_s: float,
+        apply_s: float | None,
+        apply_wait_s: float | None,
     ) -> None:
         """A line of `cells/<id>.versions.jsonl` in the run directory: when this cell asked for `version`
         (the core's status reply in hand, after `status_s` waiting for it) and when its engine served it
         (wall times; `gyre run`'s metrics take each push's end from them, not from the sampler's
-        interval), and the engine's own seconds pulling the snapshot and applying it between two steps
-        (None where the engine does not say: SGLang's push is one figure)."""
+        interval), and the engine's own seconds pulling the snapshot and applying it between two steps,
+        `apply_wait_s` of the latter waiting for the engine thread's step to end (None where the engine
+        does not say: SGLang's push is one figure)."""
         d = self.run_dir / "cells"
         d.mkdir(parents=True, exist_ok=True)
         rec = {"cell": self.a.cell_id, "version": version, "asked": asked, "served": time.time(),
                "status_s": round(status_s, 4), "pull_s": round(pull_s, 4),
-               "apply_s": None if apply_s is None else round(apply_s, 4)}  # fmt: skip
+               "apply_s": None if apply_s is None else round(apply_s, 4),
+               "apply_wait_s": None if apply_wait_s is None else round(apply_wait_s, 4)}  # fmt: skip
         with open(d / f"{self.a.cell_id}.versions.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -431,9 +441,10 @@ class Cell:
                 state = self.core.state_dict()
                 state_s = time.perf_counter() - t_state
                 waited_s, copy_s = self.ckpt_writer.submit(state, Path(self.a.checkpoint))
+                pinned = "page-locked" if self.ckpt_writer.buffers.pinned else "pageable"
                 ckpt = (
                     f"; checkpoint {state_s + waited_s + copy_s:.2f} s after the step (its state"
-                    f" {state_s:.2f} s, the last write {waited_s:.2f} s, the host copy {copy_s:.2f} s)"
+                    f" {state_s:.2f} s, the last write {waited_s:.2f} s, the host copy {copy_s:.2f} s, {pinned})"
                 )
             log.info("step %d applied: version %d, loss %.4f%s", rep.step, rep.version, rep.loss, ckpt)
             self._quiet_since = time.monotonic()
@@ -626,7 +637,7 @@ class Cell:
         finally:
             self.stop.set()
             self.training.clear()
-            if self.ckpt_writer is not None and not self.ckpt_writer.wait(CHECKPOINT_WAIT_S):
+            if self.ckpt_writer is not None and not self.ckpt_writer.close(CHECKPOINT_WAIT_S):
                 log.warning("cell %d: the last checkpoint was still being written after %.0f s; stopping "
                             "anyway (the one before it stays whole)", self.a.cell_id, CHECKPOINT_WAIT_S)  # fmt: skip
             if self.core is not None:

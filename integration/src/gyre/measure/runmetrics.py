@@ -93,7 +93,8 @@ def push_served(
     The parts, of the engine that ended the push: `notice_s` from the step applied to its cell holding
     the core's status that names the version (the cell's poll; `status_s` of it waiting for the reply),
     `pull_s` and `apply_s` (the engine's own seconds pulling the snapshot and copying it in between two
-    steps; None where the record does not say), and `other_s`, the rest (the HTTP round trip, the
+    steps, `apply_wait_s` of the latter waiting for the step running then to end; None where the record
+    does not say), and `other_s`, the rest (the HTTP round trip, the
     engine's request queue)."""
     after = [x for x in samples if x.t >= t_applied]
     serving = [cid for cid, ro in after[0].roles.items() if ro == int(Role.ROLLOUT)] if after else []
@@ -115,6 +116,7 @@ def push_served(
         "status_s": None if last.get("status_s") is None else float(last["status_s"]),
         "pull_s": pull_s,
         "apply_s": apply_s,
+        "apply_wait_s": None if last.get("apply_wait_s") is None else float(last["apply_wait_s"]),
         "other_s": round(push_s - notice_s - pull_s - (apply_s or 0.0), 4),
         "pull_s_max": max(float(r["pull_s"]) for r in firsts),
     }

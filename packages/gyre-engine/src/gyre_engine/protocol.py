@@ -604,6 +604,10 @@ class XferWeightsReply(msgspec.Struct, frozen=True):
     nbytes: int
     pull_s: float
     apply_s: float
+    """From the pulled snapshot checked to the update applied: waiting for the engine thread to end its
+    step (`apply_wait_s` of it), then the copies into the parameters (and the cache flush)."""
+    apply_wait_s: float = 0.0
+    """The part of `apply_s` the update waited for the engine thread to take it (its step running)."""
 
 
 class OfferPrefixRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -60,21 +60,29 @@ class CudaHostPinning:
     def pin(self, region: Region) -> None:
         if region.device != "cpu" or region.array is None:
             raise PinningError(f"region {region.desc.region_id} is not host memory ({region.device})")
-        if region.nbytes == 0:
-            return
-        self._torch.cuda.init()
-        code = self._call(lambda cudart: cudart.cudaHostRegister(region.addr, region.nbytes, _PORTABLE))
-        if code != 0:
-            raise PinningError(
-                f"cudaHostRegister of {region.nbytes} bytes at {region.addr:#x} returned cudaError {code}"
-            )
+        self.pin_range(region.addr, region.nbytes)
 
     def unpin(self, region: Region) -> None:
-        if region.nbytes == 0:
+        self.unpin_range(region.addr, region.nbytes)
+
+    def pin_range(self, addr: int, nbytes: int) -> None:
+        """Page-lock the host memory [addr, addr + nbytes), or raise PinningError. The range must not
+        share a page with memory pinned by another call (cudaHostRegister refuses a page twice): give it
+        a buffer of its own."""
+        if nbytes == 0:
             return
-        code = self._call(lambda cudart: cudart.cudaHostUnregister(region.addr))
+        self._torch.cuda.init()
+        code = self._call(lambda cudart: cudart.cudaHostRegister(addr, nbytes, _PORTABLE))
         if code != 0:
-            raise PinningError(f"cudaHostUnregister at {region.addr:#x} returned cudaError {code}")
+            raise PinningError(f"cudaHostRegister of {nbytes} bytes at {addr:#x} returned cudaError {code}")
+
+    def unpin_range(self, addr: int, nbytes: int) -> None:
+        """Undo a `pin_range(addr, nbytes)` that succeeded, before the memory goes away."""
+        if nbytes == 0:
+            return
+        code = self._call(lambda cudart: cudart.cudaHostUnregister(addr))
+        if code != 0:
+            raise PinningError(f"cudaHostUnregister at {addr:#x} returned cudaError {code}")
 
     def _call(self, fn: Callable[[Any], object]) -> int:
         """fn(torch's cudart) on a thread of its own, on this device; its cudaError as an int. A failing

@@ -167,16 +167,21 @@ class WeightRoutes:
             check_named_tensors(engine.model, tensors)
             check_complete(engine.model, set(tensors))
             version = body.weight_version or str(snap.version)
+            taken: list[float] = []  # when the engine thread took the update
+
+            def apply() -> int:
+                taken.append(time.monotonic())
+                return apply_named_tensors(engine.model, tensors)
+
             t1 = time.monotonic()
             n = await self.call(
-                engine.update_weights,
-                lambda: apply_named_tensors(engine.model, tensors),
-                version,
-                body.flush_cache,
-                body.abort_all_requests,
+                engine.update_weights, apply, version, body.flush_cache, body.abort_all_requests
             )
             apply_s = time.monotonic() - t1
         msg = f"loaded snapshot version {snap.version} ({n} tensors) from {body.publisher}"
+        wait_s = taken[0] - t1 if taken else 0.0
         return json_response(
-            XferWeightsReply(True, msg, engine.weight_version, snap.version, n, snap.nbytes, pull_s, apply_s)
+            XferWeightsReply(
+                True, msg, engine.weight_version, snap.version, n, snap.nbytes, pull_s, apply_s, wait_s
+            )
         )
