@@ -88,15 +88,18 @@ def test_buckets_cover_every_byte_once(sizes: list[int], bucket: int) -> None:
     try:
         region = tr.alloc(max(pos, 1))
         targets = {t.name: (np.empty(0, np.uint8), region, t.offset) for t in tensors}
+        by_name = {t.name: t for t in tensors}
         covered = np.zeros(max(pos, 1), np.int32)
         finished: list[str] = []
-        for ops, done in _buckets(m.tensors, targets, m, bucket):
+        for ops, owners in _buckets(m.tensors, targets, m, bucket):
             assert sum(op.length for op in ops) <= bucket + max((op.length for op in ops), default=0)
-            for op in ops:
+            for op, (name, pos) in zip(ops, owners, strict=True):
                 assert op.length <= bucket and op.local_offset == op.remote_offset
+                assert op.remote_offset == by_name[name].offset + pos  # where the piece lies in its tensor
                 covered[op.remote_offset : op.remote_offset + op.length] += 1
-            finished += done
-        assert finished == [t.name for t in tensors]  # each tensor finishes once, in order
+                if pos + op.length == by_name[name].nbytes:
+                    finished.append(name)
+        assert finished == [t.name for t in tensors]  # each tensor's pieces in order, its last one once
         for t in tensors:
             assert (covered[t.offset : t.offset + t.nbytes] == 1).all()
         assert covered.sum() == sum(sizes)

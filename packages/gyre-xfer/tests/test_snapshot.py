@@ -406,3 +406,26 @@ def test_a_publisher_whose_serving_thread_dies_says_so_on_publish(
     finally:
         pub.close()
         tr.close()
+
+
+@pytest.mark.parametrize("copy_threads", [1, 4])
+def test_a_large_shm_pull_copies_on_threads_and_verifies_in_pieces(
+    spawn: Callable[..., Peer], copy_threads: int
+) -> None:
+    """96 MiB in one bucket from another process: over the 64 MiB from which the shared-memory transport
+    copies a batch on several threads (unless copy_threads=1), each tensor over the 16 MiB hashing piece;
+    whole versions, byte-exact, into staging and into the caller's buffers."""
+    peer = spawn("publisher", "shm", tensor_bytes=24 << 20)
+    tr = open_transport(Config(kind="shm", copy_threads=copy_threads))
+    try:
+        with Subscriber(tr, SubscriberConfig(json.loads(peer.info)["control"])) as sub:
+            check_whole(sub.pull())
+            peer.send("publish")
+            assert json.loads(peer.readline())["version"] == 2
+            dest = {f"t{i}": np.zeros(24 << 20, np.uint8) for i in range(4)}
+            dest["bf16"] = np.zeros((3, 5), np.uint16)
+            assert sub.pull(min_version=2, into=dest, dtypes={"bf16": "bfloat16"}).version == 2
+            for i in range(4):
+                assert (dest[f"t{i}"] == fill_value(2, i)).all()
+    finally:
+        tr.close()

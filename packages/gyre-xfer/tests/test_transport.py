@@ -1,13 +1,16 @@
 """The transport layer on its own: Mooncake with its metadata server instead of the P2P handshake,
-range checks before any byte moves, shared memory peers that vanish, and errors that say what to install."""
+range checks before any byte moves, shared memory peers that vanish, large shared-memory batches copied
+in pieces on several threads, and errors that say what to install."""
 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from importlib.abc import MetaPathFinder
@@ -20,10 +23,13 @@ import numpy as np
 import pytest
 from gyre_base.testing import free_port
 from gyre_xfer import mooncake as mc_mod
+from gyre_xfer import shm as shm_mod
 from gyre_xfer.errors import OutOfRangeError, TransportUnavailableError
 from gyre_xfer.kv import KvPool
 from gyre_xfer.protocol import KvPoolDesc, RegionDesc
-from gyre_xfer.transport import Config, EntryStatus, Op, open_transport
+from gyre_xfer.transport import Config, EntryStatus, Op, Region, Transport, open_transport
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from .conftest import Peer
 from .peer_proc import block_pattern
@@ -385,3 +391,279 @@ def test_sweep_removes_segments_of_dead_processes(tmp_path: object) -> None:
     (d / "someone-else").write_bytes(b"x")
     assert sweep_orphans(str(d)) == [str(d / f"gyre-{dead.pid}-abcd-1")]
     assert sorted(p.name for p in d.iterdir()) == [f"gyre-{os.getpid()}-abcd-1", "someone-else"]
+
+
+# ---- shared memory: large batches copied in pieces on several threads --------------------------------
+
+SHM_N = 1 << 16
+SMALL_PIECE = 4099  # odd: pieces start and end at odd offsets
+
+
+@pytest.fixture(scope="module")
+def shm_pairs() -> Iterator[dict[int, tuple[Transport, Transport, Region, Region]]]:
+    """Per copy_threads: (reader/writer transport, peer transport, a region of each)."""
+    out = {}
+    for threads in (1, 2, 3, 8):
+        a = open_transport(Config(kind="shm", copy_threads=threads))
+        b = open_transport(Config(kind="shm"))
+        out[threads] = (a, b, a.alloc(SHM_N), b.alloc(SHM_N))
+    yield out
+    for a, b, _, _ in out.values():
+        a.close()
+        b.close()
+
+
+@pytest.fixture
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch threaded, in pieces of SMALL_PIECE bytes (the defaults need batches of 64 MiB)."""
+    monkeypatch.setattr(shm_mod, "COPY_PIECE_BYTES", SMALL_PIECE)
+    monkeypatch.setattr(shm_mod, "COPY_THREADED_MIN_BYTES", 1)
+
+
+@st.composite
+def copy_batches(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """(destination offset, source offset, length): in-range entries with disjoint destinations (some
+    several pieces long, at odd offsets), mixed with entries reaching past either region."""
+    out: list[tuple[int, int, int]] = []
+    pos = draw(st.integers(0, 7))
+    for _ in range(draw(st.integers(0, 8))):
+        n = draw(st.one_of(st.integers(0, 40), st.integers(SMALL_PIECE - 2, 4 * SMALL_PIECE + 3)))
+        if draw(st.integers(0, 4)) == 0:  # out of range on one side or the other
+            if draw(st.booleans()):
+                out.append((draw(st.integers(0, SHM_N)), SHM_N - draw(st.integers(0, 5)), n + 6))
+            else:
+                out.append((SHM_N - draw(st.integers(0, 5)), draw(st.integers(0, SHM_N)), n + 6))
+            continue
+        if pos + n > SHM_N:
+            break
+        out.append((pos, draw(st.integers(0, SHM_N - n)), n))
+        pos += n + draw(st.integers(0, 9))
+    return out
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(copy_batches(), st.sampled_from([1, 2, 3, 8]), st.booleans())
+@example([(1, 3, 3 * SMALL_PIECE + 1), (SHM_N - 2, 0, 10), (4 * SMALL_PIECE, 5, SMALL_PIECE)], 2, True)
+def test_shm_threaded_batches_copy_exactly_and_keep_each_entrys_status(
+    small_pieces: None,
+    shm_pairs: dict[int, tuple[Transport, Transport, Region, Region]],
+    batch: list[tuple[int, int, int]],
+    threads: int,
+    reading: bool,
+) -> None:
+    a, b, mine, theirs = shm_pairs[threads]
+    src, dst = (theirs, mine) if reading else (mine, theirs)
+    assert src.array is not None and dst.array is not None
+    src.array[:] = np.random.default_rng(len(batch)).integers(0, 256, SHM_N, dtype=np.uint8)
+    dst.array[:] = 0
+    if reading:
+        ops = [Op(mine, d, theirs.desc, s, n) for d, s, n in batch]
+        res = a.read(b.endpoint, ops)
+    else:
+        ops = [Op(mine, s, theirs.desc, d, n) for d, s, n in batch]
+        res = a.write(b.endpoint, ops)
+    want = np.zeros(SHM_N, np.uint8)
+    expected = []
+    for d, s, n in batch:
+        if d + n <= SHM_N and s + n <= SHM_N:
+            want[d : d + n] = src.array[s : s + n]
+            expected.append(EntryStatus.OK)
+        else:
+            expected.append(EntryStatus.OUT_OF_RANGE)
+    assert list(res.statuses) == expected
+    assert np.array_equal(dst.array, want)
+    assert ("exceeds" in res.detail) == (EntryStatus.OUT_OF_RANGE in expected)
+
+
+class _Recorder:
+    """Stands in for the transport's memmove: records (thread, destination, length) of each call, and
+    holds its first two calls until both have arrived (proof that two threads copy at once)."""
+
+    def __init__(self, meet: bool = True) -> None:
+        self.calls: list[tuple[threading.Thread, int, int]] = []
+        self.meeting = threading.Barrier(2, timeout=60) if meet else None
+        self.turn = itertools.count()
+        self.real = shm_mod._memmove
+
+    def __call__(self, dst: int, src: int, n: int) -> int:
+        self.calls.append((threading.current_thread(), dst, n))
+        if self.meeting is not None and next(self.turn) < 2:
+            self.meeting.wait()
+        return int(self.real(dst, src, n))
+
+
+def _big_batch(dst: Region, src: Region) -> list[Op]:
+    """About 70 MiB (over the 64 MiB at which batches go to threads), odd lengths and offsets, one entry
+    out of range and one empty."""
+    MiB = 1 << 20
+    return [
+        Op(dst, 1, src.desc, 3, 40 * MiB + 7),
+        Op(dst, 41 * MiB, src.desc, 0, 16),
+        Op(dst, 42 * MiB + 5, src.desc, 41 * MiB + 1, 30 * MiB + 1),
+        Op(dst, 0, src.desc, src.nbytes - 8, 16),  # out of range
+        Op(dst, 80 * MiB, src.desc, 0, 0),
+    ]
+
+
+def _check_big_batch(dst: Region, src: Region, ops: list[Op], statuses: tuple[EntryStatus, ...]) -> None:
+    assert dst.array is not None and src.array is not None
+    ok = EntryStatus.OK
+    assert statuses == (ok, ok, ok, EntryStatus.OUT_OF_RANGE, ok)
+    for op in ops[:3]:
+        got = dst.array[op.local_offset : op.local_offset + op.length]
+        assert np.array_equal(got, src.array[op.remote_offset : op.remote_offset + op.length])
+    assert dst.array[0] == 0 and (dst.array[40 * (1 << 20) + 8 : 41 * (1 << 20)] == 0).all()
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_shm_large_batches_copy_in_pieces_on_several_threads(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """At the real sizes: entries cut into 16 MiB pieces, copied by the calling thread and its helpers,
+    at least two at once; byte-exact; the helpers are gone after close()."""
+    rec = _Recorder()
+    monkeypatch.setattr(shm_mod, "_memmove", rec)
+    a = open_transport(Config(kind="shm", copy_threads=threads))
+    b = open_transport(Config(kind="shm"))
+    try:
+        src = b.alloc(96 << 20)
+        dst = a.alloc(96 << 20)
+        assert src.array is not None
+        src.array[:] = np.random.default_rng(5).integers(0, 256, src.nbytes, dtype=np.uint8)
+        ops = _big_batch(dst, src)
+        res = a.read(b.endpoint, ops)
+        _check_big_batch(dst, src, ops, res.statuses)
+        lengths = sorted(n for _, _, n in rec.calls)
+        assert max(lengths) == shm_mod.COPY_PIECE_BYTES == 16 << 20
+        assert len(lengths) == 3 + 2 + 1 and sum(lengths) == 70 * (1 << 20) + 24  # 40+7, 16 B, 30+1
+        copiers = {t for t, _, _ in rec.calls}  # the first two met in `rec`: at least two at once
+        assert len(copiers) >= 2
+        helpers = copiers - {threading.main_thread()}
+        assert helpers and all(t.name.startswith("gyre-xfer-copy") for t in helpers)
+        assert len(helpers) <= threads - 1
+    finally:
+        a.close()
+        b.close()
+    assert not any(t.is_alive() for t in helpers)  # close() stopped the pool
+
+
+def test_shm_copy_threads_1_copies_each_entry_whole_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rec = _Recorder(meet=False)
+    monkeypatch.setattr(shm_mod, "_memmove", rec)
+    a = open_transport(Config(kind="shm", copy_threads=1))
+    b = open_transport(Config(kind="shm"))
+    try:
+        src = b.alloc(96 << 20)
+        dst = a.alloc(96 << 20)
+        assert src.array is not None
+        src.array[:] = np.random.default_rng(6).integers(0, 256, src.nbytes, dtype=np.uint8)
+        ops = _big_batch(dst, src)
+        res = a.read(b.endpoint, ops)
+        _check_big_batch(dst, src, ops, res.statuses)
+        assert [n for _, _, n in rec.calls] == [ops[0].length, 16, ops[2].length, 0]
+        assert {t for t, _, _ in rec.calls} == {threading.main_thread()}
+        # small batches stay on the calling thread whatever copy_threads says
+        c = open_transport(Config(kind="shm", copy_threads=8))
+        try:
+            rec.calls.clear()
+            small = c.alloc(1 << 20)
+            assert c.read(b.endpoint, [Op(small, 0, src.desc, 9, 1 << 20)]).ok
+            assert [(t, n) for t, _, n in rec.calls] == [(threading.main_thread(), 1 << 20)]
+            assert small.array is not None and np.array_equal(small.array, src.array[9 : 9 + (1 << 20)])
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shm_a_copy_that_raises_on_a_helper_thread_is_that_entrys_failed_status(
+    small_pieces: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exception of a helper's memmove becomes its entry's FAILED status with the message; every
+    other entry still arrives whole."""
+    rec = _Recorder()
+    rec.turn = itertools.count(1)  # only the caller's first call waits in `rec`; the helper's waits below
+    meeting = rec.meeting
+    assert meeting is not None
+    raised: list[int] = []
+
+    def flaky(dst: int, src: int, n: int) -> int:
+        if threading.current_thread() is not threading.main_thread() and not raised:
+            meeting.wait()  # the caller is at its first piece: this helper copies alongside it
+            raised.append(dst)
+            raise OSError("the page is gone")
+        return rec(dst, src, n)
+
+    monkeypatch.setattr(shm_mod, "_memmove", flaky)
+    a = open_transport(Config(kind="shm", copy_threads=2))
+    b = open_transport(Config(kind="shm"))
+    try:
+        src = b.alloc(SHM_N)
+        dst = a.alloc(SHM_N)
+        assert src.array is not None and dst.array is not None
+        src.array[:] = np.random.default_rng(7).integers(0, 256, SHM_N, dtype=np.uint8)
+        piece = SMALL_PIECE
+        ops = [
+            Op(dst, 0, src.desc, 1, 3 * piece),
+            Op(dst, 3 * piece, src.desc, SHM_N - 1, 2),  # out of range
+            Op(dst, 3 * piece + 1, src.desc, 7, 2 * piece + 5),
+            Op(dst, 6 * piece, src.desc, 0, 100),
+        ]
+        res = a.read(b.endpoint, ops)
+        assert len(raised) == 1
+        bad = next(
+            i
+            for i, op in enumerate(ops)
+            if dst.addr + op.local_offset <= raised[0] < dst.addr + op.local_offset + op.length
+        )
+        want = [EntryStatus.OK, EntryStatus.OUT_OF_RANGE, EntryStatus.OK, EntryStatus.OK]
+        want[bad] = EntryStatus.FAILED
+        assert list(res.statuses) == want
+        assert f"entry {bad}: copy failed: OSError: the page is gone" in res.detail
+        assert "exceeds peer region" in res.detail
+        for i, op in enumerate(ops):
+            if want[i] is EntryStatus.OK:
+                got = dst.array[op.local_offset : op.local_offset + op.length]
+                assert np.array_equal(got, src.array[op.remote_offset : op.remote_offset + op.length])
+        with pytest.raises(OutOfRangeError, match=r"FAILED, OUT_OF_RANGE.*copy failed"):  # the worst entry
+            res.raise_for_status(b.endpoint, "reading")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shm_threaded_batches_from_several_callers_at_once(small_pieces: None) -> None:
+    """Callers sharing one transport (and its helper threads) each get their own bytes and statuses."""
+    a = open_transport(Config(kind="shm", copy_threads=3))
+    b = open_transport(Config(kind="shm"))
+    try:
+        src = b.alloc(SHM_N)
+        dst = a.alloc(SHM_N)
+        assert src.array is not None and dst.array is not None
+        src.array[:] = np.random.default_rng(8).integers(0, 256, SHM_N, dtype=np.uint8)
+        quarter = SHM_N // 4
+        results: dict[int, tuple[EntryStatus, ...]] = {}
+
+        def caller(k: int) -> None:
+            for _ in range(20):
+                ops = [
+                    Op(dst, k * quarter + 1, src.desc, (3 - k) * quarter, quarter - 1),
+                    Op(dst, 0, src.desc, SHM_N, 1),  # out of range
+                ]
+                results[k] = a.read(b.endpoint, ops).statuses
+
+        callers = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(timeout=60)
+        assert results == {k: (EntryStatus.OK, EntryStatus.OUT_OF_RANGE) for k in range(4)}
+        for k in range(4):
+            got = dst.array[k * quarter + 1 : (k + 1) * quarter]
+            assert np.array_equal(got, src.array[(3 - k) * quarter : (4 - k) * quarter - 1])
+    finally:
+        a.close()
+        b.close()

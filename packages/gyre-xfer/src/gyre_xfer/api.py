@@ -7,6 +7,7 @@ Both transports check every range before any byte moves and raise or report type
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -169,3 +170,8 @@ class Config:
     """How long to wait when checking whether a failed peer still accepts connections."""
     log_level: int = 2
     """Mooncake's glog threshold (GLOG_minloglevel) when not set in the environment: 0 info .. 2 error."""
+    copy_threads: int = field(default_factory=lambda: max(1, min(8, os.cpu_count() or 1)))
+    """Shared memory: threads copying one batch (the calling thread and copy_threads - 1 helpers). A batch
+    of 64 MiB or more is cut into pieces of 16 MiB that are copied at once (memmove releases the GIL; one
+    thread copies about 5-8 GB/s); smaller batches stay on the calling thread. 1: every batch on the
+    calling thread."""

@@ -4,6 +4,10 @@ peers on this host map by name, and a transfer is a memcpy between mappings (no 
 Only memory from `alloc` can be read or written by peers; `register` wraps any local CPU buffer as a
 source or destination of this process's own reads and writes. Segments are files under /dev/shm (Linux),
 unlinked on `close`; a mapping lives as long as a numpy view of it does.
+
+A batch of `COPY_THREADED_MIN_BYTES` or more is copied on `Config.copy_threads` threads (the calling
+thread and a pool of helpers, started on first use and stopped by `close`): its ops are cut into pieces of
+`COPY_PIECE_BYTES` that the threads take in turn. Smaller batches are copied on the calling thread.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -54,6 +59,7 @@ class ShmTransport:
         self._peers: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._copiers: ThreadPoolExecutor | None = None  # helper threads for large batches, made on first use
 
     @property
     def endpoint(self) -> str:
@@ -167,7 +173,8 @@ class ShmTransport:
         statuses: list[EntryStatus] = []
         details = [p for p in problems if p]
         held = []  # the peer mappings this batch uses stay mapped until it ends
-        for op, problem in zip(ops, problems, strict=True):
+        copies: list[tuple[int, int, int, int]] = []  # (entry, destination, source, length)
+        for i, (op, problem) in enumerate(zip(ops, problems, strict=True)):
             if problem:
                 statuses.append(EntryStatus.OUT_OF_RANGE)
                 continue
@@ -184,12 +191,64 @@ class ShmTransport:
             held.append(peer_arr)
             local = op.region.addr + op.local_offset
             remote = int(peer_arr.ctypes.data) + op.remote_offset
-            if into_local:
-                ctypes.memmove(local, remote, op.length)
-            else:
-                ctypes.memmove(remote, local, op.length)
+            copies.append((i, local, remote, op.length) if into_local else (i, remote, local, op.length))
             statuses.append(EntryStatus.OK)
+        threads = self.config.copy_threads
+        if threads > 1 and sum(c[3] for c in copies) >= COPY_THREADED_MIN_BYTES:
+            for i, why in self._copy_threaded(copies, threads):
+                statuses[i] = EntryStatus.FAILED
+                details.append(f"entry {i}: {why}")
+        else:
+            for _, dst, src, n in copies:
+                _memmove(dst, src, n)
         return BatchResult(tuple(statuses), time.monotonic() - t0, "; ".join(details))
+
+    def _copy_threaded(self, copies: list[tuple[int, int, int, int]], threads: int) -> list[tuple[int, str]]:
+        """Copy `copies` in pieces of `COPY_PIECE_BYTES` on this thread and up to `threads - 1` helpers,
+        each taking the next piece until none is left. Returns (entry, why) for each entry whose copy
+        raised, in entry order; returns (or raises) only once no helper touches the memory any more."""
+        pieces = _pieces(copies, COPY_PIECE_BYTES)
+        turns = itertools.count()
+        stop = threading.Event()
+        failed: dict[int, str] = {}
+
+        def drain() -> None:
+            while not stop.is_set() and (k := next(turns)) < len(pieces):
+                entry, dst, src, n = pieces[k]
+                try:
+                    _memmove(dst, src, n)
+                except Exception as e:  # the entry's FAILED status says so
+                    failed.setdefault(entry, f"copy failed: {type(e).__name__}: {e}")
+
+        helpers: list[Future[None]] = []
+        try:
+            pool = self._copy_pool(threads - 1)
+            if pool is not None:
+                for _ in range(min(threads - 1, len(pieces) - 1)):
+                    try:
+                        helpers.append(pool.submit(drain))
+                    except RuntimeError:  # closed meanwhile: this thread copies the rest
+                        break
+            drain()
+        except BaseException:
+            stop.set()  # helpers stop after their current piece
+            raise
+        finally:
+            for f in helpers:
+                f.cancel()  # not started yet (the pool busy with another batch): nothing left for it
+            wait(helpers)  # the mappings `_batch` holds outlive every helper's last memmove
+        for f in helpers:
+            if not f.cancelled() and (exc := f.exception()) is not None:  # not from a memmove: fail them all
+                for entry, *_ in copies:
+                    failed.setdefault(entry, f"copy thread failed: {type(exc).__name__}: {exc}")
+        return sorted(failed.items())
+
+    def _copy_pool(self, helpers: int) -> ThreadPoolExecutor | None:
+        """The helper threads (made on first use); None once the transport is closed."""
+        with self._lock:
+            if self._copiers is None and not self._closed and helpers > 0:
+                self._copiers = ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="gyre-xfer-copy")
+            return self._copiers
 
     def note_peer(self, peer: str, incarnation: str) -> None:
         """Nothing to do: a restarted peer's segments have new names."""
@@ -204,10 +263,13 @@ class ShmTransport:
             return
         self._closed = True
         with self._lock:
+            copiers, self._copiers = self._copiers, None
             owned = list(self._owned.values())
             self._owned.clear()
             self._peers.clear()
             self._regions.clear()
+        if copiers is not None:
+            copiers.shutdown(wait=True)  # a batch still running on another thread finishes its pieces
         for path in owned:
             _unlink(path)
 
@@ -236,6 +298,24 @@ SHM_DIR = "/dev/shm"
 PEER_MAPPINGS = 16
 """How many peer segments stay mapped for later batches (a segment a peer hands out again, such as a
 reused KV offer arena, is then read without mapping and faulting it in again)."""
+
+
+_memmove = ctypes.memmove  # releases the GIL while it copies
+
+COPY_PIECE_BYTES = 16 << 20
+"""Piece size of a threaded batch: each op longer than this is copied as several pieces on several threads."""
+COPY_THREADED_MIN_BYTES = 64 << 20
+"""Batches moving fewer bytes are copied on the calling thread (handing pieces to helpers costs more than
+it saves)."""
+
+
+def _pieces(copies: Sequence[tuple[int, int, int, int]], piece: int) -> list[tuple[int, int, int, int]]:
+    """(entry, destination, source, length) cut into pieces of at most `piece` bytes, in order."""
+    out = []
+    for entry, dst, src, n in copies:
+        for pos in range(0, n, piece):
+            out.append((entry, dst + pos, src + pos, min(piece, n - pos)))
+    return out
 
 
 def _map(fd: int, nbytes: int) -> np.ndarray:

@@ -2,13 +2,17 @@
 
 Raw Mooncake calls and gyre-xfer's wrapper read the same bytes from the same peer process, alternating,
 so their ratio is fair; plain TCP sockets and memcpy give the ceilings; shared memory is compared with
-memcpy; the snapshot figure is the time from `publish` to a subscriber holding the whole version.
+memcpy; the snapshot figure is the time from `publish` to a subscriber holding the whole version. The
+shared-memory pull figure pulls one snapshot shaped like Qwen3-0.6B from a publisher in a third process,
+with the transport's copy threads and piecewise checksums against one copy thread, alternating.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -23,6 +27,7 @@ import numpy as np
 from gyre_xfer.kv import KvPool
 from gyre_xfer.mooncake import MooncakeTransport
 from gyre_xfer.protocol import RegionDesc
+from gyre_xfer.publisher import Publisher
 from gyre_xfer.subscriber import Subscriber, SubscriberConfig
 from gyre_xfer.transport import Config, Op, check_ranges, open_transport
 
@@ -203,6 +208,7 @@ def run(quick: bool) -> dict[str, Any]:
         out["snapshot_bytes"] = snap.nbytes
         sub.close()
         mc.close()
+        out.update(_shm_pull_figures(3 if quick else 7))
         return out
     finally:
         try:
@@ -212,6 +218,109 @@ def run(quick: bool) -> dict[str, Any]:
         except (OSError, subprocess.TimeoutExpired):
             peer.kill()
             peer.wait(timeout=10)
+
+
+def qwen3_0_6b_shapes() -> dict[str, tuple[int, ...]]:
+    """Qwen3-0.6B's tensors (tied embedding): 310 tensors, 1.19 GB in bf16, the largest the 311 MB
+    embedding."""
+    hidden, inter, q, kv, head = 1024, 3072, 16 * 128, 8 * 128, 128
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (151936, hidden)}
+    for i in range(28):
+        pre = f"model.layers.{i}."
+        shapes |= {
+            pre + "self_attn.q_proj.weight": (q, hidden),
+            pre + "self_attn.k_proj.weight": (kv, hidden),
+            pre + "self_attn.v_proj.weight": (kv, hidden),
+            pre + "self_attn.o_proj.weight": (hidden, q),
+            pre + "self_attn.q_norm.weight": (head,),
+            pre + "self_attn.k_norm.weight": (head,),
+            pre + "mlp.gate_proj.weight": (inter, hidden),
+            pre + "mlp.up_proj.weight": (inter, hidden),
+            pre + "mlp.down_proj.weight": (hidden, inter),
+            pre + "input_layernorm.weight": (hidden,),
+            pre + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+def shm_publisher() -> None:
+    """The shared-memory pull figure's publisher (run in its own process): publishes one snapshot of
+    random bf16 words shaped like Qwen3-0.6B, prints {"control", "version"}, and serves until stdin ends."""
+    tr = open_transport(Config(kind="shm"))
+    pub = Publisher(tr)
+    rng = np.random.default_rng(2)
+    weights = {
+        name: rng.integers(0, 2**16, shape, dtype=np.uint16) for name, shape in qwen3_0_6b_shapes().items()
+    }
+    version = pub.publish(weights, dtypes=dict.fromkeys(weights, "bfloat16"))
+    print(json.dumps({"control": pub.address, "version": version}), flush=True)
+    for _ in sys.stdin:
+        pass
+    pub.close()
+    tr.close()
+
+
+def _shm_pull_figures(reps: int) -> dict[str, Any]:
+    """`Subscriber.pull` of the Qwen3-0.6B-shaped snapshot over shared memory into staging, checksums
+    verified: the default transport (copy threads) against `copy_threads=1`, alternating, medians; and,
+    in the same rounds, about the code before copy threads and hash pieces (`copy_threads=1`, a tensor
+    hashed in no smaller pieces than the buckets cut it into: the embedding in two)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from gyre_xfer.bench.run import shm_publisher; shm_publisher()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    opened: list[tuple[Any, Subscriber]] = []
+    try:
+        info = json.loads(proc.stdout.readline())
+        variants = {
+            "threads": (Config(kind="shm"), SubscriberConfig(info["control"])),
+            "one_thread": (Config(kind="shm", copy_threads=1), SubscriberConfig(info["control"])),
+            "whole_tensor_hash_one_thread": (
+                Config(kind="shm", copy_threads=1),
+                SubscriberConfig(info["control"], hash_piece_bytes=1 << 62),
+            ),
+        }
+        pulls: dict[str, Callable[[], Any]] = {}
+        for name, (cfg, sub_cfg) in variants.items():
+            tr = open_transport(cfg)
+            sub = Subscriber(tr, sub_cfg)
+            opened.append((tr, sub))
+            snap = sub.pull(min_version=info["version"])  # allocates and faults in the staging
+            nbytes, ntensors = snap.nbytes, len(snap.arrays)
+            pulls[name] = functools.partial(sub.pull, min_version=info["version"])
+        times: dict[str, list[float]] = {name: [] for name in pulls}
+        names = list(pulls)
+        for i in range(reps):  # a different variant goes first each round
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                times[name].append(_timed(pulls[name]))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        return {
+            "shm_pull_qwen3_0_6b_bytes": nbytes,
+            "shm_pull_qwen3_0_6b_tensors": ntensors,
+            "shm_pull_copy_threads": Config().copy_threads,
+            "shm_pull_hash_threads": SubscriberConfig("").hash_threads,
+            "cpu_count": os.cpu_count(),
+            "shm_pull_qwen3_0_6b_s_threads": round(med["threads"], 3),
+            "shm_pull_qwen3_0_6b_s_one_thread": round(med["one_thread"], 3),
+            "shm_pull_one_thread_over_threads": round(med["one_thread"] / med["threads"], 3),
+            "shm_pull_qwen3_0_6b_s_before": round(med["whole_tensor_hash_one_thread"], 3),
+            "shm_pull_before_over_threads": round(med["whole_tensor_hash_one_thread"] / med["threads"], 3),
+        }
+    finally:
+        for tr, sub in opened:
+            sub.close()
+            tr.close()
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def _peer_pool_desc(kind: Any, seg: str, remote: RegionDesc, plane_bytes: int, block: int) -> Any:
