@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 from gyre_engine.server.batch import DecodeBatch, RowKV, cache_from_layers, cache_kwarg, cache_layers  # noqa: E402
 from gyre_engine.server.lanes import Lanes  # noqa: E402
-from gyre_engine.server.prefill import prefill_chunk, prefill_group, start_cache  # noqa: E402
+from gyre_engine.server.prefill import prefill_chunk, prefill_group, prefill_packed, start_cache  # noqa: E402
 from gyre_engine.server.prefix_cache import PrefixCache  # noqa: E402
 
 
@@ -84,6 +84,41 @@ def test_a_padded_group_prefill_gives_each_prompt_its_solo_logits_and_kv(hf_mode
         lg = prefill_chunk(hf_model, kw, ctxs[1], cache, 7, 11, cpu)
     assert RowKV(*cache_layers(cache)).length == 11 and torch.allclose(lg[0], logits[1], atol=1e-4)
     assert cached.length == 5  # the cached prefix itself was not written to
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 6)), min_size=1, max_size=4))
+def test_a_packed_prefill_gives_each_row_its_solo_logits_and_kv(
+    hf_model: Any, rows: list[tuple[int, int]]
+) -> None:
+    """Rows of cached prefixes (`cached` tokens) extended by `rest` new tokens each, in one packed pass:
+    each row's last logits and whole KV are those of its context alone, and its cached prefix is not
+    written to."""
+    ctxs = [[700 + 29 * i + 3 * j for j in range(cached + rest)] for i, (cached, rest) in enumerate(rows)]
+    prefixes = [prefill(hf_model, c[:cached])[0] for c, (cached, _) in zip(ctxs, rows, strict=True)]
+    caches = [start_cache(kv) for kv in prefixes]
+    with torch.no_grad():
+        logits = prefill_packed(
+            hf_model,
+            cache_kwarg(hf_model),
+            [(c, cached, cache) for c, (cached, _), cache in zip(ctxs, rows, caches, strict=True)],
+            torch.device("cpu"),
+        )
+    assert logits.shape[0] == len(rows)
+    for c, cache, lg, kv, (cached, _) in zip(ctxs, caches, logits, prefixes, rows, strict=True):
+        solo_kv, solo = prefill(hf_model, c)
+        assert torch.allclose(lg, solo, atol=1e-4)
+        row = RowKV(*cache_layers(cache))
+        assert row.length == len(c) and kv.length == cached
+        for a, b in zip(row.keys + row.values, solo_kv.keys + solo_kv.values, strict=True):
+            assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_a_packed_row_needs_a_cached_prefix(hf_model: Any) -> None:
+    with pytest.raises(ValueError, match="cached prefix"):
+        prefill_packed(
+            hf_model, cache_kwarg(hf_model), [([1, 2, 3], 0, start_cache(None))], torch.device("cpu")
+        )
 
 
 @pytest.mark.long

@@ -111,3 +111,47 @@ def test_a_call_cancelled_before_it_runs_is_dropped_and_the_engine_lives_on(engi
     first.result(30)
     assert engine.call(ran.append, "kept").result(30) is None
     assert ran == ["kept"] and engine.alive
+
+
+def test_calls_extending_cached_contexts_are_prefilled_in_one_packed_pass(
+    engine: Engine, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    """Three calls, each extending a context the engine served before by a few new tokens (an agent's
+    next call), admitted in one step: their rests are prefilled in one pass, and each continues exactly
+    as transformers' generate does on its whole context."""
+    sp1 = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    contexts = [[1100 + 11 * k + j for j in range(n)] for k, n in enumerate((9, 14, 5))]
+    for k, ctx in enumerate(contexts):  # served once: each context is in the prefix cache after
+        done = threading.Event()
+        engine.submit(
+            EngineRequest(f"prime-{k}", ctx, sp1), lambda ev, d=done: d.set() if ev.finish else None
+        ).result(30)
+        assert done.wait(30)
+    calls = [ctx + [1500 + k, 1600 + k, 1700 + k][: 2 + k % 2] for k, ctx in enumerate(contexts)]
+    outs: dict[str, list[int]] = {f"next-{k}": [] for k in range(len(calls))}
+    done = {rid: threading.Event() for rid in outs}
+
+    def sink(ev: TokenEvent) -> None:
+        outs[ev.rid].extend(ev.token_ids)
+        if ev.finish is not None:
+            done[ev.rid].set()
+
+    hold, held = threading.Event(), threading.Event()
+    blocker = engine.call(lambda: (held.set(), hold.wait(30)))  # the engine thread waits inside a call
+    assert held.wait(30)
+    before = engine.stats()
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    taken = [engine.submit(EngineRequest(rid, ids, sp), sink) for rid, ids in zip(outs, calls, strict=True)]
+    hold.set()  # the three are queued behind the blocker: the next step admits them together
+    blocker.result(30)
+    for f in taken:
+        f.result(30)
+    assert all(e.wait(60) for e in done.values())
+    after = engine.stats()
+    for rid, ids in zip(outs, calls, strict=True):
+        assert outs[rid] == greedy(ids, 6), rid
+    assert after.prefill_passes - before.prefill_passes == 1  # one packed pass for the three
+    assert after.prefill_tokens_cached - before.prefill_tokens_cached >= sum(len(c) for c in contexts)
+    assert after.prefill_tokens_computed - before.prefill_tokens_computed <= sum(
+        len(c) - len(p) + 1 for c, p in zip(calls, contexts, strict=True)
+    )

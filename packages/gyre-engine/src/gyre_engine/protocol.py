@@ -244,6 +244,9 @@ class ServerInfo(msgspec.Struct, frozen=True):
     """KV prefix offers (/offer_prefix) not yet released or expired."""
     prefill_time_s: float = 0.0
     """Seconds the engine thread spent in prefill steps since start."""
+    prefill_passes: int = 0
+    """Prefill forward passes since start: a group of fresh prompts, the rests of prefix-cached prompts
+    packed together, or one chunk of a chunked or long prefill each count one."""
     decode_time_s: float = 0.0
     """Seconds the engine thread spent decoding since start (graph captures on first use included)."""
     graph_captures: int = 0

@@ -39,7 +39,13 @@ from gyre_engine.server.lanes import Lane, Lanes
 from gyre_engine.server.long_kv import copy_prefix, prefill_into
 from gyre_engine.server.norms import available as norms_available
 from gyre_engine.server.norms import fuse_rms_norms
-from gyre_engine.server.prefill import group_forward, prefill_chunk, prefill_group, start_cache
+from gyre_engine.server.prefill import (
+    group_forward,
+    prefill_chunk,
+    prefill_group,
+    prefill_packed,
+    start_cache,
+)
 from gyre_engine.server.prefix_cache import PrefixCache, PrefixHit
 from gyre_engine.server.request import (
     EngineRequest,
@@ -81,6 +87,7 @@ class EngineStats:
     step_time_s: float = 0.0
     command_time_s: float = 0.0
     waiting_s: dict[str, float] = field(default_factory=dict)
+    prefill_passes: int = 0
 
 
 WaitReason = Literal["rows", "prefill_budget", "chunked_prefill", "long_slot", "long_memory", "behind"]
@@ -255,6 +262,7 @@ class Engine:
             "decode_tokens": 0,
             "decode_time_s": 0.0,
             "prefill_time_s": 0.0,
+            "prefill_passes": 0,
             "cache_returns": 0,
             "memory_evicted_tokens": 0,
             "step_time_s": 0.0,
@@ -378,6 +386,7 @@ class Engine:
             decode_tokens=int(st["decode_tokens"]),
             decode_time_s=st["decode_time_s"],
             prefill_time_s=st["prefill_time_s"],
+            prefill_passes=int(st["prefill_passes"]),
             cache_returns=int(st["cache_returns"]),
             memory_evicted_tokens=int(st["memory_evicted_tokens"]),
             host_cached_tokens=self.prefix.host_held_tokens,
@@ -535,6 +544,7 @@ class Engine:
         an earlier call waits for the chunked prefill, as long as the slots kept for those ahead remain."""
         budget = self.config.prefill_chunk
         group: list[Running] = []
+        packed: list[_Partial] = []  # prefix-cached prompts whose rest fits: one packed pass after the scan
         admitted: list[Running] = []
         chunked_ahead = False  # an earlier request waits for the chunked prefill
         long_ahead = 0  # earlier long requests whose rest fits that wait for a slot: one kept for each
@@ -543,7 +553,10 @@ class Engine:
         waiting = list(self._waiting)
         try:
             for i, r in enumerate(waiting):
-                if running + len(joining) + len(group) >= self.config.max_running_requests or budget <= 0:
+                if (
+                    running + len(joining) + len(group) + len(packed) >= self.config.max_running_requests
+                    or budget <= 0
+                ):
                     self._hold("rows" if budget > 0 else "prefill_budget", len(waiting) - i)
                     break
                 n = r.context_length()
@@ -581,12 +594,17 @@ class Engine:
                 if pos:
                     self.prefix.used(hit)
                 p = _Partial(r, r.context(), cache, pos, pos, row)
-                if at_once:
+                if at_once and not long and pos > 0:
+                    packed.append(p)
+                    budget -= len(p.ctx) - pos
+                elif at_once:
                     budget -= self._advance(p, budget, joining)
                     self._long_at_once += long
                 else:
                     running += 1
                     self._partial = p
+            if packed:
+                self._prefill_packed(packed, joining)
         finally:  # those admitted leave the queue (also when a prefill failed half-way)
             if admitted:
                 gone = {id(r) for r in admitted}
@@ -762,6 +780,7 @@ class Engine:
         """Prefill the next `budget` tokens of `p`; when its context is covered, sample its first token.
         Returns the tokens computed."""
         end = min(len(p.ctx), p.pos + max(budget, 1))
+        self._stats["prefill_passes"] += 1
         if isinstance(p.cache, SlotBatch):
             logits = prefill_into(self.model, self._cache_kw, p.ctx, p.cache.row_buffer(p.row), p.pos, end)
         else:
@@ -779,8 +798,31 @@ class Engine:
         return done
 
     @torch.inference_mode()
+    def _prefill_packed(self, parts: list[_Partial], joining: list[tuple[Running, RowKV, int]]) -> None:
+        """The rests of prefix-cached prompts (each `cache` covering `ctx[:pos]`) in one packed pass; each
+        row's first token sampled from its own last logits."""
+        self._stats["prefill_passes"] += 1
+        logits = prefill_packed(
+            self.model, self._cache_kw, [(p.ctx, p.pos, p.cache) for p in parts], self.device
+        )
+        first = sample(
+            logits,
+            [p.r.sampler for p in parts],
+            [p.r.req.top_logprobs_num for p in parts],
+            [p.r.req.token_ids_logprob for p in parts],
+        )
+        for i, p in enumerate(parts):
+            p.pos = len(p.ctx)
+            self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
+            top = first.top[i] if first.top else None
+            self._started(
+                p.r, p.ctx, RowKV(*cache_layers(p.cache)), first.tokens[i], first.logprobs[i], top, joining
+            )
+
+    @torch.inference_mode()
     def _prefill_group(self, group: list[Running], joining: list[tuple[Running, RowKV, int]]) -> None:
         ctxs = [r.context() for r in group]
+        self._stats["prefill_passes"] += 1
         if self._compile_prefill and self.compiled_prefill is None:
             self.compiled_prefill = compile_fn(group_forward)
         try:

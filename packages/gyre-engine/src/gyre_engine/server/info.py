@@ -162,6 +162,7 @@ class InfoRoutes:
                 cached_prefix_tokens=engine.prefix.total_tokens,
                 open_prefix_offers=self.xfer.open_offers,
                 prefill_time_s=round(st.prefill_time_s, 4),
+                prefill_passes=st.prefill_passes,
                 decode_time_s=round(st.decode_time_s, 4),
                 graph_captures=int(slots.get("captures", 0)) + int(slots.get("long_captures", 0)),
                 graph_capture_s=round(
