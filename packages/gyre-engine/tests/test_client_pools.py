@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -88,3 +89,43 @@ def test_probes_and_aborts_are_not_stuck_behind_a_full_pool() -> None:
         await srv.stop()
 
     asyncio.run(main())
+
+
+def test_clients_share_one_tls_context_that_still_verifies_certificates(tmp_path: Any) -> None:
+    """Every pool of every client takes the process's one TLS context (built once: a client is cheap to
+    make), and it verifies: a loopback HTTPS server with a self-signed certificate is refused."""
+    import shutil
+    import ssl
+    import subprocess
+
+    from gyre_engine.client import tls_context
+
+    ctx = tls_context()
+    assert ctx is tls_context() and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a self-signed certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def go() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nOK")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with EngineClient(f"https://127.0.0.1:{port}", timeout_s=10) as c:
+                with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                    await c.flush_cache()
+        finally:
+            server.close()
+
+    asyncio.run(go())
