@@ -152,6 +152,7 @@ def device_seconds(
 COUNTERS = (
     "decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens",
     "host_spilled_tokens", "host_hit_tokens", "step_s", "command_s", "graph_captures", "graph_capture_s",
+    "prefill_passes",
 )  # fmt: skip
 
 
@@ -167,7 +168,8 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     tokens it copied to its host tier, and served from there instead of computing them), `step_s` and
     `command_s` (the engine thread in its steps, and on calls from the server's other threads),
     `graph_captures` and `graph_capture_s` (decode steps captured as CUDA graphs while serving, and
-    their seconds: each holds every running row),
+    their seconds: each holds every running row), `prefill_passes` and `prefill_ms_per_pass` (prefill
+    forward passes, and their mean seconds: calls extending cached contexts admitted together share one),
     `step_other_s` (step seconds outside decode and prefill: admission's lookups and claims, prefixes
     stored, copies to the host tier) and `idle_s` (busy rollout seconds with the engine thread in neither:
     waiting for a request's turn, or the process's own overhead); `waiting_by_reason` (requests waiting,
@@ -220,6 +222,12 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
             "decode_tok_s": ratio(e["decode_tokens"], e["decode_s"], nd=1),
             "prefill_tokens": int(e["prefill_tokens"]),
             "prefill_tok_s": None if prefill_s is None else ratio(e["prefill_tokens"], prefill_s, nd=1),
+            "prefill_passes": int(e["prefill_passes"]) if "prefill_passes" in has else None,
+            "prefill_ms_per_pass": (
+                ratio(prefill_s, e["prefill_passes"], 1000.0, nd=2)
+                if prefill_s is not None and "prefill_passes" in has
+                else None
+            ),
             "mean_waiting": ratio(e["waiting_s"], e["rollout_s"], nd=2),
             **{
                 k: int(e[k]) if k in has else None

@@ -597,6 +597,7 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             waiting_s=info.waiting_s or None,
             graph_captures=info.graph_captures,
             graph_capture_s=info.graph_capture_s,
+            prefill_passes=info.prefill_passes,
         ),
     )
 

@@ -411,6 +411,9 @@ class EngineCounters(msgspec.Struct, frozen=True):
     every running row for its seconds)."""
     graph_capture_s: float | None = None
     """Seconds those captures took (gyre-engine's)."""
+    prefill_passes: int | None = None
+    """Prefill forward passes (gyre-engine's: a group of fresh prompts, a packed pass of calls extending
+    cached contexts, one chunk of a chunked or long prefill)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):
