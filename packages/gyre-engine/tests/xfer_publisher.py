@@ -1,7 +1,7 @@
 """A gyre-xfer snapshot publisher in its own process, for the engine's xfer tests (run as a script, never
 imported by them). It opens a Mooncake and a shared-memory publisher, prints one JSON line with both
 control addresses, then follows stdin: `publish KIND DIR`, `bad-shape KIND DIR`, `missing KIND DIR`, and
-`megatron KIND DIR` (the same weights in Megatron-core's layout), and `churn KIND DIR0 DIR1` (publish DIR0,
+`megatron KIND DIR` (the same weights in Megatron-core's layout), and `churn KIND DIR0 DIR1` (publish DIR0, replying once it is out, then
 DIR1, DIR0, ... back to back until stdin closes). argv[1]: lease_s."""
 
 from __future__ import annotations
@@ -72,12 +72,14 @@ def main() -> None:
             both, pub = [t, tensors_of(rest[0])], pubs[kind]
 
             def churn(both: list[dict[str, np.ndarray]] = both, pub: Publisher = pub) -> None:
-                i = 0
+                i = 1
                 while not stop.is_set():
                     pub.publish(both[i % 2])
                     i += 1
 
-            print(json.dumps({"version": pubs[kind].version}), flush=True)
+            before = pub.version
+            pub.publish(both[0])  # a version is there before the reply: a pull at once finds one
+            print(json.dumps({"version": before}), flush=True)
             churner = threading.Thread(target=churn, daemon=True)
             churner.start()
             continue
