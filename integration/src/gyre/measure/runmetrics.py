@@ -94,8 +94,8 @@ def push_served(
     the core's status that names the version (the cell's poll; `status_s` of it waiting for the reply),
     `pull_s` and `apply_s` (the engine's own seconds pulling the snapshot and copying it in between two
     steps, `apply_wait_s` of the latter waiting for the step running then to end; None where the record
-    does not say), and `other_s`, the rest (the HTTP round trip, the
-    engine's request queue)."""
+    does not say), and `other_s`, the rest (the cell's HTTP call to its engine, the engine's handling of
+    it besides pull and apply)."""
     after = [x for x in samples if x.t >= t_applied]
     serving = [cid for cid, ro in after[0].roles.items() if ro == int(Role.ROLLOUT)] if after else []
     if not serving:

@@ -6,9 +6,9 @@ several prefix-cached prompts at once in one packed pass (`prefill_packed`).
 
 The packed pass is what an agent's calls need: each call extends a cached context by a few tokens to a
 few thousand (a tool's output), and prefilled one call per forward pass the engine spent 80% of its busy
-time in prefill at about 700 tokens/s on one H100 (tens of new tokens a call, `integration/bench/
-h200_run.py` on `h200-shared.toml`): each pass is the model's whole sequence of kernels for a handful of
-tokens. Packed, the rows' new tokens run as one sequence through every projection, norm and MLP (each
+time in prefill at about 700 tokens/s on one H100 (tens of new tokens a call: integration's
+`bench/h200_run.py` on `examples/h200-shared.toml`): each pass is the model's whole sequence of kernels
+for a handful of tokens. Packed, the rows' new tokens run as one sequence through every projection, norm and MLP (each
 token with its own position), and only attention is per row: each row's keys and values are appended to
 its own cache and its queries attend over that, with the bottom-right causal mask, so a row's logits and
 KV are those of its own pass.
