@@ -210,10 +210,14 @@ def register_attention() -> None:
 
 
 @contextmanager
-def attention_as(model: Any, name: str) -> Iterator[None]:
-    """The model's attention is the registered function `name` inside this block (the engine's thread
-    is the only one that runs the model)."""
+def attention_as(model: Any, name: str, fn: Callable[..., Any] | None = None) -> Iterator[None]:
+    """The model's attention is the registered function `name` inside this block (`fn` registered under
+    that name first, when given; the engine's thread is the only one that runs the model)."""
     register_attention()
+    if fn is not None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(name, fn)
     cfg = model.config
     old = cfg._attn_implementation
     cfg._attn_implementation = name

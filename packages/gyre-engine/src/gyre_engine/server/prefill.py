@@ -37,7 +37,6 @@ from gyre_engine.server.long_kv import (
 from gyre_engine.server.slots import SlotCache
 
 PACKED_ATTN_NAME = "gyre_packed_prefill"
-_packed_registered = False
 
 
 def start_cache(kv: RowKV | None) -> DynamicCache:
@@ -71,8 +70,7 @@ def prefill_packed(
         ids.extend(ctx[start:])
         pos.extend(range(start, len(ctx)))
         offsets.append(len(ids))
-    _register_packed()
-    with attention_as(model, PACKED_ATTN_NAME):
+    with attention_as(model, PACKED_ATTN_NAME, _packed_attention):
         out = model(
             input_ids=torch.tensor([ids], device=device),
             position_ids=torch.tensor([pos], device=device),
@@ -110,15 +108,6 @@ def _packed_attention(
         k, v = cache.update(key[:, :, a:b], value[:, :, a:b], layer)
         outs.append(chunk_attention(query[:, :, a:b].contiguous(), k, v, scale))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def _register_packed() -> None:
-    global _packed_registered
-    if not _packed_registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(PACKED_ATTN_NAME, _packed_attention)
-        _packed_registered = True
 
 
 def group_forward(
