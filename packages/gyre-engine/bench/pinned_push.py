@@ -19,30 +19,15 @@ import torch
 from gyre_engine.protocol import UpdateFromXferRequest
 from gyre_engine.server.weights import apply_named_tensors
 from gyre_engine.server.xfer import XferHub, snapshot_tensors
+from gyre_xfer.bench.run import qwen3_0_6b_shapes
 from gyre_xfer.pinning import host_pinning
 from gyre_xfer.publisher import Publisher, PublisherConfig
 from gyre_xfer.transport import Config, open_transport
 
 
 def qwen3_06b_shapes() -> dict[str, tuple[int, ...]]:
-    hidden, inter, layers, vocab, heads, kv, hd = 1024, 3072, 28, 151936, 16, 8, 128
-    out: dict[str, tuple[int, ...]] = {"embed_tokens_weight": (vocab, hidden), "norm_weight": (hidden,)}
-    for i in range(layers):
-        p = f"layers_{i}_"
-        out |= {
-            p + "q_proj": (heads * hd, hidden),
-            p + "k_proj": (kv * hd, hidden),
-            p + "v_proj": (kv * hd, hidden),
-            p + "o_proj": (hidden, heads * hd),
-            p + "q_norm": (hd,),
-            p + "k_norm": (hd,),
-            p + "gate_proj": (inter, hidden),
-            p + "up_proj": (inter, hidden),
-            p + "down_proj": (hidden, inter),
-            p + "input_layernorm": (hidden,),
-            p + "post_attention_layernorm": (hidden,),
-        }
-    return out
+    """gyre-xfer's bench table of Qwen3-0.6B's tensors, named as module parameters (no dots)."""
+    return {name.replace(".", "_"): shape for name, shape in qwen3_0_6b_shapes().items()}
 
 
 def main() -> None:

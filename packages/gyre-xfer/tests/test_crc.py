@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from gyre_xfer.crc import (
     HASH_PIECE_BYTES,
+    combine_futures,
     crc32_combine,
     crc32_of_pieces,
-    crc32_parallel,
     split,
     submit_pieces,
     zero_bytes_operator,
@@ -78,7 +78,7 @@ def test_piecewise_hash_is_zlibs_around_piece_boundaries(pool: ThreadPoolExecuto
     rng = np.random.default_rng(piece)
     for n in _sizes_around(piece):
         buf = rng.integers(0, 256, n, dtype=np.uint8)
-        assert crc32_parallel(buf, pool, piece) == zlib.crc32(buf), n
+        assert combine_futures(submit_pieces(pool, buf, piece)) == zlib.crc32(buf), n
         got = submit_pieces(pool, buf, piece)
         assert [length for _, length in got] == [e - s for s, e in split(n, piece)]
         assert sum(length for _, length in got) == n
@@ -87,7 +87,7 @@ def test_piecewise_hash_is_zlibs_around_piece_boundaries(pool: ThreadPoolExecuto
 
 def test_piecewise_hash_at_the_default_piece_size(pool: ThreadPoolExecutor) -> None:
     buf = np.random.default_rng(3).integers(0, 256, 2 * HASH_PIECE_BYTES + 12345, dtype=np.uint8)
-    assert crc32_parallel(buf, pool) == zlib.crc32(buf)
+    assert combine_futures(submit_pieces(pool, buf, HASH_PIECE_BYTES)) == zlib.crc32(buf)
     assert len(split(buf.nbytes, HASH_PIECE_BYTES)) == 3
 
 

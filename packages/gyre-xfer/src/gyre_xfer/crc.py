@@ -116,11 +116,3 @@ def submit_pieces(pool: Executor, buf: np.ndarray, piece: int) -> list[tuple[Fut
 def combine_futures(pieces: Iterable[tuple[Future[int], int]]) -> int:
     """Wait for the pieces' crcs (from `submit_pieces`) and combine them into the whole buffer's crc32."""
     return crc32_of_pieces((f.result(), n) for f, n in pieces)
-
-
-def crc32_parallel(buf: np.ndarray, pool: Executor, piece: int = HASH_PIECE_BYTES) -> int:
-    """zlib.crc32 of `buf` (a contiguous uint8 view), its pieces hashed on `pool`'s threads. Do not call
-    it from one of `pool`'s own threads: it waits for work queued behind it."""
-    if buf.nbytes <= piece:
-        return zlib.crc32(buf)
-    return combine_futures(submit_pieces(pool, buf, piece))
