@@ -137,13 +137,12 @@ is not running the request for anybody)."""
 
 @functools.cache
 def tls_context() -> ssl.SSLContext:
-    """The TLS settings every pool of every `EngineClient` in the process shares (httpx's defaults:
-    certificates verified against certifi's bundle). Left to httpx, each pool builds its own and loads
-    the bundle again, about 20 ms each here: with three pools a client took 60 ms to make, paid by every
-    short-lived client (a cell makes one per engine call, a weight push among them)."""
-    import certifi
-
-    return ssl.create_default_context(cafile=certifi.where())
+    """The TLS settings every pool of every `EngineClient` in the process shares: httpx's default context
+    (certificates verified against certifi's bundle, or `SSL_CERT_FILE` / `SSL_CERT_DIR` when set), built
+    once. Left to httpx, each pool builds its own and loads the bundle again, about 20 ms each here: with
+    three pools a client took 60 ms to make, paid by every short-lived client (a cell makes one per engine
+    call, a weight push among them)."""
+    return httpx.create_ssl_context()
 
 
 class EngineClient:
