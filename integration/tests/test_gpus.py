@@ -42,6 +42,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
                     "long_context_tokens": 33280,
                     "long_context_slots": 6,
                     "prefill_chunk": 4608,
+                    "keep_graphs": False,
                 }
             }
         )
@@ -50,7 +51,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         "--max-running-requests", "16", "--slot-kv-fraction", "0.1", "--warmup-decode-tokens", "256",
         "--decode-slots", "auto", "--slot-widths", "full", "--max-cached-tokens", "65536",
         "--long-context-tokens", "33280", "--long-context-slots", "6", "--prefill-chunk", "4608",
-        "--no-compile-decode",
+        "--no-keep-graphs", "--no-compile-decode",
     ]  # fmt: skip
     plain = gpus.engine_argv(config_from_dict({}))
     assert not {
@@ -58,7 +59,8 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         "--long-context-tokens",
         "--long-context-slots",
         "--prefill-chunk",
-    } & set(plain)  # 0: the engine's defaults
+        "--no-keep-graphs",
+    } & set(plain)  # 0: the engine's defaults; graphs kept
     from gyre_engine.cli import main
 
     with pytest.raises(SystemExit):

@@ -342,6 +342,10 @@ class EngineSection:
     0.6B model); false: capture the eager forward (seconds)."""
     decode_slots: str = "auto"
     """auto (CUDA graphs on CUDA), graphs, eager or off (`--decode-slots`)."""
+    keep_graphs: bool = True
+    """The weights and whole-width slot buffers keep their device addresses across the release at each
+    switch to training (CUDA virtual memory), so the decode graphs are not captured again after the switch
+    back; false: freed and allocated anew, the graphs captured again at first use (`--no-keep-graphs`)."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ def engine_argv(cfg: Config) -> list[str]:
         argv += ["--min-free-gib", str(e.min_free_gib)]
     if cfg.cell.device == "cuda":  # cells release and resume their engine's memory at every switch
         argv.append("--pin-host-weights")
+    if not e.keep_graphs:
+        argv.append("--no-keep-graphs")
     return [*argv, "--no-compile-decode"] if not e.compile_decode else argv
 
 

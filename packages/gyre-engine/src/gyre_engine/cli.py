@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     s.add_argument("--no-compile-decode", action="store_true", help="capture the eager forward, uncompiled")
     s.add_argument(
+        "--no-keep-graphs",
+        action="store_true",
+        help="free the weights and slot buffers on a memory release and capture their CUDA graphs again "
+        "after it (default on CUDA: they keep their device addresses, and the graphs are kept)",
+    )
+    s.add_argument(
         "--pin-host-weights",
         action="store_true",
         help="allocate pinned host copies of the weights at start (CUDA): the first memory release is as "
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                         compile_decode=not args.no_compile_decode,
                         compile_prefill=args.compile_prefill,
                         pin_host_weights=args.pin_host_weights,
+                        keep_graphs=not args.no_keep_graphs,
                         slot_kv_fraction=args.slot_kv_fraction,
                         slot_widths=args.slot_widths,
                         run_steps=args.run_steps,

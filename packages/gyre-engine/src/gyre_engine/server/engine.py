@@ -33,6 +33,7 @@ import torch
 from gyre_xfer.pinning import host_pinning
 
 from gyre_engine.protocol import FinishReason, ProtocolError
+from gyre_engine.server import vmem
 from gyre_engine.server.batch import LongRowKV, RowKV, buffer_row, cache_kwarg, cache_layers
 from gyre_engine.server.fused import FusedProjections
 from gyre_engine.server.lanes import Lane, Lanes
@@ -173,6 +174,13 @@ class Engine:
         fuse_norms: bool = True
         """Run each RMS norm of the model as one Triton kernel where Triton runs (`norms.py`; CUDA), not
         transformers' seven."""
+        keep_graphs: bool = True
+        """On CUDA with the driver's virtual memory management: keep the weights and the whole-width slot
+        buffers (`slot_widths = "full"`, the long slots) at fixed device addresses (`vmem.py`), so that
+        `release_memory_occupation` gives their memory back and a resume maps new memory at the same
+        addresses: the decode graphs captured before a release replay after it, none captured again. The
+        graphs' own memory pools stay allocated while released. Off: released buffers are freed and
+        allocated anew, and their graphs captured again at first use."""
         run_steps: int = 8
         """Decode steps per graph replay when no slot row needs logit processing, truncation (top-k/p,
         min-p) or top logprobs: greedy rows and rows sampled at their temperature. Each step's tokens
@@ -222,14 +230,24 @@ class Engine:
         and reused: page-locked copies run at the bus's speed, where `model.to("cpu")` paid for fresh
         pageable memory every time (1.2 GB: about 1 s on the H200 against 0.02 s pinned)."""
         self._pending_bump = False
-        if self.config.pin_host_weights and self.device.type == "cuda":
-            for name, t in self._tensors().items():
-                self._host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self._cmds: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._waiting: deque[Running] = deque()
         self.fused = FusedProjections(self.model) if self.config.fuse_projections else None
         if self.config.fuse_norms and norms_available(self.device):
             fuse_rms_norms(self.model)
+        self._keep = self.config.keep_graphs and vmem.supported(self.device)
+        self.kept: vmem.KeptWeights | None = None
+        """The weights at fixed device addresses (`keep_graphs`), moved there before any graph is captured."""
+        if self._keep:
+            fused = self.fused.tensors() if self.fused is not None else []
+            self.kept = vmem.KeptWeights([*self._tensors().values(), *fused], self.device)
+            log.info("weights at kept device addresses: %d MiB", self.kept.nbytes >> 20)
+        if self.config.pin_host_weights and self.device.type == "cuda":
+            if self.kept is not None:
+                self.kept.pin_host()
+            else:
+                for name, t in self._tensors().items():
+                    self._host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.slots = self._make_slots()
         self.lanes = Lanes(self.device, slots=self.slots)
         if self.config.long_context_tokens > 0 and self.slots is None:
@@ -312,6 +330,7 @@ class Engine:
             use_graphs=graphs,
             compile_model=graphs and self.config.compile_decode,
             full_width=self.config.slot_widths == "full",
+            keep_addresses=self._keep,
         )
 
     def warmup_decode(self, max_tokens: int) -> float:
@@ -701,6 +720,7 @@ class Engine:
             compile_model=self.slots.compile_model,
             full_width=self.config.slot_widths == "full",
             dedicated=True,
+            keep_addresses=self._keep,
         )
         self.lanes.long = Lane(batch)
         return batch
@@ -1149,11 +1169,14 @@ class Engine:
             for batch in self._slot_batches():
                 batch.release()
         if "weights" in tags and self.device.type == "cuda":
-            for batch in self._slot_batches():
-                batch.drop_graphs()
-            self._offload_weights()
-            if self.fused is not None:
-                self.fused.drop()
+            if self.kept is not None:  # the same addresses come back: graphs and fused groups hold
+                self.kept.release()
+            else:
+                for batch in self._slot_batches():
+                    batch.drop_graphs()
+                self._offload_weights()
+                if self.fused is not None:
+                    self.fused.drop()
             torch.cuda.empty_cache()
         self.released |= set(tags)
         if self.device.type == "cuda":  # what a released engine still holds, for whoever needs the room
@@ -1173,7 +1196,10 @@ class Engine:
     def resume_memory(self, tags: list[str] | None) -> None:
         tags = _check_tags(tags)
         if "weights" in tags and "weights" in self.released and self.device.type == "cuda":
-            self._restore_weights()
+            if self.kept is not None:
+                self.kept.restore()
+            else:
+                self._restore_weights()
             if self.fused is not None:
                 self.fused.refresh()
             for batch in self._slot_batches():

@@ -116,6 +116,13 @@ class FusedProjections:
     def __len__(self) -> int:
         return len(self.groups)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The groups' fused weights and biases (the members' parameters are views of them)."""
+        out: list[torch.Tensor] = []
+        for g in self.groups:
+            out.extend(t for t in (g.weight, g.bias) if t is not None)
+        return out
+
     def refresh(self) -> int:
         """Rebuild every group whose parameters moved (after `model.to`); returns how many."""
         n = 0

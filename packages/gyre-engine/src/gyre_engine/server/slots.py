@@ -41,7 +41,10 @@ from typing import Any
 
 import torch
 
-from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::slot_decode_attention)
+from gyre_engine.server import (
+    decode_attn,  # noqa: F401  (registers gyre::slot_decode_attention)
+    vmem,
+)
 from gyre_engine.server import head as head_kernels
 from gyre_engine.server.batch import RowKV, buffer_row, cache_kwarg
 from gyre_engine.server.sampling import pick
@@ -147,6 +150,7 @@ class SlotBatch:
         compile_model: bool = False,
         full_width: bool = False,
         dedicated: bool = False,
+        keep_addresses: bool = False,
     ) -> None:
         register_attention()
         self.model = model
@@ -173,6 +177,10 @@ class SlotBatch:
         its slot (`finished_kv`), not copied. A step covers slots 0 .. the highest running one; the
         others among them (free, being prefilled, or held by the prefix cache) are holes at position -1,
         whose KV the step neither reads nor writes. Widths stay bucketed unless `full_width`."""
+        self.keep_addresses = keep_addresses and (full_width or dedicated) and vmem.supported(self.device)
+        """The buffer (allocated whole) lives in a `vmem.DeviceRegion`: a release gives its memory back
+        and keeps its addresses, so the graphs captured over it are kept too (see `release`)."""
+        self._region: vmem.DeviceRegion | None = None
         self.cache_kw = cache_kwarg(model)
         self.lengths: list[int] = []
         self.next_tokens: list[int] = []
@@ -250,11 +258,19 @@ class SlotBatch:
             cap *= 2
         fixed = self.full_width or self.dedicated
         cap = self.max_len if fixed else min(max(cap, need), self.max_len)
-        kv = torch.zeros(
-            (2, self.layers, self.slots, self.kv_heads, cap, self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (2, self.layers, self.slots, self.kv_heads, cap, self.head_dim)
+        if self.keep_addresses:
+            if self._region is None:
+                self._region = vmem.DeviceRegion(self.buffer_bytes(), self.device)
+            else:  # the same addresses as before the release: the graphs captured over them hold
+                self._region.map()
+            self.kv = self._region.tensor(self.dtype, shape)
+            self.kv.zero_()
+            self.capacity = cap
+            if self.cols.shape[0] != cap:
+                self.cols = torch.arange(cap, device=self.device)
+            return
+        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.capacity:
             n = max(self.lengths, default=0)
             kv[..., :n, :].copy_(self.kv[..., :n, :])
@@ -275,10 +291,15 @@ class SlotBatch:
 
     @torch.inference_mode()
     def release(self) -> None:
-        """Free the KV buffer and graphs (no rows may be running)."""
+        """Free the KV buffer (no rows may be running), and the graphs unless the buffer's addresses are
+        kept (`keep_addresses`: the graphs stay, with their memory pool, for the buffer mapped again at
+        the same addresses by `allocate`)."""
         assert not self.lengths
         self.kv, self.capacity = torch.zeros(0, device=self.device), 0
-        self.drop_graphs()
+        if self._region is not None:
+            self._region.unmap()
+        else:
+            self.drop_graphs()
 
     def drop_graphs(self) -> None:
         self._graphs.clear()

@@ -1,0 +1,26 @@
+"""What of `server/vmem.py` runs without a GPU: the driver structs' layout (cuda.h's, on 64-bit Linux),
+and the engine falling back to freeing and allocating where the driver's virtual memory API is absent."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gyre_engine.server import vmem  # noqa: E402
+
+
+def test_driver_structs_match_cuda_h() -> None:
+    # CUmemAllocationProp: type, requestedHandleTypes, location {type, id}, win32HandleMetaData,
+    # allocFlags {compressionType, gpuDirectRDMACapable, usage, reserved[4]}
+    assert ctypes.sizeof(vmem._AllocationProp) == 32
+    assert vmem._AllocationProp.location.offset == 8
+    assert vmem._AllocationProp.win32HandleMetaData.offset == 16
+    assert vmem._AllocationProp.allocFlags.offset == 24
+    assert ctypes.sizeof(vmem._AccessDesc) == 12  # CUmemAccessDesc: location, flags
+
+
+def test_no_regions_off_cuda() -> None:
+    assert not vmem.supported(torch.device("cpu"))
