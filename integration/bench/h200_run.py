@@ -441,6 +441,8 @@ def main() -> int:
             res["rollout_tok_s_standalone_at_full_concurrency"] = eng["rollout_tok_s_standalone"]
             res["rollout_tok_s_standalone"] = floors.at_concurrency(eng["tok_s_by_concurrency"], conc_in_run)
         res["policy"] = metrics.get("policy")
+        # how each engine spent its busy rollout seconds: decode, prefill passes, graph captures
+        res["engine_time"] = (metrics.get("efficiency") or {}).get("engine_time")
         res["decisions"] = metrics.get("decisions")
     run_dir = Path(cfg.run.out_dir)
     if metrics is not None:
