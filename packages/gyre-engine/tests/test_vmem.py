@@ -24,3 +24,11 @@ def test_driver_structs_match_cuda_h() -> None:
 
 def test_no_regions_off_cuda() -> None:
     assert not vmem.supported(torch.device("cpu"))
+
+
+def test_storage_bytes_counts_each_storage_once_aligned() -> None:
+    base = torch.zeros(100, dtype=torch.float32)  # 400 bytes -> 512
+    views = [base, base[10:], base.view(10, 10).t()]
+    other = torch.zeros(3, dtype=torch.bfloat16)  # 6 bytes -> 256
+    assert vmem.storage_bytes([*views, other, other]) == 512 + 256
+    assert vmem.storage_bytes([]) == 0

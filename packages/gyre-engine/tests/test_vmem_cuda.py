@@ -151,3 +151,25 @@ def test_decode_graphs_outlive_a_release(model_dir: Path, keep: bool) -> None:
         assert st1["replays"] > st0["replays"]
     else:
         assert st1["captures"] > st0["captures"], (st0, st1)
+
+
+def test_weights_stay_movable_where_two_copies_do_not_fit(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Moving the weights to kept addresses holds both copies for a moment: where the GPU lacks the room
+    the engine keeps them where they are (a warning says so) and serves, releases and resumes as without
+    kept addresses."""
+    from gyre_engine.server import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "KEEP_MARGIN", 1 << 50)
+    e = _engine(model_dir, keep=True)
+    try:
+        assert e.kept is None
+        assert "weights not moved to kept device addresses" in caplog.text
+        reqs: list[tuple[list[int], Any]] = [(slot_checks.USER, slot_checks.greedy_params(12))]
+        first = [o["ids"] for o in slot_checks.run_all(e, reqs)]
+        e.call(e.release_memory, None).result(60)
+        e.call(e.resume_memory, None).result(60)
+        assert [o["ids"] for o in slot_checks.run_all(e, reqs)] == first
+    finally:
+        e.shutdown()

@@ -239,9 +239,7 @@ class Engine:
         self.kept: vmem.KeptWeights | None = None
         """The weights at fixed device addresses (`keep_graphs`), moved there before any graph is captured."""
         if self._keep:
-            fused = self.fused.tensors() if self.fused is not None else []
-            self.kept = vmem.KeptWeights([*self._tensors().values(), *fused], self.device)
-            log.info("weights at kept device addresses: %d MiB", self.kept.nbytes >> 20)
+            self.kept = self._keep_weights()
         if self.config.pin_host_weights and self.device.type == "cuda":
             if self.kept is not None:
                 self.kept.pin_host()
@@ -1243,6 +1241,27 @@ class Engine:
                 out[name] = t
         return out
 
+    def _keep_weights(self) -> vmem.KeptWeights | None:
+        """Move the weights (the fused projections' tensors with them) to kept device addresses; None,
+        with a warning, where the GPU has too little free memory for the moment both copies exist (the
+        weights then move to the host and back at each release, and the graphs are captured again)."""
+        tensors = [*self._tensors().values(), *(self.fused.tensors() if self.fused is not None else [])]
+        need = vmem.storage_bytes(tensors) + KEEP_MARGIN
+        free = self.device_free_bytes()
+        if free is not None and free < need:
+            log.warning(
+                "weights not moved to kept device addresses: the move needs %.1f GiB free on %s, %.1f "
+                "GiB are; the decode graphs will be captured again after each memory release",
+                need / 2**30,
+                self.device,
+                free / 2**30,
+            )
+            return None
+        kept = vmem.KeptWeights(tensors, self.device)
+        torch.cuda.empty_cache()  # the weights' old memory back to the driver
+        log.info("weights at kept device addresses: %d MiB", kept.nbytes >> 20)
+        return kept
+
     def _offload_weights(self) -> None:
         """Copy the weights into their pinned host copies and point the model at those (device memory
         freed once nothing else holds it)."""
@@ -1262,6 +1281,9 @@ class Engine:
             t.data = t.data.to(self.device, non_blocking=True)
         torch.cuda.synchronize(self.device)
 
+
+KEEP_MARGIN = 256 << 20
+"""Free device memory beyond a second copy of the weights that moving them to kept addresses asks for."""
 
 THREAD_DIED = 70
 """Exit status of a server whose engine thread died (EX_SOFTWARE)."""

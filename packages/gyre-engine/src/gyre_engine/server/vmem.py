@@ -285,6 +285,16 @@ class DeviceRegion:
         self._closed = True
 
 
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of a region holding the storages of `tensors` (each once, aligned as `KeptWeights` places
+    them)."""
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        sizes.setdefault(st.data_ptr(), st.nbytes())
+    return sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+
+
 class KeptWeights:
     """Tensors moved into one `DeviceRegion`, each keeping its layout inside its storage (views of one
     storage stay views of one place), so that a release and a restore bring them back at the same
