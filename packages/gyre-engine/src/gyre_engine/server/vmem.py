@@ -6,7 +6,8 @@ weights, the KV buffer, its own activations). A release that frees the weights a
 resume that allocates them again at other addresses leaves every graph useless: the engine then captured
 its decode graphs again after each switch back to rollout, 0.4-1 s each, a third of the core's engine's
 busy rollout time on `examples/h200-shared.toml` on one H100 (18 captures, 7.8 s of 21.6 s: integration's
-`bench/results-h100-run-tls.json`).
+`bench/results-h100-run-tls.json`). With the addresses kept it captures none after a switch back (on one
+H200: 0 against 18 captures and 6.4 s, `bench/results-h200-run.json` against `results-h200-run-nokeep.json`).
 
 How: CUDA's virtual memory management (the driver's `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`).
 A `DeviceRegion` reserves a range of device addresses once, for the life of the engine, and maps
