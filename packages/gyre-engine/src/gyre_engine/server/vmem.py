@@ -293,7 +293,11 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         st = t.untyped_storage()
         sizes.setdefault(st.data_ptr(), st.nbytes())
-    return sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+    return sum(_aligned(n) for n in sizes.values())
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class KeptWeights:
@@ -324,7 +328,7 @@ class KeptWeights:
             if key not in offsets:
                 offsets[key] = end
                 sizes[key] = st.nbytes()
-                end += -(-st.nbytes() // _ALIGN) * _ALIGN
+                end += _aligned(st.nbytes())
             self._where.append((offsets[key], sizes[key]))
         self.nbytes = end
         self.region = DeviceRegion(max(end, 1), device)
