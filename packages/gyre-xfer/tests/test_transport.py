@@ -515,6 +515,19 @@ def _check_big_batch(dst: Region, src: Region, ops: list[Op], statuses: tuple[En
     assert dst.array[0] == 0 and (dst.array[40 * (1 << 20) + 8 : 41 * (1 << 20)] == 0).all()
 
 
+def _read_big_batch(a: Transport, b: Transport, seed: int) -> tuple[Region, list[Op]]:
+    """`a` reads `_big_batch` from 96 MiB of random bytes of `b` into a region of its own, checked with
+    `_check_big_batch`; returns the source region and the batch."""
+    src = b.alloc(96 << 20)
+    dst = a.alloc(96 << 20)
+    assert src.array is not None
+    src.array[:] = np.random.default_rng(seed).integers(0, 256, src.nbytes, dtype=np.uint8)
+    ops = _big_batch(dst, src)
+    res = a.read(b.endpoint, ops)
+    _check_big_batch(dst, src, ops, res.statuses)
+    return src, ops
+
+
 @pytest.mark.parametrize("threads", [2, 4])
 def test_shm_large_batches_copy_in_pieces_on_several_threads(
     monkeypatch: pytest.MonkeyPatch, threads: int
@@ -526,13 +539,7 @@ def test_shm_large_batches_copy_in_pieces_on_several_threads(
     a = open_transport(Config(kind="shm", copy_threads=threads))
     b = open_transport(Config(kind="shm"))
     try:
-        src = b.alloc(96 << 20)
-        dst = a.alloc(96 << 20)
-        assert src.array is not None
-        src.array[:] = np.random.default_rng(5).integers(0, 256, src.nbytes, dtype=np.uint8)
-        ops = _big_batch(dst, src)
-        res = a.read(b.endpoint, ops)
-        _check_big_batch(dst, src, ops, res.statuses)
+        _read_big_batch(a, b, seed=5)
         lengths = sorted(n for _, _, n in rec.calls)
         assert max(lengths) == shm_mod.COPY_PIECE_BYTES == 16 << 20
         assert len(lengths) == 3 + 2 + 1 and sum(lengths) == 70 * (1 << 20) + 24  # 40+7, 16 B, 30+1
@@ -555,13 +562,8 @@ def test_shm_copy_threads_1_copies_each_entry_whole_on_the_calling_thread(
     a = open_transport(Config(kind="shm", copy_threads=1))
     b = open_transport(Config(kind="shm"))
     try:
-        src = b.alloc(96 << 20)
-        dst = a.alloc(96 << 20)
+        src, ops = _read_big_batch(a, b, seed=6)
         assert src.array is not None
-        src.array[:] = np.random.default_rng(6).integers(0, 256, src.nbytes, dtype=np.uint8)
-        ops = _big_batch(dst, src)
-        res = a.read(b.endpoint, ops)
-        _check_big_batch(dst, src, ops, res.statuses)
         assert [n for _, _, n in rec.calls] == [ops[0].length, 16, ops[2].length, 0]
         assert {t for t, _, _ in rec.calls} == {threading.main_thread()}
         # small batches stay on the calling thread whatever copy_threads says
