@@ -43,6 +43,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
                     "long_context_slots": 6,
                     "prefill_chunk": 4608,
                     "keep_graphs": False,
+                    "prefill_graphs": False,
                 }
             }
         )
@@ -51,7 +52,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         "--max-running-requests", "16", "--slot-kv-fraction", "0.1", "--warmup-decode-tokens", "256",
         "--decode-slots", "auto", "--slot-widths", "full", "--max-cached-tokens", "65536",
         "--long-context-tokens", "33280", "--long-context-slots", "6", "--prefill-chunk", "4608",
-        "--no-keep-graphs", "--no-compile-decode",
+        "--no-keep-graphs", "--prefill-graph-tokens", "0", "--no-compile-decode",
     ]  # fmt: skip
     plain = gpus.engine_argv(config_from_dict({}))
     assert not {
@@ -60,6 +61,7 @@ def test_engine_options_reach_the_serve_command(capsys: pytest.CaptureFixture[st
         "--long-context-slots",
         "--prefill-chunk",
         "--no-keep-graphs",
+        "--prefill-graph-tokens",
     } & set(plain)  # 0: the engine's defaults; graphs kept
     from gyre_engine.cli import main
 

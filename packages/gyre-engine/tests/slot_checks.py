@@ -1,10 +1,13 @@
-"""Checks of the slot decode path (`server/slots.py`), shared by the CPU tests (slots without graphs,
-`test_slots.py`) and the CUDA tests (captured graphs over the compiled forward, `test_cuda_graphs.py`).
-Each takes an in-process engine and a transformers reference model on the engine's device."""
+"""Checks of the slot decode path (`server/slots.py`) and of prefills into the slots
+(`server/slot_prefill.py`), shared by the CPU tests (slots without graphs, `test_slots.py`,
+`test_slot_prefill.py`) and the CUDA tests (captured graphs, `test_cuda_graphs.py`,
+`test_slot_prefill_cuda.py`). Each takes an in-process engine (or a way to make one) and, where it
+compares, a transformers reference model on the engine's device."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +176,60 @@ def check_update_between_tokens(engine: Engine, new_dir: Path) -> None:
     assert all(v == v0 for v in versions[:switch]) and all(v != v0 for v in versions[switch:])
     assert toks[:switch] == base["ids"][:switch]
     engine.call(engine.update_weights, lambda: apply_named_tensors(engine.model, old_state), None).result(60)
+
+
+def run_together(engine: Engine, calls: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Submit the calls while the engine thread is held (all queued before its next step); their tokens."""
+    out: dict[str, list[int]] = {rid: [] for rid, _, _ in calls}
+    done = {rid: threading.Event() for rid, _, _ in calls}
+
+    def sink(ev: TokenEvent) -> None:
+        out[ev.rid].extend(ev.token_ids)
+        if ev.finish is not None:
+            done[ev.rid].set()
+
+    hold = threading.Event()
+    held = engine.call(hold.wait, 30)
+    try:
+        queued = [engine.submit(EngineRequest(rid, ids, sp), sink) for rid, ids, sp in calls]
+    finally:
+        hold.set()
+    assert held.result(30)
+    for f in queued:
+        f.result(30)
+    for ev in done.values():
+        assert ev.wait(300), "request did not finish"
+    return out
+
+
+def agent_calls(engine: Engine) -> tuple[dict[str, list[int]], dict[str, Any], dict[str, Any]]:
+    """Three agents' first calls, then their next calls (each its context, its output and a tool output)
+    queued together, so that they share one packed prefill; the middle one wants one token (it finishes
+    at its first, and the one after it in the pass starts in its place). Returns every call's tokens and
+    the engine's slot stats before and after the next calls."""
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    firsts = [[400 + 37 * a + (7 * j) % 90 for j in range(40 + 9 * a)] for a in range(3)]
+    first = run_together(engine, [(f"a{a}", ids, greedy) for a, ids in enumerate(firsts)])
+    before = engine.slot_stats()
+    tool = [[900 + 3 * a + j for j in range(12)] for a in range(3)]
+    nexts = [(f"b{a}", [*firsts[a], *first[f"a{a}"], *tool[a]], one if a == 1 else greedy) for a in range(3)]
+    then = run_together(engine, nexts)
+    return {**first, **then}, before, engine.slot_stats()
+
+
+def check_agent_calls_with_and_without_slot_prefill(make: Callable[[int], Engine]) -> list[dict[str, Any]]:
+    """`agent_calls` on an engine from `make(prefill_graph_tokens)` with slot prefills (64 tokens) and
+    without (0): the same tokens for every call. Returns the two engines' (before, after) slot stats."""
+    got, stats = [], []
+    for tokens in (64, 0):
+        engine = make(tokens)
+        try:
+            out, before, after = agent_calls(engine)
+        finally:
+            engine.shutdown()
+        got.append(out)
+        stats.append({"before": before, "after": after})
+    assert got[0] == got[1]
+    assert len(got[0]["b1"]) == 1 and len(got[0]["b2"]) == 6
+    return stats

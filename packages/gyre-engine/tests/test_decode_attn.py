@@ -7,10 +7,7 @@ The interpreter computes float32 (its bf16 dot is not usable); the GPU runs them
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,9 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from gyre_engine.server.decode_attn import masked_reference, plan_splits  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
+from interpret import interpret  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,28 +73,13 @@ def test_reference_equals_repeated_kv_attention(groups: int) -> None:
     assert torch.allclose(got, want, atol=1e-12)
 
 
-def _interpret(code: str, timeout: float) -> str:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(Path(__file__).parent),
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return res.stdout
-
-
 @pytest.mark.slow
 def test_triton_kernels_equal_the_reference_in_the_interpreter() -> None:
     """Several splits or one, a width that is not a whole number of tiles, rows attending one column or
     all of them, one to four query heads per KV head, a strided query as transformers hands it over;
     and with the step's own key/value (slices of one fused projection, as the model hands them over),
     which the kernel attends and writes into the buffer."""
-    out = _interpret(
+    out = interpret(
         """
         import torch
         from gyre_engine.server.decode_attn import masked_reference, plan_splits, triton_available
@@ -216,7 +201,7 @@ def test_slot_decode_attention_writes_the_new_key_value_and_attends() -> None:
 def test_slot_engine_with_the_triton_kernel_equals_generate(model_dir: Path) -> None:
     """The slot engine on the CPU with the Triton attention kernel (interpreted): concurrent rows of
     different lengths and budgets, greedy runs and single steps, each equal to transformers' generate."""
-    out = _interpret(
+    out = interpret(
         f"""
         import slot_checks
         from gyre_engine.server.engine import Engine
@@ -241,7 +226,7 @@ def test_the_triton_head_equals_the_torch_head_in_the_interpreter() -> None:
     """Each row's token and logprob equal the torch head's (what `sampling.sample` computes): the argmax
     for greedy rows, the same seeded Gumbel-max draw for sampled rows, ties to the first index across
     chunks, a vocabulary that is not a whole number of chunks; the tokens also land in the next inputs."""
-    out = _interpret(
+    out = interpret(
         """
         import torch
         from gyre_engine.server.head import decode_head
@@ -278,7 +263,7 @@ def test_long_slots_with_the_triton_kernels_equal_generate(model_dir: Path) -> N
     runs of 4 steps: long rows that start and end at different steps, a finished row's slot a hole held
     by the prefix cache while the others decode, each equal to transformers' generate; a follow-up takes
     the held slot back (no copy)."""
-    out = _interpret(
+    out = interpret(
         f"""
         import slot_checks
         from gyre_engine.server.engine import Engine

@@ -118,10 +118,10 @@ def test_the_slot_step_leaves_what_it_does_not_compute_to_the_lanes() -> None:
 def test_the_triton_slot_kernel_serves_a_llama_and_odd_head_dims_fall_back(
     dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    from test_decode_attn import _interpret
+    from interpret import interpret
 
     odd = family_dir(tmp_path / "odd", "qwen2", head_dim=24)  # not a power of two: the reference attention
-    out = _interpret(
+    out = interpret(
         f"""
         import torch, slot_checks
         from gyre_engine.server.decode_attn import triton_available

@@ -4,10 +4,7 @@ interpreter (a subprocess with TRITON_INTERPRET=1; on the GPU the engine's CUDA 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,9 @@ from gyre_engine.server.norms import (  # noqa: E402
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
+from interpret import interpret  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -116,12 +116,4 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter() -> None:
             assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5), x.stride()
         print("ok")
     """
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(Path(__file__).parent),
-    )
-    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+    assert interpret(code, timeout=300).strip().endswith("ok")

@@ -346,6 +346,10 @@ class EngineSection:
     """The weights and whole-width slot buffers keep their device addresses across the release at each
     switch to training (CUDA virtual memory), so the decode graphs are not captured again after the switch
     back; false: freed and allocated anew, the graphs captured again at first use (`--no-keep-graphs`)."""
+    prefill_graphs: bool = True
+    """With whole-width slots: an agent's next calls (prefix-cached, a few hundred new tokens together) are
+    prefilled straight into the decode slots as one CUDA graph replay rather than kernel by kernel;
+    false: as before (`--prefill-graph-tokens 0`)."""
 
 
 @dataclass(frozen=True)

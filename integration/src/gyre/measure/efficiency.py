@@ -152,7 +152,7 @@ def device_seconds(
 COUNTERS = (
     "decode_steps", "decode_tokens", "decode_s", "prefill_tokens", "prefill_s", "evicted_tokens",
     "host_spilled_tokens", "host_hit_tokens", "step_s", "command_s", "graph_captures", "graph_capture_s",
-    "prefill_passes",
+    "prefill_passes", "prefill_graph_passes",
 )  # fmt: skip
 
 
@@ -170,6 +170,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
     `graph_captures` and `graph_capture_s` (decode steps captured as CUDA graphs while serving, and
     their seconds: each holds every running row), `prefill_passes` and `prefill_ms_per_pass` (prefill
     forward passes, and their mean seconds: calls extending cached contexts admitted together share one),
+    `prefill_graph_passes` (of those, packed passes replayed as a CUDA graph into the decode slots),
     `step_other_s` (step seconds outside decode and prefill: admission's lookups and claims, prefixes
     stored, copies to the host tier) and `idle_s` (busy rollout seconds with the engine thread in neither:
     waiting for a request's turn, or the process's own overhead); `waiting_by_reason` (requests waiting,
@@ -228,6 +229,7 @@ def engine_time(samples: Sequence[Sample], t0: float, t1: float) -> dict[str, di
                 if prefill_s is not None and "prefill_passes" in has
                 else None
             ),
+            "prefill_graph_passes": int(e["prefill_graph_passes"]) if "prefill_graph_passes" in has else None,
             "mean_waiting": ratio(e["waiting_s"], e["rollout_s"], nd=2),
             **{
                 k: int(e[k]) if k in has else None

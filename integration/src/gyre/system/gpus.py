@@ -54,6 +54,8 @@ def engine_argv(cfg: Config) -> list[str]:
         argv.append("--pin-host-weights")
     if not e.keep_graphs:
         argv.append("--no-keep-graphs")
+    if not e.prefill_graphs:
+        argv += ["--prefill-graph-tokens", "0"]
     return [*argv, "--no-compile-decode"] if not e.compile_decode else argv
 
 

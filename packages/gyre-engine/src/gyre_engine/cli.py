@@ -138,6 +138,13 @@ def main(argv: list[str] | None = None) -> None:
         help="share of the engine's time a chunked prefill gets while other requests decode (default 0.4)",
     )
     s.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=None,
+        help="with --slot-widths full: prefix-cached calls whose new tokens come to at most this many "
+        "together are prefilled straight into the decode slots as one CUDA graph replay (default 256; 0: off)",
+    )
+    s.add_argument(
         "--run-steps",
         type=int,
         default=8,
@@ -268,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                                 ("long_context_tokens", args.long_context_tokens),
                                 ("long_context_slots", args.long_context_slots),
                                 ("prefill_share", args.prefill_share),
+                                ("prefill_graph_tokens", args.prefill_graph_tokens),
                             )
                             if v is not None
                         },

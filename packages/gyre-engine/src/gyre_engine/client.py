@@ -597,6 +597,7 @@ def _gyre_load(info: ServerInfo) -> EngineLoad:
             graph_captures=info.graph_captures,
             graph_capture_s=info.graph_capture_s,
             prefill_passes=info.prefill_passes,
+            prefill_graph_passes=info.prefill_graph_passes,
         ),
     )
 

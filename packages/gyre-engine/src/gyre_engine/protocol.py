@@ -247,6 +247,8 @@ class ServerInfo(msgspec.Struct, frozen=True):
     prefill_passes: int = 0
     """Prefill forward passes since start: a group of fresh prompts, the rests of prefix-cached prompts
     packed together, or one chunk of a chunked or long prefill each count one."""
+    prefill_graph_passes: int = 0
+    """Of those, packed passes replayed as a CUDA graph straight into the decode slots."""
     decode_time_s: float = 0.0
     """Seconds the engine thread spent decoding since start (graph captures on first use included)."""
     graph_captures: int = 0
@@ -414,6 +416,8 @@ class EngineCounters(msgspec.Struct, frozen=True):
     prefill_passes: int | None = None
     """Prefill forward passes (gyre-engine's: a group of fresh prompts, a packed pass of calls extending
     cached contexts, one chunk of a chunked or long prefill)."""
+    prefill_graph_passes: int | None = None
+    """Of those, packed passes replayed as a CUDA graph into the decode slots (gyre-engine's)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True):

@@ -50,6 +50,15 @@ class LongRowKV(RowKV):
         )
 
 
+@dataclass
+class SlotRowKV(RowKV):
+    """A row's KV prefilled in place into decode slot `slot` (views of the decode slots' buffer,
+    `slot_prefill.py`): the lanes start the row in its slot instead of copying it in; anything that keeps
+    it longer (the prefix cache) copies it."""
+
+    slot: int = 0
+
+
 def buffer_row(buf: torch.Tensor, n: int, row: int = 0) -> LongRowKV:
     """The first `n` columns of row `row` of a slot buffer `[2, layers, rows, kv_heads, capacity,
     head_dim]` as a `LongRowKV` (views)."""

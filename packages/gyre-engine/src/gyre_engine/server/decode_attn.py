@@ -78,7 +78,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(  # type: ignore[no-untyped-def]
-        Q, K, V, VALID, PART, LSE, KNEW, VNEW, OUT,
+        Q, K, V, VALID, PART, LSE, KNEW, VNEW, OUT, SLOT,
         sq_b, sq_h,
         sk_b, sk_h, sk_n,
         sv_b, sv_h, sv_n,
@@ -88,7 +88,7 @@ if triton is not None:
         sout_b, sout_h,
         scale_log2,
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, BN: tl.constexpr,
-        PREC: tl.constexpr, NEW: tl.constexpr, ONE: tl.constexpr,
+        PREC: tl.constexpr, NEW: tl.constexpr, ONE: tl.constexpr, MAPPED: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: slots x capacity x heads can pass 2**31
         kh = tl.program_id(1).to(tl.int64)
@@ -103,8 +103,12 @@ if triton is not None:
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         start = s * CHUNK
-        kbase = K + b * sk_b + kh * sk_h
-        vbase = V + b * sv_b + kh * sv_h
+        if MAPPED:  # query row b reads the KV of slot SLOT[b] (several rows may read one slot)
+            sb = tl.load(SLOT + b).to(tl.int64)
+        else:
+            sb = b
+        kbase = K + sb * sk_b + kh * sk_h
+        vbase = V + sb * sv_b + kh * sv_h
         # with NEW, column n - 1 is the step's own key/value (KNEW/VNEW): the tiles never read it from the
         # buffer (a select inside a tile would stop Triton from streaming tiles straight into shared
         # memory); the program whose chunk holds it adds it to the running softmax after its tiles and
@@ -209,6 +213,7 @@ def triton_decode_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
     max_tiles: int | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row on Triton (needs Triton; on the CPU only under
     TRITON_INTERPRET=1): query [B, H, D], key/value [B, KVH, L, D] (strided views of the slot buffer,
@@ -216,10 +221,14 @@ def triton_decode_attention(
     [B, H, D].
     With `new_key`/`new_value` ([B, KVH, D]), column valid[i] - 1 of row i is the step's own key/value:
     the kernel attends to them and writes them into `key`/`value` (views of the slot buffer).
+    With `slots` ([B] integer), key/value are [S, KVH, L, D] and row i reads slot `slots[i]` (the
+    queries of a prefill, several of one slot: `slot_prefill_attention`; no new key/value then).
     `max_tiles` bounds the tiles one program walks (default `MAX_CHUNK_TILES`)."""
     assert triton is not None
     b, h, d = query.shape
     kvh, width = key.shape[1], key.shape[2]
+    if slots is not None and new_key is not None:
+        raise ValueError("mapped rows (slots) take no new key/value")
     g = h // kvh
     if query.stride(2) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
         raise ValueError("decode attention needs the head dimension contiguous")
@@ -244,7 +253,7 @@ def triton_decode_attention(
         part = torch.empty((b, h, splits, d), dtype=torch.float32, device=query.device)
         lse = torch.empty((b, h, splits), dtype=torch.float32, device=query.device)
     _split_kernel[(b, kvh, splits)](
-        query, key, value, valid, part, lse, kn, vn, out,
+        query, key, value, valid, part, lse, kn, vn, out, valid if slots is None else slots,
         query.stride(0), query.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
@@ -255,7 +264,7 @@ def triton_decode_attention(
         scale * 1.4426950408889634,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK=chunk, BN=block_n,
         PREC="ieee" if query.dtype == torch.float32 else "tf32",  # float32 stays float32 (no TF32)
-        NEW=new, ONE=splits == 1,
+        NEW=new, ONE=splits == 1, MAPPED=slots is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -314,5 +323,54 @@ def slot_decode_attention(
 @slot_decode_attention.register_fake
 def _(
     query: Any, new_key: Any, new_value: Any, kv: Any, layer: int, valid: Any, width: int, scale: float
+) -> Any:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("gyre::slot_prefill_attention", mutates_args=("kv",))
+def slot_prefill_attention(
+    query: torch.Tensor,
+    new_key: torch.Tensor,
+    new_value: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    slot: torch.Tensor,
+    valid: torch.Tensor,
+    width: int,
+    scale: float,
+) -> torch.Tensor:
+    """A packed prefill's attention over the slot buffer `kv` ([2, layers, slots, KVH, capacity, D]) at
+    layer `layer`, one query token per row: token t (query [T, H, D], new_key/new_value [T, KVH, D])
+    belongs to slot `slot[t]` at column `valid[t] - 1`; its key/value are written there, then it attends
+    columns [0, valid[t]) of its slot (its cached prefix, the tokens of its call before it, itself: the
+    causal mask of a prefill on top of a cache). A token with valid[t] = 0 is padding: it writes into the
+    last column of its slot (which no prefilled token reaches: a row needs one free column to decode) and
+    its output is finite but meaningless. Every write lands before any token attends, so the tokens of
+    one call see each other. Shapes and addresses do not depend on the values of `slot` and `valid`, so
+    one CUDA graph serves every packing of the same token count (`slot_prefill.py`). On CUDA the
+    attention is the decode kernel with rows mapped to slots; else gathered slots and
+    `masked_reference`."""
+    cols = torch.where(valid > 0, valid - 1, kv.shape[4] - 1)
+    keys, values = kv[0, layer].permute(0, 2, 1, 3), kv[1, layer].permute(0, 2, 1, 3)  # [S, cap, KVH, D]
+    keys.index_put_((slot, cols), new_key.to(kv.dtype))
+    values.index_put_((slot, cols), new_value.to(kv.dtype))
+    d = query.shape[-1]
+    key, value = kv[0, layer, :, :, :width], kv[1, layer, :, :, :width]
+    if triton_available(query.device) and not d & (d - 1):
+        return triton_decode_attention(query, key, value, valid, scale, slots=slot)
+    return masked_reference(query, key[slot], value[slot], valid.clamp(min=1), scale)
+
+
+@slot_prefill_attention.register_fake
+def _(
+    query: Any,
+    new_key: Any,
+    new_value: Any,
+    kv: Any,
+    layer: int,
+    slot: Any,
+    valid: Any,
+    width: int,
+    scale: float,
 ) -> Any:
     return torch.empty_like(query, memory_format=torch.contiguous_format)

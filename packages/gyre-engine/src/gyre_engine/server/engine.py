@@ -58,6 +58,7 @@ from gyre_engine.server.request import (
     compile_stop_regex,
 )
 from gyre_engine.server.sampling import RowLogprobs, SamplerState, sample, validate_params
+from gyre_engine.server.slot_prefill import SlotPrefill
 from gyre_engine.server.slots import SlotBatch, compile_fn
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ prefill is kept for one of them, or the idle long slots are: `_admit_waiting`)."
 @dataclass
 class _Partial:
     """A request in chunked prefill: `cache` covers `ctx[:pos]`; `cached` of those came from the prefix cache.
-    `cache` is a DynamicCache, or the long slots' batch, whose slot `row` the prefill writes into."""
+    `cache` is a DynamicCache, or the long slots' batch, whose slot `row` the prefill writes into, or for
+    a row of a packed pass the cached prefix itself (a `RowKV`)."""
 
     r: Running
     ctx: list[int]
@@ -202,6 +204,11 @@ class Engine:
         too little free memory, the prefix cache's copies on the device go to the host tier (or are
         dropped) and it tries again; failing that, long requests wait and it tries again later, while
         the other requests run on."""
+        prefill_graph_tokens: int = 256
+        """With full-width decode slots (`slot_widths = "full"`): prefix-cached calls whose rests come to
+        at most this many new tokens together (up to 8 calls) are prefilled straight into free decode
+        slots in one pass, replayed as a CUDA graph per token bucket (32, 64, ... up to this; captured at
+        warm-up) rather than launched kernel by kernel (`slot_prefill.py`). 0: off."""
         prefill_share: float = 0.4
         """While other requests decode, a chunked prefill (a long or prefix-cached prompt whose uncached
         rest does not fit `prefill_chunk`, that many tokens per chunk; a rest that fits is prefilled at
@@ -247,6 +254,11 @@ class Engine:
                 for name, t in self._tensors().items():
                     self._host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.slots = self._make_slots()
+        self.slot_prefill = (
+            SlotPrefill(self.slots, self.config.prefill_graph_tokens)
+            if self.slots is not None and self.slots.full_width and self.config.prefill_graph_tokens > 0
+            else None
+        )
         self.lanes = Lanes(self.device, slots=self.slots)
         if self.config.long_context_tokens > 0 and self.slots is None:
             log.warning("long slots off: they decode as slots do, and decode slots are off here")
@@ -339,6 +351,8 @@ class Engine:
         if self.slots is not None and self.slots.use_graphs and not self.lanes.requests():
             with torch.inference_mode():
                 self.slots.warmup(max_tokens, self._run_lengths())
+            if self.slot_prefill is not None:
+                self.slot_prefill.warmup()
         return time.perf_counter() - t0
 
     def _run_lengths(self) -> tuple[int, ...]:
@@ -364,6 +378,7 @@ class Engine:
             "long_prefills_at_once": self._long_at_once,
             **{f"long_{k}": v for k, v in (long.stats if long is not None else {}).items()},
             **self.slots.stats,
+            **(self.slot_prefill.stats if self.slot_prefill is not None else {}),
         }
 
     # ----------------------------------------------------------------- lifecycle and calls
@@ -605,8 +620,9 @@ class Engine:
                             chunked_ahead = long_chunked = True
                         continue
                     cache, row, pos = claim  # pos is hit.length
-                else:
-                    cache, row, pos = start_cache(self._on_device(hit.kv)), -1, hit.length
+                else:  # a packed row keeps its prefix as it is: `_prefill_packed` copies it where it runs
+                    prefix, row, pos = self._on_device(hit.kv), -1, hit.length
+                    cache = prefix if at_once and pos > 0 else start_cache(prefix)
                 admitted.append(r)
                 if pos:
                     self.prefix.used(hit)
@@ -817,12 +833,11 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill_packed(self, parts: list[_Partial], joining: list[tuple[Running, RowKV, int]]) -> None:
-        """The rests of prefix-cached prompts (each `cache` covering `ctx[:pos]`) in one packed pass; each
-        row's first token sampled from its own last logits."""
+        """The rests of prefix-cached prompts (each `cache` the cached prefix, covering `ctx[:pos]`) in one
+        packed pass, straight into free decode slots where they fit (`slot_prefill.py`); each row's first
+        token sampled from its own last logits."""
         self._stats["prefill_passes"] += 1
-        logits = prefill_packed(
-            self.model, self._cache_kw, [(p.ctx, p.pos, p.cache) for p in parts], self.device
-        )
+        logits, rows = self._packed_pass(parts)
         first = sample(
             logits,
             [p.r.sampler for p in parts],
@@ -833,9 +848,22 @@ class Engine:
             p.pos = len(p.ctx)
             self._count_prefill(p.r, len(p.ctx) - p.cached, p.cached)
             top = first.top[i] if first.top else None
-            self._started(
-                p.r, p.ctx, RowKV(*cache_layers(p.cache)), first.tokens[i], first.logprobs[i], top, joining
-            )
+            self._started(p.r, p.ctx, rows[i], first.tokens[i], first.logprobs[i], top, joining)
+
+    def _packed_pass(self, parts: list[_Partial]) -> tuple[torch.Tensor, list[RowKV]]:
+        """The packed pass of `_prefill_packed`: each row's last logits and its KV."""
+        sp = self.slot_prefill
+        if sp is not None and sp.fits([(len(p.ctx), len(p.ctx) - p.pos) for p in parts]):
+            try:
+                logits, in_slots = sp.run([(p.cache, p.ctx, p.pos) for p in parts])
+                return logits, list(in_slots)
+            except Exception:  # (the free slots it wrote into hold no row)
+                log.exception("prefill into the decode slots failed; prefilling as before from now on")
+                self.slot_prefill = None
+        caches = [start_cache(p.cache) for p in parts]
+        rows = [(p.ctx, p.pos, c) for p, c in zip(parts, caches, strict=True)]
+        logits = prefill_packed(self.model, self._cache_kw, rows, self.device)
+        return logits, [RowKV(*cache_layers(c)) for c in caches]
 
     @torch.inference_mode()
     def _prefill_group(self, group: list[Running], joining: list[tuple[Running, RowKV, int]]) -> None:

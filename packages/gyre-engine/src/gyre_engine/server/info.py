@@ -163,6 +163,7 @@ class InfoRoutes:
                 open_prefix_offers=self.xfer.open_offers,
                 prefill_time_s=round(st.prefill_time_s, 4),
                 prefill_passes=st.prefill_passes,
+                prefill_graph_passes=int(slots.get("prefill_replays", 0)),
                 decode_time_s=round(st.decode_time_s, 4),
                 graph_captures=int(slots.get("captures", 0)) + int(slots.get("long_captures", 0)),
                 graph_capture_s=round(

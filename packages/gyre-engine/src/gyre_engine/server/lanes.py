@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre_engine.server.batch import DecodeBatch, LongRowKV, RowKV
+from gyre_engine.server.batch import DecodeBatch, LongRowKV, RowKV, SlotRowKV
 from gyre_engine.server.request import Running
 from gyre_engine.server.slots import SlotBatch
 
@@ -66,14 +66,23 @@ class Lanes:
 
     def place(self, items: list[tuple[Running, RowKV, int]]) -> None:
         """Add prefilled requests (request, its KV, its next input token); one re-pad per lane touched. A
-        row prefilled in a long slot (`LongRowKV`) starts in that slot."""
+        row prefilled in a long slot (`LongRowKV`) or in a decode slot (`SlotRowKV`, placed before the rows
+        copied in) starts in that slot."""
         for r, kv, tok in items:
             if isinstance(kv, LongRowKV):
                 lane = self.long
                 assert lane is not None and isinstance(lane.batch, SlotBatch) and lane.batch.kv is kv.buf
                 lane.batch.start_row(kv.row, kv.length, tok)
                 lane.reqs.append(r)
-        items = [x for x in items if not isinstance(x[1], LongRowKV)]
+        in_slots = sorted((x for x in items if isinstance(x[1], SlotRowKV)), key=lambda x: x[1].slot)  # type: ignore[attr-defined]
+        if in_slots:
+            lane = self.slot_lane
+            assert lane is not None and isinstance(lane.batch, SlotBatch)
+            for r, kv, tok in in_slots:
+                assert isinstance(kv, SlotRowKV)
+                lane.batch.start_row(kv.slot, kv.length, tok)
+                lane.reqs.append(r)
+        items = [x for x in items if not isinstance(x[1], LongRowKV | SlotRowKV)]
         if self.slot_lane is not None:
             slots = self.slot_lane.batch
             assert isinstance(slots, SlotBatch)

@@ -305,7 +305,7 @@ class SlotBatch:
         self._graphs.clear()
         self._pool = None
 
-    def _capture_stream(self) -> Any:
+    def capture_stream(self) -> Any:
         """The side stream every warm-up and capture runs on (one for the slots' life)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
@@ -343,26 +343,38 @@ class SlotBatch:
             raise RuntimeError("no free decode slot")
         self._ensure_capacity(max(kv.length for kv, _ in rows) + 1)
         for kv, tok in rows:
-            i, n = len(self.lengths), kv.length
-            self.kv[0, :, i, :, :n].copy_(torch.cat(kv.keys, dim=0))
-            self.kv[1, :, i, :, :n].copy_(torch.cat(kv.values, dim=0))
-            self.lengths.append(n)
+            i = len(self.lengths)
+            self.write_slot(i, kv)
+            self.lengths.append(kv.length)
             self.next_tokens.append(tok)
             self.slot_of.append(i)
+
+    @torch.inference_mode()
+    def write_slot(self, slot: int, kv: RowKV) -> None:
+        """Copy `kv` into the first columns of slot `slot` (one copy of all layers for keys and one for
+        values); the slot must not hold a running row."""
+        n = kv.length
+        if n:
+            self.kv[0, :, slot, :, :n].copy_(torch.cat(kv.keys, dim=0))
+            self.kv[1, :, slot, :, :n].copy_(torch.cat(kv.values, dim=0))
 
     def row_buffer(self, slot: int) -> torch.Tensor:
         """Slot `slot` of the buffer as a one-row buffer `[2, layers, 1, kv_heads, capacity, head_dim]`
         (a view: what a long prefill writes into)."""
         return self.kv[:, :, slot : slot + 1]
 
+    @torch.inference_mode()
     def start_row(self, slot: int, length: int, next_token: int) -> None:
-        """Add a row whose KV was written into slot `slot` in place (a long slot's prefill)."""
-        if not self.dedicated:
-            raise RuntimeError("start_row is for the long slots")
-        if not 0 <= slot < self.slots or slot in self.slot_of:
-            raise RuntimeError(f"slot {slot} is not a free long slot")
+        """Add a row whose KV was written into slot `slot` in place (a long slot's prefill, or a packed
+        prefill into free decode slots: `slot_prefill.py`). Decode slots stay compact: a row prefilled
+        past the first free slot (one prefilled before it finished at once) moves down into it."""
+        if not 0 <= slot < self.slots or slot in self.slot_of or (not self.dedicated and slot < len(self)):
+            raise RuntimeError(f"slot {slot} is not a free slot")
         if not 0 < length < self.capacity:
             raise ValueError(f"a row of {length} tokens does not fit a slot of {self.capacity}")
+        if not self.dedicated and slot != len(self):
+            self.kv[:, :, len(self), :, :length].copy_(self.kv[:, :, slot, :, :length])
+            slot = len(self)
         self.lengths.append(length)
         self.next_tokens.append(next_token)
         self.slot_of.append(slot)
@@ -550,7 +562,7 @@ class SlotBatch:
         # here before (its graph dropped by a release of the weights or a grown buffer) needs one eager
         # step, not two runs of `steps`: on a GPU shared with a trainer that was most of a capture's time.
         runs, run_steps = (1, 1) if key in self._warmed and not self.compile_model else (2, steps)
-        stream = self._capture_stream()
+        stream = self.capture_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # the step's own KV writes are recomputed identically by the replay
             try:
