@@ -124,9 +124,10 @@ def test_sglang_and_gyre_engines_report_their_load(engines: tuple[JsonServer, Js
                              "prefill_tokens": 46, "prefill_s": None, "evicted_tokens": None,
                              "host_spilled_tokens": None, "host_hit_tokens": None, "step_s": None,
                              "command_s": None, "waiting_s": None, "graph_captures": None,
-                             "graph_capture_s": None, "prefill_passes": None, "waiting": 0}  # fmt: skip
+                             "graph_capture_s": None, "prefill_passes": None, "prefill_graph_passes": None,
+                             "waiting": 0}  # fmt: skip
     assert seen[4][2][1] == {"decode_steps": 11, "decode_tokens": 11, "decode_s": 0.0, "prefill_tokens": 100,
                              "prefill_s": 0.0, "evicted_tokens": 0, "host_spilled_tokens": 0,
                              "host_hit_tokens": 0, "step_s": 0.0, "command_s": 0.0, "waiting_s": None,
                              "graph_captures": 0, "graph_capture_s": 0.0, "prefill_passes": 0,
-                             "waiting": 0}  # fmt: skip
+                             "prefill_graph_passes": 0, "waiting": 0}  # fmt: skip

@@ -197,7 +197,8 @@ def test_engine_time_by_hand() -> None:
                 "waiting_s": None if pre is None else {"long_slot": 0.1 * steps, "rows": 0.05 * steps},
                 "graph_captures": None if pre is None else steps // 10,
                 "graph_capture_s": None if pre is None else 0.5 * (steps // 10),
-                "prefill_passes": None if pre is None else pre_tok // 100}  # fmt: skip
+                "prefill_passes": None if pre is None else pre_tok // 100,
+                "prefill_graph_passes": None if pre is None else pre_tok // 200}  # fmt: skip
 
     e0 = [c(0, 0, 0.0, 0, 0.0, 2), c(10, 80, 0.2, 1000, 0.1, 2), c(20, 160, 0.4, 1000, 0.1, 0),
           c(30, 240, 0.6, 3000, 0.3, 0), c(5, 40, 0.1, 0, 0.0, 0)]  # fmt: skip
@@ -223,6 +224,7 @@ def test_engine_time_by_hand() -> None:
         "prefill_tok_s": 10000.0,
         "prefill_passes": 30,  # a pass per 100 prefilled tokens
         "prefill_ms_per_pass": 10.0,  # 0.3 s over 30 passes
+        "prefill_graph_passes": 15,  # of those, one per 200 prefilled tokens
         "mean_waiting": 1.0,  # 2 queued in the first two of four seconds
         "evicted_tokens": 350,
         "host_spilled_tokens": 140,
@@ -244,6 +246,7 @@ def test_engine_time_by_hand() -> None:
         and got["1"]["graph_captures"] is None
         and got["1"]["prefill_passes"] is None
         and got["1"]["prefill_ms_per_pass"] is None
+        and got["1"]["prefill_graph_passes"] is None
         and got["1"]["idle_s"] is None  # a server that does not time its thread (SGLang)
         and got["1"]["waiting_by_reason"] is None
     )
