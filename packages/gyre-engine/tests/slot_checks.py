@@ -218,6 +218,17 @@ def agent_calls(engine: Engine) -> tuple[dict[str, list[int]], dict[str, Any], d
     return {**first, **then}, before, engine.slot_stats()
 
 
+def slot_prefill_config(tokens: int, decode_slots: str, slot_max_len: int) -> Engine.Config:
+    """The engine `check_agent_calls_with_and_without_slot_prefill` compares: four whole-width slots."""
+    return Engine.Config(
+        max_running_requests=4,
+        decode_slots=decode_slots,
+        slot_widths="full",
+        slot_max_len=slot_max_len,
+        prefill_graph_tokens=tokens,
+    )
+
+
 def check_agent_calls_with_and_without_slot_prefill(make: Callable[[int], Engine]) -> list[dict[str, Any]]:
     """`agent_calls` on an engine from `make(prefill_graph_tokens)` with slot prefills (64 tokens) and
     without (0): the same tokens for every call. Returns the two engines' (before, after) slot stats."""

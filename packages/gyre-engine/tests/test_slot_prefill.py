@@ -186,13 +186,7 @@ def test_an_engine_serves_agent_calls_through_it_as_without_it(model_dir: Path) 
     and the next calls ran as one pass into the slots."""
 
     def make(tokens: int) -> Engine:
-        cfg = Engine.Config(
-            max_running_requests=4,
-            decode_slots="eager",
-            slot_widths="full",
-            slot_max_len=128,
-            prefill_graph_tokens=tokens,
-        )
+        cfg = slot_checks.slot_prefill_config(tokens, "eager", 128)
         return load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=cfg))
 
     with_it, without = slot_checks.check_agent_calls_with_and_without_slot_prefill(make)

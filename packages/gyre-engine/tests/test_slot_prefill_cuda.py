@@ -62,13 +62,7 @@ def test_graphed_passes_equal_the_packed_prefill_on_a_gpu(model_dir: Path) -> No
 
 def test_an_engine_serves_agent_calls_through_the_graphs_as_without_them(model_dir: Path) -> None:
     def make(tokens: int) -> Engine:
-        cfg = Engine.Config(
-            max_running_requests=4,
-            decode_slots="graphs",
-            slot_widths="full",
-            slot_max_len=512,
-            prefill_graph_tokens=tokens,
-        )
+        cfg = slot_checks.slot_prefill_config(tokens, "graphs", 512)
         e = load_engine(ServeConfig(model=str(model_dir), device="cuda", dtype="float32", engine=cfg))
         e.call(e.warmup_decode, 512).result(300)
         return e
