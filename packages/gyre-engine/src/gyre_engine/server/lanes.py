@@ -74,12 +74,11 @@ class Lanes:
                 assert lane is not None and isinstance(lane.batch, SlotBatch) and lane.batch.kv is kv.buf
                 lane.batch.start_row(kv.row, kv.length, tok)
                 lane.reqs.append(r)
-        in_slots = sorted((x for x in items if isinstance(x[1], SlotRowKV)), key=lambda x: x[1].slot)  # type: ignore[attr-defined]
+        in_slots = [(kv.slot, r, kv, tok) for r, kv, tok in items if isinstance(kv, SlotRowKV)]
         if in_slots:
             lane = self.slot_lane
             assert lane is not None and isinstance(lane.batch, SlotBatch)
-            for r, kv, tok in in_slots:
-                assert isinstance(kv, SlotRowKV)
+            for _, r, kv, tok in sorted(in_slots, key=lambda x: x[0]):
                 lane.batch.start_row(kv.slot, kv.length, tok)
                 lane.reqs.append(r)
         items = [x for x in items if not isinstance(x[1], LongRowKV | SlotRowKV)]
