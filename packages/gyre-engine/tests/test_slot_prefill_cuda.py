@@ -51,7 +51,9 @@ def test_graphed_passes_equal_the_packed_prefill_on_a_gpu(model_dir: Path) -> No
                 [(kv, ctx, c) for kv, ctx, (c, _) in zip(prefixes, ctxs, shapes, strict=True)]
             )
         for g, w, cache, row in zip(got, want, caches, in_slots, strict=True):
-            assert float((g.float() - w.float()).abs().max()) < 0.1
+            # another attention kernel, another order of bf16 sums: 0.125 was seen on one H100 (one
+            # rounding of a logit between 16 and 32)
+            assert float((g.float() - w.float()).abs().max()) < 0.25
             assert int(g.argmax()) == int(w.argmax())
             ref = RowKV(*cache_layers(cache))
             assert row.length == ref.length
