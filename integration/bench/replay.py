@@ -137,15 +137,38 @@ async def serve_again(
                 cond.notify_all()
 
     async with EngineClient(url, timeout_s=900.0) as client:
+        before = await client.server_info()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(max(1, concurrency))))
         wall = time.perf_counter() - t0
+        after = await client.server_info()
     return {
         "calls": len(calls),
         "concurrency": concurrency,
         "wall_s": round(wall, 3),
         "output_tokens": sum(c.output_len for c in calls),
         "prefix_cache_hit_share": round(cached[0] / cached[1], 4) if cached[1] else None,
+        "engine": engine_work(before, after),
+    }
+
+
+def engine_work(before: Any, after: Any) -> dict[str, Any]:
+    """What a standalone engine did between two `/server_info` replies, in the keys of the run's
+    `engine_time` (decode steps and rows a step, prefill passes and their milliseconds), so the replay and
+    the run can be read side by side."""
+    steps = after.decode_steps - before.decode_steps
+    passes = after.prefill_passes - before.prefill_passes
+    decode_s = after.decode_time_s - before.decode_time_s
+    prefill_s = after.prefill_time_s - before.prefill_time_s
+    return {
+        "decode_s": round(decode_s, 3),
+        "prefill_s": round(prefill_s, 3),
+        "decode_steps": steps,
+        "decode_ms_per_step": round(1000 * decode_s / steps, 3) if steps else None,
+        "mean_decode_batch": round((after.decode_tokens - before.decode_tokens) / steps, 2) if steps else None,
+        "prefill_passes": passes,
+        "prefill_graph_passes": after.prefill_graph_passes - before.prefill_graph_passes,
+        "prefill_ms_per_pass": round(1000 * prefill_s / passes, 2) if passes else None,
     }
 
 

@@ -47,6 +47,14 @@ def test_each_run_engines_calls_are_served_again_with_their_lengths_and_concurre
         # each execution's calls extend the one before, served in order: the prefix cache finds them
         assert r["prefix_cache_hit_share"] > 0.3
         assert 0 < r["wall_s"] <= got["standalone_s"]
+        # the standalone engine's own counters over its replay: every output token decoded but each
+        # call's first (sampled at prefill), in steps of at most the concurrency's rows (the CPU decodes
+        # in lanes, a step at a time: no run of steps goes past a call's end)
+        w = r["engine"]
+        assert w["decode_steps"] > 0 and 1.0 <= w["mean_decode_batch"] <= r["concurrency"]
+        decoded = w["decode_steps"] * w["mean_decode_batch"]
+        assert decoded == pytest.approx(r["output_tokens"] - r["calls"], abs=w["decode_steps"] * 0.01)
+        assert w["prefill_passes"] > 0 and w["prefill_graph_passes"] == 0  # the CPU has no graphs
     # held to the seconds with any call in flight on either engine, from the records ...
     _, in_flight = replay.concurrency_of(calls)
     assert got["calls_in_flight_s"] == round(in_flight, 3)
