@@ -165,7 +165,9 @@ def engine_work(before: Any, after: Any) -> dict[str, Any]:
         "prefill_s": round(prefill_s, 3),
         "decode_steps": steps,
         "decode_ms_per_step": round(1000 * decode_s / steps, 3) if steps else None,
-        "mean_decode_batch": round((after.decode_tokens - before.decode_tokens) / steps, 2) if steps else None,
+        "mean_decode_batch": round((after.decode_tokens - before.decode_tokens) / steps, 2)
+        if steps
+        else None,
         "prefill_passes": passes,
         "prefill_graph_passes": after.prefill_graph_passes - before.prefill_graph_passes,
         "prefill_ms_per_pass": round(1000 * prefill_s / passes, 2) if passes else None,
