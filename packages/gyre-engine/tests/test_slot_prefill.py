@@ -192,3 +192,9 @@ def test_an_engine_serves_agent_calls_through_it_as_without_it(model_dir: Path) 
     with_it, without = slot_checks.check_agent_calls_with_and_without_slot_prefill(make)
     assert with_it["after"]["prefill_eager"] - with_it["before"]["prefill_eager"] == 1, with_it
     assert "prefill_eager" not in without["after"]
+
+
+def test_a_negative_token_bound_is_refused(model_dir: Path) -> None:
+    cfg = Engine.Config(prefill_graph_tokens=-1)
+    with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0"):
+        load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=cfg))

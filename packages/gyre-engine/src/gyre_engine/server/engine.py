@@ -307,6 +307,8 @@ class Engine:
             raise ValueError(f"decode_slots must be auto, graphs, eager or off, not {mode!r}")
         if not 0.0 < self.config.prefill_share <= 1.0:
             raise ValueError(f"prefill_share must be in (0, 1], not {self.config.prefill_share}")
+        if self.config.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, not {self.config.prefill_graph_tokens}")
         if self.config.slot_widths not in ("bucketed", "full"):
             raise ValueError(f"slot_widths must be bucketed or full, not {self.config.slot_widths!r}")
         cuda = self.device.type == "cuda"
