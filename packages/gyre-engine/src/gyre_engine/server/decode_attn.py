@@ -28,7 +28,8 @@ buffer. That replaces the stack and indexed write per layer the step used to run
 is opaque to torch.compile (it declares that it mutates the buffer, so the write stays in place) and
 capturable in a CUDA graph; off CUDA, or without Triton, it computes the same with torch ops (what the
 CPU tests run), and `tests/test_decode_attn.py` checks the Triton kernels on the CPU through Triton's
-interpreter.
+interpreter. The same kernel with its query rows mapped to slots (several rows reading one slot) is the
+attention of a short prefill replayed as a graph, `gyre::slot_prefill_attention` (`slot_prefill.py`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ An agent's next call extends its cached context by tens to hundreds of tokens. P
 by one from Python, each layer's keys and values concatenated onto the caches, the result copied into a
 decode slot), a pass of about 100 tokens took 53-130 ms on a GPU shared with a trainer and a second
 engine (integration's `bench/h200_run.py` on `examples/h200-shared.toml`), where a decode step, one graph
-replay, took 2.4 ms: the host launches kernels slower than the shared GPU runs them, and each gap is
-the GPU's to give to another process.
+replay, took 2.4 ms: the host launches the kernels slower than the GPU runs them (27 ms for one call of
+32 tokens with the GPU to itself, on one H100: `bench/prefill_beside.py`).
 
 Here the rows' prefixes are copied into free decode slots (`SlotBatch.write_slot`), and one forward pass
 over the rows' new tokens, packed into one sequence and padded to a token bucket, runs as a captured
@@ -24,6 +24,11 @@ prefilled as before. It needs full-width decode slots (the buffer never moves wh
 are kept while the weights and the buffer keep their addresses (`Engine.Config.keep_graphs`) and
 captured again once after they moved. Without CUDA graphs (the CPU, `decode_slots = "eager"`) the same
 pass runs eagerly, which is how its arithmetic is tested against `prefill_packed`.
+
+Measured on one H100 (`bench/prefill_beside.py`): 4.3-9.9 ms a pass of one to eight calls alone against
+27-133 ms eagerly, 13-23 ms beside a process that keeps the GPU busy; in the two cells of
+`examples/h200-shared.toml` 18-28 ms a pass against 52-64 ms. The attention reads a call's slot once per
+new token, cheap while the slot stays in the GPU's L2; larger passes stay eager.
 """
 
 from __future__ import annotations
