@@ -198,3 +198,25 @@ def test_a_negative_token_bound_is_refused(model_dir: Path) -> None:
     cfg = Engine.Config(prefill_graph_tokens=-1)
     with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0"):
         load_engine(ServeConfig(model=str(model_dir), device="cpu", engine=cfg))
+
+
+def test_the_slots_count_every_time_their_graphs_go(hf_model: Any) -> None:
+    """What the graphed passes go by (`SlotBatch.graph_epoch`): it moves when the buffer is freed without
+    kept addresses and when a parameter moved, and not for a weight check that found nothing moved."""
+    slots = SlotBatch(hf_model, slots=2, max_len=32, use_graphs=False, full_width=True)
+    slots.allocate()
+    e0 = slots.graph_epoch
+    slots.check_weights()  # the first check records the weights' addresses
+    e1 = slots.graph_epoch
+    slots.check_weights()
+    assert slots.graph_epoch == e1 >= e0
+    slots.release()
+    assert slots.graph_epoch == e1 + 1
+    p = next(hf_model.parameters())
+    old = p.data
+    try:
+        p.data = old.clone()  # a parameter at another address, as after a release of the weights
+        slots.check_weights()
+        assert slots.graph_epoch == e1 + 2
+    finally:
+        p.data = old

@@ -116,7 +116,9 @@ class SlotPrefill:
         self.mask = torch.ones((1, 1, 1, 1), device=dev)  # handed through to the attention untouched
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
-        self._fp: tuple[int, ...] = ()
+        self._epoch = slots.graph_epoch
+        """The slots' `graph_epoch` the graphs were captured in: the slots drop theirs whenever the
+        buffer or the weights move, and these go with them."""
         self.stats = {
             "prefill_captures": 0,
             "prefill_capture_s": 0.0,
@@ -202,10 +204,9 @@ class SlotPrefill:
         if not self.slots.use_graphs:
             self.stats["prefill_eager"] += 1
             return self._forward(t)
-        fp = (self.slots.kv.data_ptr(), *(p.data_ptr() for p in self.slots.model.parameters()))
-        if fp != self._fp:  # the buffer or the weights moved: graphs hold their addresses
+        if self._epoch != self.slots.graph_epoch:  # the buffer or the weights moved: graphs hold addresses
             self._graphs.clear()
-            self._pool, self._fp = None, fp
+            self._pool, self._epoch = None, self.slots.graph_epoch
         got = self._graphs.get(t)
         if got is None:
             got = self._capture(t)

@@ -190,6 +190,10 @@ class SlotBatch:
         self.kv = torch.zeros(0, device=self.device)
         self._graphs: dict[tuple[int, int, int, bool], tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
+        self.graph_epoch = 0
+        """Counts the times the graphs were dropped (the buffer or the weights moved, or a capture
+        failed): graphs captured elsewhere over this buffer and these weights (`slot_prefill.py`) are
+        valid while it stays what it was at their capture."""
         self._stream: Any = None
         self._warmed: set[tuple[int, int, int, bool]] = set()
         """Step shapes (graph keys) that ran here since the forward was built: their graphs, dropped by a
@@ -304,6 +308,7 @@ class SlotBatch:
     def drop_graphs(self) -> None:
         self._graphs.clear()
         self._pool = None
+        self.graph_epoch += 1
 
     def capture_stream(self) -> Any:
         """The side stream every warm-up and capture runs on (one for the slots' life)."""
