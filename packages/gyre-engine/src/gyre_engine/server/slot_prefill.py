@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from gyre_engine.server import decode_attn  # noqa: F401  (registers gyre::slot_prefill_attention)
-from gyre_engine.server.batch import RowKV, SlotRowKV
+from gyre_engine.server.batch import RowKV, SlotRowKV, buffer_row
 from gyre_engine.server.long_kv import attention_as
 from gyre_engine.server.slots import SlotBatch, SlotCache
 
@@ -165,20 +165,8 @@ class SlotPrefill:
         self.io[:, :t].copy_(host)
         self.last.copy_(keep)
         logits = self._pass(t)
-        out = [
-            SlotRowKV(
-                [
-                    slots.kv[0, layer, first + i : first + i + 1, :, : len(ctx)]
-                    for layer in range(slots.layers)
-                ],
-                [
-                    slots.kv[1, layer, first + i : first + i + 1, :, : len(ctx)]
-                    for layer in range(slots.layers)
-                ],
-                first + i,
-            )
-            for i, (_, ctx, _) in enumerate(rows)
-        ]
+        views = [buffer_row(slots.kv, len(ctx), first + i) for i, (_, ctx, _) in enumerate(rows)]
+        out = [SlotRowKV(v.keys, v.values, first + i) for i, v in enumerate(views)]
         return logits[: len(rows)], out
 
     def _forward(self, t: int) -> torch.Tensor:
