@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from gyre_engine.client import EngineClient, EngineError, _error_from, stream_error
+from gyre_engine.client import EngineClient, EngineError, error_from, stream_error
 from gyre_engine.protocol import SAMPLING_KEYS, GenerateResponse, Loads, ModelInfo, ServerInfo
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
@@ -45,7 +45,7 @@ def test_every_recorded_generate_reply_decodes(fx: dict[str, Any]) -> None:
         return
     raw = msgspec.json.encode(fx["body"])
     if fx["status"] >= 400:
-        err = _error_from(fx["status"], raw)
+        err = error_from(fx["status"], raw)
         assert err.status == fx["status"] and err.message and not err.retryable
         return
     if "events" in fx:
@@ -78,7 +78,7 @@ def test_key_and_routing_errors_read_as_sglang_sends_them(name: str, message: st
     """SGLang's 401 (`{"error": "Unauthorized"}`), FastAPI's 404/405 (`{"detail": ...}`) and validation
     error (`{"object": "error", "message"}`) each become an EngineError with the message itself."""
     fx = fixture(name)
-    err = _error_from(fx["status"], msgspec.json.encode(fx["body"]))
+    err = error_from(fx["status"], msgspec.json.encode(fx["body"]))
     assert err.status == fx["status"] and message in err.message and not err.retryable
     assert not err.message.startswith("{")
 

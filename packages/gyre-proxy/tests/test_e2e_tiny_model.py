@@ -220,6 +220,41 @@ def test_a_drained_call_exports_its_kv_before_the_drain_is_confirmed(
         httpx.post(f"{urls[0]}/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
 
 
+def test_a_call_routed_to_an_engine_that_just_released_its_memory_goes_on_elsewhere(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """In `gyre run` a call can be routed to an engine in the moment before its drain: the cell then
+    releases the engine's memory and the call's request meets a 409 `EngineUnavailable`, marked
+    retryable (seen on a GPU run, where the harness got a 400 and its execution failed). The call goes
+    on on the other engine, and its record is whole."""
+    urls, model = tiny_engines.urls, tiny_engines.model
+    r = httpx.post(f"{urls[0]}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    r.raise_for_status()
+    request.addfinalizer(
+        lambda: httpx.post(f"{urls[0]}/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+    )
+    refused = httpx.post(f"{urls[0]}/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=30)
+    err = refused.json()["error"]
+    assert (refused.status_code, err["type"], err["retryable"]) == (409, "EngineUnavailable", True)
+    ps = make_proxy(urls, tokenizer=str(model))
+    assert ps.proxy.pool is not None
+    ps.proxy.pool.affinity["released-1"] = 0  # the proxy still takes engine 0 for a live one
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    out = client.messages.create(
+        model="tiny",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "tally"}],
+        extra_headers={"x-gyre-execution": "released-1"},
+        extra_body={"temperature": 0.0},
+    )
+    assert out.usage.output_tokens >= 1
+    stats = httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()
+    assert stats["engine_errors"] == 1
+    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
+    assert rec.output_ids.size == out.usage.output_tokens and rec.output_logprobs.size == rec.output_ids.size
+
+
 def test_top_logprobs_from_a_real_engine(tiny_engines: TinyEngines, make_proxy: Any, request: Any) -> None:
     """OpenAI `top_logprobs` asks gyre-engine for `top_logprobs_num`: each sampled token comes with that
     many alternatives, its own logprob among them when it is one of the most likely."""

@@ -84,8 +84,8 @@ class EngineError(RuntimeError):
         """The body's error `type` where it has one (gyre-engine's and SGLang's refusals), else ""."""
 
 
-def _error_from(status: int, body: bytes) -> EngineError:
-    """SGLang's error bodies: `{"error": "text"}` (schema errors; a missing or wrong key: 401
+def error_from(status: int, body: bytes) -> EngineError:
+    """The error of an HTTP error reply with this status and body. SGLang's error bodies: `{"error": "text"}` (schema errors; a missing or wrong key: 401
     "Unauthorized"), `{"error": {"message", ...}}` (a refused request), `{"object": "error", "message",
     "code"}` (FastAPI validation), `{"detail": "Not Found"}` (an unknown path or method), `{"success":
     false, "message"}` (control calls), or plain text. Retryable: the body's `retryable`, else 5xx and
@@ -114,7 +114,7 @@ def stream_error(data: bytes) -> EngineError | None:
     except (msgspec.DecodeError, AttributeError):
         return EngineError(502, data.decode(errors="replace"), True)
     code = err.get("code") if isinstance(err, dict) else None
-    return _error_from(code if isinstance(code, int) and code >= 400 else 500, data)
+    return error_from(code if isinstance(code, int) and code >= 400 else 500, data)
 
 
 def encode_safetensors_payload(tensors: Mapping[str, Any]) -> str:
@@ -197,13 +197,13 @@ class EngineClient:
             kw["timeout"] = timeout
         r = await self._http.post(path, **kw)
         if r.status_code >= 400:
-            raise _error_from(r.status_code, r.content)
+            raise error_from(r.status_code, r.content)
         return r
 
     async def _get(self, path: str, timeout: float | None = None) -> httpx.Response:
         r = await self._http.get(path, timeout=timeout) if timeout is not None else await self._http.get(path)
         if r.status_code >= 400:
-            raise _error_from(r.status_code, r.content)
+            raise error_from(r.status_code, r.content)
         return r
 
     @staticmethod
@@ -268,7 +268,7 @@ class EngineClient:
         )
         async with self._http.stream("POST", "/generate", content=_enc.encode(body)) as r:
             if r.status_code >= 400:
-                raise _error_from(r.status_code, await r.aread())
+                raise error_from(r.status_code, await r.aread())
             async for data in data_fields(r.aiter_bytes()):  # not aiter_lines: see sse.py
                 if data == b"[DONE]":
                     return
@@ -290,7 +290,7 @@ class EngineClient:
     async def _abort_post(self, body: AbortRequest, timeout: float) -> None:
         r = await self._abort.post("/abort_request", content=_enc.encode(body), timeout=timeout)
         if r.status_code >= 400:
-            raise _error_from(r.status_code, r.content)
+            raise error_from(r.status_code, r.content)
 
     async def pause(self, mode: PauseMode = "abort") -> StatusReply:
         r = await self._post("/pause_generation", PauseRequest(mode))
@@ -491,7 +491,7 @@ class EngineClient:
         if r.status_code == 404:
             return None
         if r.status_code >= 400:
-            raise _error_from(r.status_code, r.content)
+            raise error_from(r.status_code, r.content)
         return KV_PREFIX_DECODER.decode(r.content)
 
     async def import_prefix(self, rec: KvPrefix, timeout: float | None = None) -> SuccessReply:
@@ -504,7 +504,7 @@ class EngineClient:
             **kw,
         )
         if r.status_code >= 400:
-            raise _error_from(r.status_code, r.content)
+            raise error_from(r.status_code, r.content)
         return msgspec.json.decode(r.content, type=SuccessReply)
 
     # ----------------------------------------------------------------- gyre-engine over gyre-xfer
@@ -555,7 +555,7 @@ class EngineClient:
         if r.status_code == 404:
             return None
         if r.status_code >= 400:
-            raise _error_from(r.status_code, r.content)
+            raise error_from(r.status_code, r.content)
         return msgspec.json.decode(r.content, type=PrefixOffer)
 
     async def import_prefix_xfer(self, offer: PrefixOffer, *, timeout_s: float = 30.0) -> PrefixImportReply:

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import msgspec
 import numpy as np
-from gyre_engine.client import EngineError
+from gyre_engine.client import EngineError, error_from, stream_error
 from gyre_engine.protocol import GenerateResponse
 from gyre_engine.sse import data_fields
 
@@ -213,18 +213,18 @@ class Generation:
             carried = await self._take_out(moving[0], self.input_ids.tolist())
         for attempt in range(self.max_attempts):
             eng = await self.pool.wait_pick(self.execution, self.pick_wait_s, exclude)
-            if prev is not None:
-                await self._put_in(carried, eng)
-                carried = None
-            elif carried is not None:  # rebalanced: only the taken-out prefix would be prefilled again
-                await self._put_in(carried, eng, of=carried.tokens)
-                carried = None
             work = int(self.input_ids.size) + self.sampling.max_new_tokens
             attempt_rid = self.rid if attempt == 0 else f"{self.rid}.{attempt}"
+            # in flight from here: a drain of `eng` waits for the prefix being put in, not only the stream
             f = self.pool.begin(eng, attempt_rid, self.execution, work)
             self.result.engines.append(eng.engine_id)
             t0 = time.perf_counter()
             try:
+                if prev is not None:
+                    await self._put_in(carried, eng)
+                elif carried is not None:  # rebalanced: only the taken-out prefix would be prefilled again
+                    await self._put_in(carried, eng, of=carried.tokens)
+                carried = None
                 async for new in self._attempt(eng, f, attempt_rid):
                     yield new
                 return
@@ -371,15 +371,14 @@ class Generation:
         try:
             async with self.http.stream(f"{eng.url}/generate", body, headers) as r:
                 connected.set()
-                if r.status_code >= 400:
-                    err = (await r.aread()).decode(errors="replace")
-                    await q.put(EngineError(r.status_code, err, r.status_code >= 500))
+                if r.status_code >= 400:  # retryable as the body says (a released engine's 409 is)
+                    await q.put(error_from(r.status_code, await r.aread()))
                     return
                 async for data in data_fields(r.aiter_bytes()):  # not aiter_lines: see gyre_engine.sse
                     if data == b"[DONE]":
                         continue  # read to the end so the connection goes back to the pool
-                    if data.startswith(b'{"error"'):
-                        await q.put(EngineError(500, data.decode(errors="replace"), True))
+                    if (err := stream_error(data)) is not None:
+                        await q.put(err)
                         return
                     await q.put(_chunk_dec.decode(data))
             await q.put(None)
