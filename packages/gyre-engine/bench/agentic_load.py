@@ -14,7 +14,8 @@ Qwen3-0.6B shape with random weights in bfloat16.
 
 Per setting of `--max-running` and of the decode attention's bound on the tiles a program walks
 (`--max-tiles`, `decode_attn.MAX_CHUNK_TILES`; 0: none) and of the engine's fused RMS norms
-(`--fuse-norms 0,1`), its `slot_kv_fraction` scaled with
+(`--fuse-norms 0,1`) and of its rotary embedding as one kernel (`--fuse-rotary 0,1`), its
+`slot_kv_fraction` scaled with
 `max_running` so that every slot keeps 12.3k tokens, after `--warm-s` of load, over `--measure-s`: calls finished, output tokens/s, each call's
 latency (submit to last token) and wait for its first token (medians, 90th percentiles), and the engine's
 counters (seconds in steps, decode and prefill; decode steps and rows a step; prefill tokens computed and
@@ -23,8 +24,9 @@ many seconds at the end of each setting's measurement: the GPU's kernel seconds 
 wall seconds (how much of the time the GPU computed), the top kernels and the top host ops; with
 `--python-s`, the engine thread's Python functions under cProfile for that long after it.
 
-On CUDA it first checks the fused RMS norm's kernel against transformers' forward in bfloat16
-(`norm_check`). `--sweep 0,4,8` times the decode attention alone at each bound (`attention_sweep`).
+On CUDA it first checks the fused RMS norm's and the rotary embedding's kernels against transformers'
+functions in bfloat16 (`norm_check`, `rotary_check`, the latter with both timed at a decode step's
+shape). `--sweep 0,4,8` times the decode attention alone at each bound (`attention_sweep`).
 
     PYTHONPATH=packages/gyre-engine/src python packages/gyre-engine/bench/agentic_load.py \
         --max-running 16 --fuse-norms 0,1 --out results-agentic-load.json
@@ -319,7 +321,43 @@ def norm_check() -> dict[str, Any]:
     return out
 
 
-def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int, fuse: bool) -> dict[str, Any]:
+def rotary_check() -> dict[str, Any]:
+    """The rotary kernel against transformers' `apply_rotary_pos_emb` in bfloat16 on this GPU, on the
+    Qwen3-0.6B heads (16 query, 8 key heads of 128) laid out as the attention hands them over: whether
+    the outputs are equal bit for bit, and each one's time a layer (median of 200, CUDA events) at a
+    decode step's 8 and 64 rows and a prefill's 4,608 tokens."""
+    from gyre_engine.server.rotary import triton_rotary
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as theirs
+
+    theirs = getattr(theirs, "gyre_original", theirs)  # transformers' own, were it replaced already
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict[str, Any] = {}
+    for b, t in ((8, 1), (64, 1), (1, 4608)):
+        q = (3 * torch.randn(b, t, 16, 128, device="cuda", generator=g)).bfloat16().transpose(1, 2)
+        k = (3 * torch.randn(b, t, 8, 128, device="cuda", generator=g)).bfloat16().transpose(1, 2)
+        pos = torch.arange(t, device="cuda") + 1000.0
+        freq = 1e6 ** (-torch.arange(0, 128, 2, device="cuda") / 128)
+        ang = torch.cat([pos[:, None] * freq[None, :]] * 2, dim=-1)[None].expand(b, t, 128)
+        cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+        got, want = triton_rotary(q, k, cos, sin), theirs(q, k, cos, sin)
+        times = {}
+        for name, fn in (("kernel", triton_rotary), ("transformers", theirs)):
+            ms = []
+            for _ in range(200):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn(q, k, cos, sin)
+                e1.record()
+                e1.synchronize()
+                ms.append(e0.elapsed_time(e1))
+            times[f"{name}_us"] = round(1000 * statistics.median(ms), 1)
+        out[f"{b}x{t}"] = {"equal": all(torch.equal(x, y) for x, y in zip(got, want, strict=True)), **times}
+    return out
+
+
+def one_setting(
+    model: Any, a: argparse.Namespace, rows: int, cap: int, fuse: bool, rotary: bool
+) -> dict[str, Any]:
     from gyre_engine.server import decode_attn
     from gyre_engine.server.engine import Engine
 
@@ -341,6 +379,7 @@ def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int, fuse: bo
         slot_max_len=768 if tiny else None,
         decode_slots="auto" if torch.cuda.is_available() else "eager",
         fuse_norms=fuse,
+        fuse_rotary=rotary,
     )
     t0 = time.perf_counter()
     engine = Engine(model, None, cfg)
@@ -381,6 +420,7 @@ def one_setting(model: Any, a: argparse.Namespace, rows: int, cap: int, fuse: bo
         "max_running": rows,
         "attention_max_tiles": cap,
         "fuse_norms": fuse,
+        "fuse_rotary": rotary,
         "slot_kv_fraction": round(cfg.slot_kv_fraction, 3),
         "startup_s": round(startup, 2),
         "window_s": round(wall, 2),
@@ -420,6 +460,7 @@ def main() -> None:
     p.add_argument("--profile-s", type=float, default=0.0)
     p.add_argument("--max-tiles", default="0", help="decode attention's MAX_CHUNK_TILES, comma list")
     p.add_argument("--fuse-norms", default="1", help="the engine's fuse_norms, comma list of 0/1")
+    p.add_argument("--fuse-rotary", default="1", help="the engine's fuse_rotary, comma list of 0/1")
     p.add_argument("--sweep", default="", help="time the decode attention alone at these MAX_CHUNK_TILES")
     p.add_argument("--python-s", type=float, default=0.0, help="cProfile the engine thread this long")
     p.add_argument("--seed", type=int, default=0)
@@ -448,16 +489,23 @@ def main() -> None:
     if cuda:
         out["norm_check"] = norm_check()
         print(json.dumps(out["norm_check"]), flush=True)
-    # every setting without fused norms first: an engine that fuses them changes the forward of the
-    # model's norm modules, which every later engine on the same model keeps
+        out["rotary_check"] = rotary_check()
+        print(json.dumps(out["rotary_check"]), flush=True)
+    # every setting without fused norms first, and without the fused rotary embedding: an engine that
+    # fuses them changes the forward of the model's norm modules and the rotary function of its modeling
+    # file, which every later engine in this process keeps (so only one of the two can be compared)
+    norms, rotaries = sorted(set(a.fuse_norms.split(","))), sorted(set(a.fuse_rotary.split(",")))
+    if len(norms) > 1 and len(rotaries) > 1:
+        p.error("compare --fuse-norms or --fuse-rotary in one run, not both")
     settings = [
-        (int(r), int(c), f == "1")
-        for f in sorted(a.fuse_norms.split(","))
+        (int(r), int(c), f == "1", o == "1")
+        for f in norms
+        for o in rotaries
         for r in a.max_running.split(",")
         for c in a.max_tiles.split(",")
     ]
-    for rows, cap, fuse in settings:
-        r = one_setting(model, a, rows, cap, fuse)
+    for rows, cap, fuse, rotary in settings:
+        r = one_setting(model, a, rows, cap, fuse, rotary)
         print(json.dumps({k: v for k, v in r.items() if k not in ("profile", "slots", "python")}), flush=True)
         out["settings"].append(r)
         if a.out is not None:

@@ -11,7 +11,7 @@ for a slot is prefilled chunk by chunk into a long slot of its own and decodes t
 in one step (`long_kv.py`); while
 other requests decode, a chunked prefill gets at most `prefill_share` of the engine's time. Each layer's
 q/k/v and gate/up projections run as one GEMM each (`fused.py`), and on CUDA each RMS norm as one kernel
-(`norms.py`).
+(`norms.py`) and each layer's rotary embedding of its queries and keys as one (`rotary.py`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ from gyre_engine.server.request import (
     as_stop_list,
     compile_stop_regex,
 )
+from gyre_engine.server.rotary import available as rotary_available
+from gyre_engine.server.rotary import fuse_rotary
 from gyre_engine.server.sampling import RowLogprobs, SamplerState, sample, validate_params
 from gyre_engine.server.slot_prefill import SlotPrefill
 from gyre_engine.server.slots import SlotBatch, compile_fn
@@ -176,6 +178,9 @@ class Engine:
         fuse_norms: bool = True
         """Run each RMS norm of the model as one Triton kernel where Triton runs (`norms.py`; CUDA), not
         transformers' seven."""
+        fuse_rotary: bool = True
+        """Run each layer's rotary embedding of its queries and keys as one Triton kernel where Triton
+        runs (`rotary.py`; CUDA), not transformers' ten; the same values, bit for bit in bf16."""
         keep_graphs: bool = True
         """On CUDA with the driver's virtual memory management: keep the weights and the whole-width slot
         buffers (`slot_widths = "full"`, the long slots) at fixed device addresses (`vmem.py`), so that
@@ -242,6 +247,8 @@ class Engine:
         self.fused = FusedProjections(self.model) if self.config.fuse_projections else None
         if self.config.fuse_norms and norms_available(self.device):
             fuse_rms_norms(self.model)
+        if self.config.fuse_rotary and rotary_available(self.device):
+            fuse_rotary(self.model)
         self._keep = self.config.keep_graphs and vmem.supported(self.device)
         self.kept: vmem.KeptWeights | None = None
         """The weights at fixed device addresses (`keep_graphs`), moved there before any graph is captured."""
