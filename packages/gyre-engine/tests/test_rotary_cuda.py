@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from gyre_engine.server import rotary as rot  # noqa: E402
 from gyre_engine.server.rotary import triton_rotary  # noqa: E402
 from gyre_engine.server.serve import ServeConfig, load_engine  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
@@ -54,8 +55,17 @@ def test_an_engine_with_the_kernel_serves_what_one_without_serves(
             e.shutdown()
 
     monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", THEIRS)
+    calls = [0]
+    op = rot.rotary
+
+    def counted(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls[0] += 1
+        return op(*args)
+
+    monkeypatch.setattr(rot, "rotary", counted)
     plain = greedy(False)
-    assert modeling_qwen3.apply_rotary_pos_emb is THEIRS
+    assert modeling_qwen3.apply_rotary_pos_emb is THEIRS and calls[0] == 0
     fused = greedy(True)
     assert getattr(modeling_qwen3.apply_rotary_pos_emb, "gyre_original", None) is THEIRS
+    assert calls[0] > 0, "this transformers' attention does not call its modeling file's function"
     assert fused == plain
