@@ -19,11 +19,11 @@ from gyre_engine.server.norms import (  # noqa: E402
     reference_rms_norm,
     rms_norm,
 )
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
 from interpret import interpret  # noqa: E402
+from tiny_models import tiny_qwen3  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -43,20 +43,11 @@ def test_reference_is_transformers_forward(rows: int, cols: int, dtype: torch.dt
     assert torch.equal(rms_norm(x, m.weight, eps), m(x))  # off Triton the op is the reference
 
 
-def _tiny_qwen3() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
-    return Qwen3ForCausalLM(cfg).eval()
-
-
 def test_fused_modules_keep_their_parameters_and_output() -> None:
     """Every Qwen3RMSNorm (2 a layer, query and key norms, the final one) is replaced, still an instance
     of its class, with the same state_dict, and the model's logits are unchanged (the reference runs
     here)."""
-    model = _tiny_qwen3()
+    model = tiny_qwen3()
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         want = model(ids).logits

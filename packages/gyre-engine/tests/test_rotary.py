@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 from gyre_engine.server import rotary as rot  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers (tests run with --import-mode=importlib)
 from interpret import interpret  # noqa: E402
+from tiny_models import tiny_qwen3  # noqa: E402
 
 THEIRS = getattr(modeling_qwen3.apply_rotary_pos_emb, "gyre_original", modeling_qwen3.apply_rotary_pos_emb)
 
@@ -57,19 +57,10 @@ def modeling(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return modeling_qwen3
 
 
-def _tiny_qwen3() -> Any:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
-    return Qwen3ForCausalLM(cfg).eval()
-
-
 def test_fuse_replaces_the_modeling_files_function_once_and_changes_no_output(
     modeling: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = _tiny_qwen3()
+    model = tiny_qwen3()
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         want = model(ids).logits
@@ -91,7 +82,7 @@ def test_fuse_replaces_the_modeling_files_function_once_and_changes_no_output(
 def test_the_replacement_falls_back_for_other_calls(
     modeling: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rot.fuse_rotary(_tiny_qwen3())
+    rot.fuse_rotary(tiny_qwen3())
     calls: list[str] = []
     monkeypatch.setattr(rot, "rotary", lambda *a: calls.append("kernel") or rot.reference_rotary(*a))
     monkeypatch.setattr(rot, "available", lambda device: True)
