@@ -104,6 +104,26 @@ def test_the_replacement_falls_back_for_other_calls(
         assert calls == (["kernel"] if usual else [])
 
 
+def test_a_kernel_that_fails_leaves_transformers_function_for_good(
+    modeling: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rot.fuse_rotary(tiny_qwen3())
+    calls: list[str] = []
+
+    def broken(*a: Any) -> Any:
+        calls.append("kernel")
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(rot, "rotary", broken)
+    monkeypatch.setattr(rot, "available", lambda device: True)
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    for _ in range(3):
+        got = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        assert all(torch.equal(x, y) for x, y in zip(got, THEIRS(q, k, cos, sin), strict=True))
+    assert calls == ["kernel"]  # tried once
+
+
 def test_a_function_that_is_not_the_formula_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     file = types.ModuleType("gyre_test_modeling_other")
 

@@ -187,20 +187,28 @@ def _fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def fused(original: Callable[..., Any]) -> Callable[..., Any]:
     """What `fuse_rotary` puts in place of a modeling file's `apply_rotary_pos_emb` (`original`): the
     kernel for the usual call (no more arguments, or `unsqueeze_dim=1`) where it runs and nothing needs a
-    gradient, else `original`."""
+    gradient, else `original`; after the kernel once raised (a Triton that cannot build it for this GPU),
+    `original` always, with the error logged."""
+
+    failed: list[BaseException] = []
 
     def apply_rotary_pos_emb(
         q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
         if (
-            not args
+            not failed
+            and not args
             and kwargs.get("unsqueeze_dim", 1) == 1
             and set(kwargs) <= {"unsqueeze_dim"}
             and available(q.device)
             and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, cos, sin)))
             and _fits(q, k, cos, sin)
         ):
-            return rotary(q, k, cos, sin)
+            try:
+                return rotary(q, k, cos, sin)
+            except Exception as exc:  # the kernel did not build or launch here: transformers' from now on
+                failed.append(exc)
+                log.error("the rotary kernel failed (%r); transformers' function from now on", exc)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.gyre_original = original  # type: ignore[attr-defined]
