@@ -460,7 +460,7 @@ def main() -> None:
     p.add_argument("--profile-s", type=float, default=0.0)
     p.add_argument("--max-tiles", default="0", help="decode attention's MAX_CHUNK_TILES, comma list")
     p.add_argument("--fuse-norms", default="1", help="the engine's fuse_norms, comma list of 0/1")
-    p.add_argument("--fuse-rotary", default="1", help="the engine's fuse_rotary, comma list of 0/1")
+    p.add_argument("--fuse-rotary", default="0", help="the engine's fuse_rotary, comma list of 0/1")
     p.add_argument("--sweep", default="", help="time the decode attention alone at these MAX_CHUNK_TILES")
     p.add_argument("--python-s", type=float, default=0.0, help="cProfile the engine thread this long")
     p.add_argument("--seed", type=int, default=0)

@@ -11,7 +11,8 @@ for a slot is prefilled chunk by chunk into a long slot of its own and decodes t
 in one step (`long_kv.py`); while
 other requests decode, a chunked prefill gets at most `prefill_share` of the engine's time. Each layer's
 q/k/v and gate/up projections run as one GEMM each (`fused.py`), and on CUDA each RMS norm as one kernel
-(`norms.py`) and each layer's rotary embedding of its queries and keys as one (`rotary.py`).
+(`norms.py`); with `fuse_rotary`, each layer's rotary embedding of its queries and keys as one
+(`rotary.py`).
 """
 
 from __future__ import annotations
@@ -178,9 +179,10 @@ class Engine:
         fuse_norms: bool = True
         """Run each RMS norm of the model as one Triton kernel where Triton runs (`norms.py`; CUDA), not
         transformers' seven."""
-        fuse_rotary: bool = True
+        fuse_rotary: bool = False
         """Run each layer's rotary embedding of its queries and keys as one Triton kernel where Triton
-        runs (`rotary.py`; CUDA), not transformers' ten; the same values, bit for bit in bf16."""
+        runs (`rotary.py`; CUDA), not transformers' ten; the same values, bit for bit in bf16. Off until
+        its CUDA test has run on a GPU (its arithmetic is checked in Triton's interpreter)."""
         keep_graphs: bool = True
         """On CUDA with the driver's virtual memory management: keep the weights and the whole-width slot
         buffers (`slot_widths = "full"`, the long slots) at fixed device addresses (`vmem.py`), so that

@@ -4,14 +4,15 @@ a negation and a concatenation for `rotate_half`, a product with the sines, a su
 
 Why: after the fused RMS norms (`norms.py`) a decode step of the Qwen3-0.6B shape still launches about
 860 kernels, most of them elementwise kernels of a few rows that cost the GPU a few microseconds each
-whatever their size; the rotary embedding is about 280 of them (ten a layer). One kernel a layer removes
-about 250.
+whatever their size; the rotary embedding is about 280 of them (ten a layer). One kernel a layer would
+remove about 250 (counted from transformers' code; the kernel's speed is not measured yet).
 
 The kernel computes what transformers computes, rounding where it rounds: each product (x * cos,
 rotate_half(x) * sin) is rounded to the output's dtype, then their sum is. In bfloat16 and float16 (the
-engine's dtypes on a GPU) the result equals transformers' bit for bit; in float32 the compiler may fuse
-a product and the sum (one rounding fewer). The sampled tokens' log-probabilities the trainer recomputes
-are therefore unchanged by it.
+engine's dtypes on a GPU) the result is then transformers' bit for bit (checked in Triton's interpreter
+in float16 and float32; its bfloat16 differs there only because the interpreter rounds bfloat16 its own
+way), so the sampled tokens' log-probabilities the trainer recomputes do not move; in float32 on a GPU
+the compiler may fuse a product and the sum (one rounding fewer).
 
 How it is installed: the model's attention modules call the module-level `apply_rotary_pos_emb` of their
 modeling file (`transformers.models.qwen3.modeling_qwen3`, ...). `fuse_rotary` replaces that function in
@@ -20,7 +21,8 @@ function computes the formula here. The replacement runs the kernel only where i
 thing (CUDA or Triton's interpreter, no input that needs a gradient, the usual call) and the original
 function otherwise, so the replacement is process-wide but changes no result: a model trained in the
 same process still gets transformers' function (its inputs need gradients). The engine installs it with
-`Engine.Config.fuse_rotary`.
+`Engine.Config.fuse_rotary`, off until the kernel's CUDA test (`tests/test_rotary_cuda.py`) has run on a
+GPU: no GPU machine could be had in the session that wrote it.
 """
 
 from __future__ import annotations
