@@ -85,8 +85,7 @@ class EngineError(RuntimeError):
 
 
 def error_from(status: int, body: bytes) -> EngineError:
-    """The error of an HTTP error reply with this status and body (also what gyre-proxy raises for an
-    engine's reply). SGLang's error bodies: `{"error": "text"}` (schema errors; a missing or wrong key:
+    """The error of an HTTP error reply with this status and body. SGLang's error bodies: `{"error": "text"}` (schema errors; a missing or wrong key:
     401 "Unauthorized"), `{"error": {"message", ...}}` (a refused request), `{"object": "error",
     "message", "code"}` (FastAPI validation), `{"detail": "Not Found"}` (an unknown path or method),
     `{"success": false, "message"}` (control calls), or plain text. Retryable: the body's `retryable`,
