@@ -85,11 +85,11 @@ class EngineError(RuntimeError):
 
 
 def error_from(status: int, body: bytes) -> EngineError:
-    """The error of an HTTP error reply with this status and body. SGLang's error bodies: `{"error": "text"}` (schema errors; a missing or wrong key:
-    401 "Unauthorized"), `{"error": {"message", ...}}` (a refused request), `{"object": "error",
-    "message", "code"}` (FastAPI validation), `{"detail": "Not Found"}` (an unknown path or method),
-    `{"success": false, "message"}` (control calls), or plain text. Retryable: the body's `retryable`,
-    else 5xx and 409."""
+    """The error of an HTTP error reply with this status and body. SGLang's error bodies: `{"error":
+    "text"}` (schema errors; a missing or wrong key: 401 "Unauthorized"), `{"error": {"message", ...}}`
+    (a refused request), `{"object": "error", "message", "code"}` (FastAPI validation), `{"detail": "Not
+    Found"}` (an unknown path or method), `{"success": false, "message"}` (control calls), or plain text.
+    Retryable: the body's `retryable`, else 5xx and 409."""
     default_retry = status >= 500 or status == 409
     try:
         obj = msgspec.json.decode(body)
