@@ -281,7 +281,8 @@ def triton_decode_attention(
 
 
 def triton_available(device: torch.device) -> bool:
-    """Whether the decode attention runs the Triton kernels for tensors on `device`."""
+    """Whether gyre's Triton kernels (decode attention, RMS norm, rotary embedding) run for tensors on
+    `device`: CUDA, or the CPU under Triton's interpreter (TRITON_INTERPRET=1, as the tests run them)."""
     if triton is None:
         return False
     if device.type == "cuda":

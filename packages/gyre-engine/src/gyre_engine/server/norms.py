@@ -21,11 +21,12 @@ formula; others (Gemma's `1 + weight`, for one) keep theirs.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
+
+from gyre_engine.server.decode_attn import triton_available as available
 
 try:  # Triton comes with torch's CUDA builds
     import triton
@@ -69,13 +70,6 @@ if triton is not None:
         h = (x * inv[:, None]).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + c, mask=c < cols, other=0.0).to(tl.float32)
         tl.store(Y + r[:, None] * cols + c[None, :], (h * w[None, :]).to(Y.dtype.element_ty), mask=m)
-
-
-def available(device: torch.device) -> bool:
-    """Whether the op runs the Triton kernel for tensors on `device`."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

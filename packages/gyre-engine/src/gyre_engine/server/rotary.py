@@ -28,13 +28,14 @@ GPU: no GPU machine could be had in the session that wrote it.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from gyre_engine.server.decode_attn import triton_available as available
 
 try:  # Triton comes with torch's CUDA builds
     import triton
@@ -112,13 +113,6 @@ if triton is not None:
             K, KO, b * sk_b + t * sk_t, b * sko_b + t * sko_t, sk_h, sko_h, HK, c1, c2, s1, s2,
             HALF=HALF, BH=BH, BD=BD,
         )  # fmt: skip
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernel runs for tensors on `device`."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def triton_rotary(
