@@ -46,8 +46,9 @@ from typing import Any
 import replay
 from gyre.config.runconfig import Config, load_config
 from gyre.measure import floors
-from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.procs.group import ProcessGroup, python_argv
 from gyre.system import gpus
+from gyre_base.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE.parent / "examples" / "h200-shared.toml"

@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from gyre.config.runconfig import Config
-from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.procs.group import ProcessGroup, python_argv
 from gyre.system import gpus
+from gyre_base.ports import free_port
 
 
 @dataclass(order=True)

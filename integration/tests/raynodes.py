@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.procs.group import free_port
+from gyre_base.ports import free_port
 from gyre_base.testing import env_without_token
 
 _NODE_IDS = textwrap.dedent(

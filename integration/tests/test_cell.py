@@ -116,7 +116,8 @@ def test_sigterm_while_the_engine_starts_stops_the_cell(tmp_path: Path) -> None:
     import os
     import signal
 
-    from gyre.procs.group import free_port, python_argv
+    from gyre.procs.group import python_argv
+    from gyre_base.ports import free_port
     from gyre_engine.server.model_factory import create_model
 
     model_dir = str(create_model(tmp_path / "model"))
@@ -161,7 +162,7 @@ def test_an_engine_up_when_the_start_up_time_is_spent_is_taken(tmp_path: Path) -
 
     from gyre.cell.args import CellArgs
     from gyre.cell.cell import Cell
-    from gyre.procs.group import free_port
+    from gyre_base.ports import free_port
     from gyre_engine.client import EngineClient
     from gyre_engine.server.model_factory import create_model
 

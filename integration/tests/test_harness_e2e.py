@@ -22,6 +22,8 @@ from gyre_traj.records import Call
 from gyre_traj.select import SelectionConfig, select
 from gyre_traj.tree import Forest
 
+from .runcheck import assert_no_fault
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -103,7 +105,7 @@ def _check_trained_once(m: dict[str, Any], out: Path, steps: int, j_max: int) ->
             assert s["loss_tokens"] == s["output_tokens_recorded"]
         assert set(s["leaves_by_role"]) == set(s["trained_executions"])
     assert {r.execution_id for r in records} <= {o["execution_id"] for o in m["outcomes"]}
-    assert m["attempts"] == 1 and m["survival"]["events"] == []  # no fault: no new attempt, no restart
+    assert_no_fault(m, out)
     assert _processes_mentioning(str(out)) == []
     return records
 

@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.procs.group import ProcessGroup, python_argv
 from gyre.rollout.agents.agent import Execution, run_execution
 from gyre.rollout.tasks.qa import make_task
+from gyre_base.ports import free_port
 from gyre_traj.io import read_records
 from gyre_traj.pack import PackConfig, PackItem, pack
 from gyre_traj.records import Call, Score

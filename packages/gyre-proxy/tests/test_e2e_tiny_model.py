@@ -255,6 +255,44 @@ def test_a_call_routed_to_an_engine_that_just_released_its_memory_goes_on_elsewh
     assert rec.output_ids.size == out.usage.output_tokens and rec.output_logprobs.size == rec.output_ids.size
 
 
+def test_a_call_to_a_lone_engine_with_its_memory_released_waits_for_it(
+    tiny_engines: TinyEngines, make_proxy: Any, request: Any
+) -> None:
+    """With one engine and its memory released (the moment between a cell's release and the proxy's
+    drain), the call's attempts back off instead of spending themselves on 409s in milliseconds: the
+    memory comes back a second later and the call completes (it got a 529 before)."""
+    urls, model = tiny_engines.urls, tiny_engines.model
+    httpx.post(
+        f"{urls[0]}/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30
+    ).raise_for_status()
+    resumed = threading.Timer(
+        1.0,
+        lambda: httpx.post(f"{urls[0]}/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30),
+    )
+    request.addfinalizer(
+        lambda: (
+            resumed.cancel(),
+            httpx.post(f"{urls[0]}/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30),
+        )
+    )
+    ps = make_proxy(urls[:1], tokenizer=str(model))
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    resumed.start()
+    out = client.messages.create(
+        model="tiny",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "tally"}],
+        extra_headers={"x-gyre-execution": "lone-1"},
+        extra_body={"temperature": 0.0},
+    )
+    assert out.usage.output_tokens >= 1
+    stats = httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()
+    assert 1 <= stats["engine_errors"] < 8
+    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
+    assert rec.output_ids.size == out.usage.output_tokens
+
+
 def test_top_logprobs_from_a_real_engine(tiny_engines: TinyEngines, make_proxy: Any, request: Any) -> None:
     """OpenAI `top_logprobs` asks gyre-engine for `top_logprobs_num`: each sampled token comes with that
     many alternatives, its own logprob among them when it is one of the most likely."""

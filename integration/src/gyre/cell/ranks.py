@@ -14,8 +14,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from gyre_base.ports import free_port
+
 from gyre.cell.args import CellArgs
-from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.procs.group import ProcessGroup, python_argv
 
 if TYPE_CHECKING:
     from gyre_train.cell import Cell, ParallelConfig

@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,13 +35,6 @@ def die_with_parent() -> None:
     between fork and exec)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the child binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tail(path: Path, n: int = 20) -> str:

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from gyre_base.ports import free_port
 
 from gyre.config.runconfig import Config, ConfigError
-from gyre.procs.group import ProcessGroup, free_port, python_argv
+from gyre.procs.group import ProcessGroup, python_argv
 from gyre.rollout.evalset import EVALS, append_result, eval_set_of, evaluate_at
 from gyre.system import gpus
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -47,10 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from gyre_base import ports
 from gyre_base.token import TOKEN_ENV, new_token, resolve_token
 
 from gyre.config.runconfig import RunSection
-from gyre.procs.group import ChildDied, ProcessGroup, free_port
+from gyre.procs.group import ChildDied, ProcessGroup
 
 LOOPBACK = "127.0.0.1"
 _THIS_PYTHON = "{python}"
@@ -150,7 +150,7 @@ class LocalLauncher(ProcessGroup):
         return LOOPBACK
 
     def free_port(self, name: str) -> int:
-        return free_port()
+        return ports.free_port(LOOPBACK)
 
 
 def launcher_for(run: RunSection, log_dir: Path, parts: list[Part], token_made: bool = True) -> Launcher:
@@ -176,9 +176,7 @@ class Host:
         return str(ray.get_runtime_context().get_node_id()), str(ray.util.get_node_ip_address())
 
     def free_port(self, host: str) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return int(s.getsockname()[1])
+        return ports.free_port(host)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> int:
         argv = [sys.executable if a == _THIS_PYTHON else a for a in argv]

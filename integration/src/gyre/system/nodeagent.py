@@ -23,13 +23,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_base.ports import free_port, free_ports
 from gyre_base.token import TOKEN_ENV, resolve_token
 
 from gyre.procs.group import ChildDied, ProcessGroup, tail
@@ -51,17 +51,6 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def _free_ports(host: str, n: int) -> list[int]:
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class NodeAgent:
     """`gyre node`: one node's processes, as the first node's `gyre run` asks (module docstring)."""
 
@@ -80,7 +69,7 @@ class NodeAgent:
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stop", True))
-        ports = _free_ports(self.host, PORTS)
+        ports = free_ports(self.host, PORTS)
         _write(self.dir / f"{self.node_id}.json", {"host": self.host, "ports": ports, "pid": os.getpid()})
         try:
             while not self._stop and not (self.dir / "stop").exists():
@@ -185,7 +174,7 @@ class NodeLauncher:
     def free_port(self, name: str) -> int:
         node = self._node(name)
         if node is None:
-            return _free_ports(self.host(name), 1)[0]
+            return free_port(self.host(name))
         if not node.ports:
             raise NodeError(f"node {node.node_id} has no announced port left for {name}")
         return node.ports.pop(0)

@@ -10,13 +10,13 @@ import asyncio
 import ipaddress
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from gyre_base import ports
 from gyre_base.token import TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -60,11 +60,9 @@ async def until_async(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at `host` right now (the OS's pick; another process may take it
-    before the caller binds, which on a test machine it does not)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free at `host` for a server the test starts next (`ports.free_port`: outside the range
+    the kernel hands other sockets meanwhile)."""
+    return ports.free_port(host)
 
 
 def non_loopback_host() -> str | None:

@@ -118,7 +118,7 @@ class EnginePool:
         self.on_drained = on_drained
         self.retry_s = retry_s
         self.retry_max_s = retry_max_s
-        self.changed = asyncio.Event()  # set whenever an engine is added (callers waiting for capacity)
+        self.changed = asyncio.Event()  # set whenever an engine is added, revived or drained
         self.moved_calls = 0
         self.aborts_sent = 0  # engine requests aborted because their caller went away
         self._tasks: set[asyncio.Task[None]] = set()
@@ -152,6 +152,7 @@ class EnginePool:
             eng.state = EngineState.DRAINING
             log.info("engine %d draining (%d in flight)", engine_id, len(eng.in_flight))
             self._drop_affinity(engine_id)
+            self._wake()  # a call waiting to try this engine again picks another, or waits for one
             self._spawn(self._drain(eng))
 
     def remove(self, engine_id: int, failed: bool = False) -> None:
@@ -292,6 +293,15 @@ class EnginePool:
                     raise
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), min(left, 0.05))
+
+    async def wait_for_another(self, exclude: frozenset[int], wait_s: float) -> None:
+        """Wait up to `wait_s` while every engine taking requests is in `exclude` (engines that just
+        refused a call as unavailable): return at once if another takes requests, early if one is added,
+        revived or leaves meanwhile."""
+        if any(e.engine_id not in exclude for e in self.active()) or wait_s <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), wait_s)
 
     def abort_soon(self, eng: Engine, rid: str, timeout_s: float) -> asyncio.Future[None]:
         """Tell `eng` to stop `rid`: the abort is a task of its own, so a caller cancelled meanwhile still

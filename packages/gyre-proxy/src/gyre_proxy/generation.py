@@ -141,6 +141,15 @@ class _NoAnswer(httpx.TransportError):
     more to the same engine on another connection."""
 
 
+REFUSED_WAIT_S = 0.1
+REFUSED_WAIT_MAX_S = 2.0
+"""After an engine failed a call or refused it as unavailable (a 409 while its memory is released), the
+next attempt goes at once to another engine taking requests; where there is none but engines already
+tried, it waits first: 0.1 s, doubling to at most 2 s, or until the pool changes (an engine added,
+revived or drained). So a lone engine caught between its release and its drain is not spent through
+every attempt in milliseconds: its drain comes, and the call waits for an engine as any other would."""
+
+
 _MOVE = object()
 """Put in an attempt's queue when its call is told to move (a drain, a removal)."""
 
@@ -207,12 +216,14 @@ class Generation:
         fresh: set[int] = set()  # engines this call already tried again on a new connection
         prev: Engine | None = None
         carried: kvmove.Carried | None = None
+        refused = 0  # attempts that an engine failed or refused as unavailable
         moving = self.pool.rebalance(self.execution)
         if moving is not None:
             self.counters.rebalanced_calls += 1
             carried = await self._take_out(moving[0], self.input_ids.tolist())
         for attempt in range(self.max_attempts):
             eng = await self.pool.wait_pick(self.execution, self.pick_wait_s, exclude)
+            wait_s = 0.0
             work = int(self.input_ids.size) + self.sampling.max_new_tokens
             attempt_rid = self.rid if attempt == 0 else f"{self.rid}.{attempt}"
             # in flight from here: a drain of `eng` waits for the prefix being put in, not only the stream
@@ -260,6 +271,8 @@ class Generation:
                     "call %s: engine %d failed (%s); continuing elsewhere", self.rid, eng.engine_id, exc
                 )
                 exclude = exclude | {eng.engine_id}
+                refused += 1
+                wait_s = min(REFUSED_WAIT_MAX_S, REFUSED_WAIT_S * 2 ** (refused - 1))
             finally:
                 self.result.engine_s += time.perf_counter() - t0
                 self.pool.end(eng, f)
@@ -267,6 +280,8 @@ class Generation:
             if len(self.result.output_ids) >= self.sampling.max_new_tokens:
                 self.result.finish = "length"
                 return
+            if wait_s:  # before the same engines again where no other takes requests (a drain may be on)
+                await self.pool.wait_for_another(exclude, wait_s)
         raise GenerationFailed(f"call {self.rid} did not complete after {self.max_attempts} engine attempts")
 
     async def _attempt(self, eng: Engine, f: InFlight, attempt_rid: str) -> AsyncIterator[list[int]]:

@@ -20,21 +20,16 @@ import importlib
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
+
+from gyre_base.ports import free_port
 
 PRELOAD = {
     "torch": ("torch",),
     "megatron": ("torch", "gyre_train.megatron"),
     "transformers": ("torch", "transformers"),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_rank(rank: int, nproc: int, port: int, module: str | None, argv: list[str]) -> int:
