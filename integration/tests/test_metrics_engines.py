@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import msgspec
 import pytest
 import uvicorn
 from gyre.measure.metrics import engine_activity
+from gyre_base.ports import free_port
 from gyre_engine.client import EngineClient
 from gyre_engine.protocol import ServerInfo
 from starlette.applications import Starlette
@@ -50,9 +50,7 @@ class JsonServer:
                 return Response(b'{"detail": "Not Found"}', 404, media_type="application/json")
             return Response(msgspec.json.encode(body), media_type="application/json")
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         app = Starlette(routes=[Route("/{path:path}", reply)])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

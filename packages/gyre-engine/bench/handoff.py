@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+from gyre_base.ports import free_port
 from gyre_engine.client import EngineClient, handoff_prefix
 from gyre_engine.protocol import SamplingParams
 
@@ -29,9 +29,7 @@ ONE = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 def start(model: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(model), "--port", str(port)]
     proc = subprocess.Popen(
         [*cmd, "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ)

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 
 import httpx
 import torch
+from gyre_base.ports import free_port
 from gyre_engine.client import EngineClient, handoff_prefix
 from gyre_engine.protocol import OfferPrefixRequest, SamplingParams
 from gyre_engine.server.batch import RowKV
@@ -95,9 +95,7 @@ def stages(context: int, reps: int, block_tokens: int) -> dict[str, Any]:
 
 
 def start(model: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "gyre_engine", "serve", "--model", str(model), "--port", str(port)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(

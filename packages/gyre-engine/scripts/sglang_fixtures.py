@@ -397,11 +397,9 @@ def _tiny_model(out: Path) -> str:
 
 
 def _free_port() -> int:
-    import socket
+    from gyre_base.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,13 +22,8 @@ from pathlib import Path
 
 import httpx
 import torch
+from gyre_base.ports import free_port
 from gyre_train.engine_sync import SGLangSyncConfig, SGLangWeightSync
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(model_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -83,11 +83,9 @@ def make_tokenizer(out_dir: Path) -> Tokenizer:
 
 class Server:
     def __init__(self, app: Any) -> None:
-        import socket
+        from gyre_base.ports import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(
             app,
