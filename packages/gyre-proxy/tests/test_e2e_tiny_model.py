@@ -220,6 +220,25 @@ def test_a_drained_call_exports_its_kv_before_the_drain_is_confirmed(
         httpx.post(f"{urls[0]}/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
 
 
+def _tally(ps: Any, execution: str, request: Any) -> tuple[int, Call]:
+    """One greedy Anthropic call of `execution` through the proxy `ps`: the proxy's engine errors so far and
+    the call's record, which holds what the client got."""
+    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
+    request.addfinalizer(client.close)
+    out = client.messages.create(
+        model="tiny",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "tally"}],
+        extra_headers={"x-gyre-execution": execution},
+        extra_body={"temperature": 0.0},
+    )
+    assert out.usage.output_tokens >= 1
+    stats = httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()
+    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
+    assert rec.execution_id == execution and rec.output_ids.size == out.usage.output_tokens
+    return int(stats["engine_errors"]), rec
+
+
 def test_a_call_routed_to_an_engine_that_just_released_its_memory_goes_on_elsewhere(
     tiny_engines: TinyEngines, make_proxy: Any, request: Any
 ) -> None:
@@ -239,20 +258,9 @@ def test_a_call_routed_to_an_engine_that_just_released_its_memory_goes_on_elsewh
     ps = make_proxy(urls, tokenizer=str(model))
     assert ps.proxy.pool is not None
     ps.proxy.pool.affinity["released-1"] = 0  # the proxy still takes engine 0 for a live one
-    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
-    request.addfinalizer(client.close)
-    out = client.messages.create(
-        model="tiny",
-        max_tokens=8,
-        messages=[{"role": "user", "content": "tally"}],
-        extra_headers={"x-gyre-execution": "released-1"},
-        extra_body={"temperature": 0.0},
-    )
-    assert out.usage.output_tokens >= 1
-    stats = httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()
-    assert stats["engine_errors"] == 1
-    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
-    assert rec.output_ids.size == out.usage.output_tokens and rec.output_logprobs.size == rec.output_ids.size
+    errors, rec = _tally(ps, "released-1", request)
+    assert errors == 1
+    assert rec.output_logprobs.size == rec.output_ids.size
 
 
 def test_a_call_to_a_lone_engine_with_its_memory_released_waits_for_it(
@@ -276,21 +284,9 @@ def test_a_call_to_a_lone_engine_with_its_memory_released_waits_for_it(
         )
     )
     ps = make_proxy(urls[:1], tokenizer=str(model))
-    client = anthropic.Anthropic(base_url=ps.url, api_key="k", max_retries=0)
-    request.addfinalizer(client.close)
     resumed.start()
-    out = client.messages.create(
-        model="tiny",
-        max_tokens=8,
-        messages=[{"role": "user", "content": "tally"}],
-        extra_headers={"x-gyre-execution": "lone-1"},
-        extra_body={"temperature": 0.0},
-    )
-    assert out.usage.output_tokens >= 1
-    stats = httpx.get(f"{ps.url}/gyre/stats", timeout=10).json()
-    assert 1 <= stats["engine_errors"] < 8
-    rec = [c for c in read_records(ps.log_path) if isinstance(c, Call)][-1]
-    assert rec.output_ids.size == out.usage.output_tokens
+    errors, _ = _tally(ps, "lone-1", request)
+    assert 1 <= errors < 8
 
 
 def test_top_logprobs_from_a_real_engine(tiny_engines: TinyEngines, make_proxy: Any, request: Any) -> None:
