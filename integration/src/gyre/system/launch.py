@@ -3,7 +3,8 @@
 
 A launcher knows the parts of a run by name before any starts (the scheduler, the proxy, each cell with
 its GPU count). `host(name)` is the address of the node the part runs on, which its listeners bind and
-its peers dial; `free_port(name)` a port free there a moment ago; `start(name, argv, env)` starts the
+its peers dial; `free_port(name)` a port free there now, below the kernel's ephemeral range (gyre-base's
+`ports`: the kernel hands it to no other socket before the part binds it); `start(name, argv, env)` starts the
 part's process on that node with its output in `log_dir/<name>.log`; `check()` raises `ChildDied`, naming
 the part and the tail of its log, once any started process has exited; `close()` stops them all. `local`
 is a `ProcessGroup` on this machine for one-off helpers (creating the model). `token` is the run token
