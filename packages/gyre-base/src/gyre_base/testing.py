@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from gyre_base import ports
+from gyre_base.ports import free_port  # tests import it from here too
 from gyre_base.token import TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -57,12 +57,6 @@ async def until_async(
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         await asyncio.sleep(poll_s)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free at `host` for a server the test starts next (`ports.free_port`: outside the range
-    the kernel hands other sockets meanwhile)."""
-    return ports.free_port(host)
 
 
 def non_loopback_host() -> str | None:
