@@ -22,7 +22,7 @@ thing (CUDA or Triton's interpreter, no input that needs a gradient, the usual c
 function otherwise, so the replacement is process-wide but changes no result: a model trained in the
 same process still gets transformers' function (its inputs need gradients). The engine installs it with
 `Engine.Config.fuse_rotary`, off until the kernel's CUDA test (`tests/test_rotary_cuda.py`) has run on a
-GPU: no GPU machine could be had in the session that wrote it.
+GPU, which it has not yet.
 """
 
 from __future__ import annotations
